@@ -1,0 +1,36 @@
+"""ladder_jax: the Ladder Transformer (arXiv 2501.06589) in JAX, with explicit tensor parallelism.
+
+    from flax import nnx
+    import ladder_jax as lj
+
+    mesh = lj.make_mesh(tp=8)
+    config = lj.ModelConfig.from_preset("tiny", residual="ladder")
+    model = lj.Transformer(config, mesh=mesh, rngs=nnx.Rngs(0))
+    logits = nnx.jit(lambda m, t: m(t))(model, tokens)      # (B, T, V) float32
+"""
+
+from ladder_jax.model import (
+    PRESETS,
+    RESIDUALS,
+    ConfigError,
+    ModelConfig,
+    RopeScaling,
+    Transformer,
+    param_specs,
+    with_config,
+)
+from ladder_jax.sharding import ShardingError, compiler_options, make_mesh
+
+__all__ = [
+    "PRESETS",
+    "RESIDUALS",
+    "ConfigError",
+    "ModelConfig",
+    "RopeScaling",
+    "ShardingError",
+    "Transformer",
+    "compiler_options",
+    "make_mesh",
+    "param_specs",
+    "with_config",
+]

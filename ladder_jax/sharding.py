@@ -1,0 +1,260 @@
+"""Mesh, weight partition specs, the shard_map boundary, and the overlap-preserving reduce.
+
+Tensor parallelism here is Megatron-style and spelled out by hand: every module (attention,
+MLP) starts with column-parallel matmuls (heads N / kv heads K / MLP hidden F split over the
+`tp` mesh axis) and ends with one row-parallel matmul whose result is a *partial sum* on each
+rank. `reduce_tp` is the only place a module output is all-reduced; `tie` is how the ladder
+keeps an all-reduce in flight across the next module's matmuls. Nothing is hidden in hooks.
+
+Making the ladder's overlap real (measured on the compiled GPU schedule, see
+`ladder_jax.overlap`): writing the psum of module i before module i+1 is not enough. XLA's
+all-reduce combiner merges the two now-independent psums into one synchronous all-reduce, and
+fusion pulls `x + psum_i` forward. Two things fix it, and both are applied by the package:
+1. the model ties (`tie`) the in-flight result to the next module's output before adding it to
+   the stream, so its only consumer comes after that module's matmuls;
+2. `compiler_options("gpu")`, applied wherever the package compiles, turns the combiner off.
+
+Mesh axes: `data` (batch) x `tp` (tensor parallel). Both are `AxisType.Auto`, so arrays need
+not carry shardings before they enter the model; jit moves them.
+
+How each weight is laid out (the `WeightSpecs` table below is the single source of truth):
+
+| weight (einsum shape)    | spec              | why |
+|--------------------------|-------------------|-----|
+| q (D, N, H)              | (-, tp, -)        | column parallel over query heads |
+| k, v (D, K, H)           | (-, tp, -)        | column parallel over kv heads ... |
+|                          | (-, -, -) if K<tp | ... or replicated when there are fewer kv heads than ranks |
+| o (N, H, D)              | (tp, -, -)        | row parallel: partial sums, one psum |
+| gate, up (D, F)          | (-, tp)           | column parallel over the MLP hidden |
+| down (F, D)              | (tp, -)           | row parallel |
+| norm scales (D,)         | (-)               | tiny, replicated |
+| embed (V, D)             | (-, -)            | replicated: the lookup needs no collective |
+| head (D, V)              | (-, tp)           | vocab-parallel logits, returned sharded over V |
+
+Memory costs of the replicated pieces, per rank:
+- embed: V*D values (llama-3-70b: 128256*8192*2 B = 2.1 GB in bf16). The lookup then costs no
+  communication and the first all-reduce of the network is a module's, which keeps the ladder's
+  overlap pattern intact. With tied embeddings the head reads a V/tp slice of this same table.
+- kv heads when K < tp: every rank holds all K heads of k and v (2*D*K*H values per layer,
+  llama-3-70b at tp=16: 32 MB/layer in bf16) and uses the one its query heads belong to. Each
+  kv head is computed by tp/K ranks; its gradient is summed over them by shard_map.
+
+Gradients of replicated weights are summed over `tp` by shard_map itself: we keep
+`check_vma=True` everywhere so that this bookkeeping is done by JAX, not by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import jax.extend
+from jax.interpreters import ad, batching, mlir
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+DATA = "data"
+TP = "tp"
+
+
+class ShardingError(ValueError):
+    """A model/mesh combination that cannot be sharded; the message says how to fix it."""
+
+
+def make_mesh(tp: int | None = None, data: int | None = None, *, devices=None) -> Mesh:
+    """A (data, tp) mesh over `devices` (default: all of them, on every process).
+
+    With neither size given, all devices go to `tp`. With one given, the other takes the rest.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    if tp is None and data is None:
+        tp, data = n, 1
+    elif tp is None:
+        if data <= 0 or n % data:
+            raise ShardingError(f"data={data} does not divide the {n} available devices")
+        tp = n // data
+    elif data is None:
+        if tp <= 0 or n % tp:
+            raise ShardingError(
+                f"tp={tp} does not divide the {n} available devices: use a divisor of {n}")
+        data = n // tp
+    if tp <= 0 or data <= 0 or tp * data != n:
+        raise ShardingError(
+            f"data={data} x tp={tp} = {data * tp} devices, but {n} are available: "
+            f"choose sizes whose product is {n}")
+    grid = np.array(devices, dtype=object).reshape(data, tp)
+    return Mesh(grid, (DATA, TP), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def tp_size(mesh: Mesh) -> int:
+    return mesh.shape[TP]
+
+
+def data_size(mesh: Mesh) -> int:
+    return mesh.shape[DATA]
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpecs:
+    """Partition spec of every weight, by einsum shape (see the module docstring)."""
+
+    embed_vd: P
+    head_dv: P
+    q_dnh: P
+    kv_dkh: P
+    o_nhd: P
+    up_df: P  # gate and up
+    down_fd: P
+    norm_d: P
+    kv_replicated: bool  # True when n_kv_heads < tp: each rank picks its head locally
+
+    @classmethod
+    def for_model(cls, config, mesh: Mesh) -> "WeightSpecs":
+        """Validates that `config` can be split `tp` ways and returns its layout."""
+        tp = tp_size(mesh)
+        check_divisible(config, tp)
+        kv_replicated = config.n_kv_heads < tp
+        return cls(
+            embed_vd=P(None, None),
+            head_dv=P(None, TP),
+            q_dnh=P(None, TP, None),
+            kv_dkh=P(None, None, None) if kv_replicated else P(None, TP, None),
+            o_nhd=P(TP, None, None),
+            up_df=P(None, TP),
+            down_fd=P(TP, None),
+            norm_d=P(None),
+            kv_replicated=kv_replicated,
+        )
+
+
+def check_divisible(config, tp: int) -> None:
+    """Every count split over `tp` must divide evenly; fail early, naming numbers and fixes."""
+    if config.n_heads % tp:
+        raise ShardingError(
+            f"n_heads={config.n_heads} is not divisible by tp={tp}: use a tp that divides "
+            f"{config.n_heads}")
+    k = config.n_kv_heads
+    if k >= tp and k % tp:
+        raise ShardingError(
+            f"n_kv_heads={k} is not divisible by tp={tp}: use a tp that divides {k}, or a "
+            f"multiple of {k} (kv heads are then replicated)")
+    if k < tp and tp % k:
+        raise ShardingError(
+            f"n_kv_heads={k} < tp={tp} and {k} does not divide {tp}: kv heads can only be "
+            f"replicated when tp is a multiple of n_kv_heads; use tp in "
+            f"{sorted({d for d in range(1, config.n_heads + 1) if config.n_heads % d == 0 and (d % k == 0 or k % d == 0)})}")
+    if config.d_ff % tp:
+        raise ShardingError(
+            f"d_ff={config.d_ff} is not divisible by tp={tp}: use a tp that divides {config.d_ff}")
+    if config.vocab_size % tp:
+        pad = -(-config.vocab_size // tp) * tp
+        raise ShardingError(
+            f"vocab_size={config.vocab_size} is not divisible by tp={tp} (the LM head is split "
+            f"over the vocabulary): pad vocab_size to {pad}")
+
+
+def check_batch(batch: int, mesh: Mesh) -> None:
+    d = data_size(mesh)
+    if batch % d:
+        raise ShardingError(
+            f"batch size {batch} is not divisible by the data axis ({d}): use a multiple of {d}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives. These two functions are the whole communication story of the model.
+
+
+def reduce_tp(partial_sum: jax.Array) -> jax.Array:
+    """All-reduce a module's row-parallel output over `tp` (issued here, consumed later)."""
+    return jax.lax.psum(partial_sum, TP)
+
+
+# ---------------------------------------------------------------------------------------------
+# `tie`: an optimization barrier that keeps each operand's type.
+#
+# jax.lax.optimization_barrier joins the varying-manual-axes (vma) types of its operands, so
+# tying an all-reduced (tp-invariant) value to a partial sum (tp-varying) would make the
+# residual stream varying from there on. `tie` lowers to the same XLA optimization barrier
+# but gives every output exactly its input's type: sound, since the barrier is an identity.
+# Its transpose is a tie of the cotangents.
+
+_tie_p = jax.extend.core.Primitive("ladder_tie")
+_tie_p.multiple_results = True
+_tie_p.def_impl(lambda *xs: xs)
+_tie_p.def_abstract_eval(lambda *avals: list(avals))
+mlir.register_lowering(
+    _tie_p, mlir.lower_fun(lambda *xs: jax.lax.optimization_barrier(xs), multiple_results=True))
+
+
+def _tie_jvp(primals, tangents):
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    return _tie_p.bind(*primals), _tie_p.bind(*tangents)
+
+
+def _tie_transpose(cts, *primals):
+    return _tie_p.bind(*[ad.instantiate_zeros(c) for c in cts])
+
+
+ad.primitive_jvps[_tie_p] = _tie_jvp
+ad.primitive_transposes[_tie_p] = _tie_transpose
+batching.primitive_batchers[_tie_p] = lambda args, dims, **_: (_tie_p.bind(*args), dims)
+
+
+def tie(*xs):
+    """Identity on `xs` that XLA must compute as one value: no consumer of any output can be
+    scheduled before every input is ready. Keeps each operand's vma type."""
+    return tuple(_tie_p.bind(*xs))
+
+
+def compiler_options(platform: str) -> dict[str, Any]:
+    """XLA options ladder_jax compiles its programs with, per platform. One place, documented.
+
+    GPU:
+    - `xla_gpu_enable_latency_hiding_scheduler`: schedule async collectives early and their
+      `done` late, around independent work (off by default in XLA:GPU).
+    - `xla_gpu_all_reduce_combine_threshold_bytes=0`: never merge independent all-reduces;
+      merging the ladder's psum of module i with module i+1's makes both synchronous.
+    CPU: none (XLA:CPU runs collectives synchronously; CPU runs prove numerics only).
+    """
+    if platform in ("gpu", "cuda", "rocm"):
+        return {
+            "xla_gpu_enable_latency_hiding_scheduler": True,
+            "xla_gpu_all_reduce_combine_threshold_bytes": 0,
+        }
+    return {}
+
+
+def jit(fn: Callable, *, platform: str | None = None, **jit_kwargs) -> Callable:
+    """`jax.jit` with ladder_jax's compiler options for `platform` (default: the backend's)."""
+    platform = platform or jax.default_backend()
+    opts = compiler_options(platform)
+    if opts:
+        jit_kwargs.setdefault("compiler_options", opts)
+    return jax.jit(fn, **jit_kwargs)
+
+
+def shard(fn: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
+    """The one shard_map boundary of the model (check_vma stays on)."""
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
+
+
+def axis_index_tp() -> jax.Array:
+    return jax.lax.axis_index(TP)
+
+
+def local_kv_head(w_dkh: jax.Array, n_kv_heads: int, tp: int) -> jax.Array:
+    """With replicated kv weights (K < tp), the (D, 1, H) slice this rank's query heads use.
+
+    Rank r holds query heads [r*N/tp, (r+1)*N/tp); they all belong to kv head r // (tp/K).
+    """
+    head = axis_index_tp() // (tp // n_kv_heads)
+    return jax.lax.dynamic_slice_in_dim(w_dkh, head, 1, axis=1)
+
+
+def local_vocab_rows(embed_vd: jax.Array, tp: int) -> jax.Array:
+    """This rank's V/tp rows of a replicated (V, D) table (tied LM head)."""
+    v_local = embed_vd.shape[0] // tp
+    return jax.lax.dynamic_slice_in_dim(embed_vd, axis_index_tp() * v_local, v_local, axis=0)
