@@ -34,10 +34,15 @@ layer's attention reads the stream without the previous standard layer's MLP out
 
 All schemes share one weight tree, so any weights load into any scheme and any tp size.
 
+Training: for ladder layers the backward pass is hand-written (`_ladder_stream`) so that it is
+a ladder too: the all-reduce of module i's input cotangent overlaps module i-1's backward
+matmuls. Autodiff's reverse-order program would block on every one. Same maths, tested
+against autodiff of an independent reference.
+
 Footguns:
 - `Transformer.__call__` runs through one `shard_map` over the model's mesh; calling it under
-  `nnx.jit` compiles one program. Use `ladder_jax.sharding.jit` (or the package's train/decode
-  entry points) on GPU: it adds the XLA options the ladder's overlap needs.
+  `nnx.jit` compiles one program. On GPUs compile with `ladder_jax.sharding.jit` (or use the
+  package's entry points): it adds the XLA options the ladder's overlap needs.
 - Logits come back float32 and sharded over V on `tp`; reductions over V under jit are fine.
 - Parameters are float32 by default (`param_dtype`); matmuls run in `dtype`; norms, softmax
   and logits in float32.
@@ -49,7 +54,6 @@ import dataclasses
 import difflib
 import functools
 import math
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -421,40 +425,185 @@ class Transformer(nnx.Module):
             head_dv = sharding.local_vocab_rows(self.embed[...], tp).T
         else:
             head_dv = self.head[...]
-        return jnp.einsum("BTD,DV->BTV", h_btd, head_dv.astype(c.dtype),
-                          preferred_element_type=jnp.float32)
+        head_dv = head_dv.astype(c.dtype)
+        if c.residual == "upper_bound":  # the stream is tp-varying already
+            return jnp.einsum("BTD,DV->BTV", h_btd, head_dv, preferred_element_type=jnp.float32)
+        with jax.named_scope("head"):
+            return _lm_head(h_btd, head_dv)
 
     def residual_stream(self, x_btd, positions_bt):
-        """THE layer loop: the residual schemes, spelled out (see the module docstring)."""
+        """The layers. Parallel is spelled out here; the others run `_stream`."""
         c = self.config
         inv_freq = rope_frequencies(c)
-        reduce = (lambda y: y) if c.residual == "upper_bound" else sharding.reduce_tp
         if c.residual == "parallel":
             for i, layer in enumerate(self.layers):
                 with jax.named_scope(f"layer{i}.parallel"):
-                    h_btd = layer.attn_norm(x_btd)
+                    h_btd = layer.attn_norm(x_btd).astype(c.dtype)
                     y_btd = layer.attn(h_btd, positions_bt, inv_freq) + layer.mlp(h_btd)
-                    x_btd = x_btd + reduce(y_btd)
+                    x_btd = x_btd + sharding.reduce_tp(y_btd)
             return x_btd
-
-        ladder = c.ladder_layer_set()
-        pending = []  # all-reduced module outputs not yet added to x, oldest first
+        parts, static = [], []
         for i, layer in enumerate(self.layers):
-            modules = (("attn", layer.attn_norm, lambda h: layer.attn(h, positions_bt, inv_freq)),
-                       ("mlp", layer.mlp_norm, layer.mlp))
-            for name, norm, module in modules:
-                with jax.named_scope(f"layer{i}.{name}"):  # names the ops in compiled HLO
-                    # A standard module reads everything; a ladder one all but the newest output.
-                    while len(pending) > (1 if i in ladder else 0):
-                        x_btd = x_btd + pending.pop(0)
-                    y_btd = module(norm(x_btd))
-                    if pending:  # ladder: that all-reduce was in flight while `module` ran
-                        p_btd, y_btd = sharding.tie(pending.pop(), y_btd)
-                        x_btd = x_btd + p_btd
-                    pending.append(reduce(y_btd))
-        for p_btd in pending:
-            x_btd = x_btd + p_btd
-        return x_btd
+            for name, norm, module in (("attn", layer.attn_norm, layer.attn),
+                                       ("mlp", layer.mlp_norm, layer.mlp)):
+                (gn, sn), (gm, sm) = nnx.split(norm), nnx.split(module)
+                parts.append((sn, sm))
+                static.append((i, name, gn, gm))
+        plan = (c, tuple(static))
+        if c.ladder_layer_set():
+            return _ladder_stream(plan, parts, x_btd, positions_bt)
+        return _stream(plan, parts, x_btd, positions_bt)
+
+
+@jax.custom_vjp
+def _lm_head(h_btd, head_dv):
+    """Vocab-parallel logits (B, T, V/tp) in float32. The backward issues the all-reduce of the
+    input cotangent, then computes the head's weight gradient while it is in flight."""
+    return jnp.einsum("BTD,DV->BTV", jax.lax.pcast(h_btd, TP, to="varying"), head_dv,
+                      preferred_element_type=jnp.float32)
+
+
+def _lm_head_fwd(h_btd, head_dv):
+    return _lm_head(h_btd, head_dv), (h_btd, head_dv)
+
+
+def _lm_head_bwd(res, ct_btv):
+    h_btd, head_dv = res
+    ct_btv = ct_btv.astype(head_dv.dtype)
+    ct_h_btd = sharding.reduce_tp(jnp.einsum("BTV,DV->BTD", ct_btv, head_dv))
+    ct_head_dv = jnp.einsum("BTD,BTV->DV", jax.lax.pcast(h_btd, TP, to="varying"), ct_btv)
+    ct_head_dv = jax.lax.psum(ct_head_dv, DATA)  # data-parallel gradient sum
+    ct_h_btd, ct_head_dv = sharding.tie(ct_h_btd, ct_head_dv)
+    return ct_h_btd, ct_head_dv
+
+
+_lm_head.defvjp(_lm_head_fwd, _lm_head_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# THE layer loop (standard, ladder, hybrid, upper_bound), and the ladder's backward pass.
+#
+# A "plan" is (config, ((layer, "attn"|"mlp", norm graphdef, module graphdef), ...)) and
+# `parts` the matching ((norm state, module state), ...): the 2L modules in order.
+
+
+def _call(plan, k, parts, positions_bt):
+    """Module k's two functions: norm (state, x) -> h and module (state, h) -> partial sum.
+    The module's input is cast to tp-varying by the caller: in the backward that cast is the
+    all-reduce of the input cotangent, which `_ladder_bwd` issues itself."""
+    c, static = plan
+    _, name, gn, gm = static[k]
+    inv_freq = rope_frequencies(c)
+
+    def norm(state, x_btd):
+        return nnx.merge(gn, state)(x_btd).astype(c.dtype)
+
+    def module(state, h_btd):  # h_btd: tp-varying (see `_stream`)
+        m = nnx.merge(gm, state)
+        return m(h_btd, positions_bt, inv_freq) if name == "attn" else m(h_btd)
+
+    return norm, module
+
+
+def _stream(plan, parts, x_btd, positions_bt, vjps=None):
+    """Runs the modules in order. A standard module reads the stream with every output added;
+    a ladder module all but the newest, whose all-reduce stays in flight while it computes
+    and is added right after (tied to its output, see `sharding.tie`). With `vjps` (a list),
+    records each module's (norm vjp, module vjp) for `_ladder_stream`'s backward."""
+    c, static = plan
+    ladder = c.ladder_layer_set()
+    if c.residual == "upper_bound":  # no all-reduce: the stream itself becomes tp-varying
+        reduce = vary = lambda y: y
+    else:
+        reduce, vary = sharding.reduce_tp, lambda h: jax.lax.pcast(h, TP, to="varying")
+    pending = []  # all-reduced module outputs not yet added to x, oldest first
+    for k, (i, name, _, _) in enumerate(static):
+        with jax.named_scope(f"layer{i}.{name}"):  # names the ops in the compiled HLO
+            while len(pending) > (1 if i in ladder else 0):
+                x_btd = x_btd + pending.pop(0)
+            norm, module = _call(plan, k, parts, positions_bt)
+            (norm_state, module_state) = parts[k]
+            if vjps is None:
+                h_btd = vary(norm(norm_state, x_btd))
+                y_btd = module(module_state, h_btd)
+            else:
+                h_btd, norm_vjp = jax.vjp(norm, norm_state, x_btd)
+                h_btd = vary(h_btd)
+                y_btd, module_vjp = jax.vjp(module, module_state, h_btd)
+                vjps.append((norm_vjp, module_vjp))
+            if pending:  # ladder: that all-reduce was in flight while `module` ran
+                p_btd, y_btd = sharding.tie(pending.pop(), y_btd)
+                x_btd = x_btd + p_btd
+            pending.append(reduce(y_btd))
+    for p_btd in pending:
+        x_btd = x_btd + p_btd
+    return x_btd
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ladder_stream(plan, parts, x_btd, positions_bt):
+    """`_stream` with a hand-written backward pass that is a ladder too.
+
+    Autodiff would transpose the forward in reverse program order, and there the all-reduce
+    of module k's input cotangent is consumed (by its norm's backward) right after it is
+    issued: every backward all-reduce blocks. But nothing of module k-1's backward needs it:
+    module k read the stream *before* module k-1's output was added. So here, for a ladder
+    module k, the input-cotangent all-reduce is issued, module k-1's backward matmuls run,
+    and only then is the result tied in and pushed through module k's norm. Same maths as
+    autodiff (tested against it), different schedule.
+    """
+    return _stream(plan, parts, x_btd, positions_bt)
+
+
+def _ladder_fwd(plan, parts, x_btd, positions_bt):
+    vjps = []
+    return _stream(plan, parts, x_btd, positions_bt, vjps), vjps
+
+
+def _ladder_bwd(plan, vjps, ct_x_btd):
+    c, static = plan
+    ladder = c.ladder_layer_set()
+    n = len(static)
+    # Which all-reduced outputs were added to the stream where (the forward's bookkeeping):
+    # module k>0 either flushed module k-1's output before reading (standard) or added it
+    # right after computing (ladder); the last module's output is added at the end.
+    ct_p = {n - 1: ct_x_btd}  # cotangent of each all-reduced module output
+    ct_parts = [None] * n
+    in_flight = None  # (k, all-reduced input cotangent of module k), not yet consumed
+
+    def consume(k, ct_h_btd, ct_x_btd):
+        ct_norm_state, ct_x_add = vjps[k][0](ct_h_btd)
+        ct_parts[k] = (ct_norm_state, ct_parts[k])
+        return ct_x_btd + ct_x_add
+
+    for k in reversed(range(n)):
+        i, name = static[k][:2]
+        with jax.named_scope(f"layer{i}.{name}"):
+            ct_y_btd = ct_p.pop(k).astype(c.dtype)  # the module's output dtype
+            ct_y_btd = jax.lax.pcast(ct_y_btd, TP, to="varying")  # psum's transpose
+            ct_module_state, ct_h_btd = vjps[k][1](ct_y_btd)  # module k's backward matmuls
+            ct_parts[k] = ct_module_state
+            if in_flight is not None:  # module k+1's all-reduce ran during those matmuls
+                j, ct_in_flight = in_flight
+                ct_in_flight, ct_h_btd = sharding.tie(ct_in_flight, ct_h_btd)
+                ct_x_btd = consume(j, ct_in_flight, ct_x_btd)
+                in_flight = None
+            if k > 0 and i in ladder:  # module k-1's output was added after module k read
+                ct_p[k - 1] = ct_x_btd
+            ct_h_btd = sharding.reduce_tp(ct_h_btd)  # all-reduce of module k's input cotangent
+            if k > 0 and i in ladder:
+                in_flight = (k, ct_h_btd)  # nothing before module k-1's backward needs it
+            else:
+                ct_x_btd = consume(k, ct_h_btd, ct_x_btd)
+                if k > 0:  # module k-1's output was added before module k read
+                    ct_p[k - 1] = ct_x_btd
+    if in_flight is not None:
+        ct_x_btd = consume(*in_flight, ct_x_btd)
+    ct_parts = [(norm_ct, module_ct) for norm_ct, module_ct in ct_parts]
+    return ct_parts, ct_x_btd, None
+
+
+_ladder_stream.defvjp(_ladder_fwd, _ladder_bwd)
 
 
 def param_specs(state: nnx.State) -> nnx.State:

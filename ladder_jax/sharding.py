@@ -11,8 +11,10 @@ Making the ladder's overlap real (measured on the compiled GPU schedule, see
 all-reduce combiner merges the two now-independent psums into one synchronous all-reduce, and
 fusion pulls `x + psum_i` forward. Two things fix it, and both are applied by the package:
 1. the model ties (`tie`) the in-flight result to the next module's output before adding it to
-   the stream, so its only consumer comes after that module's matmuls;
-2. `compiler_options("gpu")`, applied wherever the package compiles, turns the combiner off.
+   the stream, so its only consumer comes after that module's matmuls (and the ladder's
+   hand-written backward does the same with cotangents, see `model._ladder_stream`);
+2. `compiler_options("gpu")`, applied wherever the package compiles (`jit` below), turns the
+   combiner off. If you jit the model yourself on GPUs, use `ladder_jax.sharding.jit`.
 
 Mesh axes: `data` (batch) x `tp` (tensor parallel). Both are `AxisType.Auto`, so arrays need
 not carry shardings before they enter the model; jit moves them.
@@ -52,7 +54,7 @@ import jax
 import numpy as np
 import jax.extend
 from jax.interpreters import ad, batching, mlir
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 DATA = "data"
@@ -216,13 +218,19 @@ def compiler_options(platform: str) -> dict[str, Any]:
     - `xla_gpu_enable_latency_hiding_scheduler`: schedule async collectives early and their
       `done` late, around independent work (off by default in XLA:GPU).
     - `xla_gpu_all_reduce_combine_threshold_bytes=0`: never merge independent all-reduces;
-      merging the ladder's psum of module i with module i+1's makes both synchronous.
+      merging the ladder's psum of module i with module i+1's makes both synchronous. Cost:
+      the optimizer's per-weight gradient-norm reductions (a few bytes each) stay separate.
+    - `xla_gpu_experimental_parallel_collective_overlap_limit=2`: let two all-reduces be in
+      flight at once. In a training step the loss's vocab reduction is scheduled late, and
+      with one slot it blocks a backward all-reduce from overlapping.
     CPU: none (XLA:CPU runs collectives synchronously; CPU runs prove numerics only).
+    `python -m ladder_jax.overlap` compiles with exactly these and shows the schedule.
     """
     if platform in ("gpu", "cuda", "rocm"):
         return {
             "xla_gpu_enable_latency_hiding_scheduler": True,
             "xla_gpu_all_reduce_combine_threshold_bytes": 0,
+            "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
         }
     return {}
 

@@ -1,0 +1,96 @@
+"""The overlap, measured on the compiled GPU schedule (deviceless H100 compiles, tp=8).
+
+These compile for a CUDA target on this CPU-only machine through the CUDA PJRT plugin (a test
+extra). The control (standard) shows the check can fail.
+"""
+
+import functools
+import json
+
+import pytest
+
+import ladder_jax as lj
+from ladder_jax import overlap
+
+# tiny, with as many kv heads as ranks (no kv replication), like llama-3-8b at tp=8
+BASE = dict(n_kv_heads=8)
+
+
+@functools.lru_cache(maxsize=None)
+def _report(residual, phase, ladder_layers=None):
+    config = lj.ModelConfig.from_preset("tiny", residual=residual, ladder_layers=ladder_layers,
+                                        **BASE)
+    return overlap.report(config, phase=phase, tp=8, batch=1, seq=128)
+
+
+def _layer_ars(rep, pass_):
+    return [r for r in rep["all_reduces"] if r["pass"] == pass_ and r["kind"] in ("module", "head")]
+
+
+def _names(ars):
+    return [(r["layer"], r["module"]) for r in ars]
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode", "train"])
+def test_ladder_overlaps_all_but_the_last_of_each_pass(phase):
+    rep = _report("ladder", phase)
+    fwd = _layer_ars(rep, "forward")
+    # every module's all-reduce is found and attributed, in program order
+    assert _names(fwd) == [(i, m) for i in range(4) for m in ("attn", "mlp")]
+    assert [r["overlapped"] for r in fwd] == [True] * 7 + [False]
+    if phase == "train":
+        bwd = _layer_ars(rep, "backward")
+        # head first, then the modules in reverse
+        assert _names(bwd) == [(None, None)] + [(i, m) for i in reversed(range(4))
+                                                for m in ("mlp", "attn")]
+        assert all(r["overlapped"] for r in bwd[:-1]), [r["gemms_between"] for r in bwd]
+        assert rep["backward"]["all_but_last_overlapped"]
+    assert rep["forward"]["all_but_last_overlapped"]
+    # every all-reduce of the program is attributed to a pass and a kind
+    assert all(r["pass"] in ("forward", "backward") for r in rep["all_reduces"])
+    assert "other" not in rep["by_kind"]
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_standard_never_overlaps_in_inference(phase):
+    rep = _report("standard", phase)
+    fwd = _layer_ars(rep, "forward")
+    assert len(fwd) == 8
+    assert not any(r["overlapped"] for r in fwd), [r["gemms_between"] for r in fwd]
+
+
+def test_ladder_overlaps_strictly_more_than_standard_in_training():
+    std, lad = _report("standard", "train"), _report("ladder", "train")
+    std_n = sum(r["overlapped"] for r in _layer_ars(std, "forward") + _layer_ars(std, "backward"))
+    lad_n = sum(r["overlapped"] for r in _layer_ars(lad, "forward") + _layer_ars(lad, "backward"))
+    assert len(_layer_ars(std, "backward")) == len(_layer_ars(lad, "backward")) == 9
+    assert lad_n > std_n
+    assert not any(r["overlapped"] for r in _layer_ars(std, "forward"))
+
+
+def test_hybrid_overlaps_only_into_ladder_layers():
+    """Upper 2 of 4 layers ladder: a module's all-reduce overlaps iff the next module is in a
+    ladder layer (layer 1's MLP overlaps layer 2's attention: the boundary rule)."""
+    rep = _report("ladder", "prefill", ladder_layers=2)
+    fwd = _layer_ars(rep, "forward")
+    overlapped = {(r["layer"], r["module"]) for r in fwd if r["overlapped"]}
+    assert overlapped == {(1, "mlp"), (2, "attn"), (2, "mlp"), (3, "attn")}
+
+
+def test_cli_json_and_errors(capsys):
+    assert overlap.main(["--preset", "tiny", "--phase", "decode", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"total_all_reduces", "overlapped_all_reduces", "all_reduces"} <= set(out)
+    assert out["total_all_reduces"] == len(out["all_reduces"]) > 0
+    first = out["all_reduces"][0]
+    assert {"pass", "layer", "module", "asynchronous", "gemms_between", "bytes"} <= set(first)
+    assert overlap.main(["--preset", "tiny", "--phase", "decode"]) == 0
+    assert "all-reduces overlapping a matmul" in capsys.readouterr().out
+    assert overlap.main(["--preset", "tiny", "--tp", "3"]) == 2
+    assert "n_heads=8 is not divisible by tp=3" in capsys.readouterr().err
+
+
+def test_missing_plugin_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(overlap.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(overlap.OverlapError, match=r"pip install \"jax-cuda12-plugin==0\.10\.2\""):
+        overlap.gpu_mesh("h100", 8)
