@@ -24,13 +24,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import jax
-
-    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     import numpy as np
     from flax import nnx
 
     import ladder_jax as lj
 
+    lj.sharding.setup_host(args.cpu_devices)
     try:
         tp = args.tp or len(jax.devices())
         mesh = lj.make_mesh(tp=tp, data=1, devices=jax.devices()[:tp])

@@ -299,8 +299,10 @@ class Attention(nnx.Module):
         self.kv_replicated = specs.kv_replicated
         self.dtype = config.dtype
 
-    def __call__(self, x_btd, positions_bt, inv_freq):
-        """Returns this rank's partial sum (B, T, D) of the attention output."""
+    def __call__(self, x_btd, positions_bt, inv_freq, cache=None):
+        """This rank's partial sum (B, T, D) of the attention output; with a KV cache
+        (k, v), each (B, S, K_local, H), also the cache with this call's keys and values
+        written at `positions_bt` (row b's tokens go to slots positions[b, 0] onwards)."""
         dt = self.dtype
         x = x_btd.astype(dt)
         wk, wv = self.k[...], self.v[...]
@@ -308,12 +310,29 @@ class Attention(nnx.Module):
             wk = sharding.local_kv_head(wk, self.n_kv_heads, self.tp)
             wv = sharding.local_kv_head(wv, self.n_kv_heads, self.tp)
         q_btnh = jnp.einsum("BTD,DNH->BTNH", x, self.q[...].astype(dt))
-        k_bskh = jnp.einsum("BSD,DKH->BSKH", x, wk.astype(dt))
-        v_bskh = jnp.einsum("BSD,DKH->BSKH", x, wv.astype(dt))
+        k_btkh = jnp.einsum("BTD,DKH->BTKH", x, wk.astype(dt))
+        v_btkh = jnp.einsum("BTD,DKH->BTKH", x, wv.astype(dt))
         q_btnh = apply_rope(q_btnh, positions_bt, inv_freq)
-        k_bskh = apply_rope(k_bskh, positions_bt, inv_freq)
-        out_btnh = attend(q_btnh, k_bskh, v_bskh, positions_bt, positions_bt)
-        return jnp.einsum("BTNH,NHD->BTD", out_btnh, self.o[...].astype(dt))
+        k_btkh = apply_rope(k_btkh, positions_bt, inv_freq)
+        if cache is None:
+            out_btnh = attend(q_btnh, k_btkh, v_btkh, positions_bt, positions_bt)
+        else:
+            k_bskh, v_bskh = (write_cache(c, new, positions_bt[:, 0])
+                              for c, new in zip(cache, (k_btkh, v_btkh)))
+            B, S = k_bskh.shape[:2]
+            slots_bs = jnp.broadcast_to(jnp.arange(S, dtype=positions_bt.dtype), (B, S))
+            out_btnh = attend(q_btnh, k_bskh, v_bskh, positions_bt, slots_bs)
+            cache = (k_bskh, v_bskh)
+        y_btd = jnp.einsum("BTNH,NHD->BTD", out_btnh, self.o[...].astype(dt))
+        return y_btd if cache is None else (y_btd, cache)
+
+
+def write_cache(cache_bskh, new_btkh, start_b):
+    """Writes row b's T new entries at slots start[b]... in place (under donation). Like every
+    dynamic update in XLA it clamps out-of-range starts: callers check lengths on the host."""
+    def row(c_skh, n_tkh, start):
+        return jax.lax.dynamic_update_slice_in_dim(c_skh, n_tkh.astype(c_skh.dtype), start, 0)
+    return jax.vmap(row)(cache_bskh, new_btkh, start_b)
 
 
 def attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs):
@@ -391,6 +410,16 @@ class Transformer(nnx.Module):
     # -- the sharded entry point -----------------------------------------------------------
 
     def __call__(self, tokens_bt, positions_bt=None):
+        """Logits (B, T, V) float32 for int tokens (B, T); positions default to 0..T-1."""
+        return self._sharded(tokens_bt, positions_bt, None)
+
+    def forward_cached(self, tokens_bt, positions_bt, cache):
+        """(logits, cache): the forward of `tokens_bt` at `positions_bt` against a KV cache
+        (see `ladder_jax.decode.init_cache`), whose updated copy is returned. Row b's tokens
+        are written to cache slots positions[b, 0] onwards and see the slots before them."""
+        return self._sharded(tokens_bt, positions_bt, cache)
+
+    def _sharded(self, tokens_bt, positions_bt, cache):
         tokens_bt = jnp.asarray(tokens_bt)
         if tokens_bt.ndim != 2 or not jnp.issubdtype(tokens_bt.dtype, jnp.integer):
             raise ValueError(
@@ -403,45 +432,65 @@ class Transformer(nnx.Module):
                                             tokens_bt.shape)
         graphdef, state = nnx.split(self)
         specs = param_specs(state)
-        batch = P(DATA, None)
+        batch, logits = P(DATA, None), P(DATA, None, TP)
 
-        def local(state, tokens_bt, positions_bt):
-            return nnx.merge(graphdef, state).forward_local(tokens_bt, positions_bt)
+        if cache is None:
+            def local(state, tokens_bt, positions_bt):
+                return nnx.merge(graphdef, state).forward_local(tokens_bt, positions_bt)
 
-        fn = sharding.shard(local, self.mesh, in_specs=(specs, batch, batch),
-                            out_specs=P(DATA, None, TP))
-        return fn(state, tokens_bt, positions_bt)
+            return sharding.shard(local, self.mesh, in_specs=(specs, batch, batch),
+                                  out_specs=logits)(state, tokens_bt, positions_bt)
+
+        def local_cached(state, tokens_bt, positions_bt, cache):
+            return nnx.merge(graphdef, state).forward_local(tokens_bt, positions_bt, cache)
+
+        cache_specs = jax.tree.map(lambda _: sharding.CACHE_BSKH, cache)
+        return sharding.shard(local_cached, self.mesh,
+                              in_specs=(specs, batch, batch, cache_specs),
+                              out_specs=(logits, cache_specs))(state, tokens_bt, positions_bt,
+                                                               cache)
 
     # -- inside shard_map ------------------------------------------------------------------
 
-    def forward_local(self, tokens_bt, positions_bt):
+    def forward_local(self, tokens_bt, positions_bt, caches=None):
         """One rank's forward: local batch rows, all of D, its heads / F / V slice."""
         c = self.config
         tp = self.mesh.shape[TP]
         x_btd = jnp.take(self.embed[...], tokens_bt, axis=0).astype(jnp.float32)
-        x_btd = self.residual_stream(x_btd, positions_bt)
+        x_btd = self.residual_stream(x_btd, positions_bt, caches)
+        if caches is not None:
+            x_btd, caches = x_btd
         h_btd = self.final_norm(x_btd).astype(c.dtype)
         if self.head is None:
             head_dv = sharding.local_vocab_rows(self.embed[...], tp).T
         else:
             head_dv = self.head[...]
         head_dv = head_dv.astype(c.dtype)
-        if c.residual == "upper_bound":  # the stream is tp-varying already
-            return jnp.einsum("BTD,DV->BTV", h_btd, head_dv, preferred_element_type=jnp.float32)
         with jax.named_scope("head"):
-            return _lm_head(h_btd, head_dv)
+            if c.residual == "upper_bound":  # the stream is tp-varying already
+                logits_btv = jnp.einsum("BTD,DV->BTV", h_btd, head_dv,
+                                        preferred_element_type=jnp.float32)
+            else:
+                logits_btv = _lm_head(h_btd, head_dv)
+        return logits_btv if caches is None else (logits_btv, caches)
 
-    def residual_stream(self, x_btd, positions_bt):
-        """The layers. Parallel is spelled out here; the others run `_stream`."""
+    def residual_stream(self, x_btd, positions_bt, caches=None):
+        """The layers. Parallel is spelled out here; the others run `_stream`. With `caches`
+        (one (k, v) per layer) returns (x, updated caches)."""
         c = self.config
         inv_freq = rope_frequencies(c)
         if c.residual == "parallel":
+            new_caches = []
             for i, layer in enumerate(self.layers):
                 with jax.named_scope(f"layer{i}.parallel"):
                     h_btd = layer.attn_norm(x_btd).astype(c.dtype)
-                    y_btd = layer.attn(h_btd, positions_bt, inv_freq) + layer.mlp(h_btd)
-                    x_btd = x_btd + sharding.reduce_tp(y_btd)
-            return x_btd
+                    a_btd = layer.attn(h_btd, positions_bt, inv_freq,
+                                       None if caches is None else caches[i])
+                    if caches is not None:
+                        a_btd, cache = a_btd
+                        new_caches.append(cache)
+                    x_btd = x_btd + sharding.reduce_tp(a_btd + layer.mlp(h_btd))
+            return x_btd if caches is None else (x_btd, new_caches)
         parts, static = [], []
         for i, layer in enumerate(self.layers):
             for name, norm, module in (("attn", layer.attn_norm, layer.attn),
@@ -450,9 +499,9 @@ class Transformer(nnx.Module):
                 parts.append((sn, sm))
                 static.append((i, name, gn, gm))
         plan = (c, tuple(static))
-        if c.ladder_layer_set():
+        if caches is None and c.ladder_layer_set():
             return _ladder_stream(plan, parts, x_btd, positions_bt)
-        return _stream(plan, parts, x_btd, positions_bt)
+        return _stream(plan, parts, x_btd, positions_bt, caches=caches)
 
 
 @jax.custom_vjp
@@ -498,20 +547,23 @@ def _call(plan, k, parts, positions_bt):
     def norm(state, x_btd):
         return nnx.merge(gn, state)(x_btd).astype(c.dtype)
 
-    def module(state, h_btd):  # h_btd: tp-varying (see `_stream`)
+    def module(state, h_btd, cache=None):  # h_btd: tp-varying (see `_stream`)
         m = nnx.merge(gm, state)
-        return m(h_btd, positions_bt, inv_freq) if name == "attn" else m(h_btd)
+        return m(h_btd, positions_bt, inv_freq, cache) if name == "attn" else m(h_btd)
 
     return norm, module
 
 
-def _stream(plan, parts, x_btd, positions_bt, vjps=None):
+def _stream(plan, parts, x_btd, positions_bt, vjps=None, caches=None):
     """Runs the modules in order. A standard module reads the stream with every output added;
     a ladder module all but the newest, whose all-reduce stays in flight while it computes
     and is added right after (tied to its output, see `sharding.tie`). With `vjps` (a list),
-    records each module's (norm vjp, module vjp) for `_ladder_stream`'s backward."""
+    records each module's (norm vjp, module vjp) for `_ladder_stream`'s backward. With
+    `caches` (a (k, v) per layer) the attention modules read and write them, and the result is
+    (x, updated caches)."""
     c, static = plan
     ladder = c.ladder_layer_set()
+    caches = None if caches is None else list(caches)
     if c.residual == "upper_bound":  # no all-reduce: the stream itself becomes tp-varying
         reduce = vary = lambda y: y
     else:
@@ -523,7 +575,10 @@ def _stream(plan, parts, x_btd, positions_bt, vjps=None):
                 x_btd = x_btd + pending.pop(0)
             norm, module = _call(plan, k, parts, positions_bt)
             (norm_state, module_state) = parts[k]
-            if vjps is None:
+            if caches is not None and name == "attn":
+                h_btd = vary(norm(norm_state, x_btd))
+                y_btd, caches[i] = module(module_state, h_btd, caches[i])
+            elif vjps is None:
                 h_btd = vary(norm(norm_state, x_btd))
                 y_btd = module(module_state, h_btd)
             else:
@@ -537,7 +592,7 @@ def _stream(plan, parts, x_btd, positions_bt, vjps=None):
             pending.append(reduce(y_btd))
     for p_btd in pending:
         x_btd = x_btd + p_btd
-    return x_btd
+    return x_btd if caches is None else (x_btd, caches)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -48,6 +48,8 @@ Gradients of replicated weights are summed over `tp` by shard_map itself: we kee
 from __future__ import annotations
 
 import dataclasses
+import glob
+import os
 from typing import Any, Callable
 
 import jax
@@ -91,6 +93,15 @@ def make_mesh(tp: int | None = None, data: int | None = None, *, devices=None) -
     return Mesh(grid, (DATA, TP), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
+def setup_host(cpu_devices: int = 8) -> None:
+    """For the command-line tools, before any backend starts: on a host with no NVIDIA device
+    use the CPU (and skip the CUDA plugin's failed start-up), split into `cpu_devices` fake
+    devices so that tensor parallelism runs for real, only slower."""
+    if not os.environ.get("JAX_PLATFORMS") and not glob.glob("/dev/nvidia[0-9]*"):
+        jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", cpu_devices)
+
+
 def tp_size(mesh: Mesh) -> int:
     return mesh.shape[TP]
 
@@ -130,6 +141,16 @@ class WeightSpecs:
             norm_d=P(None),
             kv_replicated=kv_replicated,
         )
+
+
+# KV cache, per layer k and v of global shape (B, S, max(K, tp), H): batch over `data`, kv heads
+# over `tp`. With K < tp each rank caches the one kv head its query heads use, so ranks that
+# share a head hold identical copies (the cache then costs tp/K times the unsharded size).
+CACHE_BSKH = P(DATA, None, TP, None)
+
+
+def cache_kv_heads(config, tp: int) -> int:
+    return max(config.n_kv_heads, tp)
 
 
 def check_divisible(config, tp: int) -> None:

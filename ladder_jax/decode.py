@@ -1,0 +1,515 @@
+"""KV-cached decoding: cache, prefill, one-token step, sampling, batched generation, CLI and
+the paper's decode benchmark.
+
+    python -m ladder_jax.decode --preset tiny --prompt "Once upon a time" --max-new-tokens 64
+    python -m ladder_jax.decode --preset small --benchmark --residual all --batch 16
+
+The KV cache is a pytree, one (k, v) per layer, each (B, S, max(K, tp), H), batch on `data`
+and kv heads on `tp` (see `sharding.CACHE_BSKH`). `prefill` writes a prompt into it in one
+pass; `decode_step` appends one token per row. Both are jitted once per shape with the cache
+donated, so XLA updates it in place; both run the model's own residual scheme and sharding,
+so the ladder's all-reduce overlap applies to every token.
+
+Batches of prompts of different lengths are right-padded: row b's prompt occupies cache slots
+0..len_b-1 and its n-th new token slot len_b+n, so every row has its own positions and its own
+causal mask (a query at position p sees slots <= p); the padding slots are overwritten before
+anything can see them.
+
+Footguns, handled here on the host before any device work:
+- XLA clamps out-of-range dynamic updates silently: a prompt plus new tokens longer than the
+  cache would overwrite its last slot. `generate` refuses such input with the numbers.
+- Fake CPU devices deadlock when too many collective programs are queued (DESIGN §4): the
+  generation loop keeps at most one step in flight beyond the one it is reading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import sys
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ladder_jax import sharding
+from ladder_jax.model import ConfigError, ModelConfig, Transformer
+from ladder_jax.sharding import DATA, ShardingError
+from ladder_jax.tokenizer import ByteTokenizer
+
+
+class GenerationError(ValueError):
+    """Input generation cannot run on; the message gives the numbers."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache and the two jitted programs.
+
+
+def init_cache(model: Transformer, batch: int, length: int):
+    """A zeroed KV cache for `batch` rows of `length` slots, created in its sharding."""
+    c, mesh = model.config, model.mesh
+    shape = (batch, length, sharding.cache_kv_heads(c, sharding.tp_size(mesh)), c.head_dim)
+    make = jax.jit(lambda: jnp.zeros(shape, c.dtype),
+                   out_shardings=NamedSharding(mesh, sharding.CACHE_BSKH))
+    return [(make(), make()) for _ in range(c.n_layers)]
+
+
+def cache_bytes(model: Transformer, batch: int, length: int) -> int:
+    c = model.config
+    kv = sharding.cache_kv_heads(c, sharding.tp_size(model.mesh))
+    return 2 * c.n_layers * batch * length * kv * c.head_dim * jnp.dtype(c.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """temperature 0 is greedy; top_k / top_p filter before sampling (None: off)."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def check(self, vocab_size: int) -> "Sampling":
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0
+                and math.isfinite(self.temperature)):
+            raise GenerationError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if self.top_k is not None and not (1 <= self.top_k <= vocab_size):
+            raise GenerationError(f"top_k={self.top_k} must be between 1 and the vocabulary "
+                                  f"size {vocab_size}")
+        if self.top_p is not None and not (0 < self.top_p <= 1):
+            raise GenerationError(f"top_p={self.top_p} must be in (0, 1]")
+        return self
+
+
+def sample(logits_bv, key, s: Sampling):
+    """One token per row from float32 logits (B, V)."""
+    if s.temperature == 0 or s.top_k == 1:
+        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    logits_bv = logits_bv / s.temperature
+    if s.top_k is not None:
+        kth_b1 = jax.lax.top_k(logits_bv, s.top_k)[0][:, -1:]
+        logits_bv = jnp.where(logits_bv < kth_b1, -jnp.inf, logits_bv)
+    if s.top_p is not None and s.top_p < 1:
+        sorted_bv = jnp.sort(logits_bv, axis=-1)[:, ::-1]
+        cum_bv = jnp.cumsum(jax.nn.softmax(sorted_bv, axis=-1), axis=-1)
+        # keep the smallest set whose mass reaches top_p: a token stays if the mass before it
+        # is still below top_p (the most likely token always stays)
+        keep_bv = (cum_bv - jax.nn.softmax(sorted_bv, axis=-1)) < s.top_p
+        cutoff_b1 = jnp.min(jnp.where(keep_bv, sorted_bv, jnp.inf), axis=-1, keepdims=True)
+        logits_bv = jnp.where(logits_bv < cutoff_b1, -jnp.inf, logits_bv)
+    return jax.random.categorical(key, logits_bv, axis=-1).astype(jnp.int32)
+
+
+class Decoder:
+    """The jitted prefill and decode step of one model (compiled once per shape/sampling).
+
+    `prefill(cache, tokens_bt, lengths_b, key)` -> (first new tokens (B,), cache)
+    `step(cache, tokens_b, positions_b, key)` -> (next tokens (B,), cache)
+    The cache argument is donated: use only the returned one.
+    """
+
+    def __init__(self, model: Transformer, sampling: Sampling = Sampling()):
+        self.model, self.sampling = model, sampling.check(model.config.vocab_size)
+        graphdef, self.state = nnx.split(model)
+        mesh = model.mesh
+        replicated = NamedSharding(mesh, P())
+
+        def prefill(state, cache, tokens_bt, lengths_b, key):
+            model = nnx.merge(graphdef, state)
+            positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32),
+                                            tokens_bt.shape)
+            logits_btv, cache = model.forward_cached(tokens_bt, positions_bt, cache)
+            last_bv = jnp.take_along_axis(logits_btv, (lengths_b - 1)[:, None, None], axis=1)
+            return sample(last_bv[:, 0], key, self.sampling), cache
+
+        def step(state, cache, tokens_b, positions_b, key):
+            model = nnx.merge(graphdef, state)
+            logits_btv, cache = model.forward_cached(tokens_b[:, None], positions_b[:, None],
+                                                     cache)
+            return sample(logits_btv[:, 0], key, self.sampling), cache
+
+        cache_sharding = NamedSharding(mesh, sharding.CACHE_BSKH)
+        out = (replicated, cache_sharding)
+        self._prefill = sharding.jit(prefill, donate_argnums=(1,), out_shardings=out)
+        self._step = sharding.jit(step, donate_argnums=(1,), out_shardings=out)
+
+    def prefill(self, cache, tokens_bt, lengths_b, key):
+        return self._prefill(self.state, cache, tokens_bt, lengths_b, key)
+
+    def step(self, cache, tokens_b, positions_b, key):
+        return self._step(self.state, cache, tokens_b, positions_b, key)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host <-> device, valid on one process or many (every process runs the same program).
+
+
+def to_device(array: np.ndarray, mesh, spec=P()) -> jax.Array:
+    array = np.asarray(array)
+    return jax.make_array_from_callback(array.shape, NamedSharding(mesh, spec),
+                                        lambda index: array[index])
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A replicated result, read from this process's first copy."""
+    return np.asarray(x.addressable_data(0))
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation.
+
+
+def generate(model: Transformer, prompts, *, max_new_tokens: int = 64, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+             eos_id: int | None = None, tokenizer=None,
+             stream: Callable[[int, list[int]], None] | None = None, decoder: Decoder = None):
+    """Generates a continuation of every prompt (a batch, any mix of lengths).
+
+    `prompts`: token lists, or strings (encoded with `tokenizer`, default the byte
+    tokenizer, which also decodes the result). Greedy when temperature is 0; otherwise
+    sampled, reproducibly for a `seed`. A row stops at `eos_id` (default: the tokenizer's
+    EOS, if there is a tokenizer); the others go on to `max_new_tokens`. `stream(step, tokens)` is called with each
+    step's new token per row, as soon as it reaches the host. Returns the new tokens (EOS
+    excluded) per row, or texts when the prompts were strings.
+    """
+    c = model.config
+    if isinstance(prompts, (str, bytes)) or (len(prompts) and isinstance(prompts[0], int)):
+        raise GenerationError("prompts must be a list of prompts (strings or token lists)")
+    if not len(prompts):
+        raise GenerationError("no prompts given")
+    texts = isinstance(prompts[0], str)
+    for b, prompt in enumerate(prompts):
+        if isinstance(prompt, str) and not prompt:
+            raise GenerationError(f"prompt {b} is empty: give at least one character")
+    if texts:
+        tokenizer = tokenizer or ByteTokenizer()
+    rows = [tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+    if eos_id is None and tokenizer is not None:
+        eos_id = tokenizer.eos_id
+    check_generation(c, rows, max_new_tokens)
+    sampling = Sampling(temperature, top_k, top_p).check(c.vocab_size)
+    decoder = decoder if decoder is not None and decoder.sampling == sampling else Decoder(
+        model, sampling)
+    mesh = model.mesh
+
+    # Shapes are rounded so that nearby requests reuse compiled programs.
+    n = len(rows)
+    B = _round_up(n, sharding.data_size(mesh))
+    lengths = np.array([len(r) for r in rows] + [1] * (B - n), np.int32)
+    T = min(_round_up(int(lengths.max()), 16), c.max_seq_len)
+    S = min(_round_up(int(lengths.max()) + max_new_tokens, 64), c.max_seq_len)
+    tokens_bt = np.zeros((B, T), np.int32)
+    for b, r in enumerate(rows):
+        tokens_bt[b, :len(r)] = r
+
+    cache = init_cache(model, B, S)
+    key = jax.random.key(seed)
+    batch = P(DATA)
+    new_b, cache = decoder.prefill(cache, to_device(tokens_bt, mesh, P(DATA, None)),
+                                   to_device(lengths, mesh, batch), jax.random.fold_in(key, 0))
+    out = [[] for _ in range(n)]
+    done = np.zeros(n, bool)
+    pending = new_b  # the newest step's tokens, still on the device
+    for t in range(max_new_tokens):
+        # Queue step t+1 before reading step t: the device never idles, and at most two
+        # programs are ever in flight.
+        if t + 1 < max_new_tokens:
+            positions_b = to_device(lengths + t, mesh, batch)
+            nxt, cache = decoder.step(cache, pending, positions_b, jax.random.fold_in(key, t + 1))
+        step_tokens = to_host(pending)[:n]
+        for b in range(n):
+            if not done[b]:
+                if step_tokens[b] == eos_id:
+                    done[b] = True
+                else:
+                    out[b].append(int(step_tokens[b]))
+        if stream is not None:
+            stream(t, [int(x) for x in step_tokens])
+        if done.all() or t + 1 == max_new_tokens:
+            break
+        pending = nxt
+    return [tokenizer.decode(o) for o in out] if texts else out
+
+
+def check_generation(config: ModelConfig, rows: Sequence[Sequence[int]], max_new_tokens: int):
+    """Refuses, before any device work, what the cache cannot hold (XLA would clamp)."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens={max_new_tokens} must be a positive integer")
+    for b, r in enumerate(rows):
+        if len(r) == 0:
+            raise GenerationError(f"prompt {b} is empty: give at least one token")
+        bad = [t for t in r if not 0 <= t < config.vocab_size]
+        if bad:
+            raise GenerationError(f"prompt {b} has token ids outside [0, {config.vocab_size}): "
+                                  f"{bad[:5]}")
+        if len(r) >= config.max_seq_len:
+            raise GenerationError(
+                f"prompt {b} has {len(r)} tokens, but the cache holds max_seq_len="
+                f"{config.max_seq_len} positions including the new tokens: shorten it to "
+                f"<= {config.max_seq_len - max_new_tokens} tokens")
+        if len(r) + max_new_tokens > config.max_seq_len:
+            raise GenerationError(
+                f"prompt {b} has {len(r)} tokens; with max_new_tokens={max_new_tokens} that is "
+                f"{len(r) + max_new_tokens} positions, but the cache holds max_seq_len="
+                f"{config.max_seq_len}: shorten the prompt to <= "
+                f"{config.max_seq_len - max_new_tokens} tokens or lower max_new_tokens to <= "
+                f"{config.max_seq_len - len(r)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmark (the paper's protocol: random weights, prompt P, N new tokens, batch B, warm-up
+# excluded, prefill and decode timed apart).
+
+HBM_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12, "H800": 3.35e12,
+                 "B200": 8.0e12, "L40S": 0.864e12}
+
+
+@functools.lru_cache(maxsize=None)
+def device_bandwidth() -> tuple[float, str]:
+    """Memory bandwidth of all devices together, in B/s, and how it was obtained."""
+    d = jax.devices()[0]
+    if d.platform == "gpu":
+        for name, bw in HBM_BANDWIDTH.items():
+            if name in d.device_kind:
+                return bw * jax.device_count(), f"{name} datasheet x {jax.device_count()}"
+        return float("nan"), f"unknown bandwidth for {d.device_kind}"
+    # CPU: fake devices share the host's memory; measure a streaming read once.
+    x = jax.device_put(jnp.ones((64, 1024, 1024), jnp.float32), d)  # 256 MiB
+    total = jax.jit(lambda a: a.sum())
+    total(x).block_until_ready()
+    best = min(_timed(lambda: total(x).block_until_ready()) for _ in range(5))
+    return x.nbytes / best, "host memory, measured: best of 5 jitted sums over 256 MiB"
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def benchmark(config: ModelConfig, mesh, *, batch: int, prompt_len: int, new_tokens: int,
+              repeats: int = 3, seed: int = 0) -> dict:
+    """Prefill latency and decode throughput of `config` (random weights) on `mesh`."""
+    model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(seed))
+    check_generation(config, [[0] * prompt_len], new_tokens)
+    decoder = Decoder(model)
+    S = min(_round_up(prompt_len + new_tokens, 64), config.max_seq_len)
+    rng = np.random.default_rng(seed)
+    tokens = to_device(rng.integers(0, min(config.vocab_size, 256), (batch, prompt_len),
+                                    dtype=np.int32), mesh, P(DATA, None))
+    lengths = to_device(np.full(batch, prompt_len, np.int32), mesh, P(DATA))
+    key = jax.random.key(seed)
+    positions = [to_device(np.full(batch, prompt_len + t, np.int32), mesh, P(DATA))
+                 for t in range(new_tokens)]
+
+    def run():
+        cache = init_cache(model, batch, S)
+        jax.block_until_ready(cache)
+        t0 = time.perf_counter()
+        tok, cache = decoder.prefill(cache, tokens, lengths, key)
+        tok.block_until_ready()
+        t1 = time.perf_counter()
+        for t in range(new_tokens - 1):
+            tok, cache = decoder.step(cache, tok, positions[t], key)
+            if t % 8 == 7:  # bounded queue (DESIGN §4), cheap on GPUs
+                tok.block_until_ready()
+        tok.block_until_ready()
+        return t1 - t0, time.perf_counter() - t1
+
+    t_compile = _timed(run)  # warm-up: compiles, not counted
+    times = [run() for _ in range(repeats)]
+    prefill_s = min(t[0] for t in times)
+    decode_s = min(t[1] for t in times)
+    steps = new_tokens - 1
+    per_user = steps / decode_s
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    # replicated weights are read on every rank: count what is actually read
+    param_bytes_read = sum(x.addressable_data(0).nbytes * len(x.sharding.device_set)
+                           for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    kv_read = cache_bytes(model, batch, S)  # each step attends over the whole cache
+    bandwidth, how = device_bandwidth()
+    step_s = decode_s / steps
+    return {
+        "residual": config.residual, "ladder_layers": config.ladder_layers,
+        "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+        "tp": sharding.tp_size(mesh), "devices": mesh.size,
+        "prefill_ms": prefill_s * 1e3, "prefill_tokens_per_s": batch * prompt_len / prefill_s,
+        "decode_ms_per_token": step_s * 1e3,
+        "decode_tokens_per_s_per_user": per_user, "decode_tokens_per_s": per_user * batch,
+        "param_bytes": param_bytes, "bytes_read_per_step": param_bytes_read + kv_read,
+        "roofline_fraction": (param_bytes_read + kv_read) / step_s / bandwidth,
+        "bandwidth_bytes_per_s": bandwidth, "bandwidth_source": how,
+        "first_run_s_incl_compile": t_compile,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI.
+
+
+def _parse_ladder_layers(text):
+    if text is None:
+        return None
+    return int(text) if text.strip().isdigit() else tuple(int(x) for x in text.split(",") if x)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m ladder_jax.decode", description=__doc__.split("\n\n")[0],
+        epilog="Multi-host: start one process per host with --coordinator HOST:PORT "
+               "--num-processes N --process-id I (or JAX_COORDINATOR_ADDRESS, "
+               "JAX_NUM_PROCESSES, JAX_PROCESS_ID); tensor parallelism then spans them and "
+               "process 0 prints.")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", default="tiny", help="model preset, random weights (default: tiny)")
+    src.add_argument("--checkpoint", help="a training run or checkpoint directory")
+    p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    p.add_argument("--prompt-file", help="a file with one prompt per line")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=200)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--residual", default=None,
+                   choices=["standard", "parallel", "ladder", "upper_bound", "all"],
+                   help="residual scheme (default: the preset's / checkpoint's); 'all' "
+                        "benchmarks every scheme")
+    p.add_argument("--ladder-layers", default=None, help="ladder only: N or a comma list")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: all devices)")
+    p.add_argument("--cpu-devices", type=int, default=8,
+                   help="on a CPU host, fake devices to split it into (default 8)")
+    p.add_argument("--benchmark", action="store_true",
+                   help="time prefill and decode with random weights (paper protocol)")
+    p.add_argument("--batch", type=int, default=1, help="benchmark batch size")
+    p.add_argument("--prompt-len", type=int, default=1024, help="benchmark prompt length")
+    p.add_argument("--json", action="store_true", help="benchmark: print JSON lines")
+    p.add_argument("--coordinator", default=os.environ.get("JAX_COORDINATOR_ADDRESS"))
+    p.add_argument("--num-processes", type=int,
+                   default=int(os.environ.get("JAX_NUM_PROCESSES", "1")))
+    p.add_argument("--process-id", type=int, default=int(os.environ.get("JAX_PROCESS_ID", "0")))
+    args = p.parse_args(argv)
+
+    if args.num_processes > 1:
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    sharding.setup_host(args.cpu_devices)
+    lead = jax.process_index() == 0
+
+    def say(*a, **kw):
+        if lead:
+            print(*a, **kw, flush=True)
+
+    try:
+        return _run(args, say)
+    except (ConfigError, ShardingError, GenerationError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args, say) -> int:
+    if args.checkpoint:
+        raise ConfigError("--checkpoint needs the training module's checkpoints, which this "
+                          "version cannot read yet: use --preset")
+    tp = args.tp or len(jax.devices())
+    mesh = sharding.make_mesh(tp=tp)
+    overrides = {}
+    if args.residual not in (None, "all"):
+        overrides["residual"] = args.residual
+    if args.ladder_layers is not None:
+        overrides["residual"] = "ladder"
+        overrides["ladder_layers"] = _parse_ladder_layers(args.ladder_layers)
+    config = ModelConfig.from_preset(args.preset, **overrides)
+
+    if args.benchmark:
+        schemes = (["standard", "parallel", "ladder", "upper_bound"] if args.residual == "all"
+                   else [config.residual])
+        config = dataclasses.replace(config, max_seq_len=max(
+            config.max_seq_len, args.prompt_len + args.max_new_tokens))
+        results = []
+        for scheme in schemes:
+            cfg = dataclasses.replace(config, residual=scheme, ladder_layers=(
+                config.ladder_layers if scheme == "ladder" else None))
+            r = benchmark(cfg, mesh, batch=args.batch, prompt_len=args.prompt_len,
+                          new_tokens=args.max_new_tokens)
+            results.append(r)
+            if args.json:
+                say(json.dumps({"preset": args.preset, **r}))
+            else:
+                say(f"{scheme:<12} prefill {r['prefill_ms']:8.1f} ms   decode "
+                    f"{r['decode_ms_per_token']:7.2f} ms/token   "
+                    f"{r['decode_tokens_per_s_per_user']:8.1f} tok/s/user  "
+                    f"{r['decode_tokens_per_s']:9.1f} tok/s total   roofline "
+                    f"{100 * r['roofline_fraction']:5.1f}%   (first run incl. compile "
+                    f"{r['first_run_s_incl_compile']:.1f} s)")
+        by = {r["residual"]: r["decode_tokens_per_s"] for r in results}
+        if not args.json and "standard" in by and len(by) > 1:
+            say("decode speed vs standard: " + ", ".join(
+                f"{k} {v / by['standard']:.2f}x" for k, v in by.items() if k != "standard"))
+            say(f"bandwidth: {results[0]['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
+                f"({results[0]['bandwidth_source']})")
+        return 0
+
+    prompts = list(args.prompt or [])
+    if args.prompt_file:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            raise GenerationError(f"cannot read --prompt-file: {e}") from None
+    if not prompts:
+        prompts = ["Once upon a time"]
+    for b, prompt in enumerate(prompts):
+        if not prompt:
+            raise GenerationError(f"prompt {b} is empty: give at least one character")
+    tokenizer = ByteTokenizer()
+    if config.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"preset {args.preset!r} has vocab_size={config.vocab_size}, too "
+                          f"small for the byte tokenizer ({tokenizer.vocab_size})")
+    sampling = Sampling(args.temperature, args.top_k, args.top_p).check(config.vocab_size)
+    check_generation(config, [tokenizer.encode(q) for q in prompts], args.max_new_tokens)
+    model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(args.seed))
+    say(f"{model}\n(random weights: expect noise)" if not args.checkpoint else str(model))
+    single = len(prompts) == 1
+    pieces = [[] for _ in prompts]
+    done = [False] * len(prompts)
+
+    shown = [""]
+
+    def stream(t, tokens):
+        for b, tok in enumerate(tokens[:len(prompts)]):
+            if done[b] or tok == tokenizer.eos_id:
+                done[b] = True
+                continue
+            pieces[b].append(tok)
+        text = tokenizer.decode(pieces[0])
+        if single and not text.endswith("\ufffd"):  # wait for a whole UTF-8 character
+            say(text[len(shown[0]):], end="")
+            shown[0] = text
+
+    if single:
+        say(prompts[0], end="")
+    texts = generate(model, prompts, max_new_tokens=args.max_new_tokens,
+                     temperature=sampling.temperature, top_k=sampling.top_k,
+                     top_p=sampling.top_p, seed=args.seed, tokenizer=tokenizer, stream=stream)
+    if single:
+        say(texts[0][len(shown[0]):])
+    else:
+        for prompt, text in zip(prompts, texts):
+            say(f"--- {prompt!r}\n{prompt}{text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

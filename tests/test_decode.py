@@ -1,0 +1,181 @@
+"""KV-cached decoding against full forwards, batching, sampling, multi-process, bad input."""
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import ladder_jax as lj
+from ladder_jax import decode
+
+TINY = lj.ModelConfig.from_preset("tiny")
+SCHEMES = {
+    "standard": dict(residual="standard"),
+    "parallel": dict(residual="parallel"),
+    "ladder": dict(residual="ladder"),
+    "hybrid": dict(residual="ladder", ladder_layers=2),
+}
+
+
+def _model(tp, seed=0, **changes):
+    mesh = lj.make_mesh(tp=tp, data=1, devices=jax.devices()[:tp])
+    return lj.Transformer(dataclasses.replace(TINY, **changes), mesh=mesh, rngs=nnx.Rngs(seed))
+
+
+@nnx.jit
+def _logits(model, tokens):
+    return model(tokens)
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_greedy_cached_decoding_equals_full_forward(scheme, tp):
+    """Token n of cached greedy decoding == argmax of a full (uncached) forward over the
+    prompt and tokens < n: checked at once on the final sequence, which is causal."""
+    model = _model(tp, **SCHEMES[scheme])
+    prompts = [[5, 17, 99, 3, 250, 7, 8], [11, 12]]
+    n_new = 12
+    out = decode.generate(model, prompts, max_new_tokens=n_new)
+    for prompt, new in zip(prompts, out):
+        assert len(new) == n_new
+        seq = np.array([prompt + new], np.int32)
+        full = np.asarray(_logits(model, seq))[0]
+        want = full[len(prompt) - 1: len(prompt) - 1 + n_new].argmax(-1)
+        np.testing.assert_array_equal(np.array(new), want)
+
+
+def test_batch_of_different_lengths_equals_each_prompt_alone():
+    model = _model(4, residual="ladder")
+    prompts = [[1, 2, 3], list(range(40, 70)), [9], [200, 100, 50, 25, 12]]
+    together = decode.generate(model, prompts, max_new_tokens=10)
+    alone = [decode.generate(model, [p], max_new_tokens=10)[0] for p in prompts]
+    assert together == alone
+    assert len({tuple(x) for x in together}) > 1  # not trivially identical rows
+
+
+def test_sampling_top_k1_seeds_and_eos():
+    model = _model(2, residual="ladder")
+    prompt = [[10, 20, 30]]
+    greedy = decode.generate(model, prompt, max_new_tokens=16)
+    assert decode.generate(model, prompt, max_new_tokens=16, temperature=1.0, top_k=1) == greedy
+    a = decode.generate(model, prompt, max_new_tokens=16, temperature=1.0, seed=1)
+    b = decode.generate(model, prompt, max_new_tokens=16, temperature=1.0, seed=1)
+    c = decode.generate(model, prompt, max_new_tokens=16, temperature=1.0, seed=2)
+    assert a == b and a != c
+    nucleus = decode.generate(model, prompt, max_new_tokens=16, temperature=1.0, top_p=0.5,
+                              seed=1)
+    assert nucleus != a  # top_p changes the distribution
+    # a row stops at its EOS; the first greedy token used as EOS ends it at once
+    assert decode.generate(model, prompt, max_new_tokens=16, eos_id=greedy[0][0]) == [[]]
+    assert decode.generate(model, prompt, max_new_tokens=16, eos_id=greedy[0][3]) == [
+        greedy[0][:3]]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))
+    keys = [jax.random.key(i) for i in range(200)]
+    seen = {int(decode.sample(logits, k, decode.Sampling(1.0, None, 0.75))[0]) for k in keys}
+    assert seen == {0, 1}  # 0.5 < 0.75 <= 0.8: the first two tokens
+    seen = {int(decode.sample(logits, k, decode.Sampling(1.0, None, 0.5))[0]) for k in keys}
+    assert seen == {0}
+
+
+def test_strings_stream_and_text():
+    model = _model(2)
+    streamed = []
+    out = decode.generate(model, ["Hi", "Hello"], max_new_tokens=5,
+                          stream=lambda t, toks: streamed.append(toks))
+    assert all(isinstance(s, str) for s in out)
+    assert len(streamed) == 5 and all(len(s) == 2 for s in streamed)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompts=[list(range(300))]), r"prompt 0 has 300 tokens, but the cache holds "
+                                       r"max_seq_len=256"),
+    (dict(prompts=[list(range(200))], max_new_tokens=100), r"300 positions.*<= 156 tokens"),
+    (dict(prompts=[[]]), "prompt 0 is empty"),
+    (dict(prompts=[[1, 2]], top_p=1.5), r"top_p=1.5 must be in \(0, 1\]"),
+    (dict(prompts=[[1, 2]], top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
+    (dict(prompts=[[1, 2]], temperature=-1.0), "temperature=-1.0 must be >= 0"),
+    (dict(prompts=[[1, 400]]), r"outside \[0, 320\)"),
+    (dict(prompts=[]), "no prompts"),
+])
+def test_bad_input_is_refused_before_device_work(kwargs, match):
+    model = _model(1)
+    kwargs.setdefault("max_new_tokens", 8)
+    with pytest.raises(decode.GenerationError, match=match):
+        decode.generate(model, **kwargs)
+
+
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "ladder_jax.decode", *args],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--prompt", "x" * 300], "has 301 tokens"),
+    (["--prompt", ""], "prompt 0 is empty"),
+    (["--prompt", "x", "--top-p", "2"], "top_p=2.0 must be in"),
+    (["--prompt", "x", "--temperature", "-0.5"], "temperature=-0.5 must be >= 0"),
+    (["--preset", "llama-3-9b"], "did you mean 'llama-3-8b'"),
+])
+def test_cli_bad_input_exits_cleanly(args, match):
+    r = _cli(*args)
+    assert r.returncode == 2, r.stderr
+    assert match in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_cli_streams_text():
+    r = _cli("--prompt", "Hello", "--max-new-tokens", "6", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    assert "Hello" in r.stdout and "Transformer(" in r.stdout
+
+
+_WORKER = textwrap.dedent("""
+    import json, sys
+    import jax
+    pid, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    jax.distributed.initialize(f"127.0.0.1:{port}", 2, pid)
+    jax.config.update("jax_num_cpu_devices", 2)
+    from flax import nnx
+    import ladder_jax as lj
+    from ladder_jax import decode
+    assert jax.device_count() == 4 and jax.local_device_count() == 2
+    mesh = lj.make_mesh(tp=4)  # tensor parallelism across both processes
+    model = lj.Transformer(lj.ModelConfig.from_preset("tiny", residual="ladder"), mesh=mesh,
+                           rngs=nnx.Rngs(0))
+    tokens = decode.generate(model, [[5, 6, 7], [1, 2, 3, 4, 5, 6]], max_new_tokens=10)
+    if pid == 0:
+        json.dump(tokens, open(out, "w"))
+""")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_with_tp_across_them_match_one_process(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    out = tmp_path / "tokens.json"
+    port = str(_free_port())
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), port, str(out)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), logs
+    import json
+    got = json.loads(out.read_text())
+    model = _model(1, residual="ladder")
+    assert got == decode.generate(model, [[5, 6, 7], [1, 2, 3, 4, 5, 6]], max_new_tokens=10)
