@@ -32,6 +32,7 @@ How each weight is laid out (the `WeightSpecs` table below is the single source 
 | norm scales (D,)         | (-)               | tiny, replicated |
 | embed (V, D)             | (-, -)            | replicated: the lookup needs no collective |
 | head (D, V)              | (-, tp)           | vocab-parallel logits, returned sharded over V |
+| KV cache (B, S, K', H)   | (data, -, tp, -)  | K' = max(K, tp): see `CACHE_BSKH` |
 
 Memory costs of the replicated pieces, per rank:
 - embed: V*D values (llama-3-70b: 128256*8192*2 B = 2.1 GB in bf16). The lookup then costs no
