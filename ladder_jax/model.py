@@ -434,21 +434,15 @@ class Transformer(nnx.Module):
         specs = param_specs(state)
         batch, logits = P(DATA, None), P(DATA, None, TP)
 
-        if cache is None:
-            def local(state, tokens_bt, positions_bt):
-                return nnx.merge(graphdef, state).forward_local(tokens_bt, positions_bt)
+        cache_args = () if cache is None else (cache,)  # the cache travels only if given
+        cache_specs = tuple(jax.tree.map(lambda _: sharding.CACHE_BSKH, c) for c in cache_args)
 
-            return sharding.shard(local, self.mesh, in_specs=(specs, batch, batch),
-                                  out_specs=logits)(state, tokens_bt, positions_bt)
+        def local(state, tokens_bt, positions_bt, *cache):
+            return nnx.merge(graphdef, state).forward_local(tokens_bt, positions_bt, *cache)
 
-        def local_cached(state, tokens_bt, positions_bt, cache):
-            return nnx.merge(graphdef, state).forward_local(tokens_bt, positions_bt, cache)
-
-        cache_specs = jax.tree.map(lambda _: sharding.CACHE_BSKH, cache)
-        return sharding.shard(local_cached, self.mesh,
-                              in_specs=(specs, batch, batch, cache_specs),
-                              out_specs=(logits, cache_specs))(state, tokens_bt, positions_bt,
-                                                               cache)
+        return sharding.shard(local, self.mesh, in_specs=(specs, batch, batch, *cache_specs),
+                              out_specs=(logits, *cache_specs) if cache_specs else logits)(
+            state, tokens_bt, positions_bt, *cache_args)
 
     # -- inside shard_map ------------------------------------------------------------------
 
