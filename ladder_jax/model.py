@@ -530,7 +530,7 @@ _lm_head.defvjp(_lm_head_fwd, _lm_head_bwd)
 # `parts` the matching ((norm state, module state), ...): the 2L modules in order.
 
 
-def _call(plan, k, parts, positions_bt):
+def _call(plan, k, positions_bt):
     """Module k's two functions: norm (state, x) -> h and module (state, h) -> partial sum.
     The module's input is cast to tp-varying by the caller: in the backward that cast is the
     all-reduce of the input cotangent, which `_ladder_bwd` issues itself."""
@@ -567,7 +567,7 @@ def _stream(plan, parts, x_btd, positions_bt, vjps=None, caches=None):
         with jax.named_scope(f"layer{i}.{name}"):  # names the ops in the compiled HLO
             while len(pending) > (1 if i in ladder else 0):
                 x_btd = x_btd + pending.pop(0)
-            norm, module = _call(plan, k, parts, positions_bt)
+            norm, module = _call(plan, k, positions_bt)
             (norm_state, module_state) = parts[k]
             if caches is not None and name == "attn":
                 h_btd = vary(norm(norm_state, x_btd))
