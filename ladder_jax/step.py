@@ -6,6 +6,13 @@
 
 `params` is the model's `nnx.State` of weights; the step runs the model's shard_map forward,
 the backward through it, global-norm clipping and AdamW (the paper's defaults).
+
+Gradient accumulation: tokens/targets of shape (A, B, T) are A micro-batches, scanned; the
+update uses the mean of their gradients (the same as one (A*B, T) batch, up to rounding).
+
+Non-finite guard: when the loss or the gradient norm is not finite, the update is not applied:
+params and optimizer state come back unchanged (the schedule does not advance either) and
+`metrics["skipped"]` is 1. The caller counts and stops after too many in a row.
 """
 
 from __future__ import annotations
@@ -31,13 +38,17 @@ class OptimizerConfig:
     grad_clip: float = 1.0
 
 
+def make_schedule(cfg: OptimizerConfig = OptimizerConfig()) -> optax.Schedule:
+    """Linear warmup from 0 to `peak_lr`, then cosine decay to `peak_lr * end_lr_fraction`."""
+    return optax.warmup_cosine_decay_schedule(
+        0.0, cfg.peak_lr, max(cfg.warmup_steps, 1), max(cfg.total_steps, cfg.warmup_steps + 1),
+        end_value=cfg.peak_lr * cfg.end_lr_fraction)
+
+
 def make_optimizer(cfg: OptimizerConfig = OptimizerConfig()) -> optax.GradientTransformation:
     """AdamW on a linear-warmup + cosine schedule. Gradient clipping is done by `train_step`
     (it needs the global norm anyway, and computing it once saves one reduction per weight)."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.peak_lr, max(cfg.warmup_steps, 1), max(cfg.total_steps, cfg.warmup_steps + 1),
-        end_value=cfg.peak_lr * cfg.end_lr_fraction)
-    return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+    return optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                        weight_decay=cfg.weight_decay)
 
 
@@ -58,13 +69,36 @@ def loss_fn(graphdef, params, tokens_bt, targets_bt, mask_bt=None):
     return cross_entropy(model(tokens_bt), targets_bt, mask_bt)
 
 
+def loss_and_grads(graphdef, params, tokens, targets, mask=None):
+    """Loss and gradients of one (B, T) batch, or the means over (A, B, T) micro-batches."""
+    grad_fn = jax.value_and_grad(loss_fn, argnums=1)
+    if tokens.ndim == 2:
+        return grad_fn(graphdef, params, tokens, targets, mask)
+    n = tokens.shape[0]
+
+    def micro(carry, batch):
+        loss_sum, grad_sum = carry
+        loss, grads = grad_fn(graphdef, params, *batch)
+        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (loss_sum, grad_sum), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros),
+                                           (tokens, targets, mask))
+    return loss_sum / n, jax.tree.map(lambda g: g / n, grad_sum)
+
+
 def train_step(graphdef, params, opt_state, tokens_bt, targets_bt, *, optimizer, grad_clip=1.0,
                mask_bt=None):
-    loss, grads = jax.value_and_grad(loss_fn, argnums=1)(graphdef, params, tokens_bt,
-                                                         targets_bt, mask_bt)
+    """One update. tokens/targets (B, T), or (A, B, T) for A accumulated micro-batches."""
+    loss, grads = loss_and_grads(graphdef, params, tokens_bt, targets_bt, mask_bt)
     grad_norm = optax.tree.norm(grads)
     scale = jnp.minimum(1.0, grad_clip / jnp.maximum(grad_norm, 1e-12))
     grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    params = jax.tree.map(keep, new_params, params)
+    opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+    return params, opt_state, {"loss": loss, "grad_norm": grad_norm,
+                               "skipped": (~finite).astype(jnp.int32)}

@@ -1,0 +1,162 @@
+"""Training data: text or token files -> packed (seq_len + 1)-token records -> grain pipeline.
+
+    tokens = load_tokens(path, tokenizer)             # one flat int32 stream, documents joined
+    train, held_out = split(tokens, seq_len, eval_fraction)
+    it = train_iterator(train, seq_len=..., batch=..., seed=..., shard=(i, n))
+
+Sources (`path`):
+- unset: the embedded corpus, `ladder_jax/corpus/devils_dictionary.txt` (public domain, see
+  NOTICE.md there), so training needs no download;
+- a text file, a glob (`books/*.txt`) or a directory (every file below it, sorted): each file
+  is one document, tokenized when the run starts and framed as BOS ... EOS;
+- `.npy` files: pre-tokenized 1-D integer arrays, memory-mapped, used as they are.
+
+Packing is concatenate-and-chunk: the stream is cut into consecutive records of seq_len + 1
+tokens (inputs are the first seq_len, targets the last seq_len), so no token is padding and
+documents run into each other across BOS/EOS. The last `eval_fraction` of records is the
+held-out split (never shuffled into training). Training records are shuffled with a seed
+(grain reshuffles every epoch), each process reads only its shard `[shard::num_shards]`, and
+the iterator's state (`get_state`/`set_state`, or orbax through `grain.checkpoint`) resumes
+exactly where it stopped.
+
+Tokenizer: byte-level by default (`ByteTokenizer`: bytes 0-255 plus BOS, EOS, PAD; fits the
+320-token vocabulary of the `tiny` and `small` presets). A local Hugging Face `tokenizer.json`
+works too (needs the `tokenizers` package; nothing is downloaded).
+
+Footgun: text is tokenized in the main process when the run starts. For corpora beyond a few
+hundred MB, tokenize once and train on the `.npy` arrays.
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import os
+from importlib import resources
+
+import grain
+import numpy as np
+
+from ladder_jax.tokenizer import ByteTokenizer
+
+
+class DataError(ValueError):
+    """Data that cannot be used as configured; the message says why and what to change."""
+
+
+DEFAULT_CORPUS = "devils_dictionary.txt"
+
+
+def make_tokenizer(name: str):
+    """`byte` (the embedded default) or a local Hugging Face tokenizer.json; both encode with
+    `encode(text, bos=, eos=)` (see `ladder_jax.tokenizer` and `ladder_jax.hf`)."""
+    if name == "byte":
+        return ByteTokenizer()
+    if not os.path.isfile(name):
+        raise DataError(f"data.tokenizer={name!r}: no such file (give a tokenizer.json or byte)")
+    from ladder_jax.hf import HFError, HFTokenizer
+
+    try:
+        tok = (HFTokenizer.from_dir(os.path.dirname(os.path.abspath(name)))
+               if os.path.basename(name) == "tokenizer.json" else None) or HFTokenizer(name)
+    except HFError as e:
+        raise DataError(str(e)) from None
+    for attr, names in (("BOS", ("<s>", "<|begin_of_text|>", "<bos>")),
+                        ("EOS", ("</s>", "<|end_of_text|>", "<eos>"))):
+        if getattr(tok, attr) is None:  # no config beside it: guess the usual names
+            found = next((i for i in map(tok._tok.token_to_id, names) if i is not None), None)
+            setattr(tok, attr, found)
+            setattr(tok, attr.lower() + "_id", found)
+    return tok
+
+
+def source_files(path: str | None) -> list[str]:
+    """The files `path` names: one file, a glob, or every file below a directory (sorted)."""
+    if path is None:
+        return [str(resources.files("ladder_jax") / "corpus" / DEFAULT_CORPUS)]
+    if os.path.isdir(path):
+        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
+                       if not f.startswith("."))
+    elif os.path.isfile(path):
+        files = [path]
+    else:
+        files = sorted(f for f in globlib.glob(path, recursive=True) if os.path.isfile(f))
+    if not files:
+        raise DataError(f"data.path={path!r} matches no file (give a file, a glob or a "
+                        f"directory; leave it unset for the embedded corpus)")
+    return files
+
+
+def load_tokens(path: str | None, tokenizer) -> np.ndarray:
+    """One flat token stream from `path` (see the module docstring)."""
+    files = source_files(path)
+    npy = [f for f in files if f.endswith(".npy")]
+    if npy and len(npy) != len(files):
+        raise DataError(f"data.path={path!r} mixes .npy arrays and text files: use one kind")
+    parts = []
+    for f in files:
+        if npy:
+            a = np.load(f, mmap_mode="r")
+            if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+                raise DataError(f"{f}: pre-tokenized data must be a 1-D integer array, got "
+                                f"{a.dtype}{list(a.shape)}")
+            parts.append(a)
+            continue
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            ids = tokenizer.encode(fh.read(), bos=False)
+        frame = [[tokenizer.BOS]] if tokenizer.BOS is not None else []
+        frame += [ids] + ([[tokenizer.EOS]] if tokenizer.EOS is not None else [])
+        parts.extend(np.asarray(p, np.int32) for p in frame)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+class Records:
+    """Random access to the consecutive (seq_len + 1)-token records of a token stream."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, start: int, stop: int):
+        self.tokens, self.seq_len, self.start, self.stop = tokens, seq_len, start, stop
+
+    def __len__(self):
+        return self.stop - self.start
+
+    def __getitem__(self, i):
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        a = (self.start + i) * self.seq_len
+        return np.asarray(self.tokens[a:a + self.seq_len + 1], np.int32)
+
+
+def split(tokens: np.ndarray, seq_len: int, eval_fraction: float):
+    """(train records, held-out records): the held-out split is the stream's last records."""
+    n = (len(tokens) - 1) // seq_len
+    n_eval = int(round(n * eval_fraction))
+    if n - n_eval < 1 or (eval_fraction > 0 and n_eval < 1):
+        raise DataError(
+            f"{len(tokens)} tokens make {n} records of seq_len={seq_len}: too few for a "
+            f"held-out fraction of {eval_fraction}; use more data or a shorter seq_len")
+    return Records(tokens, seq_len, 0, n - n_eval), Records(tokens, seq_len, n - n_eval, n)
+
+
+def _batch(ds: grain.MapDataset, batch: int, what: str):
+    if len(ds) < batch:
+        raise DataError(f"{what} has {len(ds)} records of this process's shard, fewer than "
+                        f"one batch of {batch}: use a smaller batch or seq_len, or more data")
+    return ds.batch(batch, drop_remainder=True)
+
+
+def train_iterator(records: Records, *, batch: int, seed: int, shard: tuple[int, int] = (0, 1)):
+    """An endless, seeded, checkpointable iterator of (batch, seq_len + 1) int32 arrays over
+    this process's shard (`shard` = (index, count))."""
+    i, n = shard
+    ds = grain.MapDataset.source(records).shuffle(seed=seed)[i::n]
+    _batch(ds, batch, "the training split")  # checks there is at least one batch
+    # repeat before batch: the shuffle sees the epoch in the index and reshuffles each epoch
+    ds = ds.repeat(None).batch(batch, drop_remainder=True)
+    return ds.to_iter_dataset().__iter__()
+
+
+def eval_batches(records: Records, *, batch: int, max_batches: int,
+                 shard: tuple[int, int] = (0, 1)):
+    """The held-out split in order: at most `max_batches` (batch, seq_len + 1) arrays."""
+    i, n = shard
+    ds = _batch(grain.MapDataset.source(records)[i::n], batch, "the held-out split")
+    return [ds[k] for k in range(min(len(ds), max_batches))]

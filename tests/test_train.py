@@ -1,0 +1,220 @@
+"""End-to-end training: learning, resume bit for bit, mesh and process invariance, faults,
+config errors. Small on purpose: 2-layer tiny model, 32-token sequences, a few steps."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ladder_jax import checkpoint, data, step, train
+from ladder_jax.model import ModelConfig, Transformer
+from ladder_jax.sharding import make_mesh
+
+SMALL = ["model.n_layers=2", "data.seq_len=32", "data.batch_size=8", "eval_batches=2",
+         "progress=lines", "log_every=1000", "optim.warmup_steps=5", "optim.peak_lr=3e-3",
+         "mesh.data=1"]
+
+
+def config(tmp_path, *overrides, name="run"):
+    return train.load_config(SMALL + [f"run_dir={tmp_path}", f"name={name}", *overrides])
+
+
+def metrics(tmp_path, name="run"):
+    with open(tmp_path / name / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def cli(*args, env=None, **kw):
+    return subprocess.Popen([sys.executable, "-m", "ladder_jax.train", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_loss_falls_on_embedded_corpus(tmp_path):
+    out = train.run(config(tmp_path, "steps=40", "eval_every=0"))
+    losses = [out["losses"][s] for s in sorted(out["losses"])]
+    assert losses[0] > 5.0  # ~ln(320) at init
+    assert np.mean(losses[-5:]) < losses[0] - 2.0, losses
+    assert out["eval_loss"] < 3.5
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    assert rows[-1]["eval_ppl"] == pytest.approx(np.exp(rows[-1]["eval_loss"]))
+
+
+@pytest.fixture(scope="module")
+def tp1_losses(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp1")
+    return train.run(config(path, "steps=4", "eval_every=0", name="ref"))["losses"]
+
+
+@pytest.mark.parametrize("mesh", [("mesh.tp=2", "mesh.data=1"), ("mesh.tp=1", "mesh.data=2"),
+                                  ("mesh.tp=2", "mesh.data=2"),
+                                  ("mesh.tp=2", "mesh.data=2", "mesh.fsdp=true")])
+def test_mesh_gives_same_losses(tmp_path, mesh, tp1_losses):
+    ref = tp1_losses
+    got = train.run(config(tmp_path, "steps=4", "eval_every=0", *mesh))["losses"]
+    assert list(got) == list(ref) == [1, 2, 3, 4]
+    np.testing.assert_allclose([got[s] for s in got], [ref[s] for s in ref], rtol=2e-5)
+
+
+def test_grad_accumulation_equals_big_batch(tmp_path):
+    big = train.run(config(tmp_path, "steps=3", "data.batch_size=8", name="big"))
+    acc = train.run(config(tmp_path, "steps=3", "data.batch_size=4", "data.grad_accum=2"))
+    # Same records (the iterator's batch is batch_size x grad_accum), same mean gradient.
+    np.testing.assert_allclose(list(acc["losses"].values()), list(big["losses"].values()),
+                               rtol=2e-5)
+
+
+def test_sigterm_then_rerun_equals_uninterrupted(tmp_path):
+    args = SMALL + ["steps=300", "ckpt_every=100", "eval_every=0", f"run_dir={tmp_path}"]
+    proc = cli(*args, "name=cut")
+    path = tmp_path / "cut" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline:  # wait until it is mid-run
+        if path.exists() and len(path.read_text().splitlines()) >= 120:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    cut = metrics(tmp_path, "cut")[-1]["step"]
+    assert 120 <= cut < 300, "the run should have been interrupted mid-way"
+    assert f"checkpoint saved at step {cut}" in err + _
+    proc = cli(*args, "name=cut")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "resumed from" in out and f"/{cut} " in out
+    resumed = metrics(tmp_path, "cut")
+    ref = train.run(config(tmp_path, "steps=300", "ckpt_every=100", "eval_every=0",
+                           name="ref"))
+    ref_rows = metrics(tmp_path, "ref")
+    assert [r["step"] for r in resumed] == list(range(1, 301))
+    # the data iterator neither repeated nor skipped a batch...
+    assert [r["batch_crc"] for r in resumed] == [r["batch_crc"] for r in ref_rows]
+    # ...and the losses are bit for bit those of the uninterrupted run
+    assert [r["loss"] for r in resumed] == [ref["losses"][s] for s in range(1, 301)]
+
+
+def test_resume_on_another_mesh_and_init_from(tmp_path):
+    base = ("eval_every=0", "ckpt_every=3")
+    a = train.run(config(tmp_path, "steps=5", "mesh.tp=2", "mesh.data=1", *base, name="ref"))
+    train.run(config(tmp_path, "steps=3", "mesh.tp=2", "mesh.data=1", *base))
+    # same run directory, more steps, tp 2 -> 4: resumes from step 3 on the new mesh
+    b = train.run(config(tmp_path, "steps=5", "mesh.tp=4", "mesh.data=1", *base))
+    np.testing.assert_allclose([b["losses"][s] for s in (4, 5)],
+                               [a["losses"][s] for s in (4, 5)], rtol=2e-5)
+    # weights only: step 1 of a new run evaluates the loaded weights
+    c = train.run(config(tmp_path, "steps=1", f"init_from={tmp_path}/ref", *base, name="ft"))
+    assert c["losses"][1] < a["losses"][1] - 0.5
+
+
+def test_nonfinite_gradient_is_skipped_and_params_unchanged():
+    mesh = make_mesh(tp=2, data=1, devices=jax.devices()[:2])
+    cfg = ModelConfig.from_preset("tiny", n_layers=2)
+    graphdef, params = nnx.split(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
+    optimizer = step.make_optimizer()
+    opt_state = optimizer.init(params)
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
+    fn = jax.jit(lambda p, o, t, m: step.train_step(graphdef, p, o, t, t, optimizer=optimizer,
+                                                    mask_bt=m))
+    before = jax.tree.map(np.asarray, (params, opt_state))
+    nan_mask = jnp.full(tokens.shape, jnp.nan)  # poisons the loss and every gradient
+    p2, o2, m = fn(params, opt_state, tokens, nan_mask)
+    assert int(m["skipped"]) == 1 and not np.isfinite(float(m["grad_norm"]))
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, (p2, o2)), before)
+    p3, o3, m = fn(p2, o2, tokens, jnp.ones(tokens.shape))  # learning rate 0 at step 0
+    p3, _, m = fn(p3, o3, tokens, jnp.ones(tokens.shape))
+    assert int(m["skipped"]) == 0
+    assert not np.array_equal(np.asarray(p3["embed"][...]), before[0]["embed"][...])
+
+
+def test_too_many_nonfinite_steps_stop_with_last_checkpoint_intact(tmp_path):
+    # An absurd learning rate blows the weights up at step 1; every later loss is non-finite.
+    cfg = config(tmp_path, "steps=20", "optim.peak_lr=1e30", "optim.warmup_steps=1",
+                 "ckpt_every=1", "max_bad_steps=3", "eval_every=0")
+    with pytest.raises(train.NonFiniteError, match="3 non-finite steps in a row"):
+        train.run(cfg)
+    rows = metrics(tmp_path)
+    assert [r.get("skipped", False) for r in rows][-3:] == [True] * 3
+    ckpts = checkpoint.Checkpointer(str(tmp_path / "run" / "checkpoints"))
+    last = ckpts.latest_step()
+    assert last is not None and last < rows[-1]["step"]
+    ckpts.close()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["optim.peak_lrr=1e-3"], "unknown config key 'optim.peak_lrr' (did you mean "
+                              "'optim.peak_lr'?)"),
+    (["stepz=10"], "did you mean 'steps'?"),
+    (["steps=many"], "config key 'steps' must be int, got 'many'"),
+    (["mesh.tp=1", "mesh.data=2", "data.batch_size=3"], "batch size 3 is not divisible by the "
+                                                         "data axis (2)"),
+])
+def test_bad_config_is_a_clear_error(args, message):
+    proc = cli(*args, "steps=1")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, (out, err)
+    assert message in err
+    assert "Traceback" not in err
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_equal_one(tmp_path):
+    common = SMALL + ["steps=3", "eval_every=0", "mesh.tp=2", "mesh.data=2"]
+    ref = train.run(train.load_config(common + [f"run_dir={tmp_path}", "name=one"]))["losses"]
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    procs = [cli(*common, f"run_dir={tmp_path}", "name=two", "mesh.cpu_devices=2",
+                 f"dist.coordinator_address=127.0.0.1:{port}", "dist.num_processes=2",
+                 f"dist.process_id={i}", env=env) for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    ours = [[ln for ln in out.splitlines() if not ln.startswith("[Gloo]")] for out, _ in outs]
+    assert "on 2 process(es)" in ours[0][0] and ours[1] == []  # process 0 alone logs
+    got = metrics(tmp_path, "two")
+    np.testing.assert_allclose([r["loss"] for r in got], [ref[s] for s in (1, 2, 3)],
+                               rtol=2e-5)
+
+
+def test_byte_tokenizer_and_sources(tmp_path):
+    tok = data.ByteTokenizer()
+    assert tok.decode(tok.encode("héllo")) == "héllo"
+    (tmp_path / "a.txt").write_text("abc")
+    (tmp_path / "b.txt").write_text("de")
+    stream = data.load_tokens(str(tmp_path), tok)
+    assert stream.tolist() == [256, 97, 98, 99, 257, 256, 100, 101, 257]
+    np.save(tmp_path / "t.npy", np.arange(10, dtype=np.int32))
+    assert data.load_tokens(str(tmp_path / "*.npy"), tok).tolist() == list(range(10))
+    train_r, held = data.split(np.arange(101), seq_len=10, eval_fraction=0.2)
+    assert (len(train_r), len(held)) == (8, 2)
+    assert train_r[1].tolist() == list(range(10, 21)) and held[0].tolist() == list(range(80, 91))
+    # two shards of one epoch are disjoint and cover everything
+    shards = [data.train_iterator(train_r, batch=2, seed=0, shard=(i, 2)) for i in range(2)]
+    seen = [r[0] for it in shards for _ in range(2) for r in next(it)]
+    assert sorted(seen) == list(range(0, 80, 10))
+
+
+@pytest.mark.parametrize("name", ["tiny", "1b", "3b"])
+def test_shipped_configs_parse(name):
+    cfg = train.load_config([f"configs/{name}.yaml"])
+    mc = train.model_config(cfg)
+    assert mc.param_dtype == "float32" and cfg.data.seq_len <= mc.max_seq_len
+    if name != "tiny":  # the paper's recipe: ~4M tokens per step, bf16 compute, AdamW
+        assert cfg.data.batch_size * cfg.data.grad_accum * cfg.data.seq_len == 4 * 2**20
+        assert (mc.dtype, cfg.optim.peak_lr, cfg.optim.b2, cfg.optim.eps) == (
+            "bfloat16", 3e-4, 0.95, 1e-10)
