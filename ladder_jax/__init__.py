@@ -20,6 +20,7 @@ from ladder_jax.model import (
     with_config,
 )
 from ladder_jax.sharding import ShardingError, compiler_options, make_mesh
+from ladder_jax.hf import load_hf, save_hf
 
 __all__ = [
     "PRESETS",
@@ -30,7 +31,9 @@ __all__ = [
     "ShardingError",
     "Transformer",
     "compiler_options",
+    "load_hf",
     "make_mesh",
     "param_specs",
+    "save_hf",
     "with_config",
 ]

@@ -1,0 +1,509 @@
+"""Hugging Face Llama checkpoints in and out: `load_hf` / `save_hf`. Local files only.
+
+    model, tokenizer = ladder_jax.load_hf("Llama-3.2-1B/", mesh=lj.make_mesh(tp=8))
+    model, _ = ladder_jax.load_hf(path, mesh=mesh, residual="ladder", ladder_layers=8)  # hybrid
+    ladder_jax.save_hf(model, "out/", tokenizer=tokenizer)
+
+A Hugging Face directory holds `config.json` (model_type "llama"), the weights as
+`model.safetensors` or as shards listed in `model.safetensors.index.json`, and usually
+`tokenizer.json`. Config mapping (HF -> `ModelConfig`): vocab_size, hidden_size -> d_model,
+num_hidden_layers -> n_layers, num_attention_heads -> n_heads, num_key_value_heads ->
+n_kv_heads, intermediate_size -> d_ff, head_dim, max_position_embeddings -> max_seq_len,
+rope_theta, rope scaling of type "llama3" -> `RopeScaling` (transformers 4.x `rope_scaling` or
+5.x `rope_parameters`; any other type is refused), rms_norm_eps -> norm_eps,
+tie_word_embeddings. Biases, other activations than SiLU and non-Llama models are refused.
+
+Weight mapping (HF stores nn.Linear weights as (out, in); ours are in einsum shape): q_proj
+(N*H, D) -> q (D, N, H); k_proj / v_proj (K*H, D) -> (D, K, H); o_proj (D, N*H) -> o (N, H, D);
+gate_proj / up_proj (F, D) -> (D, F); down_proj (D, F) -> (F, D); lm_head (V, D) -> head (D, V).
+Our RoPE rotates the two halves of each head like HF's `rotate_half`, so no permutation of the
+q / k rows is needed.
+
+Loading streams: every file's header is checked first (missing tensors and shape mismatches
+fail before anything is read, naming the tensor, the file and both shapes); then one tensor at a
+time is memory-mapped, converted, and placed straight into its sharding with
+`jax.make_array_from_callback` (each device copies only its slice), then dropped. The model is
+built from shapes (`nnx.eval_shape`), so no random weights are ever materialized. The
+safetensors format is read and written here directly (an 8-byte header length, a JSON header,
+raw little-endian data): the `safetensors` package cannot hand bfloat16 to numpy.
+
+Residual scheme: `save_hf` records it in config.json as "ladder_residual" and "ladder_layers";
+`load_hf` uses them unless `residual=` / `ladder_layers=` are given (giving `ladder_layers`
+alone implies residual="ladder"). Any scheme loads any Llama weights.
+
+Footguns:
+- transformers ignores those two keys: it runs an exported ladder model as a *standard* Llama,
+  which is a different function of the same weights. Load it back with `load_hf`.
+- vocab_size must be divisible by tp (the LM head is split over the vocabulary). Padding is not
+  done for you: zero rows would produce logits of exactly 0 that greedy decoding could pick.
+  Use a tp that divides the vocabulary.
+- Parameters load as float32 unless `param_dtype="bfloat16"` (halves memory; the HF file's
+  dtype is not used), matmuls run in `dtype`.
+- Multi-host: every process calls `load_hf` (each reads only the slices its devices hold, from
+  the same files) and `save_hf` (a collective gather of each weight; process 0 writes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import struct
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+
+from ladder_jax.model import ConfigError, ModelConfig, RopeScaling, Transformer
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+TOKENIZER = "tokenizer.json"
+_KEEP = object()  # "take it from config.json"
+
+
+class HFError(ValueError):
+    """A Hugging Face checkpoint that cannot be imported; the message names the file / tensor."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Config.
+
+
+def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
+    params = hf.get("rope_parameters") or {}  # transformers 5.x
+    legacy = hf.get("rope_scaling") or {}  # transformers 4.x
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = {**legacy, **params}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in (None, "default"):
+        return float(theta), None
+    if kind != "llama3":
+        raise HFError(f"config.json: rope scaling type {kind!r} is not supported (only the "
+                      f"llama-3 type 'llama3', or none)")
+    try:
+        return float(theta), RopeScaling(
+            factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_len=int(scaling["original_max_position_embeddings"]))
+    except KeyError as e:
+        raise HFError(f"config.json: llama3 rope scaling lacks {e.args[0]!r}") from None
+
+
+def config_from_hf(hf: dict, *, residual=None, ladder_layers=_KEEP, dtype="float32",
+                   param_dtype="float32") -> ModelConfig:
+    """The `ModelConfig` of an HF LlamaForCausalLM config.json (a dict). See the module doc."""
+    kind = hf.get("model_type")
+    if kind != "llama":
+        arch = ", ".join(hf.get("architectures") or []) or "unknown architecture"
+        raise HFError(f"config.json: model_type={kind!r} ({arch}) is not a Llama model; only "
+                      f"model_type 'llama' (LlamaForCausalLM) can be imported")
+    for key, ok in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
+        if hf.get(key, ok) != ok:
+            raise HFError(f"config.json: {key}={hf[key]!r} is not supported (needs {ok!r})")
+    if (hf.get("pretraining_tp") or 1) != 1:
+        raise HFError(f"config.json: pretraining_tp={hf['pretraining_tp']} is not supported")
+    need = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "intermediate_size")
+    missing = [k for k in need if k not in hf]
+    if missing:
+        raise HFError(f"config.json lacks {', '.join(missing)}")
+    if residual is None:
+        residual = hf.get("ladder_residual", "standard")
+        if ladder_layers is _KEEP:
+            ladder_layers = hf.get("ladder_layers")
+        elif ladder_layers is not None:
+            residual = "ladder"
+    elif ladder_layers is _KEEP:
+        ladder_layers = None
+    if isinstance(ladder_layers, list):
+        ladder_layers = tuple(ladder_layers)
+    theta, scaling = _rope(hf)
+    try:
+        return ModelConfig(
+            vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
+            n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
+            n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            d_ff=hf["intermediate_size"], head_dim=hf.get("head_dim"),
+            max_seq_len=hf.get("max_position_embeddings", 2048), rope_theta=theta,
+            rope_scaling=scaling, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)), residual=residual,
+            ladder_layers=ladder_layers, dtype=dtype, param_dtype=param_dtype)
+    except ConfigError as e:
+        raise HFError(f"config.json: {e}") from None
+
+
+def hf_config(config: ModelConfig, tokenizer=None) -> dict:
+    """config.json for `config` (LlamaForCausalLM), with the residual scheme recorded."""
+    sc = config.rope_scaling
+    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if sc is not None:
+        rope = {"rope_type": "llama3", "rope_theta": config.rope_theta, "factor": sc.factor,
+                "low_freq_factor": sc.low_freq_factor, "high_freq_factor": sc.high_freq_factor,
+                "original_max_position_embeddings": sc.original_max_len}
+    ll = config.ladder_layers
+    out = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": config.vocab_size, "hidden_size": config.d_model,
+        "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads, "intermediate_size": config.d_ff,
+        "head_dim": config.head_dim, "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps, "tie_word_embeddings": config.tie_embeddings,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        # transformers 4.x reads rope_theta (+ rope_scaling), 5.x rope_parameters
+        "rope_theta": config.rope_theta, "rope_parameters": rope,
+        "dtype": str(np.dtype(config.param_dtype)),
+        # ladder_jax's own keys (transformers ignores them: see the module docstring)
+        "ladder_residual": config.residual,
+        "ladder_layers": list(ll) if isinstance(ll, tuple) else ll,
+    }
+    if sc is not None:
+        out["rope_scaling"] = dict(rope)
+    if tokenizer is not None:
+        out["bos_token_id"], out["eos_token_id"] = tokenizer.bos_id, tokenizer.eos_id
+    return out
+
+
+def read_config(path: str) -> dict:
+    file = os.path.join(path, CONFIG)
+    if not os.path.isdir(path):
+        raise HFError(f"{path!r} is not a directory (expected a Hugging Face model directory)")
+    if not os.path.isfile(file):
+        raise HFError(f"no config.json in {path!r}: not a Hugging Face model directory")
+    try:
+        with open(file) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise HFError(f"cannot read {file}: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# The weight table: our state path <-> HF tensor name, and the layout change both ways.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    path: tuple  # into the model's state
+    name: str  # HF tensor name
+    hf_shape: tuple
+    to_ours: Any  # np array (HF layout) -> np array (einsum layout)
+    to_hf: Any
+
+
+def _table(c: ModelConfig) -> list[_Entry]:
+    D, F, V, H = c.d_model, c.d_ff, c.vocab_size, c.head_dim
+    N, K = c.n_heads, c.n_kv_heads
+    same = lambda w: w
+    T = lambda w: w.T
+
+    def proj(heads):  # (heads*H, D) <-> (D, heads, H)
+        return (lambda w: w.reshape(heads, H, D).transpose(2, 0, 1),
+                lambda w: w.transpose(1, 2, 0).reshape(heads * H, D))
+
+    out_in = (lambda w: w.reshape(D, N, H).transpose(1, 2, 0),  # (D, N*H) <-> (N, H, D)
+              lambda w: w.transpose(2, 0, 1).reshape(D, N * H))
+    rows = [_Entry(("embed",), "model.embed_tokens.weight", (V, D), same, same)]
+    for i in range(c.n_layers):
+        p = f"model.layers.{i}."
+        rows += [
+            _Entry(("layers", i, "attn_norm", "scale"), p + "input_layernorm.weight", (D,),
+                   same, same),
+            _Entry(("layers", i, "attn", "q"), p + "self_attn.q_proj.weight", (N * H, D),
+                   *proj(N)),
+            _Entry(("layers", i, "attn", "k"), p + "self_attn.k_proj.weight", (K * H, D),
+                   *proj(K)),
+            _Entry(("layers", i, "attn", "v"), p + "self_attn.v_proj.weight", (K * H, D),
+                   *proj(K)),
+            _Entry(("layers", i, "attn", "o"), p + "self_attn.o_proj.weight", (D, N * H),
+                   *out_in),
+            _Entry(("layers", i, "mlp_norm", "scale"), p + "post_attention_layernorm.weight",
+                   (D,), same, same),
+            _Entry(("layers", i, "mlp", "gate"), p + "mlp.gate_proj.weight", (F, D), T, T),
+            _Entry(("layers", i, "mlp", "up"), p + "mlp.up_proj.weight", (F, D), T, T),
+            _Entry(("layers", i, "mlp", "down"), p + "mlp.down_proj.weight", (D, F), T, T),
+        ]
+    rows.append(_Entry(("final_norm", "scale"), "model.norm.weight", (D,), same, same))
+    if not c.tie_embeddings:
+        rows.append(_Entry(("head",), "lm_head.weight", (V, D), T, T))
+    return rows
+
+
+# Tensors some checkpoints carry that the model does not need.
+_IGNORED = ("rotary_emb.inv_freq",)
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors, read by memory map and written directly.
+
+_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32),
+           "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}
+_CODES = {v: k for k, v in _DTYPES.items()}
+
+
+class _SafetensorsFile:
+    def __init__(self, file: str):
+        self.file = file
+        try:
+            with open(file, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+        except (OSError, struct.error, ValueError) as e:
+            raise HFError(f"{file}: not a readable safetensors file ({e})") from None
+        header.pop("__metadata__", None)
+        self.base, self.header = 8 + n, header
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self.header[name]["shape"])
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor, memory-mapped (nothing is read until it is used)."""
+        h = self.header[name]
+        dtype = _DTYPES.get(h["dtype"])
+        if dtype is None:
+            raise HFError(f"{self.file}: tensor {name!r} has dtype {h['dtype']}, not one of "
+                          f"{', '.join(_DTYPES)}")
+        start, end = h["data_offsets"]
+        shape = tuple(h["shape"])
+        if end - start != math.prod(shape) * dtype.itemsize:
+            raise HFError(f"{self.file}: tensor {name!r} is corrupt (its byte range does not "
+                          f"match shape {shape} of {h['dtype']})")
+        if not shape or 0 in shape:
+            return np.zeros(shape, dtype)
+        return np.memmap(self.file, dtype=dtype, mode="r", offset=self.base + start, shape=shape)
+
+
+def _write_safetensors(file: str, tensors: dict[str, np.ndarray]) -> None:
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, t in tensors.items():
+        if t.dtype not in _CODES:
+            raise HFError(f"cannot write tensor {name!r} of dtype {t.dtype} to safetensors")
+        header[name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+    tmp = file + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for t in tensors.values():
+            f.write(np.ascontiguousarray(t).view(np.uint8).data)
+    os.replace(tmp, file)
+
+
+def _weight_files(path: str) -> dict[str, str]:
+    """HF tensor name -> the safetensors file holding it."""
+    if os.path.isfile(os.path.join(path, INDEX)):
+        try:
+            with open(os.path.join(path, INDEX)) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise HFError(f"cannot read {os.path.join(path, INDEX)}: {e!r}") from None
+        return {k: os.path.join(path, v) for k, v in weight_map.items()}
+    if os.path.isfile(os.path.join(path, SINGLE)):
+        return {k: os.path.join(path, SINGLE)
+                for k in _SafetensorsFile(os.path.join(path, SINGLE)).header}
+    if any(f.endswith(".bin") for f in os.listdir(path)):
+        raise HFError(f"{path!r} has PyTorch .bin weights only: save them as safetensors first "
+                      f"(transformers: model.save_pretrained(dir, safe_serialization=True))")
+    raise HFError(f"no {SINGLE} or {INDEX} in {path!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer.
+
+
+class HFTokenizer:
+    """A checkpoint's `tokenizer.json` (the `tokenizers` package), with the interface of
+    `ladder_jax.tokenizer.ByteTokenizer`: encode(text, bos=, eos=) -> ids, decode(ids)."""
+
+    def __init__(self, file: str, *, bos_id=None, eos_id=None, pad_id=None):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise HFError(f"{file} needs the `tokenizers` package: pip install tokenizers") \
+                from None
+        self.file = file
+        self._tok = Tokenizer.from_file(file)
+        self.vocab_size = self._tok.get_vocab_size()
+        self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+        self.BOS, self.EOS, self.PAD = bos_id, eos_id, pad_id  # ladder_jax.data's spelling
+
+    @classmethod
+    def from_dir(cls, path: str, hf: dict | None = None) -> HFTokenizer | None:
+        """The tokenizer of an HF model directory, or None if it has no tokenizer.json. Special
+        ids come from config.json, else tokenizer_config.json's token strings."""
+        file = os.path.join(path, TOKENIZER)
+        if not os.path.isfile(file):
+            return None
+        hf = hf or {}
+        tok = cls(file)
+        names = {}
+        tc = os.path.join(path, "tokenizer_config.json")
+        if os.path.isfile(tc):
+            with open(tc) as f:
+                names = json.load(f)
+
+        def special(key):
+            v = hf.get(f"{key}_token_id")
+            if isinstance(v, list):  # llama-3 instruct lists several EOS ids: take the first
+                v = v[0] if v else None
+            if v is None:
+                s = names.get(f"{key}_token")
+                s = s.get("content") if isinstance(s, dict) else s
+                v = tok._tok.token_to_id(s) if isinstance(s, str) else None
+            return v
+
+        tok.bos_id = tok.BOS = special("bos")
+        tok.eos_id = tok.EOS = special("eos")
+        tok.pad_id = tok.PAD = special("pad")
+        return tok
+
+    def encode(self, text: str, *, bos: bool = True, eos: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return ([self.bos_id] if bos and self.bos_id is not None else []) + ids + (
+            [self.eos_id] if eos and self.eos_id is not None else [])
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def save(self, path: str) -> None:
+        shutil.copyfile(self.file, os.path.join(path, TOKENIZER))
+
+    def __repr__(self):
+        return (f"HFTokenizer({self.file}, vocab {self.vocab_size}, bos={self.bos_id}, "
+                f"eos={self.eos_id})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Import.
+
+
+def _leaf(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def abstract_model(config: ModelConfig, mesh) -> Transformer:
+    """The model with shapes, dtypes and partition specs but no weights (nothing allocated)."""
+    return nnx.eval_shape(lambda: Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)))
+
+
+def load_hf(path: str, *, mesh, residual: str | None = None, ladder_layers=_KEEP,
+            dtype: str = "float32", param_dtype: str = "float32"):
+    """(model, tokenizer) from a local Hugging Face Llama directory; tokenizer is an
+    `HFTokenizer`, or None when there is no tokenizer.json.
+
+    residual / ladder_layers: any scheme (default: what config.json records, else standard;
+    `ladder_layers` alone implies "ladder"). dtype: matmul compute dtype; param_dtype: the
+    weights' dtype on the devices (float32 unless given)."""
+    path = os.fspath(path)
+    hf = read_config(path)
+    config = config_from_hf(hf, residual=residual, ladder_layers=ladder_layers, dtype=dtype,
+                            param_dtype=param_dtype)
+    model = abstract_model(config, mesh)  # raises ShardingError if config does not fit mesh
+    files = _weight_files(path)
+    table = _table(config)
+
+    # Check everything before reading anything.
+    headers = {f: _SafetensorsFile(f) for f in sorted(set(files.values()))}
+    missing = [e.name for e in table if e.name not in files]
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise HFError(f"tensor {missing[0]!r} is missing from {path!r}{more}: "
+                      f"{', '.join(repr(m) for m in missing[:3])}")
+    for e in table:
+        h = headers[files[e.name]]
+        if e.name not in h.header:
+            raise HFError(f"tensor {e.name!r} is listed in {INDEX} under "
+                          f"{os.path.basename(files[e.name])} but is not in that file")
+        if h.shape(e.name) != e.hf_shape:
+            raise HFError(f"tensor {e.name!r} in {os.path.basename(h.file)} has shape "
+                          f"{h.shape(e.name)}, but config.json implies {e.hf_shape}")
+    known = {e.name for e in table} | ({"lm_head.weight"} if config.tie_embeddings else set())
+    extra = [n for n in files if n not in known and not n.endswith(_IGNORED)]
+    if extra:
+        raise HFError(f"tensor {extra[0]!r} in {os.path.basename(files[extra[0]])} is not a "
+                      f"weight of a Llama model with this config.json ({len(extra)} unexpected)")
+
+    graphdef, state = nnx.split(model)
+    pure = nnx.to_pure_dict(state)
+    for file, h in headers.items():  # file by file, tensor by tensor
+        for e in (e for e in table if files[e.name] == file):
+            var = _leaf(state, e.path)
+            host = np.asarray(e.to_ours(h.read(e.name)), dtype=var.dtype)  # one tensor copy
+            sharding = NamedSharding(mesh, var.spec)
+            parent = _leaf(pure, e.path[:-1])
+            parent[e.path[-1]] = jax.make_array_from_callback(
+                host.shape, sharding, lambda idx, host=host: host[idx])
+            del host
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state), HFTokenizer.from_dir(path, hf)
+
+
+# ---------------------------------------------------------------------------------------------
+# Export.
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))  # collective
+
+
+def save_hf(model: Transformer, path: str, *, tokenizer=None,
+            max_shard_bytes: int = 5 * 2**30) -> None:
+    """Writes `model` as a Hugging Face Llama directory: config.json (with the residual scheme
+    under "ladder_residual" / "ladder_layers"), safetensors in the weights' dtype (several
+    files and an index when they exceed `max_shard_bytes`), and the tokenizer's tokenizer.json
+    if it has one (`HFTokenizer`). Host memory: one shard at a time. Multi-host: call on every
+    process; process 0 writes."""
+    path = os.fspath(path)
+    config = model.config
+    writer = jax.process_index() == 0
+    state = nnx.state(model)
+    table = _table(config)
+    if writer:
+        os.makedirs(path, exist_ok=True)
+    shards, size = [[]], 0  # plan from shapes, so file names are known before writing
+    for e in table:
+        v = _leaf(state, e.path)
+        n = math.prod(v.shape) * np.dtype(v.dtype).itemsize
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += n
+    names = ([SINGLE] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    weight_map, total = {}, 0
+    for file, entries in zip(names, shards):
+        tensors = {}
+        for e in entries:
+            tensors[e.name] = np.ascontiguousarray(e.to_hf(_to_host(_leaf(state, e.path)[...])))
+            weight_map[e.name] = file
+            total += tensors[e.name].nbytes
+        if writer:
+            _write_safetensors(os.path.join(path, file), tensors)
+        del tensors
+    if not writer:
+        return
+    if len(shards) > 1:
+        with open(os.path.join(path, INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    else:
+        stale = os.path.join(path, INDEX)  # an index left over would shadow model.safetensors
+        if os.path.exists(stale):
+            os.remove(stale)
+    with open(os.path.join(path, CONFIG), "w") as f:
+        json.dump(hf_config(config, tokenizer), f, indent=2)
+    if tokenizer is not None and hasattr(tokenizer, "save"):
+        tokenizer.save(path)

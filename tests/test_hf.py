@@ -1,0 +1,296 @@
+"""Hugging Face import / export against transformers itself (PyTorch CPU, a test extra).
+
+Small random Llamas are built here with transformers, their norm scales randomized too (so that
+swapping two norms, or any two same-shaped weights, shows), and saved to temp dirs."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+import torch  # the test extra: pip install -e ".[test]"
+import transformers
+from flax import nnx
+
+import ladder_jax as lj
+from ladder_jax import convert, hf
+from tests import reference
+
+V = 128  # divisible by 1, 2, 4, 8
+GQA_SCALED = dict(  # GQA (8 query / 2 kv heads: replicated at tp=4), llama-3 scaling, untied
+    num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=500.0,
+    # small original length: all three llama-3 scaling regimes occur at head_dim 8
+    rope_scaling=dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0,
+                      high_freq_factor=4.0, original_max_position_embeddings=64))
+TIED = dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True,
+            rope_theta=10000.0, rms_norm_eps=1e-5)
+
+
+def _mesh(tp):
+    return lj.make_mesh(tp=tp, devices=jax.devices()[:tp])
+
+
+def _save_llama(path, *, dtype=None, max_shard_size=None, **kw):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{
+        **dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+               max_position_embeddings=256, initializer_range=0.1, rms_norm_eps=1e-6,
+               bos_token_id=1, eos_token_id=2), **kw})
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    if dtype is not None:
+        model = model.to(dtype)
+    extra = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, **extra)
+    return model
+
+
+@pytest.fixture(scope="module")
+def llamas(tmp_path_factory):
+    out = {}
+    for name, kw in (("gqa_scaled", GQA_SCALED), ("tied", TIED)):
+        path = tmp_path_factory.mktemp(name)
+        out[name] = (str(path), _save_llama(path, **kw))
+    return out
+
+
+def _tokens(B=2, T=24, seed=0):
+    return np.random.RandomState(seed).randint(0, V, (B, T))
+
+
+def _torch_logits(tm, tokens):
+    with torch.no_grad():
+        return tm(torch.tensor(tokens)).logits.numpy()
+
+
+@nnx.jit
+def _logits(model, tokens):
+    return model(tokens)
+
+
+def _weights(model):
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+@pytest.mark.parametrize("which", ["gqa_scaled", "tied"])
+def test_logits_match_transformers(llamas, which, tp):
+    path, tm = llamas[which]
+    model, tokenizer = lj.load_hf(path, mesh=_mesh(tp))
+    assert tokenizer is None  # no tokenizer.json here
+    assert model.config.tie_embeddings == (which == "tied")
+    assert (model.config.rope_scaling is not None) == (which == "gqa_scaled")
+    tokens = _tokens()
+    got, want = np.asarray(_logits(model, tokens)), _torch_logits(tm, tokens)
+    assert np.abs(want).max() > 1.0  # not a degenerate, near-zero model
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_greedy_generation_matches_transformers(llamas):
+    path, tm = llamas["gqa_scaled"]
+    model, _ = lj.load_hf(path, mesh=_mesh(4))
+    prompts = [[1, 17, 99, 5, 23], [1, 64, 3]]
+    from ladder_jax.decode import generate
+    got = generate(model, prompts, max_new_tokens=20, temperature=0.0)  # no EOS stop
+    tm.generation_config.eos_token_id = None  # nor there
+    for prompt, ours in zip(prompts, got):
+        with torch.no_grad():
+            out = tm.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                              pad_token_id=0)
+        want = out[0, len(prompt):].tolist()
+        assert len(want) == 20 and ours == want
+
+
+def test_ladder_layers_zero_reproduces_import_exactly(llamas):
+    path, _ = llamas["gqa_scaled"]
+    tokens = _tokens()
+    standard, _ = lj.load_hf(path, mesh=_mesh(4))
+    zero, _ = lj.load_hf(path, mesh=_mesh(4), residual="ladder", ladder_layers=0)
+    assert zero.config.residual == "ladder" and zero.config.ladder_layers == 0
+    np.testing.assert_array_equal(np.asarray(_logits(zero, tokens)),
+                                  np.asarray(_logits(standard, tokens)))
+
+
+def _torch_hybrid(tm, tokens, ladder, boundary_rule=True):
+    """Hybrid ladder written from DESIGN.md §1 on top of transformers' own modules. Pending
+    module outputs are kept in order; before a module of a ladder layer reads the stream, all
+    but the newest are added; before a standard module reads, all of them. With
+    boundary_rule=False the first ladder layer wrongly sees the last standard MLP's output."""
+    m = tm.model
+    tokens = torch.tensor(tokens)
+    T = tokens.shape[1]
+    x = m.embed_tokens(tokens)
+    pos = torch.arange(T)[None].expand(tokens.shape[0], T)
+    rope = m.rotary_emb(x, pos)
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+
+    def attn(layer, h):
+        return layer.self_attn(layer.input_layernorm(h), position_embeddings=rope,
+                               attention_mask=mask)[0]
+
+    def mlp(layer, h):
+        return layer.mlp(layer.post_attention_layernorm(h))
+
+    pending = []
+    with torch.no_grad():
+        for i, layer in enumerate(m.layers):
+            for module in (attn, mlp):
+                keep = 1 if i in ladder and (boundary_rule or i - 1 in ladder) else 0
+                while len(pending) > keep:
+                    x = x + pending.pop(0)
+                pending.append(module(layer, x))
+        for p in pending:
+            x = x + p
+        return tm.lm_head(m.norm(x)).numpy()
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_hybrid_differs_from_the_first_ladder_layer_on(llamas, tp):
+    path, tm = llamas["gqa_scaled"]  # 3 layers: layer 0 standard, layers 1-2 ladder
+    tokens = _tokens()
+    model, _ = lj.load_hf(path, mesh=_mesh(tp), residual="ladder", ladder_layers=2)
+    got = np.asarray(_logits(model, tokens))
+    # Layer 0 runs exactly as transformers' decoder layer; the boundary and the ladder follow.
+    want = _torch_hybrid(tm, tokens, ladder={1, 2})
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    # The repository's independent reference agrees too.
+    np.testing.assert_allclose(
+        got, np.asarray(reference.forward(_weights(model), model.config, tokens)),
+        atol=2e-5, rtol=1e-5)
+    # The comparison can tell: the standard model, and the boundary rule left out, differ.
+    for other in (_torch_logits(tm, tokens),
+                  _torch_hybrid(tm, tokens, ladder={1, 2}, boundary_rule=False)):
+        assert np.abs(got - other).max() > 1e-2
+    # Only-the-upper-layers check: ladder on just the last layer differs from both.
+    last, _ = lj.load_hf(path, mesh=_mesh(tp), ladder_layers=1)
+    np.testing.assert_allclose(np.asarray(_logits(last, tokens)),
+                               _torch_hybrid(tm, tokens, ladder={2}), atol=2e-5, rtol=1e-5)
+
+
+def test_round_trip_and_sharded_safetensors(llamas, tmp_path):
+    path, tm = llamas["gqa_scaled"]
+    tokens = _tokens()
+    model, _ = lj.load_hf(path, mesh=_mesh(4), residual="ladder", ladder_layers=2)
+    out = tmp_path / "export"
+    lj.save_hf(model, out, max_shard_bytes=40_000)  # several files and an index
+    index = json.loads((out / hf.INDEX).read_text())
+    files = set(index["weight_map"].values())
+    assert len(files) > 2 and all((out / f).is_file() for f in files)
+    config = json.loads((out / hf.CONFIG).read_text())
+    assert config["ladder_residual"] == "ladder" and config["ladder_layers"] == 2
+    # back in, on another mesh: identical weights, the ladder settings honoured
+    again, _ = lj.load_hf(out, mesh=_mesh(2))
+    assert again.config == model.config
+    jax.tree.map(np.testing.assert_array_equal, _weights(again), _weights(model))
+    # ... unless overridden
+    plain, _ = lj.load_hf(out, mesh=_mesh(1), residual="standard")
+    assert plain.config.residual == "standard" and plain.config.ladder_layers is None
+    # transformers reads the export (as a standard Llama: it ignores the ladder keys)
+    back = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    np.testing.assert_allclose(_torch_logits(back, tokens), _torch_logits(tm, tokens),
+                               atol=1e-6)
+
+
+def test_sharded_bfloat16_checkpoint_from_transformers(tmp_path):
+    _save_llama(tmp_path, dtype=torch.bfloat16, max_shard_size="20KB", **TIED)
+    assert (tmp_path / hf.INDEX).is_file()
+    # the reference: the bf16 weights in fp32 (and RoPE frequencies computed in fp32)
+    tm = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    model, _ = lj.load_hf(tmp_path, mesh=_mesh(2))
+    tokens = _tokens()
+    np.testing.assert_allclose(np.asarray(_logits(model, tokens)), _torch_logits(tm, tokens),
+                               atol=2e-5, rtol=1e-5)
+
+
+def _write_st(file, tensors):
+    hf._write_safetensors(str(file), tensors)
+
+
+def test_bad_input_gives_clear_errors(llamas, tmp_path):
+    path, _ = llamas["gqa_scaled"]
+    with open(os.path.join(path, hf.CONFIG)) as f:
+        hf_cfg = json.load(f)
+
+    def variant(name, config, drop=None, swap=None):
+        d = tmp_path / name
+        d.mkdir()
+        (d / hf.CONFIG).write_text(json.dumps(config))
+        src = hf._SafetensorsFile(os.path.join(path, hf.SINGLE))
+        tensors = {k: np.asarray(src.read(k)) for k in src.header if k != drop}
+        if swap:
+            tensors[swap] = tensors[swap][:-1]
+        _write_st(d / hf.SINGLE, tensors)
+        return d
+
+    mesh = _mesh(1)
+    bad = variant("gpt2", {**hf_cfg, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(hf.HFError, match=r"model_type='gpt2' \(GPT2LMHeadModel\) is not a Llama"):
+        lj.load_hf(bad, mesh=mesh)
+    name = "model.layers.1.mlp.up_proj.weight"
+    bad = variant("missing", hf_cfg, drop=name)
+    with pytest.raises(hf.HFError, match=f"tensor '{name}' is missing"):
+        lj.load_hf(bad, mesh=mesh)
+    name = "model.layers.2.self_attn.k_proj.weight"
+    bad = variant("shape", hf_cfg, swap=name)
+    with pytest.raises(hf.HFError, match=rf"tensor '{name}' in model.safetensors has shape "
+                                         rf"\(15, 64\), but config.json implies \(16, 64\)"):
+        lj.load_hf(bad, mesh=mesh)
+    rope = {**hf_cfg, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}
+    with pytest.raises(hf.HFError, match="rope scaling type 'yarn' is not supported"):
+        lj.load_hf(variant("yarn", rope), mesh=mesh)
+    with pytest.raises(lj.ShardingError, match="vocab_size=127 is not divisible by tp=2"):
+        lj.load_hf(variant("vocab", {**hf_cfg, "vocab_size": 127}), mesh=_mesh(2))
+    with pytest.raises(hf.HFError, match="no config.json"):
+        lj.load_hf(tmp_path, mesh=mesh)
+    # the CLI: one line on stderr, exit code 2
+    assert convert.main(["--hf", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
+
+
+def test_tokenizer_from_tokenizer_json(llamas, tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    path, _ = llamas["tied"]
+    d = tmp_path / "with_tok"
+    d.mkdir()
+    for f in os.listdir(path):
+        os.symlink(os.path.join(path, f), d / f)
+    words = ["<unk>", "<s>", "</s>", "the", "ladder", "overlaps", "all", "reduce"]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.add_special_tokens(words[:3])  # as in a real Llama tokenizer.json
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
+    tok.save(str(d / hf.TOKENIZER))
+    model, tokenizer = lj.load_hf(d, mesh=_mesh(1))
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (1, 2)  # from config.json
+    ids = tokenizer.encode("the ladder overlaps")
+    assert ids == [1, 3, 4, 5]
+    assert tokenizer.decode(ids) == "the ladder overlaps"
+    out = tmp_path / "export"
+    lj.save_hf(model, out, tokenizer=tokenizer)
+    assert (out / hf.TOKENIZER).read_bytes() == (d / hf.TOKENIZER).read_bytes()
+
+
+def test_convert_cli_writes_a_checkpoint_init_from_reads(llamas, tmp_path):
+    from ladder_jax import checkpoint, train
+    path, _ = llamas["tied"]
+    out = tmp_path / "ckpt"
+    assert convert.main(["--hf", path, "--out", str(out), "--residual", "ladder",
+                         "--ladder-layers", "2", "--tp", "2"]) == 0
+    cfg = train.load_config([str(out / "config.yaml")])
+    config = train.model_config(cfg)
+    assert config.residual == "ladder" and config.ladder_layers == 2
+    imported, _ = lj.load_hf(path, mesh=_mesh(2), ladder_layers=2)
+    fresh = lj.Transformer(config, mesh=_mesh(2), rngs=nnx.Rngs(1))  # what train builds
+    params = checkpoint.load_params(str(out), nnx.state(fresh))  # what init_from= does
+    got = jax.tree.map(np.asarray, nnx.to_pure_dict(params))
+    jax.tree.map(np.testing.assert_array_equal, got, _weights(imported))
+    # and back out to the Hugging Face layout, from the converted run
+    hf_out = tmp_path / "hf"
+    assert convert.main(["--checkpoint", str(out), "--out", str(hf_out), "--to-hf"]) == 0
+    again, _ = lj.load_hf(hf_out, mesh=_mesh(1))
+    assert again.config.ladder_layers == 2
+    jax.tree.map(np.testing.assert_array_equal, _weights(again), _weights(imported))
