@@ -366,6 +366,32 @@ def _parse_ladder_layers(text):
     return int(text) if text.strip().isdigit() else tuple(int(x) for x in text.split(",") if x)
 
 
+def _from_checkpoint(path: str, overrides: dict):
+    """(model config, tokenizer, loader) of a training run or `convert` output directory."""
+    from ladder_jax import checkpoint, data, train
+
+    cfg_file = os.path.join(path, "config.yaml")
+    if not os.path.isfile(cfg_file):
+        raise ConfigError(f"--checkpoint {path!r} has no config.yaml: give a training run "
+                          f"directory (runs/NAME) or the output of ladder_jax.convert")
+    try:
+        run = train.load_config([cfg_file])
+        config = dataclasses.replace(train.model_config(run), **overrides)
+        tokenizer = data.make_tokenizer(run.data.tokenizer)
+    except (train.ConfigError, data.DataError) as e:
+        raise ConfigError(f"--checkpoint {path!r}: {e}") from None
+
+    def load(model):
+        graphdef, params = nnx.split(model)
+        try:
+            params = checkpoint.load_params(path, params)
+        except FileNotFoundError as e:
+            raise ConfigError(str(e)) from None
+        return nnx.merge(graphdef, params)
+
+    return config, tokenizer, load
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m ladder_jax.decode", description=__doc__.split("\n\n")[0],
@@ -419,18 +445,20 @@ def main(argv=None) -> int:
 
 
 def _run(args, say) -> int:
-    if args.checkpoint:
-        raise ConfigError("--checkpoint needs the training module's checkpoints, which this "
-                          "version cannot read yet: use --preset")
     tp = args.tp or len(jax.devices())
     mesh = sharding.make_mesh(tp=tp)
     overrides = {}
     if args.residual not in (None, "all"):
         overrides["residual"] = args.residual
+        overrides["ladder_layers"] = None
     if args.ladder_layers is not None:
         overrides["residual"] = "ladder"
         overrides["ladder_layers"] = _parse_ladder_layers(args.ladder_layers)
-    config = ModelConfig.from_preset(args.preset, **overrides)
+    tokenizer = ByteTokenizer()
+    if args.checkpoint:
+        config, tokenizer, load = _from_checkpoint(args.checkpoint, overrides)
+    else:
+        config = ModelConfig.from_preset(args.preset, **overrides)
 
     if args.benchmark:
         schemes = (["standard", "parallel", "ladder", "upper_bound"] if args.residual == "all"
@@ -473,13 +501,14 @@ def _run(args, say) -> int:
     for b, prompt in enumerate(prompts):
         if not prompt:
             raise GenerationError(f"prompt {b} is empty: give at least one character")
-    tokenizer = ByteTokenizer()
     if config.vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"preset {args.preset!r} has vocab_size={config.vocab_size}, too "
                           f"small for the byte tokenizer ({tokenizer.vocab_size})")
     sampling = Sampling(args.temperature, args.top_k, args.top_p).check(config.vocab_size)
     check_generation(config, [tokenizer.encode(q) for q in prompts], args.max_new_tokens)
     model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(args.seed))
+    if args.checkpoint:
+        model = load(model)
     say(f"{model}\n(random weights: expect noise)" if not args.checkpoint else str(model))
     single = len(prompts) == 1
     pieces = [[] for _ in prompts]
