@@ -21,8 +21,14 @@ from ladder_jax.model import (
 )
 from ladder_jax.sharding import ShardingError, compiler_options, make_mesh
 from ladder_jax.hf import load_hf, save_hf
+from ladder_jax.api import Run, fit, generate, load, overlap_table
 
 __all__ = [
+    "Run",
+    "fit",
+    "generate",
+    "load",
+    "overlap_table",
     "PRESETS",
     "RESIDUALS",
     "ConfigError",

@@ -1,0 +1,127 @@
+"""The notebook API: from nothing to trained models, text and schedules in a few calls. Every
+call goes through the same code as the command-line tools.
+
+    import ladder_jax as lj
+    lj.sharding.setup_host(8)                      # CPU: 8 fake devices (before any jax work)
+    run = lj.fit("configs/tiny.yaml", steps=200, model__residual="ladder")
+    model, tokenizer = run.load()                  # or lj.load("runs/tiny") / an HF directory
+    lj.generate(model, ["LOVE, n."], tokenizer=tokenizer, max_new_tokens=80)
+    lj.overlap_table("llama-3-8b", tp=8)           # the compiled GPU schedule, as a table
+
+Keyword overrides use `__` for the dots of the command line: `model__residual="ladder"` is
+`model.residual=ladder`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from ladder_jax import decode, overlap, sharding
+
+
+@dataclasses.dataclass
+class Run:
+    """A finished (or stopped) training run: its directory, result and metrics."""
+
+    path: str
+    result: dict
+
+    @property
+    def metrics(self) -> list[dict]:
+        """The rows of metrics.jsonl (step, loss, lr, grad_norm, tokens_per_s, eval_loss, ...)."""
+        with open(os.path.join(self.path, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def load(self, **kwargs):
+        return load(self.path, **kwargs)
+
+    def __repr__(self):
+        loss = self.result.get("eval_loss")
+        loss = f", held-out loss {loss:.4f}" if loss is not None else ""
+        return f"Run({self.path!r}, step {self.result.get('step')}{loss})"
+
+
+def fit(config: str | None = None, **overrides) -> Run:
+    """Trains as `python -m ladder_jax.train CONFIG key=value ...` would, in this process."""
+    from ladder_jax import train
+
+    args = [config] if config else []
+    args += [f"{k.replace('__', '.')}={_yaml(v)}" for k, v in overrides.items()]
+    cfg = train.load_config(args)
+    result = train.run(cfg)
+    return Run(os.path.join(cfg.run_dir, cfg.name), result)
+
+
+def _yaml(v) -> str:
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(map(_yaml, v)) + "]"
+    if v is None:
+        return "null"
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def load(path: str, *, tp: int | None = None, mesh=None, **overrides):
+    """(model, tokenizer) from a training run / `convert` output (config.yaml) or a Hugging
+    Face Llama directory (config.json). `overrides` change the model config, e.g.
+    residual="ladder", ladder_layers=2."""
+    import jax
+    from flax import nnx
+
+    from ladder_jax.model import Transformer
+
+    mesh = mesh or sharding.make_mesh(tp=tp or len(jax.devices()))
+    if os.path.isfile(os.path.join(path, "config.yaml")):
+        config, tokenizer, restore = decode._from_checkpoint(path, overrides)
+        return restore(Transformer(config, mesh=mesh, rngs=nnx.Rngs(0))), tokenizer
+    from ladder_jax.hf import load_hf
+
+    return load_hf(path, mesh=mesh, **overrides)
+
+
+def generate(model, prompts, **kwargs):
+    """`ladder_jax.decode.generate`: strings in, strings out (or token lists)."""
+    return decode.generate(model, prompts, **kwargs)
+
+
+class OverlapTable:
+    """Overlap reports of several residual schemes, one row each (`.reports` has them all)."""
+
+    columns = ("residual", "phase", "all-reduces", "overlapped", "forward", "backward",
+               "compile s")
+
+    def __init__(self, reports: list[dict]):
+        self.reports = reports
+
+    def rows(self) -> list[tuple]:
+        out = []
+        for r in self.reports:
+            fb = [f"{r[p]['overlapped']}/{r[p]['total']}" if r[p]["total"] else "-"
+                  for p in ("forward", "backward")]
+            n = r["forward"]["total"] + r["backward"]["total"]
+            k = r["forward"]["overlapped"] + r["backward"]["overlapped"]
+            out.append((r["residual"], r["phase"], n, k, *fb, r["compile_seconds"]))
+        return out
+
+    def __repr__(self):
+        rows = [self.columns] + [tuple(map(str, row)) for row in self.rows()]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(self.columns))]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows)
+
+    def _repr_html_(self):
+        head = "".join(f"<th>{c}</th>" for c in self.columns)
+        body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>"
+                       for row in self.rows())
+        return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def overlap_table(preset: str = "llama-3-8b", *, tp: int = 8, phase: str = "decode",
+                  residuals=("standard", "ladder"), batch: int = 1, seq: int = 1024,
+                  target: str = "h100") -> OverlapTable:
+    """`python -m ladder_jax.overlap` for several schemes (module + head all-reduces counted)."""
+    from ladder_jax.model import ModelConfig
+
+    return OverlapTable([overlap.report(ModelConfig.from_preset(preset, residual=r), phase=phase,
+                                        tp=tp, batch=batch, seq=seq, target=target)
+                         for r in residuals])
