@@ -1,10 +1,8 @@
 """The quickstart notebook runs top to bottom (executed here, committed without outputs)."""
 
-import os
 import pathlib
 
 import nbformat
-import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = pathlib.Path(__file__).parent.parent / "notebooks" / "quickstart.ipynb"
