@@ -25,11 +25,13 @@ import optax
 from flax import nnx
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class OptimizerConfig:
+    """The optimizer's settings, with the paper's defaults; also the `optim` section of a
+    training config (mutable, as OmegaConf merges YAML into it)."""
+
     peak_lr: float = 3e-4
     warmup_steps: int = 100
-    total_steps: int = 10_000
     end_lr_fraction: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
@@ -38,17 +40,21 @@ class OptimizerConfig:
     grad_clip: float = 1.0
 
 
-def make_schedule(cfg: OptimizerConfig = OptimizerConfig()) -> optax.Schedule:
-    """Linear warmup from 0 to `peak_lr`, then cosine decay to `peak_lr * end_lr_fraction`."""
+def make_schedule(cfg: OptimizerConfig | None = None, total_steps: int = 10_000) -> optax.Schedule:
+    """Linear warmup from 0 to `peak_lr`, then cosine decay over the rest of `total_steps` to
+    `peak_lr * end_lr_fraction`."""
+    cfg = cfg or OptimizerConfig()
     return optax.warmup_cosine_decay_schedule(
-        0.0, cfg.peak_lr, max(cfg.warmup_steps, 1), max(cfg.total_steps, cfg.warmup_steps + 1),
+        0.0, cfg.peak_lr, max(cfg.warmup_steps, 1), max(total_steps, cfg.warmup_steps + 1),
         end_value=cfg.peak_lr * cfg.end_lr_fraction)
 
 
-def make_optimizer(cfg: OptimizerConfig = OptimizerConfig()) -> optax.GradientTransformation:
-    """AdamW on a linear-warmup + cosine schedule. Gradient clipping is done by `train_step`
-    (it needs the global norm anyway, and computing it once saves one reduction per weight)."""
-    return optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+def make_optimizer(cfg: OptimizerConfig | None = None,
+                   total_steps: int = 10_000) -> optax.GradientTransformation:
+    """AdamW on `make_schedule`. Gradient clipping is done by `train_step` (it needs the
+    global norm anyway, and computing it once saves one reduction per weight)."""
+    cfg = cfg or OptimizerConfig()
+    return optax.adamw(make_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                        weight_decay=cfg.weight_decay)
 
 

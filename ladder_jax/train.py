@@ -50,6 +50,8 @@ from typing import Any, Optional
 from omegaconf import MISSING, OmegaConf  # noqa: F401
 from omegaconf import errors as oc_errors
 
+from ladder_jax.step import OptimizerConfig
+
 
 # ---------------------------------------------------------------------------------------------
 # Config schema.
@@ -90,18 +92,6 @@ class DataSection:
 
 
 @dataclasses.dataclass
-class OptimSection:
-    peak_lr: float = 3e-4
-    warmup_steps: int = 100
-    end_lr_fraction: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-10
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-
-
-@dataclasses.dataclass
 class MeshSection:
     tp: int = 1
     data: Optional[int] = None  # null = the devices left over
@@ -136,7 +126,7 @@ class TrainConfig:
     peak_tflops: Optional[float] = None  # per device, for MFU; null = known GPUs only
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
-    optim: OptimSection = dataclasses.field(default_factory=OptimSection)
+    optim: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
     dist: DistSection = dataclasses.field(default_factory=DistSection)
 
@@ -358,9 +348,8 @@ class Trainer:
             shard=self.shard) if len(self.eval_records) else []
 
         # model, optimizer, step
-        self.opt_cfg = step.OptimizerConfig(total_steps=cfg.steps, **dataclasses.asdict(cfg.optim))
-        self.schedule = step.make_schedule(self.opt_cfg)
-        self.optimizer = step.make_optimizer(self.opt_cfg)
+        self.schedule = step.make_schedule(cfg.optim, total_steps=cfg.steps)
+        self.optimizer = step.make_optimizer(cfg.optim, total_steps=cfg.steps)
         self.params, self.opt_state = self.init_state(self.model_config)
         self.batch_sharding = NamedSharding(self.mesh, P(None, sharding.DATA, None))
         self.eval_sharding = NamedSharding(self.mesh, P(sharding.DATA, None))
