@@ -41,7 +41,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ladder_jax import sharding
+from ladder_jax import hardware, sharding
 from ladder_jax.model import ConfigError, ModelConfig, Transformer
 from ladder_jax.sharding import DATA, ShardingError
 from ladder_jax.tokenizer import ByteTokenizer
@@ -273,19 +273,16 @@ def check_generation(config: ModelConfig, rows: Sequence[Sequence[int]], max_new
 # Benchmark (the paper's protocol: random weights, prompt P, N new tokens, batch B, warm-up
 # excluded, prefill and decode timed apart).
 
-HBM_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12, "H800": 3.35e12,
-                 "B200": 8.0e12, "L40S": 0.864e12}
-
-
 @functools.lru_cache(maxsize=None)
 def device_bandwidth() -> tuple[float, str]:
     """Memory bandwidth of all devices together, in B/s, and how it was obtained."""
     d = jax.devices()[0]
     if d.platform == "gpu":
-        for name, bw in HBM_BANDWIDTH.items():
-            if name in d.device_kind:
-                return bw * jax.device_count(), f"{name} datasheet x {jax.device_count()}"
-        return float("nan"), f"unknown bandwidth for {d.device_kind}"
+        chip = hardware.chip_of(d)
+        if chip is None:
+            return float("nan"), f"unknown bandwidth for {d.device_kind}"
+        return (chip.hbm_bytes_per_s * jax.device_count(),
+                f"{chip.name} datasheet x {jax.device_count()}")
     # CPU: fake devices share the host's memory; measure a streaming read once.
     x = jax.device_put(jnp.ones((64, 1024, 1024), jnp.float32), d)  # 256 MiB
     total = jax.jit(lambda a: a.sum())

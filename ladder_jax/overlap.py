@@ -5,7 +5,7 @@ then read the scheduled HLO and report every all-reduce.
     python -m ladder_jax.overlap --preset tiny --residual standard --phase train --json
 
 How it works. XLA's CUDA compiler runs on the CPU when given a description of the target chip
-(`GPU_TARGETS`, H100 / H200) through the CUDA PJRT plugin (`pip install -e ".[test]"` brings
+(`ladder_jax.hardware`, H100 / H200) through the CUDA PJRT plugin (`pip install -e ".[test]"` brings
 it; no CUDA libraries, no GPU). The model is built from shapes only (`nnx.eval_shape`), so
 `llama-3-70b` compiles on a laptop. The compiled module is scheduled: its ENTRY computation
 lists kernels in execution order, and every async all-reduce appears as an
@@ -39,21 +39,7 @@ import re
 import sys
 import time
 
-GPU_TARGETS = {
-    # name: (device description, memory bandwidth B/s, memory bytes). Both are sm_90 chips
-    # with the same SM figures (132 SMs, 128 FP32 lanes each, 228 KiB shared memory per SM).
-    "h100": ("NVIDIA H100 80GB HBM3", 3_350_000_000_000, 80 * 1024**3),
-    "h200": ("NVIDIA H200", 4_800_000_000_000, 141_000_000_000),
-}
-
-_SM90 = dict(
-    threads_per_block_limit=1024, threads_per_warp=32, shared_memory_per_block=49152,
-    shared_memory_per_core=233472, threads_per_core_limit=2048, core_count=132,
-    fpus_per_core=128, block_dim_limit_x=2147483647, block_dim_limit_y=65535,
-    block_dim_limit_z=65535, l2_cache_size=52428800, clock_rate_ghz=1.98,
-    shared_memory_per_block_optin=232448, registers_per_core_limit=65536,
-    registers_per_block_limit=65536,
-)
+from ladder_jax import hardware
 
 PLUGIN_HINT = ('deviceless GPU compilation needs the CUDA PJRT plugin at the jax version in use: '
                'pip install "jax-cuda12-plugin=={v}" "jax-cuda12-pjrt=={v}"  '
@@ -64,18 +50,6 @@ class OverlapError(RuntimeError):
     pass
 
 
-def gpu_target_config(target: str) -> str:
-    """The `GpuTargetConfig` text proto XLA compiles against for `target` (h100 / h200)."""
-    if target not in GPU_TARGETS:
-        raise OverlapError(f"unknown target {target!r}: choose one of {', '.join(GPU_TARGETS)}")
-    desc, bandwidth, memory = GPU_TARGETS[target]
-    fields = dict(_SM90, memory_bandwidth=bandwidth, device_memory_size=memory)
-    info = "".join(f"  {k}: {v}\n" for k, v in fields.items())
-    return (f"gpu_device_info {{\n{info}  cuda_compute_capability {{ major: 9 minor: 0 }}\n}}\n"
-            f'platform_name: "CUDA"\ndnn_version_info {{ major: 9 minor: 7 }}\n'
-            f'device_description_str: "{desc}"\n')
-
-
 def gpu_mesh(target: str, tp: int):
     """A (data=1, tp) mesh of abstract GPUs of `target` (no GPU needed)."""
     import jax
@@ -83,11 +57,15 @@ def gpu_mesh(target: str, tp: int):
     from jax.experimental import topologies
     from jax.sharding import AxisType, Mesh
 
+    if target not in hardware.TARGETS:
+        raise OverlapError(f"unknown target {target!r}: choose one of "
+                           f"{', '.join(hardware.TARGETS)}")
     if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
         raise OverlapError(PLUGIN_HINT.format(v=jax.__version__))
     try:
-        topo = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(target),
-                                            topology=f"1x1x{tp}")
+        topo = topologies.get_topology_desc(
+            platform="cuda", target_config=hardware.gpu_target_config(target),
+            topology=f"1x1x{tp}")
     except Exception as e:  # the plugin's errors are plain RuntimeErrors
         raise OverlapError(f"could not describe {tp} x {target}: {e}\n"
                            + PLUGIN_HINT.format(v=jax.__version__)) from None
@@ -325,7 +303,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=1024, help="prompt / training length")
     p.add_argument("--phase", default="decode", choices=PHASES)
-    p.add_argument("--target", default="h100", choices=sorted(GPU_TARGETS))
+    p.add_argument("--target", default="h100", choices=hardware.TARGETS)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
 

@@ -261,14 +261,12 @@ def flops_per_token(c, seq_len: int) -> float:
     return 6 * matmul_params + 6 * c.n_layers * c.n_heads * c.head_dim * seq_len
 
 
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0, "L40S": 362.0}
-
-
 def peak_flops(cfg: TrainConfig, device) -> float | None:
+    from ladder_jax import hardware
     if cfg.peak_tflops:
         return cfg.peak_tflops * 1e12
-    kind = getattr(device, "device_kind", "")
-    return next((v * 1e12 for k, v in PEAK_TFLOPS.items() if k in kind), None)
+    chip = hardware.chip_of(device)
+    return chip.bf16_flops if chip else None
 
 
 def _fsdp_spec(spec, shape, n_data):
