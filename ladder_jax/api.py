@@ -10,6 +10,9 @@ call goes through the same code as the command-line tools.
 
 Keyword overrides use `__` for the dots of the command line: `model__residual="ladder"` is
 `model.residual=ladder`.
+
+The command-line modules (train, decode, overlap) are imported inside the functions that use
+them, so that `python -m ladder_jax.decode` does not find its own module imported already.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import dataclasses
 import json
 import os
 
-from ladder_jax import decode, overlap, sharding
+from ladder_jax import sharding
+from ladder_jax.config import load_config
 
 
 @dataclasses.dataclass
@@ -47,41 +51,34 @@ def fit(config: str | None = None, **overrides) -> Run:
     """Trains as `python -m ladder_jax.train CONFIG key=value ...` would, in this process."""
     from ladder_jax import train
 
-    args = [config] if config else []
-    args += [f"{k.replace('__', '.')}={_yaml(v)}" for k, v in overrides.items()]
-    cfg = train.load_config(args)
+    nested: dict = {}
+    for key, value in overrides.items():
+        *parents, leaf = key.split("__")
+        node = nested
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = list(value) if isinstance(value, tuple) else value
+    cfg = load_config([config] if config else [], overrides=nested)
     result = train.run(cfg)
     return Run(os.path.join(cfg.run_dir, cfg.name), result)
 
 
-def _yaml(v) -> str:
-    if isinstance(v, (list, tuple)):
-        return "[" + ",".join(map(_yaml, v)) + "]"
-    if v is None:
-        return "null"
-    return str(v).lower() if isinstance(v, bool) else str(v)
-
-
 def load(path: str, *, tp: int | None = None, mesh=None, **overrides):
     """(model, tokenizer) from a training run / `convert` output (config.yaml) or a Hugging
-    Face Llama directory (config.json). `overrides` change the model config, e.g.
-    residual="ladder", ladder_layers=2."""
+    Face Llama directory (config.json): `ladder_jax.checkpoint.load_run`. `overrides` change
+    the model config, e.g. residual="ladder", ladder_layers=2."""
     import jax
-    from flax import nnx
 
-    from ladder_jax.model import Transformer
+    from ladder_jax.checkpoint import load_run
 
     mesh = mesh or sharding.make_mesh(tp=tp or len(jax.devices()))
-    if os.path.isfile(os.path.join(path, "config.yaml")):
-        config, tokenizer, restore = decode._from_checkpoint(path, overrides)
-        return restore(Transformer(config, mesh=mesh, rngs=nnx.Rngs(0))), tokenizer
-    from ladder_jax.hf import load_hf
-
-    return load_hf(path, mesh=mesh, **overrides)
+    return load_run(path, mesh=mesh, what="load", **overrides)
 
 
 def generate(model, prompts, **kwargs):
     """`ladder_jax.decode.generate`: strings in, strings out (or token lists)."""
+    from ladder_jax import decode
+
     return decode.generate(model, prompts, **kwargs)
 
 
@@ -120,7 +117,8 @@ def overlap_table(preset: str = "llama-3-8b", *, tp: int = 8, phase: str = "deco
                   residuals=("standard", "ladder"), batch: int = 1, seq: int = 1024,
                   target: str = "h100") -> OverlapTable:
     """`python -m ladder_jax.overlap` for several schemes (module + head all-reduces counted)."""
-    from ladder_jax.model import ModelConfig
+    from ladder_jax import overlap
+    from ladder_jax.config import ModelConfig
 
     return OverlapTable([overlap.report(ModelConfig.from_preset(preset, residual=r), phase=phase,
                                         tp=tp, batch=batch, seq=seq, target=target)

@@ -1,9 +1,11 @@
-"""Checkpoints with orbax: weights, optimizer state, step, data-iterator state and config.
+"""Checkpoints with orbax: weights, optimizer state, step, data-iterator state and config; and
+the one way to load a trained (or converted, or Hugging Face) model.
 
     ckpt = Checkpointer(run_dir / "checkpoints", keep=3)
     ckpt.save(step, params, opt_state, data_iter, meta)        # asynchronous
     step = ckpt.latest_step()
     params, opt_state, meta = ckpt.restore(step, params_like, opt_state_like, data_iter)
+    model, tokenizer = load_run("runs/tiny", mesh=mesh)        # decode, convert, lj.load
 
 Layout of one checkpoint (`checkpoints/<step>/`): `params` (the model's weights as a nested dict
 named like the model's attributes), `opt_state` (the optimizer's arrays keyed by their tree
@@ -23,12 +25,17 @@ caller), and orbax reads each shard straight into place. Abstract shardings from
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 
 import grain
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
+
+from ladder_jax import config as config_lib
+from ladder_jax.config import ConfigError
 
 
 def _opt_dict(opt_state) -> dict:
@@ -63,9 +70,20 @@ class Checkpointer:
             data=grain.checkpoint.CheckpointSave(data_iter),
             meta=ocp.args.JsonSave(meta)), force=True)
 
+    def meta(self, step: int) -> dict:
+        """The JSON metadata saved with `step` (step, config, mesh), read without restoring."""
+        file = os.path.join(self.directory, str(step), "meta", "metadata")
+        try:
+            with open(file) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return {}
+
     def restore(self, step: int, params: nnx.State, opt_state, data_iter):
         """Restores into the shapes, dtypes and shardings of `params` / `opt_state` (concrete
         arrays or ShapeDtypeStructs with NamedShardings); sets `data_iter`'s position."""
+        check_shapes(os.path.join(self.directory, str(step), "params"), params,
+                     f"checkpoint {self.directory}/{step}")
         params_target = jax.tree.map(_abstract, nnx.to_pure_dict(params))
         opt_target = jax.tree.map(_abstract, _opt_dict(opt_state))
         out = self.manager.restore(step, args=ocp.args.Composite(
@@ -92,18 +110,96 @@ def _replace(state: nnx.State, pure: dict) -> nnx.State:
     return state
 
 
-def load_params(path: str, params: nnx.State) -> nnx.State:
-    """Weights only (`init_from`): from a run directory, its `checkpoints/` directory, or one
-    checkpoint `checkpoints/<step>`; latest step unless one is named. Shapes must match."""
+def check_shapes(directory: str, params: nnx.State, what: str) -> None:
+    """Refuses, naming the first weight that differs, a checkpoint whose weights do not have
+    the shapes of `params` (a changed model): orbax would fail deep inside with a traceback."""
+    from absl import logging as absl_logging
+
+    level = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.ERROR)  # orbax warns about optional files
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            saved = ckptr.metadata(directory)
+    except Exception:  # unreadable metadata: let the restore itself report it
+        return
+    finally:
+        absl_logging.set_verbosity(level)
+    saved = getattr(saved, "item_metadata", saved)
+
+    def flat(tree):
+        return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path):
+                tuple(getattr(v, "shape", ()))
+                for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+    have, want = flat(saved), flat(nnx.to_pure_dict(params))
+    if not have:
+        return
+    fix = "start a new run (a new name=) or load a checkpoint of this model"
+    for key, shape in want.items():
+        if key not in have:
+            raise ConfigError(f"{what} has no weight {key} (it holds {len(have)} weights, this "
+                              f"model {len(want)}): it was saved from another model; {fix}")
+        if have[key] != shape:
+            raise ConfigError(f"{what} holds weight {key} of shape {have[key]}, but this "
+                              f"model's is {shape}: it was saved from another model; {fix}")
+    extra = sorted(set(have) - set(want))
+    if extra:
+        raise ConfigError(f"{what} holds weights this model does not have ({extra[0]}, ...): "
+                          f"it was saved from another model; {fix}")
+
+
+def find_checkpoint(path: str, what: str) -> str:
+    """The `params` directory of a run directory, its `checkpoints/` directory, or one
+    checkpoint `checkpoints/<step>`: the latest step unless one is named."""
     path = os.path.abspath(path)
     if os.path.isdir(os.path.join(path, "checkpoints")):
         path = os.path.join(path, "checkpoints")
-    if not os.path.isdir(os.path.join(path, "params")):
-        steps = [int(d) for d in os.listdir(path) if d.isdigit()] if os.path.isdir(path) else []
-        if not steps:
-            raise FileNotFoundError(f"init_from={path!r}: no checkpoint there")
-        path = os.path.join(path, str(max(steps)))
+    if os.path.isdir(os.path.join(path, "params")):
+        return os.path.join(path, "params")
+    steps = [int(d) for d in os.listdir(path) if d.isdigit()] if os.path.isdir(path) else []
+    if not steps:
+        if not os.path.exists(path):
+            raise ConfigError(f"{what}: {path} does not exist")
+        raise ConfigError(f"{what}: no checkpoint in {path} (give a run directory, its "
+                          f"checkpoints/ directory or one checkpoints/<step>)")
+    return os.path.join(path, str(max(steps)), "params")
+
+
+def load_params(path: str, params: nnx.State, *, what: str = "init_from") -> nnx.State:
+    """Weights only (`init_from=`, `--checkpoint`) from `find_checkpoint(path)`, into the
+    shapes, dtypes and shardings of `params`. `what` names the source in error messages."""
+    directory = find_checkpoint(path, what)
+    check_shapes(directory, params, f"{what} {path!r}")
     target = jax.tree.map(_abstract, nnx.to_pure_dict(params))
     with ocp.StandardCheckpointer() as ckptr:
-        pure = ckptr.restore(os.path.join(path, "params"), target)
+        pure = ckptr.restore(directory, target)
     return _replace(params, pure)
+
+
+def load_run(path: str, *, mesh, what: str = "--checkpoint", **overrides):
+    """(model, tokenizer) from a training run or a `python -m ladder_jax.convert` output (a
+    directory with config.yaml and checkpoints/), or a Hugging Face Llama directory
+    (config.json, see `ladder_jax.hf.load_hf`). The model is built from shapes and its weights
+    restored straight into their shardings on `mesh`; no random weights are made. `overrides`
+    change the model config, e.g. residual="ladder", ladder_layers=2 (any scheme reads any
+    weights)."""
+    from ladder_jax.model import abstract
+    from ladder_jax.tokenizer import make_tokenizer
+
+    path = os.fspath(path)
+    cfg_file = os.path.join(path, "config.yaml")
+    if not os.path.isfile(cfg_file):
+        if os.path.isfile(os.path.join(path, "config.json")):
+            from ladder_jax.hf import load_hf
+            return load_hf(path, mesh=mesh, **overrides)
+        raise ConfigError(f"{what} {path!r}: no config.yaml there: give a training run "
+                          f"directory (runs/NAME), the output of ladder_jax.convert, or a Hugging "
+                          f"Face model directory")
+    try:
+        run = config_lib.load_config([cfg_file])
+        model_config = dataclasses.replace(config_lib.model_config(run), **overrides)
+        tokenizer = make_tokenizer(run.data.tokenizer)
+    except (ConfigError, TypeError) as e:
+        raise ConfigError(f"{what} {path!r}: {e}") from None
+    graphdef, state = abstract(model_config, mesh)
+    return nnx.merge(graphdef, load_params(path, state, what=what)), tokenizer

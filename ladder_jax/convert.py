@@ -32,24 +32,15 @@ import os
 import shutil
 import sys
 
-
-def _ladder_layers(text):
-    if text is None:
-        return None
-    try:
-        return int(text) if "," not in text else tuple(int(x) for x in text.split(",") if x)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--ladder-layers {text!r}: give N (the upper N "
-                                         f"layers) or a comma list of layer indices") from None
+from ladder_jax.config import (RESIDUALS, ConfigError, ModelSection, parse_ladder_layers,
+                               scheme_overrides)
 
 
 def train_config(config, tokenizer_path: str | None) -> tuple[dict, list[str]]:
     """The model section (+ data.tokenizer) of a train config for `config` (a ModelConfig),
     and the fields that the train config cannot express (they would take the preset's values
     silently)."""
-    from ladder_jax import train
-
-    fields = {f.name for f in dataclasses.fields(train.ModelSection)}
+    fields = {f.name for f in dataclasses.fields(ModelSection)}
     mc = dataclasses.asdict(config)
     ll = mc["ladder_layers"]
     mc["ladder_layers"] = list(ll) if isinstance(ll, (tuple, list)) else ll
@@ -81,37 +72,6 @@ def _save_checkpoint(model, out: str, meta: dict) -> None:
     manager.close()
 
 
-def _from_run(run: str, mesh, residual, ladder_layers):
-    """(model, tokenizer) from a training run directory."""
-    import jax
-    from flax import nnx
-    from jax.sharding import NamedSharding
-
-    from ladder_jax import checkpoint, hf, train
-
-    cfg_file = os.path.join(run, "config.yaml")
-    if not os.path.isfile(cfg_file):
-        raise hf.HFError(f"--checkpoint {run!r}: no config.yaml there (give a training run "
-                         f"directory, or a directory written by this tool)")
-    cfg = train.load_config([cfg_file])
-    config = train.model_config(cfg)
-    if residual is not None or ladder_layers is not None:
-        config = dataclasses.replace(config, residual=residual or "ladder",
-                                     ladder_layers=ladder_layers)
-    graphdef, state = nnx.split(hf.abstract_model(config, mesh))
-    state = jax.tree.map(
-        lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype,
-                                                 sharding=NamedSharding(mesh, v.spec))),
-        state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-    try:
-        state = checkpoint.load_params(run, state)
-    except FileNotFoundError as e:
-        raise hf.HFError(str(e)) from None
-    tok = cfg.data.tokenizer
-    tokenizer = hf.HFTokenizer(tok) if tok != "byte" and os.path.isfile(tok) else None
-    return nnx.merge(graphdef, state), tokenizer
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ladder_jax.convert",
                                 description=__doc__.split("\n\n")[0],
@@ -122,9 +82,9 @@ def main(argv=None) -> int:
     src.add_argument("--checkpoint", help="a training run directory")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--to-hf", action="store_true", help="write the Hugging Face layout")
-    p.add_argument("--residual", choices=["standard", "parallel", "ladder", "upper_bound"],
+    p.add_argument("--residual", choices=RESIDUALS,
                    help="residual scheme of the result (default: the source's)")
-    p.add_argument("--ladder-layers", type=_ladder_layers, default=None,
+    p.add_argument("--ladder-layers", default=None,
                    help="ladder only: N (upper N layers) or a comma list of layer indices")
     p.add_argument("--param-dtype", default="float32", help="weights' dtype (default float32)")
     p.add_argument("--max-shard-bytes", type=int, default=5 * 2**30,
@@ -135,24 +95,27 @@ def main(argv=None) -> int:
     import jax
     from omegaconf import OmegaConf
 
-    from ladder_jax import hf, sharding
-    from ladder_jax.model import ConfigError
-    from ladder_jax.train import ConfigError as TrainConfigError
+    from ladder_jax import hf, runtime, sharding
+    from ladder_jax.checkpoint import load_run
 
     try:
+        runtime.setup(cpu_devices=max(args.tp, 1))
         if args.tp <= 0 or args.tp > len(jax.devices()):
             raise ConfigError(f"--tp {args.tp}: between 1 and {len(jax.devices())}")
+        if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
+            raise ConfigError(f"--out {args.out!r} exists and is not an empty directory: choose "
+                              f"a new directory")
         mesh = sharding.make_mesh(tp=args.tp, devices=jax.devices()[:args.tp])
+        ladder_layers = parse_ladder_layers(args.ladder_layers)
         if args.hf:
-            kw = {} if args.ladder_layers is None else {"ladder_layers": args.ladder_layers}
+            kw = {} if ladder_layers is None else {"ladder_layers": ladder_layers}
             model, tokenizer = hf.load_hf(args.hf, mesh=mesh, residual=args.residual,
                                           param_dtype=args.param_dtype, **kw)
         else:
-            model, tokenizer = _from_run(args.checkpoint, mesh, args.residual,
-                                         args.ladder_layers)
-        if os.path.exists(args.out) and os.listdir(args.out):
-            raise ConfigError(f"--out {args.out!r} exists and is not empty: choose a new "
-                              f"directory")
+            model, tokenizer = load_run(args.checkpoint, mesh=mesh, what="--checkpoint",
+                                        **scheme_overrides(args.residual, ladder_layers))
+            if not isinstance(getattr(tokenizer, "file", None), str):
+                tokenizer = None  # the byte tokenizer has no file to carry along
         os.makedirs(args.out, exist_ok=True)
         if args.to_hf:
             hf.save_hf(model, args.out, tokenizer=tokenizer, max_shard_bytes=args.max_shard_bytes)
@@ -171,7 +134,7 @@ def main(argv=None) -> int:
                 print(f"warning: the train config has no model.{k} key: training from this "
                       f"checkpoint would use the preset's {k} instead of "
                       f"{getattr(model.config, k)!r}", file=sys.stderr)
-    except (hf.HFError, ConfigError, TrainConfigError, sharding.ShardingError) as e:
+    except ConfigError as e:  # HFError and ShardingError included
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{model}\nwritten to {args.out}" + (" (Hugging Face layout)" if args.to_hf else ""))
@@ -179,6 +142,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from ladder_jax.sharding import setup_host
-    setup_host()  # before jax starts: on a CPU host, 8 fake devices for --tp
     sys.exit(main())

@@ -19,9 +19,9 @@ held-out split (never shuffled into training). Training records are shuffled wit
 the iterator's state (`get_state`/`set_state`, or orbax through `grain.checkpoint`) resumes
 exactly where it stopped.
 
-Tokenizer: byte-level by default (`ByteTokenizer`: bytes 0-255 plus BOS, EOS, PAD; fits the
-320-token vocabulary of the `tiny` and `small` presets). A local Hugging Face `tokenizer.json`
-works too (needs the `tokenizers` package; nothing is downloaded).
+Tokenizer (`ladder_jax.tokenizer`): byte-level by default (bytes 0-255 plus BOS, EOS, PAD;
+fits the 320-token vocabulary of the `tiny` and `small` presets), or a local Hugging Face
+`tokenizer.json` (nothing is downloaded).
 
 Footgun: text is tokenized in the main process when the run starts. For corpora beyond a few
 hundred MB, tokenize once and train on the `.npy` arrays.
@@ -36,37 +36,14 @@ from importlib import resources
 import grain
 import numpy as np
 
-from ladder_jax.tokenizer import ByteTokenizer
+from ladder_jax.config import ConfigError
 
 
-class DataError(ValueError):
+class DataError(ConfigError):
     """Data that cannot be used as configured; the message says why and what to change."""
 
 
 DEFAULT_CORPUS = "devils_dictionary.txt"
-
-
-def make_tokenizer(name: str):
-    """`byte` (the embedded default) or a local Hugging Face tokenizer.json; both encode with
-    `encode(text, bos=, eos=)` (see `ladder_jax.tokenizer` and `ladder_jax.hf`)."""
-    if name == "byte":
-        return ByteTokenizer()
-    if not os.path.isfile(name):
-        raise DataError(f"data.tokenizer={name!r}: no such file (give a tokenizer.json or byte)")
-    from ladder_jax.hf import HFError, HFTokenizer
-
-    try:
-        tok = (HFTokenizer.from_dir(os.path.dirname(os.path.abspath(name)))
-               if os.path.basename(name) == "tokenizer.json" else None) or HFTokenizer(name)
-    except HFError as e:
-        raise DataError(str(e)) from None
-    for attr, names in (("BOS", ("<s>", "<|begin_of_text|>", "<bos>")),
-                        ("EOS", ("</s>", "<|end_of_text|>", "<eos>"))):
-        if getattr(tok, attr) is None:  # no config beside it: guess the usual names
-            found = next((i for i in map(tok._tok.token_to_id, names) if i is not None), None)
-            setattr(tok, attr, found)
-            setattr(tok, attr.lower() + "_id", found)
-    return tok
 
 
 def source_files(path: str | None) -> list[str]:
@@ -103,8 +80,8 @@ def load_tokens(path: str | None, tokenizer) -> np.ndarray:
             continue
         with open(f, encoding="utf-8", errors="replace") as fh:
             ids = tokenizer.encode(fh.read(), bos=False)
-        frame = [[tokenizer.BOS]] if tokenizer.BOS is not None else []
-        frame += [ids] + ([[tokenizer.EOS]] if tokenizer.EOS is not None else [])
+        frame = [[tokenizer.bos_id]] if tokenizer.bos_id is not None else []
+        frame += [ids] + ([[tokenizer.eos_id]] if tokenizer.eos_id is not None else [])
         parts.extend(np.asarray(p, np.int32) for p in frame)
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 

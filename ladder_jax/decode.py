@@ -5,8 +5,8 @@ the paper's decode benchmark.
     python -m ladder_jax.decode --preset small --benchmark --residual all --batch 16
 
 The KV cache is a pytree, one (k, v) per layer, each (B, S, max(K, tp), H), batch on `data`
-and kv heads on `tp` (see `sharding.CACHE_BSKH`). `prefill` writes a prompt into it in one
-pass; `decode_step` appends one token per row. Both are jitted once per shape with the cache
+and kv heads on `tp` (see `sharding.CACHE_BSKH`). `Decoder.prefill` writes a prompt into it in
+one pass; `Decoder.step` appends one token per row. Both are jitted once per shape with the cache
 donated, so XLA updates it in place; both run the model's own residual scheme and sharding,
 so the ladder's all-reduce overlap applies to every token.
 
@@ -18,8 +18,9 @@ anything can see them.
 Footguns, handled here on the host before any device work:
 - XLA clamps out-of-range dynamic updates silently: a prompt plus new tokens longer than the
   cache would overwrite its last slot. `generate` refuses such input with the numbers.
-- Fake CPU devices deadlock when too many collective programs are queued (DESIGN §4): the
-  generation loop keeps at most one step in flight beyond the one it is reading.
+- Fake CPU devices deadlock when too many collective-bearing programs are queued without
+  waiting (XLA:CPU's rendezvous times out after ~100): the generation loop keeps at most one
+  step in flight beyond the one it is reading, the benchmark waits every 8 steps.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 import sys
 import time
 from typing import Callable, Sequence
@@ -41,13 +41,15 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ladder_jax import hardware, sharding
-from ladder_jax.model import ConfigError, ModelConfig, Transformer
-from ladder_jax.sharding import DATA, ShardingError
+from ladder_jax import checkpoint, hardware, runtime, sharding
+from ladder_jax.config import (RESIDUALS, ConfigError, ModelConfig, parse_ladder_layers,
+                               scheme_overrides)
+from ladder_jax.model import Transformer
+from ladder_jax.sharding import DATA
 from ladder_jax.tokenizer import ByteTokenizer
 
 
-class GenerationError(ValueError):
+class GenerationError(ConfigError):
     """Input generation cannot run on; the message gives the numbers."""
 
 
@@ -321,7 +323,7 @@ def benchmark(config: ModelConfig, mesh, *, batch: int, prompt_len: int, new_tok
         t1 = time.perf_counter()
         for t in range(new_tokens - 1):
             tok, cache = decoder.step(cache, tok, positions[t], key)
-            if t % 8 == 7:  # bounded queue (DESIGN §4), cheap on GPUs
+            if t % 8 == 7:  # bounded queue (module docstring), cheap on GPUs
                 tok.block_until_ready()
         tok.block_until_ready()
         return t1 - t0, time.perf_counter() - t1
@@ -357,38 +359,6 @@ def benchmark(config: ModelConfig, mesh, *, batch: int, prompt_len: int, new_tok
 # CLI.
 
 
-def _parse_ladder_layers(text):
-    if text is None:
-        return None
-    return int(text) if text.strip().isdigit() else tuple(int(x) for x in text.split(",") if x)
-
-
-def _from_checkpoint(path: str, overrides: dict):
-    """(model config, tokenizer, loader) of a training run or `convert` output directory."""
-    from ladder_jax import checkpoint, data, train
-
-    cfg_file = os.path.join(path, "config.yaml")
-    if not os.path.isfile(cfg_file):
-        raise ConfigError(f"--checkpoint {path!r} has no config.yaml: give a training run "
-                          f"directory (runs/NAME) or the output of ladder_jax.convert")
-    try:
-        run = train.load_config([cfg_file])
-        config = dataclasses.replace(train.model_config(run), **overrides)
-        tokenizer = data.make_tokenizer(run.data.tokenizer)
-    except (train.ConfigError, data.DataError) as e:
-        raise ConfigError(f"--checkpoint {path!r}: {e}") from None
-
-    def load(model):
-        graphdef, params = nnx.split(model)
-        try:
-            params = checkpoint.load_params(path, params)
-        except FileNotFoundError as e:
-            raise ConfigError(str(e)) from None
-        return nnx.merge(graphdef, params)
-
-    return config, tokenizer, load
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m ladder_jax.decode", description=__doc__.split("\n\n")[0],
@@ -406,60 +376,55 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=200)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--residual", default=None,
-                   choices=["standard", "parallel", "ladder", "upper_bound", "all"],
+    p.add_argument("--residual", default=None, choices=[*RESIDUALS, "all"],
                    help="residual scheme (default: the preset's / checkpoint's); 'all' "
                         "benchmarks every scheme")
     p.add_argument("--ladder-layers", default=None, help="ladder only: N or a comma list")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: all devices)")
-    p.add_argument("--cpu-devices", type=int, default=8,
-                   help="on a CPU host, fake devices to split it into (default 8)")
     p.add_argument("--benchmark", action="store_true",
                    help="time prefill and decode with random weights (paper protocol)")
     p.add_argument("--batch", type=int, default=1, help="benchmark batch size")
     p.add_argument("--prompt-len", type=int, default=1024, help="benchmark prompt length")
     p.add_argument("--json", action="store_true", help="benchmark: print JSON lines")
-    p.add_argument("--coordinator", default=os.environ.get("JAX_COORDINATOR_ADDRESS"))
-    p.add_argument("--num-processes", type=int,
-                   default=int(os.environ.get("JAX_NUM_PROCESSES", "1")))
-    p.add_argument("--process-id", type=int, default=int(os.environ.get("JAX_PROCESS_ID", "0")))
+    runtime.add_arguments(p, cpu_devices_help="on a CPU host, fake devices to split it into "
+                                              "(default: --tp, else 8)")
     args = p.parse_args(argv)
 
-    if args.num_processes > 1:
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    sharding.setup_host(args.cpu_devices)
-    lead = jax.process_index() == 0
-
-    def say(*a, **kw):
-        if lead:
-            print(*a, **kw, flush=True)
-
     try:
+        runtime.setup(cpu_devices=args.cpu_devices or args.tp or 8,
+                      coordinator=args.coordinator, num_processes=args.num_processes,
+                      process_id=args.process_id)
+        lead = jax.process_index() == 0
+
+        def say(*a, **kw):
+            if lead:
+                print(*a, **kw, flush=True)
+
         return _run(args, say)
-    except (ConfigError, ShardingError, GenerationError) as e:
+    except ConfigError as e:  # GenerationError and ShardingError included
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
 def _run(args, say) -> int:
     tp = args.tp or len(jax.devices())
+    if tp <= 0 or tp > len(jax.devices()):
+        raise ConfigError(f"--tp {tp}: between 1 and the {len(jax.devices())} devices")
     mesh = sharding.make_mesh(tp=tp)
-    overrides = {}
-    if args.residual not in (None, "all"):
-        overrides["residual"] = args.residual
-        overrides["ladder_layers"] = None
-    if args.ladder_layers is not None:
-        overrides["residual"] = "ladder"
-        overrides["ladder_layers"] = _parse_ladder_layers(args.ladder_layers)
-    tokenizer = ByteTokenizer()
+    overrides = scheme_overrides(None if args.residual == "all" else args.residual,
+                                 parse_ladder_layers(args.ladder_layers))
+    tokenizer, model = ByteTokenizer(), None
     if args.checkpoint:
-        config, tokenizer, load = _from_checkpoint(args.checkpoint, overrides)
+        if args.benchmark:
+            raise ConfigError("--benchmark times random weights of a --preset; drop "
+                              "--checkpoint")
+        model, tokenizer = checkpoint.load_run(args.checkpoint, mesh=mesh, **overrides)
+        config = model.config
     else:
         config = ModelConfig.from_preset(args.preset, **overrides)
 
     if args.benchmark:
-        schemes = (["standard", "parallel", "ladder", "upper_bound"] if args.residual == "all"
-                   else [config.residual])
+        schemes = list(RESIDUALS) if args.residual == "all" else [config.residual]
         config = dataclasses.replace(config, max_seq_len=max(
             config.max_seq_len, args.prompt_len + args.max_new_tokens))
         results = []
@@ -499,13 +464,14 @@ def _run(args, say) -> int:
         if not prompt:
             raise GenerationError(f"prompt {b} is empty: give at least one character")
     if config.vocab_size < tokenizer.vocab_size:
-        raise ConfigError(f"preset {args.preset!r} has vocab_size={config.vocab_size}, too "
-                          f"small for the byte tokenizer ({tokenizer.vocab_size})")
+        what = f"--checkpoint {args.checkpoint!r}" if args.checkpoint else (
+            f"preset {args.preset!r}")
+        raise ConfigError(f"{what} has vocab_size={config.vocab_size}, too small for its "
+                          f"tokenizer ({tokenizer.vocab_size} tokens)")
     sampling = Sampling(args.temperature, args.top_k, args.top_p).check(config.vocab_size)
     check_generation(config, [tokenizer.encode(q) for q in prompts], args.max_new_tokens)
-    model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(args.seed))
-    if args.checkpoint:
-        model = load(model)
+    if model is None:
+        model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(args.seed))
     say(f"{model}\n(random weights: expect noise)" if not args.checkpoint else str(model))
     single = len(prompts) == 1
     pieces = [[] for _ in prompts]

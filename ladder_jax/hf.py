@@ -49,7 +49,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import struct
 from typing import Any
 
@@ -60,7 +59,9 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
-from ladder_jax.model import ConfigError, ModelConfig, RopeScaling, Transformer
+from ladder_jax.config import ConfigError, ModelConfig, RopeScaling
+from ladder_jax.model import Transformer, abstract
+from ladder_jax.tokenizer import HFTokenizer
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -69,7 +70,7 @@ TOKENIZER = "tokenizer.json"
 _KEEP = object()  # "take it from config.json"
 
 
-class HFError(ValueError):
+class HFError(ConfigError):
     """A Hugging Face checkpoint that cannot be imported; the message names the file / tensor."""
 
 
@@ -317,72 +318,6 @@ def _weight_files(path: str) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenizer.
-
-
-class HFTokenizer:
-    """A checkpoint's `tokenizer.json` (the `tokenizers` package), with the interface of
-    `ladder_jax.tokenizer.ByteTokenizer`: encode(text, bos=, eos=) -> ids, decode(ids)."""
-
-    def __init__(self, file: str, *, bos_id=None, eos_id=None, pad_id=None):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise HFError(f"{file} needs the `tokenizers` package: pip install tokenizers") \
-                from None
-        self.file = file
-        self._tok = Tokenizer.from_file(file)
-        self.vocab_size = self._tok.get_vocab_size()
-        self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
-        self.BOS, self.EOS, self.PAD = bos_id, eos_id, pad_id  # ladder_jax.data's spelling
-
-    @classmethod
-    def from_dir(cls, path: str, hf: dict | None = None) -> HFTokenizer | None:
-        """The tokenizer of an HF model directory, or None if it has no tokenizer.json. Special
-        ids come from config.json, else tokenizer_config.json's token strings."""
-        file = os.path.join(path, TOKENIZER)
-        if not os.path.isfile(file):
-            return None
-        hf = hf or {}
-        tok = cls(file)
-        names = {}
-        tc = os.path.join(path, "tokenizer_config.json")
-        if os.path.isfile(tc):
-            with open(tc) as f:
-                names = json.load(f)
-
-        def special(key):
-            v = hf.get(f"{key}_token_id")
-            if isinstance(v, list):  # llama-3 instruct lists several EOS ids: take the first
-                v = v[0] if v else None
-            if v is None:
-                s = names.get(f"{key}_token")
-                s = s.get("content") if isinstance(s, dict) else s
-                v = tok._tok.token_to_id(s) if isinstance(s, str) else None
-            return v
-
-        tok.bos_id = tok.BOS = special("bos")
-        tok.eos_id = tok.EOS = special("eos")
-        tok.pad_id = tok.PAD = special("pad")
-        return tok
-
-    def encode(self, text: str, *, bos: bool = True, eos: bool = False) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        return ([self.bos_id] if bos and self.bos_id is not None else []) + ids + (
-            [self.eos_id] if eos and self.eos_id is not None else [])
-
-    def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
-
-    def save(self, path: str) -> None:
-        shutil.copyfile(self.file, os.path.join(path, TOKENIZER))
-
-    def __repr__(self):
-        return (f"HFTokenizer({self.file}, vocab {self.vocab_size}, bos={self.bos_id}, "
-                f"eos={self.eos_id})")
-
-
-# ---------------------------------------------------------------------------------------------
 # Import.
 
 
@@ -390,11 +325,6 @@ def _leaf(tree, path):
     for k in path:
         tree = tree[k]
     return tree
-
-
-def abstract_model(config: ModelConfig, mesh) -> Transformer:
-    """The model with shapes, dtypes and partition specs but no weights (nothing allocated)."""
-    return nnx.eval_shape(lambda: Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)))
 
 
 def load_hf(path: str, *, mesh, residual: str | None = None, ladder_layers=_KEEP,
@@ -409,7 +339,7 @@ def load_hf(path: str, *, mesh, residual: str | None = None, ladder_layers=_KEEP
     hf = read_config(path)
     config = config_from_hf(hf, residual=residual, ladder_layers=ladder_layers, dtype=dtype,
                             param_dtype=param_dtype)
-    model = abstract_model(config, mesh)  # raises ShardingError if config does not fit mesh
+    graphdef, state = abstract(config, mesh)  # raises ShardingError if config does not fit
     files = _weight_files(path)
     table = _table(config)
 
@@ -434,7 +364,6 @@ def load_hf(path: str, *, mesh, residual: str | None = None, ladder_layers=_KEEP
         raise HFError(f"tensor {extra[0]!r} in {os.path.basename(files[extra[0]])} is not a "
                       f"weight of a Llama model with this config.json ({len(extra)} unexpected)")
 
-    graphdef, state = nnx.split(model)
     pure = nnx.to_pure_dict(state)
     for file, h in headers.items():  # file by file, tensor by tensor
         for e in (e for e in table if files[e.name] == file):

@@ -26,16 +26,17 @@ The residual scheme decides *what each module reads*:
                  model, a speed ceiling for benchmarks only (equals standard at tp=1).
 
 Hybrid ladder (`residual="ladder"`, `ladder_layers=N` or a list of layer indices): only those
-layers are ladder layers, the others standard. The rule that covers every case, boundaries
-included: before a module of a ladder layer reads x, every pending output but the most recent
-one is added; before a module of a standard layer reads, all are added. So the first ladder
-layer's attention reads the stream without the previous standard layer's MLP output.
-`ladder_layers=0` runs exactly the standard program, bit for bit.
+layers are ladder layers, the others standard. The one rule that covers every case, boundaries
+included, is the schedule of `ladder_jax.residual`: a module of a ladder layer (but the very
+first module) reads the stream before the previous module's output is added; a module of a
+standard layer reads it after. So the first ladder layer's attention reads the stream without
+the previous standard layer's MLP output. `ladder_layers=0` runs exactly the standard
+program, bit for bit.
 
 All schemes share one weight tree, so any weights load into any scheme and any tp size.
 
-Training: for ladder layers the backward pass is hand-written (`_ladder_stream`) so that it is
-a ladder too: the all-reduce of module i's input cotangent overlaps module i-1's backward
+Training: for ladder layers the backward pass is hand-written (`ladder_jax.residual`) so that
+it is a ladder too: the all-reduce of module i's input cotangent overlaps module i-1's backward
 matmuls. Autodiff's reverse-order program would block on every one. Same maths, tested
 against autodiff of an independent reference.
 
@@ -51,7 +52,6 @@ Footguns:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import math
 
@@ -61,162 +61,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ladder_jax import sharding
+from ladder_jax import residual, sharding
+from ladder_jax.config import PRESETS, RESIDUALS, ConfigError, ModelConfig, RopeScaling  # noqa: F401
 from ladder_jax.sharding import DATA, TP, WeightSpecs
-
-RESIDUALS = ("standard", "parallel", "ladder", "upper_bound")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot be built; the message names the field and the fix."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """llama-3 style RoPE frequency scaling (long wavelengths slowed by `factor`)."""
-
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_len: int = 8192
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int
-    d_model: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    d_ff: int
-    head_dim: int | None = None  # default d_model // n_heads
-    max_seq_len: int = 2048
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    residual: str = "standard"
-    ladder_layers: int | tuple[int, ...] | None = None  # ladder only: None = all layers
-    dtype: str = "float32"  # matmul compute dtype
-    param_dtype: str = "float32"
-
-    def __post_init__(self):
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
-                     "max_seq_len"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ConfigError(f"{name}={v!r} must be a positive integer")
-        if self.head_dim is None:
-            if self.d_model % self.n_heads:
-                raise ConfigError(
-                    f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}: "
-                    f"set head_dim explicitly")
-            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
-        if self.n_heads % self.n_kv_heads:
-            raise ConfigError(
-                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
-        if isinstance(self.rope_scaling, dict):
-            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
-        if self.residual not in RESIDUALS:
-            close = difflib.get_close_matches(str(self.residual), RESIDUALS, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(
-                f"unknown residual scheme {self.residual!r}{hint}: choose one of "
-                f"{', '.join(RESIDUALS)}")
-        for name in ("dtype", "param_dtype"):
-            try:
-                jnp.dtype(getattr(self, name))
-            except TypeError:
-                raise ConfigError(f"{name}={getattr(self, name)!r} is not a dtype name") from None
-        ll = self.ladder_layers
-        if ll is None:
-            return
-        if self.residual != "ladder":
-            raise ConfigError(
-                f"ladder_layers={ll!r} is set but residual={self.residual!r}: ladder_layers "
-                f"only applies to residual='ladder'")
-        if isinstance(ll, bool):
-            raise ConfigError(f"ladder_layers={ll!r} must be an int or a list of layer indices")
-        if isinstance(ll, int):
-            if not 0 <= ll <= self.n_layers:
-                raise ConfigError(
-                    f"ladder_layers={ll} must be between 0 and n_layers={self.n_layers}")
-            return
-        idx = tuple(ll)
-        bad = [i for i in idx if not isinstance(i, int) or not 0 <= i < self.n_layers]
-        if bad or len(set(idx)) != len(idx):
-            raise ConfigError(
-                f"ladder_layers={list(idx)} must be distinct layer indices in "
-                f"[0, {self.n_layers})")
-        object.__setattr__(self, "ladder_layers", tuple(sorted(idx)))
-
-    # -- presets ---------------------------------------------------------------------------
-
-    @classmethod
-    def from_preset(cls, name: str, **overrides) -> "ModelConfig":
-        """A named preset (see `PRESETS`), with any field overridden by keyword."""
-        if name not in PRESETS:
-            close = difflib.get_close_matches(name, PRESETS, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(
-                f"unknown preset {name!r}{hint}: choose one of {', '.join(PRESETS)}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        for key in overrides:
-            if key not in fields:
-                close = difflib.get_close_matches(key, fields, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ConfigError(f"unknown ModelConfig field {key!r}{hint}")
-        return cls(**{**PRESETS[name], **overrides})
-
-    # -- derived ---------------------------------------------------------------------------
-
-    def ladder_layer_set(self) -> frozenset[int]:
-        """Indices of the layers with ladder wiring (empty unless residual == 'ladder')."""
-        if self.residual != "ladder":
-            return frozenset()
-        ll = self.ladder_layers
-        if ll is None:
-            return frozenset(range(self.n_layers))
-        if isinstance(ll, int):
-            return frozenset(range(self.n_layers - ll, self.n_layers))
-        return frozenset(ll)
-
-    def num_params(self) -> int:
-        D, F, V, H = self.d_model, self.d_ff, self.vocab_size, self.head_dim
-        attn = D * self.n_heads * H * 2 + D * self.n_kv_heads * H * 2
-        layer = attn + 3 * D * F + 2 * D
-        embed = V * D * (1 if self.tie_embeddings else 2)
-        return self.n_layers * layer + embed + D
-
-
-PRESETS: dict[str, dict] = {  # ModelConfig fields; head_dim is derived unless given
-    # CPU-sized, byte-level vocabulary (256 bytes + specials, padded to a multiple of 16).
-    "tiny": dict(vocab_size=320, d_model=64, n_layers=4, n_heads=8, n_kv_heads=4,
-                        d_ff=128, max_seq_len=256),
-    "small": dict(vocab_size=320, d_model=256, n_layers=8, n_heads=8, n_kv_heads=4,
-                         d_ff=768, max_seq_len=512),
-    # The paper's inference-benchmark shapes (ICML 2025, arXiv 2501.06589).
-    "1b": dict(vocab_size=49152, d_model=1536, n_layers=40, n_heads=24, n_kv_heads=24,
-                      d_ff=4096, dtype="bfloat16", param_dtype="bfloat16"),
-    "3b": dict(vocab_size=49152, d_model=2304, n_layers=40, n_heads=32, n_kv_heads=32,
-                      d_ff=9216, dtype="bfloat16", param_dtype="bfloat16"),
-    "llama-3-8b": dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32,
-                              n_kv_heads=8, d_ff=14336, max_seq_len=8192, rope_theta=500000.0,
-                              dtype="bfloat16", param_dtype="bfloat16"),
-    "34b": dict(vocab_size=32000, d_model=8192, n_layers=48, n_heads=64, n_kv_heads=8,
-                       d_ff=22016, max_seq_len=16384, rope_theta=1000000.0,
-                       dtype="bfloat16", param_dtype="bfloat16"),
-    "llama-3-70b": dict(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64,
-                               n_kv_heads=8, d_ff=28672, max_seq_len=8192,
-                               rope_theta=500000.0, dtype="bfloat16", param_dtype="bfloat16"),
-    "llama-3.1-405b": dict(vocab_size=128256, d_model=16384, n_layers=126, n_heads=128,
-                                  n_kv_heads=16, d_ff=53248, max_seq_len=131072,
-                                  rope_theta=500000.0, rope_scaling=RopeScaling(factor=8.0),
-                                  dtype="bfloat16", param_dtype="bfloat16"),
-}
-
 
 # ---------------------------------------------------------------------------------------------
 # Initialization: each weight is drawn directly into its sharding, from a key that depends only
@@ -438,7 +285,9 @@ class Transformer(nnx.Module):
         cache_specs = tuple(jax.tree.map(lambda _: sharding.CACHE_BSKH, c) for c in cache_args)
 
         def local(state, tokens_bt, positions_bt, *cache):
-            return nnx.merge(graphdef, state).forward_local(tokens_bt, positions_bt, *cache)
+            logits_btv, cache = nnx.merge(graphdef, state).forward_local(
+                tokens_bt, positions_bt, *cache)
+            return logits_btv if cache is None else (logits_btv, cache)
 
         return sharding.shard(local, self.mesh, in_specs=(specs, batch, batch, *cache_specs),
                               out_specs=(logits, *cache_specs) if cache_specs else logits)(
@@ -447,16 +296,14 @@ class Transformer(nnx.Module):
     # -- inside shard_map ------------------------------------------------------------------
 
     def forward_local(self, tokens_bt, positions_bt, caches=None):
-        """One rank's forward: local batch rows, all of D, its heads / F / V slice."""
+        """One rank's forward: local batch rows, all of D, its heads / F / V slice. Returns
+        (logits, updated caches or None)."""
         c = self.config
-        tp = self.mesh.shape[TP]
         x_btd = jnp.take(self.embed[...], tokens_bt, axis=0).astype(jnp.float32)
-        x_btd = self.residual_stream(x_btd, positions_bt, caches)
-        if caches is not None:
-            x_btd, caches = x_btd
+        x_btd, caches = self.layer_loop(x_btd, positions_bt, caches)
         h_btd = self.final_norm(x_btd).astype(c.dtype)
         if self.head is None:
-            head_dv = sharding.local_vocab_rows(self.embed[...], tp).T
+            head_dv = sharding.local_vocab_rows(self.embed[...], self.mesh.shape[TP]).T
         else:
             head_dv = self.head[...]
         head_dv = head_dv.astype(c.dtype)
@@ -465,194 +312,29 @@ class Transformer(nnx.Module):
                 logits_btv = jnp.einsum("BTD,DV->BTV", h_btd, head_dv,
                                         preferred_element_type=jnp.float32)
             else:
-                logits_btv = _lm_head(h_btd, head_dv)
-        return logits_btv if caches is None else (logits_btv, caches)
+                logits_btv = residual.lm_head(h_btd, head_dv)
+        return logits_btv, caches
 
-    def residual_stream(self, x_btd, positions_bt, caches=None):
-        """The layers. Parallel is spelled out here; the others run `_stream`. With `caches`
-        (one (k, v) per layer) returns (x, updated caches)."""
+    def layer_loop(self, x_btd, positions_bt, caches=None):
+        """THE layer loop. Parallel is spelled out here; standard, ladder, hybrid and
+        upper_bound follow the schedule of `ladder_jax.residual`. Returns (x, caches)."""
         c = self.config
         inv_freq = rope_frequencies(c)
-        if c.residual == "parallel":
-            new_caches = []
-            for i, layer in enumerate(self.layers):
-                with jax.named_scope(f"layer{i}.parallel"):
-                    h_btd = layer.attn_norm(x_btd).astype(c.dtype)
-                    a_btd = layer.attn(h_btd, positions_bt, inv_freq,
-                                       None if caches is None else caches[i])
-                    if caches is not None:
-                        a_btd, cache = a_btd
-                        new_caches.append(cache)
-                    x_btd = x_btd + sharding.reduce_tp(a_btd + layer.mlp(h_btd))
-            return x_btd if caches is None else (x_btd, new_caches)
-        parts, static = [], []
+        if c.residual != "parallel":
+            modules = [pair for layer in self.layers
+                       for pair in ((layer.attn_norm, layer.attn), (layer.mlp_norm, layer.mlp))]
+            return residual.run(c, modules, x_btd, positions_bt, inv_freq, caches)
+        new_caches = None if caches is None else []
         for i, layer in enumerate(self.layers):
-            for name, norm, module in (("attn", layer.attn_norm, layer.attn),
-                                       ("mlp", layer.mlp_norm, layer.mlp)):
-                (gn, sn), (gm, sm) = nnx.split(norm), nnx.split(module)
-                parts.append((sn, sm))
-                static.append((i, name, gn, gm))
-        plan = (c, tuple(static))
-        if caches is None and c.ladder_layer_set():
-            return _ladder_stream(plan, parts, x_btd, positions_bt)
-        return _stream(plan, parts, x_btd, positions_bt, caches=caches)
-
-
-@jax.custom_vjp
-def _lm_head(h_btd, head_dv):
-    """Vocab-parallel logits (B, T, V/tp) in float32. The backward issues the all-reduce of the
-    input cotangent, then computes the head's weight gradient while it is in flight."""
-    return jnp.einsum("BTD,DV->BTV", jax.lax.pcast(h_btd, TP, to="varying"), head_dv,
-                      preferred_element_type=jnp.float32)
-
-
-def _lm_head_fwd(h_btd, head_dv):
-    return _lm_head(h_btd, head_dv), (h_btd, head_dv)
-
-
-def _lm_head_bwd(res, ct_btv):
-    h_btd, head_dv = res
-    ct_btv = ct_btv.astype(head_dv.dtype)
-    ct_h_btd = sharding.reduce_tp(jnp.einsum("BTV,DV->BTD", ct_btv, head_dv))
-    ct_head_dv = jnp.einsum("BTD,BTV->DV", jax.lax.pcast(h_btd, TP, to="varying"), ct_btv)
-    ct_head_dv = jax.lax.psum(ct_head_dv, DATA)  # data-parallel gradient sum
-    ct_h_btd, ct_head_dv = sharding.tie(ct_h_btd, ct_head_dv)
-    return ct_h_btd, ct_head_dv
-
-
-_lm_head.defvjp(_lm_head_fwd, _lm_head_bwd)
-
-
-# ---------------------------------------------------------------------------------------------
-# THE layer loop (standard, ladder, hybrid, upper_bound), and the ladder's backward pass.
-#
-# A "plan" is (config, ((layer, "attn"|"mlp", norm graphdef, module graphdef), ...)) and
-# `parts` the matching ((norm state, module state), ...): the 2L modules in order.
-
-
-def _call(plan, k, positions_bt):
-    """Module k's two functions: norm (state, x) -> h and module (state, h) -> partial sum.
-    The module's input is cast to tp-varying by the caller: in the backward that cast is the
-    all-reduce of the input cotangent, which `_ladder_bwd` issues itself."""
-    c, static = plan
-    _, name, gn, gm = static[k]
-    inv_freq = rope_frequencies(c)
-
-    def norm(state, x_btd):
-        return nnx.merge(gn, state)(x_btd).astype(c.dtype)
-
-    def module(state, h_btd, cache=None):  # h_btd: tp-varying (see `_stream`)
-        m = nnx.merge(gm, state)
-        return m(h_btd, positions_bt, inv_freq, cache) if name == "attn" else m(h_btd)
-
-    return norm, module
-
-
-def _stream(plan, parts, x_btd, positions_bt, vjps=None, caches=None):
-    """Runs the modules in order. A standard module reads the stream with every output added;
-    a ladder module all but the newest, whose all-reduce stays in flight while it computes
-    and is added right after (tied to its output, see `sharding.tie`). With `vjps` (a list),
-    records each module's (norm vjp, module vjp) for `_ladder_stream`'s backward. With
-    `caches` (a (k, v) per layer) the attention modules read and write them, and the result is
-    (x, updated caches)."""
-    c, static = plan
-    ladder = c.ladder_layer_set()
-    caches = None if caches is None else list(caches)
-    if c.residual == "upper_bound":  # no all-reduce: the stream itself becomes tp-varying
-        reduce = vary = lambda y: y
-    else:
-        reduce, vary = sharding.reduce_tp, lambda h: jax.lax.pcast(h, TP, to="varying")
-    pending = []  # all-reduced module outputs not yet added to x, oldest first
-    for k, (i, name, _, _) in enumerate(static):
-        with jax.named_scope(f"layer{i}.{name}"):  # names the ops in the compiled HLO
-            while len(pending) > (1 if i in ladder else 0):
-                x_btd = x_btd + pending.pop(0)
-            norm, module = _call(plan, k, positions_bt)
-            (norm_state, module_state) = parts[k]
-            if caches is not None and name == "attn":
-                h_btd = vary(norm(norm_state, x_btd))
-                y_btd, caches[i] = module(module_state, h_btd, caches[i])
-            elif vjps is None:
-                h_btd = vary(norm(norm_state, x_btd))
-                y_btd = module(module_state, h_btd)
-            else:
-                h_btd, norm_vjp = jax.vjp(norm, norm_state, x_btd)
-                h_btd = vary(h_btd)
-                y_btd, module_vjp = jax.vjp(module, module_state, h_btd)
-                vjps.append((norm_vjp, module_vjp))
-            if pending:  # ladder: that all-reduce was in flight while `module` ran
-                p_btd, y_btd = sharding.tie(pending.pop(), y_btd)
-                x_btd = x_btd + p_btd
-            pending.append(reduce(y_btd))
-    for p_btd in pending:
-        x_btd = x_btd + p_btd
-    return x_btd if caches is None else (x_btd, caches)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ladder_stream(plan, parts, x_btd, positions_bt):
-    """`_stream` with a hand-written backward pass that is a ladder too.
-
-    Autodiff would transpose the forward in reverse program order, and there the all-reduce
-    of module k's input cotangent is consumed (by its norm's backward) right after it is
-    issued: every backward all-reduce blocks. But nothing of module k-1's backward needs it:
-    module k read the stream *before* module k-1's output was added. So here, for a ladder
-    module k, the input-cotangent all-reduce is issued, module k-1's backward matmuls run,
-    and only then is the result tied in and pushed through module k's norm. Same maths as
-    autodiff (tested against it), different schedule.
-    """
-    return _stream(plan, parts, x_btd, positions_bt)
-
-
-def _ladder_fwd(plan, parts, x_btd, positions_bt):
-    vjps = []
-    return _stream(plan, parts, x_btd, positions_bt, vjps), vjps
-
-
-def _ladder_bwd(plan, vjps, ct_x_btd):
-    c, static = plan
-    ladder = c.ladder_layer_set()
-    n = len(static)
-    # Which all-reduced outputs were added to the stream where (the forward's bookkeeping):
-    # module k>0 either flushed module k-1's output before reading (standard) or added it
-    # right after computing (ladder); the last module's output is added at the end.
-    ct_p = {n - 1: ct_x_btd}  # cotangent of each all-reduced module output
-    ct_parts = [None] * n
-    in_flight = None  # (k, all-reduced input cotangent of module k), not yet consumed
-
-    def consume(k, ct_h_btd, ct_x_btd):
-        ct_norm_state, ct_x_add = vjps[k][0](ct_h_btd)
-        ct_parts[k] = (ct_norm_state, ct_parts[k])
-        return ct_x_btd + ct_x_add
-
-    for k in reversed(range(n)):
-        i, name = static[k][:2]
-        with jax.named_scope(f"layer{i}.{name}"):
-            ct_y_btd = ct_p.pop(k).astype(c.dtype)  # the module's output dtype
-            ct_y_btd = jax.lax.pcast(ct_y_btd, TP, to="varying")  # psum's transpose
-            ct_module_state, ct_h_btd = vjps[k][1](ct_y_btd)  # module k's backward matmuls
-            ct_parts[k] = ct_module_state
-            if in_flight is not None:  # module k+1's all-reduce ran during those matmuls
-                j, ct_in_flight = in_flight
-                ct_in_flight, ct_h_btd = sharding.tie(ct_in_flight, ct_h_btd)
-                ct_x_btd = consume(j, ct_in_flight, ct_x_btd)
-                in_flight = None
-            if k > 0 and i in ladder:  # module k-1's output was added after module k read
-                ct_p[k - 1] = ct_x_btd
-            ct_h_btd = sharding.reduce_tp(ct_h_btd)  # all-reduce of module k's input cotangent
-            if k > 0 and i in ladder:
-                in_flight = (k, ct_h_btd)  # nothing before module k-1's backward needs it
-            else:
-                ct_x_btd = consume(k, ct_h_btd, ct_x_btd)
-                if k > 0:  # module k-1's output was added before module k read
-                    ct_p[k - 1] = ct_x_btd
-    if in_flight is not None:
-        ct_x_btd = consume(*in_flight, ct_x_btd)
-    ct_parts = [(norm_ct, module_ct) for norm_ct, module_ct in ct_parts]
-    return ct_parts, ct_x_btd, None
-
-
-_ladder_stream.defvjp(_ladder_fwd, _ladder_bwd)
+            with jax.named_scope(f"layer{i}.parallel"):
+                h_btd = layer.attn_norm(x_btd).astype(c.dtype)
+                if caches is None:
+                    a_btd = layer.attn(h_btd, positions_bt, inv_freq)
+                else:
+                    a_btd, cache = layer.attn(h_btd, positions_bt, inv_freq, caches[i])
+                    new_caches.append(cache)
+                x_btd = x_btd + sharding.reduce_tp(a_btd + layer.mlp(h_btd))
+        return x_btd, new_caches
 
 
 def param_specs(state: nnx.State) -> nnx.State:
@@ -660,9 +342,18 @@ def param_specs(state: nnx.State) -> nnx.State:
     return jax.tree.map(lambda v: v.spec, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
-def param_shardings(model: Transformer):
-    return jax.tree.map(lambda s: NamedSharding(model.mesh, s), param_specs(nnx.state(model)),
-                        is_leaf=lambda s: isinstance(s, P))
+def abstract(config: ModelConfig, mesh: Mesh):
+    """The model from shapes alone: (graphdef, state) where every weight is a
+    `jax.ShapeDtypeStruct` carrying its `NamedSharding` on `mesh`; nothing is allocated. Load
+    or restore weights into that state, then `nnx.merge(graphdef, state)`. Raises
+    ShardingError if `config` cannot be split over the mesh."""
+    model = nnx.eval_shape(lambda: Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    state = jax.tree.map(
+        lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                                 sharding=NamedSharding(mesh, v.spec))),
+        state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return graphdef, state
 
 
 def with_config(model: Transformer, **changes) -> Transformer:

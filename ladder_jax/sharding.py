@@ -12,7 +12,7 @@ all-reduce combiner merges the two now-independent psums into one synchronous al
 fusion pulls `x + psum_i` forward. Two things fix it, and both are applied by the package:
 1. the model ties (`tie`) the in-flight result to the next module's output before adding it to
    the stream, so its only consumer comes after that module's matmuls (and the ladder's
-   hand-written backward does the same with cotangents, see `model._ladder_stream`);
+   hand-written backward does the same with cotangents, see `ladder_jax.residual`);
 2. `compiler_options("gpu")`, applied wherever the package compiles (`jit` below), turns the
    combiner off. If you jit the model yourself on GPUs, use `ladder_jax.sharding.jit`.
 
@@ -49,22 +49,22 @@ Gradients of replicated weights are summed over `tp` by shard_map itself: we kee
 from __future__ import annotations
 
 import dataclasses
-import glob
-import os
 from typing import Any, Callable
 
 import jax
-import numpy as np
 import jax.extend
+import numpy as np
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
+
+from ladder_jax.config import ConfigError
 
 DATA = "data"
 TP = "tp"
 
 
-class ShardingError(ValueError):
+class ShardingError(ConfigError):
     """A model/mesh combination that cannot be sharded; the message says how to fix it."""
 
 
@@ -95,12 +95,11 @@ def make_mesh(tp: int | None = None, data: int | None = None, *, devices=None) -
 
 
 def setup_host(cpu_devices: int = 8) -> None:
-    """For the command-line tools, before any backend starts: on a host with no NVIDIA device
-    use the CPU (and skip the CUDA plugin's failed start-up), split into `cpu_devices` fake
-    devices so that tensor parallelism runs for real, only slower."""
-    if not os.environ.get("JAX_PLATFORMS") and not glob.glob("/dev/nvidia[0-9]*"):
-        jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", cpu_devices)
+    """For notebooks and scripts, before any jax work: on a host with no NVIDIA device use the
+    CPU, split into `cpu_devices` fake devices so that tensor parallelism runs for real, only
+    slower (`ladder_jax.runtime.setup`, which the command-line tools call)."""
+    from ladder_jax import runtime
+    runtime.setup(cpu_devices=cpu_devices)
 
 
 def tp_size(mesh: Mesh) -> int:
@@ -142,6 +141,21 @@ class WeightSpecs:
             norm_d=P(None),
             kv_replicated=kv_replicated,
         )
+
+
+    @staticmethod
+    def fsdp(spec: P, shape, n_data: int) -> P:
+        """Where a weight is *stored* under FSDP (`mesh.fsdp`): its tp spec with the largest
+        still-unsplit dimension that `n_data` divides also split over `data` (unchanged when
+        none is). Its Adam moments follow it. Inside the model's shard_map each weight is
+        still read with its tp spec: XLA all-gathers it over `data` at that boundary, and the
+        gradient comes back reduce-scattered."""
+        entries = list(spec) + [None] * (len(shape) - len(spec))
+        free = [i for i, e in enumerate(entries) if e is None and shape[i] % n_data == 0]
+        if n_data == 1 or not free:
+            return spec
+        entries[max(free, key=lambda i: shape[i])] = DATA
+        return P(*entries)
 
 
 # KV cache, per layer k and v of global shape (B, S, max(K, tp), H): batch over `data`, kv heads

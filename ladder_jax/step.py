@@ -17,27 +17,12 @@ params and optimizer state come back unchanged (the schedule does not advance ei
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
-
-@dataclasses.dataclass
-class OptimizerConfig:
-    """The optimizer's settings, with the paper's defaults; also the `optim` section of a
-    training config (mutable, as OmegaConf merges YAML into it)."""
-
-    peak_lr: float = 3e-4
-    warmup_steps: int = 100
-    end_lr_fraction: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-10
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
+from ladder_jax.config import OptimizerConfig
 
 
 def make_schedule(cfg: OptimizerConfig | None = None, total_steps: int = 10_000) -> optax.Schedule:

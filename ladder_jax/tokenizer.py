@@ -1,23 +1,35 @@
-"""The embedded default tokenizer: UTF-8 bytes, no download.
+"""Tokenizers: the embedded byte-level default (no download) and a local Hugging Face
+`tokenizer.json`. Both have `encode(text, bos=, eos=) -> ids`, `decode(ids) -> str`,
+`vocab_size` and the special ids `bos_id`, `eos_id`, `pad_id` (None when absent).
 
-Ids 0-255 are the bytes; then three specials. Any preset whose vocab_size >= 259 can use it
-(`tiny` and `small` have 320: a multiple of 16 and of 64, so every tp up to 16 divides it).
+`ByteTokenizer`: ids 0-255 are the UTF-8 bytes, then BOS 256, EOS 257, PAD 258. Any preset whose
+vocab_size >= 259 can use it (`tiny` and `small` have 320: a multiple of 16 and of 64, so every
+tp up to 16 divides it).
+
+`HFTokenizer`: a checkpoint's tokenizer.json through the `tokenizers` package; its special ids
+come from the model's config.json, else tokenizer_config.json's token strings, else (a lone
+tokenizer.json) the usual names (<s>, <|begin_of_text|>, ...).
+
+`make_tokenizer(name)`: "byte" or the path of a tokenizer.json, as in a training config's
+`data.tokenizer`.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+
+from ladder_jax.config import ConfigError
+
 
 class ByteTokenizer:
-    BOS = 256
-    EOS = 257
-    PAD = 258
+    bos_id, eos_id, pad_id = 256, 257, 258
     vocab_size = 259
-
-    bos_id, eos_id, pad_id = BOS, EOS, PAD
 
     def encode(self, text: str, *, bos: bool = True, eos: bool = False) -> list[int]:
         ids = list(text.encode("utf-8"))
-        return ([self.BOS] if bos else []) + ids + ([self.EOS] if eos else [])
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
     def decode(self, ids) -> str:
         """Bytes back to text; specials are dropped, broken UTF-8 shows as U+FFFD."""
@@ -25,3 +37,93 @@ class ByteTokenizer:
 
     def __repr__(self):
         return "ByteTokenizer(bytes 0-255, BOS=256, EOS=257, PAD=258)"
+
+
+class HFTokenizer:
+    """A checkpoint's `tokenizer.json` (the `tokenizers` package), with the interface of
+    `ladder_jax.tokenizer.ByteTokenizer`: encode(text, bos=, eos=) -> ids, decode(ids)."""
+
+    def __init__(self, file: str, *, bos_id=None, eos_id=None, pad_id=None):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ConfigError(f"{file} needs the `tokenizers` package: pip install tokenizers") \
+                from None
+        self.file = file
+        try:
+            self._tok = Tokenizer.from_file(file)
+        except Exception as e:  # the tokenizers package raises bare Exceptions
+            raise ConfigError(f"{file}: not a tokenizer.json the `tokenizers` package can read "
+                              f"({str(e).splitlines()[0][:200]})") from None
+        self.vocab_size = self._tok.get_vocab_size()
+        self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+
+    @classmethod
+    def from_dir(cls, path: str, hf: dict | None = None) -> HFTokenizer | None:
+        """The tokenizer of an HF model directory, or None if it has no tokenizer.json. Special
+        ids come from config.json, else tokenizer_config.json's token strings."""
+        file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(file):
+            return None
+        hf = hf or {}
+        tok = cls(file)
+        names = {}
+        tc = os.path.join(path, "tokenizer_config.json")
+        if os.path.isfile(tc):
+            try:
+                with open(tc) as f:
+                    names = json.load(f)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"cannot read {tc}: {e}") from None
+            if not isinstance(names, dict):
+                raise ConfigError(f"{tc}: expected a JSON object")
+
+        def special(key):
+            v = hf.get(f"{key}_token_id")
+            if isinstance(v, list):  # llama-3 instruct lists several EOS ids: take the first
+                v = v[0] if v else None
+            if v is None:
+                s = names.get(f"{key}_token")
+                s = s.get("content") if isinstance(s, dict) else s
+                v = tok._tok.token_to_id(s) if isinstance(s, str) else None
+            return v
+
+        tok.bos_id, tok.eos_id, tok.pad_id = special("bos"), special("eos"), special("pad")
+        return tok
+
+    def guess_specials(self) -> None:
+        """Without a config beside the tokenizer.json, find BOS / EOS by their usual names."""
+        for attr, names in (("bos_id", ("<s>", "<|begin_of_text|>", "<bos>")),
+                            ("eos_id", ("</s>", "<|end_of_text|>", "<eos>"))):
+            if getattr(self, attr) is None:
+                setattr(self, attr, next(
+                    (i for i in map(self._tok.token_to_id, names) if i is not None), None))
+
+    def encode(self, text: str, *, bos: bool = True, eos: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return ([self.bos_id] if bos and self.bos_id is not None else []) + ids + (
+            [self.eos_id] if eos and self.eos_id is not None else [])
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def save(self, path: str) -> None:
+        shutil.copyfile(self.file, os.path.join(path, "tokenizer.json"))
+
+    def __repr__(self):
+        return (f"HFTokenizer({self.file}, vocab {self.vocab_size}, bos={self.bos_id}, "
+                f"eos={self.eos_id})")
+
+
+def make_tokenizer(name: str):
+    """`byte` (the embedded default) or a local tokenizer.json (`data.tokenizer`)."""
+    if name == "byte":
+        return ByteTokenizer()
+    if not os.path.isfile(name):
+        raise ConfigError(f"data.tokenizer={name!r}: no such file (give a tokenizer.json or "
+                          f"byte)")
+    directory = os.path.dirname(os.path.abspath(name))
+    tok = (HFTokenizer.from_dir(directory) if os.path.basename(name) == "tokenizer.json"
+           else None) or HFTokenizer(name)
+    tok.guess_specials()
+    return tok

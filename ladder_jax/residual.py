@@ -1,0 +1,217 @@
+"""The residual stream of the standard, ladder, hybrid and upper_bound schemes: one schedule,
+the forward that follows it, and the ladder's hand-written backward that walks it in reverse.
+
+The schedule (`schedule(config)`) is computed once per config and is the only place the wiring
+is decided. Modules run in order (layer 0 attention, layer 0 MLP, layer 1 attention, ...); each
+ends in a row-parallel matmul whose partial sum is all-reduced over `tp`. Exactly one reduced
+output is ever pending (not yet added to the stream x) when a module starts: the previous
+module's. A module is either
+
+    immediate   x = x + pending;  y = module(norm(x))        (standard layers)
+    deferred    y = module(norm(x));  x = x + pending        (ladder layers but module 0)
+
+and then `pending = psum(y)`; after the last module x = x + pending. A deferred module reads
+the stream *without* the previous module's output, so that output's all-reduce is in flight
+while the module computes; it is tied to the module's output (`sharding.tie`) so that XLA can
+neither merge the two all-reduces nor add it to the stream any earlier. Hybrid ladder layers
+follow from the same rule: the first ladder layer's attention is deferred, so it reads the
+stream without the previous standard layer's MLP output.
+
+Backward (`_ladder_stream`, for configs with any deferred module). Autodiff transposes the
+forward in reverse program order, and there the all-reduce of module k's input cotangent is
+consumed by its norm's backward right after it is issued: every backward all-reduce blocks.
+Walking the schedule in reverse instead, with S the stream cotangent (the sum of the final
+cotangent and of every later module's input contribution c_m = norm_vjp_m(psum(ct_h_m))):
+
+    the cotangent of module k's output is S;
+    module k's backward matmuls give its input cotangent ct_h_k;
+    if module k+1 was deferred, its all-reduce has been in flight during those matmuls:
+        now S = S + c_{k+1};
+    psum(ct_h_k) is issued; if module k is deferred it stays in flight (module k-1's output
+    was added after module k read, so module k-1's cotangent does not include c_k);
+    otherwise S = S + c_k at once.
+
+Same maths as autodiff (tested against autodiff of an independent reference), a ladder
+schedule for the backward too. The LM head (`lm_head`) has a hand-written backward as well:
+its input-cotangent all-reduce overlaps its weight-gradient matmul.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ladder_jax import sharding
+from ladder_jax.sharding import DATA, TP
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One module of the schedule."""
+
+    layer: int
+    name: str  # "attn" or "mlp"
+    deferred: bool  # reads the stream before the previous module's output is added
+
+
+def schedule(config) -> tuple[Step, ...]:
+    """The wiring of `config` (standard, ladder, hybrid or upper_bound), module by module."""
+    ladder = config.ladder_layer_set()
+    return tuple(Step(i, name, deferred=i in ladder and (i, name) != (0, "attn"))
+                 for i in range(config.n_layers) for name in ("attn", "mlp"))
+
+
+def run(config, modules, x_btd, positions_bt, inv_freq, caches=None):
+    """The stream through `modules` ((norm, module) nnx pairs, in schedule order) inside
+    shard_map. With `caches` (a (k, v) per layer) the attention modules read and write them.
+    Returns (x, updated caches or None)."""
+    steps = schedule(config)
+    graphdefs, states = [], []
+    for norm, module in modules:
+        (gn, sn), (gm, sm) = nnx.split(norm), nnx.split(module)
+        graphdefs.append((gn, gm))
+        states.append((sn, sm))
+    plan = _Plan(config.dtype, config.residual == "upper_bound", steps, tuple(graphdefs))
+    if caches is None and any(s.deferred for s in steps):
+        return _ladder_stream(plan, states, x_btd, positions_bt, inv_freq), None
+    return _stream(plan, states, x_btd, positions_bt, inv_freq, caches=caches)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What `_stream` and its backward need that is not an array (hashable)."""
+
+    dtype: str
+    no_reduce: bool  # upper_bound: the stream itself becomes tp-varying
+    steps: tuple[Step, ...]
+    graphdefs: tuple  # (norm graphdef, module graphdef) per step
+
+
+def _functions(plan, k, positions_bt, inv_freq):
+    """Module k's norm (state, x) -> h and module (state, h[, cache]) -> partial sum. The
+    module's input is cast to tp-varying by the caller: in the backward that cast is the
+    all-reduce of the input cotangent, which `_ladder_bwd` issues itself."""
+    gn, gm = plan.graphdefs[k]
+
+    def norm(state, x_btd):
+        return nnx.merge(gn, state)(x_btd).astype(plan.dtype)
+
+    def module(state, h_btd, cache=None):
+        m = nnx.merge(gm, state)
+        if plan.steps[k].name == "attn":
+            return m(h_btd, positions_bt, inv_freq, cache)
+        return m(h_btd)
+
+    return norm, module
+
+
+def _reduce_and_vary(plan):
+    if plan.no_reduce:
+        return (lambda y: y), (lambda h: h)
+    return sharding.reduce_tp, (lambda h: jax.lax.pcast(h, TP, to="varying"))
+
+
+def _stream(plan, states, x_btd, positions_bt, inv_freq, *, caches=None, vjps=None):
+    """The forward of the schedule (module docstring). With `vjps` (a list) records each
+    module's (norm vjp, module vjp) for the backward."""
+    reduce, vary = _reduce_and_vary(plan)
+    caches = None if caches is None else list(caches)
+    pending = None  # the previous module's all-reduced output, not yet added to x
+    for k, step in enumerate(plan.steps):
+        with jax.named_scope(f"layer{step.layer}.{step.name}"):  # names ops in the HLO
+            if pending is not None and not step.deferred:
+                x_btd, pending = x_btd + pending, None
+            norm, module = _functions(plan, k, positions_bt, inv_freq)
+            norm_state, module_state = states[k]
+            if vjps is not None:
+                h_btd, norm_vjp = jax.vjp(norm, norm_state, x_btd)
+                y_btd, module_vjp = jax.vjp(module, module_state, vary(h_btd))
+                vjps.append((norm_vjp, module_vjp))
+            elif caches is not None and step.name == "attn":
+                y_btd, caches[step.layer] = module(module_state, vary(norm(norm_state, x_btd)),
+                                                   caches[step.layer])
+            else:
+                y_btd = module(module_state, vary(norm(norm_state, x_btd)))
+            if pending is not None:  # deferred: that all-reduce ran while `module` did
+                pending, y_btd = sharding.tie(pending, y_btd)
+                x_btd = x_btd + pending
+            pending = reduce(y_btd)
+    return x_btd + pending, caches
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ladder_stream(plan, states, x_btd, positions_bt, inv_freq):
+    """`_stream` with the backward of the module docstring."""
+    return _stream(plan, states, x_btd, positions_bt, inv_freq)[0]
+
+
+def _ladder_fwd(plan, states, x_btd, positions_bt, inv_freq):
+    vjps = []
+    return _stream(plan, states, x_btd, positions_bt, inv_freq, vjps=vjps)[0], vjps
+
+
+def _ladder_bwd(plan, vjps, ct_x_btd):
+    steps = plan.steps
+    ct_states = [None] * len(steps)
+    s_btd = ct_x_btd  # S: the stream's cotangent
+    in_flight = None  # (k, all-reduced input cotangent of deferred module k)
+
+    def add_input_contribution(k, ct_h_btd, s_btd):
+        ct_norm_state, ct_x_btd = vjps[k][0](ct_h_btd)
+        ct_states[k] = (ct_norm_state, ct_states[k])
+        return s_btd + ct_x_btd
+
+    for k in reversed(range(len(steps))):
+        step = steps[k]
+        with jax.named_scope(f"layer{step.layer}.{step.name}"):
+            ct_y_btd = jax.lax.pcast(s_btd.astype(plan.dtype), TP, to="varying")  # psum^T
+            ct_module_state, ct_h_btd = vjps[k][1](ct_y_btd)  # module k's backward matmuls
+            ct_states[k] = ct_module_state
+            if in_flight is not None:  # module k+1's all-reduce ran during those matmuls
+                j, ct_in_flight = in_flight
+                ct_in_flight, ct_h_btd = sharding.tie(ct_in_flight, ct_h_btd)
+                s_btd, in_flight = add_input_contribution(j, ct_in_flight, s_btd), None
+            ct_h_btd = sharding.reduce_tp(ct_h_btd)  # module k's input-cotangent all-reduce
+            if step.deferred:
+                in_flight = (k, ct_h_btd)
+            else:
+                s_btd = add_input_contribution(k, ct_h_btd, s_btd)
+    if in_flight is not None:
+        s_btd = add_input_contribution(*in_flight, s_btd)
+    return ct_states, s_btd, None, None
+
+
+_ladder_stream.defvjp(_ladder_fwd, _ladder_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# The LM head.
+
+
+@jax.custom_vjp
+def lm_head(h_btd, head_dv):
+    """Vocab-parallel logits (B, T, V/tp) in float32 from the tp-invariant final hidden state.
+    The backward issues the all-reduce of the input cotangent, then computes the head's
+    weight gradient while it is in flight."""
+    return jnp.einsum("BTD,DV->BTV", jax.lax.pcast(h_btd, TP, to="varying"), head_dv,
+                      preferred_element_type=jnp.float32)
+
+
+def _lm_head_fwd(h_btd, head_dv):
+    return lm_head(h_btd, head_dv), (h_btd, head_dv)
+
+
+def _lm_head_bwd(res, ct_btv):
+    h_btd, head_dv = res
+    ct_btv = ct_btv.astype(head_dv.dtype)
+    ct_h_btd = sharding.reduce_tp(jnp.einsum("BTV,DV->BTD", ct_btv, head_dv))
+    ct_head_dv = jnp.einsum("BTD,BTV->DV", jax.lax.pcast(h_btd, TP, to="varying"), ct_btv)
+    ct_head_dv = jax.lax.psum(ct_head_dv, DATA)  # data-parallel gradient sum
+    return sharding.tie(ct_h_btd, ct_head_dv)
+
+
+lm_head.defvjp(_lm_head_fwd, _lm_head_bwd)

@@ -1,0 +1,118 @@
+"""Process start-up, the same for every command-line tool, before jax touches a backend.
+
+    runtime.setup(cpu_devices=2)                      # one process
+    runtime.setup(coordinator="host0:1234", num_processes=8, process_id=3)
+
+- Platform: on a host with no NVIDIA device (and `JAX_PLATFORMS` unset) jax is told to use the
+  CPU, so it does not probe for GPUs that are not there.
+- CPU hosts are split into `cpu_devices` fake devices (XLA's host-platform devices), so that
+  tensor parallelism runs for real on a laptop, only slower. Tools ask for what their mesh
+  needs; more devices than that only cost speed.
+- Many processes: `jax.distributed.initialize` from the arguments, else from the environment
+  variables JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, else under SLURM
+  (several tasks) from SLURM's own variables.
+- Quiet start: with the CUDA PJRT plugin installed on a host without a GPU (the test extra),
+  the plugin's native start-up logs a few lines ("Could not find cuda drivers ...") on every
+  import of jax. `quiet()` drops exactly those lines and passes everything else on; the
+  package's `__init__` imports jax under it, and `setup` starts the backend under it.
+
+Nothing here imports jax or the rest of the package at import time: the package's `__init__`
+imports this module first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import re
+import sys
+import tempfile
+
+_NOISE = re.compile(r"absl::InitializeLog\(\) is called|cudart_stub\.cc.*cuda drivers")
+
+
+@contextlib.contextmanager
+def quiet():
+    """Filters the CUDA plugin's start-up chatter out of the process's native stderr."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # captured (pytest, notebooks): leave it
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), fd)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, fd)
+            os.close(saved)
+            tmp.seek(0)
+            for line in tmp.read().decode("utf-8", "replace").splitlines(keepends=True):
+                if not _NOISE.search(line):
+                    sys.stderr.write(line)
+            sys.stderr.flush()
+
+
+def has_nvidia_gpu() -> bool:
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def setup(*, cpu_devices: int | None = None, coordinator: str | None = None,
+          num_processes: int | None = None, process_id: int | None = None) -> None:
+    """Platform, fake CPU devices and `jax.distributed`, in that order (module docstring)."""
+    import jax
+
+    from ladder_jax.config import ConfigError
+
+    if not os.environ.get("JAX_PLATFORMS") and not has_nvidia_gpu():
+        jax.config.update("jax_platforms", "cpu")
+    cpu = (os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or "") == "cpu"
+    forced = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+    if cpu and cpu_devices and not forced:
+        try:
+            jax.config.update("jax_num_cpu_devices", int(cpu_devices))
+        except RuntimeError:  # the backend is up already (an in-process caller): keep it
+            pass
+    addr = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    nproc = num_processes or _env_int("JAX_NUM_PROCESSES")
+    pid = process_id if process_id is not None else _env_int("JAX_PROCESS_ID")
+    if addr or (nproc or 1) > 1:
+        if not addr or nproc is None or pid is None:
+            raise ConfigError(
+                "several processes need a coordinator address, the number of processes and "
+                "this process's id (flags, or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
+                "JAX_PROCESS_ID)")
+        if not 0 <= pid < nproc:
+            raise ConfigError(f"process id {pid} must be in [0, {nproc})")
+        jax.distributed.initialize(addr, nproc, pid)
+    elif int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        jax.distributed.initialize()  # SLURM: everything comes from its environment
+    with quiet():
+        jax.devices()
+
+
+def add_arguments(parser, *, cpu_devices_help: str) -> None:
+    """The start-up flags of the command-line tools (argparse)."""
+    g = parser.add_argument_group("processes and devices")
+    g.add_argument("--cpu-devices", type=int, default=None, help=cpu_devices_help)
+    g.add_argument("--coordinator", default=None,
+                   help="HOST:PORT of process 0, for several processes (or "
+                        "JAX_COORDINATOR_ADDRESS)")
+    g.add_argument("--num-processes", type=int, default=None,
+                   help="processes in all (or JAX_NUM_PROCESSES)")
+    g.add_argument("--process-id", type=int, default=None,
+                   help="this process, 0..N-1 (or JAX_PROCESS_ID)")
+
+
+def _env_int(name):
+    from ladder_jax.config import ConfigError
+
+    v = os.environ.get(name)
+    try:
+        return int(v) if v else None
+    except ValueError:
+        raise ConfigError(f"{name}={v!r} must be an integer") from None
