@@ -38,6 +38,14 @@ class ConfigError(ValueError):
 
 RESIDUALS = ("standard", "parallel", "ladder", "upper_bound")
 
+# Activation rematerialization for training. "none": the backward reads what the forward
+# stored (every module's intermediate activations). "module": each module (attention, MLP;
+# a parallel layer's pair) stores only its input and recomputes its internals in the
+# backward: about one extra forward of compute for activation memory that no longer grows
+# with d_ff or the number of heads. The ladder's backward still overlaps its all-reduces
+# (the recomputation is more matmul work beside them).
+REMAT = ("none", "module")
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -67,6 +75,7 @@ class ModelConfig:
     ladder_layers: int | tuple[int, ...] | None = None  # ladder only: None = all layers
     dtype: str = "float32"  # matmul compute dtype
     param_dtype: str = "float32"
+    remat: str = "none"  # training memory: see REMAT (the function computed is the same)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
@@ -93,6 +102,8 @@ class ModelConfig:
             raise ConfigError(
                 f"unknown residual scheme {self.residual!r}{hint}: choose one of "
                 f"{', '.join(RESIDUALS)}")
+        if self.remat not in REMAT:
+            raise ConfigError(f"remat={self.remat!r}: choose one of {', '.join(REMAT)}")
         for name in ("dtype", "param_dtype"):
             try:
                 jnp.dtype(getattr(self, name))
@@ -249,6 +260,7 @@ class ModelSection:
     tie_embeddings: Optional[bool] = None
     dtype: Optional[str] = None  # matmul compute dtype, e.g. bfloat16
     param_dtype: str = "float32"  # params and optimizer state
+    remat: Optional[str] = None  # none | module: recompute module internals in the backward
 
 
 @dataclasses.dataclass

@@ -324,16 +324,22 @@ class Transformer(nnx.Module):
             modules = [pair for layer in self.layers
                        for pair in ((layer.attn_norm, layer.attn), (layer.mlp_norm, layer.mlp))]
             return residual.run(c, modules, x_btd, positions_bt, inv_freq, caches)
+        def both(attn, mlp, h_btd):  # one partial sum for the pair: one all-reduce
+            return attn(h_btd, positions_bt, inv_freq) + mlp(h_btd)
+
+        if c.remat == "module":
+            both = nnx.remat(both)
         new_caches = None if caches is None else []
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer{i}.parallel"):
                 h_btd = layer.attn_norm(x_btd).astype(c.dtype)
                 if caches is None:
-                    a_btd = layer.attn(h_btd, positions_bt, inv_freq)
+                    y_btd = both(layer.attn, layer.mlp, h_btd)
                 else:
                     a_btd, cache = layer.attn(h_btd, positions_bt, inv_freq, caches[i])
                     new_caches.append(cache)
-                x_btd = x_btd + sharding.reduce_tp(a_btd + layer.mlp(h_btd))
+                    y_btd = a_btd + layer.mlp(h_btd)
+                x_btd = x_btd + sharding.reduce_tp(y_btd)
         return x_btd, new_caches
 
 

@@ -75,7 +75,8 @@ def run(config, modules, x_btd, positions_bt, inv_freq, caches=None):
         (gn, sn), (gm, sm) = nnx.split(norm), nnx.split(module)
         graphdefs.append((gn, gm))
         states.append((sn, sm))
-    plan = _Plan(config.dtype, config.residual == "upper_bound", steps, tuple(graphdefs))
+    plan = _Plan(config.dtype, config.residual == "upper_bound", config.remat == "module",
+                 steps, tuple(graphdefs))
     if caches is None and any(s.deferred for s in steps):
         return _ladder_stream(plan, states, x_btd, positions_bt, inv_freq), None
     return _stream(plan, states, x_btd, positions_bt, inv_freq, caches=caches)
@@ -87,6 +88,7 @@ class _Plan:
 
     dtype: str
     no_reduce: bool  # upper_bound: the stream itself becomes tp-varying
+    remat: bool  # modules keep only their inputs for the backward (config.REMAT)
     steps: tuple[Step, ...]
     graphdefs: tuple  # (norm graphdef, module graphdef) per step
 
@@ -127,15 +129,17 @@ def _stream(plan, states, x_btd, positions_bt, inv_freq, *, caches=None, vjps=No
                 x_btd, pending = x_btd + pending, None
             norm, module = _functions(plan, k, positions_bt, inv_freq)
             norm_state, module_state = states[k]
-            if vjps is not None:
-                h_btd, norm_vjp = jax.vjp(norm, norm_state, x_btd)
-                y_btd, module_vjp = jax.vjp(module, module_state, vary(h_btd))
-                vjps.append((norm_vjp, module_vjp))
-            elif caches is not None and step.name == "attn":
+            if caches is not None and step.name == "attn":  # inference: nothing to remat
                 y_btd, caches[step.layer] = module(module_state, vary(norm(norm_state, x_btd)),
                                                    caches[step.layer])
             else:
-                y_btd = module(module_state, vary(norm(norm_state, x_btd)))
+                module = jax.checkpoint(module) if plan.remat else module
+                if vjps is not None:
+                    h_btd, norm_vjp = jax.vjp(norm, norm_state, x_btd)
+                    y_btd, module_vjp = jax.vjp(module, module_state, vary(h_btd))
+                    vjps.append((norm_vjp, module_vjp))
+                else:
+                    y_btd = module(module_state, vary(norm(norm_state, x_btd)))
             if pending is not None:  # deferred: that all-reduce ran while `module` did
                 pending, y_btd = sharding.tie(pending, y_btd)
                 x_btd = x_btd + pending

@@ -93,7 +93,7 @@ def init_runtime(cfg: TrainConfig) -> None:
 
 
 # Keys whose change makes a resumed run a different experiment (see the module docstring).
-_RESUME_KEYS = ("seed", "steps", "model", "optim", "data.path", "data.tokenizer", "data.seq_len",
+_RESUME_KEYS = ("seed", "model", "optim", "data.path", "data.tokenizer", "data.seq_len",
                 "data.batch_size", "data.grad_accum", "data.eval_fraction", "data.seed")
 
 

@@ -1,8 +1,6 @@
 """KV-cached decoding against full forwards, batching, sampling, multi-process, bad input."""
 
-import dataclasses
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -10,28 +8,12 @@ import textwrap
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
-import ladder_jax as lj
 from ladder_jax import decode
 
-TINY = lj.ModelConfig.from_preset("tiny")
-SCHEMES = {
-    "standard": dict(residual="standard"),
-    "parallel": dict(residual="parallel"),
-    "ladder": dict(residual="ladder"),
-    "hybrid": dict(residual="ladder", ladder_layers=2),
-}
-
-
-def _model(tp, seed=0, **changes):
-    mesh = lj.make_mesh(tp=tp, data=1, devices=jax.devices()[:tp])
-    return lj.Transformer(dataclasses.replace(TINY, **changes), mesh=mesh, rngs=nnx.Rngs(seed))
-
-
-@nnx.jit
-def _logits(model, tokens):
-    return model(tokens)
+from tests.conftest import SCHEMES, free_port
+from tests.conftest import logits as _logits
+from tests.conftest import tiny_model as _model
 
 
 @pytest.mark.parametrize("tp", [1, 4])
@@ -158,17 +140,11 @@ _WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_with_tp_across_them_match_one_process(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
     out = tmp_path / "tokens.json"
-    port = str(_free_port())
+    port = str(free_port())
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     procs = [subprocess.Popen([sys.executable, str(script), str(i), port, str(out)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -15,6 +15,8 @@ from flax import nnx
 
 import ladder_jax as lj
 from ladder_jax import convert, hf
+from tests.conftest import logits as _logits
+from tests.conftest import mesh as _mesh
 from tests import reference
 
 V = 128  # divisible by 1, 2, 4, 8
@@ -25,10 +27,6 @@ GQA_SCALED = dict(  # GQA (8 query / 2 kv heads: replicated at tp=4), llama-3 sc
                       high_freq_factor=4.0, original_max_position_embeddings=64))
 TIED = dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True,
             rope_theta=10000.0, rms_norm_eps=1e-5)
-
-
-def _mesh(tp):
-    return lj.make_mesh(tp=tp, devices=jax.devices()[:tp])
 
 
 def _save_llama(path, *, dtype=None, max_shard_size=None, **kw):
@@ -65,11 +63,6 @@ def _tokens(B=2, T=24, seed=0):
 def _torch_logits(tm, tokens):
     with torch.no_grad():
         return tm(torch.tensor(tokens)).logits.numpy()
-
-
-@nnx.jit
-def _logits(model, tokens):
-    return model(tokens)
 
 
 def _weights(model):

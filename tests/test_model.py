@@ -11,25 +11,13 @@ from flax import nnx
 import ladder_jax as lj
 from tests import reference
 
-TINY = lj.ModelConfig.from_preset("tiny")
-
-
-def _mesh(tp, data=1):
-    return lj.make_mesh(tp=tp, data=data, devices=jax.devices()[: tp * data])
+from tests.conftest import TINY
+from tests.conftest import logits as _logits
+from tests.conftest import tiny_model as _model
 
 
 def _tokens(B=2, T=12, seed=1, vocab=TINY.vocab_size):
     return jax.random.randint(jax.random.key(seed), (B, T), 0, vocab)
-
-
-@nnx.jit
-def _logits(model, tokens):
-    return model(tokens)
-
-
-def _model(tp=1, seed=0, **changes):
-    return lj.Transformer(dataclasses.replace(TINY, **changes), mesh=_mesh(tp),
-                          rngs=nnx.Rngs(seed))
 
 
 SCHEMES = [

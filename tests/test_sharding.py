@@ -10,19 +10,12 @@ from flax import nnx
 
 import ladder_jax as lj
 
-TINY = lj.ModelConfig.from_preset("tiny")
-SCHEMES = {
-    "standard": dict(residual="standard"),
-    "parallel": dict(residual="parallel"),
-    "ladder": dict(residual="ladder"),
-    "hybrid": dict(residual="ladder", ladder_layers=2),
-    "tied-ladder": dict(residual="ladder", tie_embeddings=True),
-}
+from tests.conftest import SCHEMES as VALID
+from tests.conftest import TINY
+from tests.conftest import mesh as _mesh
+
+SCHEMES = {**VALID, "tied-ladder": dict(residual="ladder", tie_embeddings=True)}
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (8, 1), (2, 4)]  # (tp, data)
-
-
-def _mesh(tp, data):
-    return lj.make_mesh(tp=tp, data=data, devices=jax.devices()[: tp * data])
 
 
 def _loss_and_grads(config, tp, data, tokens, targets):

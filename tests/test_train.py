@@ -4,7 +4,6 @@ config errors. Small on purpose: 2-layer tiny model, 32-token sequences, a few s
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from flax import nnx
 from ladder_jax import checkpoint, data, step, train
 from ladder_jax.model import ModelConfig, Transformer
 from ladder_jax.sharding import make_mesh
+from tests.conftest import free_port
 
 SMALL = ["model.n_layers=2", "data.seq_len=32", "data.batch_size=8", "eval_batches=2",
          "progress=lines", "log_every=1000", "optim.warmup_steps=5", "optim.peak_lr=3e-3",
@@ -166,16 +166,10 @@ def test_bad_config_is_a_clear_error(args, message):
     assert "Traceback" not in err
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_equal_one(tmp_path):
     common = SMALL + ["steps=3", "eval_every=0", "mesh.tp=2", "mesh.data=2"]
     ref = train.run(train.load_config(common + [f"run_dir={tmp_path}", "name=one"]))["losses"]
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
     procs = [cli(*common, f"run_dir={tmp_path}", "name=two", "mesh.cpu_devices=2",
