@@ -217,7 +217,7 @@ def read_all_reduces(hlo: str, d_model: int) -> list[dict]:
             if "shard_map" not in op.op_name:
                 kind = "loss" if len(dims) > 1 or "jvp(" in op.op_name else "optimizer"
             elif not activation:
-                kind = "weight_grad"
+                kind = "optimizer" if not dims else "weight_grad"
             else:
                 kind = "module" if scope else "head" if "/head/" in op.op_name else "other"
             asynchronous = op.opcode == "all-reduce-start" and not is_sync

@@ -285,6 +285,29 @@ def shard(fn: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
 
 
+def global_norm(tree, specs, mesh: Mesh) -> jax.Array:
+    """The L2 norm of all arrays in `tree`, laid out as `specs` (one PartitionSpec per leaf,
+    the model's weights' layout) on `mesh`, with ONE scalar all-reduce: each rank sums the
+    squares of its own blocks, counting a block replicated over tp on tp-rank 0 only, and one
+    psum over tp adds the ranks' sums. Left to XLA, every sharded leaf would be reduced on its
+    own: one small synchronous all-reduce per weight (the all-reduce combiner is off, see
+    `compiler_options`)."""
+    import jax.numpy as jnp
+
+    leaves = jax.tree.leaves(tree)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+
+    def local(*blocks):
+        first = jax.lax.axis_index(TP) == 0
+        total = jnp.zeros((), jnp.float32)
+        for block, spec in zip(blocks, spec_leaves):
+            sq = jnp.sum(jnp.square(block.astype(jnp.float32)))
+            total = total + (sq if TP in tuple(spec) else jnp.where(first, sq, 0.0))
+        return jnp.sqrt(jax.lax.psum(total, TP))
+
+    return shard(local, mesh, in_specs=tuple(spec_leaves), out_specs=P())(*leaves)
+
+
 def axis_index_tp() -> jax.Array:
     return jax.lax.axis_index(TP)
 

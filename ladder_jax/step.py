@@ -22,7 +22,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from ladder_jax import sharding
 from ladder_jax.config import OptimizerConfig
+from ladder_jax.model import param_specs
 
 
 def make_schedule(cfg: OptimizerConfig | None = None, total_steps: int = 10_000) -> optax.Schedule:
@@ -82,7 +84,8 @@ def train_step(graphdef, params, opt_state, tokens_bt, targets_bt, *, optimizer,
                mask_bt=None):
     """One update. tokens/targets (B, T), or (A, B, T) for A accumulated micro-batches."""
     loss, grads = loss_and_grads(graphdef, params, tokens_bt, targets_bt, mask_bt)
-    grad_norm = optax.tree.norm(grads)
+    mesh = nnx.merge(graphdef, params).mesh
+    grad_norm = sharding.global_norm(grads, param_specs(params), mesh)  # one all-reduce
     scale = jnp.minimum(1.0, grad_clip / jnp.maximum(grad_norm, 1e-12))
     grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
