@@ -335,7 +335,8 @@ class Trainer:
         self.local_batch = cfg.data.batch_size // self.shard[1]
 
         # data
-        tokens = data.load_tokens(cfg.data.path, self.tokenizer)
+        tokens = data.load_tokens(cfg.data.path, self.tokenizer,
+                                 self.model_config.vocab_size)
         self.train_records, self.eval_records = data.split(
             tokens, cfg.data.seq_len, cfg.data.eval_fraction)
         self.data_iter = data.train_iterator(
