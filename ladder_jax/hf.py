@@ -538,6 +538,7 @@ def load_hf(path: str, *, mesh, residual: str | None = None, ladder_layers=_KEEP
         raise HFError(f"tensor {extra[0]!r} in {os.path.basename(files[extra[0]])} is not a "
                       f"weight of a Llama model with this config.json ({len(extra)} unexpected)")
 
+    tokenizer = HFTokenizer.from_dir(path, hf)  # a bad tokenizer.json fails before the reads
     graphdef, state = nnx.split(model)
     pure = nnx.to_pure_dict(state)
     for file, h in headers.items():  # file by file, tensor by tensor
@@ -554,7 +555,7 @@ def load_hf(path: str, *, mesh, residual: str | None = None, ladder_layers=_KEEP
                 host.shape, sharding, lambda idx, host=host: host[idx])
             del host
     nnx.replace_by_pure_dict(state, pure)
-    return nnx.merge(graphdef, state), HFTokenizer.from_dir(path, hf)
+    return nnx.merge(graphdef, state), tokenizer
 
 
 # ---------------------------------------------------------------------------------------------
