@@ -371,6 +371,7 @@ def benchmark(config: ModelConfig, mesh, *, batch: int, prompt_len: int, new_tok
                 f"benchmark {name}={v!r} (--{flag}) must be an integer >= {low}" + (
                     " (the first new token comes from prefill; decode is timed on the rest)"
                     if name == "new_tokens" else ""))
+    sharding.check_batch(batch, mesh)  # rows are split over the data axis as they are
     check_generation(config, [[0] * prompt_len], new_tokens)
     model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(seed))
     decoder = Decoder(model)
@@ -431,7 +432,12 @@ def benchmark(config: ModelConfig, mesh, *, batch: int, prompt_len: int, new_tok
 def _parse_ladder_layers(text):
     if text is None:
         return None
-    return int(text) if text.strip().isdigit() else tuple(int(x) for x in text.split(",") if x)
+    try:
+        return int(text) if text.strip().isdigit() else tuple(
+            int(x) for x in text.split(",") if x)
+    except ValueError:
+        raise ConfigError(f"--ladder-layers {text!r}: give N (the upper N layers) or a comma "
+                          f"list of layer indices") from None
 
 
 def _from_checkpoint(path: str, overrides: dict):

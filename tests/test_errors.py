@@ -93,6 +93,16 @@ def test_bad_training_data_is_one_line_and_writes_nothing(tmp_path, capsys, name
     assert not os.path.exists(tmp_path / "runs")  # refused before the run directory exists
 
 
+def test_unreadable_tokenizer_json_is_one_line(tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": 7}')
+    rc = train.main(SMALL + [f"data.tokenizer={tmp_path}/tokenizer.json",
+                             f"run_dir={tmp_path}/runs", "name=r"])
+    line = one_line(capsys, rc)
+    assert f"{tmp_path}/tokenizer.json is not a tokenizer.json the tokenizers package" in line
+    assert not os.path.exists(tmp_path / "runs")
+
+
 def test_data_checks_pass_what_is_good(tmp_path):
     tok = data.ByteTokenizer()
     np.save(tmp_path / "ok.npy", np.arange(320, dtype=np.int16))
@@ -357,6 +367,10 @@ def _files(tmp_path):
      "new_tokens=1 (--max-new-tokens) must be an integer >= 2"),
     (["--benchmark", "--batch", "0", "--prompt-len", "4"], "batch=0 (--batch) must be"),
     (["--benchmark", "--prompt-len", "0"], "prompt_len=0 (--prompt-len) must be"),
+    (["--benchmark", "--tp", "4", "--batch", "3", "--prompt-len", "4", "--max-new-tokens", "2"],
+     "batch size 3 is not divisible by the data axis (2)"),
+    (["--ladder-layers", "2,x"], "--ladder-layers '2,x': give N (the upper N layers) or a comma "
+                                 "list"),
 ])
 def test_decode_cli_bad_input_is_one_line(tmp_path, capsys, decode_main, args, expect):
     tmp = str(_files(tmp_path))
