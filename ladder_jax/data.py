@@ -122,10 +122,15 @@ def _read_text(file: str) -> str:
             raw = fh.read()
     except OSError as e:
         raise DataError(f"{file}: cannot read it ({e.strerror})") from None
-    text = raw.decode("utf-8", errors="replace")
-    invalid = len(raw) - len(raw.decode("utf-8", errors="ignore").encode("utf-8"))
-    if b"\0" in raw or invalid > len(raw) // 100:
-        why = "has NUL bytes" if b"\0" in raw else f"has {invalid} of {len(raw)} bytes not UTF-8"
+    why = "has NUL bytes" if b"\0" in raw else None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", errors="replace")
+        invalid = len(raw) - len(raw.decode("utf-8", errors="ignore").encode("utf-8"))
+        if invalid > len(raw) // 100:
+            why = why or f"has {invalid} of {len(raw)} bytes not UTF-8"
+    if why:
         raise DataError(f"{file}: {why}, so it is not text: give UTF-8 text files, or "
                         f"pre-tokenized .npy arrays")
     return text

@@ -576,14 +576,18 @@ def _run(args, say) -> int:
     if args.prompt_file:
         file = args.prompt_file
         try:
-            with open(file, encoding="utf-8") as f:
-                lines = [line.rstrip("\n") for line in f if line.strip()]
+            with open(file, "rb") as f:
+                raw = f.read()
+            text = raw.decode("utf-8")  # whole, so that the offset below is the file's
         except UnicodeDecodeError as e:
-            raise GenerationError(f"--prompt-file {file}: byte {e.start} is not UTF-8 "
-                                  f"({e.reason}): save the file as UTF-8 text") from None
+            line = raw.count(b"\n", 0, e.start) + 1
+            raise GenerationError(f"--prompt-file {file}: byte {e.start} (line {line}) is not "
+                                  f"UTF-8 ({e.reason}): save the file as UTF-8 text") from None
         except OSError as e:
             raise GenerationError(f"--prompt-file {file}: cannot read it "
                                   f"({e.strerror or e})") from None
+        lines = [ln for ln in text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+                 if ln.strip()]
         if not lines:
             raise GenerationError(f"--prompt-file {file} has no prompts (it is empty or only "
                                   f"blank lines): write one prompt per line")

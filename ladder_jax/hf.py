@@ -303,6 +303,8 @@ class _SafetensorsFile:
                         f"{size} bytes, too short for a header" if n is None else
                         f"its header length field says {n} bytes, the file has {size}"))
                 header = json.loads(f.read(n))
+        except HFError:
+            raise
         except OSError as e:
             raise HFError(f"{file}: cannot read it ({e.strerror or e})") from None
         except ValueError as e:  # JSON or UTF-8
@@ -329,11 +331,12 @@ class _SafetensorsFile:
         dtype, shape, offsets = h["dtype"], h["shape"], h["data_offsets"]
         if dtype not in _ITEMSIZE:
             raise bad(f"unknown dtype {dtype!r}")
-        ints = lambda xs, n=None: (isinstance(xs, list) and (n is None or len(xs) == n) and all(
-            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs))
-        if not ints(shape):
+        def sizes(xs):  # a JSON list of non-negative integers
+            return isinstance(xs, list) and all(type(x) is int and x >= 0 for x in xs)
+
+        if not sizes(shape):
             raise bad(f"shape {shape!r} is not a list of sizes")
-        if not ints(offsets, 2) or offsets[0] > offsets[1]:
+        if not sizes(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
             raise bad(f"data_offsets {offsets!r} is not a [start, end] byte range")
         if offsets[1] > data_bytes:
             raise bad(f"its bytes end at {offsets[1]}, past the {data_bytes} bytes of data the "

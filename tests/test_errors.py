@@ -245,7 +245,7 @@ def test_damaged_hf_checkpoint_fails_before_any_tensor_is_read(
                         lambda self, n: reads.append(n) or real_read(self, n))
     out = tmp_path / "out"
     line = one_line(capsys, convert.main(["--hf", str(d), "--out", str(out)]))
-    assert all(e in line for e in expect), line
+    assert all(e in line for e in expect) and line.count(" is not ") <= 2, line
     assert reads == [] and not out.exists()
 
 
@@ -343,7 +343,7 @@ def decode_main(monkeypatch):
 def _files(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "blank.txt").write_text("\n   \n\t\n")
-    (tmp_path / "latin1.txt").write_bytes("café au lait\n".encode("latin-1"))
+    (tmp_path / "latin1.txt").write_bytes(("x" * 9000 + "\r\ncafé\n").encode("latin-1"))
     return tmp_path
 
 
@@ -351,8 +351,8 @@ def _files(tmp_path):
     (["--prompt-file", "{tmp}/empty.txt"], "{tmp}/empty.txt has no prompts (it is empty or "
                                             "only blank lines)"),
     (["--prompt-file", "{tmp}/blank.txt"], "{tmp}/blank.txt has no prompts"),
-    (["--prompt-file", "{tmp}/latin1.txt"], "--prompt-file {tmp}/latin1.txt: byte 3 is not "
-                                             "UTF-8"),
+    (["--prompt-file", "{tmp}/latin1.txt"], "--prompt-file {tmp}/latin1.txt: byte 9005 (line "
+                                             "2) is not UTF-8"),
     (["--prompt-file", "{tmp}"], "--prompt-file {tmp}: cannot read it (Is a directory)"),
     (["--prompt-file", "{tmp}/nope.txt"], "cannot read it (No such file or directory)"),
     (["--max-new-tokens", "0"], "max_new_tokens=0 must be a positive integer"),
@@ -377,6 +377,14 @@ def test_decode_cli_bad_input_is_one_line(tmp_path, capsys, decode_main, args, e
     rc = decode_main([a.replace("{tmp}", tmp) for a in args])
     line = one_line(capsys, rc)
     assert expect.replace("{tmp}", tmp) in line, line
+
+
+def test_prompt_file_lines_are_prompts(tmp_path, capsys, decode_main):
+    (tmp_path / "p.txt").write_bytes(b"ab\r\n\r\n  \ncd\n")  # Windows line ends, blank lines
+    assert decode_main(["--prompt-file", str(tmp_path / "p.txt"), "--max-new-tokens", "1",
+                        "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "--- 'ab'\n" in out and "--- 'cd'\n" in out and out.count("--- ") == 2, out
 
 
 def test_decode_benchmark_says_what_it_measures_first(capsys, decode_main, monkeypatch):
@@ -411,4 +419,4 @@ def test_decode_cli_process_non_utf8_prompt_file(tmp_path):
                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr
-    assert f"error: --prompt-file {tmp_path / 'p.txt'}: byte 0 is not UTF-8" in r.stderr
+    assert f"--prompt-file {tmp_path / 'p.txt'}: byte 0 (line 1) is not UTF-8" in r.stderr
