@@ -108,9 +108,10 @@ def load_tokens(path: str | None, tokenizer, vocab_size: int | None = None) -> n
         frame = [[tokenizer.BOS]] if tokenizer.BOS is not None else []
         frame += [ids] + ([[tokenizer.EOS]] if tokenizer.EOS is not None else [])
         parts.extend(np.asarray(p, np.int32) for p in frame)
-    if not npy and all(os.path.getsize(f) == 0 for f in files):
+    sizes = [len(p) for p in parts] if npy else [os.path.getsize(f) for f in files]
+    if not any(sizes):
         where = files[0] if len(files) == 1 else f"data.path={path!r} ({len(files)} files)"
-        raise DataError(f"{where}: empty, no text to train on: give a file with text in it")
+        raise DataError(f"{where}: empty, no tokens to train on: give a file with data in it")
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 

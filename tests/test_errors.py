@@ -80,8 +80,9 @@ RNG_BYTES = bytes(np.random.default_rng(0).integers(1, 256, 4000, dtype=np.uint8
     ("program.txt", _bytes(b"\x7fELF\x02\x01\x01\x00" + RNG_BYTES), ["has NUL bytes",
                                                                       "not text"]),
     ("noise.txt", _bytes(RNG_BYTES), ["bytes not UTF-8", "not text"]),
-    ("empty.txt", _bytes(b""), ["empty, no text to train on"]),
-    ("emptydir", _empty_dir, ["(2 files): empty, no text to train on"]),
+    ("empty.txt", _bytes(b""), ["empty, no tokens to train on"]),
+    ("emptydir", _empty_dir, ["(2 files): empty, no tokens to train on"]),
+    ("empty.npy", _npy([]), ["empty, no tokens to train on"]),
 ])
 def test_bad_training_data_is_one_line_and_writes_nothing(tmp_path, capsys, name, make,
                                                           expect):
