@@ -10,8 +10,8 @@ Sources (`path`):
 - a text file, a glob (`books/*.txt`) or a directory (every file below it, sorted): each file
   is one document, tokenized when the run starts and framed as BOS ... EOS;
 - `.npy` files: pre-tokenized 1-D integer arrays, memory-mapped; every id is checked against
-  the model's vocabulary once, when the run starts (a -1 or an id past the vocabulary is
-  refused, naming the file).
+  the model's vocabulary when the run starts, in one streaming pass over each file (a -1 or an
+  id past the vocabulary is refused, naming the file).
 
 Text must be UTF-8: a file with NUL bytes or with more than 1% of its bytes not UTF-8 is refused
 as binary; a few stray invalid bytes become U+FFFD. Empty sources are refused.

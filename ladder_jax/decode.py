@@ -18,6 +18,8 @@ anything can see them.
 Footguns, handled here on the host before any device work:
 - XLA clamps out-of-range dynamic updates silently: a prompt plus new tokens longer than the
   cache would overwrite its last slot. `generate` refuses such input with the numbers.
+- `int()` turns 1.5, "7" and True into token ids without a word: `generate` refuses any token
+  that is not an integer, naming the prompt and the value.
 - Fake CPU devices deadlock when too many collective programs are queued (DESIGN §4): the
   generation loop keeps at most one step in flight beyond the one it is reading.
 """
