@@ -166,9 +166,12 @@ def _load_npy(file: str, vocab_size: int | None) -> np.ndarray:
         bad += int(np.count_nonzero((part < 0) | (part >= vocab_size)))
     lo, hi = min(lo), max(hi)
     if bad:
-        fix = (["negative ids (padding, masks) do not belong in a token stream"] if lo < 0
-               else []) + ([f"re-tokenize with the run's data.tokenizer or set "
-                            f"model.vocab_size >= {hi + 1}"] if hi >= vocab_size else [])
+        fix = []
+        if lo < 0:
+            fix.append("negative ids (padding, masks) do not belong in a token stream")
+        if hi >= vocab_size:
+            fix.append(f"re-tokenize with the run's data.tokenizer or set model.vocab_size >= "
+                       f"{hi + 1}")
         raise DataError(f"{file}: {bad} of {len(a)} token ids are outside the model's "
                         f"vocabulary [0, {vocab_size}) (smallest {lo}, largest {hi}): "
                         + "; ".join(fix))

@@ -259,11 +259,10 @@ def _prompt_rows(prompts) -> tuple[bool, list]:
     naming the prompt and the value, anything else (see `generate`)."""
     if isinstance(prompts, (str, bytes)):
         raise GenerationError("prompts must be a batch (a list of prompts): pass [prompt]")
-    if hasattr(prompts, "ndim") and hasattr(prompts, "dtype"):  # numpy, jax or torch
-        if prompts.ndim != 2:
-            hint = ": for one prompt pass ids[None]" if prompts.ndim == 1 else ""
-            raise GenerationError(f"an array of prompts must be 2-D (batch, length), like "
-                                  f"input_ids; got shape {tuple(prompts.shape)}{hint}")
+    if hasattr(prompts, "ndim") and hasattr(prompts, "dtype") and prompts.ndim != 2:
+        hint = ": for one prompt pass ids[None]" if prompts.ndim == 1 else ""  # numpy/jax/torch
+        raise GenerationError(f"an array of prompts must be 2-D (batch, length), like "
+                              f"input_ids; got shape {tuple(prompts.shape)}{hint}")
     try:
         prompts = list(prompts)
     except TypeError:
