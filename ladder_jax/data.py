@@ -9,7 +9,12 @@ Sources (`path`):
   NOTICE.md there), so training needs no download;
 - a text file, a glob (`books/*.txt`) or a directory (every file below it, sorted): each file
   is one document, tokenized when the run starts and framed as BOS ... EOS;
-- `.npy` files: pre-tokenized 1-D integer arrays, memory-mapped, used as they are.
+- `.npy` files: pre-tokenized 1-D integer arrays, memory-mapped; every id is checked against
+  the model's vocabulary when the run starts, in one streaming pass over each file (a -1 or an
+  id past the vocabulary is refused, naming the file).
+
+Text must be UTF-8: a file with NUL bytes or with more than 1% of its bytes not UTF-8 is refused
+as binary; a few stray invalid bytes become U+FFFD. Empty sources are refused.
 
 Packing is concatenate-and-chunk: the stream is cut into consecutive records of seq_len + 1
 tokens (inputs are the first seq_len, targets the last seq_len), so no token is padding and
@@ -63,8 +68,10 @@ def source_files(path: str | None) -> list[str]:
     return files
 
 
-def load_tokens(path: str | None, tokenizer) -> np.ndarray:
-    """One flat token stream from `path` (see the module docstring)."""
+def load_tokens(path: str | None, tokenizer, vocab_size: int | None = None) -> np.ndarray:
+    """One flat token stream from `path` (see the module docstring). With `vocab_size`, every
+    id must lie in [0, vocab_size): pre-tokenized arrays are checked here, since a -1 would
+    index the last embedding row and an id past the vocabulary makes the loss NaN."""
     files = source_files(path)
     npy = [f for f in files if f.endswith(".npy")]
     if npy and len(npy) != len(files):
@@ -72,18 +79,80 @@ def load_tokens(path: str | None, tokenizer) -> np.ndarray:
     parts = []
     for f in files:
         if npy:
-            a = np.load(f, mmap_mode="r")
-            if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
-                raise DataError(f"{f}: pre-tokenized data must be a 1-D integer array, got "
-                                f"{a.dtype}{list(a.shape)}")
-            parts.append(a)
+            parts.append(_load_npy(f, vocab_size))
             continue
-        with open(f, encoding="utf-8", errors="replace") as fh:
-            ids = tokenizer.encode(fh.read(), bos=False)
+        ids = tokenizer.encode(_read_text(f), bos=False)
         frame = [[tokenizer.bos_id]] if tokenizer.bos_id is not None else []
         frame += [ids] + ([[tokenizer.eos_id]] if tokenizer.eos_id is not None else [])
         parts.extend(np.asarray(p, np.int32) for p in frame)
+    sizes = [len(p) for p in parts] if npy else [os.path.getsize(f) for f in files]
+    if not any(sizes):
+        where = files[0] if len(files) == 1 else f"data.path={path!r} ({len(files)} files)"
+        raise DataError(f"{where}: empty, no tokens to train on: give a file with data in it")
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _read_text(file: str) -> str:
+    """The file as text. Binary files are refused (NUL bytes, or more than 1% of the bytes not
+    UTF-8); a few stray invalid bytes become U+FFFD."""
+    try:
+        with open(file, "rb") as fh:
+            raw = fh.read()
+    except OSError as e:
+        raise DataError(f"{file}: cannot read it ({e.strerror})") from None
+    why = "has NUL bytes" if b"\0" in raw else None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", errors="replace")
+        invalid = len(raw) - len(raw.decode("utf-8", errors="ignore").encode("utf-8"))
+        if invalid > len(raw) // 100:
+            why = why or f"has {invalid} of {len(raw)} bytes not UTF-8"
+    if why:
+        raise DataError(f"{file}: {why}, so it is not text: give UTF-8 text files, or "
+                        f"pre-tokenized .npy arrays")
+    return text
+
+
+def _load_npy(file: str, vocab_size: int | None) -> np.ndarray:
+    """A pre-tokenized array, memory-mapped, its ids checked against `vocab_size` in chunks."""
+    try:
+        with open(file, "rb") as fh:
+            magic = fh.read(6)
+        a = np.load(file, mmap_mode="r", allow_pickle=False) if magic == b"\x93NUMPY" else None
+    except OSError as e:
+        raise DataError(f"{file}: cannot read it ({e.strerror or e})") from None
+    except (ValueError, EOFError) as e:  # a damaged header, or Python objects (pickled)
+        why = ("holds Python objects, not integers" if "object" in str(e).lower()
+               else f"is damaged ({str(e).splitlines()[0]})")
+        raise DataError(f"{file} {why}: save token ids with numpy.save(file, ids), ids a 1-D "
+                        f"integer array") from None
+    if a is None:
+        raise DataError(f"{file} is not a .npy file (no NUMPY header): save token ids with "
+                        f"numpy.save(file, ids), ids a 1-D integer array")
+    if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+        raise DataError(f"{file}: pre-tokenized data must be a 1-D integer array, got "
+                        f"{a.dtype}{list(a.shape)}")
+    if vocab_size is None or not a.size:
+        return a
+    lo, hi, bad = [], [], 0
+    for i in range(0, len(a), 1 << 24):  # bounded memory for any file size
+        part = np.asarray(a[i:i + (1 << 24)])
+        lo.append(int(part.min()))
+        hi.append(int(part.max()))
+        bad += int(np.count_nonzero((part < 0) | (part >= vocab_size)))
+    lo, hi = min(lo), max(hi)
+    if bad:
+        fix = []
+        if lo < 0:
+            fix.append("negative ids (padding, masks) do not belong in a token stream")
+        if hi >= vocab_size:
+            fix.append(f"re-tokenize with the run's data.tokenizer or set model.vocab_size >= "
+                       f"{hi + 1}")
+        raise DataError(f"{file}: {bad} of {len(a)} token ids are outside the model's "
+                        f"vocabulary [0, {vocab_size}) (smallest {lo}, largest {hi}): "
+                        + "; ".join(fix))
+    return a
 
 
 class Records:

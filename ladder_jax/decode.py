@@ -18,6 +18,8 @@ anything can see them.
 Footguns, handled here on the host before any device work:
 - XLA clamps out-of-range dynamic updates silently: a prompt plus new tokens longer than the
   cache would overwrite its last slot. `generate` refuses such input with the numbers.
+- `int()` turns 1.5, "7" and True into token ids without a word: `generate` refuses any token
+  that is not an integer, naming the prompt and the value.
 - Fake CPU devices deadlock when too many collective-bearing programs are queued without
   waiting (XLA:CPU's rendezvous times out after ~100): the generation loop keeps at most one
   step in flight beyond the one it is reading, the benchmark waits every 8 steps.
@@ -81,15 +83,23 @@ class Sampling:
     top_p: float | None = None
 
     def check(self, vocab_size: int) -> "Sampling":
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0
-                and math.isfinite(self.temperature)):
-            raise GenerationError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
-        if self.top_k is not None and not (1 <= self.top_k <= vocab_size):
-            raise GenerationError(f"top_k={self.top_k} must be between 1 and the vocabulary "
-                                  f"size {vocab_size}")
-        if self.top_p is not None and not (0 < self.top_p <= 1):
-            raise GenerationError(f"top_p={self.top_p} must be in (0, 1]")
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if not (_is_number(t) and math.isfinite(t) and t >= 0):
+            raise GenerationError(f"temperature={t!r} must be >= 0 and finite (0 = greedy)")
+        if k is not None and not (_is_int(k) and 1 <= k <= vocab_size):
+            raise GenerationError(f"top_k={k!r} must be an integer from 1 to the vocabulary "
+                                  f"size {vocab_size} (None: off)")
+        if p is not None and not (_is_number(p) and 0 < p <= 1):
+            raise GenerationError(f"top_p={p!r} must be in (0, 1] (1 or None: off)")
         return self
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_number(x) -> bool:
+    return _is_int(x) or isinstance(x, (float, np.floating))
 
 
 def sample(logits_bv, key, s: Sampling):
@@ -180,25 +190,25 @@ def generate(model: Transformer, prompts, *, max_new_tokens: int = 64, temperatu
              stream: Callable[[int, list[int]], None] | None = None, decoder: Decoder = None):
     """Generates a continuation of every prompt (a batch, any mix of lengths).
 
-    `prompts`: token lists, or strings (encoded with `tokenizer`, default the byte
-    tokenizer, which also decodes the result). Greedy when temperature is 0; otherwise
-    sampled, reproducibly for a `seed`. A row stops at `eos_id` (default: the tokenizer's
-    EOS, if there is a tokenizer); the others go on to `max_new_tokens`. `stream(step, tokens)` is called with each
-    step's new token per row, as soon as it reaches the host. Returns the new tokens (EOS
-    excluded) per row, or texts when the prompts were strings.
+    `prompts`: a batch, of strings (encoded with `tokenizer`, default the byte tokenizer,
+    which also decodes the result) or of token ids: lists of ints, 1-D integer arrays, or one
+    2-D integer array (batch, length) like Hugging Face's `input_ids` (every row is taken
+    whole: there is no attention mask, so padded rows would read their padding as prompt; give
+    a list of 1-D arrays instead). One prompt's ids alone (a flat list or a 1-D array) are
+    refused, as transformers' `generate` needs 2-D input_ids too: pass `[ids]` or `ids[None]`.
+    Floats, strings, bools or bytes among token ids are refused, never converted.
+
+    Greedy when temperature is 0; otherwise sampled, reproducibly for a `seed`. A row stops at
+    `eos_id` (default: the tokenizer's EOS, if there is a tokenizer); the others go on to
+    `max_new_tokens`. `stream(step, tokens)` is called with each step's new token per row, as
+    soon as it reaches the host. Returns the new tokens (EOS excluded) per row, or texts when
+    the prompts were strings.
     """
     c = model.config
-    if isinstance(prompts, (str, bytes)) or (len(prompts) and isinstance(prompts[0], int)):
-        raise GenerationError("prompts must be a list of prompts (strings or token lists)")
-    if not len(prompts):
-        raise GenerationError("no prompts given")
-    texts = isinstance(prompts[0], str)
-    for b, prompt in enumerate(prompts):
-        if isinstance(prompt, str) and not prompt:
-            raise GenerationError(f"prompt {b} is empty: give at least one character")
+    texts, rows = _prompt_rows(prompts)
     if texts:
         tokenizer = tokenizer or ByteTokenizer()
-    rows = [tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+        rows = [tokenizer.encode(p) for p in rows]
     if eos_id is None and tokenizer is not None:
         eos_id = tokenizer.eos_id
     check_generation(c, rows, max_new_tokens)
@@ -246,10 +256,63 @@ def generate(model: Transformer, prompts, *, max_new_tokens: int = 64, temperatu
     return [tokenizer.decode(o) for o in out] if texts else out
 
 
+def _prompt_rows(prompts) -> tuple[bool, list]:
+    """(whether the prompts are strings, one list per prompt: the strings or int ids). Refuses,
+    naming the prompt and the value, anything else (see `generate`)."""
+    if isinstance(prompts, (str, bytes)):
+        raise GenerationError("prompts must be a batch (a list of prompts): pass [prompt]")
+    if hasattr(prompts, "ndim") and hasattr(prompts, "dtype") and prompts.ndim != 2:
+        hint = ": for one prompt pass ids[None]" if prompts.ndim == 1 else ""  # numpy/jax/torch
+        raise GenerationError(f"an array of prompts must be 2-D (batch, length), like "
+                              f"input_ids; got shape {tuple(prompts.shape)}{hint}")
+    try:
+        prompts = list(prompts)
+    except TypeError:
+        raise GenerationError(f"prompts must be a list of strings or of token lists, not "
+                              f"{type(prompts).__name__}") from None
+    if not prompts:
+        raise GenerationError("no prompts given")
+    if all(_is_int(t) for t in prompts):
+        raise GenerationError("prompts is one list of token ids, not a batch of prompts: pass "
+                              "[ids]")
+    kinds = {isinstance(p, str) for p in prompts}
+    if kinds == {True, False}:
+        raise GenerationError("prompts mix strings and token lists: give one kind")
+    if kinds == {True}:
+        for b, p in enumerate(prompts):
+            if not p:
+                raise GenerationError(f"prompt {b} is empty: give at least one character")
+        return True, prompts
+    rows = []
+    for b, p in enumerate(prompts):
+        if isinstance(p, (bytes, bytearray)):
+            raise GenerationError(f"prompt {b} is bytes: decode it to a str, or give token ids")
+        if hasattr(p, "ndim") and hasattr(p, "dtype"):
+            a = np.asarray(p)
+            if a.ndim != 1 or a.dtype.kind not in "iu":
+                raise GenerationError(
+                    f"prompt {b} is an array of {a.dtype} with shape {a.shape}: give a 1-D "
+                    f"integer array of token ids (cast whole numbers with .astype(np.int32))")
+            rows.append([int(t) for t in a])
+            continue
+        try:
+            items = list(p)
+        except TypeError:
+            raise GenerationError(f"prompt {b} is a {type(p).__name__}: give a string or a "
+                                  f"list of token ids") from None
+        for i, t in enumerate(items):
+            if not _is_int(t):
+                raise GenerationError(f"prompt {b} has {t!r} ({type(t).__name__}) at position "
+                                      f"{i}: token ids must be integers, never converted")
+        rows.append([int(t) for t in items])
+    return False, rows
+
+
 def check_generation(config: ModelConfig, rows: Sequence[Sequence[int]], max_new_tokens: int):
     """Refuses, before any device work, what the cache cannot hold (XLA would clamp)."""
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise GenerationError(f"max_new_tokens={max_new_tokens} must be a positive integer")
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
+    M, new = config.max_seq_len, int(max_new_tokens)
     for b, r in enumerate(rows):
         if len(r) == 0:
             raise GenerationError(f"prompt {b} is empty: give at least one token")
@@ -257,18 +320,19 @@ def check_generation(config: ModelConfig, rows: Sequence[Sequence[int]], max_new
         if bad:
             raise GenerationError(f"prompt {b} has token ids outside [0, {config.vocab_size}): "
                                   f"{bad[:5]}")
-        if len(r) >= config.max_seq_len:
-            raise GenerationError(
-                f"prompt {b} has {len(r)} tokens, but the cache holds max_seq_len="
-                f"{config.max_seq_len} positions including the new tokens: shorten it to "
-                f"<= {config.max_seq_len - max_new_tokens} tokens")
-        if len(r) + max_new_tokens > config.max_seq_len:
-            raise GenerationError(
-                f"prompt {b} has {len(r)} tokens; with max_new_tokens={max_new_tokens} that is "
-                f"{len(r) + max_new_tokens} positions, but the cache holds max_seq_len="
-                f"{config.max_seq_len}: shorten the prompt to <= "
-                f"{config.max_seq_len - max_new_tokens} tokens or lower max_new_tokens to <= "
-                f"{config.max_seq_len - len(r)}")
+        if len(r) + new <= M:
+            continue
+        # only the fixes that can work: each one alone must leave at least one slot
+        fixes = ([f"shorten the prompt to <= {M - new} tokens"] if M - new >= 1 else []) + (
+            [f"lower max_new_tokens to <= {M - len(r)}"] if M - len(r) >= 1 else [])
+        fix = " or ".join(fixes) or (f"shorten the prompt and lower max_new_tokens: together "
+                                     f"they must be <= {M}")
+        if len(r) >= M:
+            raise GenerationError(f"prompt {b} has {len(r)} tokens, but the cache holds "
+                                  f"max_seq_len={M} positions including the new tokens: {fix}")
+        raise GenerationError(
+            f"prompt {b} has {len(r)} tokens; with max_new_tokens={new} that is "
+            f"{len(r) + new} positions, but the cache holds max_seq_len={M}: {fix}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,8 +366,17 @@ def _timed(fn) -> float:
 def benchmark(config: ModelConfig, mesh, *, batch: int, prompt_len: int, new_tokens: int,
               repeats: int = 3, seed: int = 0) -> dict:
     """Prefill latency and decode throughput of `config` (random weights) on `mesh`."""
-    model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(seed))
+    for name, flag, v, low in (("batch", "batch", batch, 1),
+                               ("prompt_len", "prompt-len", prompt_len, 1),
+                               ("new_tokens", "max-new-tokens", new_tokens, 2)):
+        if not _is_int(v) or v < low:
+            raise GenerationError(
+                f"benchmark {name}={v!r} (--{flag}) must be an integer >= {low}" + (
+                    " (the first new token comes from prefill; decode is timed on the rest)"
+                    if name == "new_tokens" else ""))
+    sharding.check_batch(batch, mesh)  # rows are split over the data axis as they are
     check_generation(config, [[0] * prompt_len], new_tokens)
+    model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(seed))
     decoder = Decoder(model)
     S = min(_round_up(prompt_len + new_tokens, 64), config.max_seq_len)
     rng = np.random.default_rng(seed)
@@ -427,6 +500,15 @@ def _run(args, say) -> int:
         schemes = list(RESIDUALS) if args.residual == "all" else [config.residual]
         config = dataclasses.replace(config, max_seq_len=max(
             config.max_seq_len, args.prompt_len + args.max_new_tokens))
+        if not args.json:
+            kind = mesh.devices.flat[0].device_kind
+            what = (f"--checkpoint {args.checkpoint}'s shapes" if args.checkpoint
+                    else f"preset {args.preset}")
+            say(f"decode benchmark, random weights of {what}: "
+                f"residual {', '.join(schemes)}; tp={sharding.tp_size(mesh)} on {mesh.size} "
+                f"{jax.default_backend()} device(s) ({kind}); batch {args.batch}, prompt "
+                f"{args.prompt_len} tokens, {args.max_new_tokens} new tokens; per scheme a "
+                f"first run that compiles, then the best of 3")
         results = []
         for scheme in schemes:
             cfg = dataclasses.replace(config, residual=scheme, ladder_layers=(
@@ -453,11 +535,24 @@ def _run(args, say) -> int:
 
     prompts = list(args.prompt or [])
     if args.prompt_file:
+        file = args.prompt_file
         try:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                prompts += [line.rstrip("\n") for line in f if line.strip()]
+            with open(file, "rb") as f:
+                raw = f.read()
+            text = raw.decode("utf-8")  # whole, so that the offset below is the file's
+        except UnicodeDecodeError as e:
+            line = raw.count(b"\n", 0, e.start) + 1
+            raise GenerationError(f"--prompt-file {file}: byte {e.start} (line {line}) is not "
+                                  f"UTF-8 ({e.reason}): save the file as UTF-8 text") from None
         except OSError as e:
-            raise GenerationError(f"cannot read --prompt-file: {e}") from None
+            raise GenerationError(f"--prompt-file {file}: cannot read it "
+                                  f"({e.strerror or e})") from None
+        lines = [ln for ln in text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+                 if ln.strip()]
+        if not lines:
+            raise GenerationError(f"--prompt-file {file} has no prompts (it is empty or only "
+                                  f"blank lines): write one prompt per line")
+        prompts += lines
     if not prompts:
         prompts = ["Once upon a time"]
     for b, prompt in enumerate(prompts):

@@ -19,13 +19,15 @@ gate_proj / up_proj (F, D) -> (D, F); down_proj (D, F) -> (F, D); lm_head (V, D)
 Our RoPE rotates the two halves of each head like HF's `rotate_half`, so no permutation of the
 q / k rows is needed.
 
-Loading streams: every file's header is checked first (missing tensors and shape mismatches
-fail before anything is read, naming the tensor, the file and both shapes); then one tensor at a
-time is memory-mapped, converted, and placed straight into its sharding with
-`jax.make_array_from_callback` (each device copies only its slice), then dropped. The model is
-built from shapes (`nnx.eval_shape`), so no random weights are ever materialized. The
-safetensors format is read and written here directly (an 8-byte header length, a JSON header,
-raw little-endian data): the `safetensors` package cannot hand bfloat16 to numpy.
+Loading streams: config.json, the index and every file's header are checked first (a damaged
+header, a byte range past the end of a truncated file, a missing shard, missing tensors, shape
+mismatches and dtypes that cannot be imported fail before any tensor is read, naming the file
+and tensor); then one tensor at a time is memory-mapped, converted, refused if it holds NaN or
+inf, and placed straight into its sharding with `jax.make_array_from_callback` (each device
+copies only its slice), then dropped. The model is built from shapes (`nnx.eval_shape`), so
+no random weights are ever materialized. The safetensors format is read and written here
+directly (an 8-byte header length, a JSON header, raw little-endian data): the `safetensors`
+package cannot hand bfloat16 to numpy.
 
 Residual scheme: `save_hf` records it in config.json as "ladder_residual" and "ladder_layers";
 `load_hf` uses them unless `residual=` / `ladder_layers=` are given (giving `ladder_layers`
@@ -83,6 +85,9 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
     legacy = hf.get("rope_scaling") or {}  # transformers 4.x
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     scaling = {**legacy, **params}
+    if type(theta) not in (int, float) or not theta > 0:
+        raise HFError(f"config.json: rope_theta={theta!r} must be a positive number: fix it in "
+                      f"config.json")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind in (None, "default"):
         return float(theta), None
@@ -96,6 +101,30 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
             original_max_len=int(scaling["original_max_position_embeddings"]))
     except KeyError as e:
         raise HFError(f"config.json: llama3 rope scaling lacks {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise HFError(f"config.json: llama3 rope scaling has a value that is not a number "
+                      f"({e})") from None
+
+
+def _check_types(hf: dict, need: tuple) -> None:
+    """Wrong JSON types fail here with the key, not later with a traceback (or silently:
+    bool("false") is True)."""
+    def wrong(key, what):
+        return HFError(f"config.json: {key}={hf[key]!r} must be {what}: fix it in config.json")
+
+    for key in need + ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+        v = hf.get(key)
+        if (v is not None or key in need) and (type(v) is not int or v <= 0):
+            raise wrong(key, "a positive integer")
+    for key in ("rope_theta", "rms_norm_eps"):
+        v = hf.get(key)
+        if v is not None and (type(v) not in (int, float) or not v > 0):
+            raise wrong(key, "a positive number")
+    for key in ("rope_scaling", "rope_parameters"):
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise wrong(key, "an object (or null)")
+    if hf.get("tie_word_embeddings") is not None and type(hf["tie_word_embeddings"]) is not bool:
+        raise wrong("tie_word_embeddings", "true or false")
 
 
 def config_from_hf(hf: dict, *, residual=None, ladder_layers=_KEEP, dtype="float32",
@@ -116,6 +145,7 @@ def config_from_hf(hf: dict, *, residual=None, ladder_layers=_KEEP, dtype="float
     missing = [k for k in need if k not in hf]
     if missing:
         raise HFError(f"config.json lacks {', '.join(missing)}")
+    _check_types(hf, need)
     if residual is None:
         residual = hf.get("ladder_residual", "standard")
         if ladder_layers is _KEEP:
@@ -179,10 +209,14 @@ def read_config(path: str) -> dict:
     if not os.path.isfile(file):
         raise HFError(f"no config.json in {path!r}: not a Hugging Face model directory")
     try:
-        with open(file) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+        with open(file, encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:
         raise HFError(f"cannot read {file}: {e}") from None
+    if not isinstance(hf, dict):
+        raise HFError(f"{file} holds a JSON {type(hf).__name__}, not an object: a Llama "
+                      f"config.json is an object of settings (\"model_type\": \"llama\", ...)")
+    return hf
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,33 +282,84 @@ _DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32),
 _CODES = {v: k for k, v in _DTYPES.items()}
 
 
+# Bytes per element of every safetensors dtype, to check byte ranges even of tensors we skip.
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2,
+             "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+_MAX_HEADER = 100 * 2**20  # the format's own limit on the JSON header
+
+
 class _SafetensorsFile:
+    """A safetensors file's header, checked whole on open (every entry's dtype, shape and byte
+    range against the file's size), so that damage shows before any tensor is read."""
+
     def __init__(self, file: str):
         self.file = file
         try:
+            size = os.path.getsize(file)
             with open(file, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
+                head = f.read(8)
+                n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+                if n is None or n > min(size - 8, _MAX_HEADER):
+                    raise HFError(self._damaged(
+                        f"{size} bytes, too short for a header" if n is None else
+                        f"its header length field says {n} bytes, the file has {size}"))
                 header = json.loads(f.read(n))
-        except (OSError, struct.error, ValueError) as e:
-            raise HFError(f"{file}: not a readable safetensors file ({e})") from None
+        except HFError:
+            raise
+        except OSError as e:
+            raise HFError(f"{file}: cannot read it ({e.strerror or e})") from None
+        except ValueError as e:  # JSON or UTF-8
+            raise HFError(self._damaged(f"its header is not JSON: {e}")) from None
+        if not isinstance(header, dict):
+            raise HFError(self._damaged(f"its header is a JSON {type(header).__name__}, "
+                                        f"not an object"))
         header.pop("__metadata__", None)
         self.base, self.header = 8 + n, header
+        for name, h in header.items():
+            self._check(name, h, size - self.base)
+
+    def _damaged(self, why: str) -> str:
+        return (f"{self.file} is not a valid safetensors file ({why}): the download or copy is "
+                f"damaged; fetch it again")
+
+    def _check(self, name, h, data_bytes: int) -> None:
+        def bad(why):
+            return HFError(self._damaged(f"tensor {name!r}: {why}"))
+
+        if not isinstance(h, dict) or any(k not in h for k in ("dtype", "shape",
+                                                                 "data_offsets")):
+            raise bad("its entry needs dtype, shape and data_offsets")
+        dtype, shape, offsets = h["dtype"], h["shape"], h["data_offsets"]
+        if dtype not in _ITEMSIZE:
+            raise bad(f"unknown dtype {dtype!r}")
+        def sizes(xs):  # a JSON list of non-negative integers
+            return isinstance(xs, list) and all(type(x) is int and x >= 0 for x in xs)
+
+        if not sizes(shape):
+            raise bad(f"shape {shape!r} is not a list of sizes")
+        if not sizes(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
+            raise bad(f"data_offsets {offsets!r} is not a [start, end] byte range")
+        if offsets[1] > data_bytes:
+            raise bad(f"its bytes end at {offsets[1]}, past the {data_bytes} bytes of data the "
+                      f"file holds (truncated?)")
+        if offsets[1] - offsets[0] != math.prod(shape) * _ITEMSIZE[dtype]:
+            raise bad(f"{offsets[1] - offsets[0]} bytes do not hold shape {tuple(shape)} "
+                      f"of {dtype}")
 
     def shape(self, name: str) -> tuple:
         return tuple(self.header[name]["shape"])
 
+    def check_dtype(self, name: str) -> None:
+        if self.header[name]["dtype"] not in _DTYPES:
+            raise HFError(f"{self.file}: tensor {name!r} has dtype {self.header[name]['dtype']}, "
+                          f"which cannot be imported (only {', '.join(_DTYPES)}): convert the "
+                          f"checkpoint's weights to a float dtype")
+
     def read(self, name: str) -> np.ndarray:
         """The tensor, memory-mapped (nothing is read until it is used)."""
+        self.check_dtype(name)
         h = self.header[name]
-        dtype = _DTYPES.get(h["dtype"])
-        if dtype is None:
-            raise HFError(f"{self.file}: tensor {name!r} has dtype {h['dtype']}, not one of "
-                          f"{', '.join(_DTYPES)}")
-        start, end = h["data_offsets"]
-        shape = tuple(h["shape"])
-        if end - start != math.prod(shape) * dtype.itemsize:
-            raise HFError(f"{self.file}: tensor {name!r} is corrupt (its byte range does not "
-                          f"match shape {shape} of {h['dtype']})")
+        dtype, shape, (start, _) = _DTYPES[h["dtype"]], tuple(h["shape"]), h["data_offsets"]
         if not shape or 0 in shape:
             return np.zeros(shape, dtype)
         return np.memmap(self.file, dtype=dtype, mode="r", offset=self.base + start, shape=shape)
@@ -301,12 +386,23 @@ def _write_safetensors(file: str, tensors: dict[str, np.ndarray]) -> None:
 
 def _weight_files(path: str) -> dict[str, str]:
     """HF tensor name -> the safetensors file holding it."""
-    if os.path.isfile(os.path.join(path, INDEX)):
+    index = os.path.join(path, INDEX)
+    if os.path.isfile(index):
         try:
-            with open(os.path.join(path, INDEX)) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            raise HFError(f"cannot read {os.path.join(path, INDEX)}: {e!r}") from None
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)
+        except (OSError, ValueError) as e:
+            raise HFError(f"cannot read {index}: {e}") from None
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) for v in weight_map.values()):
+            raise HFError(f"{index} has no \"weight_map\" object of tensor name -> file name: "
+                          f"the index is damaged; fetch it again")
+        absent = sorted({v for v in weight_map.values()
+                         if not os.path.isfile(os.path.join(path, v))})
+        if absent:
+            raise HFError(f"{index} lists {absent[0]!r}, which is not in {path!r} "
+                          f"({len(absent)} file(s) missing): the download is incomplete")
         return {k: os.path.join(path, v) for k, v in weight_map.items()}
     if os.path.isfile(os.path.join(path, SINGLE)):
         return {k: os.path.join(path, SINGLE)
@@ -358,24 +454,30 @@ def load_hf(path: str, *, mesh, residual: str | None = None, ladder_layers=_KEEP
         if h.shape(e.name) != e.hf_shape:
             raise HFError(f"tensor {e.name!r} in {os.path.basename(h.file)} has shape "
                           f"{h.shape(e.name)}, but config.json implies {e.hf_shape}")
+        h.check_dtype(e.name)
     known = {e.name for e in table} | ({"lm_head.weight"} if config.tie_embeddings else set())
     extra = [n for n in files if n not in known and not n.endswith(_IGNORED)]
     if extra:
         raise HFError(f"tensor {extra[0]!r} in {os.path.basename(files[extra[0]])} is not a "
                       f"weight of a Llama model with this config.json ({len(extra)} unexpected)")
 
+    tokenizer = HFTokenizer.from_dir(path, hf)  # a bad tokenizer.json fails before the reads
     pure = nnx.to_pure_dict(state)
     for file, h in headers.items():  # file by file, tensor by tensor
         for e in (e for e in table if files[e.name] == file):
             var = _leaf(state, e.path)
             host = np.asarray(e.to_ours(h.read(e.name)), dtype=var.dtype)  # one tensor copy
+            if not np.isfinite(host).all():
+                raise HFError(f"{file}: tensor {e.name!r} has "
+                              f"{np.count_nonzero(~np.isfinite(host))} NaN/inf values: the "
+                              f"checkpoint is damaged (or was saved after training diverged)")
             sharding = NamedSharding(mesh, var.spec)
             parent = _leaf(pure, e.path[:-1])
             parent[e.path[-1]] = jax.make_array_from_callback(
                 host.shape, sharding, lambda idx, host=host: host[idx])
             del host
     nnx.replace_by_pure_dict(state, pure)
-    return nnx.merge(graphdef, state), HFTokenizer.from_dir(path, hf)
+    return nnx.merge(graphdef, state), tokenizer
 
 
 # ---------------------------------------------------------------------------------------------

@@ -53,8 +53,9 @@ class HFTokenizer:
         try:
             self._tok = Tokenizer.from_file(file)
         except Exception as e:  # the tokenizers package raises bare Exceptions
-            raise ConfigError(f"{file}: not a tokenizer.json the `tokenizers` package can read "
-                              f"({str(e).splitlines()[0][:200]})") from None
+            raise ConfigError(f"{file} is not a tokenizer.json the tokenizers package can read "
+                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__}): "
+                              f"fetch it again") from None
         self.vocab_size = self._tok.get_vocab_size()
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
 
@@ -71,12 +72,12 @@ class HFTokenizer:
         tc = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(tc):
             try:
-                with open(tc) as f:
+                with open(tc, encoding="utf-8") as f:
                     names = json.load(f)
             except (OSError, ValueError) as e:
                 raise ConfigError(f"cannot read {tc}: {e}") from None
             if not isinstance(names, dict):
-                raise ConfigError(f"{tc}: expected a JSON object")
+                raise ConfigError(f"{tc} holds a JSON {type(names).__name__}, not an object")
 
         def special(key):
             v = hf.get(f"{key}_token_id")

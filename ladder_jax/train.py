@@ -155,7 +155,7 @@ class Trainer:
         per_proc = len(rows)
         shard = (rows[0] // per_proc, mesh.shape[sharding.DATA] // per_proc)
         self.local_batch = cfg.data.batch_size // shard[1]
-        tokens = data.load_tokens(cfg.data.path, self.tokenizer)
+        tokens = data.load_tokens(cfg.data.path, self.tokenizer, self.model_config.vocab_size)
         train_records, eval_records = data.split(tokens, cfg.data.seq_len,
                                                  cfg.data.eval_fraction)
         self.data_iter = data.train_iterator(

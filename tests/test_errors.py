@@ -1,0 +1,422 @@
+"""Bad input ends in one line that names the file / tensor / prompt and the fix, exit code 2, no
+traceback, and nothing written: training data through `train.main`, Hugging Face files through
+`convert.main` and `load_hf`, generation through `generate` and `decode.main`."""
+
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import ladder_jax as lj
+from ladder_jax import convert, data, decode, hf, sharding, train
+
+SMALL = ["model.n_layers=2", "data.seq_len=32", "data.batch_size=8", "eval_batches=2",
+         "progress=none", "log_every=1000", "mesh.data=1", "steps=1", "eval_every=0"]
+
+
+def one_line(capsys, rc) -> str:
+    """The single `error:` line of a CLI that must have exited with code 2."""
+    out, err = capsys.readouterr()
+    assert rc == 2, (rc, out, err)
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Training data.
+
+
+def _npy(values, dtype=np.int32):
+    return lambda f: np.save(f, np.asarray(values, dtype))
+
+
+def _bytes(raw):
+    def write(f):
+        with open(f, "wb") as fh:
+            fh.write(raw)
+    return write
+
+
+def _truncated_npy(f):
+    np.save(f, np.arange(5000, dtype=np.int32))
+    with open(f, "r+b") as fh:
+        fh.truncate(1000)
+
+
+def _object_npy(f):
+    np.save(f, np.array([[1], [2, 3]], dtype=object), allow_pickle=True)
+
+
+def _empty_dir(d):
+    os.makedirs(d)
+    for name in ("a.txt", "b.txt"):
+        open(os.path.join(d, name), "w").close()
+
+
+RNG_BYTES = bytes(np.random.default_rng(0).integers(1, 256, 4000, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("name, make, expect", [
+    ("neg.npy", _npy([5, -1, 7] * 3000),
+     ["3000 of 9000 token ids are outside the model's vocabulary [0, 320)", "smallest -1",
+      "negative ids"]),
+    ("big.npy", _npy(np.arange(9000) % 400),
+     ["token ids are outside the model's vocabulary [0, 320)", "largest 399",
+      "model.vocab_size >= 400"]),
+    ("big64.npy", _npy([1, 2, 2**40] * 3000, np.int64), ["largest 1099511627776"]),
+    ("obj.npy", _object_npy, ["holds Python objects", "numpy.save"]),
+    ("garbage.npy", _bytes(RNG_BYTES), ["is not a .npy file", "numpy.save"]),
+    ("cut.npy", _truncated_npy, ["is damaged"]),
+    ("twod.npy", _npy(np.zeros((4, 100))), ["must be a 1-D integer array"]),
+    ("program.txt", _bytes(b"\x7fELF\x02\x01\x01\x00" + RNG_BYTES), ["has NUL bytes",
+                                                                      "not text"]),
+    ("noise.txt", _bytes(RNG_BYTES), ["bytes not UTF-8", "not text"]),
+    ("empty.txt", _bytes(b""), ["empty, no tokens to train on"]),
+    ("emptydir", _empty_dir, ["(2 files): empty, no tokens to train on"]),
+    ("empty.npy", _npy([]), ["empty, no tokens to train on"]),
+])
+def test_bad_training_data_is_one_line_and_writes_nothing(tmp_path, capsys, name, make,
+                                                          expect):
+    path = str(tmp_path / name)
+    make(path)
+    rc = train.main(SMALL + [f"data.path={path}", f"run_dir={tmp_path}/runs", "name=r"])
+    line = one_line(capsys, rc)
+    assert path in line and all(e in line for e in expect), line
+    assert not os.path.exists(tmp_path / "runs")  # refused before the run directory exists
+
+
+def test_unreadable_tokenizer_json_is_one_line(tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": 7}')
+    rc = train.main(SMALL + [f"data.tokenizer={tmp_path}/tokenizer.json",
+                             f"run_dir={tmp_path}/runs", "name=r"])
+    line = one_line(capsys, rc)
+    assert f"{tmp_path}/tokenizer.json is not a tokenizer.json the tokenizers package" in line
+    assert not os.path.exists(tmp_path / "runs")
+
+
+def test_data_checks_pass_what_is_good(tmp_path):
+    tok = data.ByteTokenizer()
+    np.save(tmp_path / "ok.npy", np.arange(320, dtype=np.int16))
+    assert data.load_tokens(str(tmp_path / "ok.npy"), tok, vocab_size=320)[-1] == 319
+    with pytest.raises(data.DataError, match="largest 320"):
+        np.save(tmp_path / "ok.npy", np.arange(321, dtype=np.int16))
+        data.load_tokens(str(tmp_path / "ok.npy"), tok, vocab_size=320)
+    # one stray byte in text is replaced, not refused; NUL is refused wherever it is
+    (tmp_path / "t.txt").write_bytes(b"a" * 200 + b"\xff" + b"b" * 200)
+    assert 0xFF not in data.load_tokens(str(tmp_path / "t.txt"), tok).tolist()
+    (tmp_path / "t.txt").write_bytes(b"a" * 200 + b"\x00")
+    with pytest.raises(data.DataError, match="NUL"):
+        data.load_tokens(str(tmp_path / "t.txt"), tok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face files.
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf") / "llama"
+    config = lj.ModelConfig.from_preset("tiny", n_layers=1)
+    mesh = sharding.make_mesh(tp=1, devices=jax.devices()[:1])
+    lj.save_hf(lj.Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)), path)
+    return path
+
+
+def _copy(src, dst):
+    os.makedirs(dst)
+    for f in os.listdir(src):
+        with open(src / f, "rb") as a, open(dst / f, "wb") as b:
+            b.write(a.read())
+    return dst
+
+
+def _st_parts(file):
+    raw = file.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def _st_write(file, header, body, *, length=None, raw_header=None):
+    h = json.dumps(header).encode() if raw_header is None else raw_header
+    file.write_bytes(struct.pack("<Q", len(h) if length is None else length) + h + body)
+
+
+UP = "model.layers.0.mlp.up_proj.weight"
+
+
+def _edit_entry(key, value):
+    def edit(d):
+        header, body = _st_parts(d / hf.SINGLE)
+        if value is None:
+            del header[UP][key]
+        else:
+            header[UP][key] = value(header[UP][key])
+        _st_write(d / hf.SINGLE, header, body)
+    return edit
+
+
+def _nan(d):
+    header, body = _st_parts(d / hf.SINGLE)
+    start = header[UP]["data_offsets"][0] + 4 * 7
+    body = body[:start] + struct.pack("<f", float("nan")) + body[start + 4:]
+    _st_write(d / hf.SINGLE, header, body)
+
+
+def _index(weight_map):
+    def edit(d):
+        header, _ = _st_parts(d / hf.SINGLE)
+        wm = {k: hf.SINGLE for k in header if k != "__metadata__"} if weight_map is None else (
+            weight_map)
+        if weight_map is None:
+            wm[UP] = "model-00002-of-00002.safetensors"
+        (d / hf.INDEX).write_text(wm if isinstance(wm, str) else json.dumps(
+            wm if weight_map == [] else {"weight_map": wm}))
+    return edit
+
+
+def _config(**changes):
+    def edit(d):
+        cfg = json.loads((d / hf.CONFIG).read_text())
+        (d / hf.CONFIG).write_text(json.dumps({**cfg, **changes}))
+    return edit
+
+
+HEADER_DAMAGE = [  # (name, damage, what the line says); all must fail before any tensor read
+    ("truncated", lambda d: (d / hf.SINGLE).write_bytes((d / hf.SINGLE).read_bytes()[:-100]),
+     ["model.safetensors is not a valid safetensors file", "past the", "truncated",
+      "fetch it again"]),
+    ("stub", lambda d: (d / hf.SINGLE).write_bytes(b"\x01\x02\x03"),
+     ["3 bytes, too short for a header"]),
+    ("huge_length", lambda d: _st_write(d / hf.SINGLE, *_st_parts(d / hf.SINGLE),
+                                        length=2**62),
+     [f"header length field says {2**62} bytes"]),
+    ("list_header", lambda d: _st_write(d / hf.SINGLE, [1, 2], b""),
+     ["header is a JSON list, not an object"]),
+    ("not_json", lambda d: _st_write(d / hf.SINGLE, None, b"", raw_header=b"{oops"),
+     ["header is not JSON"]),
+    ("no_offsets", _edit_entry("data_offsets", None),
+     [f"tensor {UP!r}: its entry needs dtype, shape and data_offsets"]),
+    ("bad_offsets", _edit_entry("data_offsets", lambda o: [o[0], o[1] - 4]),
+     [f"tensor {UP!r}", "bytes do not hold shape (128, 64) of F32"]),
+    ("past_end", _edit_entry("data_offsets", lambda o: [o[0] + 10**9, o[1] + 10**9]),
+     ["past the", "truncated?"]),
+    ("bad_shape", _edit_entry("shape", lambda s: "big"), ["shape 'big' is not a list"]),
+    ("unknown_dtype", _edit_entry("dtype", lambda t: "Q9"), ["unknown dtype 'Q9'"]),
+    ("int_dtype", _edit_entry("dtype", lambda t: "I32"),
+     [f"tensor {UP!r} has dtype I32, which cannot be imported"]),
+    ("config_list", lambda d: (d / hf.CONFIG).write_text("[1, 2]"),
+     ["config.json holds a JSON list, not an object"]),
+    ("config_str", _config(vocab_size="320"),
+     ["config.json: vocab_size='320' must be a positive integer"]),
+    ("config_bool", _config(tie_word_embeddings="false"),
+     ["tie_word_embeddings='false' must be true or false"]),
+    ("config_eps", _config(rms_norm_eps=[1e-6]), ["rms_norm_eps=[1e-06] must be a positive"]),
+    ("config_rope", _config(rope_parameters=["llama3"]), ["rope_parameters=['llama3'] must be "
+                                                          "an object"]),
+    ("shard_missing", _index(None),
+     ["lists 'model-00002-of-00002.safetensors', which is not in", "download is incomplete"]),
+    ("index_list", _index([]), ["has no \"weight_map\" object"]),
+    ("index_garbage", _index("{not json"), ["cannot read", hf.INDEX]),
+    ("tokenizer_garbage", lambda d: (d / hf.TOKENIZER).write_text("{not a tokenizer"),
+     ["tokenizer.json is not a tokenizer.json the tokenizers package can read"]),
+]
+
+
+@pytest.mark.parametrize("name, damage, expect", HEADER_DAMAGE,
+                         ids=[c[0] for c in HEADER_DAMAGE])
+def test_damaged_hf_checkpoint_fails_before_any_tensor_is_read(
+        hf_dir, tmp_path, capsys, monkeypatch, name, damage, expect):
+    if name == "tokenizer_garbage":
+        pytest.importorskip("tokenizers")
+    d = _copy(hf_dir, tmp_path / name)
+    damage(d)
+    reads = []
+    real_read = hf._SafetensorsFile.read
+    monkeypatch.setattr(hf._SafetensorsFile, "read",
+                        lambda self, n: reads.append(n) or real_read(self, n))
+    out = tmp_path / "out"
+    line = one_line(capsys, convert.main(["--hf", str(d), "--out", str(out)]))
+    assert all(e in line for e in expect) and line.count(" is not ") <= 2, line
+    assert reads == [] and not out.exists()
+
+
+def test_nan_weights_are_refused_naming_the_tensor(hf_dir, tmp_path, capsys):
+    d = _copy(hf_dir, tmp_path / "nan")
+    _nan(d)
+    with pytest.raises(hf.HFError, match=rf"tensor '{re.escape(UP)}' has 1 NaN/inf values"):
+        lj.load_hf(d, mesh=sharding.make_mesh(tp=1, devices=jax.devices()[:1]))
+    line = one_line(capsys, convert.main(["--hf", str(d), "--out", str(tmp_path / "out")]))
+    assert str(d / hf.SINGLE) in line and UP in line
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation: the API.
+
+
+@pytest.fixture(scope="module")
+def model():
+    mesh = sharding.make_mesh(tp=1, devices=jax.devices()[:1])
+    return lj.Transformer(lj.ModelConfig.from_preset("tiny", n_layers=1), mesh=mesh,
+                          rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("prompts, match", [
+    ([[1.0, 2]], r"prompt 0 has 1.0 \(float\) at position 0: token ids must be integers"),
+    ([[3], ["1", "2"]], r"prompt 1 has '1' \(str\) at position 0"),
+    ([[5, True]], r"prompt 0 has True \(bool\) at position 1"),
+    ([[5, np.float32(2)]], r"prompt 0 has .*2\.0.* \(float32\) at position 1"),
+    ([b"hello"], "prompt 0 is bytes: decode it to a str"),
+    ([np.array([1.0, 2.0])], r"prompt 0 is an array of float64 .*astype"),
+    (np.array([1, 2, 3]), r"must be 2-D \(batch, length\).*shape \(3,\): for one prompt pass "
+                          r"ids\[None\]"),
+    (np.zeros((1, 2, 3), np.int32), r"shape \(1, 2, 3\)"),
+    ([1, 2, 3], r"one list of token ids, not a batch of prompts: pass \[ids\]"),
+    ("hello", r"pass \[prompt\]"),
+    (["hello", [1, 2]], "prompts mix strings and token lists"),
+    ([7], "one list of token ids"),
+    ([None], "prompt 0 is a NoneType"),
+    (5, "not int"),
+])
+def test_generate_refuses_what_is_not_a_token_id(model, prompts, match):
+    with pytest.raises(decode.GenerationError, match=match):
+        decode.generate(model, prompts, max_new_tokens=2)
+
+
+def test_generate_takes_numpy_ids_as_given(model):
+    want = decode.generate(model, [[5, 6, 7], [8, 9, 10]], max_new_tokens=3)
+    assert decode.generate(model, np.array([[5, 6, 7], [8, 9, 10]]), max_new_tokens=3) == want
+    assert decode.generate(model, [np.array([5, 6, 7], np.int64), np.array([8, 9, 10])],
+                           max_new_tokens=3) == want
+    assert decode.generate(model, [[np.int32(5), 6, 7], [8, 9, 10]], max_new_tokens=3) == want
+
+
+@pytest.mark.parametrize("prompt_len, new, fix", [
+    (10, 300, "lower max_new_tokens to <= 246"),  # the prompt is not the problem
+    (200, 100, "shorten the prompt to <= 156 tokens or lower max_new_tokens to <= 56"),
+    (300, 8, "max_seq_len=256 positions including the new tokens: shorten the prompt to <= "
+             "248 tokens"),
+    (300, 300, "shorten the prompt and lower max_new_tokens: together they must be <= 256"),
+])
+def test_too_long_names_only_fixes_that_work(model, prompt_len, new, fix):
+    with pytest.raises(decode.GenerationError) as e:
+        decode.generate(model, [[1] * prompt_len], max_new_tokens=new)
+    msg = str(e.value)
+    assert msg.endswith(fix) and not re.search(r"<= -?0\b|<= -", msg), msg
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=float("nan")), "temperature=nan must be >= 0 and finite"),
+    (dict(temperature="0.5"), "temperature='0.5' must be"),
+    (dict(temperature=1.0, top_k=2.5), "top_k=2.5 must be an integer"),
+    (dict(temperature=1.0, top_k=True), "top_k=True must be an integer"),
+    (dict(temperature=1.0, top_p=float("nan")), r"top_p=nan must be in \(0, 1\]"),
+    (dict(max_new_tokens=True), "max_new_tokens=True must be a positive integer"),
+    (dict(max_new_tokens=2.0), "max_new_tokens=2.0 must be a positive integer"),
+])
+def test_sampling_settings_are_checked(model, kwargs, match):
+    kwargs = {"max_new_tokens": 2, **kwargs}
+    with pytest.raises(decode.GenerationError, match=match):
+        decode.generate(model, [[1, 2]], **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation: the CLI.
+
+
+@pytest.fixture
+def decode_main():
+    # The fake devices are set up already (conftest); the CLI's runtime setup keeps them.
+    return decode.main
+
+
+def _files(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.txt").write_text("\n   \n\t\n")
+    (tmp_path / "latin1.txt").write_bytes(("x" * 9000 + "\r\ncafé\n").encode("latin-1"))
+    return tmp_path
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--prompt-file", "{tmp}/empty.txt"], "{tmp}/empty.txt has no prompts (it is empty or "
+                                            "only blank lines)"),
+    (["--prompt-file", "{tmp}/blank.txt"], "{tmp}/blank.txt has no prompts"),
+    (["--prompt-file", "{tmp}/latin1.txt"], "--prompt-file {tmp}/latin1.txt: byte 9005 (line "
+                                             "2) is not UTF-8"),
+    (["--prompt-file", "{tmp}"], "--prompt-file {tmp}: cannot read it (Is a directory)"),
+    (["--prompt-file", "{tmp}/nope.txt"], "cannot read it (No such file or directory)"),
+    (["--max-new-tokens", "0"], "max_new_tokens=0 must be a positive integer"),
+    (["--max-new-tokens", "-3"], "max_new_tokens=-3 must be a positive integer"),
+    (["--max-new-tokens", "400"], "that is 417 positions, but the cache holds max_seq_len=256: "
+                                  "lower max_new_tokens to <= 239"),
+    (["--top-p", "0"], "top_p=0.0 must be in (0, 1]"),
+    (["--temperature", "nan"], "temperature=nan must be >= 0 and finite"),
+    (["--top-k", "0"], "top_k=0 must be an integer from 1 to the vocabulary size 320"),
+    (["--tp", "3"], "tp=3 does not divide the 8 available devices"),
+    (["--benchmark", "--max-new-tokens", "1", "--prompt-len", "4"],
+     "new_tokens=1 (--max-new-tokens) must be an integer >= 2"),
+    (["--benchmark", "--batch", "0", "--prompt-len", "4"], "batch=0 (--batch) must be"),
+    (["--benchmark", "--prompt-len", "0"], "prompt_len=0 (--prompt-len) must be"),
+    (["--benchmark", "--tp", "4", "--batch", "3", "--prompt-len", "4", "--max-new-tokens", "2"],
+     "batch size 3 is not divisible by the data axis (2)"),
+    (["--ladder-layers", "2,x"], "--ladder-layers '2,x': give N (the upper N layers) or a comma "
+                                 "list"),
+])
+def test_decode_cli_bad_input_is_one_line(tmp_path, capsys, decode_main, args, expect):
+    tmp = str(_files(tmp_path))
+    rc = decode_main([a.replace("{tmp}", tmp) for a in args])
+    line = one_line(capsys, rc)
+    assert expect.replace("{tmp}", tmp) in line, line
+
+
+def test_prompt_file_lines_are_prompts(tmp_path, capsys, decode_main):
+    (tmp_path / "p.txt").write_bytes(b"ab\r\n\r\n  \ncd\n")  # Windows line ends, blank lines
+    assert decode_main(["--prompt-file", str(tmp_path / "p.txt"), "--max-new-tokens", "1",
+                        "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "--- 'ab'\n" in out and "--- 'cd'\n" in out and out.count("--- ") == 2, out
+
+
+def test_decode_benchmark_says_what_it_measures_first(capsys, decode_main, monkeypatch):
+    printed = []  # what stdout held when each (slow) measurement started
+
+    def fake(config, mesh, *, batch, prompt_len, new_tokens):
+        printed.append(capsys.readouterr().out)
+        return {"residual": config.residual, "prefill_ms": 1.0, "decode_ms_per_token": 1.0,
+                "decode_tokens_per_s_per_user": 1.0, "decode_tokens_per_s": 3.0,
+                "roofline_fraction": 0.5, "first_run_s_incl_compile": 1.0,
+                "bandwidth_bytes_per_s": 1e9, "bandwidth_source": "test"}
+
+    monkeypatch.setattr(decode, "benchmark", fake)
+    args = ["--benchmark", "--batch", "3", "--prompt-len", "5", "--max-new-tokens", "7"]
+    assert decode_main(args + ["--residual", "all"]) == 0
+    header = printed[0]
+    assert header.count("\n") == 1 and printed[1].startswith("standard "), printed
+    for part in ("decode benchmark, random weights of preset tiny",
+                 "residual standard, parallel, ladder, upper_bound", "tp=8 on 8 cpu device(s)",
+                 "batch 3", "prompt 5 tokens", "7 new tokens"):
+        assert part in header, header
+    capsys.readouterr()
+    assert decode_main(args + ["--json"]) == 0  # JSON lines only
+    assert all(json.loads(line) for line in capsys.readouterr().out.splitlines())
+
+
+def test_decode_cli_process_non_utf8_prompt_file(tmp_path):
+    """The real process: exit code 2 and one line, nothing else on stderr from us."""
+    (tmp_path / "p.txt").write_bytes(b"\xff\xfe h\x00i\n")
+    r = subprocess.run([sys.executable, "-m", "ladder_jax.decode", "--prompt-file",
+                        str(tmp_path / "p.txt")], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert f"--prompt-file {tmp_path / 'p.txt'}: byte 0 (line 1) is not UTF-8" in r.stderr
