@@ -16,6 +16,7 @@ from flax import nnx
 
 import ladder_jax as lj
 from ladder_jax import convert, data, decode, hf, sharding, train
+from ladder_jax.tokenizer import ByteTokenizer
 
 SMALL = ["model.n_layers=2", "data.seq_len=32", "data.batch_size=8", "eval_batches=2",
          "progress=none", "log_every=1000", "mesh.data=1", "steps=1", "eval_every=0"]
@@ -105,7 +106,7 @@ def test_unreadable_tokenizer_json_is_one_line(tmp_path, capsys):
 
 
 def test_data_checks_pass_what_is_good(tmp_path):
-    tok = data.ByteTokenizer()
+    tok = ByteTokenizer()
     np.save(tmp_path / "ok.npy", np.arange(320, dtype=np.int16))
     assert data.load_tokens(str(tmp_path / "ok.npy"), tok, vocab_size=320)[-1] == 319
     with pytest.raises(data.DataError, match="largest 320"):

@@ -17,6 +17,7 @@ from flax import nnx
 from ladder_jax import checkpoint, data, step, train
 from ladder_jax.model import ModelConfig, Transformer
 from ladder_jax.sharding import make_mesh
+from ladder_jax.tokenizer import ByteTokenizer
 from tests.conftest import free_port
 
 SMALL = ["model.n_layers=2", "data.seq_len=32", "data.batch_size=8", "eval_batches=2",
@@ -189,7 +190,7 @@ def test_two_processes_equal_one(tmp_path):
 
 
 def test_byte_tokenizer_and_sources(tmp_path):
-    tok = data.ByteTokenizer()
+    tok = ByteTokenizer()
     assert tok.decode(tok.encode("héllo")) == "héllo"
     (tmp_path / "a.txt").write_text("abc")
     (tmp_path / "b.txt").write_text("de")
