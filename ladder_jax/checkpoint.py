@@ -51,8 +51,9 @@ def _abstract(x):
 class Checkpointer:
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
         self.directory = os.path.abspath(directory)
+        # not created here: a run that fails its checks must leave no directory behind
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=async_save)
+            max_to_keep=keep, create=False, enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"params": ocp.StandardCheckpointHandler(),
@@ -64,6 +65,7 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, params: nnx.State, opt_state, data_iter, meta: dict):
+        os.makedirs(self.directory, exist_ok=True)
         self.manager.save(step, args=ocp.args.Composite(
             params=ocp.args.StandardSave(nnx.to_pure_dict(params)),
             opt_state=ocp.args.StandardSave(_opt_dict(opt_state)),

@@ -421,3 +421,147 @@ def test_decode_cli_process_non_utf8_prompt_file(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr
     assert f"--prompt-file {tmp_path / 'p.txt'}: byte 0 (line 1) is not UTF-8" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Training: configs, resume and the run directory.
+
+
+def _snapshot(path):
+    """{relative file: bytes} of a directory, to show that a refused command changed nothing."""
+    out = {}
+    for d, _, files in os.walk(path):
+        for f in files:
+            p = os.path.join(d, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, path)] = fh.read()
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 2-step run with a checkpoint at step 2 (shared by the resume cases, copied per test)."""
+    root = tmp_path_factory.mktemp("trained")
+    assert train.main(SMALL + ["steps=2", f"run_dir={root}", "name=run"]) == 0
+    return root
+
+
+def _copy(trained, tmp_path):
+    import shutil
+    shutil.copytree(trained / "run", tmp_path / "run")
+    return tmp_path
+
+
+@pytest.mark.parametrize("change, key", [
+    ("model.residual=ladder", "model.residual: 'standard' -> 'ladder'"),
+    ("data.seed=7", "data.seed: 0 -> 7"),
+    ("optim.peak_lr=0.01", "optim.peak_lr: 0.0003 -> 0.01"),
+])
+def test_resume_with_a_changed_experiment_is_refused_and_writes_nothing(
+        trained, tmp_path, capsys, change, key):
+    root = _copy(trained, tmp_path)
+    before = _snapshot(root / "run")
+    line = one_line(capsys, train.main(SMALL + ["steps=4", f"run_dir={root}", "name=run",
+                                                change]))
+    assert key in line and "accept_changes=true" in line and "name=" in line, line
+    assert _snapshot(root / "run") == before
+
+
+def test_accept_changes_resumes_and_records_what_changed(trained, tmp_path, capsys):
+    root = _copy(trained, tmp_path)
+    assert train.main(SMALL + ["steps=3", f"run_dir={root}", "name=run", "optim.peak_lr=0.01",
+                               "accept_changes=true"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    with open(root / "run" / "changes.jsonl") as f:
+        rec = json.loads(f.readline())
+    assert rec["step"] == 2 and rec["changed"]["optim.peak_lr"] == [0.0003, 0.01]
+    with open(root / "run" / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2, 3]
+
+
+def test_resume_after_a_shape_change_names_the_weight_and_writes_nothing(
+        trained, tmp_path, capsys):
+    root = _copy(trained, tmp_path)
+    before = _snapshot(root / "run")
+    line = one_line(capsys, train.main(SMALL + ["steps=4", f"run_dir={root}", "name=run",
+                                                "model.d_ff=256", "accept_changes=true"]))
+    assert "layers/0/mlp/down" in line and "(128, 64)" in line and "(256, 64)" in line, line
+    assert "new name=" in line
+    assert _snapshot(root / "run") == before
+
+
+def test_torn_last_metrics_line_is_dropped_on_resume(trained, tmp_path, capsys):
+    root = _copy(trained, tmp_path)
+    with open(root / "run" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 1.2')  # a write cut short by a crash
+    assert train.main(SMALL + ["steps=3", f"run_dir={root}", "name=run"]) == 0
+    assert "torn last line" in capsys.readouterr().out
+    with open(root / "run" / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2, 3]
+
+
+def test_damaged_metrics_in_the_middle_is_one_line(trained, tmp_path, capsys):
+    root = _copy(trained, tmp_path)
+    p = root / "run" / "metrics.jsonl"
+    p.write_text("garbage\n" + p.read_text())
+    before = _snapshot(root / "run")
+    line = one_line(capsys, train.main(SMALL + ["steps=3", f"run_dir={root}", "name=run"]))
+    assert "metrics.jsonl, line 1" in line
+    assert _snapshot(root / "run") == before
+
+
+def test_init_from_problems_are_one_line(trained, tmp_path, capsys):
+    line = one_line(capsys, train.main(SMALL + [f"run_dir={tmp_path}", "name=ft",
+                                                f"init_from={tmp_path}/nope"]))
+    assert "init_from" in line and "does not exist" in line
+    line = one_line(capsys, train.main(SMALL + [f"run_dir={tmp_path}", "name=ft",
+                                                f"init_from={trained}/run", "model.d_ff=256"]))
+    assert "init_from" in line and "(128, 64)" in line and "(256, 64)" in line
+    assert not (tmp_path / "ft").exists()
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["optim.peak_lr=-1"], "optim.peak_lr=-1.0 must be positive"),
+    (["optim.b2=1.5"], "optim.b2=1.5 must be in [0.0, 1.0)"),
+    (["data.eval_fraction=1"], "data.eval_fraction=1.0 must be in [0.0, 1.0)"),
+    (["optim.warmup_steps=-5"], "optim.warmup_steps=-5 must be >= 0"),
+    (["mesh.data=0"], "mesh.data=0 must be positive"),
+    (["model.remat=layers"], "remat='layers'"),
+])
+def test_out_of_range_settings_are_one_line(tmp_path, capsys, args, expect):
+    line = one_line(capsys, train.main(SMALL + [f"run_dir={tmp_path}", *args]))
+    assert expect in line, line
+    assert not os.listdir(tmp_path)
+
+
+def test_run_dir_that_is_a_file_and_bad_yaml_are_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    line = one_line(capsys, train.main(SMALL + [f"run_dir={tmp_path}/file"]))
+    assert "is a file" in line
+    (tmp_path / "bad.yaml").write_text("model:\n  residual: ladder\ndata: [1\n")
+    line = one_line(capsys, train.main([str(tmp_path / "bad.yaml")]))
+    assert f"{tmp_path}/bad.yaml:" in line and "not valid YAML" in line
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    line = one_line(capsys, train.main([str(tmp_path / "list.yaml")]))
+    assert "must be a mapping" in line
+
+
+def test_decode_checkpoint_errors_name_the_flag(tmp_path, capsys):
+    line = one_line(capsys, decode.main(["--checkpoint", str(tmp_path / "nope")]))
+    assert "--checkpoint" in line and "init_from" not in line
+
+
+def test_cli_start_is_quiet(tmp_path):
+    """With the CUDA plugin installed and no GPU, a one-line error stays one line, and
+    `python -m ladder_jax.decode` does not warn that it was imported twice."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    p = subprocess.run([sys.executable, "-m", "ladder_jax.train", "optim.peak_lr=-1",
+                        f"run_dir={tmp_path}"], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "error: optim.peak_lr=-1.0 must be positive"], p.stderr
+    p = subprocess.run([sys.executable, "-m", "ladder_jax.decode", "--max-new-tokens", "2",
+                        "--tp", "1", "--prompt", "a"], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.strip() == "", p.stderr
