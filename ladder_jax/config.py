@@ -305,6 +305,7 @@ class TrainConfig:
     accept_changes: bool = False  # resume although the model / data / optimizer keys changed
     init_from: Optional[str] = None  # weights only, from a run or checkpoint directory
     progress: str = "auto"  # auto | bar | lines | none
+    tensorboard: Optional[bool] = None  # event files in <run>/tensorboard; null: if installed
     benchmark: bool = False  # time every residual scheme instead of training
     bench_steps: int = 5
     peak_tflops: Optional[float] = None  # per device, for MFU; null = known GPUs only

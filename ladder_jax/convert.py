@@ -27,6 +27,7 @@ until it is fine-tuned). Bad input: a one-line error and exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -72,6 +73,28 @@ def _save_checkpoint(model, out: str, meta: dict) -> None:
     manager.close()
 
 
+@contextlib.contextmanager
+def _progress_bar(transfer, verb: str):
+    """A rich bar over the tensors of `transfer` (bytes and tensors), on a terminal only."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
+                               TimeRemainingColumn, TransferSpeedColumn)
+    with Progress(TextColumn(f"{verb} {{task.fields[tensors]}}"), BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), TimeRemainingColumn(), transient=True,
+                  console=Console(stderr=True)) as bar:
+        task = bar.add_task(verb, total=None, tensors="")
+
+        def update(t):
+            bar.update(task, total=t.total_bytes, completed=t.bytes,
+                       tensors=f"{t.tensors}/{t.total_tensors} tensors")
+
+        transfer.on_tensor = update
+        yield
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ladder_jax.convert",
                                 description=__doc__.split("\n\n")[0],
@@ -98,6 +121,7 @@ def main(argv=None) -> int:
     from ladder_jax import hf, runtime, sharding
     from ladder_jax.checkpoint import load_run
 
+    transfer = hf.Transfer()
     try:
         runtime.setup(cpu_devices=max(args.tp, 1))
         if args.tp <= 0 or args.tp > len(jax.devices()):
@@ -109,8 +133,11 @@ def main(argv=None) -> int:
         ladder_layers = parse_ladder_layers(args.ladder_layers)
         if args.hf:
             kw = {} if ladder_layers is None else {"ladder_layers": ladder_layers}
-            model, tokenizer = hf.load_hf(args.hf, mesh=mesh, residual=args.residual,
-                                          param_dtype=args.param_dtype, **kw)
+            with _progress_bar(transfer, "reading"):
+                model, tokenizer = hf.load_hf(args.hf, mesh=mesh, residual=args.residual,
+                                              param_dtype=args.param_dtype, transfer=transfer,
+                                              **kw)
+            print(transfer.summary("read"), file=sys.stderr)
         else:
             model, tokenizer = load_run(args.checkpoint, mesh=mesh, what="--checkpoint",
                                         **scheme_overrides(args.residual, ladder_layers))
@@ -118,7 +145,11 @@ def main(argv=None) -> int:
                 tokenizer = None  # the byte tokenizer has no file to carry along
         os.makedirs(args.out, exist_ok=True)
         if args.to_hf:
-            hf.save_hf(model, args.out, tokenizer=tokenizer, max_shard_bytes=args.max_shard_bytes)
+            written = hf.Transfer()
+            with _progress_bar(written, "writing"):
+                hf.save_hf(model, args.out, tokenizer=tokenizer,
+                           max_shard_bytes=args.max_shard_bytes, transfer=written)
+            print(written.summary("wrote"), file=sys.stderr)
         else:
             tok_path = None
             if tokenizer is not None:

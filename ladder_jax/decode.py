@@ -446,7 +446,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-file", help="a file with one prompt per line")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=200)
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample among the k most likely tokens (default: 200, or the whole "
+                        "vocabulary when it is smaller)")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--residual", default=None, choices=[*RESIDUALS, "all"],
@@ -480,7 +482,7 @@ def main(argv=None) -> int:
 
 
 def _run(args, say) -> int:
-    tp = args.tp or len(jax.devices())
+    tp = len(jax.devices()) if args.tp is None else args.tp
     if tp <= 0 or tp > len(jax.devices()):
         raise ConfigError(f"--tp {tp}: between 1 and the {len(jax.devices())} devices")
     mesh = sharding.make_mesh(tp=tp)
@@ -563,7 +565,8 @@ def _run(args, say) -> int:
             f"preset {args.preset!r}")
         raise ConfigError(f"{what} has vocab_size={config.vocab_size}, too small for its "
                           f"tokenizer ({tokenizer.vocab_size} tokens)")
-    sampling = Sampling(args.temperature, args.top_k, args.top_p).check(config.vocab_size)
+    top_k = min(200, config.vocab_size) if args.top_k is None else args.top_k
+    sampling = Sampling(args.temperature, top_k, args.top_p).check(config.vocab_size)
     check_generation(config, [tokenizer.encode(q) for q in prompts], args.max_new_tokens)
     if model is None:
         model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(args.seed))

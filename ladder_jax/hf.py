@@ -25,9 +25,11 @@ mismatches and dtypes that cannot be imported fail before any tensor is read, na
 and tensor); then one tensor at a time is memory-mapped, converted, refused if it holds NaN or
 inf, and placed straight into its sharding with `jax.make_array_from_callback` (each device
 copies only its slice), then dropped. The model is built from shapes (`nnx.eval_shape`), so
-no random weights are ever materialized. The safetensors format is read and written here
-directly (an 8-byte header length, a JSON header, raw little-endian data): the `safetensors`
-package cannot hand bfloat16 to numpy.
+no random weights are ever materialized. Files are written with the `safetensors` package
+(`safetensors.numpy.save_file`). They are read here directly (an 8-byte header length, a JSON
+header, raw little-endian data, memory-mapped): `safetensors.safe_open(framework="np")` was
+tried and reads bfloat16 fine, but reports a damaged header as one generic message without the
+tensor or byte range at fault, which this reader names before anything is read.
 
 Residual scheme: `save_hf` records it in config.json as "ladder_residual" and "ladder_layers";
 `load_hf` uses them unless `residual=` / `ladder_layers=` are given (giving `ladder_layers`
@@ -52,6 +54,7 @@ import json
 import math
 import os
 import struct
+import time
 from typing import Any
 
 import jax
@@ -349,6 +352,10 @@ class _SafetensorsFile:
     def shape(self, name: str) -> tuple:
         return tuple(self.header[name]["shape"])
 
+    def nbytes(self, name: str) -> int:
+        start, end = self.header[name]["data_offsets"]
+        return end - start
+
     def check_dtype(self, name: str) -> None:
         if self.header[name]["dtype"] not in _DTYPES:
             raise HFError(f"{self.file}: tensor {name!r} has dtype {self.header[name]['dtype']}, "
@@ -366,22 +373,14 @@ class _SafetensorsFile:
 
 
 def _write_safetensors(file: str, tensors: dict[str, np.ndarray]) -> None:
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    from safetensors.numpy import save_file
+
     for name, t in tensors.items():
         if t.dtype not in _CODES:
             raise HFError(f"cannot write tensor {name!r} of dtype {t.dtype} to safetensors")
-        header[name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + t.nbytes]}
-        offset += t.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
     tmp = file + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for t in tensors.values():
-            f.write(np.ascontiguousarray(t).view(np.uint8).data)
-    os.replace(tmp, file)
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    os.replace(tmp, file)  # a reader never sees half a file
 
 
 def _weight_files(path: str) -> dict[str, str]:
@@ -414,6 +413,38 @@ def _weight_files(path: str) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Progress of a transfer.
+
+
+@dataclasses.dataclass
+class Transfer:
+    """What `load_hf` / `save_hf` moved, tensor by tensor; `on_tensor(transfer)` (a progress
+    bar, say) is called after each one. `summary()` is the line `convert` prints."""
+
+    on_tensor: Any = None
+    files: set = dataclasses.field(default_factory=set)
+    dtypes: set = dataclasses.field(default_factory=set)
+    tensors: int = 0
+    bytes: int = 0
+    total_tensors: int = 0
+    total_bytes: int = 0
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def add(self, file: str, dtype: str, nbytes: int) -> None:
+        self.files.add(os.path.basename(file))
+        self.dtypes.add(dtype)
+        self.tensors += 1
+        self.bytes += nbytes
+        if self.on_tensor is not None:
+            self.on_tensor(self)
+
+    def summary(self, verb: str) -> str:
+        return (f"{verb} {len(self.files)} safetensors file(s), {self.tensors} tensors "
+                f"({', '.join(sorted(self.dtypes))}), {self.bytes / 1e6:,.1f} MB in "
+                f"{time.perf_counter() - self.started:.1f} s")
+
+
+# ---------------------------------------------------------------------------------------------
 # Import.
 
 
@@ -424,14 +455,16 @@ def _leaf(tree, path):
 
 
 def load_hf(path: str, *, mesh, residual: str | None = None, ladder_layers=_KEEP,
-            dtype: str = "float32", param_dtype: str = "float32"):
+            dtype: str = "float32", param_dtype: str = "float32",
+            transfer: Transfer | None = None):
     """(model, tokenizer) from a local Hugging Face Llama directory; tokenizer is an
     `HFTokenizer`, or None when there is no tokenizer.json.
 
     residual / ladder_layers: any scheme (default: what config.json records, else standard;
     `ladder_layers` alone implies "ladder"). dtype: matmul compute dtype; param_dtype: the
-    weights' dtype on the devices (float32 unless given)."""
+    weights' dtype on the devices (float32 unless given). `transfer` counts what is read."""
     path = os.fspath(path)
+    transfer = transfer if transfer is not None else Transfer()
     hf = read_config(path)
     config = config_from_hf(hf, residual=residual, ladder_layers=ladder_layers, dtype=dtype,
                             param_dtype=param_dtype)
@@ -462,6 +495,8 @@ def load_hf(path: str, *, mesh, residual: str | None = None, ladder_layers=_KEEP
                       f"weight of a Llama model with this config.json ({len(extra)} unexpected)")
 
     tokenizer = HFTokenizer.from_dir(path, hf)  # a bad tokenizer.json fails before the reads
+    transfer.total_tensors = len(table)
+    transfer.total_bytes = sum(headers[files[e.name]].nbytes(e.name) for e in table)
     pure = nnx.to_pure_dict(state)
     for file, h in headers.items():  # file by file, tensor by tensor
         for e in (e for e in table if files[e.name] == file):
@@ -476,6 +511,7 @@ def load_hf(path: str, *, mesh, residual: str | None = None, ladder_layers=_KEEP
             parent[e.path[-1]] = jax.make_array_from_callback(
                 host.shape, sharding, lambda idx, host=host: host[idx])
             del host
+            transfer.add(file, h.header[e.name]["dtype"], h.nbytes(e.name))
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state), tokenizer
 
@@ -491,13 +527,14 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 
 def save_hf(model: Transformer, path: str, *, tokenizer=None,
-            max_shard_bytes: int = 5 * 2**30) -> None:
+            max_shard_bytes: int = 5 * 2**30, transfer: Transfer | None = None) -> None:
     """Writes `model` as a Hugging Face Llama directory: config.json (with the residual scheme
     under "ladder_residual" / "ladder_layers"), safetensors in the weights' dtype (several
     files and an index when they exceed `max_shard_bytes`), and the tokenizer's tokenizer.json
     if it has one (`HFTokenizer`). Host memory: one shard at a time. Multi-host: call on every
-    process; process 0 writes."""
+    process; process 0 writes. `transfer` counts what is written."""
     path = os.fspath(path)
+    transfer = transfer if transfer is not None else Transfer()
     config = model.config
     writer = jax.process_index() == 0
     state = nnx.state(model)
@@ -513,6 +550,9 @@ def save_hf(model: Transformer, path: str, *, tokenizer=None,
             size = 0
         shards[-1].append(e)
         size += n
+    transfer.total_tensors = len(table)
+    transfer.total_bytes = sum(math.prod(_leaf(state, e.path).shape) *
+                               np.dtype(_leaf(state, e.path).dtype).itemsize for e in table)
     names = ([SINGLE] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     weight_map, total = {}, 0
@@ -522,6 +562,8 @@ def save_hf(model: Transformer, path: str, *, tokenizer=None,
             tensors[e.name] = np.ascontiguousarray(e.to_hf(_to_host(_leaf(state, e.path)[...])))
             weight_map[e.name] = file
             total += tensors[e.name].nbytes
+            transfer.add(file, _CODES.get(tensors[e.name].dtype, str(tensors[e.name].dtype)),
+                         tensors[e.name].nbytes)
         if writer:
             _write_safetensors(os.path.join(path, file), tensors)
         del tensors

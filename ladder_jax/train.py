@@ -6,7 +6,8 @@
     python -m ladder_jax.train --help                                 # every key, its default
 
 Data flows one way: config -> mesh -> model -> step -> outputs (`runs/<name>/`: the resolved
-`config.yaml`, `metrics.jsonl`, `checkpoints/<step>/`). The config schema and its checks are
+`config.yaml`, `metrics.jsonl`, `checkpoints/<step>/` and, with the `tensorboard` extra
+installed, TensorBoard event files in `tensorboard/`: `tensorboard --logdir runs/`). The config schema and its checks are
 `ladder_jax.config`; the step is `ladder_jax.step`; checkpoints are `ladder_jax.checkpoint`.
 
 Each step: A = `data.grad_accum` micro-batches of `data.batch_size` sequences (global, over all
@@ -250,8 +251,11 @@ class Trainer:
                             async_save=cfg.async_ckpt)
         try:
             start = self._resume_or_init(ckpt)
-            history = self._open_files(start)
-            return self._loop(ckpt, start, history)
+            history, metrics = self._open_files(start)
+            try:
+                return self._loop(ckpt, start, history, metrics)
+            finally:
+                metrics.close()
         finally:
             ckpt.close()
 
@@ -284,11 +288,10 @@ class Trainer:
             self.log(f"initialized weights from {self.cfg.init_from}")
         return start
 
-    def _open_files(self, start) -> list[dict]:
-        """config.yaml, changes.jsonl and metrics.jsonl (rows after `start` are dropped: they
-        are replayed). Returns the kept metrics rows."""
-        metrics_path = os.path.join(self.run_path, "metrics.jsonl")
-        history = _read_metrics(metrics_path, start, self.log)
+    def _open_files(self, start):
+        """config.yaml, changes.jsonl and the metrics log (`MetricsLog`). Returns (metrics
+        rows kept from before `start`, the log)."""
+        history = _read_metrics(os.path.join(self.run_path, "metrics.jsonl"), start, self.log)
         if self.is_main:
             os.makedirs(self.run_path, exist_ok=True)
             with open(os.path.join(self.run_path, "config.yaml"), "w") as f:
@@ -298,13 +301,12 @@ class Trainer:
                     f.write(json.dumps({"step": start, "changed": self._changes}) + "\n")
                 self.log("accept_changes: " + ", ".join(
                     f"{k}: {a!r} -> {b!r}" for k, (a, b) in self._changes.items()))
-            with open(metrics_path, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in history)
-        return history
+        metrics = MetricsLog(self.run_path, start, history, tensorboard=self.cfg.tensorboard,
+                             active=self.is_main)
+        return history, metrics
 
-    def _loop(self, ckpt, start, history) -> dict:
+    def _loop(self, ckpt, start, history, metrics) -> dict:
         cfg, c = self.cfg, self.model_config
-        metrics_path = os.path.join(self.run_path, "metrics.jsonl")
         tokens_per_step = cfg.data.grad_accum * cfg.data.batch_size * cfg.data.seq_len
         fpt = flops_per_token(c, cfg.data.seq_len)
         peak = peak_flops(cfg, self.mesh.devices.flat[0])
@@ -338,7 +340,7 @@ class Trainer:
                              f"{m['grad_norm']}: update skipped ({bad_in_row} in a row, "
                              f"{skipped} in all)")
                     if bad_in_row >= cfg.max_bad_steps:
-                        self._write(metrics_path, rec)
+                        metrics.write(rec)
                         last = ckpt.latest_step()
                         kept = (f"the last checkpoint, step {last}, is intact" if last else
                                 "no checkpoint had been saved yet")
@@ -353,7 +355,7 @@ class Trainer:
                     rec["eval_loss"] = self.evaluate()
                 if rec.get("eval_loss") is not None:
                     rec["eval_ppl"] = _perplexity(rec["eval_loss"])
-                self._write(metrics_path, rec)
+                metrics.write(rec)
                 self._report(rec, start)
                 if self._stop_requested(stop):
                     ckpt.save(s, self.params, self.opt_state, self.data_iter, meta(s))
@@ -375,7 +377,7 @@ class Trainer:
             done) else None
         if done and start < cfg.steps and result["eval_loss"] is not None:
             self.log(f"done: step {s}, held-out loss {result['eval_loss']:.4f} (perplexity "
-                     f"{_perplexity(result['eval_loss']):.2f}); metrics {metrics_path}")
+                     f"{_perplexity(result['eval_loss']):.2f}); metrics {metrics.path}")
         return result
 
     def _stop_requested(self, stop) -> bool:
@@ -384,11 +386,6 @@ class Trainer:
             return flag
         from jax.experimental import multihost_utils
         return bool(multihost_utils.process_allgather(int(flag)).max())
-
-    def _write(self, path, rec):
-        if self.is_main:
-            with open(path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
 
     def describe(self) -> str:
         c = self.model_config
@@ -433,6 +430,50 @@ class Trainer:
             lr, mfu = rec["lr"], rec["mfu"]
             print(f"step {rec['step']}/{self.cfg.steps}  {info}  lr {lr:.2e}  grad "
                   f"{rec['grad_norm']:.3f}" + (f"  mfu {mfu:.1%}" if mfu else ""), flush=True)
+
+
+class MetricsLog:
+    """metrics.jsonl, and the same scalars as TensorBoard events (`tensorboard=true`, or null
+    with the `tensorboardX` package installed: `pip install -e ".[tensorboard]"`). Process 0
+    alone writes. On resume, rows after the checkpoint are dropped from both (they are
+    replayed)."""
+
+    SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "eval_loss", "eval_ppl")
+
+    def __init__(self, run_path: str, start: int, history: list[dict], *, tensorboard, active):
+        self.path = os.path.join(run_path, "metrics.jsonl")
+        self.active, self.events = active, None
+        if not active:
+            return
+        with open(self.path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in history)
+        if tensorboard is None:
+            import importlib.util
+            tensorboard = importlib.util.find_spec("tensorboardX") is not None
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:
+                raise ConfigError('tensorboard=true needs the tensorboardX package: '
+                                  'pip install -e ".[tensorboard]"') from None
+            self.events = SummaryWriter(os.path.join(run_path, "tensorboard"),
+                                        purge_step=start + 1)
+
+    def write(self, rec: dict) -> None:
+        if not self.active:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self.events is not None:
+            for k in self.SCALARS:
+                if rec.get(k) is not None:
+                    self.events.add_scalar(f"train/{k}", rec[k], rec["step"])
+            self.events.add_scalar("train/skipped", float(rec.get("skipped", False)),
+                                   rec["step"])
+
+    def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
 
 
 def _perplexity(loss: float) -> float:

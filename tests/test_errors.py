@@ -364,6 +364,9 @@ def _files(tmp_path):
     (["--temperature", "nan"], "temperature=nan must be >= 0 and finite"),
     (["--top-k", "0"], "top_k=0 must be an integer from 1 to the vocabulary size 320"),
     (["--tp", "3"], "tp=3 does not divide the 8 available devices"),
+    (["--tp", "0"], "--tp 0: between 1 and the 8 devices"),
+    (["--residual", "standard", "--ladder-layers", "2"], "--ladder-layers applies to "
+                                                         "--residual ladder"),
     (["--benchmark", "--max-new-tokens", "1", "--prompt-len", "4"],
      "new_tokens=1 (--max-new-tokens) must be an integer >= 2"),
     (["--benchmark", "--batch", "0", "--prompt-len", "4"], "batch=0 (--batch) must be"),

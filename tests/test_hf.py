@@ -5,6 +5,7 @@ swapping two norms, or any two same-shaped weights, shows), and saved to temp di
 
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -287,3 +288,51 @@ def test_convert_cli_writes_a_checkpoint_init_from_reads(llamas, tmp_path):
     again, _ = lj.load_hf(hf_out, mesh=_mesh(1))
     assert again.config.ladder_layers == 2
     jax.tree.map(np.testing.assert_array_equal, _weights(again), _weights(imported))
+
+
+def test_convert_reports_what_it_read_and_shows_progress_only_on_a_tty(llamas, tmp_path):
+    import pty
+    import subprocess
+    import sys
+
+    path, _ = llamas["gqa_scaled"]
+    shards = tmp_path / "sharded"
+    model, _ = lj.load_hf(path, mesh=_mesh(1))
+    lj.save_hf(model, shards, max_shard_bytes=40_000)
+    index = json.loads((shards / hf.INDEX).read_text())["weight_map"]
+    total = sum(os.path.getsize(shards / f) for f in set(index.values()))
+    env = {**os.environ, "COLUMNS": "120"}
+
+    def convert_cli(out, tty):
+        args = [sys.executable, "-m", "ladder_jax.convert", "--hf", str(shards), "--out", out]
+        if not tty:
+            p = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+            assert p.returncode == 0, p.stderr
+            return p.stderr
+        master, slave = pty.openpty()
+        p = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=slave)
+        os.close(slave)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # the child closed its end
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        assert p.wait(timeout=300) == 0
+        return b"".join(chunks).decode("utf-8", "replace")
+
+    plain = convert_cli(str(tmp_path / "a"), tty=False)
+    summary = [ln for ln in plain.splitlines() if ln.startswith("read ")]
+    assert summary == [ln for ln in plain.splitlines() if ln.strip()], plain  # nothing else
+    m = re.match(r"read (\d+) safetensors file\(s\), (\d+) tensors \(F32\), ([\d.,]+) MB",
+                 summary[0])
+    assert m, summary
+    assert int(m.group(1)) == len(set(index.values())) > 2
+    assert int(m.group(2)) == len(index)
+    assert abs(float(m.group(3).replace(",", "")) * 1e6 - total) < 0.06e6 + 0.01 * total
+    assert "reading" not in plain
+    tty = convert_cli(str(tmp_path / "b"), tty=True)
+    assert "reading" in tty and f"{len(index)}/{len(index)} tensors" in tty, tty[-2000:]

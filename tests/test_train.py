@@ -187,6 +187,7 @@ def test_two_processes_equal_one(tmp_path):
     got = metrics(tmp_path, "two")
     np.testing.assert_allclose([r["loss"] for r in got], [ref[s] for s in (1, 2, 3)],
                                rtol=2e-5)
+    assert len(os.listdir(tmp_path / "two" / "tensorboard")) == 1  # process 0's events only
 
 
 def test_byte_tokenizer_and_sources(tmp_path):
@@ -216,3 +217,22 @@ def test_shipped_configs_parse(name):
         assert cfg.data.batch_size * cfg.data.grad_accum * cfg.data.seq_len == 4 * 2**20
         assert (mc.dtype, cfg.optim.peak_lr, cfg.optim.b2, cfg.optim.eps) == (
             "bfloat16", 3e-4, 0.95, 1e-10)
+
+
+def test_tensorboard_scalars_equal_the_jsonl_rows(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train.run(config(tmp_path, "steps=4", "eval_every=2", "tensorboard=true"))
+    rows = metrics(tmp_path)
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/eval_loss",
+            "train/eval_ppl", "train/skipped"} <= tags, tags
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "eval_loss"):
+        got = {e.step: e.value for e in events.Scalars(f"train/{key}")}
+        want = {r["step"]: r[key] for r in rows if r.get(key) is not None}
+        assert got.keys() == want.keys() and len(want) >= 2, (key, got, want)
+        np.testing.assert_allclose([got[s] for s in want], list(want.values()), rtol=1e-6)
+    train.run(config(tmp_path, "steps=1", "tensorboard=false", name="off"))
+    assert not (tmp_path / "off" / "tensorboard").exists()
