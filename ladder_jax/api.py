@@ -51,6 +51,14 @@ def fit(config: str | None = None, **overrides) -> Run:
     """Trains as `python -m ladder_jax.train CONFIG key=value ...` would, in this process."""
     from ladder_jax import train
 
+    cfg = fit_config(config, **overrides)
+    result = train.run(cfg)
+    return Run(os.path.join(cfg.run_dir, cfg.name), result)
+
+
+def fit_config(config: str | None = None, **overrides):
+    """The `TrainConfig` that `fit(config, **overrides)` trains: `model__residual="ladder"` is
+    the command line's `model.residual=ladder`; values are Python values (lists, None, ...)."""
     nested: dict = {}
     for key, value in overrides.items():
         *parents, leaf = key.split("__")
@@ -58,9 +66,7 @@ def fit(config: str | None = None, **overrides) -> Run:
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = list(value) if isinstance(value, tuple) else value
-    cfg = load_config([config] if config else [], overrides=nested)
-    result = train.run(cfg)
-    return Run(os.path.join(cfg.run_dir, cfg.name), result)
+    return load_config([config] if config else [], overrides=nested)
 
 
 def load(path: str, *, tp: int | None = None, mesh=None, **overrides):

@@ -236,3 +236,18 @@ def test_tensorboard_scalars_equal_the_jsonl_rows(tmp_path):
         np.testing.assert_allclose([got[s] for s in want], list(want.values()), rtol=1e-6)
     train.run(config(tmp_path, "steps=1", "tensorboard=false", name="off"))
     assert not (tmp_path / "off" / "tensorboard").exists()
+
+
+def test_fit_keywords_resolve_like_the_command_line():
+    from ladder_jax import api
+
+    got = api.fit_config("configs/tiny.yaml", model__ladder_layers=[1, 3],
+                         model__residual="ladder", optim__peak_lr=1e-3, data__path=None,
+                         mesh__fsdp=True)
+    want = train.load_config(["configs/tiny.yaml", "model.ladder_layers=[1,3]",
+                              "model.residual=ladder", "optim.peak_lr=1e-3", "data.path=null",
+                              "mesh.fsdp=true"])
+    assert got == want
+    assert train.model_config(got).ladder_layers == (1, 3) and got.optim.peak_lr == 1e-3
+    with pytest.raises(train.ConfigError, match="did you mean 'optim.peak_lr'"):
+        api.fit_config("configs/tiny.yaml", optim__peek_lr=1.0)
