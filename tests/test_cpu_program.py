@@ -70,3 +70,21 @@ def test_cpu_options_keep_the_barriers():
     fn = sharding.jit(lambda p, t: nnx.merge(graphdef, p)(t), platform="cpu")
     text = fn.lower(params, jnp.zeros((1, 8), jnp.int32)).compile().as_text()
     assert "opt-barrier" in text
+
+
+@pytest.mark.parametrize("scheme", [dict(residual="ladder"),
+                                    dict(residual="ladder", ladder_layers=2)],
+                         ids=["ladder", "hybrid"])
+def test_cpu_options_leave_loss_and_gradients_bit_identical(scheme):
+    config = lj.ModelConfig.from_preset("tiny", **scheme)
+    mesh = lj.make_mesh(tp=2, data=1, devices=jax.devices()[:2])
+    graphdef, params = nnx.split(lj.Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)))
+    tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, config.vocab_size)
+
+    def fn(p, t):
+        return step.loss_and_grads(graphdef, p, t, jnp.roll(t, -1, axis=1))
+
+    got = jax.tree.leaves(sharding.jit(fn, platform="cpu")(params, tokens))
+    want = jax.tree.leaves(jax.jit(fn)(params, tokens))  # XLA:CPU's defaults
+    for g, w in zip(got, want, strict=True):
+        assert (jax.device_get(g) == jax.device_get(w)).all()
