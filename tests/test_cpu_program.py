@@ -34,7 +34,7 @@ def fusion_sizes(hlo_text: str) -> list[int]:
     return [bodies[c] for c in called]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sizes(residual: str, n_layers: int, tp: int = 1) -> tuple[int, int]:
     """(largest fusion, total fused instructions) of the loss-and-gradients program, compiled
     for the CPU the way the package compiles its training step (`sharding.jit`)."""
@@ -72,8 +72,8 @@ def test_cpu_options_keep_the_barriers():
     assert "opt-barrier" in text
 
 
-@pytest.mark.parametrize("scheme", [dict(residual="ladder"),
-                                    dict(residual="ladder", ladder_layers=2)],
+@pytest.mark.parametrize("scheme", [{"residual": "ladder"},
+                                    {"residual": "ladder", "ladder_layers": 2}],
                          ids=["ladder", "hybrid"])
 def test_cpu_options_leave_loss_and_gradients_bit_identical(scheme):
     config = lj.ModelConfig.from_preset("tiny", **scheme)
