@@ -15,6 +15,9 @@ fusion pulls `x + psum_i` forward. Two things fix it, and both are applied by th
    hand-written backward does the same with cotangents, see `ladder_jax.residual`);
 2. `compiler_options("gpu")`, applied wherever the package compiles (`jit` below), turns the
    combiner off. If you jit the model yourself on GPUs, use `ladder_jax.sharding.jit`.
+On CPU, `compiler_options("cpu")` keeps those ties through XLA:CPU's fusion, without which the
+ladder's backward costs quadratically in depth (see `CPU_KEEP_BARRIERS_PASS`); training and
+decoding compile with it, through `jit` below.
 
 Mesh axes: `data` (batch) x `tp` (tensor parallel). Both are `AxisType.Auto`, so arrays need
 not carry shardings before they enter the model; jit moves them.
@@ -259,8 +262,11 @@ def compiler_options(platform: str) -> dict[str, Any]:
     - `xla_gpu_experimental_parallel_collective_overlap_limit=2`: let two all-reduces be in
       flight at once. In a training step the loss's vocab reduction is scheduled late, and
       with one slot it blocks a backward all-reduce from overlapping.
-    CPU: none (XLA:CPU runs collectives synchronously; CPU runs prove numerics only).
-    `python -m ladder_jax.overlap` compiles with exactly these and shows the schedule.
+    CPU (XLA:CPU runs collectives synchronously: CPU runs prove numerics, never overlap):
+    - `xla_disable_hlo_passes=CPU_KEEP_BARRIERS_PASS`: keep `tie`'s optimization barriers
+      through fusion, as XLA:GPU does. See `CPU_KEEP_BARRIERS_PASS` for why the ladder's
+      backward costs quadratically in depth without it.
+    `python -m ladder_jax.overlap` compiles with exactly the GPU ones and shows the schedule.
     """
     if platform in ("gpu", "cuda", "rocm"):
         return {
@@ -268,7 +274,30 @@ def compiler_options(platform: str) -> dict[str, Any]:
             "xla_gpu_all_reduce_combine_threshold_bytes": 0,
             "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
         }
+    if platform == "cpu":
+        return {"xla_disable_hlo_passes": CPU_KEEP_BARRIERS_PASS}
     return {}
+
+
+# XLA:CPU's pass that strips optimization barriers early in its pipeline, before fusion (its
+# registered name; an unknown name is silently ignored, tests/test_cpu_program.py notices).
+#
+# Why the ladder needs the barriers kept on CPU. The ladder's backward carries a running sum
+# of stream cotangents: c_k = c_{k+1} + n_k, n_k being module k's norm input cotangent, and
+# module k-2 reads c_k. Since each module reads the stream without its predecessor's output,
+# n_k comes (through module k's matmuls) from c_{k+2}, not from c_{k+1}: c_k is linked to
+# c_{k+1} by an addition only. XLA's fusion duplicates a multi-user producer into its
+# consumers whenever it can fuse it into every one of them along every path; the additions and
+# the bitcasts/transposes feeding the next matmuls all fuse, so no c is materialized and every
+# consumer fusion recomputes the whole chain above it, RMSNorm backwards included: quadratic in
+# depth, 2-2.7x standard's step time at 8 layers. (In standard, n_k comes from c_{k+1} through
+# matmuls, which fusion cannot cross, so each c is computed once.) The ladder's backward already
+# has such a path: it ties module k+1's in-flight cotangent to module k's matmul output (which
+# comes from c_{k+2}) before n_{k+1} joins the sum. XLA:GPU keeps that barrier through fusion;
+# XLA:CPU strips it first, and the path with it. Keeping it restores the path, and each c is
+# materialized once. Exact: barriers are identities and the arithmetic is unchanged, only
+# fusion boundaries move (gradients came out bit-identical at tp 1 and 2).
+CPU_KEEP_BARRIERS_PASS = "cse_barrier_expander"
 
 
 def jit(fn: Callable, *, platform: str | None = None, **jit_kwargs) -> Callable:

@@ -1,0 +1,74 @@
+"""Tokens/s of Hugging Face LlamaForCausalLM's training step on CPU, as a peer figure for
+`python -m ladder_jax.train configs/tiny.yaml benchmark=true bench_steps=10 model.preset=small
+data.seq_len=128 data.batch_size=16 mesh.tp=1 mesh.data=1`.
+
+Same work per step as ladder_jax's: the `small` preset's shapes (d_model 256, 8 layers, 8 query
+/ 4 kv heads, SwiGLU hidden 768, vocabulary 320, untied head), float32, batch 16 x 128 tokens
+predicting the next token, global-norm clipping at 1.0 and AdamW with the paper's settings.
+XLA:CPU uses every core of the host, so torch gets as many threads unless told otherwise.
+
+    python benchmarks/hf_train_step.py [--steps 10] [--threads N] [--attn sdpa|eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=10, help="timed steps, after 2 warm-up steps")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=128, help="tokens predicted per row")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"),
+                    help="HF attention implementation")
+    args = ap.parse_args(argv)
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=768,
+                         num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                         max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+                         attn_implementation=args.attn, torch_dtype=torch.float32)
+    model = LlamaForCausalLM(config).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-10,
+                            weight_decay=0.1)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), generator=gen)
+               for _ in range(2)]
+
+    def train_step(batch):
+        tokens, targets = batch[:, :-1], batch[:, 1:]
+        logits = model(input_ids=tokens).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                 targets.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss.item()
+
+    for i in range(2):
+        train_step(batches[i % 2])
+    t0 = time.perf_counter()
+    for i in range(args.steps):
+        loss = train_step(batches[i % 2])
+    dt = (time.perf_counter() - t0) / args.steps
+    tokens = args.batch * args.seq
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"hf LlamaForCausalLM ({args.attn}, {args.threads} threads, torch "
+          f"{torch.__version__}): {tokens / dt:,.0f} tokens/s  {dt * 1e3:.1f} ms/step  "
+          f"(batch {args.batch} x {args.seq}, {n_params / 1e6:.2f}M params, "
+          f"last loss {loss:.3f})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""The ladder's training step, as XLA:CPU compiles it, costs what standard's does.
+
+Measured on the compiled program rather than by timing: the size of its fusions. Without
+`sharding.compiler_options("cpu")` (see `sharding.CPU_KEEP_BARRIERS_PASS`) XLA:CPU re-computes
+the ladder backward's running sum of stream cotangents inside every fusion that consumes it,
+so its largest fusion grows with depth (179 instructions at 4 tiny layers, 339 at 8) and the
+program holds ~1.8x standard's fused instructions at 8 layers.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import ladder_jax as lj
+from ladder_jax import sharding, step
+
+
+def fusion_sizes(hlo_text: str) -> list[int]:
+    """Instruction count of the computation each `fusion` instruction of a compiled HLO module
+    calls (one entry per fusion instruction)."""
+    bodies, name, count = {}, None, 0
+    for line in hlo_text.splitlines():
+        if not line.startswith((" ", "}")) and line.rstrip().endswith("{"):
+            name, count = line.split()[0].lstrip("%"), 0
+        elif line.startswith("}") and name is not None:
+            bodies[name], name = count, None
+        elif name is not None and " = " in line:
+            count += 1
+    called = re.findall(r"\bfusion\(.*?calls=%?([\w.\-]+)", hlo_text)
+    return [bodies[c] for c in called]
+
+
+@functools.cache
+def _sizes(residual: str, n_layers: int, tp: int = 1) -> tuple[int, int]:
+    """(largest fusion, total fused instructions) of the loss-and-gradients program, compiled
+    for the CPU the way the package compiles its training step (`sharding.jit`)."""
+    config = lj.ModelConfig.from_preset("tiny", residual=residual, n_layers=n_layers)
+    mesh = lj.make_mesh(tp=tp, data=1, devices=jax.devices()[:tp])
+    graphdef, params = nnx.split(lj.Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)))
+    tokens = jnp.zeros((2, 64), jnp.int32)
+    fn = sharding.jit(lambda p, t: step.loss_and_grads(graphdef, p, t, t), platform="cpu")
+    sizes = fusion_sizes(fn.lower(params, tokens).compile().as_text())
+    return max(sizes), sum(sizes)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_ladder_largest_fusion_does_not_grow_with_depth(tp):
+    largest_4, _ = _sizes("ladder", 4, tp)
+    largest_8, _ = _sizes("ladder", 8, tp)
+    assert largest_8 <= largest_4, (largest_4, largest_8)
+
+
+def test_ladder_program_is_no_bigger_than_standard():
+    _, ladder = _sizes("ladder", 8)
+    _, standard = _sizes("standard", 8)
+    assert ladder <= 1.05 * standard, (ladder, standard)
+
+
+def test_cpu_options_keep_the_barriers():
+    # the pass name is XLA's; if XLA renames it, the option silently does nothing
+    assert sharding.compiler_options("cpu") == {
+        "xla_disable_hlo_passes": sharding.CPU_KEEP_BARRIERS_PASS}
+    config = lj.ModelConfig.from_preset("tiny", residual="ladder", n_layers=2)
+    mesh = lj.make_mesh(tp=1, data=1, devices=jax.devices()[:1])
+    graphdef, params = nnx.split(lj.Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)))
+    fn = sharding.jit(lambda p, t: nnx.merge(graphdef, p)(t), platform="cpu")
+    text = fn.lower(params, jnp.zeros((1, 8), jnp.int32)).compile().as_text()
+    assert "opt-barrier" in text
+
+
+@pytest.mark.parametrize("scheme", [{"residual": "ladder"},
+                                    {"residual": "ladder", "ladder_layers": 2}],
+                         ids=["ladder", "hybrid"])
+def test_cpu_options_leave_loss_and_gradients_bit_identical(scheme):
+    config = lj.ModelConfig.from_preset("tiny", **scheme)
+    mesh = lj.make_mesh(tp=2, data=1, devices=jax.devices()[:2])
+    graphdef, params = nnx.split(lj.Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)))
+    tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, config.vocab_size)
+
+    def fn(p, t):
+        return step.loss_and_grads(graphdef, p, t, jnp.roll(t, -1, axis=1))
+
+    got = jax.tree.leaves(sharding.jit(fn, platform="cpu")(params, tokens))
+    want = jax.tree.leaves(jax.jit(fn)(params, tokens))  # XLA:CPU's defaults
+    for g, w in zip(got, want, strict=True):
+        assert (jax.device_get(g) == jax.device_get(w)).all()
