@@ -526,41 +526,49 @@ def _stop_signals():
 
 
 def benchmark(trainer: Trainer) -> list[dict]:
-    """Tokens/s and MFU of every residual scheme on the trainer's model, mesh and data."""
+    """Tokens/s and MFU of every residual scheme on the trainer's model, mesh and data. The
+    schemes' steps are interleaved (one step of each in turn, `bench_steps` rounds, after one
+    warm-up step that compiles), so that a machine whose load drifts slows them alike and
+    their ratios hold; the median step time is reported."""
     cfg = trainer.cfg
     tokens_per_step = cfg.data.grad_accum * cfg.data.batch_size * cfg.data.seq_len
     peak = peak_flops(cfg, trainer.mesh.devices.flat[0])
     n_dev = trainer.mesh.devices.size
     batches = [trainer.global_batch(next(trainer.data_iter)) for _ in range(2)]
     trainer.log(f"benchmark: {trainer.describe()}; {tokens_per_step} tokens/step, "
-                f"{cfg.bench_steps} timed steps after 1 warm-up")
-    rows = []
+                f"{cfg.bench_steps} interleaved rounds after 1 warm-up step per scheme")
+    runs = {}
     for residual in RESIDUALS:
         mc = dataclasses.replace(trainer.model_config, residual=residual, ladder_layers=None)
-        trainer.params, trainer.opt_state = trainer.init_state(mc)
-        train_step, _ = trainer.compiled_step(trainer.graphdef)
+        state = list(trainer.init_state(mc))
+        runs[residual] = (mc, trainer.compiled_step(trainer.graphdef)[0], state, [])
 
-        def one(i):
-            trainer.params, trainer.opt_state, m = train_step(
-                trainer.params, trainer.opt_state, batches[i % 2])
-            float(np.asarray(m["loss"].addressable_data(0)))  # one step in flight at most
+    def one(residual, i):
+        _, train_step, state, times = runs[residual]
+        t0 = time.perf_counter()
+        state[0], state[1], m = train_step(state[0], state[1], batches[i % 2])
+        float(np.asarray(m["loss"].addressable_data(0)))  # one step in flight at most
+        times.append(time.perf_counter() - t0)
 
-        t0 = time.perf_counter()
-        one(0)
-        compile_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for i in range(cfg.bench_steps):
-            one(i + 1)
-        dt = (time.perf_counter() - t0) / cfg.bench_steps
+    for residual in runs:
+        one(residual, 0)  # compiles
+    for i in range(cfg.bench_steps):
+        for residual in runs:
+            one(residual, i + 1)
+    rows = []
+    for residual, (mc, _, _, times) in runs.items():
+        dt = float(np.median(times[1:]))
         tps = tokens_per_step / dt
         mfu = flops_per_token(mc, cfg.data.seq_len) * tps / (peak * n_dev) if peak else None
         rows.append({"residual": residual, "tokens_per_s": tps, "step_ms": dt * 1e3,
-                     "mfu": mfu, "first_step_s": compile_s})
+                     "mfu": mfu, "first_step_s": times[0]})
         trainer.log(f"  {residual:<12} {tps:>12,.0f} tokens/s  {dt * 1e3:>9.1f} ms/step  "
                     f"MFU {f'{mfu:.1%}' if peak else 'n/a (set peak_tflops)'}"
                     + ("   (not a valid model: speed ceiling)" if residual == "upper_bound"
                        else ""))
-        jax.clear_caches()
+    by = {r["residual"]: r["tokens_per_s"] for r in rows}
+    trainer.log("  vs standard: " + ", ".join(f"{k} {v / by['standard']:.2f}x"
+                                             for k, v in by.items() if k != "standard"))
     if trainer.is_main:
         os.makedirs(trainer.run_path, exist_ok=True)
         with open(os.path.join(trainer.run_path, "benchmark.json"), "w") as f:
