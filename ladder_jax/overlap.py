@@ -63,8 +63,7 @@ def gpu_mesh(target: str, tp: int):
     if target not in hardware.TARGETS:
         raise OverlapError(f"unknown target {target!r}: choose one of "
                            f"{', '.join(hardware.TARGETS)}")
-    if not _has_cuda_plugin():
-        raise OverlapError(PLUGIN_HINT.format(v=jax.__version__))
+    check_plugin()
     try:
         topo = topologies.get_topology_desc(
             platform="cuda", target_config=hardware.gpu_target_config(target),
@@ -76,12 +75,16 @@ def gpu_mesh(target: str, tp: int):
     return Mesh(devices, ("data", "tp"), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
-def _has_cuda_plugin() -> bool:
-    # find_spec of a dotted name imports its parent, and raises when `jax_plugins` is missing
-    try:
-        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+def check_plugin() -> None:
+    """Raises OverlapError with the install line when the CUDA PJRT plugin is missing."""
+    import jax
+
+    try:  # find_spec of a dotted name imports its parent: it raises when that is missing
+        found = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
     except ModuleNotFoundError:
-        return False
+        found = False
+    if not found:
+        raise OverlapError(PLUGIN_HINT.format(v=jax.__version__))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,11 +29,12 @@ How. On a CPU, with no GPU:
    way the paper's benchmark counts it (the prefill emits the first token).
 
 Few layers, extended. A 70B-wide program takes seconds to compile, mostly a fixed cost, so by
-default `--layers-compiled 3` layers are compiled and the per-layer period is read off the
-simulated timeline: the time (and exposed communication) between the first kernels of layers 1
-and 2, which are past the first layer's special case. The full depth adds that period once per
-missing layer. Tests check the extension against full-depth compiles (within 1%). Hybrid
-ladders (`--ladder-layers`) are compiled at full depth: their layers differ.
+default (`--layers-compiled 4`) the model is compiled with 3 and with 4 layers, and the
+predicted times are extended linearly to the full depth: the difference of the two is one more
+layer in the middle of the stack, past the first layer's and before the last layer's special
+cases (the first layers fuse a little differently, so shallower pairs are off by up to a few
+percent). Tests check the extension against full-depth compiles (within 1%). Hybrid ladders
+(`--ladder-layers`) are compiled at full depth: their layers differ.
 
 The calibration (chip rates in `hardware.CHIPS`; `hardware.LINKS`, `hardware.EFFICIENCY`) is
 public figures with their sources, never fitted to a measured model throughput. Flags override
@@ -293,7 +294,6 @@ class Timeline:
     seconds: float  # until both streams are idle
     compute_s: float  # busy time of the compute stream
     comm_s: float  # busy time of the collective stream
-    marks: dict  # layer -> (compute-stream clock, compute busy so far) at its first kernel
 
     @property
     def exposed_comm_s(self) -> float:
@@ -308,11 +308,9 @@ def simulate(steps) -> Timeline:
     done: the compute stream waits until that collective has finished. sync: a blocking
     collective (waits for the collective stream, then holds both)."""
     now = free = busy = comm = 0.0
-    ends, marks = {}, {}
-    for kind, name, seconds, layer in steps:
+    ends = {}
+    for kind, name, seconds, _ in steps:
         if kind == "compute":
-            if layer is not None and layer not in marks:
-                marks[layer] = (now, busy)
             now += seconds
             busy += seconds
         elif kind == "start":
@@ -326,17 +324,16 @@ def simulate(steps) -> Timeline:
             comm += seconds
         else:
             raise ValueError(f"unknown step kind {kind!r}")
-    return Timeline(max(now, free), busy, comm, marks)
+    return Timeline(max(now, free), busy, comm)
 
 
-def extended(t: Timeline, compiled_layers: int, n_layers: int) -> tuple[float, float]:
-    """(seconds, compute seconds) of the full depth from a timeline of `compiled_layers`: the
-    period between the first kernels of the last two compiled layers, once per missing layer."""
-    if n_layers == compiled_layers:
-        return t.seconds, t.compute_s
-    (t0, b0), (t1, b1) = t.marks[compiled_layers - 2], t.marks[compiled_layers - 1]
-    extra = n_layers - compiled_layers
-    return t.seconds + extra * (t1 - t0), t.compute_s + extra * (b1 - b0)
+def extended(shallow: Timeline, deep: Timeline, n_layers: int, deep_layers: int
+             ) -> tuple[float, float]:
+    """(seconds, compute seconds) at `n_layers`, from timelines of `deep_layers - 1` and
+    `deep_layers` layers: each missing layer adds their difference."""
+    extra = n_layers - deep_layers
+    return (deep.seconds + extra * (deep.seconds - shallow.seconds),
+            deep.compute_s + extra * (deep.compute_s - shallow.compute_s))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,29 +349,33 @@ def program_kernels(config, *, phase: str, tp: int, batch: int, prompt_len: int,
     return tuple(read_kernels(hlo))
 
 
-def compiled_depth(config, layers_compiled: int) -> int:
-    """How many layers to compile: all of them for hybrids or when asked (0)."""
-    if not layers_compiled or config.ladder_layers is not None:
-        return config.n_layers
-    if layers_compiled < 3:
-        raise PredictError(f"--layers-compiled {layers_compiled}: use 0 (full depth) or >= 3 "
-                           f"(layers 1 and 2 give the per-layer period)")
-    return min(layers_compiled, config.n_layers)
+def check_layers_compiled(layers_compiled: int) -> None:
+    if layers_compiled != 0 and layers_compiled < 2:
+        raise PredictError(f"--layers-compiled {layers_compiled}: use 0 (full depth) or >= 2 "
+                           f"(that many layers and one fewer are compiled; 4 is accurate)")
 
 
 def program_time(config, *, phase: str, tp: int, batch: int, prompt_len: int, new_tokens: int,
                  target: str = "h100", link: hardware.Link, efficiency: hardware.Efficiency,
-                 layers_compiled: int = 3, algorithm: str = "ring") -> dict:
+                 layers_compiled: int = 4, algorithm: str = "ring") -> dict:
     """Predicted seconds, compute seconds and exposed communication of one program."""
-    depth = compiled_depth(config, layers_compiled)
-    kernels = program_kernels(dataclasses.replace(config, n_layers=depth), phase=phase, tp=tp,
-                              batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
-                              target=target)
-    t = simulate(costed(kernels, chip=hardware.CHIPS[target], link=link, efficiency=efficiency,
-                        ranks=tp, algorithm=algorithm))
-    seconds, compute = extended(t, depth, config.n_layers)
+    check_layers_compiled(layers_compiled)
+    full = (not layers_compiled or config.ladder_layers is not None
+            or config.n_layers <= layers_compiled)
+    depths = [config.n_layers] if full else [layers_compiled - 1, layers_compiled]
+    timelines, kernels = [], ()
+    for depth in depths:
+        kernels = program_kernels(dataclasses.replace(config, n_layers=depth), phase=phase,
+                                  tp=tp, batch=batch, prompt_len=prompt_len,
+                                  new_tokens=new_tokens, target=target)
+        timelines.append(simulate(costed(kernels, chip=hardware.CHIPS[target], link=link,
+                                         efficiency=efficiency, ranks=tp, algorithm=algorithm)))
+    if full:
+        seconds, compute = timelines[0].seconds, timelines[0].compute_s
+    else:
+        seconds, compute = extended(*timelines, config.n_layers, layers_compiled)
     return {"seconds": seconds, "compute_s": compute, "exposed_comm_s": seconds - compute,
-            "kernels": sum(k.kind == "compute" for k in kernels), "layers_compiled": depth}
+            "kernels": sum(k.kind == "compute" for k in kernels), "layers_compiled": depths}
 
 
 def check(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int, link: str,
@@ -400,7 +401,7 @@ def check(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int, link
 def predict(config, *, tp=(8,), batch=(1,), prompt_len: int = 1024, new_tokens: int = 512,
             links=("nvlink",), target: str = "h100", residuals=RESIDUALS,
             efficiency: hardware.Efficiency | None = None, link_overrides: dict | None = None,
-            layers_compiled: int = 3, algorithm: str = "ring", progress=None) -> list[dict]:
+            layers_compiled: int = 4, algorithm: str = "ring", progress=None) -> list[dict]:
     """One row per (tp, batch, residual, link): predicted prefill and decode-step seconds,
     tokens/s (all users and per user) and exposed communication. `config` is a ModelConfig
     (its `residual` is replaced by each of `residuals`; `ladder_layers` kept for ladder);
@@ -409,12 +410,14 @@ def predict(config, *, tp=(8,), batch=(1,), prompt_len: int = 1024, new_tokens: 
     links, residuals = _as_tuple(links), _as_tuple(residuals)
     if algorithm not in ("ring", "tree"):
         raise PredictError(f"unknown algorithm {algorithm!r}: choose ring or tree")
+    check_layers_compiled(layers_compiled)
     for t in tps:
         for b in batches:
             for name in links:
                 for r in residuals:
                     check(config, tp=t, batch=b, prompt_len=prompt_len, new_tokens=new_tokens,
                           link=name, target=target, residual=r)
+    overlap.check_plugin()
     efficiency = efficiency or hardware.EFFICIENCY
     chosen = {n: dataclasses.replace(hardware.LINKS[n], **(link_overrides or {})) for n in links}
     base = dataclasses.replace(config, max_seq_len=max(config.max_seq_len,
@@ -454,6 +457,7 @@ def _row(cfg, tp, batch, prompt_len, new_tokens, link, target, pre, step) -> dic
         "decode_step_exposed_comm_s": step["exposed_comm_s"],
         "decode_step_compute_s": step["compute_s"],
         "decode_step_kernels": step["kernels"], "layers_compiled": step["layers_compiled"],
+        "n_layers": cfg.n_layers,
     }
 
 
@@ -501,8 +505,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ladder_jax.predict", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="llama-3-70b", help="model preset (default llama-3-70b)")
-    p.add_argument("--residual", default="all",
-                   help=f"one of {', '.join(RESIDUALS)}, or all (default)")
+    p.add_argument("--residual", nargs="+", default=["all"],
+                   help=f"schemes: {', '.join(RESIDUALS)}, or all (default)")
     p.add_argument("--ladder-layers", default=None,
                    help="ladder only: N (upper N layers) or a comma list (compiled at full depth)")
     p.add_argument("--tp", type=int, nargs="+", default=[8], help="tensor-parallel sizes")
@@ -513,8 +517,9 @@ def main(argv=None) -> int:
                    help=f"interconnects: {', '.join(hardware.LINKS)} (see hardware.LINKS)")
     p.add_argument("--target", default="h100", help=f"GPU: {', '.join(hardware.TARGETS)}")
     p.add_argument("--algorithm", default="ring", help="all-reduce algorithm: ring or tree")
-    p.add_argument("--layers-compiled", type=int, default=3,
-                   help="layers to compile before extending to full depth (0: all)")
+    p.add_argument("--layers-compiled", type=int, default=4,
+                   help="compile this many layers and one fewer, extend to full depth "
+                        "(0: compile all)")
     p.add_argument("--gemm-efficiency", type=float, default=None,
                    help=f"fraction of dense bf16 peak (default {hardware.EFFICIENCY.gemm})")
     p.add_argument("--memory-efficiency", type=float, default=None,
@@ -543,7 +548,7 @@ def main(argv=None) -> int:
         if ll is not None:
             ll = int(ll) if ll.strip().isdigit() else tuple(int(x) for x in ll.split(",") if x)
             config = dataclasses.replace(config, residual="ladder", ladder_layers=ll)
-        residuals = RESIDUALS if args.residual == "all" else (args.residual,)
+        residuals = RESIDUALS if args.residual == ["all"] else tuple(args.residual)
         eff = hardware.EFFICIENCY
         eff = dataclasses.replace(eff, **{k: v for k, v in (
             ("gemm", args.gemm_efficiency), ("memory", args.memory_efficiency),
