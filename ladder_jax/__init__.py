@@ -21,7 +21,7 @@ from ladder_jax.model import (
 )
 from ladder_jax.sharding import ShardingError, compiler_options, make_mesh
 from ladder_jax.hf import load_hf, save_hf
-from ladder_jax.api import Run, fit, generate, load, overlap_table
+from ladder_jax.api import Run, fit, generate, load, overlap_table, predict
 
 __all__ = [
     "Run",
@@ -29,6 +29,7 @@ __all__ = [
     "generate",
     "load",
     "overlap_table",
+    "predict",
     "PRESETS",
     "RESIDUALS",
     "ConfigError",

@@ -5,11 +5,14 @@ prediction computed from a schedule, so the tests are deterministic."""
 import dataclasses
 import functools
 import json
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
 import ladder_jax as lj
-from ladder_jax import hardware, overlap, predict
+from ladder_jax import hardware, overlap, perfmodel
 
 # tiny, and a mid-size model whose weights dominate its decode step
 TINY = lj.ModelConfig.from_preset("tiny")
@@ -24,24 +27,24 @@ SHAPE = dict(prompt_len=128, new_tokens=64)
 
 
 def test_overlapped_collective_is_hidden():
-    t = predict.simulate([("compute", "a", 1.0, 0), ("start", "x", 2.0, 0),
+    t = perfmodel.simulate([("compute", "a", 1.0, 0), ("start", "x", 2.0, 0),
                           ("compute", "b", 3.0, 1), ("done", "x", 0.0, None)])
     assert (t.seconds, t.compute_s, t.comm_s, t.exposed_comm_s) == (4.0, 4.0, 2.0, 0.0)
 
 
 def test_collective_waited_on_at_once_is_exposed():
-    t = predict.simulate([("compute", "a", 1.0, 0), ("start", "x", 2.0, 0),
+    t = perfmodel.simulate([("compute", "a", 1.0, 0), ("start", "x", 2.0, 0),
                           ("done", "x", 0.0, None), ("compute", "b", 3.0, 1)])
     assert (t.seconds, t.exposed_comm_s) == (6.0, 2.0)
 
 
 def test_partly_hidden_and_queued_collectives():
     # x (3 s) overlaps b (1 s): 2 s exposed; y queues behind x on the collective stream
-    t = predict.simulate([("start", "x", 3.0, None), ("start", "y", 1.0, None),
+    t = perfmodel.simulate([("start", "x", 3.0, None), ("start", "y", 1.0, None),
                           ("compute", "b", 1.0, 0), ("done", "x", 0.0, None),
                           ("compute", "c", 0.5, 1), ("done", "y", 0.0, None)])
     assert t.seconds == 4.0 and t.compute_s == 1.5 and t.exposed_comm_s == 2.5
-    t = predict.simulate([("compute", "a", 1.0, 0), ("sync", "s", 2.0, None),
+    t = perfmodel.simulate([("compute", "a", 1.0, 0), ("sync", "s", 2.0, None),
                           ("compute", "b", 3.0, 1)])
     assert (t.seconds, t.exposed_comm_s) == (6.0, 2.0)
 
@@ -54,8 +57,8 @@ def test_extension_adds_one_middle_layer_per_missing_layer():
                       ("done", f"x{i}", 0.0, i)]
         return steps + [("compute", "head", 0.25, None)]
 
-    full = predict.simulate(layers(7))
-    seconds, compute = predict.extended(predict.simulate(layers(3)), predict.simulate(layers(4)),
+    full = perfmodel.simulate(layers(7))
+    seconds, compute = perfmodel.extended(perfmodel.simulate(layers(3)), perfmodel.simulate(layers(4)),
                                         7, 4)
     assert (seconds, compute) == (full.seconds, full.compute_s) == (2 + 6 * 2.5 + 0.25, 8.25)
 
@@ -63,12 +66,12 @@ def test_extension_adds_one_middle_layer_per_missing_layer():
 def test_link_model_is_ring_latency_plus_bus_bandwidth():
     link = hardware.Link("l", "", base_latency_s=5e-6, hop_latency_s=1e-6,
                          bus_bytes_per_s=100e9, sources="")
-    assert predict.collective_seconds("all-reduce", 4e6, 8, link) == pytest.approx(
+    assert perfmodel.collective_seconds("all-reduce", 4e6, 8, link) == pytest.approx(
         5e-6 + 14e-6 + 4e6 * (14 / 8) / 100e9)
-    assert predict.collective_seconds("all-reduce", 0, 8, link, "tree") == pytest.approx(11e-6)
-    assert predict.collective_seconds("all-gather", 8e6, 4, link) == pytest.approx(
+    assert perfmodel.collective_seconds("all-reduce", 0, 8, link, "tree") == pytest.approx(11e-6)
+    assert perfmodel.collective_seconds("all-gather", 8e6, 4, link) == pytest.approx(
         5e-6 + 3e-6 + 8e6 * 0.75 / 100e9)
-    assert predict.collective_seconds("all-reduce", 4e6, 1, link) == 0.0
+    assert perfmodel.collective_seconds("all-reduce", 4e6, 1, link) == 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,7 +119,7 @@ ENTRY %main (a: bf16[4,1024], b: bf16[4,1], e: bf16[1000,64], i: s32[], x: bf16[
 
 
 def test_read_kernels_counts_slices_updates_and_matmuls():
-    ks = predict.read_kernels(HLO)
+    ks = perfmodel.read_kernels(HLO)
     assert [(k.kind, k.name) for k in ks] == [
         ("compute", "f1"), ("compute", "f2"), ("compute", "g"), ("start", "ars"),
         ("compute", "f3"), ("done", "ars"), ("sync", "ags")]
@@ -134,8 +137,8 @@ def test_read_kernels_counts_slices_updates_and_matmuls():
 
 
 @functools.lru_cache(maxsize=None)
-def _rows(config, tp, batch, residuals=predict.RESIDUALS, links=("nvlink", "pcie"), **kw):
-    return predict.predict(config, tp=tp, batch=batch, links=links, residuals=residuals,
+def _rows(config, tp, batch, residuals=perfmodel.RESIDUALS, links=("nvlink", "pcie"), **kw):
+    return perfmodel.predict(config, tp=tp, batch=batch, links=links, residuals=residuals,
                            **SHAPE, **kw)
 
 
@@ -168,7 +171,7 @@ def test_upper_bound_le_ladder_le_standard_and_slower_link_slower():
 
 def test_more_tp_means_less_compute_per_device():
     eff = dataclasses.replace(hardware.EFFICIENCY, kernel_overhead_s=0.0)
-    compute = [predict.program_time(MID, phase="decode", tp=tp, batch=4, **SHAPE,
+    compute = [perfmodel.program_time(MID, phase="decode", tp=tp, batch=4, **SHAPE,
                                     link=hardware.LINKS["nvlink"], efficiency=eff)["compute_s"]
                for tp in (2, 4, 8)]
     assert compute[0] > compute[1] > compute[2] > 0, compute
@@ -185,8 +188,8 @@ def test_few_layers_extended_match_a_full_depth_compile(config, residual):
         kw = dict(tp=8, batch=2, **SHAPE, link=hardware.LINKS[link],
                   efficiency=hardware.EFFICIENCY)
         for phase in ("prefill", "decode"):
-            few = predict.program_time(cfg, phase=phase, layers_compiled=4, **kw)
-            full = predict.program_time(cfg, phase=phase, layers_compiled=0, **kw)
+            few = perfmodel.program_time(cfg, phase=phase, layers_compiled=4, **kw)
+            full = perfmodel.program_time(cfg, phase=phase, layers_compiled=0, **kw)
             assert (few["layers_compiled"], full["layers_compiled"]) == ([3, 4], [8])
             assert few["seconds"] == pytest.approx(full["seconds"], rel=0.01), (phase, link)
             # compute alone may differ by a kernel XLA fused differently at one depth
@@ -202,7 +205,7 @@ def test_cli_json_rows(capsys):
     argv = ["--preset", "tiny", "--tp", "2", "--batch", "1", "--prompt-len", "128",
             "--new-tokens", "64", "--link", "nvlink", "pcie", "--residual", "standard",
             "ladder", "--json"]
-    assert predict.main(argv) == 0
+    assert perfmodel.main(argv) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(rows) == 4 and {r["residual"] for r in rows} == {"standard", "ladder"}
     keys = {"residual", "tp", "batch", "prompt_len", "new_tokens", "link", "target",
@@ -210,9 +213,21 @@ def test_cli_json_rows(capsys):
             "exposed_comm_s", "vs_standard"}
     assert all(keys <= set(r) for r in rows)
     assert all(r["tp"] == 2 and r["batch"] == 1 and r["tokens_per_s"] > 0 for r in rows)
-    assert predict.main(argv[:-1]) == 0
+    assert perfmodel.main(argv[:-1]) == 0
     out = capsys.readouterr().out
     assert "ladder/standard" in out and "tokens/s" in out
+
+
+def test_cli_train_step(capsys):
+    config = pathlib.Path(__file__).parent.parent / "configs" / "tiny.yaml"
+    argv = ["--phase", "train", "--config", str(config), "--tp", "2", "--link", "pcie",
+            "--residual", "standard", "ladder", "--json"]
+    assert perfmodel.main(argv) == 0
+    rows = {r["residual"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    std, lad = rows["standard"], rows["ladder"]
+    assert std["batch"] == 16 and std["seq_len"] == 128 and std["tp"] == 2
+    assert std["tokens_per_s"] == pytest.approx(16 * 128 / std["step_s"])
+    assert lad["step_s"] < std["step_s"] and lad["exposed_comm_s"] < std["exposed_comm_s"]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -224,22 +239,41 @@ def test_cli_json_rows(capsys):
     (["--preset", "tiny", "--batch", "0"], "batch=0 must be a positive integer"),
     (["--preset", "tiny", "--layers-compiled", "1"], "--layers-compiled 1: use 0"),
     (["--preset", "tiny", "--gemm-efficiency", "1.5"], "gemm efficiency 1.5 must be in"),
+    (["--phase", "train"], "--phase train needs --config"),
+    (["--phase", "train", "--config", "nope.yaml"], "config file 'nope.yaml' not found"),
+    (["--phase", "serve"], "unknown phase 'serve'"),
 ])
 def test_cli_bad_arguments_one_line_exit_2(capsys, args, message):
-    assert predict.main(args) == 2
+    assert perfmodel.main(args) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and "Traceback" not in captured.err, err
 
 
-@pytest.mark.parametrize("main", [predict.main, overlap.main], ids=["predict", "overlap"])
+@pytest.mark.parametrize("main", [perfmodel.main, overlap.main], ids=["predict", "overlap"])
 def test_missing_cuda_plugin_is_one_line_with_the_install_hint(capsys, monkeypatch, main):
     def find_spec(name):  # what importlib does when the parent package is absent
         raise ModuleNotFoundError(f"No module named '{name.split('.')[0]}'")
 
     monkeypatch.setattr(overlap.importlib.util, "find_spec", find_spec)
-    predict.program_kernels.cache_clear()
+    perfmodel.program_kernels.cache_clear()
     assert main(["--preset", "tiny", "--tp", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and 'pip install "jax-cuda12-plugin==' in err[0], err
+
+
+def test_python_m_ladder_jax_predict_and_lj_predict():
+    """The module CLI (a fresh process: no runpy warning, one line) and the notebook call."""
+    proc = subprocess.run([sys.executable, "-m", "ladder_jax.predict", "--preset", "llama-9"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    ours = [line for line in proc.stderr.splitlines() if "ladder_jax" in line or "error" in line]
+    assert ours == [next(line for line in ours if line.startswith("error: unknown preset"))]
+    assert "Traceback" not in proc.stderr and "RuntimeWarning" not in proc.stderr
+    assert callable(lj.predict)
+    rows = lj.predict("tiny", tp=2, batch=1, links="pcie", residuals=["standard", "ladder"],
+                      **SHAPE)  # compiled above
+    assert [(r["preset"], r["residual"], r["link"]) for r in rows] == [
+        ("tiny", "standard", "pcie"), ("tiny", "ladder", "pcie")]
+    assert rows[1]["vs_standard"] > 1
