@@ -60,10 +60,12 @@ over every cache slot.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import functools
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -363,14 +365,38 @@ def check_layers_compiled(layers_compiled: int) -> None:
                            f"(that many layers and one fewer are compiled; 4 is accurate)")
 
 
+def compiled_depths(config, layers_compiled: int) -> list[int]:
+    """The depths compiled for `config`: all layers, or `layers_compiled` and one fewer."""
+    check_layers_compiled(layers_compiled)
+    if (not layers_compiled or config.ladder_layers is not None
+            or config.n_layers <= layers_compiled):
+        return [config.n_layers]
+    return [layers_compiled - 1, layers_compiled]
+
+
+def compile_all(tasks: list[dict], jobs: int | None = None, progress=None) -> None:
+    """Compiles the `program_kernels(**task)` of every task, `jobs` at a time (default: one
+    per CPU; XLA compiles outside Python's lock), so that later calls hit the cache."""
+    todo = list({tuple(sorted(t.items())): t for t in tasks}.values())
+    jobs = max(1, jobs or os.cpu_count() or 1)
+    if progress:
+        progress(f"{len(todo)} programs, {min(jobs, len(todo))} at a time")
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        for f in [pool.submit(lambda t: program_kernels(**t), t) for t in todo]:
+            f.result()
+
+
+def _tasks(config, phases, depths, **shape) -> list[dict]:
+    return [dict(config=dataclasses.replace(config, n_layers=d), phase=p, **shape)
+            for p in phases for d in depths]
+
+
 def program_time(config, *, phase: str, tp: int, batch: int, prompt_len: int, new_tokens: int,
                  target: str = "h100", link: hardware.Link, efficiency: hardware.Efficiency,
                  layers_compiled: int = 4, algorithm: str = "ring") -> dict:
     """Predicted seconds, compute seconds and exposed communication of one program."""
-    check_layers_compiled(layers_compiled)
-    full = (not layers_compiled or config.ladder_layers is not None
-            or config.n_layers <= layers_compiled)
-    depths = [config.n_layers] if full else [layers_compiled - 1, layers_compiled]
+    depths = compiled_depths(config, layers_compiled)
+    full = depths == [config.n_layers]
     timelines, kernels = [], ()
     for depth in depths:
         kernels = program_kernels(dataclasses.replace(config, n_layers=depth), phase=phase,
@@ -410,7 +436,8 @@ def check(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int, link
 def predict(config, *, tp=(8,), batch=(1,), prompt_len: int = 1024, new_tokens: int = 512,
             links=("nvlink",), target: str = "h100", residuals=RESIDUALS,
             efficiency: hardware.Efficiency | None = None, link_overrides: dict | None = None,
-            layers_compiled: int = 4, algorithm: str = "ring", progress=None) -> list[dict]:
+            layers_compiled: int = 4, algorithm: str = "ring", jobs: int | None = None,
+            progress=None) -> list[dict]:
     """One row per (tp, batch, residual, link): predicted prefill and decode-step seconds,
     tokens/s (all users and per user) and exposed communication. `config` is a ModelConfig
     (its `residual` is replaced by each of `residuals`; `ladder_layers` kept for ladder);
@@ -431,21 +458,21 @@ def predict(config, *, tp=(8,), batch=(1,), prompt_len: int = 1024, new_tokens: 
     chosen = {n: dataclasses.replace(hardware.LINKS[n], **(link_overrides or {})) for n in links}
     base = dataclasses.replace(config, max_seq_len=max(config.max_seq_len,
                                                        prompt_len + new_tokens))
+    cases = [(t, b, dataclasses.replace(base, residual=r, ladder_layers=(
+        base.ladder_layers if r == "ladder" else None))) for t in tps for b in batches
+        for r in residuals]
+    compile_all([task for t, b, cfg in cases for task in _tasks(
+        cfg, ("prefill", "decode"), compiled_depths(cfg, layers_compiled), tp=t, batch=b,
+        prompt_len=prompt_len, new_tokens=new_tokens, target=target)], jobs, progress)
     rows = []
-    for t in tps:
-        for b in batches:
-            for r in residuals:
-                cfg = dataclasses.replace(base, residual=r, ladder_layers=(
-                    base.ladder_layers if r == "ladder" else None))
-                if progress:
-                    progress(f"tp={t} batch={b} {r}")
-                for name, link in chosen.items():
-                    kw = dict(tp=t, batch=b, prompt_len=prompt_len, new_tokens=new_tokens,
-                              target=target, link=link, efficiency=efficiency,
-                              layers_compiled=layers_compiled, algorithm=algorithm)
-                    pre = program_time(cfg, phase="prefill", **kw)
-                    step = program_time(cfg, phase="decode", **kw)
-                    rows.append(_row(cfg, t, b, prompt_len, new_tokens, name, target, pre, step))
+    for t, b, cfg in cases:
+        for name, link in chosen.items():
+            kw = dict(tp=t, batch=b, prompt_len=prompt_len, new_tokens=new_tokens,
+                      target=target, link=link, efficiency=efficiency,
+                      layers_compiled=layers_compiled, algorithm=algorithm)
+            pre = program_time(cfg, phase="prefill", **kw)
+            step = program_time(cfg, phase="decode", **kw)
+            rows.append(_row(cfg, t, b, prompt_len, new_tokens, name, target, pre, step))
     return rows
 
 
@@ -453,7 +480,8 @@ def predict_train(config, *, tp=(8,), batch: int, seq_len: int, grad_accum: int 
                   links=("nvlink",), target: str = "h100", residuals=RESIDUALS,
                   efficiency: hardware.Efficiency | None = None,
                   link_overrides: dict | None = None, layers_compiled: int = 4,
-                  algorithm: str = "ring", progress=None) -> list[dict]:
+                  algorithm: str = "ring", jobs: int | None = None,
+                  progress=None) -> list[dict]:
     """One row per (tp, residual, link) for a training step of `batch` sequences of
     `seq_len` tokens, `grad_accum` times (see the module doc)."""
     tps, links, residuals = _as_tuple(tp), _as_tuple(links), _as_tuple(residuals)
@@ -466,27 +494,28 @@ def predict_train(config, *, tp=(8,), batch: int, seq_len: int, grad_accum: int 
     overlap.check_plugin()
     efficiency = efficiency or hardware.EFFICIENCY
     chosen = {n: dataclasses.replace(hardware.LINKS[n], **(link_overrides or {})) for n in links}
+    cases = [(t, dataclasses.replace(config, residual=r, ladder_layers=(
+        config.ladder_layers if r == "ladder" else None))) for t in tps for r in residuals]
+    compile_all([task for t, cfg in cases for task in _tasks(
+        cfg, ("train",), compiled_depths(cfg, layers_compiled), tp=t, batch=batch,
+        prompt_len=seq_len, new_tokens=1, target=target)], jobs, progress)
     rows = []
-    for t in tps:
-        for r in residuals:
-            cfg = dataclasses.replace(config, residual=r, ladder_layers=(
-                config.ladder_layers if r == "ladder" else None))
-            if progress:
-                progress(f"train tp={t} batch={batch} {r}")
-            for name, link in chosen.items():
-                step = program_time(cfg, phase="train", tp=t, batch=batch, prompt_len=seq_len,
-                                    new_tokens=1, target=target, link=link,
-                                    efficiency=efficiency, layers_compiled=layers_compiled,
-                                    algorithm=algorithm)
-                step_s = grad_accum * step["seconds"]
-                rows.append({
-                    "phase": "train", "residual": r, "ladder_layers": cfg.ladder_layers,
-                    "tp": t, "batch": batch, "seq_len": seq_len, "grad_accum": grad_accum,
-                    "link": name, "target": target, "step_s": step_s,
-                    "tokens_per_s": grad_accum * batch * seq_len / step_s,
-                    "exposed_comm_s": grad_accum * step["exposed_comm_s"],
-                    "compute_s": grad_accum * step["compute_s"],
-                    "layers_compiled": step["layers_compiled"], "n_layers": cfg.n_layers})
+    for t, cfg in cases:
+        r = cfg.residual
+        for name, link in chosen.items():
+            step = program_time(cfg, phase="train", tp=t, batch=batch, prompt_len=seq_len,
+                                new_tokens=1, target=target, link=link,
+                                efficiency=efficiency, layers_compiled=layers_compiled,
+                                algorithm=algorithm)
+            step_s = grad_accum * step["seconds"]
+            rows.append({
+                "phase": "train", "residual": r, "ladder_layers": cfg.ladder_layers,
+                "tp": t, "batch": batch, "seq_len": seq_len, "grad_accum": grad_accum,
+                "link": name, "target": target, "step_s": step_s,
+                "tokens_per_s": grad_accum * batch * seq_len / step_s,
+                "exposed_comm_s": grad_accum * step["exposed_comm_s"],
+                "compute_s": grad_accum * step["compute_s"],
+                "layers_compiled": step["layers_compiled"], "n_layers": cfg.n_layers})
     return rows
 
 
@@ -600,6 +629,8 @@ def main(argv=None) -> int:
                    help="override the links' latency per ring step")
     p.add_argument("--link-busbw-gbs", type=float, default=None,
                    help="override the links' bus bandwidth (nccl-tests busbw, GB/s)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="programs compiled at a time (default: one per CPU)")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     args = p.parse_args(argv)
 
@@ -631,7 +662,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         common = dict(links=args.link, target=args.target, residuals=residuals, efficiency=eff,
                       link_overrides=overrides, layers_compiled=args.layers_compiled,
-                      algorithm=args.algorithm, progress=lambda s: print(
+                      algorithm=args.algorithm, jobs=args.jobs, progress=lambda s: print(
                           f"compiling {name} {s}", file=sys.stderr, flush=True))
         if args.phase == "train":
             config, train_kw = _train_setup(args)
