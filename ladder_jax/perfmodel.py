@@ -42,7 +42,8 @@ predicted times are extended linearly to the full depth: the difference of the t
 layer in the middle of the stack, past the first layer's and before the last layer's special
 cases (the first layers fuse a little differently, so shallower pairs are off by up to a few
 percent). Tests check the extension against full-depth compiles (within 1%). Hybrid ladders
-(`--ladder-layers`) are compiled at full depth: their layers differ.
+(`--ladder-layers`) are compiled at full depth: their layers differ. Programs are compiled
+once per process (links and knobs re-cost the same schedule), `--jobs` at a time.
 
 The calibration (chip rates in `hardware.CHIPS`; `hardware.LINKS`, `hardware.EFFICIENCY`) is
 public figures with their sources, never fitted to a measured model throughput. Flags override
