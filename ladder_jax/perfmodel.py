@@ -66,7 +66,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 import re
 import sys
 import time
@@ -376,10 +375,11 @@ def compiled_depths(config, layers_compiled: int) -> list[int]:
 
 
 def compile_all(tasks: list[dict], jobs: int | None = None, progress=None) -> None:
-    """Compiles the `program_kernels(**task)` of every task, `jobs` at a time (default: one
-    per CPU; XLA compiles outside Python's lock), so that later calls hit the cache."""
+    """Compiles the `program_kernels(**task)` of every task, `jobs` threads at a time
+    (default 1: tracing and lowering hold Python's lock, so threads pay off only on idle
+    cores), so that later calls hit the cache."""
     todo = list({tuple(sorted(t.items())): t for t in tasks}.values())
-    jobs = max(1, jobs or os.cpu_count() or 1)
+    jobs = max(1, jobs or 1)
     if progress:
         progress(f"{len(todo)} programs, {min(jobs, len(todo))} at a time")
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
@@ -631,7 +631,7 @@ def main(argv=None) -> int:
     p.add_argument("--link-busbw-gbs", type=float, default=None,
                    help="override the links' bus bandwidth (nccl-tests busbw, GB/s)")
     p.add_argument("--jobs", type=int, default=None,
-                   help="programs compiled at a time (default: one per CPU)")
+                   help="programs compiled at a time, in threads (default 1)")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     args = p.parse_args(argv)
 
