@@ -18,7 +18,7 @@ from ladder_jax.config import PRESETS, RESIDUALS, ConfigError, ModelConfig, Rope
 from ladder_jax.model import Transformer, param_specs, with_config
 from ladder_jax.sharding import ShardingError, compiler_options, make_mesh
 from ladder_jax.hf import load_hf, save_hf
-from ladder_jax.api import Run, fit, generate, load, overlap_table
+from ladder_jax.api import Run, fit, generate, load, overlap_table, predict
 
 __all__ = [
     "Run",
@@ -26,6 +26,7 @@ __all__ = [
     "generate",
     "load",
     "overlap_table",
+    "predict",
     "PRESETS",
     "RESIDUALS",
     "ConfigError",

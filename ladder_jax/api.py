@@ -7,6 +7,7 @@ call goes through the same code as the command-line tools.
     model, tokenizer = run.load()                  # or lj.load("runs/tiny") / an HF directory
     lj.generate(model, ["LOVE, n."], tokenizer=tokenizer, max_new_tokens=80)
     lj.overlap_table("llama-3-8b", tp=8)           # the compiled GPU schedule, as a table
+    lj.predict("llama-3-70b", tp=[2, 4, 8])        # predicted tokens/s per scheme (no GPU)
 
 Keyword overrides use `__` for the dots of the command line: `model__residual="ladder"` is
 `model.residual=ladder`.
@@ -129,3 +130,23 @@ def overlap_table(preset: str = "llama-3-8b", *, tp: int = 8, phase: str = "deco
     return OverlapTable([overlap.report(ModelConfig.from_preset(preset, residual=r), phase=phase,
                                         tp=tp, batch=batch, seq=seq, target=target)
                          for r in residuals])
+
+
+def predict(preset: str = "llama-3-70b", *, tp=(2, 4, 8), batch=1, prompt_len: int = 1024,
+            new_tokens: int = 512, links=("nvlink", "pcie"), target: str = "h100",
+            residuals=("standard", "parallel", "ladder", "upper_bound"), **kwargs) -> list[dict]:
+    """`python -m ladder_jax.predict` as rows: one dict per (tp, batch, scheme, link) with the
+    predicted prefill_s, decode_step_s, tokens_per_s, tokens_per_s_per_user, exposed_comm_s
+    and vs_standard (tokens/s over standard's). `tp`, `batch`, `links` take one value or a
+    list; `kwargs` go to `ladder_jax.perfmodel.predict` (efficiency, link_overrides, ...)."""
+    import jax
+
+    from ladder_jax import perfmodel
+    from ladder_jax.model import ModelConfig
+
+    if not jax.config.jax_platforms:  # compile for the GPU target; nothing runs on a GPU
+        jax.config.update("jax_platforms", "cpu")
+    rows = perfmodel.predict(ModelConfig.from_preset(preset), tp=tp, batch=batch,
+                             prompt_len=prompt_len, new_tokens=new_tokens, links=links,
+                             target=target, residuals=residuals, **kwargs)
+    return [{"preset": preset, **r} for r in perfmodel.with_ratios(rows)]

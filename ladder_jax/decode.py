@@ -180,6 +180,12 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def cache_length(config: ModelConfig, longest_prompt: int, new_tokens: int) -> int:
+    """Cache slots for a batch: room for the longest prompt and the new tokens, rounded so
+    that nearby requests reuse compiled programs."""
+    return min(_round_up(longest_prompt + new_tokens, 64), config.max_seq_len)
+
+
 # ---------------------------------------------------------------------------------------------
 # Generation.
 
@@ -222,7 +228,7 @@ def generate(model: Transformer, prompts, *, max_new_tokens: int = 64, temperatu
     B = _round_up(n, sharding.data_size(mesh))
     lengths = np.array([len(r) for r in rows] + [1] * (B - n), np.int32)
     T = min(_round_up(int(lengths.max()), 16), c.max_seq_len)
-    S = min(_round_up(int(lengths.max()) + max_new_tokens, 64), c.max_seq_len)
+    S = cache_length(c, int(lengths.max()), max_new_tokens)
     tokens_bt = np.zeros((B, T), np.int32)
     for b, r in enumerate(rows):
         tokens_bt[b, :len(r)] = r
@@ -378,7 +384,7 @@ def benchmark(config: ModelConfig, mesh, *, batch: int, prompt_len: int, new_tok
     check_generation(config, [[0] * prompt_len], new_tokens)
     model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(seed))
     decoder = Decoder(model)
-    S = min(_round_up(prompt_len + new_tokens, 64), config.max_seq_len)
+    S = cache_length(config, prompt_len, new_tokens)
     rng = np.random.default_rng(seed)
     tokens = to_device(rng.integers(0, min(config.vocab_size, 256), (batch, prompt_len),
                                     dtype=np.int32), mesh, P(DATA, None))

@@ -21,9 +21,12 @@ Attribution: the model runs each module under `jax.named_scope("layer{i}.{attn|m
 survives in the HLO metadata; ops of the backward pass carry `transpose(` in their name stack.
 The all-reduce of module i is issued in module i's scope.
 
-Phases: `prefill` is the forward over a `--seq`-token prompt; `decode` is the forward of one
-token per row (until the KV-cached decode step exists it has no cache); `train` is a full
-training step (forward, backward, AdamW update) on `--seq` tokens.
+Phases are the programs users run. `prefill` and `decode` are `ladder_jax.decode.Decoder`'s
+jitted prefill (a `--seq`-token prompt written into the KV cache, then sampling of the first
+new token) and its one-token step (KV cache, attention over all its slots, sampling), with a
+cache sized for `--seq` + `--new-tokens` as `decode` sizes it, and the decode CLI's sampling
+(temperature 0.8, top-k 200). `train` is a full training step (forward, backward, AdamW
+update) on `--seq` tokens.
 
 The options the package compiles with (`ladder_jax.sharding.compiler_options("gpu")`) are
 applied here exactly as in training and decoding: the report shows what users get.
@@ -60,8 +63,7 @@ def gpu_mesh(target: str, tp: int):
     if target not in hardware.TARGETS:
         raise OverlapError(f"unknown target {target!r}: choose one of "
                            f"{', '.join(hardware.TARGETS)}")
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
-        raise OverlapError(PLUGIN_HINT.format(v=jax.__version__))
+    check_plugin()
     try:
         topo = topologies.get_topology_desc(
             platform="cuda", target_config=hardware.gpu_target_config(target),
@@ -73,12 +75,74 @@ def gpu_mesh(target: str, tp: int):
     return Mesh(devices, ("data", "tp"), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
+def check_plugin() -> None:
+    """Raises OverlapError with the install line when the CUDA PJRT plugin is missing."""
+    import jax
+
+    try:  # find_spec of a dotted name imports its parent: it raises when that is missing
+        found = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        raise OverlapError(PLUGIN_HINT.format(v=jax.__version__))
+
+
 # ---------------------------------------------------------------------------------------------
 # Programs, from shapes alone.
 
+SAMPLING = dict(temperature=0.8, top_k=200)  # the decode CLI's defaults (the paper's protocol)
 
-def compile_program(config, *, phase: str, tp: int, batch: int, seq: int, target: str = "h100"):
-    """Compiles `phase` of `config` for `tp` GPUs of `target`; returns (hlo_text, seconds)."""
+
+def _abstract(tree, mesh):
+    """Variables of an `nnx.eval_shape` model as ShapeDtypeStructs in their shardings."""
+    import jax
+    from flax import nnx
+    from jax.sharding import NamedSharding
+
+    return jax.tree.map(
+        lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                                 sharding=NamedSharding(mesh, v.spec))),
+        tree, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def lower_decoder(config, mesh, *, phase: str, batch: int, prompt_len: int, new_tokens: int,
+                  sampling=None):
+    """The lowered `Decoder` prefill or one-token step (KV cache, sampling) of `config` on
+    `mesh`, from shapes: the cache holds `prompt_len + new_tokens` (rounded as `decode` does)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from ladder_jax import decode, sharding
+    from ladder_jax.model import Transformer
+
+    sampling = sampling or decode.Sampling(**SAMPLING)
+    model = nnx.eval_shape(lambda: Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)))
+    decoder = decode.Decoder(model, sampling)
+    state = _abstract(decoder.state, mesh)
+    tp = sharding.tp_size(mesh)
+    S = decode.cache_length(config, prompt_len, new_tokens)
+    kv = jax.ShapeDtypeStruct((batch, S, sharding.cache_kv_heads(config, tp), config.head_dim),
+                              jnp.dtype(config.dtype),
+                              sharding=NamedSharding(mesh, sharding.CACHE_BSKH))
+    cache = [(kv, kv) for _ in range(config.n_layers)]
+    rows = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
+                               sharding=NamedSharding(mesh, P()))
+    if phase == "prefill":
+        tokens = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32,
+                                      sharding=NamedSharding(mesh, P("data", None)))
+        return decoder._prefill.lower(state, cache, tokens, rows, key)
+    return decoder._step.lower(state, cache, rows, rows, key)
+
+
+def compile_program(config, *, phase: str, tp: int, batch: int, seq: int, target: str = "h100",
+                    new_tokens: int = 512):
+    """Compiles `phase` of `config` for `tp` GPUs of `target`; returns (hlo_text, seconds).
+    `seq` is the prompt (prefill, decode) or training length; `new_tokens` sizes the decode
+    cache."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -91,34 +155,30 @@ def compile_program(config, *, phase: str, tp: int, batch: int, seq: int, target
     if phase not in PHASES:
         raise OverlapError(f"unknown phase {phase!r}: choose one of {', '.join(PHASES)}")
     mesh = gpu_mesh(target, tp)
-    abstract = nnx.eval_shape(lambda: Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)))
-    graphdef, params = nnx.split(abstract)
-    params = jax.tree.map(
-        lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype,
-                                                 sharding=NamedSharding(mesh, v.spec))),
-        params, is_leaf=lambda v: isinstance(v, nnx.Variable))
-    T = 1 if phase == "decode" else seq
-    tokens = jax.ShapeDtypeStruct((batch, T), jnp.int32, sharding=NamedSharding(mesh, P()))
+    sharding.check_divisible(config, tp)
     options = sharding.compiler_options("gpu")
     t0 = time.perf_counter()
-    if phase == "train":
-        optimizer = step.make_optimizer()
-        opt_state = jax.eval_shape(optimizer.init, params)
-        opt_state = jax.tree.map(  # moments follow the params' shardings; counters replicated
-            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=getattr(
-                s, "sharding", None) or NamedSharding(mesh, P())), opt_state)
+    if phase in ("prefill", "decode"):
+        lowered = lower_decoder(config, mesh, phase=phase, batch=batch, prompt_len=seq,
+                                new_tokens=new_tokens)
+        hlo = lowered.compile(compiler_options=options).as_text()
+        return hlo, time.perf_counter() - t0
+    abstract = nnx.eval_shape(lambda: Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(abstract)
+    params = _abstract(params, mesh)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=NamedSharding(mesh, P()))
+    optimizer = step.make_optimizer()
+    opt_state = jax.eval_shape(optimizer.init, params)
+    opt_state = jax.tree.map(  # moments follow the params' shardings; counters replicated
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=getattr(
+            s, "sharding", None) or NamedSharding(mesh, P())), opt_state)
 
-        def train(params, opt_state, tokens):
-            return step.train_step(graphdef, params, opt_state, tokens, tokens,
-                                   optimizer=optimizer)
+    def train(params, opt_state, tokens):
+        return step.train_step(graphdef, params, opt_state, tokens, tokens,
+                               optimizer=optimizer)
 
-        lowered = jax.jit(train, compiler_options=options, donate_argnums=(0, 1)).lower(
-            params, opt_state, tokens)
-    else:
-        def forward(params, tokens):
-            return nnx.merge(graphdef, params)(tokens)
-
-        lowered = jax.jit(forward, compiler_options=options).lower(params, tokens)
+    lowered = jax.jit(train, compiler_options=options, donate_argnums=(0, 1)).lower(
+        params, opt_state, tokens)
     hlo = lowered.compile().as_text()
     return hlo, time.perf_counter() - t0
 
@@ -254,14 +314,15 @@ def summarize(all_reduces: list[dict]) -> dict:
     return out
 
 
-def report(config, *, phase: str, tp: int, batch: int, seq: int, target: str = "h100") -> dict:
+def report(config, *, phase: str, tp: int, batch: int, seq: int, target: str = "h100",
+           new_tokens: int = 512) -> dict:
     """Compile and read: the JSON-able report that `python -m ladder_jax.overlap` prints."""
     hlo, seconds = compile_program(config, phase=phase, tp=tp, batch=batch, seq=seq,
-                                   target=target)
+                                   target=target, new_tokens=new_tokens)
     ars = read_all_reduces(hlo, config.d_model)
     return {"preset_config": dataclasses.asdict(config), "residual": config.residual,
             "ladder_layers": config.ladder_layers, "phase": phase, "tp": tp, "batch": batch,
-            "seq": 1 if phase == "decode" else seq, "target": target,
+            "seq": seq, "target": target,
             "compile_seconds": round(seconds, 2), **summarize(ars), "all_reduces": ars}
 
 
@@ -302,6 +363,8 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=8)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=1024, help="prompt / training length")
+    p.add_argument("--new-tokens", type=int, default=512,
+                   help="decode: new tokens the KV cache has room for (default 512)")
     p.add_argument("--phase", default="decode", choices=PHASES)
     p.add_argument("--target", default="h100", choices=hardware.TARGETS)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -319,7 +382,7 @@ def main(argv=None) -> int:
             ll = int(ll) if ll.isdigit() else tuple(int(x) for x in ll.split(",") if x)
         config = ModelConfig.from_preset(args.preset, residual=args.residual, ladder_layers=ll)
         rep = report(config, phase=args.phase, tp=args.tp, batch=args.batch, seq=args.seq,
-                     target=args.target)
+                     target=args.target, new_tokens=args.new_tokens)
     except (ConfigError, ShardingError, OverlapError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
