@@ -1,8 +1,8 @@
 """An independent, deliberately plain reference of the model: one device, no shard_map, no NNX.
 
-Written from the spec (DESIGN.md §1), not from ladder_jax.model: RoPE through complex numbers,
-grouped-query attention by repeating kv heads, the residual schemes as explicit pending
-variables. It reads weights as the nested dict `nnx.to_pure_dict(nnx.state(model))` gives.
+Written from the spec (the dataflow in ladder_jax.model's docstring), not from its code: RoPE
+through complex numbers, grouped-query attention by repeating kv heads, the residual schemes as
+explicit pending variables. It reads weights as the nested dict `nnx.to_pure_dict(nnx.state(model))` gives.
 """
 
 import numpy as np

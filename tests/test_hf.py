@@ -110,7 +110,7 @@ def test_ladder_layers_zero_reproduces_import_exactly(llamas):
 
 
 def _torch_hybrid(tm, tokens, ladder, boundary_rule=True):
-    """Hybrid ladder written from DESIGN.md §1 on top of transformers' own modules. Pending
+    """Hybrid ladder written from the spec on top of transformers' own modules. Pending
     module outputs are kept in order; before a module of a ladder layer reads the stream, all
     but the newest are added; before a standard module reads, all of them. With
     boundary_rule=False the first ladder layer wrongly sees the last standard MLP's output."""
