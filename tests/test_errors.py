@@ -449,7 +449,7 @@ def trained(tmp_path_factory):
     return root
 
 
-def _copy(trained, tmp_path):
+def _copy_run(trained, tmp_path):
     import shutil
     shutil.copytree(trained / "run", tmp_path / "run")
     return tmp_path
@@ -462,7 +462,7 @@ def _copy(trained, tmp_path):
 ])
 def test_resume_with_a_changed_experiment_is_refused_and_writes_nothing(
         trained, tmp_path, capsys, change, key):
-    root = _copy(trained, tmp_path)
+    root = _copy_run(trained, tmp_path)
     before = _snapshot(root / "run")
     line = one_line(capsys, train.main(SMALL + ["steps=4", f"run_dir={root}", "name=run",
                                                 change]))
@@ -471,7 +471,7 @@ def test_resume_with_a_changed_experiment_is_refused_and_writes_nothing(
 
 
 def test_accept_changes_resumes_and_records_what_changed(trained, tmp_path, capsys):
-    root = _copy(trained, tmp_path)
+    root = _copy_run(trained, tmp_path)
     assert train.main(SMALL + ["steps=3", f"run_dir={root}", "name=run", "optim.peak_lr=0.01",
                                "accept_changes=true"]) == 0
     assert "resumed from" in capsys.readouterr().out
@@ -484,7 +484,7 @@ def test_accept_changes_resumes_and_records_what_changed(trained, tmp_path, caps
 
 def test_resume_after_a_shape_change_names_the_weight_and_writes_nothing(
         trained, tmp_path, capsys):
-    root = _copy(trained, tmp_path)
+    root = _copy_run(trained, tmp_path)
     before = _snapshot(root / "run")
     line = one_line(capsys, train.main(SMALL + ["steps=4", f"run_dir={root}", "name=run",
                                                 "model.d_ff=256", "accept_changes=true"]))
@@ -494,7 +494,7 @@ def test_resume_after_a_shape_change_names_the_weight_and_writes_nothing(
 
 
 def test_torn_last_metrics_line_is_dropped_on_resume(trained, tmp_path, capsys):
-    root = _copy(trained, tmp_path)
+    root = _copy_run(trained, tmp_path)
     with open(root / "run" / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "loss": 1.2')  # a write cut short by a crash
     assert train.main(SMALL + ["steps=3", f"run_dir={root}", "name=run"]) == 0
@@ -504,7 +504,7 @@ def test_torn_last_metrics_line_is_dropped_on_resume(trained, tmp_path, capsys):
 
 
 def test_damaged_metrics_in_the_middle_is_one_line(trained, tmp_path, capsys):
-    root = _copy(trained, tmp_path)
+    root = _copy_run(trained, tmp_path)
     p = root / "run" / "metrics.jsonl"
     p.write_text("garbage\n" + p.read_text())
     before = _snapshot(root / "run")
