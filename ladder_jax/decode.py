@@ -151,8 +151,8 @@ class Decoder:
 
         cache_sharding = NamedSharding(mesh, sharding.CACHE_BSKH)
         out = (replicated, cache_sharding)
-        self._prefill = sharding.jit(prefill, donate_argnums=(1,), out_shardings=out)
-        self._step = sharding.jit(step, donate_argnums=(1,), out_shardings=out)
+        self._prefill = sharding.jit(prefill, mesh=mesh, donate_argnums=(1,), out_shardings=out)
+        self._step = sharding.jit(step, mesh=mesh, donate_argnums=(1,), out_shardings=out)
 
     def prefill(self, cache, tokens_bt, lengths_b, key):
         return self._prefill(self.state, cache, tokens_bt, lengths_b, key)

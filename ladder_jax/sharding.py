@@ -300,8 +300,12 @@ def compiler_options(platform: str) -> dict[str, Any]:
 CPU_KEEP_BARRIERS_PASS = "cse_barrier_expander"
 
 
-def jit(fn: Callable, *, platform: str | None = None, **jit_kwargs) -> Callable:
-    """`jax.jit` with ladder_jax's compiler options for `platform` (default: the backend's)."""
+def jit(fn: Callable, *, platform: str | None = None, mesh: Mesh | None = None,
+        **jit_kwargs) -> Callable:
+    """`jax.jit` with ladder_jax's compiler options for `platform`: given, else that of `mesh`'s
+    devices (a deviceless GPU mesh on a CPU host compiles for the GPU), else the backend's."""
+    if platform is None and mesh is not None:
+        platform = mesh.devices.flat[0].platform
     platform = platform or jax.default_backend()
     opts = compiler_options(platform)
     if opts:

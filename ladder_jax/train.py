@@ -210,7 +210,8 @@ class Trainer:
         def eval_loss(params, batch_bt):
             return step.loss_fn(graphdef, params, batch_bt[:, :-1], batch_bt[:, 1:])
 
-        fns = (sharding.jit(train_step, donate_argnums=(0, 1)), sharding.jit(eval_loss))
+        fns = (sharding.jit(train_step, mesh=self.mesh, donate_argnums=(0, 1)),
+               sharding.jit(eval_loss, mesh=self.mesh))
         self._steps[key] = fns
         return fns
 
