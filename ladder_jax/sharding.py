@@ -286,24 +286,34 @@ def shard(fn: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
 
 
 def global_norm(tree, specs, mesh: Mesh) -> jax.Array:
-    """The L2 norm of all arrays in `tree`, laid out as `specs` (one PartitionSpec per leaf,
-    the model's weights' layout) on `mesh`, with ONE scalar all-reduce: each rank sums the
-    squares of its own blocks, counting a block replicated over tp on tp-rank 0 only, and one
-    psum over tp adds the ranks' sums. Left to XLA, every sharded leaf would be reduced on its
-    own: one small synchronous all-reduce per weight (the all-reduce combiner is off, see
-    `compiler_options`)."""
+    """The L2 norm of all arrays in `tree`, laid out as `specs` (one PartitionSpec per leaf:
+    where each array is stored, e.g. the FSDP layout, so that nothing moves) on `mesh`, with
+    ONE scalar all-reduce over the whole mesh: each rank sums the squares of its own blocks,
+    counting a block that is replicated over some mesh axes only on the ranks at index 0 of
+    those axes, and one psum adds the ranks' sums. Left to XLA, every sharded leaf would be
+    reduced on its own: one small synchronous all-reduce per weight (the all-reduce combiner is
+    off, see `compiler_options`)."""
     import jax.numpy as jnp
 
     leaves = jax.tree.leaves(tree)
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+    axes = tuple(mesh.axis_names)
+
+    def split_over(spec) -> set:
+        out = set()
+        for entry in spec:
+            out.update(entry if isinstance(entry, tuple) else (entry,))
+        return out
 
     def local(*blocks):
-        first = jax.lax.axis_index(TP) == 0
         total = jnp.zeros((), jnp.float32)
         for block, spec in zip(blocks, spec_leaves):
             sq = jnp.sum(jnp.square(block.astype(jnp.float32)))
-            total = total + (sq if TP in tuple(spec) else jnp.where(first, sq, 0.0))
-        return jnp.sqrt(jax.lax.psum(total, TP))
+            owner = [jax.lax.axis_index(a) == 0 for a in axes if a not in split_over(spec)]
+            for first in owner:
+                sq = jnp.where(first, sq, 0.0)
+            total = total + sq
+        return jnp.sqrt(jax.lax.psum(total, axes))
 
     return shard(local, mesh, in_specs=tuple(spec_leaves), out_specs=P())(*leaves)
 

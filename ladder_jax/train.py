@@ -170,17 +170,13 @@ class Trainer:
     def init_state(self, config):
         model = Transformer(config, mesh=self.mesh, rngs=nnx.Rngs(self.cfg.seed))
         self.graphdef, params = nnx.split(model)
-        n_data = self.mesh.shape[sharding.DATA] if self.cfg.mesh.fsdp else 1
-
-        def place(v):
-            spec = sharding.WeightSpecs.fsdp(v.spec, v.shape, n_data)
-            return v.replace(jax.device_put(v[...], NamedSharding(self.mesh, spec)))
-
-        params = jax.tree.map(place, params, is_leaf=lambda v: isinstance(v, nnx.Variable))
-        replicated = NamedSharding(self.mesh, P())
-        opt_state = jax.tree.map(  # moments follow the params; counters replicated on the mesh
-            lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(
-                x, replicated), jax.jit(self.optimizer.init)(params))
+        fsdp = self.cfg.mesh.fsdp
+        params = jax.tree.map(
+            lambda v: v.replace(jax.device_put(v[...], step.stored_sharding(v, self.mesh, fsdp))),
+            params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        opt_state = jax.jit(self.optimizer.init)(params)
+        opt_state = jax.device_put(
+            opt_state, step.opt_state_shardings(self.optimizer, opt_state, params, self.mesh))
         return params, opt_state
 
     def compiled_step(self, graphdef):
@@ -188,23 +184,10 @@ class Trainer:
         key = id(graphdef)
         if key in self._steps:
             return self._steps[key]
-        p_sh = [x.sharding for x in jax.tree.leaves(self.params)]
-        o_sh = [x.sharding for x in jax.tree.leaves(self.opt_state)]
-
-        def constrain(tree, shardings):
-            leaves, treedef = jax.tree.flatten(tree)
-            return treedef.unflatten([jax.lax.with_sharding_constraint(x, s)
-                                      for x, s in zip(leaves, shardings)])
-
-        optimizer, clip = self.optimizer, self.cfg.optim.grad_clip
-
-        def train_step(params, opt_state, batch_abt):
-            tokens, targets = batch_abt[..., :-1], batch_abt[..., 1:]
-            if tokens.shape[0] == 1:
-                tokens, targets = tokens[0], targets[0]
-            params, opt_state, metrics = step.train_step(
-                graphdef, params, opt_state, tokens, targets, optimizer=optimizer, grad_clip=clip)
-            return constrain(params, p_sh), constrain(opt_state, o_sh), metrics
+        train_step = step.make_train_step(
+            graphdef, optimizer=self.optimizer, grad_clip=self.cfg.optim.grad_clip,
+            param_shardings=[x.sharding for x in jax.tree.leaves(self.params)],
+            opt_shardings=[x.sharding for x in jax.tree.leaves(self.opt_state)])
 
         def eval_loss(params, batch_bt):
             return step.loss_fn(graphdef, params, batch_bt[:, :-1], batch_bt[:, 1:])
@@ -212,6 +195,25 @@ class Trainer:
         fns = (sharding.jit(train_step, donate_argnums=(0, 1)), sharding.jit(eval_loss))
         self._steps[key] = fns
         return fns
+
+    def check_memory(self, train_step):
+        """On a known GPU, before the first step: compile `train_step` for this run's arrays
+        and refuse (ConfigError naming the fix) a program that will not fit in the device's
+        memory (`step.check_memory`). Returns the step to call (the compiled one on GPUs)."""
+        device = self.mesh.devices.flat[0]
+        chip = hardware.chip_of(device)
+        if jax.default_backend() != "gpu" or chip is None:
+            return train_step
+        cfg = self.cfg
+        batch = jax.ShapeDtypeStruct(
+            (cfg.data.grad_accum, cfg.data.batch_size, cfg.data.seq_len + 1), np.int32,
+            sharding=self.batch_sharding)
+        compiled = train_step.lower(self.params, self.opt_state, batch).compile()
+        stats = (device.memory_stats() or {}) if hasattr(device, "memory_stats") else {}
+        capacity = int(stats.get("bytes_limit") or chip.memory_bytes)
+        held = f" ({chip.name}, allocator limit)" if stats.get("bytes_limit") else f" ({chip.name})"
+        step.check_memory(step.memory_use(compiled), capacity, cfg, where="per device" + held)
+        return compiled
 
     def global_batch(self, local):
         A, T1 = self.cfg.data.grad_accum, self.cfg.data.seq_len + 1
@@ -311,7 +313,7 @@ class Trainer:
         n_dev = self.mesh.devices.size
         self.log(f"{self.describe()}; steps {start}->{cfg.steps}, {tokens_per_step} tokens/step"
                  f"; run dir {self.run_path}")
-        train_step, _ = self.compiled_step(self.graphdef)
+        train_step = self.check_memory(self.compiled_step(self.graphdef)[0])
         meta = lambda s: {"step": s, "config": self._config_dict(),  # noqa: E731
                           "mesh": dict(self.mesh.shape)}
         bad_in_row = skipped = 0
