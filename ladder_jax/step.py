@@ -183,7 +183,7 @@ def check_memory(use: dict, capacity: int, cfg, *, where: str = "per device") ->
     `model.remat=module` and a smaller micro-batch with more accumulation when temporaries do."""
     if use["peak"] <= capacity:
         return
-    gb = lambda b: f"{b / 1e9:.1f} GB"  # noqa: E731
+    gb = lambda b: f"{b / 1e9:.1f} GB" if b >= 1e8 else f"{b / 1e6:.1f} MB"  # noqa: E731
     state_first = use["arguments"] >= use["temporaries"]
     fixes_state, fixes_act = [], []
     if not cfg.mesh.fsdp:

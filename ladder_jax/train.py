@@ -197,9 +197,11 @@ class Trainer:
         return fns
 
     def check_memory(self, train_step):
-        """On a known GPU, before the first step: compile `train_step` for this run's arrays
-        and refuse (ConfigError naming the fix) a program that will not fit in the device's
-        memory (`step.check_memory`). Returns the step to call (the compiled one on GPUs)."""
+        """On a known GPU, before the first step (and before the run directory is touched):
+        compile `train_step` for this run's arrays and refuse (ConfigError naming the fix) a
+        program that will not fit in the device's memory (`step.check_memory`, the check
+        `python -m ladder_jax.overlap --config` makes deviceless). Returns the step to call
+        (on GPUs the compiled one, so nothing compiles twice)."""
         device = self.mesh.devices.flat[0]
         chip = hardware.chip_of(device)
         if jax.default_backend() != "gpu" or chip is None:
@@ -248,6 +250,8 @@ class Trainer:
     def train(self) -> dict:
         """Resume or initialize, then step, evaluate, log and checkpoint until `steps`."""
         cfg = self.cfg
+        train_step, eval_loss = self.compiled_step(self.graphdef)
+        self._steps[id(self.graphdef)] = (self.check_memory(train_step), eval_loss)
         ckpt = Checkpointer(os.path.join(self.run_path, "checkpoints"), keep=cfg.keep,
                             async_save=cfg.async_ckpt)
         try:
@@ -313,7 +317,7 @@ class Trainer:
         n_dev = self.mesh.devices.size
         self.log(f"{self.describe()}; steps {start}->{cfg.steps}, {tokens_per_step} tokens/step"
                  f"; run dir {self.run_path}")
-        train_step = self.check_memory(self.compiled_step(self.graphdef)[0])
+        train_step, _ = self.compiled_step(self.graphdef)
         meta = lambda s: {"step": s, "config": self._config_dict(),  # noqa: E731
                           "mesh": dict(self.mesh.shape)}
         bad_in_row = skipped = 0
