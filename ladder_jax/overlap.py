@@ -25,6 +25,19 @@ Phases: `prefill` is the forward over a `--seq`-token prompt; `decode` is the fo
 token per row (until the KV-cached decode step exists it has no cache); `train` is a full
 training step (forward, backward, AdamW update) on `--seq` tokens.
 
+Training configs (`--config configs/X.yaml [key=value ...] --hosts N`): compiles the training
+step that config runs (`compile_train_config`: its mesh, FSDP, dtypes, accumulation, remat and
+optimizer, through the same `ladder_jax.step` functions the trainer uses) for N hosts of
+`--gpus-per-host` GPUs: the plugin's topology `1 x N x G`, the (data, tp) mesh filled row by
+row so that a tp group is one host. The report adds every other collective (`read_collectives`:
+FSDP's all-gathers and reduce-scatters over `data`, the loss's and gradient norm's
+all-reduces; counted per mesh axis and per place, inside the accumulation loop or once per
+step) and the memory per device (`ladder_jax.step.memory_use`) against the chip's capacity; a
+step that does not fit exits 2 with the fix (`ladder_jax.step.check_memory`, the check the
+trainer makes on a GPU).
+
+    python -m ladder_jax.overlap --config configs/llama-3-70b.yaml --hosts 8
+
 The options the package compiles with (`ladder_jax.sharding.compiler_options("gpu")`) are
 applied here exactly as in training and decoding: the report shows what users get.
 """
@@ -115,10 +128,13 @@ def compile_program(config, *, phase: str, tp: int, batch: int, seq: int, target
     t0 = time.perf_counter()
     if phase == "train":
         optimizer = step.make_optimizer()
+        # moments stored like their params, counters replicated (`jax.eval_shape` drops the
+        # shardings: moments left replicated would put the whole model's AdamW state on every
+        # GPU, and past XLA's memory limit the scheduler stops overlapping collectives)
         opt_state = jax.eval_shape(optimizer.init, params)
-        opt_state = jax.tree.map(  # moments follow the params' shardings; counters replicated
-            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=getattr(
-                s, "sharding", None) or NamedSharding(mesh, P())), opt_state)
+        opt_state = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt_state,
+            step.opt_state_shardings(optimizer, opt_state, params, mesh))
 
         def train(params, opt_state, tokens):
             return step.train_step(graphdef, params, opt_state, tokens, tokens,

@@ -15,6 +15,11 @@ AdamW on warmup + cosine; one jitted program (`sharding.jit`) with donated param
 optimizer state. Mesh `mesh.data` x `mesh.tp`; `mesh.fsdp=true` also splits every weight and its
 optimizer state over `data` (`sharding.WeightSpecs.fsdp`).
 
+Memory: on a GPU the trainer compiles the step for its arrays before the first step and stops
+(exit 2, one line naming the fix) if XLA's memory analysis says it will not fit the device
+(`ladder_jax.step.check_memory`; `python -m ladder_jax.overlap --config` shows the same
+numbers without a GPU).
+
 Resume: re-running the same command continues from the latest checkpoint and produces exactly
 the losses an uninterrupted run would. A run whose model, data or optimizer keys changed since
 its checkpoint is refused (naming the keys) unless `accept_changes=true`, which records the
