@@ -157,7 +157,7 @@ PHASES = ("prefill", "decode", "train")
 def compile_train_config(cfg, *, hosts: int = 1, gpus_per_host: int = 8, target: str = "h100"):
     """Compiles the training step that `cfg` (a TrainConfig) runs, for `hosts` x
     `gpus_per_host` GPUs of `target`: its mesh (`mesh.data` x `mesh.tp`, data filling what tp
-    leaves), its weights stored as the trainer stores them (`step.stored_sharding`, FSDP
+    leaves), its weights stored as the trainer stores them (FSDP
     included), its dtypes, optimizer, gradient accumulation (`data.grad_accum` micro-batches of
     `data.batch_size` x `data.seq_len`) and rematerialization, the step function the trainer
     jits (`step.make_train_step`) with the same options. Returns (compiled, mesh, seconds)."""
@@ -182,11 +182,7 @@ def compile_train_config(cfg, *, hosts: int = 1, gpus_per_host: int = 8, target:
     data = n // tp
     mesh = gpu_mesh(target, tp, data=data, hosts=hosts)
     sharding.check_batch(cfg.data.batch_size, mesh)
-    graphdef, params = abstract(model_config, mesh)
-    params = jax.tree.map(
-        lambda v: v.replace(jax.ShapeDtypeStruct(
-            v.shape, v.dtype, sharding=step.stored_sharding(v, mesh, cfg.mesh.fsdp))),
-        params, is_leaf=lambda v: hasattr(v, "spec"))
+    graphdef, params = abstract(model_config, mesh, fsdp=cfg.mesh.fsdp)  # stored as trained
     optimizer = step.make_optimizer(cfg.optim, total_steps=cfg.steps)
     opt_state = jax.eval_shape(optimizer.init, params)
     opt_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),

@@ -215,9 +215,13 @@ def _lm_head_bwd(res, ct_btv):
     ct_h_btd = sharding.reduce_tp(jnp.einsum("BTV,DV->BTD", ct_btv, head_dv))
     ct_head_dv = jnp.einsum("BTD,BTV->DV", jax.lax.pcast(h_btd, TP, to="varying"), ct_btv)
     ct_h_btd, ct_head_dv = sharding.tie(ct_h_btd, ct_head_dv)
-    # the data-parallel gradient sum comes after the tie: tied in, it would hold the
-    # all-reduce above back until it is done too (and XLA then makes that one synchronous)
-    return ct_h_btd, jax.lax.psum(ct_head_dv, DATA)
+    # The data-parallel gradient sum comes after the tie: tied in, it would hold the all-reduce
+    # above back until it is done too (and XLA then makes that one synchronous). A head
+    # gathered over data where it is read (FSDP) is data-varying here: its gather's transpose
+    # reduce-scatters the gradient instead.
+    if not sharding.varies_over(head_dv, DATA):
+        ct_head_dv = jax.lax.psum(ct_head_dv, DATA)
+    return ct_h_btd, ct_head_dv
 
 
 lm_head.defvjp(_lm_head_fwd, _lm_head_bwd)

@@ -123,14 +123,16 @@ class WeightSpecs:
     down_fd: P
     norm_d: P
     kv_replicated: bool  # True when n_kv_heads < tp: each rank picks its head locally
+    fsdp_data: int = 1  # FSDP: weights stored split over `data` too (its size; 1 = off)
 
     @classmethod
-    def for_model(cls, config, mesh: Mesh) -> "WeightSpecs":
+    def for_model(cls, config, mesh: Mesh, *, fsdp: bool = False) -> "WeightSpecs":
         """Validates that `config` can be split `tp` ways and returns its layout."""
         tp = tp_size(mesh)
         check_divisible(config, tp)
         kv_replicated = config.n_kv_heads < tp
         return cls(
+            fsdp_data=data_size(mesh) if fsdp else 1,
             embed_vd=P(None, None),
             head_dv=P(None, TP),
             q_dnh=P(None, TP, None),
@@ -147,9 +149,10 @@ class WeightSpecs:
     def fsdp(spec: P, shape, n_data: int) -> P:
         """Where a weight is *stored* under FSDP (`mesh.fsdp`): its tp spec with the largest
         still-unsplit dimension that `n_data` divides also split over `data` (unchanged when
-        none is). Its Adam moments follow it. Inside the model's shard_map each weight is
-        still read with its tp spec: XLA all-gathers it over `data` at that boundary, and the
-        gradient comes back reduce-scattered."""
+        none is). Its Adam moments follow it. The model's shard_map takes each weight in this
+        layout and all-gathers it over `data` where a module reads it (`read_weight`), so only
+        the weights of the module at work (and of the ones whose gathers are in flight) are
+        whole on a rank; the gradient of the gather reduce-scatters the weight's gradient."""
         entries = list(spec) + [None] * (len(shape) - len(spec))
         free = [i for i, e in enumerate(entries) if e is None and shape[i] % n_data == 0]
         if n_data == 1 or not free:
@@ -316,6 +319,31 @@ def global_norm(tree, specs, mesh: Mesh) -> jax.Array:
         return jnp.sqrt(jax.lax.psum(total, axes))
 
     return shard(local, mesh, in_specs=tuple(spec_leaves), out_specs=P())(*leaves)
+
+
+def read_weight(weight, dtype=None) -> jax.Array:
+    """Inside shard_map: this rank's tp block of `weight` (an nnx Param of the model), cast to
+    `dtype` if given. A weight stored split over `data` too (FSDP: its `stored` spec, see
+    `WeightSpecs.fsdp`) is cast first, then all-gathered over `data` here, where it is used:
+    gathered in the compute dtype (half the bytes of fp32 weights) and, under
+    `model.remat=module`, gathered again for the backward instead of kept. The gather's
+    transpose reduce-scatters the weight's gradient over `data`, in that dtype too."""
+    w = weight[...]
+    if dtype is not None:
+        w = w.astype(dtype)
+    stored = getattr(weight, "stored", None)
+    if stored is None:
+        return w
+    split = [i for i, entry in enumerate(stored)
+             if DATA in (entry if isinstance(entry, tuple) else (entry,))]
+    if not split:
+        return w
+    return jax.lax.all_gather(w, DATA, axis=split[0], tiled=True)
+
+
+def varies_over(x: jax.Array, axis: str) -> bool:
+    """Inside shard_map: whether `x`'s type says it may differ across `axis` (its vma)."""
+    return axis in jax.typeof(x).manual_axis_type.varying
 
 
 def axis_index_tp() -> jax.Array:

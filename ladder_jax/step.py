@@ -16,7 +16,8 @@ params and optimizer state come back unchanged (the schedule does not advance ei
 
 The trainer and the deviceless overlap / memory report (`ladder_jax.overlap --config`) build
 the step from the same pieces, so the report is about the program a run executes:
-`stored_sharding` (where each weight and its Adam moments live: tp, plus `data` under FSDP),
+`opt_state_shardings` (Adam's moments live where their weights do: tp, plus `data` under FSDP,
+as `Transformer(..., fsdp=True)` creates them),
 `make_train_step` (the function that is jitted, with its sharding constraints) and
 `memory_use` / `check_memory` (does the compiled step fit on the device?).
 """
@@ -93,7 +94,7 @@ def train_step(graphdef, params, opt_state, tokens_bt, targets_bt, *, optimizer,
                mask_bt=None, stored_specs=None):
     """One update. tokens/targets (B, T), or (A, B, T) for A accumulated micro-batches.
     `stored_specs`: where the weights are stored (a tree of PartitionSpecs like `params`, e.g.
-    the FSDP layout of `stored_sharding`; default their tp specs): the gradients are kept in
+    the FSDP layout; default their tp specs): the gradients are kept in
     that layout, so clipping and AdamW run on each device's own blocks, with no gathering."""
     loss, grads = loss_and_grads(graphdef, params, tokens_bt, targets_bt, mask_bt)
     mesh = nnx.merge(graphdef, params).mesh
@@ -117,13 +118,6 @@ def train_step(graphdef, params, opt_state, tokens_bt, targets_bt, *, optimizer,
 
 # ---------------------------------------------------------------------------------------------
 # The step a training run compiles (shared by the trainer and `ladder_jax.overlap --config`).
-
-
-def stored_sharding(weight: nnx.Variable, mesh, fsdp: bool) -> NamedSharding:
-    """Where `weight` (a model Param, value or shape) is stored between steps: its tp spec, and
-    under FSDP also split over `data` (`sharding.WeightSpecs.fsdp`). Adam moments follow."""
-    n_data = mesh.shape[sharding.DATA] if fsdp else 1
-    return NamedSharding(mesh, sharding.WeightSpecs.fsdp(weight.spec, weight.shape, n_data))
 
 
 def opt_state_shardings(optimizer, opt_state, params, mesh):

@@ -173,12 +173,9 @@ class Trainer:
     # -- state and the compiled step ---------------------------------------------------------
 
     def init_state(self, config):
-        model = Transformer(config, mesh=self.mesh, rngs=nnx.Rngs(self.cfg.seed))
+        model = Transformer(config, mesh=self.mesh, rngs=nnx.Rngs(self.cfg.seed),
+                            fsdp=self.cfg.mesh.fsdp)  # weights created where they are stored
         self.graphdef, params = nnx.split(model)
-        fsdp = self.cfg.mesh.fsdp
-        params = jax.tree.map(
-            lambda v: v.replace(jax.device_put(v[...], step.stored_sharding(v, self.mesh, fsdp))),
-            params, is_leaf=lambda v: isinstance(v, nnx.Variable))
         opt_state = jax.jit(self.optimizer.init)(params)
         opt_state = jax.device_put(
             opt_state, step.opt_state_shardings(self.optimizer, opt_state, params, self.mesh))

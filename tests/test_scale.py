@@ -110,3 +110,23 @@ def test_trainer_checks_memory_before_its_first_step(tmp_path, monkeypatch, caps
     assert err.startswith("error: the training step needs") and "the device has 1.0 MB" in err
     assert "\n" not in err and "model.remat=module" in err
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("scheme", ["standard", "parallel", "ladder", "hybrid"])
+def test_fsdp_gathers_at_the_module_same_loss_and_gradients(scheme):
+    """Weights stored split over data (FSDP) and gathered where each module reads them give the
+    loss and gradients of replicated storage; the gradients come back in the stored layout."""
+    import dataclasses
+
+    import numpy as np
+
+    from tests.conftest import SCHEMES, TINY
+    from tests.test_remat import _loss_and_grads
+
+    config = dataclasses.replace(TINY, **SCHEMES[scheme], remat="module")
+    loss0, grads0 = _loss_and_grads(config, 4, 2, fsdp=False)
+    loss1, grads1 = _loss_and_grads(config, 4, 2, fsdp=True)
+    np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
+    import jax
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 grads1, grads0)
