@@ -42,6 +42,12 @@ Memory costs of the replicated pieces, per rank:
   llama-3-70b at tp=16: 32 MB/layer in bf16) and uses the one its query heads belong to. Each
   kv head is computed by tp/K ranks; its gradient is summed over them by shard_map.
 
+FSDP (`mesh.fsdp=true`, `Transformer(..., fsdp=True)`): every weight is also *stored* split over
+`data` (`WeightSpecs.fsdp`), with its AdamW moments, and enters the shard_map that way; a module
+all-gathers its weights over `data` where it reads them (`read_weight`), so a rank holds whole
+only the weights of the modules at work, and each gradient leaves the backward reduce-scattered
+over `data`. Without FSDP, weights are replicated over `data` and their gradients all-reduced.
+
 Gradients of replicated weights are summed over `tp` by shard_map itself: we keep
 `check_vma=True` everywhere so that this bookkeeping is done by JAX, not by hand.
 """
