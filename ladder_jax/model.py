@@ -308,12 +308,12 @@ class Transformer(nnx.Module):
         """One rank's forward: local batch rows, all of D, its heads / F / V slice. Returns
         (logits, updated caches or None)."""
         c = self.config
-        embed_vd = sharding.read_weight(self.embed)
-        x_btd = jnp.take(embed_vd, tokens_bt, axis=0).astype(jnp.float32)
+        x_btd = sharding.embed_lookup(self.embed, tokens_bt).astype(jnp.float32)
         x_btd, caches = self.layer_loop(x_btd, positions_bt, caches)
         h_btd = self.final_norm(x_btd).astype(c.dtype)
         if self.head is None:
-            head_dv = sharding.local_vocab_rows(embed_vd, self.mesh.shape[TP]).T.astype(c.dtype)
+            head_dv = sharding.local_vocab_rows(sharding.read_weight(self.embed),
+                                                self.mesh.shape[TP]).T.astype(c.dtype)
         else:
             head_dv = sharding.read_weight(self.head, c.dtype)
         with jax.named_scope("head"):

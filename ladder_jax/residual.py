@@ -133,7 +133,8 @@ def _stream(plan, states, x_btd, positions_bt, inv_freq, *, caches=None, vjps=No
                 y_btd, caches[step.layer] = module(module_state, vary(norm(norm_state, x_btd)),
                                                    caches[step.layer])
             else:
-                module = jax.checkpoint(module) if plan.remat else module
+                if plan.remat:  # keep only the stream x and the module's input h
+                    norm, module = jax.checkpoint(norm), jax.checkpoint(module)
                 if vjps is not None:
                     h_btd, norm_vjp = jax.vjp(norm, norm_state, x_btd)
                     y_btd, module_vjp = jax.vjp(module, module_state, vary(h_btd))

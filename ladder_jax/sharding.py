@@ -59,6 +59,7 @@ from typing import Any, Callable
 
 import jax
 import jax.extend
+import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import AxisType, Mesh
@@ -302,7 +303,6 @@ def global_norm(tree, specs, mesh: Mesh) -> jax.Array:
     those axes, and one psum adds the ranks' sums. Left to XLA, every sharded leaf would be
     reduced on its own: one small synchronous all-reduce per weight (the all-reduce combiner is
     off, see `compiler_options`)."""
-    import jax.numpy as jnp
 
     leaves = jax.tree.leaves(tree)
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
@@ -345,6 +345,26 @@ def read_weight(weight, dtype=None) -> jax.Array:
     if not split:
         return w
     return jax.lax.all_gather(w, DATA, axis=split[0], tiled=True)
+
+
+def embed_lookup(embed, tokens_bt) -> jax.Array:
+    """Inside shard_map: the rows (B, T, D) of the embedding table `embed` (an nnx Param, tp
+    layout (V, D) replicated) for this rank's tokens. A table stored split over `data` along V
+    (FSDP) is not gathered (V x D is the largest weight of a Llama): the data ranks' tokens are
+    all-gathered instead, each rank looks up those that fall in its V / data rows (zeros for
+    the others), and a reduce-scatter over `data` sums and returns each rank its own batch rows.
+    The backward all-gathers the rows' cotangent and adds it into the rank's own table rows."""
+    stored = getattr(embed, "stored", None)
+    table_vd = embed[...]
+    if stored is None or tuple(stored)[:1] != (DATA,):
+        return jnp.take(read_weight(embed), tokens_bt, axis=0)
+    v_local = table_vd.shape[0]
+    tokens_all = jax.lax.all_gather(tokens_bt, DATA, axis=0, tiled=True)
+    local = tokens_all - jax.lax.axis_index(DATA) * v_local
+    mine = (local >= 0) & (local < v_local)
+    rows_btd = jnp.take(table_vd, jnp.where(mine, local, 0), axis=0)
+    rows_btd = jnp.where(mine[..., None], rows_btd, 0).astype(table_vd.dtype)
+    return jax.lax.psum_scatter(rows_btd, DATA, scatter_dimension=0, tiled=True)
 
 
 def varies_over(x: jax.Array, axis: str) -> bool:

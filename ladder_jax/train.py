@@ -215,8 +215,14 @@ class Trainer:
         compiled = train_step.lower(self.params, self.opt_state, batch).compile()
         stats = (device.memory_stats() or {}) if hasattr(device, "memory_stats") else {}
         capacity = int(stats.get("bytes_limit") or chip.memory_bytes)
-        held = f" ({chip.name}, allocator limit)" if stats.get("bytes_limit") else f" ({chip.name})"
-        step.check_memory(step.memory_use(compiled), capacity, cfg, where="per device" + held)
+        use = step.memory_use(compiled)
+        try:
+            step.check_memory(use, capacity, cfg, where=f"per device ({chip.name})")
+        except ConfigError as e:
+            if use["peak"] <= 0.95 * chip.memory_bytes:  # jax's allocator holds less
+                raise ConfigError(f"{e}; or let jax's allocator take more of the device: "
+                                  f"XLA_PYTHON_CLIENT_MEM_FRACTION=0.95") from None
+            raise
         return compiled
 
     def global_batch(self, local):
