@@ -177,9 +177,13 @@ def _ladder_bwd(plan, res, ct_x_btd):
     _, vary = _reduce_and_vary(plan)
 
     def recompute(k):  # remat: module k's norm and module again, from its saved input x
+        # Through a tie, so that XLA cannot merge this recomputation with the forward's (it
+        # would then keep the forward's activations and gathered weights alive instead).
+        leaves, treedef = jax.tree.flatten((states[k], saved[k]))
+        (norm_state, module_state), x_btd = treedef.unflatten(sharding.tie(*leaves))
         norm, module = _functions(plan, k, positions_bt, inv_freq)
-        h_btd, norm_vjp = jax.vjp(norm, states[k][0], saved[k])
-        _, module_vjp = jax.vjp(module, states[k][1], vary(h_btd))
+        h_btd, norm_vjp = jax.vjp(norm, norm_state, x_btd)
+        _, module_vjp = jax.vjp(module, module_state, vary(h_btd))
         return norm_vjp, module_vjp
 
     def add_input_contribution(k, ct_h_btd, s_btd):
