@@ -176,11 +176,13 @@ def _ladder_bwd(plan, res, ct_x_btd):
     vjps = {} if plan.remat else dict(enumerate(saved))
     _, vary = _reduce_and_vary(plan)
 
-    def recompute(k):  # remat: module k's norm and module again, from its saved input x
-        # Through a tie, so that XLA cannot merge this recomputation with the forward's (it
-        # would then keep the forward's activations and gathered weights alive instead).
-        leaves, treedef = jax.tree.flatten((states[k], saved[k]))
-        (norm_state, module_state), x_btd = treedef.unflatten(sharding.tie(*leaves))
+    def recompute(k, s_btd):  # remat: module k's norm and module again, from its input x
+        # Through a tie with the stream's cotangent: XLA can neither merge the recomputation
+        # with the forward's (keeping the forward's activations and gathered weights alive)
+        # nor run it before the backward has reached module k (holding every module's
+        # recomputed activations at once).
+        leaves, treedef = jax.tree.flatten((states[k], saved[k], s_btd))
+        (norm_state, module_state), x_btd, _ = treedef.unflatten(sharding.tie(*leaves))
         norm, module = _functions(plan, k, positions_bt, inv_freq)
         h_btd, norm_vjp = jax.vjp(norm, norm_state, x_btd)
         _, module_vjp = jax.vjp(module, module_state, vary(h_btd))
@@ -195,7 +197,7 @@ def _ladder_bwd(plan, res, ct_x_btd):
         step = steps[k]
         with jax.named_scope(f"layer{step.layer}.{step.name}"):
             if plan.remat:
-                vjps[k] = recompute(k)
+                vjps[k] = recompute(k, s_btd)
             ct_y_btd = jax.lax.pcast(s_btd.astype(plan.dtype), TP, to="varying")  # psum^T
             ct_module_state, ct_h_btd = vjps[k][1](ct_y_btd)  # module k's backward matmuls
             ct_states[k] = ct_module_state
