@@ -271,7 +271,7 @@ def compiler_options(platform: str) -> dict[str, Any]:
       and with one slot it blocks a backward all-reduce from overlapping; under FSDP each
       module's weight all-gathers (and, in the backward, gradient reduce-scatters) run beside
       the previous module's all-reduce, and with two slots they push it out of its overlap
-      (llama-3-70b on 8 x 8 GPUs: forward 81/160 overlapped with 2, 159/160 with 4).
+      (llama-3-70b on 8 x 8 GPUs: half of the forward's module all-reduces lost it).
     CPU: none (XLA:CPU runs collectives synchronously; CPU runs prove numerics only).
     `python -m ladder_jax.overlap` compiles with exactly these and shows the schedule.
     """
