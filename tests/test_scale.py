@@ -5,14 +5,19 @@ schedule and its memory; and the memory check the trainer makes before its first
 Compiling for a CUDA target needs the CUDA PJRT plugin (a test extra); nothing runs on a GPU.
 """
 
+import dataclasses
 import functools
 import json
 
+import jax
+import numpy as np
 import pytest
 
 import ladder_jax as lj
 from ladder_jax import overlap, step, train
 from ladder_jax.config import load_config
+from tests.conftest import SCHEMES, TINY
+from tests.test_remat import _loss_and_grads
 
 # tiny, ladder, FSDP over 2 hosts (data 2) x 4 GPUs (tp 4), remat, 2 accumulated micro-batches
 TINY_SCALE = ["configs/tiny.yaml", "model.residual=ladder", "model.n_kv_heads=8",
@@ -115,18 +120,10 @@ def test_trainer_checks_memory_before_its_first_step(tmp_path, monkeypatch, caps
 @pytest.mark.parametrize("scheme", ["standard", "parallel", "ladder", "hybrid"])
 def test_fsdp_gathers_at_the_module_same_loss_and_gradients(scheme):
     """Weights stored split over data (FSDP) and gathered where each module reads them give the
-    loss and gradients of replicated storage; the gradients come back in the stored layout."""
-    import dataclasses
-
-    import numpy as np
-
-    from tests.conftest import SCHEMES, TINY
-    from tests.test_remat import _loss_and_grads
-
+    loss and gradients of replicated storage."""
     config = dataclasses.replace(TINY, **SCHEMES[scheme], remat="module")
     loss0, grads0 = _loss_and_grads(config, 4, 2, fsdp=False)
     loss1, grads1 = _loss_and_grads(config, 4, 2, fsdp=True)
     np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
-    import jax
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                  grads1, grads0)
