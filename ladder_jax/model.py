@@ -82,11 +82,16 @@ def _ones(*, shape, dtype, sharding):
     return jax.lax.with_sharding_constraint(jnp.ones(shape, dtype), sharding)
 
 
-def _weight(rngs: nnx.Rngs, mesh: Mesh, shape, spec: P, dtype, std: float) -> nnx.Param:
+def _weight(rngs: nnx.Rngs, mesh: Mesh, shape, spec: P, dtype, std: float,
+            fsdp_data: int = 1) -> nnx.Param:
+    """A weight drawn in place: `spec` is its tp layout (how the model reads it), `stored` where
+    it lives, split over `data` too under FSDP (`WeightSpecs.fsdp`; read with
+    `sharding.read_weight`)."""
     assert jax.config.jax_threefry_partitionable, "mesh-independent init needs it"
+    stored = WeightSpecs.fsdp(spec, shape, fsdp_data)
     value = _normal(rngs.params(), shape=tuple(shape), dtype=jnp.dtype(dtype), std=std,
-                    sharding=NamedSharding(mesh, spec))
-    return nnx.Param(value, spec=spec)
+                    sharding=NamedSharding(mesh, stored))
+    return nnx.Param(value, spec=spec, stored=stored)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,14 +101,15 @@ def _weight(rngs: nnx.Rngs, mesh: Mesh, shape, spec: P, dtype, std: float) -> nn
 class RMSNorm(nnx.Module):
     def __init__(self, d: int, eps: float, *, mesh: Mesh, specs: WeightSpecs, param_dtype):
         self.eps = eps
+        stored = WeightSpecs.fsdp(specs.norm_d, (d,), specs.fsdp_data)
         self.scale = nnx.Param(_ones(shape=(d,), dtype=jnp.dtype(param_dtype),
-                                     sharding=NamedSharding(mesh, specs.norm_d)),
-                               spec=specs.norm_d)
+                                     sharding=NamedSharding(mesh, stored)),
+                               spec=specs.norm_d, stored=stored)
 
     def __call__(self, x_btd):
         x = x_btd.astype(jnp.float32)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return x * self.scale[...].astype(jnp.float32)
+        return x * sharding.read_weight(self.scale, jnp.float32)
 
 
 def rope_frequencies(config: ModelConfig) -> jax.Array:
@@ -137,10 +143,11 @@ class Attention(nnx.Module):
         D, N, K, H = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
         pd = config.param_dtype
         std_out = 0.02 / math.sqrt(2 * config.n_layers)
-        self.q = _weight(rngs, mesh, (D, N, H), specs.q_dnh, pd, 0.02)
-        self.k = _weight(rngs, mesh, (D, K, H), specs.kv_dkh, pd, 0.02)
-        self.v = _weight(rngs, mesh, (D, K, H), specs.kv_dkh, pd, 0.02)
-        self.o = _weight(rngs, mesh, (N, H, D), specs.o_nhd, pd, std_out)
+        fs = specs.fsdp_data
+        self.q = _weight(rngs, mesh, (D, N, H), specs.q_dnh, pd, 0.02, fs)
+        self.k = _weight(rngs, mesh, (D, K, H), specs.kv_dkh, pd, 0.02, fs)
+        self.v = _weight(rngs, mesh, (D, K, H), specs.kv_dkh, pd, 0.02, fs)
+        self.o = _weight(rngs, mesh, (N, H, D), specs.o_nhd, pd, std_out, fs)
         self.n_kv_heads = K
         self.tp = sharding.tp_size(mesh)
         self.kv_replicated = specs.kv_replicated
@@ -152,13 +159,13 @@ class Attention(nnx.Module):
         written at `positions_bt` (row b's tokens go to slots positions[b, 0] onwards)."""
         dt = self.dtype
         x = x_btd.astype(dt)
-        wk, wv = self.k[...], self.v[...]
+        wk, wv = sharding.read_weight(self.k, dt), sharding.read_weight(self.v, dt)
         if self.kv_replicated:
             wk = sharding.local_kv_head(wk, self.n_kv_heads, self.tp)
             wv = sharding.local_kv_head(wv, self.n_kv_heads, self.tp)
-        q_btnh = jnp.einsum("BTD,DNH->BTNH", x, self.q[...].astype(dt))
-        k_btkh = jnp.einsum("BTD,DKH->BTKH", x, wk.astype(dt))
-        v_btkh = jnp.einsum("BTD,DKH->BTKH", x, wv.astype(dt))
+        q_btnh = jnp.einsum("BTD,DNH->BTNH", x, sharding.read_weight(self.q, dt))
+        k_btkh = jnp.einsum("BTD,DKH->BTKH", x, wk)
+        v_btkh = jnp.einsum("BTD,DKH->BTKH", x, wv)
         q_btnh = apply_rope(q_btnh, positions_bt, inv_freq)
         k_btkh = apply_rope(k_btkh, positions_bt, inv_freq)
         if cache is None:
@@ -170,7 +177,7 @@ class Attention(nnx.Module):
             slots_bs = jnp.broadcast_to(jnp.arange(S, dtype=positions_bt.dtype), (B, S))
             out_btnh = attend(q_btnh, k_bskh, v_bskh, positions_bt, slots_bs)
             cache = (k_bskh, v_bskh)
-        y_btd = jnp.einsum("BTNH,NHD->BTD", out_btnh, self.o[...].astype(dt))
+        y_btd = jnp.einsum("BTNH,NHD->BTD", out_btnh, sharding.read_weight(self.o, dt))
         return y_btd if cache is None else (y_btd, cache)
 
 
@@ -199,19 +206,21 @@ def attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs):
 class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, *, mesh: Mesh, specs: WeightSpecs, rngs: nnx.Rngs):
         D, F, pd = config.d_model, config.d_ff, config.param_dtype
-        self.gate = _weight(rngs, mesh, (D, F), specs.up_df, pd, 0.02)
-        self.up = _weight(rngs, mesh, (D, F), specs.up_df, pd, 0.02)
+        fs = specs.fsdp_data
+        self.gate = _weight(rngs, mesh, (D, F), specs.up_df, pd, 0.02, fs)
+        self.up = _weight(rngs, mesh, (D, F), specs.up_df, pd, 0.02, fs)
         self.down = _weight(rngs, mesh, (F, D), specs.down_fd, pd,
-                            0.02 / math.sqrt(2 * config.n_layers))
+                            0.02 / math.sqrt(2 * config.n_layers), fs)
         self.dtype = config.dtype
 
     def __call__(self, x_btd):
         """Returns this rank's partial sum (B, T, D) of the SwiGLU output."""
         dt = self.dtype
         x = x_btd.astype(dt)
-        g_btf = jnp.einsum("BTD,DF->BTF", x, self.gate[...].astype(dt))
-        u_btf = jnp.einsum("BTD,DF->BTF", x, self.up[...].astype(dt))
-        return jnp.einsum("BTF,FD->BTD", jax.nn.silu(g_btf) * u_btf, self.down[...].astype(dt))
+        g_btf = jnp.einsum("BTD,DF->BTF", x, sharding.read_weight(self.gate, dt))
+        u_btf = jnp.einsum("BTD,DF->BTF", x, sharding.read_weight(self.up, dt))
+        return jnp.einsum("BTF,FD->BTD", jax.nn.silu(g_btf) * u_btf,
+                          sharding.read_weight(self.down, dt))
 
 
 class Layer(nnx.Module):
@@ -230,17 +239,17 @@ class Transformer(nnx.Module):
     same `rngs` seed gives the same global weights on any mesh.
     """
 
-    def __init__(self, config: ModelConfig, *, mesh: Mesh, rngs: nnx.Rngs):
-        specs = WeightSpecs.for_model(config, mesh)
+    def __init__(self, config: ModelConfig, *, mesh: Mesh, rngs: nnx.Rngs, fsdp: bool = False):
+        specs = WeightSpecs.for_model(config, mesh, fsdp=fsdp)
         self.config = config
         self.mesh = mesh
         D, V, pd = config.d_model, config.vocab_size, config.param_dtype
-        self.embed = _weight(rngs, mesh, (V, D), specs.embed_vd, pd, 0.02)
+        self.embed = _weight(rngs, mesh, (V, D), specs.embed_vd, pd, 0.02, specs.fsdp_data)
         self.layers = nnx.List(
             [Layer(config, mesh=mesh, specs=specs, rngs=rngs) for _ in range(config.n_layers)])
         self.final_norm = RMSNorm(D, config.norm_eps, mesh=mesh, specs=specs, param_dtype=pd)
         self.head = None if config.tie_embeddings else _weight(
-            rngs, mesh, (D, V), specs.head_dv, pd, 0.02)
+            rngs, mesh, (D, V), specs.head_dv, pd, 0.02, specs.fsdp_data)
 
     def __repr__(self):
         c = self.config
@@ -278,7 +287,7 @@ class Transformer(nnx.Module):
             positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32),
                                             tokens_bt.shape)
         graphdef, state = nnx.split(self)
-        specs = param_specs(state)
+        specs = stored_specs(state)  # the weights enter as stored (FSDP: split over data)
         batch, logits = P(DATA, None), P(DATA, None, TP)
 
         cache_args = () if cache is None else (cache,)  # the cache travels only if given
@@ -299,14 +308,14 @@ class Transformer(nnx.Module):
         """One rank's forward: local batch rows, all of D, its heads / F / V slice. Returns
         (logits, updated caches or None)."""
         c = self.config
-        x_btd = jnp.take(self.embed[...], tokens_bt, axis=0).astype(jnp.float32)
+        x_btd = sharding.embed_lookup(self.embed, tokens_bt).astype(jnp.float32)
         x_btd, caches = self.layer_loop(x_btd, positions_bt, caches)
         h_btd = self.final_norm(x_btd).astype(c.dtype)
         if self.head is None:
-            head_dv = sharding.local_vocab_rows(self.embed[...], self.mesh.shape[TP]).T
+            head_dv = sharding.local_vocab_rows(sharding.read_weight(self.embed),
+                                                self.mesh.shape[TP]).T.astype(c.dtype)
         else:
-            head_dv = self.head[...]
-        head_dv = head_dv.astype(c.dtype)
+            head_dv = sharding.read_weight(self.head, c.dtype)
         with jax.named_scope("head"):
             if c.residual == "upper_bound":  # the stream is tp-varying already
                 logits_btv = jnp.einsum("BTD,DV->BTV", h_btd, head_dv,
@@ -344,20 +353,28 @@ class Transformer(nnx.Module):
 
 
 def param_specs(state: nnx.State) -> nnx.State:
-    """The partition spec of every weight in `state` (a tree of the same structure)."""
+    """The partition spec of every weight in `state` (a tree of the same structure): how the
+    model reads it, split over tp."""
     return jax.tree.map(lambda v: v.spec, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
-def abstract(config: ModelConfig, mesh: Mesh):
+def stored_specs(state: nnx.State) -> nnx.State:
+    """Where every weight in `state` is stored: its tp spec, and under FSDP also split over
+    data (`Transformer(..., fsdp=True)`, `WeightSpecs.fsdp`)."""
+    return jax.tree.map(lambda v: getattr(v, "stored", None) or v.spec, state,
+                        is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def abstract(config: ModelConfig, mesh: Mesh, *, fsdp: bool = False):
     """The model from shapes alone: (graphdef, state) where every weight is a
-    `jax.ShapeDtypeStruct` carrying its `NamedSharding` on `mesh`; nothing is allocated. Load
-    or restore weights into that state, then `nnx.merge(graphdef, state)`. Raises
-    ShardingError if `config` cannot be split over the mesh."""
-    model = nnx.eval_shape(lambda: Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)))
+    `jax.ShapeDtypeStruct` carrying its (stored) `NamedSharding` on `mesh`; nothing is
+    allocated. Load or restore weights into that state, then `nnx.merge(graphdef, state)`.
+    Raises ShardingError if `config` cannot be split over the mesh."""
+    model = nnx.eval_shape(lambda: Transformer(config, mesh=mesh, rngs=nnx.Rngs(0), fsdp=fsdp))
     graphdef, state = nnx.split(model)
     state = jax.tree.map(
-        lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype,
-                                                 sharding=NamedSharding(mesh, v.spec))),
+        lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
+            mesh, getattr(v, "stored", None) or v.spec))),
         state, is_leaf=lambda v: isinstance(v, nnx.Variable))
     return graphdef, state
 

@@ -28,6 +28,19 @@ cache sized for `--seq` + `--new-tokens` as `decode` sizes it, and the decode CL
 (temperature 0.8, top-k 200). `train` is a full training step (forward, backward, AdamW
 update) on `--seq` tokens.
 
+Training configs (`--config configs/X.yaml [key=value ...] --hosts N`): compiles the training
+step that config runs (`compile_train_config`: its mesh, FSDP, dtypes, accumulation, remat and
+optimizer, through the same `ladder_jax.step` functions the trainer uses) for N hosts of
+`--gpus-per-host` GPUs: the plugin's topology `1 x N x G`, the (data, tp) mesh filled row by
+row so that a tp group is one host. The report adds every other collective (`read_collectives`:
+FSDP's all-gathers and reduce-scatters over `data`, the loss's and gradient norm's
+all-reduces; counted per mesh axis and per place, inside the accumulation loop or once per
+step) and the memory per device (`ladder_jax.step.memory_use`) against the chip's capacity; a
+step that does not fit exits 2 with the fix (`ladder_jax.step.check_memory`, the check the
+trainer makes on a GPU).
+
+    python -m ladder_jax.overlap --config configs/llama-3-70b.yaml --hosts 8
+
 The options the package compiles with (`ladder_jax.sharding.compiler_options("gpu")`) are
 applied here exactly as in training and decoding: the report shows what users get.
 """
@@ -43,6 +56,7 @@ import sys
 import time
 
 from ladder_jax import hardware
+from ladder_jax.config import RESIDUALS
 
 PLUGIN_HINT = ('deviceless GPU compilation needs the CUDA PJRT plugin at the jax version in use: '
                'pip install "jax-cuda12-plugin=={v}" "jax-cuda12-pjrt=={v}"  '
@@ -53,26 +67,38 @@ class OverlapError(RuntimeError):
     pass
 
 
-def gpu_mesh(target: str, tp: int):
-    """A (data=1, tp) mesh of abstract GPUs of `target` (no GPU needed)."""
+def gpu_devices(target: str, n: int, *, hosts: int = 1) -> list:
+    """`n` abstract GPUs of `target` on `hosts` hosts (n / hosts each), process by process: the
+    plugin's topology `1 x hosts x n/hosts` (one slice). No GPU needed."""
     import jax
-    import numpy as np
     from jax.experimental import topologies
-    from jax.sharding import AxisType, Mesh
 
     if target not in hardware.TARGETS:
         raise OverlapError(f"unknown target {target!r}: choose one of "
                            f"{', '.join(hardware.TARGETS)}")
+    if hosts <= 0 or n <= 0 or n % hosts:
+        raise OverlapError(f"{n} GPUs cannot be spread evenly over {hosts} hosts")
     check_plugin()
     try:
         topo = topologies.get_topology_desc(
             platform="cuda", target_config=hardware.gpu_target_config(target),
-            topology=f"1x1x{tp}")
+            topology=f"1x{hosts}x{n // hosts}")
     except Exception as e:  # the plugin's errors are plain RuntimeErrors
-        raise OverlapError(f"could not describe {tp} x {target}: {e}\n"
+        raise OverlapError(f"could not describe {hosts} hosts x {n // hosts} {target}: {e}\n"
                            + PLUGIN_HINT.format(v=jax.__version__)) from None
-    devices = np.array(topo.devices).reshape(1, tp)
-    return Mesh(devices, ("data", "tp"), axis_types=(AxisType.Auto, AxisType.Auto))
+    return list(topo.devices)
+
+
+def gpu_mesh(target: str, tp: int, *, data: int = 1, hosts: int = 1):
+    """A (data, tp) mesh of abstract GPUs of `target` on `hosts` hosts (no GPU needed). Devices
+    fill the mesh row by row, so a tp group is tp consecutive GPUs: one host when tp <= the
+    GPUs per host."""
+    from jax.sharding import AxisType, Mesh
+
+    devices = gpu_devices(target, data * tp, hosts=hosts)
+    import numpy as np
+    return Mesh(np.array(devices).reshape(data, tp), ("data", "tp"),
+                axis_types=(AxisType.Auto, AxisType.Auto))
 
 
 def check_plugin() -> None:
@@ -93,18 +119,6 @@ def check_plugin() -> None:
 SAMPLING = dict(temperature=0.8, top_k=200)  # the decode CLI's defaults (the paper's protocol)
 
 
-def _abstract(tree, mesh):
-    """Variables of an `nnx.eval_shape` model as ShapeDtypeStructs in their shardings."""
-    import jax
-    from flax import nnx
-    from jax.sharding import NamedSharding
-
-    return jax.tree.map(
-        lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype,
-                                                 sharding=NamedSharding(mesh, v.spec))),
-        tree, is_leaf=lambda v: isinstance(v, nnx.Variable))
-
-
 def lower_decoder(config, mesh, *, phase: str, batch: int, prompt_len: int, new_tokens: int,
                   sampling=None):
     """The lowered `Decoder` prefill or one-token step (KV cache, sampling) of `config` on
@@ -116,12 +130,11 @@ def lower_decoder(config, mesh, *, phase: str, batch: int, prompt_len: int, new_
     from jax.sharding import PartitionSpec as P
 
     from ladder_jax import decode, sharding
-    from ladder_jax.model import Transformer
+    from ladder_jax.model import abstract
 
     sampling = sampling or decode.Sampling(**SAMPLING)
-    model = nnx.eval_shape(lambda: Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)))
-    decoder = decode.Decoder(model, sampling)
-    state = _abstract(decoder.state, mesh)
+    decoder = decode.Decoder(nnx.merge(*abstract(config, mesh)), sampling)
+    state = decoder.state  # weights as ShapeDtypeStructs in their shardings
     tp = sharding.tp_size(mesh)
     S = decode.cache_length(config, prompt_len, new_tokens)
     kv = jax.ShapeDtypeStruct((batch, S, sharding.cache_kv_heads(config, tp), config.head_dim),
@@ -145,12 +158,11 @@ def compile_program(config, *, phase: str, tp: int, batch: int, seq: int, target
     cache."""
     import jax
     import jax.numpy as jnp
-    from flax import nnx
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from ladder_jax import sharding, step
-    from ladder_jax.model import Transformer
+    from ladder_jax.model import abstract
 
     if phase not in PHASES:
         raise OverlapError(f"unknown phase {phase!r}: choose one of {', '.join(PHASES)}")
@@ -163,15 +175,16 @@ def compile_program(config, *, phase: str, tp: int, batch: int, seq: int, target
                                 new_tokens=new_tokens)
         hlo = lowered.compile(compiler_options=options).as_text()
         return hlo, time.perf_counter() - t0
-    abstract = nnx.eval_shape(lambda: Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)))
-    graphdef, params = nnx.split(abstract)
-    params = _abstract(params, mesh)
+    graphdef, params = abstract(config, mesh)
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=NamedSharding(mesh, P()))
     optimizer = step.make_optimizer()
+    # moments stored like their params, counters replicated (`jax.eval_shape` drops the
+    # shardings: moments left replicated would put the whole model's AdamW state on every GPU,
+    # and past XLA's memory limit the scheduler stops overlapping collectives)
     opt_state = jax.eval_shape(optimizer.init, params)
-    opt_state = jax.tree.map(  # moments follow the params' shardings; counters replicated
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=getattr(
-            s, "sharding", None) or NamedSharding(mesh, P())), opt_state)
+    opt_state = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt_state,
+        step.opt_state_shardings(optimizer, opt_state, params, mesh))
 
     def train(params, opt_state, tokens):
         return step.train_step(graphdef, params, opt_state, tokens, tokens,
@@ -186,10 +199,56 @@ def compile_program(config, *, phase: str, tp: int, batch: int, seq: int, target
 PHASES = ("prefill", "decode", "train")
 
 
+def compile_train_config(cfg, *, hosts: int = 1, gpus_per_host: int = 8, target: str = "h100"):
+    """Compiles the training step that `cfg` (a TrainConfig) runs, for `hosts` x
+    `gpus_per_host` GPUs of `target`: its mesh (`mesh.data` x `mesh.tp`, data filling what tp
+    leaves), its weights stored as the trainer stores them (FSDP
+    included), its dtypes, optimizer, gradient accumulation (`data.grad_accum` micro-batches of
+    `data.batch_size` x `data.seq_len`) and rematerialization, the step function the trainer
+    jits (`step.make_train_step`) with the same options. Returns (compiled, mesh, seconds)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from ladder_jax import config as config_lib
+    from ladder_jax import sharding, step
+    from ladder_jax.model import abstract
+
+    model_config = config_lib.check(cfg)
+    n = hosts * gpus_per_host
+    tp = cfg.mesh.tp
+    if cfg.mesh.data is not None and cfg.mesh.data * tp != n:
+        raise OverlapError(f"mesh.data={cfg.mesh.data} x mesh.tp={tp} = {cfg.mesh.data * tp} "
+                           f"GPUs, but {hosts} hosts x {gpus_per_host} = {n}: set --hosts or "
+                           f"mesh.data")
+    if n % tp:
+        raise OverlapError(f"mesh.tp={tp} does not divide the {n} GPUs")
+    data = n // tp
+    mesh = gpu_mesh(target, tp, data=data, hosts=hosts)
+    sharding.check_batch(cfg.data.batch_size, mesh)
+    graphdef, params = abstract(model_config, mesh, fsdp=cfg.mesh.fsdp)  # stored as trained
+    optimizer = step.make_optimizer(cfg.optim, total_steps=cfg.steps)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    opt_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                             opt_state, step.opt_state_shardings(optimizer, opt_state, params,
+                                                                 mesh))
+    batch = jax.ShapeDtypeStruct(
+        (cfg.data.grad_accum, cfg.data.batch_size, cfg.data.seq_len + 1), jnp.int32,
+        sharding=NamedSharding(mesh, P(None, sharding.DATA, None)))
+    train_step = step.make_train_step(
+        graphdef, optimizer=optimizer, grad_clip=cfg.optim.grad_clip,
+        param_shardings=[x.sharding for x in jax.tree.leaves(params)],
+        opt_shardings=[x.sharding for x in jax.tree.leaves(opt_state)])
+    t0 = time.perf_counter()
+    compiled = sharding.jit(train_step, platform="gpu", donate_argnums=(0, 1)).lower(
+        params, opt_state, batch).compile()
+    return compiled, mesh, time.perf_counter() - t0
+
+
 # ---------------------------------------------------------------------------------------------
 # Reading the schedule.
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\([^=]*?\)|\S+)\s+([\w\-$]+)\((.*)$")
 _ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8\w*)\[([\d,]*)\]")
 _SCOPE = re.compile(r"layer(\d+)\.(attn|mlp|parallel)")
 
@@ -242,10 +301,36 @@ def _computations(hlo: str) -> dict[str, list[_Op]]:
         if line.strip() == "}":
             current = None
             continue
-        m = _INSTR.match(line)
-        if m:
-            comps[current].append(_Op(m.group(1), m.group(2), m.group(3), line))
+        op = _parse_instruction(line)
+        if op:
+            comps[current].append(op)
     return comps
+
+
+_HEAD = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_OPCODE = re.compile(r"\s*([\w\-$]+)\(")
+
+
+def _parse_instruction(line: str) -> _Op | None:
+    """`name = shape opcode(...)`; a tuple shape is matched by its parentheses (it may hold
+    `/*index=5*/` comments and nested tuples)."""
+    m = _HEAD.match(line)
+    if not m:
+        return None
+    rest = line[m.end():]
+    if rest.startswith("("):
+        depth = 0
+        for end, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                break
+        shape, rest = rest[:end + 1], rest[end + 1:]
+    else:
+        shape, _, rest = rest.partition(" ")
+        rest = " " + rest
+    o = _OPCODE.match(rest)
+    return _Op(m.group(1), shape, o.group(1), line) if o else None
 
 
 def read_all_reduces(hlo: str, d_model: int) -> list[dict]:
@@ -272,7 +357,7 @@ def read_all_reduces(hlo: str, d_model: int) -> list[dict]:
                          if ops[j].opcode == "all-reduce-done" and ref.search(ops[j].text))
                 done, between, is_sync = ops[j], ops[i + 1:j], '"is_sync":true' in op.text
             scope = _SCOPE.search(op.op_name)
-            dims = [int(d) for d in (_ARRAY.search(done.shape).group(2) or "0").split(",") if d]
+            dims = [int(d) for d in _ARRAY.search(done.shape).group(2).split(",") if d]
             activation = len(dims) == 3 and dims[-1] == d_model
             if "shard_map" not in op.op_name:
                 kind = "loss" if len(dims) > 1 or "jvp(" in op.op_name else "optimizer"
@@ -295,6 +380,112 @@ def read_all_reduces(hlo: str, d_model: int) -> list[dict]:
                 "op_name": op.op_name,
             })
     return found
+
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-to-all", "collective-permute", "all-reduce")
+
+
+def _iota(dims: list[int], perm: list[int] | None):
+    import numpy as np
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    return (ids.transpose(perm) if perm else ids).reshape(-1)
+
+
+def _first_group(text: str) -> list[int] | None:
+    """The device ids of the first replica group of a collective, from any of XLA's spellings:
+    `{{0,1},{2,3}}`, `[2,2]<=[4]` (iota, optionally transposed `T(1,0)`), or
+    `mesh['axis_0'=2,'axis_1'=4](, device_ids=(...))? {'axis_0'}` (groups along the named axes of
+    a device mesh)."""
+    import numpy as np
+
+    m = re.search(r"replica_groups=\{\{([\d,]*)\}", text)
+    if m:
+        return [int(x) for x in m.group(1).split(",") if x]
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+    if m:
+        ids = _iota([int(x) for x in m.group(3).split(",")],
+                    [int(x) for x in m.group(4).split(",")] if m.group(4) else None)
+        return ids.reshape(int(m.group(1)), int(m.group(2)))[0].tolist()
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\]"
+                  r"(?:T\(([\d,]+)\))?\))? \{([^}]*)\}", text)
+    if m:
+        axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        n = int(np.prod(sizes))
+        ids = (_iota([int(x) for x in m.group(2).split(",")],
+                     [int(x) for x in m.group(3).split(",")] if m.group(3) else None)
+               if m.group(2) else np.arange(n)).reshape(sizes)
+        along = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(4))]
+        index = tuple(slice(None) if i in along else 0 for i in range(len(sizes)))
+        return ids[index].reshape(-1).tolist()
+    return None
+
+
+def _mesh_axis(group: list[int] | None, data: int, tp: int) -> str:
+    """Which axis of a (data, tp) mesh (devices numbered row by row) a replica group spans."""
+    if not group:
+        return "?"
+    if sorted(group) == list(range(group[0], group[0] + len(group))) and len(group) == tp:
+        return "tp"
+    if len(group) == data * tp:
+        return "all"
+    if len(group) == data and all(b - a == tp for a, b in zip(group, group[1:])):
+        return "data"
+    return f"{len(group)} devices"
+
+
+def read_collectives(hlo: str, *, data: int, tp: int) -> list[dict]:
+    """Every collective of a scheduled HLO module (all-gather, reduce-scatter, all-to-all,
+    collective-permute, all-reduce), in schedule order, with the mesh axis it runs over (`tp`,
+    `data` or `all` of a (data, tp) mesh), its bytes (the result, per device), where it sits
+    (`loop`: inside a while loop's body, e.g. once per accumulated micro-batch; `step`: once
+    per step) and whether it is overlapped (asynchronous, with a matmul scheduled between its
+    start and done, as in `read_all_reduces`)."""
+    if "is_scheduled=true" not in hlo.split("\n", 1)[0]:
+        raise OverlapError("the HLO module is not scheduled: pass compiled, not lowered, text")
+    comps = _computations(hlo)
+    bodies = set()
+    for ops in comps.values():
+        for op in ops:
+            if op.opcode == "while":
+                bodies.update(re.findall(r"body=%?([\w.\-]+)", op.text))
+    found = []
+    for cname, ops in comps.items():
+        for i, op in enumerate(ops):
+            base = op.opcode[:-len("-start")] if op.opcode.endswith("-start") else op.opcode
+            if base not in COLLECTIVES:
+                continue
+            if op.opcode == base:
+                done, between, asynchronous = op, [], False
+            else:
+                ref = re.compile(rf"%{re.escape(op.name)}\b")
+                j = next((j for j in range(i + 1, len(ops)) if ops[j].opcode == base + "-done"
+                          and ref.search(ops[j].text)), None)
+                if j is None:
+                    continue
+                done, between = ops[j], ops[i + 1:j]
+                asynchronous = '"is_sync":true' not in op.text
+            gemms = sum(o.is_matmul() for o in between) if asynchronous else 0
+            found.append({
+                "collective": base, "axis": _mesh_axis(_first_group(op.text), data, tp),
+                "bytes": _nbytes(done.shape), "where": "loop" if cname in bodies else "step",
+                "asynchronous": asynchronous, "gemms_between": gemms, "overlapped": gemms >= 1,
+                "computation": cname, "op_name": op.op_name,
+            })
+    return found
+
+
+def summarize_collectives(collectives: list[dict]) -> list[dict]:
+    """One row per (collective, axis, where): count, overlapped count, total bytes."""
+    rows = {}
+    for c in collectives:
+        key = (c["collective"], c["axis"], c["where"])
+        r = rows.setdefault(key, {"collective": key[0], "axis": key[1], "where": key[2],
+                                  "count": 0, "overlapped": 0, "bytes": 0})
+        r["count"] += 1
+        r["overlapped"] += c["overlapped"]
+        r["bytes"] += c["bytes"]
+    return list(rows.values())
 
 
 def summarize(all_reduces: list[dict]) -> dict:
@@ -324,6 +515,54 @@ def report(config, *, phase: str, tp: int, batch: int, seq: int, target: str = "
             "ladder_layers": config.ladder_layers, "phase": phase, "tp": tp, "batch": batch,
             "seq": seq, "target": target,
             "compile_seconds": round(seconds, 2), **summarize(ars), "all_reduces": ars}
+
+
+def report_config(cfg, *, hosts: int = 1, gpus_per_host: int = 8, target: str = "h100") -> dict:
+    """Compile the training step of `cfg` (`compile_train_config`) and read it: the module
+    all-reduces (`read_all_reduces`), every other collective (`read_collectives`) and the
+    per-device memory (`step.memory_use`) against the target's capacity. JSON-able."""
+    from ladder_jax import config as config_lib
+    from ladder_jax import step
+
+    compiled, mesh, seconds = compile_train_config(cfg, hosts=hosts,
+                                                   gpus_per_host=gpus_per_host, target=target)
+    model = config_lib.model_config(cfg)
+    hlo = compiled.as_text()
+    data, tp = mesh.shape["data"], mesh.shape["tp"]
+    ars = read_all_reduces(hlo, model.d_model)
+    collectives = read_collectives(hlo, data=data, tp=tp)
+    memory = step.memory_use(compiled)
+    capacity = hardware.CHIPS[target].memory_bytes
+    d = cfg.data
+    return {"config": cfg.name, "preset": cfg.model.preset, "residual": model.residual,
+            "ladder_layers": model.ladder_layers, "remat": model.remat, "phase": "train",
+            "hosts": hosts, "gpus": hosts * gpus_per_host, "data": data, "tp": tp,
+            "fsdp": cfg.mesh.fsdp, "batch": d.batch_size, "grad_accum": d.grad_accum,
+            "seq": d.seq_len, "tokens_per_step": d.batch_size * d.grad_accum * d.seq_len,
+            "target": target, "compile_seconds": round(seconds, 2),
+            "memory": memory, "peak_bytes_per_device": memory["peak"],
+            "device_memory_bytes": capacity, "fits": memory["peak"] <= capacity,
+            **summarize(ars), "collectives": summarize_collectives(collectives),
+            "all_reduces": ars}
+
+
+def format_memory(rep: dict) -> str:
+    m, gib = rep["memory"], 1024**3
+    parts = [f"arguments {m['arguments'] / gib:.2f} (weights, optimizer state, batch)",
+             f"outputs {m['outputs'] / gib:.2f} ({m['aliased'] / gib:.2f} in place)",
+             f"temporaries {m['temporaries'] / gib:.2f}"]
+    return (f"memory per device, GiB: {', '.join(parts)}; peak {m['peak'] / gib:.2f} of "
+            f"{rep['device_memory_bytes'] / gib:.2f} ({rep['target']})"
+            + ("" if rep["fits"] else ": DOES NOT FIT"))
+
+
+def format_collectives(rep: dict) -> str:
+    lines = [f"{'collective':<19} {'axis':<5} {'where':<5} {'count':>6} {'overlapped':>10} "
+             f"{'MiB':>10}"]
+    for r in rep["collectives"]:
+        lines.append(f"{r['collective']:<19} {r['axis']:<5} {r['where']:<5} {r['count']:>6} "
+                     f"{r['overlapped']:>10} {r['bytes'] / 2**20:>10.2f}")
+    return "\n".join(lines)
 
 
 def format_table(rep: dict) -> str:
@@ -356,8 +595,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ladder_jax.overlap", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="llama-3-8b")
-    p.add_argument("--residual", default="ladder",
-                   choices=["standard", "parallel", "ladder", "upper_bound"])
+    p.add_argument("--residual", default=None, choices=RESIDUALS,
+                   help="default: ladder (with --config: the config's)")
     p.add_argument("--ladder-layers", default=None,
                    help="ladder only: N (upper N layers) or a comma list of layer indices")
     p.add_argument("--tp", type=int, default=8)
@@ -368,22 +607,29 @@ def main(argv=None) -> int:
     p.add_argument("--phase", default="decode", choices=PHASES)
     p.add_argument("--target", default="h100", choices=hardware.TARGETS)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--config", default=None,
+                   help="a training config (YAML): compile the training step it runs, with its "
+                        "mesh, FSDP, dtypes, accumulation and remat; report memory too")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="with --config: overrides, as for python -m ladder_jax.train")
+    p.add_argument("--hosts", type=int, default=1, help="with --config: hosts (processes)")
+    p.add_argument("--gpus-per-host", type=int, default=8)
     args = p.parse_args(argv)
+    if args.config or args.overrides:
+        return _main_config(args)
+    args.residual = args.residual or "ladder"
 
     import jax
 
     jax.config.update("jax_platforms", "cpu")  # compile for the GPU target, run nothing
-    from ladder_jax.model import ConfigError, ModelConfig
-    from ladder_jax.sharding import ShardingError
+    from ladder_jax.config import ConfigError, ModelConfig, parse_ladder_layers
 
     try:
-        ll = args.ladder_layers
-        if ll is not None:
-            ll = int(ll) if ll.isdigit() else tuple(int(x) for x in ll.split(",") if x)
-        config = ModelConfig.from_preset(args.preset, residual=args.residual, ladder_layers=ll)
+        config = ModelConfig.from_preset(args.preset, residual=args.residual,
+                                         ladder_layers=parse_ladder_layers(args.ladder_layers))
         rep = report(config, phase=args.phase, tp=args.tp, batch=args.batch, seq=args.seq,
                      target=args.target, new_tokens=args.new_tokens)
-    except (ConfigError, ShardingError, OverlapError, ValueError) as e:
+    except (ConfigError, OverlapError, ValueError) as e:  # ShardingError is a ConfigError
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
@@ -392,6 +638,49 @@ def main(argv=None) -> int:
     else:
         print(format_table(rep))
         print(verdict(rep))
+    return 0
+
+
+def _main_config(args) -> int:
+    """`--config`: the training step of a config, its memory and its collectives. Exit 2 (one
+    line) when the config is invalid or its step does not fit on the target."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # compile for the GPU target, run nothing
+    from ladder_jax import step
+    from ladder_jax.config import ConfigError, load_config
+
+    try:
+        if not args.config:
+            raise ConfigError("key=value overrides need --config")
+        over = list(args.overrides)
+        if args.residual:
+            over.append(f"model.residual={args.residual}")
+        if args.ladder_layers is not None:
+            over.append(f"model.ladder_layers={args.ladder_layers}")
+        cfg = load_config([args.config, *over])
+        rep = report_config(cfg, hosts=args.hosts, gpus_per_host=args.gpus_per_host,
+                            target=args.target)
+    except (ConfigError, OverlapError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(rep))
+    else:
+        print(format_table(rep))
+        print(format_collectives(rep))
+        print(format_memory(rep))
+        print(f"{rep['gpus']} GPUs on {rep['hosts']} host(s), mesh data={rep['data']} x "
+              f"tp={rep['tp']}{' fsdp' if rep['fsdp'] else ''}, {rep['tokens_per_step']:,} "
+              f"tokens/step ({rep['grad_accum']} x {rep['batch']} x {rep['seq']}), remat="
+              f"{rep['remat']}")
+        print(verdict(rep))
+    try:
+        step.check_memory(rep["memory"], rep["device_memory_bytes"], cfg,
+                          where=f"per device ({rep['target']})")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

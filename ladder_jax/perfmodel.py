@@ -71,8 +71,8 @@ import sys
 import time
 
 from ladder_jax import hardware, overlap
+from ladder_jax.config import RESIDUALS, load_config, model_config, parse_ladder_layers
 
-RESIDUALS = ("standard", "parallel", "ladder", "upper_bound")
 
 
 class PredictError(ValueError):
@@ -645,7 +645,7 @@ def main(argv=None) -> int:
         config = ModelConfig.from_preset(args.preset)
         if args.ladder_layers is not None:
             config = dataclasses.replace(config, residual="ladder",
-                                         ladder_layers=_ladder_layers(args.ladder_layers))
+                                         ladder_layers=parse_ladder_layers(args.ladder_layers))
         residuals = RESIDUALS if args.residual == ["all"] else tuple(args.residual)
         eff = hardware.EFFICIENCY
         eff = dataclasses.replace(eff, **{k: v for k, v in (
@@ -696,25 +696,22 @@ def main(argv=None) -> int:
 
 def _train_setup(args) -> tuple:
     """(model config, predict_train keywords) of a training config file."""
-    from ladder_jax import train
 
     if not args.config:
         raise PredictError("--phase train needs --config configs/X.yaml")
-    cfg = train.load_config([args.config])
+    cfg = load_config([args.config])
     data = cfg.mesh.data or 1
     if cfg.data.batch_size % data:
         raise PredictError(f"data.batch_size={cfg.data.batch_size} is not divisible by "
                            f"mesh.data={data}")
-    config = train.model_config(cfg)
+    config = model_config(cfg)
     if args.ladder_layers is not None:
         config = dataclasses.replace(config, residual="ladder",
-                                     ladder_layers=_ladder_layers(args.ladder_layers))
+                                     ladder_layers=parse_ladder_layers(args.ladder_layers))
     return config, dict(tp=[cfg.mesh.tp], batch=cfg.data.batch_size // data,
                         seq_len=cfg.data.seq_len, grad_accum=cfg.data.grad_accum)
 
 
-def _ladder_layers(text: str):
-    return int(text) if text.strip().isdigit() else tuple(int(x) for x in text.split(",") if x)
 
 
 def _check_knobs(eff: hardware.Efficiency, link_overrides: dict) -> None:

@@ -32,7 +32,9 @@ cotangent and of every later module's input contribution c_m = norm_vjp_m(psum(c
     otherwise S = S + c_k at once.
 
 Same maths as autodiff (tested against autodiff of an independent reference), a ladder
-schedule for the backward too. The LM head (`lm_head`) has a hand-written backward as well:
+schedule for the backward too. Under `remat="module"` the forward keeps only each module's
+input x (the stream it read); the backward recomputes module k's norm and module from it just
+before module k's backward matmuls, beside the same in-flight all-reduce. The LM head (`lm_head`) has a hand-written backward as well:
 its input-cotangent all-reduce overlaps its weight-gradient matmul.
 """
 
@@ -133,8 +135,12 @@ def _stream(plan, states, x_btd, positions_bt, inv_freq, *, caches=None, vjps=No
                 y_btd, caches[step.layer] = module(module_state, vary(norm(norm_state, x_btd)),
                                                    caches[step.layer])
             else:
-                module = jax.checkpoint(module) if plan.remat else module
-                if vjps is not None:
+                if plan.remat:  # keep only the stream x and the module's input h
+                    norm, module = jax.checkpoint(norm), jax.checkpoint(module)
+                if vjps is not None and plan.remat:  # keep x alone: `_ladder_bwd` recomputes
+                    y_btd = module(module_state, vary(norm(norm_state, x_btd)))
+                    vjps.append(x_btd)
+                elif vjps is not None:
                     h_btd, norm_vjp = jax.vjp(norm, norm_state, x_btd)
                     y_btd, module_vjp = jax.vjp(module, module_state, vary(h_btd))
                     vjps.append((norm_vjp, module_vjp))
@@ -154,15 +160,33 @@ def _ladder_stream(plan, states, x_btd, positions_bt, inv_freq):
 
 
 def _ladder_fwd(plan, states, x_btd, positions_bt, inv_freq):
+    """The forward, and what the backward needs: each module's (norm vjp, module vjp), or
+    under remat only each module's input x (with the weights and positions to recompute)."""
     vjps = []
-    return _stream(plan, states, x_btd, positions_bt, inv_freq, vjps=vjps)[0], vjps
+    y = _stream(plan, states, x_btd, positions_bt, inv_freq, vjps=vjps)[0]
+    return y, (vjps, states if plan.remat else None, positions_bt, inv_freq)
 
 
-def _ladder_bwd(plan, vjps, ct_x_btd):
+def _ladder_bwd(plan, res, ct_x_btd):
+    saved, states, positions_bt, inv_freq = res
     steps = plan.steps
     ct_states = [None] * len(steps)
     s_btd = ct_x_btd  # S: the stream's cotangent
     in_flight = None  # (k, all-reduced input cotangent of deferred module k)
+    vjps = {} if plan.remat else dict(enumerate(saved))
+    _, vary = _reduce_and_vary(plan)
+
+    def recompute(k, s_btd):  # remat: module k's norm and module again, from its input x
+        # Through a tie with the stream's cotangent: XLA can neither merge the recomputation
+        # with the forward's (keeping the forward's activations and gathered weights alive)
+        # nor run it before the backward has reached module k (holding every module's
+        # recomputed activations at once).
+        leaves, treedef = jax.tree.flatten((states[k], saved[k], s_btd))
+        (norm_state, module_state), x_btd, _ = treedef.unflatten(sharding.tie(*leaves))
+        norm, module = _functions(plan, k, positions_bt, inv_freq)
+        h_btd, norm_vjp = jax.vjp(norm, norm_state, x_btd)
+        _, module_vjp = jax.vjp(module, module_state, vary(h_btd))
+        return norm_vjp, module_vjp
 
     def add_input_contribution(k, ct_h_btd, s_btd):
         ct_norm_state, ct_x_btd = vjps[k][0](ct_h_btd)
@@ -172,6 +196,8 @@ def _ladder_bwd(plan, vjps, ct_x_btd):
     for k in reversed(range(len(steps))):
         step = steps[k]
         with jax.named_scope(f"layer{step.layer}.{step.name}"):
+            if plan.remat:
+                vjps[k] = recompute(k, s_btd)
             ct_y_btd = jax.lax.pcast(s_btd.astype(plan.dtype), TP, to="varying")  # psum^T
             ct_module_state, ct_h_btd = vjps[k][1](ct_y_btd)  # module k's backward matmuls
             ct_states[k] = ct_module_state
@@ -214,8 +240,14 @@ def _lm_head_bwd(res, ct_btv):
     ct_btv = ct_btv.astype(head_dv.dtype)
     ct_h_btd = sharding.reduce_tp(jnp.einsum("BTV,DV->BTD", ct_btv, head_dv))
     ct_head_dv = jnp.einsum("BTD,BTV->DV", jax.lax.pcast(h_btd, TP, to="varying"), ct_btv)
-    ct_head_dv = jax.lax.psum(ct_head_dv, DATA)  # data-parallel gradient sum
-    return sharding.tie(ct_h_btd, ct_head_dv)
+    ct_h_btd, ct_head_dv = sharding.tie(ct_h_btd, ct_head_dv)
+    # The data-parallel gradient sum comes after the tie: tied in, it would hold the all-reduce
+    # above back until it is done too (and XLA then makes that one synchronous). A head
+    # gathered over data where it is read (FSDP) is data-varying here: its gather's transpose
+    # reduce-scatters the gradient instead.
+    if not sharding.varies_over(head_dv, DATA):
+        ct_head_dv = jax.lax.psum(ct_head_dv, DATA)
+    return ct_h_btd, ct_head_dv
 
 
 lm_head.defvjp(_lm_head_fwd, _lm_head_bwd)

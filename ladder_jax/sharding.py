@@ -45,6 +45,12 @@ Memory costs of the replicated pieces, per rank:
   llama-3-70b at tp=16: 32 MB/layer in bf16) and uses the one its query heads belong to. Each
   kv head is computed by tp/K ranks; its gradient is summed over them by shard_map.
 
+FSDP (`mesh.fsdp=true`, `Transformer(..., fsdp=True)`): every weight is also *stored* split over
+`data` (`WeightSpecs.fsdp`), with its AdamW moments, and enters the shard_map that way; a module
+all-gathers its weights over `data` where it reads them (`read_weight`), so a rank holds whole
+only the weights of the modules at work, and each gradient leaves the backward reduce-scattered
+over `data`. Without FSDP, weights are replicated over `data` and their gradients all-reduced.
+
 Gradients of replicated weights are summed over `tp` by shard_map itself: we keep
 `check_vma=True` everywhere so that this bookkeeping is done by JAX, not by hand.
 """
@@ -56,6 +62,7 @@ from typing import Any, Callable
 
 import jax
 import jax.extend
+import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import AxisType, Mesh
@@ -126,14 +133,16 @@ class WeightSpecs:
     down_fd: P
     norm_d: P
     kv_replicated: bool  # True when n_kv_heads < tp: each rank picks its head locally
+    fsdp_data: int = 1  # FSDP: weights stored split over `data` too (its size; 1 = off)
 
     @classmethod
-    def for_model(cls, config, mesh: Mesh) -> "WeightSpecs":
+    def for_model(cls, config, mesh: Mesh, *, fsdp: bool = False) -> "WeightSpecs":
         """Validates that `config` can be split `tp` ways and returns its layout."""
         tp = tp_size(mesh)
         check_divisible(config, tp)
         kv_replicated = config.n_kv_heads < tp
         return cls(
+            fsdp_data=data_size(mesh) if fsdp else 1,
             embed_vd=P(None, None),
             head_dv=P(None, TP),
             q_dnh=P(None, TP, None),
@@ -150,9 +159,10 @@ class WeightSpecs:
     def fsdp(spec: P, shape, n_data: int) -> P:
         """Where a weight is *stored* under FSDP (`mesh.fsdp`): its tp spec with the largest
         still-unsplit dimension that `n_data` divides also split over `data` (unchanged when
-        none is). Its Adam moments follow it. Inside the model's shard_map each weight is
-        still read with its tp spec: XLA all-gathers it over `data` at that boundary, and the
-        gradient comes back reduce-scattered."""
+        none is). Its Adam moments follow it. The model's shard_map takes each weight in this
+        layout and all-gathers it over `data` where a module reads it (`read_weight`), so only
+        the weights of the module at work (and of the ones whose gathers are in flight) are
+        whole on a rank; the gradient of the gather reduce-scatters the weight's gradient."""
         entries = list(spec) + [None] * (len(shape) - len(spec))
         free = [i for i, e in enumerate(entries) if e is None and shape[i] % n_data == 0]
         if n_data == 1 or not free:
@@ -259,9 +269,12 @@ def compiler_options(platform: str) -> dict[str, Any]:
     - `xla_gpu_all_reduce_combine_threshold_bytes=0`: never merge independent all-reduces;
       merging the ladder's psum of module i with module i+1's makes both synchronous. Cost:
       the optimizer's per-weight gradient-norm reductions (a few bytes each) stay separate.
-    - `xla_gpu_experimental_parallel_collective_overlap_limit=2`: let two all-reduces be in
-      flight at once. In a training step the loss's vocab reduction is scheduled late, and
-      with one slot it blocks a backward all-reduce from overlapping.
+    - `xla_gpu_experimental_parallel_collective_overlap_limit=4`: let up to four collectives
+      be in flight at once. In a training step the loss's vocab reduction is scheduled late,
+      and with one slot it blocks a backward all-reduce from overlapping; under FSDP each
+      module's weight all-gathers (and, in the backward, gradient reduce-scatters) run beside
+      the previous module's all-reduce, and with two slots they push it out of its overlap
+      (llama-3-70b on 8 x 8 GPUs: half of the forward's module all-reduces lost it).
     CPU (XLA:CPU runs collectives synchronously: CPU runs prove numerics, never overlap):
     - `xla_disable_hlo_passes=CPU_KEEP_BARRIERS_PASS`: keep `tie`'s optimization barriers
       through fusion, as XLA:GPU does. See `CPU_KEEP_BARRIERS_PASS` for why the ladder's
@@ -272,7 +285,7 @@ def compiler_options(platform: str) -> dict[str, Any]:
         return {
             "xla_gpu_enable_latency_hiding_scheduler": True,
             "xla_gpu_all_reduce_combine_threshold_bytes": 0,
-            "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+            "xla_gpu_experimental_parallel_collective_overlap_limit": 4,
         }
     if platform == "cpu":
         return {"xla_disable_hlo_passes": CPU_KEEP_BARRIERS_PASS}
@@ -319,26 +332,80 @@ def shard(fn: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
 
 
 def global_norm(tree, specs, mesh: Mesh) -> jax.Array:
-    """The L2 norm of all arrays in `tree`, laid out as `specs` (one PartitionSpec per leaf,
-    the model's weights' layout) on `mesh`, with ONE scalar all-reduce: each rank sums the
-    squares of its own blocks, counting a block replicated over tp on tp-rank 0 only, and one
-    psum over tp adds the ranks' sums. Left to XLA, every sharded leaf would be reduced on its
-    own: one small synchronous all-reduce per weight (the all-reduce combiner is off, see
-    `compiler_options`)."""
-    import jax.numpy as jnp
+    """The L2 norm of all arrays in `tree`, laid out as `specs` (one PartitionSpec per leaf:
+    where each array is stored, e.g. the FSDP layout, so that nothing moves) on `mesh`, with
+    ONE scalar all-reduce over the whole mesh: each rank sums the squares of its own blocks,
+    counting a block that is replicated over some mesh axes only on the ranks at index 0 of
+    those axes, and one psum adds the ranks' sums. Left to XLA, every sharded leaf would be
+    reduced on its own: one small synchronous all-reduce per weight (the all-reduce combiner is
+    off, see `compiler_options`)."""
 
     leaves = jax.tree.leaves(tree)
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+    axes = tuple(mesh.axis_names)
+
+    def split_over(spec) -> set:
+        out = set()
+        for entry in spec:
+            out.update(entry if isinstance(entry, tuple) else (entry,))
+        return out
 
     def local(*blocks):
-        first = jax.lax.axis_index(TP) == 0
         total = jnp.zeros((), jnp.float32)
         for block, spec in zip(blocks, spec_leaves):
             sq = jnp.sum(jnp.square(block.astype(jnp.float32)))
-            total = total + (sq if TP in tuple(spec) else jnp.where(first, sq, 0.0))
-        return jnp.sqrt(jax.lax.psum(total, TP))
+            owner = [jax.lax.axis_index(a) == 0 for a in axes if a not in split_over(spec)]
+            for first in owner:
+                sq = jnp.where(first, sq, 0.0)
+            total = total + sq
+        return jnp.sqrt(jax.lax.psum(total, axes))
 
     return shard(local, mesh, in_specs=tuple(spec_leaves), out_specs=P())(*leaves)
+
+
+def read_weight(weight, dtype=None) -> jax.Array:
+    """Inside shard_map: this rank's tp block of `weight` (an nnx Param of the model), cast to
+    `dtype` if given. A weight stored split over `data` too (FSDP: its `stored` spec, see
+    `WeightSpecs.fsdp`) is cast first, then all-gathered over `data` here, where it is used:
+    gathered in the compute dtype (half the bytes of fp32 weights) and, under
+    `model.remat=module`, gathered again for the backward instead of kept. The gather's
+    transpose reduce-scatters the weight's gradient over `data`, in that dtype too."""
+    w = weight[...]
+    if dtype is not None:
+        w = w.astype(dtype)
+    stored = getattr(weight, "stored", None)
+    if stored is None:
+        return w
+    split = [i for i, entry in enumerate(stored)
+             if DATA in (entry if isinstance(entry, tuple) else (entry,))]
+    if not split:
+        return w
+    return jax.lax.all_gather(w, DATA, axis=split[0], tiled=True)
+
+
+def embed_lookup(embed, tokens_bt) -> jax.Array:
+    """Inside shard_map: the rows (B, T, D) of the embedding table `embed` (an nnx Param, tp
+    layout (V, D) replicated) for this rank's tokens. A table stored split over `data` along V
+    (FSDP) is not gathered (V x D is the largest weight of a Llama): the data ranks' tokens are
+    all-gathered instead, each rank looks up those that fall in its V / data rows (zeros for
+    the others), and a reduce-scatter over `data` sums and returns each rank its own batch rows.
+    The backward all-gathers the rows' cotangent and adds it into the rank's own table rows."""
+    stored = getattr(embed, "stored", None)
+    table_vd = embed[...]
+    if stored is None or tuple(stored)[:1] != (DATA,):
+        return jnp.take(read_weight(embed), tokens_bt, axis=0)
+    v_local = table_vd.shape[0]
+    tokens_all = jax.lax.all_gather(tokens_bt, DATA, axis=0, tiled=True)
+    local = tokens_all - jax.lax.axis_index(DATA) * v_local
+    mine = (local >= 0) & (local < v_local)
+    rows_btd = jnp.take(table_vd, jnp.where(mine, local, 0), axis=0)
+    rows_btd = jnp.where(mine[..., None], rows_btd, 0).astype(table_vd.dtype)
+    return jax.lax.psum_scatter(rows_btd, DATA, scatter_dimension=0, tiled=True)
+
+
+def varies_over(x: jax.Array, axis: str) -> bool:
+    """Inside shard_map: whether `x`'s type says it may differ across `axis` (its vma)."""
+    return axis in jax.typeof(x).manual_axis_type.varying
 
 
 def axis_index_tp() -> jax.Array:

@@ -13,6 +13,13 @@ update uses the mean of their gradients (the same as one (A*B, T) batch, up to r
 Non-finite guard: when the loss or the gradient norm is not finite, the update is not applied:
 params and optimizer state come back unchanged (the schedule does not advance either) and
 `metrics["skipped"]` is 1. The caller counts and stops after too many in a row.
+
+The trainer and the deviceless overlap / memory report (`ladder_jax.overlap --config`) build
+the step from the same pieces, so the report is about the program a run executes:
+`opt_state_shardings` (Adam's moments live where their weights do: tp, plus `data` under FSDP,
+as `Transformer(..., fsdp=True)` creates them),
+`make_train_step` (the function that is jitted, with its sharding constraints) and
+`memory_use` / `check_memory` (does the compiled step fit on the device?).
 """
 
 from __future__ import annotations
@@ -22,8 +29,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from ladder_jax import sharding
-from ladder_jax.config import OptimizerConfig
+from ladder_jax.config import ConfigError, OptimizerConfig
 from ladder_jax.model import param_specs
 
 
@@ -81,11 +91,19 @@ def loss_and_grads(graphdef, params, tokens, targets, mask=None):
 
 
 def train_step(graphdef, params, opt_state, tokens_bt, targets_bt, *, optimizer, grad_clip=1.0,
-               mask_bt=None):
-    """One update. tokens/targets (B, T), or (A, B, T) for A accumulated micro-batches."""
+               mask_bt=None, stored_specs=None):
+    """One update. tokens/targets (B, T), or (A, B, T) for A accumulated micro-batches.
+    `stored_specs`: where the weights are stored (a tree of PartitionSpecs like `params`, e.g.
+    the FSDP layout; default their tp specs): the gradients are kept in
+    that layout, so clipping and AdamW run on each device's own blocks, with no gathering."""
     loss, grads = loss_and_grads(graphdef, params, tokens_bt, targets_bt, mask_bt)
     mesh = nnx.merge(graphdef, params).mesh
-    grad_norm = sharding.global_norm(grads, param_specs(params), mesh)  # one all-reduce
+    if stored_specs is None:
+        stored_specs = param_specs(params)
+    else:
+        grads = jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(
+            g, NamedSharding(mesh, s)), grads, stored_specs)
+    grad_norm = sharding.global_norm(grads, stored_specs, mesh)  # one all-reduce
     scale = jnp.minimum(1.0, grad_clip / jnp.maximum(grad_norm, 1e-12))
     grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
@@ -96,3 +114,88 @@ def train_step(graphdef, params, opt_state, tokens_bt, targets_bt, *, optimizer,
     opt_state = jax.tree.map(keep, new_opt_state, opt_state)
     return params, opt_state, {"loss": loss, "grad_norm": grad_norm,
                                "skipped": (~finite).astype(jnp.int32)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The step a training run compiles (shared by the trainer and `ladder_jax.overlap --config`).
+
+
+def opt_state_shardings(optimizer, opt_state, params, mesh):
+    """The optimizer state's shardings: every copy of the parameter tree in it (Adam's moments)
+    is stored like `params` (arrays or shape structs that carry shardings), everything else
+    (step counters) is replicated on the mesh."""
+    replicated = NamedSharding(mesh, P())
+    return optax.tree_map_params(
+        optimizer, lambda _, p: p.sharding, opt_state, params,
+        transform_non_params=lambda x: jax.tree.map(lambda _: replicated, x))
+
+
+def make_train_step(graphdef, *, optimizer, grad_clip, param_shardings, opt_shardings):
+    """The function a training run jits: (params, opt_state, batch) -> (params, opt_state,
+    metrics). `batch` is (A, B, T + 1) int tokens, A accumulated micro-batches (A = 1: no
+    accumulation loop). The new state is constrained to the given shardings (flat lists, one per
+    leaf), so that it comes back stored as it went in (donated in place)."""
+
+    def constrain(tree, shardings):
+        leaves, treedef = jax.tree.flatten(tree)
+        return treedef.unflatten([jax.lax.with_sharding_constraint(x, s)
+                                  for x, s in zip(leaves, shardings)])
+
+    def step(params, opt_state, batch_abt):
+        tokens, targets = batch_abt[..., :-1], batch_abt[..., 1:]
+        if tokens.shape[0] == 1:
+            tokens, targets = tokens[0], targets[0]
+        treedef = jax.tree.structure(params)
+        specs = treedef.unflatten([s.spec for s in param_shardings])
+        params, opt_state, metrics = train_step(
+            graphdef, params, opt_state, tokens, targets, optimizer=optimizer,
+            grad_clip=grad_clip, stored_specs=specs)
+        return (constrain(params, param_shardings), constrain(opt_state, opt_shardings),
+                metrics)
+
+    return step
+
+
+def memory_use(compiled) -> dict:
+    """Per-device bytes of a compiled program (XLA's memory analysis): `arguments` (weights,
+    optimizer state, batch), `outputs`, `aliased` (outputs written in place of donated
+    arguments), `temporaries` (activations, gradients, gathered weights, workspace) and `peak`
+    = arguments + temporaries + outputs not aliased: everything the program can hold at once,
+    an upper bound that ignores the runtime's own buffers (communication, kernel workspace)."""
+    m = compiled.memory_analysis()
+    args, outs = int(m.argument_size_in_bytes), int(m.output_size_in_bytes)
+    alias, temps = int(m.alias_size_in_bytes), int(m.temp_size_in_bytes)
+    code = int(getattr(m, "generated_code_size_in_bytes", 0) or 0)
+    return {"arguments": args, "outputs": outs, "aliased": alias, "temporaries": temps,
+            "peak": args + temps + max(outs - alias, 0) + code}
+
+
+def check_memory(use: dict, capacity: int, cfg, *, where: str = "per device") -> None:
+    """Raises a one-line ConfigError when the compiled step (`memory_use`) will not fit in
+    `capacity` bytes, naming the fixes that apply to `cfg` (a TrainConfig), largest saving
+    first: FSDP / more data-parallel devices when weights and optimizer state dominate,
+    `model.remat=module` and a smaller micro-batch with more accumulation when temporaries do."""
+    if use["peak"] <= capacity:
+        return
+    gb = lambda b: f"{b / 1e9:.1f} GB" if b >= 1e8 else f"{b / 1e6:.1f} MB"  # noqa: E731
+    state_first = use["arguments"] >= use["temporaries"]
+    fixes_state, fixes_act = [], []
+    if not cfg.mesh.fsdp:
+        fixes_state.append("mesh.fsdp=true (weights and optimizer state split over data)")
+    else:
+        fixes_state.append("more data-parallel devices (mesh.data, more hosts: FSDP splits the "
+                           "state further)")
+    if cfg.model.param_dtype == "float32" and not cfg.mesh.fsdp:
+        fixes_state.append("or model.param_dtype=bfloat16")
+    if (cfg.model.remat or "none") == "none":
+        fixes_act.append("model.remat=module")
+    b, a = cfg.data.batch_size, cfg.data.grad_accum
+    n_data = cfg.mesh.data or 1
+    if b // 2 >= n_data and b % 2 == 0:
+        fixes_act.append(f"data.batch_size={b // 2} data.grad_accum={2 * a} (same tokens per "
+                         f"step)")
+    fixes = fixes_state + fixes_act if state_first else fixes_act + fixes_state
+    raise ConfigError(
+        f"the training step needs {gb(use['peak'])} {where} but the device has "
+        f"{gb(capacity)} (weights + optimizer state + batch {gb(use['arguments'])}, "
+        f"temporaries {gb(use['temporaries'])}): try {'; '.join(fixes)}")

@@ -16,6 +16,11 @@ AdamW on warmup + cosine; one jitted program (`sharding.jit`) with donated param
 optimizer state. Mesh `mesh.data` x `mesh.tp`; `mesh.fsdp=true` also splits every weight and its
 optimizer state over `data` (`sharding.WeightSpecs.fsdp`).
 
+Memory: on a GPU the trainer compiles the step for its arrays before the first step and stops
+(exit 2, one line naming the fix) if XLA's memory analysis says it will not fit the device
+(`ladder_jax.step.check_memory`; `python -m ladder_jax.overlap --config` shows the same
+numbers without a GPU).
+
 Resume: re-running the same command continues from the latest checkpoint and produces exactly
 the losses an uninterrupted run would. A run whose model, data or optimizer keys changed since
 its checkpoint is refused (naming the keys) unless `accept_changes=true`, which records the
@@ -169,19 +174,12 @@ class Trainer:
     # -- state and the compiled step ---------------------------------------------------------
 
     def init_state(self, config):
-        model = Transformer(config, mesh=self.mesh, rngs=nnx.Rngs(self.cfg.seed))
+        model = Transformer(config, mesh=self.mesh, rngs=nnx.Rngs(self.cfg.seed),
+                            fsdp=self.cfg.mesh.fsdp)  # weights created where they are stored
         self.graphdef, params = nnx.split(model)
-        n_data = self.mesh.shape[sharding.DATA] if self.cfg.mesh.fsdp else 1
-
-        def place(v):
-            spec = sharding.WeightSpecs.fsdp(v.spec, v.shape, n_data)
-            return v.replace(jax.device_put(v[...], NamedSharding(self.mesh, spec)))
-
-        params = jax.tree.map(place, params, is_leaf=lambda v: isinstance(v, nnx.Variable))
-        replicated = NamedSharding(self.mesh, P())
-        opt_state = jax.tree.map(  # moments follow the params; counters replicated on the mesh
-            lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(
-                x, replicated), jax.jit(self.optimizer.init)(params))
+        opt_state = jax.jit(self.optimizer.init)(params)
+        opt_state = jax.device_put(
+            opt_state, step.opt_state_shardings(self.optimizer, opt_state, params, self.mesh))
         return params, opt_state
 
     def compiled_step(self, graphdef):
@@ -189,23 +187,10 @@ class Trainer:
         key = id(graphdef)
         if key in self._steps:
             return self._steps[key]
-        p_sh = [x.sharding for x in jax.tree.leaves(self.params)]
-        o_sh = [x.sharding for x in jax.tree.leaves(self.opt_state)]
-
-        def constrain(tree, shardings):
-            leaves, treedef = jax.tree.flatten(tree)
-            return treedef.unflatten([jax.lax.with_sharding_constraint(x, s)
-                                      for x, s in zip(leaves, shardings)])
-
-        optimizer, clip = self.optimizer, self.cfg.optim.grad_clip
-
-        def train_step(params, opt_state, batch_abt):
-            tokens, targets = batch_abt[..., :-1], batch_abt[..., 1:]
-            if tokens.shape[0] == 1:
-                tokens, targets = tokens[0], targets[0]
-            params, opt_state, metrics = step.train_step(
-                graphdef, params, opt_state, tokens, targets, optimizer=optimizer, grad_clip=clip)
-            return constrain(params, p_sh), constrain(opt_state, o_sh), metrics
+        train_step = step.make_train_step(
+            graphdef, optimizer=self.optimizer, grad_clip=self.cfg.optim.grad_clip,
+            param_shardings=[x.sharding for x in jax.tree.leaves(self.params)],
+            opt_shardings=[x.sharding for x in jax.tree.leaves(self.opt_state)])
 
         def eval_loss(params, batch_bt):
             return step.loss_fn(graphdef, params, batch_bt[:, :-1], batch_bt[:, 1:])
@@ -214,6 +199,33 @@ class Trainer:
                sharding.jit(eval_loss, mesh=self.mesh))
         self._steps[key] = fns
         return fns
+
+    def check_memory(self, train_step):
+        """On a known GPU, before the first step (and before the run directory is touched):
+        compile `train_step` for this run's arrays and refuse (ConfigError naming the fix) a
+        program that will not fit in the device's memory (`step.check_memory`, the check
+        `python -m ladder_jax.overlap --config` makes deviceless). Returns the step to call
+        (on GPUs the compiled one, so nothing compiles twice)."""
+        device = self.mesh.devices.flat[0]
+        chip = hardware.chip_of(device)
+        if jax.default_backend() != "gpu" or chip is None:
+            return train_step
+        cfg = self.cfg
+        batch = jax.ShapeDtypeStruct(
+            (cfg.data.grad_accum, cfg.data.batch_size, cfg.data.seq_len + 1), np.int32,
+            sharding=self.batch_sharding)
+        compiled = train_step.lower(self.params, self.opt_state, batch).compile()
+        stats = (device.memory_stats() or {}) if hasattr(device, "memory_stats") else {}
+        capacity = int(stats.get("bytes_limit") or chip.memory_bytes)
+        use = step.memory_use(compiled)
+        try:
+            step.check_memory(use, capacity, cfg, where=f"per device ({chip.name})")
+        except ConfigError as e:
+            if use["peak"] <= 0.95 * chip.memory_bytes:  # jax's allocator holds less
+                raise ConfigError(f"{e}; or let jax's allocator take more of the device: "
+                                  f"XLA_PYTHON_CLIENT_MEM_FRACTION=0.95") from None
+            raise
+        return compiled
 
     def global_batch(self, local):
         A, T1 = self.cfg.data.grad_accum, self.cfg.data.seq_len + 1
@@ -248,6 +260,8 @@ class Trainer:
     def train(self) -> dict:
         """Resume or initialize, then step, evaluate, log and checkpoint until `steps`."""
         cfg = self.cfg
+        train_step, eval_loss = self.compiled_step(self.graphdef)
+        self._steps[id(self.graphdef)] = (self.check_memory(train_step), eval_loss)
         ckpt = Checkpointer(os.path.join(self.run_path, "checkpoints"), keep=cfg.keep,
                             async_save=cfg.async_ckpt)
         try:

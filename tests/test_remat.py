@@ -18,13 +18,8 @@ from tests.conftest import SCHEMES, TINY, mesh
 
 
 def _loss_and_grads(config, tp, data, fsdp=False, T=32):
-    m = mesh(tp, data)
-    graphdef, params = nnx.split(lj.Transformer(config, mesh=m, rngs=nnx.Rngs(0)))
-    if fsdp:  # weights stored split over data too, as mesh.fsdp=true does
-        params = jax.tree.map(
-            lambda v: v.replace(jax.device_put(v[...], NamedSharding(
-                m, sharding.WeightSpecs.fsdp(v.spec, v.shape, data)))),
-            params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    m = mesh(tp, data)  # fsdp: weights stored split over data too, as mesh.fsdp=true does
+    graphdef, params = nnx.split(lj.Transformer(config, mesh=m, rngs=nnx.Rngs(0), fsdp=fsdp))
     tokens = jax.random.randint(jax.random.key(3), (4, T + 1), 0, config.vocab_size)
     fn = jax.jit(lambda p, t: step.loss_and_grads(graphdef, p, t[:, :-1], t[:, 1:]))
     loss, grads = fn(params, tokens)
