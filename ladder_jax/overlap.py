@@ -278,6 +278,13 @@ class _Op:
         m = re.search(r'op_name="((?:[^"\\]|\\.)*)"', self.text)
         return m.group(1) if m else ""
 
+    @property
+    def arguments(self) -> str:
+        """The text after `opcode(`: the operands, then `)` and the attributes."""
+        after_shape = _HEAD.match(self.text).end() + len(self.shape)
+        start = self.text.index(self.opcode + "(", after_shape) + len(self.opcode) + 1
+        return self.text[start:]
+
     def is_matmul(self) -> bool:
         if self.opcode in ("dot", "convolution"):
             return True

@@ -115,7 +115,7 @@ def _elements(shape: str) -> int:
 
 def _operands(op) -> list[str]:
     """Operand names of an instruction, in order (the text between its opcode's parens)."""
-    rest = overlap._INSTR.match(op.text).group(4)
+    rest = op.arguments
     depth, end = 1, len(rest)
     for i, ch in enumerate(rest):
         depth += ch == "(" or -(ch == ")")
