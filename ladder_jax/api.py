@@ -83,10 +83,10 @@ def load(path: str, *, tp: int | None = None, mesh=None, **overrides):
 
 
 def generate(model, prompts, **kwargs):
-    """`ladder_jax.decode.generate`: strings in, strings out (or token lists)."""
-    from ladder_jax import decode
+    """`ladder_jax.generation.generate`: strings in, strings out (or token lists)."""
+    from ladder_jax import generation
 
-    return decode.generate(model, prompts, **kwargs)
+    return generation.generate(model, prompts, **kwargs)
 
 
 class OverlapTable:
@@ -124,7 +124,7 @@ def overlap_table(preset: str = "llama-3-8b", *, tp: int = 8, phase: str = "deco
                   residuals=("standard", "ladder"), batch: int = 1, seq: int = 1024,
                   target: str = "h100") -> OverlapTable:
     """`python -m ladder_jax.overlap` for several schemes (module + head all-reduces counted)."""
-    from ladder_jax import overlap
+    from ladder_jax import schedule as overlap
     from ladder_jax.config import ModelConfig
 
     return OverlapTable([overlap.report(ModelConfig.from_preset(preset, residual=r), phase=phase,

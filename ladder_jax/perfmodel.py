@@ -7,8 +7,8 @@ from the schedule XLA compiles for it.
         --link nvlink pcie --json
 
 How. On a CPU, with no GPU:
-1. Compile, deviceless (as `ladder_jax.overlap` does), the programs users run:
-   `ladder_jax.decode.Decoder`'s jitted prefill and one-token step, with the KV cache sized as
+1. Compile, deviceless (as `ladder_jax.schedule` does for `python -m ladder_jax.overlap`), the programs users run:
+   `ladder_jax.generation.Decoder`'s jitted prefill and one-token step, with the KV cache sized as
    `decode` sizes it and the decode CLI's sampling (temperature 0.8, top-k 200), for `tp`
    abstract GPUs of `--target`, with the package's compiler options.
 2. Read the scheduled ENTRY computation: kernels in launch order, and every collective as a
@@ -28,7 +28,7 @@ How. On a CPU, with no GPU:
 6. tokens_per_s = batch * new_tokens / (prefill_s + (new_tokens - 1) * decode_step_s), the
    way the paper's benchmark counts it (the prefill emits the first token).
 
-Training (`--phase train --config configs/X.yaml`): the training step of `ladder_jax.overlap`
+Training (`--phase train --config configs/X.yaml`): the training step of `ladder_jax.schedule`
 (forward, backward, AdamW update) for the config's model, micro-batch, sequence length and
 `mesh.tp`, costed the same way; step_s is `data.grad_accum` micro-steps, tokens_per_s is per
 data-parallel replica (`data.batch_size / mesh.data` sequences: the replicas' gradient
@@ -70,7 +70,7 @@ import re
 import sys
 import time
 
-from ladder_jax import hardware, overlap
+from ladder_jax import hardware, schedule
 from ladder_jax.config import RESIDUALS, load_config, model_config, parse_ladder_layers
 
 
@@ -105,7 +105,7 @@ _SLICES = {"dynamic-slice", "slice", "gather"}
 
 
 def _dims(shape: str) -> list[int]:
-    m = overlap._ARRAY.search(shape)
+    m = schedule._ARRAY.search(shape)
     return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 
@@ -140,7 +140,7 @@ class _Program:
     def __init__(self, hlo: str):
         if "is_scheduled=true" not in hlo.split("\n", 1)[0]:
             raise PredictError("the HLO module is not scheduled: pass compiled, not lowered, text")
-        self.comps = overlap._computations(hlo)
+        self.comps = schedule._computations(hlo)
         self.ops = {c: {op.name: op for op in ops} for c, ops in self.comps.items()}
 
     def flops(self, comp: str) -> float:
@@ -174,27 +174,27 @@ class _Program:
         for k, name in enumerate(_operands(op)):
             uses = _through_bitcasts(params[k].name, users)
             if uses and all(u.opcode in _SLICES and pos == 0 for u, pos in uses):
-                nbytes += sum(overlap._nbytes(u.shape) for u, _ in uses)
+                nbytes += sum(schedule._nbytes(u.shape) for u, _ in uses)
             elif uses and all(u.opcode == "dynamic-update-slice" and pos == 0 for u, pos in uses):
                 pass  # the buffer updated in place: only the update moves (counted as output)
             else:
-                nbytes += overlap._nbytes(entry[name].shape)
+                nbytes += schedule._nbytes(entry[name].shape)
         root = next(o for o in body if _is_root(o))
         outs = [self.ops[comp][n] for n in _operands(root)] if root.opcode == "tuple" else [root]
         for o in outs:
             while o.opcode == "bitcast":
                 o = self.ops[comp][_operands(o)[0]]
             if o.opcode == "dynamic-update-slice":
-                nbytes += overlap._nbytes(self.ops[comp][_operands(o)[1]].shape)
+                nbytes += schedule._nbytes(self.ops[comp][_operands(o)[1]].shape)
             else:
-                nbytes += overlap._nbytes(o.shape)
+                nbytes += schedule._nbytes(o.shape)
         return flops, nbytes
 
     def plain_cost(self, op) -> tuple[float, float]:
         """(FLOPs, bytes) of a non-fusion kernel: operands in, result out."""
         entry = self.ops["ENTRY"]
-        nbytes = sum(overlap._nbytes(entry[n].shape) for n in _operands(op) if n in entry)
-        nbytes += overlap._nbytes(op.shape)
+        nbytes = sum(schedule._nbytes(entry[n].shape) for n in _operands(op) if n in entry)
+        nbytes += schedule._nbytes(op.shape)
         flops = 0.0
         if op.opcode == "custom-call" and re.search(r'custom_call_target="__cublas', op.text):
             lhs = entry[_operands(op)[0]].shape
@@ -206,8 +206,8 @@ class _Program:
     def collective_bytes(self, op) -> float:
         """Message size: the larger of what goes in and what comes out."""
         entry = self.ops["ENTRY"]
-        inputs = sum(overlap._nbytes(entry[n].shape) for n in _operands(op) if n in entry)
-        total = overlap._nbytes(op.shape)
+        inputs = sum(schedule._nbytes(entry[n].shape) for n in _operands(op) if n in entry)
+        total = schedule._nbytes(op.shape)
         outputs = total - inputs if op.opcode.endswith("-start") and total > inputs else total
         return float(max(inputs, outputs))
 
@@ -231,7 +231,7 @@ def read_kernels(hlo: str) -> list[Kernel]:
     prog = _Program(hlo)
     kernels, sync = [], set()
     for op in prog.comps["ENTRY"]:
-        scope = overlap._SCOPE.search(op.op_name)
+        scope = schedule._SCOPE.search(op.op_name)
         layer = int(scope.group(1)) if scope else None
         code = op.opcode
         if code in _FREE:
@@ -354,7 +354,7 @@ def extended(shallow: Timeline, deep: Timeline, n_layers: int, deep_layers: int
 def program_kernels(config, *, phase: str, tp: int, batch: int, prompt_len: int,
                     new_tokens: int, target: str) -> tuple[Kernel, ...]:
     """The compiled program's kernels (compiled once per process and shape)."""
-    hlo, _ = overlap.compile_program(config, phase=phase, tp=tp, batch=batch, seq=prompt_len,
+    hlo, _ = schedule.compile_program(config, phase=phase, tp=tp, batch=batch, seq=prompt_len,
                                      target=target, new_tokens=new_tokens)
     return tuple(read_kernels(hlo))
 
@@ -454,7 +454,7 @@ def predict(config, *, tp=(8,), batch=(1,), prompt_len: int = 1024, new_tokens: 
                 for r in residuals:
                     check(config, tp=t, batch=b, prompt_len=prompt_len, new_tokens=new_tokens,
                           link=name, target=target, residual=r)
-    overlap.check_plugin()
+    schedule.check_plugin()
     efficiency = efficiency or hardware.EFFICIENCY
     chosen = {n: dataclasses.replace(hardware.LINKS[n], **(link_overrides or {})) for n in links}
     base = dataclasses.replace(config, max_seq_len=max(config.max_seq_len,
@@ -492,7 +492,7 @@ def predict_train(config, *, tp=(8,), batch: int, seq_len: int, grad_accum: int 
             for r in residuals:
                 check(config, tp=t, batch=batch, prompt_len=seq_len, new_tokens=grad_accum,
                       link=name, target=target, residual=r)
-    overlap.check_plugin()
+    schedule.check_plugin()
     efficiency = efficiency or hardware.EFFICIENCY
     chosen = {n: dataclasses.replace(hardware.LINKS[n], **(link_overrides or {})) for n in links}
     cases = [(t, dataclasses.replace(config, residual=r, ladder_layers=(
@@ -675,7 +675,7 @@ def main(argv=None) -> int:
                            prompt_len=args.prompt_len, new_tokens=args.new_tokens, **common)
         else:
             raise PredictError(f"unknown phase {args.phase!r}: choose generate or train")
-    except (ConfigError, ShardingError, overlap.OverlapError, PredictError, ValueError) as e:
+    except (ConfigError, ShardingError, schedule.OverlapError, PredictError, ValueError) as e:
         print(f"error: {e}".splitlines()[0], file=sys.stderr)
         return 2
     if args.json:

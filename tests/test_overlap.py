@@ -5,6 +5,7 @@ extra). The control (standard) shows the check can fail.
 """
 
 import functools
+import importlib.util
 import json
 
 import pytest
@@ -91,6 +92,6 @@ def test_cli_json_and_errors(capsys):
 
 
 def test_missing_plugin_says_what_to_install(monkeypatch):
-    monkeypatch.setattr(overlap.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(overlap.OverlapError, match=r"pip install \"jax-cuda12-plugin==0\.10\.2\""):
         overlap.gpu_mesh("h100", 8)

@@ -3,6 +3,7 @@ few-layer extension equal to full-depth compiles. No timing is asserted: every n
 prediction computed from a schedule, so the tests are deterministic."""
 
 import dataclasses
+import importlib.util
 import functools
 import json
 import pathlib
@@ -256,7 +257,7 @@ def test_missing_cuda_plugin_is_one_line_with_the_install_hint(capsys, monkeypat
     def find_spec(name):  # what importlib does when the parent package is absent
         raise ModuleNotFoundError(f"No module named '{name.split('.')[0]}'")
 
-    monkeypatch.setattr(overlap.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     perfmodel.program_kernels.cache_clear()
     assert main(["--preset", "tiny", "--tp", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

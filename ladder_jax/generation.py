@@ -1,0 +1,429 @@
+"""KV-cached generation: cache, prefill, one-token step, sampling, batched generation and the
+paper's decode benchmark. The command line is `python -m ladder_jax.decode`.
+
+    texts = generate(model, ["Once upon a time"], max_new_tokens=64, temperature=0.8)
+
+The KV cache is a pytree, one (k, v) per layer, each (B, S, max(K, tp), H), batch on `data`
+and kv heads on `tp` (see `sharding.CACHE_BSKH`). `Decoder.prefill` writes a prompt into it in
+one pass; `Decoder.step` appends one token per row. Both are jitted once per shape with the cache
+donated, so XLA updates it in place; both run the model's own residual scheme and sharding,
+so the ladder's all-reduce overlap applies to every token.
+
+Batches of prompts of different lengths are right-padded: row b's prompt occupies cache slots
+0..len_b-1 and its n-th new token slot len_b+n, so every row has its own positions and its own
+causal mask (a query at position p sees slots <= p); the padding slots are overwritten before
+anything can see them.
+
+Footguns, handled here on the host before any device work:
+- XLA clamps out-of-range dynamic updates silently: a prompt plus new tokens longer than the
+  cache would overwrite its last slot. `generate` refuses such input with the numbers.
+- `int()` turns 1.5, "7" and True into token ids without a word: `generate` refuses any token
+  that is not an integer, naming the prompt and the value.
+- Fake CPU devices deadlock when too many collective-bearing programs are queued without
+  waiting (XLA:CPU's rendezvous times out after ~100): the generation loop keeps at most one
+  step in flight beyond the one it is reading, the benchmark waits every 8 steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ladder_jax import hardware, sharding
+from ladder_jax.config import (ConfigError, ModelConfig)
+from ladder_jax.model import Transformer
+from ladder_jax.sharding import DATA
+from ladder_jax.tokenizer import ByteTokenizer
+
+
+class GenerationError(ConfigError):
+    """Input generation cannot run on; the message gives the numbers."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache and the two jitted programs.
+
+
+def init_cache(model: Transformer, batch: int, length: int):
+    """A zeroed KV cache for `batch` rows of `length` slots, created in its sharding."""
+    c, mesh = model.config, model.mesh
+    shape = (batch, length, sharding.cache_kv_heads(c, sharding.tp_size(mesh)), c.head_dim)
+    make = jax.jit(lambda: jnp.zeros(shape, c.dtype),
+                   out_shardings=NamedSharding(mesh, sharding.CACHE_BSKH))
+    return [(make(), make()) for _ in range(c.n_layers)]
+
+
+def cache_bytes(model: Transformer, batch: int, length: int) -> int:
+    c = model.config
+    kv = sharding.cache_kv_heads(c, sharding.tp_size(model.mesh))
+    return 2 * c.n_layers * batch * length * kv * c.head_dim * jnp.dtype(c.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """temperature 0 is greedy; top_k / top_p filter before sampling (None: off)."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def check(self, vocab_size: int) -> "Sampling":
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if not (_is_number(t) and math.isfinite(t) and t >= 0):
+            raise GenerationError(f"temperature={t!r} must be >= 0 and finite (0 = greedy)")
+        if k is not None and not (_is_int(k) and 1 <= k <= vocab_size):
+            raise GenerationError(f"top_k={k!r} must be an integer from 1 to the vocabulary "
+                                  f"size {vocab_size} (None: off)")
+        if p is not None and not (_is_number(p) and 0 < p <= 1):
+            raise GenerationError(f"top_p={p!r} must be in (0, 1] (1 or None: off)")
+        return self
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_number(x) -> bool:
+    return _is_int(x) or isinstance(x, (float, np.floating))
+
+
+def sample(logits_bv, key, s: Sampling):
+    """One token per row from float32 logits (B, V)."""
+    if s.temperature == 0 or s.top_k == 1:
+        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    logits_bv = logits_bv / s.temperature
+    if s.top_k is not None:
+        kth_b1 = jax.lax.top_k(logits_bv, s.top_k)[0][:, -1:]
+        logits_bv = jnp.where(logits_bv < kth_b1, -jnp.inf, logits_bv)
+    if s.top_p is not None and s.top_p < 1:
+        sorted_bv = jnp.sort(logits_bv, axis=-1)[:, ::-1]
+        cum_bv = jnp.cumsum(jax.nn.softmax(sorted_bv, axis=-1), axis=-1)
+        # keep the smallest set whose mass reaches top_p: a token stays if the mass before it
+        # is still below top_p (the most likely token always stays)
+        keep_bv = (cum_bv - jax.nn.softmax(sorted_bv, axis=-1)) < s.top_p
+        cutoff_b1 = jnp.min(jnp.where(keep_bv, sorted_bv, jnp.inf), axis=-1, keepdims=True)
+        logits_bv = jnp.where(logits_bv < cutoff_b1, -jnp.inf, logits_bv)
+    return jax.random.categorical(key, logits_bv, axis=-1).astype(jnp.int32)
+
+
+class Decoder:
+    """The jitted prefill and decode step of one model (compiled once per shape/sampling).
+
+    `prefill(cache, tokens_bt, lengths_b, key)` -> (first new tokens (B,), cache)
+    `step(cache, tokens_b, positions_b, key)` -> (next tokens (B,), cache)
+    The cache argument is donated: use only the returned one.
+    """
+
+    def __init__(self, model: Transformer, sampling: Sampling = Sampling()):
+        self.model, self.sampling = model, sampling.check(model.config.vocab_size)
+        graphdef, self.state = nnx.split(model)
+        mesh = model.mesh
+        replicated = NamedSharding(mesh, P())
+
+        def prefill(state, cache, tokens_bt, lengths_b, key):
+            model = nnx.merge(graphdef, state)
+            positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32),
+                                            tokens_bt.shape)
+            logits_btv, cache = model.forward_cached(tokens_bt, positions_bt, cache)
+            last_bv = jnp.take_along_axis(logits_btv, (lengths_b - 1)[:, None, None], axis=1)
+            return sample(last_bv[:, 0], key, self.sampling), cache
+
+        def step(state, cache, tokens_b, positions_b, key):
+            model = nnx.merge(graphdef, state)
+            logits_btv, cache = model.forward_cached(tokens_b[:, None], positions_b[:, None],
+                                                     cache)
+            return sample(logits_btv[:, 0], key, self.sampling), cache
+
+        cache_sharding = NamedSharding(mesh, sharding.CACHE_BSKH)
+        out = (replicated, cache_sharding)
+        self._prefill = sharding.jit(prefill, mesh=mesh, donate_argnums=(1,), out_shardings=out)
+        self._step = sharding.jit(step, mesh=mesh, donate_argnums=(1,), out_shardings=out)
+
+    def prefill(self, cache, tokens_bt, lengths_b, key):
+        return self._prefill(self.state, cache, tokens_bt, lengths_b, key)
+
+    def step(self, cache, tokens_b, positions_b, key):
+        return self._step(self.state, cache, tokens_b, positions_b, key)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host <-> device, valid on one process or many (every process runs the same program).
+
+
+def to_device(array: np.ndarray, mesh, spec=P()) -> jax.Array:
+    array = np.asarray(array)
+    return jax.make_array_from_callback(array.shape, NamedSharding(mesh, spec),
+                                        lambda index: array[index])
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A replicated result, read from this process's first copy."""
+    return np.asarray(x.addressable_data(0))
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def cache_length(config: ModelConfig, longest_prompt: int, new_tokens: int) -> int:
+    """Cache slots for a batch: room for the longest prompt and the new tokens, rounded so
+    that nearby requests reuse compiled programs."""
+    return min(_round_up(longest_prompt + new_tokens, 64), config.max_seq_len)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation.
+
+
+def generate(model: Transformer, prompts, *, max_new_tokens: int = 64, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+             eos_id: int | None = None, tokenizer=None,
+             stream: Callable[[int, list[int]], None] | None = None, decoder: Decoder = None):
+    """Generates a continuation of every prompt (a batch, any mix of lengths).
+
+    `prompts`: a batch, of strings (encoded with `tokenizer`, default the byte tokenizer,
+    which also decodes the result) or of token ids: lists of ints, 1-D integer arrays, or one
+    2-D integer array (batch, length) like Hugging Face's `input_ids` (every row is taken
+    whole: there is no attention mask, so padded rows would read their padding as prompt; give
+    a list of 1-D arrays instead). One prompt's ids alone (a flat list or a 1-D array) are
+    refused, as transformers' `generate` needs 2-D input_ids too: pass `[ids]` or `ids[None]`.
+    Floats, strings, bools or bytes among token ids are refused, never converted.
+
+    Greedy when temperature is 0; otherwise sampled, reproducibly for a `seed`. A row stops at
+    `eos_id` (default: the tokenizer's EOS, if there is a tokenizer); the others go on to
+    `max_new_tokens`. `stream(step, tokens)` is called with each step's new token per row, as
+    soon as it reaches the host. Returns the new tokens (EOS excluded) per row, or texts when
+    the prompts were strings.
+    """
+    c = model.config
+    texts, rows = _prompt_rows(prompts)
+    if texts:
+        tokenizer = tokenizer or ByteTokenizer()
+        rows = [tokenizer.encode(p) for p in rows]
+    if eos_id is None and tokenizer is not None:
+        eos_id = tokenizer.eos_id
+    check_generation(c, rows, max_new_tokens)
+    sampling = Sampling(temperature, top_k, top_p).check(c.vocab_size)
+    decoder = decoder if decoder is not None and decoder.sampling == sampling else Decoder(
+        model, sampling)
+    mesh = model.mesh
+
+    # Shapes are rounded so that nearby requests reuse compiled programs.
+    n = len(rows)
+    B = _round_up(n, sharding.data_size(mesh))
+    lengths = np.array([len(r) for r in rows] + [1] * (B - n), np.int32)
+    T = min(_round_up(int(lengths.max()), 16), c.max_seq_len)
+    S = cache_length(c, int(lengths.max()), max_new_tokens)
+    tokens_bt = np.zeros((B, T), np.int32)
+    for b, r in enumerate(rows):
+        tokens_bt[b, :len(r)] = r
+
+    cache = init_cache(model, B, S)
+    key = jax.random.key(seed)
+    batch = P(DATA)
+    new_b, cache = decoder.prefill(cache, to_device(tokens_bt, mesh, P(DATA, None)),
+                                   to_device(lengths, mesh, batch), jax.random.fold_in(key, 0))
+    out = [[] for _ in range(n)]
+    done = np.zeros(n, bool)
+    pending = new_b  # the newest step's tokens, still on the device
+    for t in range(max_new_tokens):
+        # Queue step t+1 before reading step t: the device never idles, and at most two
+        # programs are ever in flight.
+        if t + 1 < max_new_tokens:
+            positions_b = to_device(lengths + t, mesh, batch)
+            nxt, cache = decoder.step(cache, pending, positions_b, jax.random.fold_in(key, t + 1))
+        step_tokens = to_host(pending)[:n]
+        for b in range(n):
+            if not done[b]:
+                if step_tokens[b] == eos_id:
+                    done[b] = True
+                else:
+                    out[b].append(int(step_tokens[b]))
+        if stream is not None:
+            stream(t, [int(x) for x in step_tokens])
+        if done.all() or t + 1 == max_new_tokens:
+            break
+        pending = nxt
+    return [tokenizer.decode(o) for o in out] if texts else out
+
+
+def _prompt_rows(prompts) -> tuple[bool, list]:
+    """(whether the prompts are strings, one list per prompt: the strings or int ids). Refuses,
+    naming the prompt and the value, anything else (see `generate`)."""
+    if isinstance(prompts, (str, bytes)):
+        raise GenerationError("prompts must be a batch (a list of prompts): pass [prompt]")
+    if hasattr(prompts, "ndim") and hasattr(prompts, "dtype") and prompts.ndim != 2:
+        hint = ": for one prompt pass ids[None]" if prompts.ndim == 1 else ""  # numpy/jax/torch
+        raise GenerationError(f"an array of prompts must be 2-D (batch, length), like "
+                              f"input_ids; got shape {tuple(prompts.shape)}{hint}")
+    try:
+        prompts = list(prompts)
+    except TypeError:
+        raise GenerationError(f"prompts must be a list of strings or of token lists, not "
+                              f"{type(prompts).__name__}") from None
+    if not prompts:
+        raise GenerationError("no prompts given")
+    if all(_is_int(t) for t in prompts):
+        raise GenerationError("prompts is one list of token ids, not a batch of prompts: pass "
+                              "[ids]")
+    kinds = {isinstance(p, str) for p in prompts}
+    if kinds == {True, False}:
+        raise GenerationError("prompts mix strings and token lists: give one kind")
+    if kinds == {True}:
+        for b, p in enumerate(prompts):
+            if not p:
+                raise GenerationError(f"prompt {b} is empty: give at least one character")
+        return True, prompts
+    rows = []
+    for b, p in enumerate(prompts):
+        if isinstance(p, (bytes, bytearray)):
+            raise GenerationError(f"prompt {b} is bytes: decode it to a str, or give token ids")
+        if hasattr(p, "ndim") and hasattr(p, "dtype"):
+            a = np.asarray(p)
+            if a.ndim != 1 or a.dtype.kind not in "iu":
+                raise GenerationError(
+                    f"prompt {b} is an array of {a.dtype} with shape {a.shape}: give a 1-D "
+                    f"integer array of token ids (cast whole numbers with .astype(np.int32))")
+            rows.append([int(t) for t in a])
+            continue
+        try:
+            items = list(p)
+        except TypeError:
+            raise GenerationError(f"prompt {b} is a {type(p).__name__}: give a string or a "
+                                  f"list of token ids") from None
+        for i, t in enumerate(items):
+            if not _is_int(t):
+                raise GenerationError(f"prompt {b} has {t!r} ({type(t).__name__}) at position "
+                                      f"{i}: token ids must be integers, never converted")
+        rows.append([int(t) for t in items])
+    return False, rows
+
+
+def check_generation(config: ModelConfig, rows: Sequence[Sequence[int]], max_new_tokens: int):
+    """Refuses, before any device work, what the cache cannot hold (XLA would clamp)."""
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
+    M, new = config.max_seq_len, int(max_new_tokens)
+    for b, r in enumerate(rows):
+        if len(r) == 0:
+            raise GenerationError(f"prompt {b} is empty: give at least one token")
+        bad = [t for t in r if not 0 <= t < config.vocab_size]
+        if bad:
+            raise GenerationError(f"prompt {b} has token ids outside [0, {config.vocab_size}): "
+                                  f"{bad[:5]}")
+        if len(r) + new <= M:
+            continue
+        # only the fixes that can work: each one alone must leave at least one slot
+        fixes = ([f"shorten the prompt to <= {M - new} tokens"] if M - new >= 1 else []) + (
+            [f"lower max_new_tokens to <= {M - len(r)}"] if M - len(r) >= 1 else [])
+        fix = " or ".join(fixes) or (f"shorten the prompt and lower max_new_tokens: together "
+                                     f"they must be <= {M}")
+        if len(r) >= M:
+            raise GenerationError(f"prompt {b} has {len(r)} tokens, but the cache holds "
+                                  f"max_seq_len={M} positions including the new tokens: {fix}")
+        raise GenerationError(
+            f"prompt {b} has {len(r)} tokens; with max_new_tokens={new} that is "
+            f"{len(r) + new} positions, but the cache holds max_seq_len={M}: {fix}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmark (the paper's protocol: random weights, prompt P, N new tokens, batch B, warm-up
+# excluded, prefill and decode timed apart).
+
+@functools.lru_cache(maxsize=None)
+def device_bandwidth() -> tuple[float, str]:
+    """Memory bandwidth of all devices together, in B/s, and how it was obtained."""
+    d = jax.devices()[0]
+    if d.platform == "gpu":
+        chip = hardware.chip_of(d)
+        if chip is None:
+            return float("nan"), f"unknown bandwidth for {d.device_kind}"
+        return (chip.hbm_bytes_per_s * jax.device_count(),
+                f"{chip.name} datasheet x {jax.device_count()}")
+    # CPU: fake devices share the host's memory; measure a streaming read once.
+    x = jax.device_put(jnp.ones((64, 1024, 1024), jnp.float32), d)  # 256 MiB
+    total = jax.jit(lambda a: a.sum())
+    total(x).block_until_ready()
+    best = min(_timed(lambda: total(x).block_until_ready()) for _ in range(5))
+    return x.nbytes / best, "host memory, measured: best of 5 jitted sums over 256 MiB"
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def benchmark(config: ModelConfig, mesh, *, batch: int, prompt_len: int, new_tokens: int,
+              repeats: int = 3, seed: int = 0) -> dict:
+    """Prefill latency and decode throughput of `config` (random weights) on `mesh`."""
+    for name, flag, v, low in (("batch", "batch", batch, 1),
+                               ("prompt_len", "prompt-len", prompt_len, 1),
+                               ("new_tokens", "max-new-tokens", new_tokens, 2)):
+        if not _is_int(v) or v < low:
+            raise GenerationError(
+                f"benchmark {name}={v!r} (--{flag}) must be an integer >= {low}" + (
+                    " (the first new token comes from prefill; decode is timed on the rest)"
+                    if name == "new_tokens" else ""))
+    sharding.check_batch(batch, mesh)  # rows are split over the data axis as they are
+    check_generation(config, [[0] * prompt_len], new_tokens)
+    model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(seed))
+    decoder = Decoder(model)
+    S = cache_length(config, prompt_len, new_tokens)
+    rng = np.random.default_rng(seed)
+    tokens = to_device(rng.integers(0, min(config.vocab_size, 256), (batch, prompt_len),
+                                    dtype=np.int32), mesh, P(DATA, None))
+    lengths = to_device(np.full(batch, prompt_len, np.int32), mesh, P(DATA))
+    key = jax.random.key(seed)
+    positions = [to_device(np.full(batch, prompt_len + t, np.int32), mesh, P(DATA))
+                 for t in range(new_tokens)]
+
+    def run():
+        cache = init_cache(model, batch, S)
+        jax.block_until_ready(cache)
+        t0 = time.perf_counter()
+        tok, cache = decoder.prefill(cache, tokens, lengths, key)
+        tok.block_until_ready()
+        t1 = time.perf_counter()
+        for t in range(new_tokens - 1):
+            tok, cache = decoder.step(cache, tok, positions[t], key)
+            if t % 8 == 7:  # bounded queue (module docstring), cheap on GPUs
+                tok.block_until_ready()
+        tok.block_until_ready()
+        return t1 - t0, time.perf_counter() - t1
+
+    t_compile = _timed(run)  # warm-up: compiles, not counted
+    times = [run() for _ in range(repeats)]
+    prefill_s = min(t[0] for t in times)
+    decode_s = min(t[1] for t in times)
+    steps = new_tokens - 1
+    per_user = steps / decode_s
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    # replicated weights are read on every rank: count what is actually read
+    param_bytes_read = sum(x.addressable_data(0).nbytes * len(x.sharding.device_set)
+                           for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    kv_read = cache_bytes(model, batch, S)  # each step attends over the whole cache
+    bandwidth, how = device_bandwidth()
+    step_s = decode_s / steps
+    return {
+        "residual": config.residual, "ladder_layers": config.ladder_layers,
+        "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+        "tp": sharding.tp_size(mesh), "devices": mesh.size,
+        "prefill_ms": prefill_s * 1e3, "prefill_tokens_per_s": batch * prompt_len / prefill_s,
+        "decode_ms_per_token": step_s * 1e3,
+        "decode_tokens_per_s_per_user": per_user, "decode_tokens_per_s": per_user * batch,
+        "param_bytes": param_bytes, "bytes_read_per_step": param_bytes_read + kv_read,
+        "roofline_fraction": (param_bytes_read + kv_read) / step_s / bandwidth,
+        "bandwidth_bytes_per_s": bandwidth, "bandwidth_source": how,
+        "first_run_s_incl_compile": t_compile,
+    }
