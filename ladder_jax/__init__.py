@@ -14,13 +14,17 @@ from ladder_jax import runtime as _runtime
 with _runtime.quiet():  # the CUDA plugin's start-up chatter on hosts without a GPU
     import jax  # noqa: F401
 
-from ladder_jax.config import PRESETS, RESIDUALS, ConfigError, ModelConfig, RopeScaling
-from ladder_jax.model import Transformer, param_specs, with_config
-from ladder_jax.sharding import ShardingError, compiler_options, make_mesh
-from ladder_jax.hf import load_hf, save_hf
+from ladder_jax import hardware  # noqa: E402
 from ladder_jax.api import Run, fit, generate, load, overlap_table, predict
+from ladder_jax.config import PRESETS, RESIDUALS, ConfigError, ModelConfig, RopeScaling
+from ladder_jax.interop.hf import load_hf, save_hf
+from ladder_jax.model import sharding  # noqa: E402
+from ladder_jax.model.sharding import ShardingError, compiler_options, make_mesh
+from ladder_jax.model.transformer import Transformer, param_specs, with_config
 
 __all__ = [
+    "hardware",
+    "sharding",
     "Run",
     "fit",
     "generate",

@@ -11,9 +11,6 @@ call goes through the same code as the command-line tools.
 
 Keyword overrides use `__` for the dots of the command line: `model__residual="ladder"` is
 `model.residual=ladder`.
-
-The command-line modules (train, decode, overlap) are imported inside the functions that use
-them, so that `python -m ladder_jax.decode` does not find its own module imported already.
 """
 
 from __future__ import annotations
@@ -22,8 +19,14 @@ import dataclasses
 import json
 import os
 
-from ladder_jax import sharding
-from ladder_jax.config import load_config
+import jax
+
+from ladder_jax.analysis import overlap, perfmodel
+from ladder_jax.config import ModelConfig, load_config
+from ladder_jax.inference import generation
+from ladder_jax.model import sharding
+from ladder_jax.train import trainer
+from ladder_jax.train.checkpoint import load_run
 
 
 @dataclasses.dataclass
@@ -50,10 +53,9 @@ class Run:
 
 def fit(config: str | None = None, **overrides) -> Run:
     """Trains as `python -m ladder_jax.train CONFIG key=value ...` would, in this process."""
-    from ladder_jax import train
 
     cfg = fit_config(config, **overrides)
-    result = train.run(cfg)
+    result = trainer.run(cfg)
     return Run(os.path.join(cfg.run_dir, cfg.name), result)
 
 
@@ -72,19 +74,16 @@ def fit_config(config: str | None = None, **overrides):
 
 def load(path: str, *, tp: int | None = None, mesh=None, **overrides):
     """(model, tokenizer) from a training run / `convert` output (config.yaml) or a Hugging
-    Face Llama directory (config.json): `ladder_jax.checkpoint.load_run`. `overrides` change
+    Face Llama directory (config.json): `ladder_jax.train.checkpoint.load_run`. `overrides` change
     the model config, e.g. residual="ladder", ladder_layers=2."""
-    import jax
 
-    from ladder_jax.checkpoint import load_run
 
     mesh = mesh or sharding.make_mesh(tp=tp or len(jax.devices()))
     return load_run(path, mesh=mesh, what="load", **overrides)
 
 
 def generate(model, prompts, **kwargs):
-    """`ladder_jax.generation.generate`: strings in, strings out (or token lists)."""
-    from ladder_jax import generation
+    """`ladder_jax.inference.generation.generate`: strings in, strings out (or token lists)."""
 
     return generation.generate(model, prompts, **kwargs)
 
@@ -124,8 +123,6 @@ def overlap_table(preset: str = "llama-3-8b", *, tp: int = 8, phase: str = "deco
                   residuals=("standard", "ladder"), batch: int = 1, seq: int = 1024,
                   target: str = "h100") -> OverlapTable:
     """`python -m ladder_jax.overlap` for several schemes (module + head all-reduces counted)."""
-    from ladder_jax import schedule as overlap
-    from ladder_jax.config import ModelConfig
 
     return OverlapTable([overlap.report(ModelConfig.from_preset(preset, residual=r), phase=phase,
                                         tp=tp, batch=batch, seq=seq, target=target)
@@ -138,11 +135,8 @@ def predict(preset: str = "llama-3-70b", *, tp=(2, 4, 8), batch=1, prompt_len: i
     """`python -m ladder_jax.predict` as rows: one dict per (tp, batch, scheme, link) with the
     predicted prefill_s, decode_step_s, tokens_per_s, tokens_per_s_per_user, exposed_comm_s
     and vs_standard (tokens/s over standard's). `tp`, `batch`, `links` take one value or a
-    list; `kwargs` go to `ladder_jax.perfmodel.predict` (efficiency, link_overrides, ...)."""
-    import jax
+    list; `kwargs` go to `ladder_jax.analysis.perfmodel.predict` (efficiency, link_overrides, ...)."""
 
-    from ladder_jax import perfmodel
-    from ladder_jax.model import ModelConfig
 
     if not jax.config.jax_platforms:  # compile for the GPU target; nothing runs on a GPU
         jax.config.update("jax_platforms", "cpu")

@@ -5,8 +5,8 @@ through complex numbers, grouped-query attention by repeating kv heads, the resi
 explicit pending variables. It reads weights as the nested dict `nnx.to_pure_dict(nnx.state(model))` gives.
 """
 
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 
 
 def _norm(x, scale, eps):

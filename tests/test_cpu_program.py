@@ -16,7 +16,8 @@ import pytest
 from flax import nnx
 
 import ladder_jax as lj
-from ladder_jax import sharding, step
+from ladder_jax.model import sharding
+from ladder_jax.train import step
 
 
 def fusion_sizes(hlo_text: str) -> list[int]:

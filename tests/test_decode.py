@@ -9,8 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from ladder_jax import decode
-
+from ladder_jax.inference import generation
 from tests.conftest import SCHEMES, free_port
 from tests.conftest import logits as _logits
 from tests.conftest import tiny_model as _model
@@ -24,7 +23,7 @@ def test_greedy_cached_decoding_equals_full_forward(scheme, tp):
     model = _model(tp, **SCHEMES[scheme])
     prompts = [[5, 17, 99, 3, 250, 7, 8], [11, 12]]
     n_new = 12
-    out = decode.generate(model, prompts, max_new_tokens=n_new)
+    out = generation.generate(model, prompts, max_new_tokens=n_new)
     for prompt, new in zip(prompts, out):
         assert len(new) == n_new
         seq = np.array([prompt + new], np.int32)
@@ -36,8 +35,8 @@ def test_greedy_cached_decoding_equals_full_forward(scheme, tp):
 def test_batch_of_different_lengths_equals_each_prompt_alone():
     model = _model(4, residual="ladder")
     prompts = [[1, 2, 3], list(range(40, 70)), [9], [200, 100, 50, 25, 12]]
-    together = decode.generate(model, prompts, max_new_tokens=10)
-    alone = [decode.generate(model, [p], max_new_tokens=10)[0] for p in prompts]
+    together = generation.generate(model, prompts, max_new_tokens=10)
+    alone = [generation.generate(model, [p], max_new_tokens=10)[0] for p in prompts]
     assert together == alone
     assert len({tuple(x) for x in together}) > 1  # not trivially identical rows
 
@@ -45,34 +44,34 @@ def test_batch_of_different_lengths_equals_each_prompt_alone():
 def test_sampling_top_k1_seeds_and_eos():
     model = _model(2, residual="ladder")
     prompt = [[10, 20, 30]]
-    greedy = decode.generate(model, prompt, max_new_tokens=16)
-    assert decode.generate(model, prompt, max_new_tokens=16, temperature=1.0, top_k=1) == greedy
-    a = decode.generate(model, prompt, max_new_tokens=16, temperature=1.0, seed=1)
-    b = decode.generate(model, prompt, max_new_tokens=16, temperature=1.0, seed=1)
-    c = decode.generate(model, prompt, max_new_tokens=16, temperature=1.0, seed=2)
+    greedy = generation.generate(model, prompt, max_new_tokens=16)
+    assert generation.generate(model, prompt, max_new_tokens=16, temperature=1.0, top_k=1) == greedy
+    a = generation.generate(model, prompt, max_new_tokens=16, temperature=1.0, seed=1)
+    b = generation.generate(model, prompt, max_new_tokens=16, temperature=1.0, seed=1)
+    c = generation.generate(model, prompt, max_new_tokens=16, temperature=1.0, seed=2)
     assert a == b and a != c
-    nucleus = decode.generate(model, prompt, max_new_tokens=16, temperature=1.0, top_p=0.5,
+    nucleus = generation.generate(model, prompt, max_new_tokens=16, temperature=1.0, top_p=0.5,
                               seed=1)
     assert nucleus != a  # top_p changes the distribution
     # a row stops at its EOS; the first greedy token used as EOS ends it at once
-    assert decode.generate(model, prompt, max_new_tokens=16, eos_id=greedy[0][0]) == [[]]
-    assert decode.generate(model, prompt, max_new_tokens=16, eos_id=greedy[0][3]) == [
+    assert generation.generate(model, prompt, max_new_tokens=16, eos_id=greedy[0][0]) == [[]]
+    assert generation.generate(model, prompt, max_new_tokens=16, eos_id=greedy[0][3]) == [
         greedy[0][:3]]
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))
     keys = [jax.random.key(i) for i in range(200)]
-    seen = {int(decode.sample(logits, k, decode.Sampling(1.0, None, 0.75))[0]) for k in keys}
+    seen = {int(generation.sample(logits, k, generation.Sampling(1.0, None, 0.75))[0]) for k in keys}
     assert seen == {0, 1}  # 0.5 < 0.75 <= 0.8: the first two tokens
-    seen = {int(decode.sample(logits, k, decode.Sampling(1.0, None, 0.5))[0]) for k in keys}
+    seen = {int(generation.sample(logits, k, generation.Sampling(1.0, None, 0.5))[0]) for k in keys}
     assert seen == {0}
 
 
 def test_strings_stream_and_text():
     model = _model(2)
     streamed = []
-    out = decode.generate(model, ["Hi", "Hello"], max_new_tokens=5,
+    out = generation.generate(model, ["Hi", "Hello"], max_new_tokens=5,
                           stream=lambda t, toks: streamed.append(toks))
     assert all(isinstance(s, str) for s in out)
     assert len(streamed) == 5 and all(len(s) == 2 for s in streamed)
@@ -92,8 +91,8 @@ def test_strings_stream_and_text():
 def test_bad_input_is_refused_before_device_work(kwargs, match):
     model = _model(1)
     kwargs.setdefault("max_new_tokens", 8)
-    with pytest.raises(decode.GenerationError, match=match):
-        decode.generate(model, **kwargs)
+    with pytest.raises(generation.GenerationError, match=match):
+        generation.generate(model, **kwargs)
 
 
 def _cli(*args, env=None):
@@ -129,12 +128,13 @@ _WORKER = textwrap.dedent("""
     jax.config.update("jax_num_cpu_devices", 2)
     from flax import nnx
     import ladder_jax as lj
-    from ladder_jax import decode
+    from ladder_jax.cli import decode as decode_cli
+    from ladder_jax.inference import generation
     assert jax.device_count() == 4 and jax.local_device_count() == 2
     mesh = lj.make_mesh(tp=4)  # tensor parallelism across both processes
     model = lj.Transformer(lj.ModelConfig.from_preset("tiny", residual="ladder"), mesh=mesh,
                            rngs=nnx.Rngs(0))
-    tokens = decode.generate(model, [[5, 6, 7], [1, 2, 3, 4, 5, 6]], max_new_tokens=10)
+    tokens = generation.generate(model, [[5, 6, 7], [1, 2, 3, 4, 5, 6]], max_new_tokens=10)
     if pid == 0:
         json.dump(tokens, open(out, "w"))
 """)
@@ -154,4 +154,4 @@ def test_two_processes_with_tp_across_them_match_one_process(tmp_path):
     import json
     got = json.loads(out.read_text())
     model = _model(1, residual="ladder")
-    assert got == decode.generate(model, [[5, 6, 7], [1, 2, 3, 4, 5, 6]], max_new_tokens=10)
+    assert got == generation.generate(model, [[5, 6, 7], [1, 2, 3, 4, 5, 6]], max_new_tokens=10)

@@ -1,6 +1,6 @@
 """Bad input ends in one line that names the file / tensor / prompt and the fix, exit code 2, no
-traceback, and nothing written: training data through `train.main`, Hugging Face files through
-`convert.main` and `load_hf`, generation through `generate` and `decode.main`."""
+traceback, and nothing written: training data through `train_cli.main`, Hugging Face files through
+`convert.main` and `load_hf`, generation through `generate` and `decode_cli.main`."""
 
 import json
 import os
@@ -15,8 +15,14 @@ import pytest
 from flax import nnx
 
 import ladder_jax as lj
-from ladder_jax import convert, data, decode, hf, sharding, train
-from ladder_jax.tokenizer import ByteTokenizer
+from ladder_jax.cli import convert
+from ladder_jax.cli import decode as decode_cli
+from ladder_jax.cli import train as train_cli
+from ladder_jax.inference import generation
+from ladder_jax.interop import hf
+from ladder_jax.interop.tokenizer import ByteTokenizer
+from ladder_jax.model import sharding
+from ladder_jax.train import data
 
 SMALL = ["model.n_layers=2", "data.seq_len=32", "data.batch_size=8", "eval_batches=2",
          "progress=none", "log_every=1000", "mesh.data=1", "steps=1", "eval_every=0"]
@@ -89,7 +95,7 @@ def test_bad_training_data_is_one_line_and_writes_nothing(tmp_path, capsys, name
                                                           expect):
     path = str(tmp_path / name)
     make(path)
-    rc = train.main(SMALL + [f"data.path={path}", f"run_dir={tmp_path}/runs", "name=r"])
+    rc = train_cli.main(SMALL + [f"data.path={path}", f"run_dir={tmp_path}/runs", "name=r"])
     line = one_line(capsys, rc)
     assert path in line and all(e in line for e in expect), line
     assert not os.path.exists(tmp_path / "runs")  # refused before the run directory exists
@@ -98,7 +104,7 @@ def test_bad_training_data_is_one_line_and_writes_nothing(tmp_path, capsys, name
 def test_unreadable_tokenizer_json_is_one_line(tmp_path, capsys):
     pytest.importorskip("tokenizers")
     (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": 7}')
-    rc = train.main(SMALL + [f"data.tokenizer={tmp_path}/tokenizer.json",
+    rc = train_cli.main(SMALL + [f"data.tokenizer={tmp_path}/tokenizer.json",
                              f"run_dir={tmp_path}/runs", "name=r"])
     line = one_line(capsys, rc)
     assert f"{tmp_path}/tokenizer.json is not a tokenizer.json the tokenizers package" in line
@@ -290,16 +296,16 @@ def model():
     (5, "not int"),
 ])
 def test_generate_refuses_what_is_not_a_token_id(model, prompts, match):
-    with pytest.raises(decode.GenerationError, match=match):
-        decode.generate(model, prompts, max_new_tokens=2)
+    with pytest.raises(generation.GenerationError, match=match):
+        generation.generate(model, prompts, max_new_tokens=2)
 
 
 def test_generate_takes_numpy_ids_as_given(model):
-    want = decode.generate(model, [[5, 6, 7], [8, 9, 10]], max_new_tokens=3)
-    assert decode.generate(model, np.array([[5, 6, 7], [8, 9, 10]]), max_new_tokens=3) == want
-    assert decode.generate(model, [np.array([5, 6, 7], np.int64), np.array([8, 9, 10])],
+    want = generation.generate(model, [[5, 6, 7], [8, 9, 10]], max_new_tokens=3)
+    assert generation.generate(model, np.array([[5, 6, 7], [8, 9, 10]]), max_new_tokens=3) == want
+    assert generation.generate(model, [np.array([5, 6, 7], np.int64), np.array([8, 9, 10])],
                            max_new_tokens=3) == want
-    assert decode.generate(model, [[np.int32(5), 6, 7], [8, 9, 10]], max_new_tokens=3) == want
+    assert generation.generate(model, [[np.int32(5), 6, 7], [8, 9, 10]], max_new_tokens=3) == want
 
 
 @pytest.mark.parametrize("prompt_len, new, fix", [
@@ -310,8 +316,8 @@ def test_generate_takes_numpy_ids_as_given(model):
     (300, 300, "shorten the prompt and lower max_new_tokens: together they must be <= 256"),
 ])
 def test_too_long_names_only_fixes_that_work(model, prompt_len, new, fix):
-    with pytest.raises(decode.GenerationError) as e:
-        decode.generate(model, [[1] * prompt_len], max_new_tokens=new)
+    with pytest.raises(generation.GenerationError) as e:
+        generation.generate(model, [[1] * prompt_len], max_new_tokens=new)
     msg = str(e.value)
     assert msg.endswith(fix) and not re.search(r"<= -?0\b|<= -", msg), msg
 
@@ -327,8 +333,8 @@ def test_too_long_names_only_fixes_that_work(model, prompt_len, new, fix):
 ])
 def test_sampling_settings_are_checked(model, kwargs, match):
     kwargs = {"max_new_tokens": 2, **kwargs}
-    with pytest.raises(decode.GenerationError, match=match):
-        decode.generate(model, [[1, 2]], **kwargs)
+    with pytest.raises(generation.GenerationError, match=match):
+        generation.generate(model, [[1, 2]], **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,7 +344,7 @@ def test_sampling_settings_are_checked(model, kwargs, match):
 @pytest.fixture
 def decode_main():
     # The fake devices are set up already (conftest); the CLI's runtime setup keeps them.
-    return decode.main
+    return decode_cli.main
 
 
 def _files(tmp_path):
@@ -401,7 +407,7 @@ def test_decode_benchmark_says_what_it_measures_first(capsys, decode_main, monke
                 "roofline_fraction": 0.5, "first_run_s_incl_compile": 1.0,
                 "bandwidth_bytes_per_s": 1e9, "bandwidth_source": "test"}
 
-    monkeypatch.setattr(decode, "benchmark", fake)
+    monkeypatch.setattr(decode_cli, "benchmark", fake)
     args = ["--benchmark", "--batch", "3", "--prompt-len", "5", "--max-new-tokens", "7"]
     assert decode_main(args + ["--residual", "all"]) == 0
     header = printed[0]
@@ -445,7 +451,7 @@ def _snapshot(path):
 def trained(tmp_path_factory):
     """A 2-step run with a checkpoint at step 2 (shared by the resume cases, copied per test)."""
     root = tmp_path_factory.mktemp("trained")
-    assert train.main(SMALL + ["steps=2", f"run_dir={root}", "name=run"]) == 0
+    assert train_cli.main(SMALL + ["steps=2", f"run_dir={root}", "name=run"]) == 0
     return root
 
 
@@ -464,7 +470,7 @@ def test_resume_with_a_changed_experiment_is_refused_and_writes_nothing(
         trained, tmp_path, capsys, change, key):
     root = _copy_run(trained, tmp_path)
     before = _snapshot(root / "run")
-    line = one_line(capsys, train.main(SMALL + ["steps=4", f"run_dir={root}", "name=run",
+    line = one_line(capsys, train_cli.main(SMALL + ["steps=4", f"run_dir={root}", "name=run",
                                                 change]))
     assert key in line and "accept_changes=true" in line and "name=" in line, line
     assert _snapshot(root / "run") == before
@@ -472,7 +478,7 @@ def test_resume_with_a_changed_experiment_is_refused_and_writes_nothing(
 
 def test_accept_changes_resumes_and_records_what_changed(trained, tmp_path, capsys):
     root = _copy_run(trained, tmp_path)
-    assert train.main(SMALL + ["steps=3", f"run_dir={root}", "name=run", "optim.peak_lr=0.01",
+    assert train_cli.main(SMALL + ["steps=3", f"run_dir={root}", "name=run", "optim.peak_lr=0.01",
                                "accept_changes=true"]) == 0
     assert "resumed from" in capsys.readouterr().out
     with open(root / "run" / "changes.jsonl") as f:
@@ -486,7 +492,7 @@ def test_resume_after_a_shape_change_names_the_weight_and_writes_nothing(
         trained, tmp_path, capsys):
     root = _copy_run(trained, tmp_path)
     before = _snapshot(root / "run")
-    line = one_line(capsys, train.main(SMALL + ["steps=4", f"run_dir={root}", "name=run",
+    line = one_line(capsys, train_cli.main(SMALL + ["steps=4", f"run_dir={root}", "name=run",
                                                 "model.d_ff=256", "accept_changes=true"]))
     assert "layers/0/mlp/down" in line and "(128, 64)" in line and "(256, 64)" in line, line
     assert "new name=" in line
@@ -497,7 +503,7 @@ def test_torn_last_metrics_line_is_dropped_on_resume(trained, tmp_path, capsys):
     root = _copy_run(trained, tmp_path)
     with open(root / "run" / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "loss": 1.2')  # a write cut short by a crash
-    assert train.main(SMALL + ["steps=3", f"run_dir={root}", "name=run"]) == 0
+    assert train_cli.main(SMALL + ["steps=3", f"run_dir={root}", "name=run"]) == 0
     assert "torn last line" in capsys.readouterr().out
     with open(root / "run" / "metrics.jsonl") as f:
         assert [json.loads(line)["step"] for line in f] == [1, 2, 3]
@@ -508,16 +514,16 @@ def test_damaged_metrics_in_the_middle_is_one_line(trained, tmp_path, capsys):
     p = root / "run" / "metrics.jsonl"
     p.write_text("garbage\n" + p.read_text())
     before = _snapshot(root / "run")
-    line = one_line(capsys, train.main(SMALL + ["steps=3", f"run_dir={root}", "name=run"]))
+    line = one_line(capsys, train_cli.main(SMALL + ["steps=3", f"run_dir={root}", "name=run"]))
     assert "metrics.jsonl, line 1" in line
     assert _snapshot(root / "run") == before
 
 
 def test_init_from_problems_are_one_line(trained, tmp_path, capsys):
-    line = one_line(capsys, train.main(SMALL + [f"run_dir={tmp_path}", "name=ft",
+    line = one_line(capsys, train_cli.main(SMALL + [f"run_dir={tmp_path}", "name=ft",
                                                 f"init_from={tmp_path}/nope"]))
     assert "init_from" in line and "does not exist" in line
-    line = one_line(capsys, train.main(SMALL + [f"run_dir={tmp_path}", "name=ft",
+    line = one_line(capsys, train_cli.main(SMALL + [f"run_dir={tmp_path}", "name=ft",
                                                 f"init_from={trained}/run", "model.d_ff=256"]))
     assert "init_from" in line and "(128, 64)" in line and "(256, 64)" in line
     assert not (tmp_path / "ft").exists()
@@ -532,25 +538,25 @@ def test_init_from_problems_are_one_line(trained, tmp_path, capsys):
     (["model.remat=layers"], "remat='layers'"),
 ])
 def test_out_of_range_settings_are_one_line(tmp_path, capsys, args, expect):
-    line = one_line(capsys, train.main(SMALL + [f"run_dir={tmp_path}", *args]))
+    line = one_line(capsys, train_cli.main(SMALL + [f"run_dir={tmp_path}", *args]))
     assert expect in line, line
     assert not os.listdir(tmp_path)
 
 
 def test_run_dir_that_is_a_file_and_bad_yaml_are_one_line(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
-    line = one_line(capsys, train.main(SMALL + [f"run_dir={tmp_path}/file"]))
+    line = one_line(capsys, train_cli.main(SMALL + [f"run_dir={tmp_path}/file"]))
     assert "is a file" in line
     (tmp_path / "bad.yaml").write_text("model:\n  residual: ladder\ndata: [1\n")
-    line = one_line(capsys, train.main([str(tmp_path / "bad.yaml")]))
+    line = one_line(capsys, train_cli.main([str(tmp_path / "bad.yaml")]))
     assert f"{tmp_path}/bad.yaml:" in line and "not valid YAML" in line
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
-    line = one_line(capsys, train.main([str(tmp_path / "list.yaml")]))
+    line = one_line(capsys, train_cli.main([str(tmp_path / "list.yaml")]))
     assert "must be a mapping" in line
 
 
 def test_decode_checkpoint_errors_name_the_flag(tmp_path, capsys):
-    line = one_line(capsys, decode.main(["--checkpoint", str(tmp_path / "nope")]))
+    line = one_line(capsys, decode_cli.main(["--checkpoint", str(tmp_path / "nope")]))
     assert "--checkpoint" in line and "init_from" not in line
 
 

@@ -15,10 +15,11 @@ import transformers
 from flax import nnx
 
 import ladder_jax as lj
-from ladder_jax import convert, hf
+from ladder_jax.cli import convert
+from ladder_jax.interop import hf
+from tests import reference
 from tests.conftest import logits as _logits
 from tests.conftest import mesh as _mesh
-from tests import reference
 
 V = 128  # divisible by 1, 2, 4, 8
 GQA_SCALED = dict(  # GQA (8 query / 2 kv heads: replicated at tp=4), llama-3 scaling, untied
@@ -88,7 +89,7 @@ def test_greedy_generation_matches_transformers(llamas):
     path, tm = llamas["gqa_scaled"]
     model, _ = lj.load_hf(path, mesh=_mesh(4))
     prompts = [[1, 17, 99, 5, 23], [1, 64, 3]]
-    from ladder_jax.decode import generate
+    from ladder_jax.inference.generation import generate
     got = generate(model, prompts, max_new_tokens=20, temperature=0.0)  # no EOS stop
     tm.generation_config.eos_token_id = None  # nor there
     for prompt, ours in zip(prompts, got):
@@ -269,13 +270,13 @@ def test_tokenizer_from_tokenizer_json(llamas, tmp_path):
 
 
 def test_convert_cli_writes_a_checkpoint_init_from_reads(llamas, tmp_path):
-    from ladder_jax import checkpoint, train
+    from ladder_jax.train import checkpoint, trainer
     path, _ = llamas["tied"]
     out = tmp_path / "ckpt"
     assert convert.main(["--hf", path, "--out", str(out), "--residual", "ladder",
                          "--ladder-layers", "2", "--tp", "2"]) == 0
-    cfg = train.load_config([str(out / "config.yaml")])
-    config = train.model_config(cfg)
+    cfg = trainer.load_config([str(out / "config.yaml")])
+    config = trainer.model_config(cfg)
     assert config.residual == "ladder" and config.ladder_layers == 2
     imported, _ = lj.load_hf(path, mesh=_mesh(2), ladder_layers=2)
     fresh = lj.Transformer(config, mesh=_mesh(2), rngs=nnx.Rngs(1))  # what train builds

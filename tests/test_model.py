@@ -10,7 +10,6 @@ from flax import nnx
 
 import ladder_jax as lj
 from tests import reference
-
 from tests.conftest import TINY
 from tests.conftest import logits as _logits
 from tests.conftest import tiny_model as _model

@@ -11,7 +11,8 @@ import json
 import pytest
 
 import ladder_jax as lj
-from ladder_jax import overlap
+from ladder_jax.analysis import overlap, programs
+from ladder_jax.cli import overlap as overlap_cli
 
 # tiny, with as many kv heads as ranks (no kv replication), like llama-3-8b at tp=8
 BASE = dict(n_kv_heads=8)
@@ -79,19 +80,19 @@ def test_hybrid_overlaps_only_into_ladder_layers():
 
 
 def test_cli_json_and_errors(capsys):
-    assert overlap.main(["--preset", "tiny", "--phase", "decode", "--json"]) == 0
+    assert overlap_cli.main(["--preset", "tiny", "--phase", "decode", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert {"total_all_reduces", "overlapped_all_reduces", "all_reduces"} <= set(out)
     assert out["total_all_reduces"] == len(out["all_reduces"]) > 0
     first = out["all_reduces"][0]
     assert {"pass", "layer", "module", "asynchronous", "gemms_between", "bytes"} <= set(first)
-    assert overlap.main(["--preset", "tiny", "--phase", "decode"]) == 0
+    assert overlap_cli.main(["--preset", "tiny", "--phase", "decode"]) == 0
     assert "all-reduces overlapping a matmul" in capsys.readouterr().out
-    assert overlap.main(["--preset", "tiny", "--tp", "3"]) == 2
+    assert overlap_cli.main(["--preset", "tiny", "--tp", "3"]) == 2
     assert "n_heads=8 is not divisible by tp=3" in capsys.readouterr().err
 
 
 def test_missing_plugin_says_what_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(overlap.OverlapError, match=r"pip install \"jax-cuda12-plugin==0\.10\.2\""):
-        overlap.gpu_mesh("h100", 8)
+        programs.gpu_mesh("h100", 8)

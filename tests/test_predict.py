@@ -3,8 +3,8 @@ few-layer extension equal to full-depth compiles. No timing is asserted: every n
 prediction computed from a schedule, so the tests are deterministic."""
 
 import dataclasses
-import importlib.util
 import functools
+import importlib.util
 import json
 import pathlib
 import subprocess
@@ -13,7 +13,10 @@ import sys
 import pytest
 
 import ladder_jax as lj
-from ladder_jax import hardware, overlap, perfmodel
+from ladder_jax import hardware
+from ladder_jax.analysis import perfmodel
+from ladder_jax.cli import overlap as overlap_cli
+from ladder_jax.cli import predict as predict_cli
 
 # tiny, and a mid-size model whose weights dominate its decode step
 TINY = lj.ModelConfig.from_preset("tiny")
@@ -206,7 +209,7 @@ def test_cli_json_rows(capsys):
     argv = ["--preset", "tiny", "--tp", "2", "--batch", "1", "--prompt-len", "128",
             "--new-tokens", "64", "--link", "nvlink", "pcie", "--residual", "standard",
             "ladder", "--json"]
-    assert perfmodel.main(argv) == 0
+    assert predict_cli.main(argv) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(rows) == 4 and {r["residual"] for r in rows} == {"standard", "ladder"}
     keys = {"residual", "tp", "batch", "prompt_len", "new_tokens", "link", "target",
@@ -214,7 +217,7 @@ def test_cli_json_rows(capsys):
             "exposed_comm_s", "vs_standard"}
     assert all(keys <= set(r) for r in rows)
     assert all(r["tp"] == 2 and r["batch"] == 1 and r["tokens_per_s"] > 0 for r in rows)
-    assert perfmodel.main(argv[:-1]) == 0
+    assert predict_cli.main(argv[:-1]) == 0
     out = capsys.readouterr().out
     assert "ladder/standard" in out and "tokens/s" in out
 
@@ -223,7 +226,7 @@ def test_cli_train_step(capsys):
     config = pathlib.Path(__file__).parent.parent / "configs" / "tiny.yaml"
     argv = ["--phase", "train", "--config", str(config), "--tp", "2", "--link", "pcie",
             "--residual", "standard", "ladder", "--json"]
-    assert perfmodel.main(argv) == 0
+    assert predict_cli.main(argv) == 0
     rows = {r["residual"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
     std, lad = rows["standard"], rows["ladder"]
     assert std["batch"] == 16 and std["seq_len"] == 128 and std["tp"] == 2
@@ -245,14 +248,14 @@ def test_cli_train_step(capsys):
     (["--phase", "serve"], "unknown phase 'serve'"),
 ])
 def test_cli_bad_arguments_one_line_exit_2(capsys, args, message):
-    assert perfmodel.main(args) == 2
+    assert predict_cli.main(args) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and "Traceback" not in captured.err, err
 
 
-@pytest.mark.parametrize("main", [perfmodel.main, overlap.main], ids=["predict", "overlap"])
+@pytest.mark.parametrize("main", [predict_cli.main, overlap_cli.main], ids=["predict", "overlap"])
 def test_missing_cuda_plugin_is_one_line_with_the_install_hint(capsys, monkeypatch, main):
     def find_spec(name):  # what importlib does when the parent package is absent
         raise ModuleNotFoundError(f"No module named '{name.split('.')[0]}'")

@@ -12,8 +12,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ladder_jax as lj
-from ladder_jax import overlap, sharding, step
-from ladder_jax.model import abstract
+from ladder_jax.analysis import overlap, programs
+from ladder_jax.model import sharding
+from ladder_jax.model.transformer import abstract
+from ladder_jax.train import step
 from tests.conftest import SCHEMES, TINY, mesh
 
 
@@ -44,7 +46,7 @@ def _gpu_temp_bytes(config, T=256):
     """Temporaries of the training step's gradient program compiled for one H100 (deviceless:
     XLA:CPU drops the barriers that keep a recomputation from being merged back into the
     forward, so the CPU program would not show what remat does on a GPU)."""
-    gpu = overlap.gpu_mesh("h100", 1)
+    gpu = programs.gpu_mesh("h100", 1)
     graphdef, params = abstract(config, gpu)
     tokens = jax.ShapeDtypeStruct((4, T), jnp.int32, sharding=NamedSharding(gpu, P()))
     fn = sharding.jit(lambda p, t: step.loss_and_grads(graphdef, p, t, t), platform="gpu")

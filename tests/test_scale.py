@@ -14,8 +14,11 @@ import numpy as np
 import pytest
 
 import ladder_jax as lj
-from ladder_jax import overlap, step, train
+from ladder_jax.analysis import overlap, programs
+from ladder_jax.cli import overlap as overlap_cli
+from ladder_jax.cli import train as train_cli
 from ladder_jax.config import load_config
+from ladder_jax.train import step, trainer
 from tests.conftest import SCHEMES, TINY
 from tests.test_remat import _loss_and_grads
 
@@ -61,7 +64,7 @@ def test_one_gradient_norm_all_reduce_and_no_gathers_in_the_update():
 
 
 def test_tp_groups_stay_inside_a_host():
-    mesh = overlap.gpu_mesh("h100", 4, data=2, hosts=2)
+    mesh = programs.gpu_mesh("h100", 4, data=2, hosts=2)
     for row in mesh.devices:
         assert len({d.process_index for d in row}) == 1
     assert {d.process_index for d in mesh.devices[:, 0]} == {0, 1}
@@ -70,14 +73,14 @@ def test_tp_groups_stay_inside_a_host():
 def test_memory_report_and_check(capsys):
     args = ["--config", "configs/tiny.yaml", "--hosts", "2", "--gpus-per-host", "4",
             *TINY_SCALE[1:]]
-    assert overlap.main(args + ["--json"]) == 0
+    assert overlap_cli.main(args + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert 0 < out["peak_bytes_per_device"] < out["device_memory_bytes"] == 80 * 1024**3
     m = out["memory"]
     assert m["arguments"] + m["temporaries"] <= m["peak"] <= (
         m["arguments"] + m["temporaries"] + m["outputs"] - m["aliased"] + 2**20)
     # the same model with a huge replicated embedding: refused, one line, naming FSDP first
-    assert overlap.main(["--config", "configs/tiny.yaml", "--hosts", "1", "--gpus-per-host",
+    assert overlap_cli.main(["--config", "configs/tiny.yaml", "--hosts", "1", "--gpus-per-host",
                          "4", "mesh.tp=4", *TOO_BIG]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: the training step needs") and "\n" not in err
@@ -104,11 +107,11 @@ def test_trainer_checks_memory_before_its_first_step(tmp_path, monkeypatch, caps
     stops (exit 2, one line) before writing anything. Simulated here: the CPU backend
     reported as a GPU of 1 MB."""
     tiny_gpu = lj.hardware.Chip("TinyGPU", "TinyGPU", 1e12, 1e12, 1_000_000)
-    monkeypatch.setattr(train.hardware, "chip_of", lambda device: tiny_gpu)
-    monkeypatch.setattr(train.jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(train.sharding, "compiler_options", lambda platform: {})
+    monkeypatch.setattr(trainer.hardware, "chip_of", lambda device: tiny_gpu)
+    monkeypatch.setattr(trainer.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(trainer.sharding, "compiler_options", lambda platform: {})
     run_dir = tmp_path / "runs"
-    code = train.main(["configs/tiny.yaml", f"run_dir={run_dir}", "steps=2", "progress=none",
+    code = train_cli.main(["configs/tiny.yaml", f"run_dir={run_dir}", "steps=2", "progress=none",
                        "mesh.tp=2", "mesh.data=2"])
     err = capsys.readouterr().err.strip()
     assert code == 2, err

@@ -9,7 +9,6 @@ import pytest
 from flax import nnx
 
 import ladder_jax as lj
-
 from tests.conftest import SCHEMES as VALID
 from tests.conftest import TINY
 from tests.conftest import mesh as _mesh

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ladder_jax import checkpoint, data, step, train
-from ladder_jax.model import ModelConfig, Transformer
-from ladder_jax.sharding import make_mesh
-from ladder_jax.tokenizer import ByteTokenizer
+from ladder_jax.config import ModelConfig
+from ladder_jax.interop.tokenizer import ByteTokenizer
+from ladder_jax.model.sharding import make_mesh
+from ladder_jax.model.transformer import Transformer
+from ladder_jax.train import checkpoint, data, step, trainer
 from tests.conftest import free_port
 
 SMALL = ["model.n_layers=2", "data.seq_len=32", "data.batch_size=8", "eval_batches=2",
@@ -26,7 +27,7 @@ SMALL = ["model.n_layers=2", "data.seq_len=32", "data.batch_size=8", "eval_batch
 
 
 def config(tmp_path, *overrides, name="run"):
-    return train.load_config(SMALL + [f"run_dir={tmp_path}", f"name={name}", *overrides])
+    return trainer.load_config(SMALL + [f"run_dir={tmp_path}", f"name={name}", *overrides])
 
 
 def metrics(tmp_path, name="run"):
@@ -40,7 +41,7 @@ def cli(*args, env=None, **kw):
 
 
 def test_loss_falls_on_embedded_corpus(tmp_path):
-    out = train.run(config(tmp_path, "steps=40", "eval_every=0"))
+    out = trainer.run(config(tmp_path, "steps=40", "eval_every=0"))
     losses = [out["losses"][s] for s in sorted(out["losses"])]
     assert losses[0] > 5.0  # ~ln(320) at init
     assert np.mean(losses[-5:]) < losses[0] - 2.0, losses
@@ -53,7 +54,7 @@ def test_loss_falls_on_embedded_corpus(tmp_path):
 @pytest.fixture(scope="module")
 def tp1_losses(tmp_path_factory):
     path = tmp_path_factory.mktemp("tp1")
-    return train.run(config(path, "steps=4", "eval_every=0", name="ref"))["losses"]
+    return trainer.run(config(path, "steps=4", "eval_every=0", name="ref"))["losses"]
 
 
 @pytest.mark.parametrize("mesh", [("mesh.tp=2", "mesh.data=1"), ("mesh.tp=1", "mesh.data=2"),
@@ -61,14 +62,14 @@ def tp1_losses(tmp_path_factory):
                                   ("mesh.tp=2", "mesh.data=2", "mesh.fsdp=true")])
 def test_mesh_gives_same_losses(tmp_path, mesh, tp1_losses):
     ref = tp1_losses
-    got = train.run(config(tmp_path, "steps=4", "eval_every=0", *mesh))["losses"]
+    got = trainer.run(config(tmp_path, "steps=4", "eval_every=0", *mesh))["losses"]
     assert list(got) == list(ref) == [1, 2, 3, 4]
     np.testing.assert_allclose([got[s] for s in got], [ref[s] for s in ref], rtol=2e-5)
 
 
 def test_grad_accumulation_equals_big_batch(tmp_path):
-    big = train.run(config(tmp_path, "steps=3", "data.batch_size=8", name="big"))
-    acc = train.run(config(tmp_path, "steps=3", "data.batch_size=4", "data.grad_accum=2"))
+    big = trainer.run(config(tmp_path, "steps=3", "data.batch_size=8", name="big"))
+    acc = trainer.run(config(tmp_path, "steps=3", "data.batch_size=4", "data.grad_accum=2"))
     # Same records (the iterator's batch is batch_size x grad_accum), same mean gradient.
     np.testing.assert_allclose(list(acc["losses"].values()), list(big["losses"].values()),
                                rtol=2e-5)
@@ -94,7 +95,7 @@ def test_sigterm_then_rerun_equals_uninterrupted(tmp_path):
     assert proc.returncode == 0, err
     assert "resumed from" in out and f"/{cut} " in out
     resumed = metrics(tmp_path, "cut")
-    ref = train.run(config(tmp_path, "steps=300", "ckpt_every=100", "eval_every=0",
+    ref = trainer.run(config(tmp_path, "steps=300", "ckpt_every=100", "eval_every=0",
                            name="ref"))
     ref_rows = metrics(tmp_path, "ref")
     assert [r["step"] for r in resumed] == list(range(1, 301))
@@ -106,14 +107,14 @@ def test_sigterm_then_rerun_equals_uninterrupted(tmp_path):
 
 def test_resume_on_another_mesh_and_init_from(tmp_path):
     base = ("eval_every=0", "ckpt_every=3")
-    a = train.run(config(tmp_path, "steps=5", "mesh.tp=2", "mesh.data=1", *base, name="ref"))
-    train.run(config(tmp_path, "steps=3", "mesh.tp=2", "mesh.data=1", *base))
+    a = trainer.run(config(tmp_path, "steps=5", "mesh.tp=2", "mesh.data=1", *base, name="ref"))
+    trainer.run(config(tmp_path, "steps=3", "mesh.tp=2", "mesh.data=1", *base))
     # same run directory, more steps, tp 2 -> 4: resumes from step 3 on the new mesh
-    b = train.run(config(tmp_path, "steps=5", "mesh.tp=4", "mesh.data=1", *base))
+    b = trainer.run(config(tmp_path, "steps=5", "mesh.tp=4", "mesh.data=1", *base))
     np.testing.assert_allclose([b["losses"][s] for s in (4, 5)],
                                [a["losses"][s] for s in (4, 5)], rtol=2e-5)
     # weights only: step 1 of a new run evaluates the loaded weights
-    c = train.run(config(tmp_path, "steps=1", f"init_from={tmp_path}/ref", *base, name="ft"))
+    c = trainer.run(config(tmp_path, "steps=1", f"init_from={tmp_path}/ref", *base, name="ft"))
     assert c["losses"][1] < a["losses"][1] - 0.5
 
 
@@ -141,8 +142,8 @@ def test_too_many_nonfinite_steps_stop_with_last_checkpoint_intact(tmp_path):
     # An absurd learning rate blows the weights up at step 1; every later loss is non-finite.
     cfg = config(tmp_path, "steps=20", "optim.peak_lr=1e30", "optim.warmup_steps=1",
                  "ckpt_every=1", "max_bad_steps=3", "eval_every=0")
-    with pytest.raises(train.NonFiniteError, match="3 non-finite steps in a row"):
-        train.run(cfg)
+    with pytest.raises(trainer.NonFiniteError, match="3 non-finite steps in a row"):
+        trainer.run(cfg)
     rows = metrics(tmp_path)
     assert [r.get("skipped", False) for r in rows][-3:] == [True] * 3
     ckpts = checkpoint.Checkpointer(str(tmp_path / "run" / "checkpoints"))
@@ -169,7 +170,7 @@ def test_bad_config_is_a_clear_error(args, message):
 
 def test_two_processes_equal_one(tmp_path):
     common = SMALL + ["steps=3", "eval_every=0", "mesh.tp=2", "mesh.data=2"]
-    ref = train.run(train.load_config(common + [f"run_dir={tmp_path}", "name=one"]))["losses"]
+    ref = trainer.run(trainer.load_config(common + [f"run_dir={tmp_path}", "name=one"]))["losses"]
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
@@ -210,8 +211,8 @@ def test_byte_tokenizer_and_sources(tmp_path):
 
 @pytest.mark.parametrize("name", ["tiny", "1b", "3b"])
 def test_shipped_configs_parse(name):
-    cfg = train.load_config([f"configs/{name}.yaml"])
-    mc = train.model_config(cfg)
+    cfg = trainer.load_config([f"configs/{name}.yaml"])
+    mc = trainer.model_config(cfg)
     assert mc.param_dtype == "float32" and cfg.data.seq_len <= mc.max_seq_len
     if name != "tiny":  # the paper's recipe: ~4M tokens per step, bf16 compute, AdamW
         assert cfg.data.batch_size * cfg.data.grad_accum * cfg.data.seq_len == 4 * 2**20
@@ -222,7 +223,7 @@ def test_shipped_configs_parse(name):
 def test_tensorboard_scalars_equal_the_jsonl_rows(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    train.run(config(tmp_path, "steps=4", "eval_every=2", "tensorboard=true"))
+    trainer.run(config(tmp_path, "steps=4", "eval_every=2", "tensorboard=true"))
     rows = metrics(tmp_path)
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()
@@ -234,7 +235,7 @@ def test_tensorboard_scalars_equal_the_jsonl_rows(tmp_path):
         want = {r["step"]: r[key] for r in rows if r.get(key) is not None}
         assert got.keys() == want.keys() and len(want) >= 2, (key, got, want)
         np.testing.assert_allclose([got[s] for s in want], list(want.values()), rtol=1e-6)
-    train.run(config(tmp_path, "steps=1", "tensorboard=false", name="off"))
+    trainer.run(config(tmp_path, "steps=1", "tensorboard=false", name="off"))
     assert not (tmp_path / "off" / "tensorboard").exists()
 
 
@@ -244,10 +245,10 @@ def test_fit_keywords_resolve_like_the_command_line():
     got = api.fit_config("configs/tiny.yaml", model__ladder_layers=[1, 3],
                          model__residual="ladder", optim__peak_lr=1e-3, data__path=None,
                          mesh__fsdp=True)
-    want = train.load_config(["configs/tiny.yaml", "model.ladder_layers=[1,3]",
+    want = trainer.load_config(["configs/tiny.yaml", "model.ladder_layers=[1,3]",
                               "model.residual=ladder", "optim.peak_lr=1e-3", "data.path=null",
                               "mesh.fsdp=true"])
     assert got == want
-    assert train.model_config(got).ladder_layers == (1, 3) and got.optim.peak_lr == 1e-3
-    with pytest.raises(train.ConfigError, match="did you mean 'optim.peak_lr'"):
+    assert trainer.model_config(got).ladder_layers == (1, 3) and got.optim.peak_lr == 1e-3
+    with pytest.raises(trainer.ConfigError, match="did you mean 'optim.peak_lr'"):
         api.fit_config("configs/tiny.yaml", optim__peek_lr=1.0)

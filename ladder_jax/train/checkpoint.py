@@ -32,10 +32,14 @@ import os
 import grain
 import jax
 import orbax.checkpoint as ocp
+from absl import logging as absl_logging
 from flax import nnx
 
 from ladder_jax import config as config_lib
 from ladder_jax.config import ConfigError
+from ladder_jax.interop.hf import load_hf
+from ladder_jax.interop.tokenizer import make_tokenizer
+from ladder_jax.model.transformer import abstract
 
 
 def _opt_dict(opt_state) -> dict:
@@ -115,7 +119,6 @@ def _replace(state: nnx.State, pure: dict) -> nnx.State:
 def check_shapes(directory: str, params: nnx.State, what: str) -> None:
     """Refuses, naming the first weight that differs, a checkpoint whose weights do not have
     the shapes of `params` (a changed model): orbax would fail deep inside with a traceback."""
-    from absl import logging as absl_logging
 
     level = absl_logging.get_verbosity()
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax warns about optional files
@@ -181,18 +184,15 @@ def load_params(path: str, params: nnx.State, *, what: str = "init_from") -> nnx
 def load_run(path: str, *, mesh, what: str = "--checkpoint", **overrides):
     """(model, tokenizer) from a training run or a `python -m ladder_jax.convert` output (a
     directory with config.yaml and checkpoints/), or a Hugging Face Llama directory
-    (config.json, see `ladder_jax.hf.load_hf`). The model is built from shapes and its weights
+    (config.json, see `ladder_jax.interop.hf.load_hf`). The model is built from shapes and its weights
     restored straight into their shardings on `mesh`; no random weights are made. `overrides`
     change the model config, e.g. residual="ladder", ladder_layers=2 (any scheme reads any
     weights)."""
-    from ladder_jax.model import abstract
-    from ladder_jax.tokenizer import make_tokenizer
 
     path = os.fspath(path)
     cfg_file = os.path.join(path, "config.yaml")
     if not os.path.isfile(cfg_file):
         if os.path.isfile(os.path.join(path, "config.json")):
-            from ladder_jax.hf import load_hf
             return load_hf(path, mesh=mesh, **overrides)
         raise ConfigError(f"{what} {path!r}: no config.yaml there: give a training run "
                           f"directory (runs/NAME), the output of ladder_jax.convert, or a Hugging "

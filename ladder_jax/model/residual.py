@@ -1,8 +1,9 @@
-"""The residual stream of the standard, ladder, hybrid and upper_bound schemes: one schedule,
+"""The residual stream of the standard, ladder, hybrid and upper_bound schemes: one wiring,
 the forward that follows it, and the ladder's hand-written backward that walks it in reverse.
 
-The schedule (`schedule(config)`) is computed once per config and is the only place the wiring
-is decided. Modules run in order (layer 0 attention, layer 0 MLP, layer 1 attention, ...); each
+The wiring (`wiring(config)`, one `Slot` per module) is computed once per config and decides
+how these four schemes connect their modules (`parallel`, whose two modules share one input and
+one all-reduce, is spelled out in `Transformer.layer_loop`). Modules run in order (layer 0 attention, layer 0 MLP, layer 1 attention, ...); each
 ends in a row-parallel matmul whose partial sum is all-reduced over `tp`. Exactly one reduced
 output is ever pending (not yet added to the stream x) when a module starts: the previous
 module's. A module is either
@@ -20,7 +21,7 @@ stream without the previous standard layer's MLP output.
 Backward (`_ladder_stream`, for configs with any deferred module). Autodiff transposes the
 forward in reverse program order, and there the all-reduce of module k's input cotangent is
 consumed by its norm's backward right after it is issued: every backward all-reduce blocks.
-Walking the schedule in reverse instead, with S the stream cotangent (the sum of the final
+Walking the wiring in reverse instead, with S the stream cotangent (the sum of the final
 cotangent and of every later module's input contribution c_m = norm_vjp_m(psum(ct_h_m))):
 
     the cotangent of module k's output is S;
@@ -32,7 +33,7 @@ cotangent and of every later module's input contribution c_m = norm_vjp_m(psum(c
     otherwise S = S + c_k at once.
 
 Same maths as autodiff (tested against autodiff of an independent reference), a ladder
-schedule for the backward too. Under `remat="module"` the forward keeps only each module's
+wiring for the backward too. Under `remat="module"` the forward keeps only each module's
 input x (the stream it read); the backward recomputes module k's norm and module from it just
 before module k's backward matmuls, beside the same in-flight all-reduce. The LM head (`lm_head`) has a hand-written backward as well:
 its input-cotangent all-reduce overlaps its weight-gradient matmul.
@@ -47,39 +48,39 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ladder_jax import sharding
-from ladder_jax.sharding import DATA, TP
+from ladder_jax.model import sharding
+from ladder_jax.model.sharding import DATA, TP
 
 
 @dataclasses.dataclass(frozen=True)
-class Step:
-    """One module of the schedule."""
+class Slot:
+    """One module's place in the wiring."""
 
     layer: int
     name: str  # "attn" or "mlp"
     deferred: bool  # reads the stream before the previous module's output is added
 
 
-def schedule(config) -> tuple[Step, ...]:
+def wiring(config) -> tuple[Slot, ...]:
     """The wiring of `config` (standard, ladder, hybrid or upper_bound), module by module."""
     ladder = config.ladder_layer_set()
-    return tuple(Step(i, name, deferred=i in ladder and (i, name) != (0, "attn"))
+    return tuple(Slot(i, name, deferred=i in ladder and (i, name) != (0, "attn"))
                  for i in range(config.n_layers) for name in ("attn", "mlp"))
 
 
 def run(config, modules, x_btd, positions_bt, inv_freq, caches=None):
-    """The stream through `modules` ((norm, module) nnx pairs, in schedule order) inside
+    """The stream through `modules` ((norm, module) nnx pairs, in wiring order) inside
     shard_map. With `caches` (a (k, v) per layer) the attention modules read and write them.
     Returns (x, updated caches or None)."""
-    steps = schedule(config)
+    slots = wiring(config)
     graphdefs, states = [], []
     for norm, module in modules:
         (gn, sn), (gm, sm) = nnx.split(norm), nnx.split(module)
         graphdefs.append((gn, gm))
         states.append((sn, sm))
     plan = _Plan(config.dtype, config.residual == "upper_bound", config.remat == "module",
-                 steps, tuple(graphdefs))
-    if caches is None and any(s.deferred for s in steps):
+                 slots, tuple(graphdefs))
+    if caches is None and any(s.deferred for s in slots):
         return _ladder_stream(plan, states, x_btd, positions_bt, inv_freq), None
     return _stream(plan, states, x_btd, positions_bt, inv_freq, caches=caches)
 
@@ -91,8 +92,8 @@ class _Plan:
     dtype: str
     no_reduce: bool  # upper_bound: the stream itself becomes tp-varying
     remat: bool  # modules keep only their inputs for the backward (config.REMAT)
-    steps: tuple[Step, ...]
-    graphdefs: tuple  # (norm graphdef, module graphdef) per step
+    slots: tuple[Slot, ...]
+    graphdefs: tuple  # (norm graphdef, module graphdef) per slot
 
 
 def _functions(plan, k, positions_bt, inv_freq):
@@ -106,7 +107,7 @@ def _functions(plan, k, positions_bt, inv_freq):
 
     def module(state, h_btd, cache=None):
         m = nnx.merge(gm, state)
-        if plan.steps[k].name == "attn":
+        if plan.slots[k].name == "attn":
             return m(h_btd, positions_bt, inv_freq, cache)
         return m(h_btd)
 
@@ -120,20 +121,20 @@ def _reduce_and_vary(plan):
 
 
 def _stream(plan, states, x_btd, positions_bt, inv_freq, *, caches=None, vjps=None):
-    """The forward of the schedule (module docstring). With `vjps` (a list) records each
+    """The forward of the wiring (module docstring). With `vjps` (a list) records each
     module's (norm vjp, module vjp) for the backward."""
     reduce, vary = _reduce_and_vary(plan)
     caches = None if caches is None else list(caches)
     pending = None  # the previous module's all-reduced output, not yet added to x
-    for k, step in enumerate(plan.steps):
-        with jax.named_scope(f"layer{step.layer}.{step.name}"):  # names ops in the HLO
-            if pending is not None and not step.deferred:
+    for k, slot in enumerate(plan.slots):
+        with jax.named_scope(f"layer{slot.layer}.{slot.name}"):  # names ops in the HLO
+            if pending is not None and not slot.deferred:
                 x_btd, pending = x_btd + pending, None
             norm, module = _functions(plan, k, positions_bt, inv_freq)
             norm_state, module_state = states[k]
-            if caches is not None and step.name == "attn":  # inference: nothing to remat
-                y_btd, caches[step.layer] = module(module_state, vary(norm(norm_state, x_btd)),
-                                                   caches[step.layer])
+            if caches is not None and slot.name == "attn":  # inference: nothing to remat
+                y_btd, caches[slot.layer] = module(module_state, vary(norm(norm_state, x_btd)),
+                                                   caches[slot.layer])
             else:
                 if plan.remat:  # keep only the stream x and the module's input h
                     norm, module = jax.checkpoint(norm), jax.checkpoint(module)
@@ -169,8 +170,8 @@ def _ladder_fwd(plan, states, x_btd, positions_bt, inv_freq):
 
 def _ladder_bwd(plan, res, ct_x_btd):
     saved, states, positions_bt, inv_freq = res
-    steps = plan.steps
-    ct_states = [None] * len(steps)
+    slots = plan.slots
+    ct_states = [None] * len(slots)
     s_btd = ct_x_btd  # S: the stream's cotangent
     in_flight = None  # (k, all-reduced input cotangent of deferred module k)
     vjps = {} if plan.remat else dict(enumerate(saved))
@@ -193,9 +194,9 @@ def _ladder_bwd(plan, res, ct_x_btd):
         ct_states[k] = (ct_norm_state, ct_states[k])
         return s_btd + ct_x_btd
 
-    for k in reversed(range(len(steps))):
-        step = steps[k]
-        with jax.named_scope(f"layer{step.layer}.{step.name}"):
+    for k in reversed(range(len(slots))):
+        slot = slots[k]
+        with jax.named_scope(f"layer{slot.layer}.{slot.name}"):
             if plan.remat:
                 vjps[k] = recompute(k, s_btd)
             ct_y_btd = jax.lax.pcast(s_btd.astype(plan.dtype), TP, to="varying")  # psum^T
@@ -206,7 +207,7 @@ def _ladder_bwd(plan, res, ct_x_btd):
                 ct_in_flight, ct_h_btd = sharding.tie(ct_in_flight, ct_h_btd)
                 s_btd, in_flight = add_input_contribution(j, ct_in_flight, s_btd), None
             ct_h_btd = sharding.reduce_tp(ct_h_btd)  # module k's input-cotangent all-reduce
-            if step.deferred:
+            if slot.deferred:
                 in_flight = (k, ct_h_btd)
             else:
                 s_btd = add_input_contribution(k, ct_h_btd, s_btd)

@@ -28,16 +28,15 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ladder_jax import sharding
 from ladder_jax.config import ConfigError, OptimizerConfig
-from ladder_jax.model import param_specs
+from ladder_jax.model import sharding
+from ladder_jax.model.transformer import param_specs
 
 
-def make_schedule(cfg: OptimizerConfig | None = None, total_steps: int = 10_000) -> optax.Schedule:
+def lr_schedule(cfg: OptimizerConfig | None = None, total_steps: int = 10_000) -> optax.Schedule:
     """Linear warmup from 0 to `peak_lr`, then cosine decay over the rest of `total_steps` to
     `peak_lr * end_lr_fraction`."""
     cfg = cfg or OptimizerConfig()
@@ -48,10 +47,10 @@ def make_schedule(cfg: OptimizerConfig | None = None, total_steps: int = 10_000)
 
 def make_optimizer(cfg: OptimizerConfig | None = None,
                    total_steps: int = 10_000) -> optax.GradientTransformation:
-    """AdamW on `make_schedule`. Gradient clipping is done by `train_step` (it needs the
+    """AdamW on `lr_schedule`. Gradient clipping is done by `train_step` (it needs the
     global norm anyway, and computing it once saves one reduction per weight)."""
     cfg = cfg or OptimizerConfig()
-    return optax.adamw(make_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+    return optax.adamw(lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                        weight_decay=cfg.weight_decay)
 
 

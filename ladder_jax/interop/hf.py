@@ -63,10 +63,11 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
+from safetensors.numpy import save_file
 
 from ladder_jax.config import ConfigError, ModelConfig, RopeScaling
-from ladder_jax.model import Transformer, abstract
-from ladder_jax.tokenizer import HFTokenizer
+from ladder_jax.interop.tokenizer import HFTokenizer
+from ladder_jax.model.transformer import Transformer, abstract
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -373,7 +374,6 @@ class _SafetensorsFile:
 
 
 def _write_safetensors(file: str, tensors: dict[str, np.ndarray]) -> None:
-    from safetensors.numpy import save_file
 
     for name, t in tensors.items():
         if t.dtype not in _CODES:

@@ -7,8 +7,8 @@ from the schedule XLA compiles for it.
         --link nvlink pcie --json
 
 How. On a CPU, with no GPU:
-1. Compile, deviceless (as `ladder_jax.schedule` does for `python -m ladder_jax.overlap`), the programs users run:
-   `ladder_jax.generation.Decoder`'s jitted prefill and one-token step, with the KV cache sized as
+1. Compile, deviceless (as `ladder_jax.analysis.overlap` does for `python -m ladder_jax.overlap`), the programs users run:
+   `ladder_jax.inference.generation.Decoder`'s jitted prefill and one-token step, with the KV cache sized as
    `decode` sizes it and the decode CLI's sampling (temperature 0.8, top-k 200), for `tp`
    abstract GPUs of `--target`, with the package's compiler options.
 2. Read the scheduled ENTRY computation: kernels in launch order, and every collective as a
@@ -28,7 +28,7 @@ How. On a CPU, with no GPU:
 6. tokens_per_s = batch * new_tokens / (prefill_s + (new_tokens - 1) * decode_step_s), the
    way the paper's benchmark counts it (the prefill emits the first token).
 
-Training (`--phase train --config configs/X.yaml`): the training step of `ladder_jax.schedule`
+Training (`--phase train --config configs/X.yaml`): the training step of `ladder_jax.analysis.overlap`
 (forward, backward, AdamW update) for the config's model, micro-batch, sequence length and
 `mesh.tp`, costed the same way; step_s is `data.grad_accum` micro-steps, tokens_per_s is per
 data-parallel replica (`data.batch_size / mesh.data` sequences: the replicas' gradient
@@ -60,19 +60,16 @@ over every cache slot.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import dataclasses
 import functools
-import json
 import math
 import re
-import sys
-import time
 
-from ladder_jax import hardware, schedule
-from ladder_jax.config import RESIDUALS, load_config, model_config, parse_ladder_layers
-
+from ladder_jax import hardware
+from ladder_jax.analysis import hlo, programs
+from ladder_jax.config import RESIDUALS
+from ladder_jax.model import sharding
 
 
 class PredictError(ValueError):
@@ -105,7 +102,7 @@ _SLICES = {"dynamic-slice", "slice", "gather"}
 
 
 def _dims(shape: str) -> list[int]:
-    m = schedule._ARRAY.search(shape)
+    m = hlo.ARRAY.search(shape)
     return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 
@@ -137,10 +134,10 @@ def _is_root(op) -> bool:
 class _Program:
     """The computations of a scheduled HLO module, with name -> instruction tables."""
 
-    def __init__(self, hlo: str):
-        if "is_scheduled=true" not in hlo.split("\n", 1)[0]:
+    def __init__(self, text: str):
+        if "is_scheduled=true" not in text.split("\n", 1)[0]:
             raise PredictError("the HLO module is not scheduled: pass compiled, not lowered, text")
-        self.comps = schedule._computations(hlo)
+        self.comps = hlo.computations(text)
         self.ops = {c: {op.name: op for op in ops} for c, ops in self.comps.items()}
 
     def flops(self, comp: str) -> float:
@@ -174,27 +171,27 @@ class _Program:
         for k, name in enumerate(_operands(op)):
             uses = _through_bitcasts(params[k].name, users)
             if uses and all(u.opcode in _SLICES and pos == 0 for u, pos in uses):
-                nbytes += sum(schedule._nbytes(u.shape) for u, _ in uses)
+                nbytes += sum(hlo.nbytes(u.shape) for u, _ in uses)
             elif uses and all(u.opcode == "dynamic-update-slice" and pos == 0 for u, pos in uses):
                 pass  # the buffer updated in place: only the update moves (counted as output)
             else:
-                nbytes += schedule._nbytes(entry[name].shape)
+                nbytes += hlo.nbytes(entry[name].shape)
         root = next(o for o in body if _is_root(o))
         outs = [self.ops[comp][n] for n in _operands(root)] if root.opcode == "tuple" else [root]
         for o in outs:
             while o.opcode == "bitcast":
                 o = self.ops[comp][_operands(o)[0]]
             if o.opcode == "dynamic-update-slice":
-                nbytes += schedule._nbytes(self.ops[comp][_operands(o)[1]].shape)
+                nbytes += hlo.nbytes(self.ops[comp][_operands(o)[1]].shape)
             else:
-                nbytes += schedule._nbytes(o.shape)
+                nbytes += hlo.nbytes(o.shape)
         return flops, nbytes
 
     def plain_cost(self, op) -> tuple[float, float]:
         """(FLOPs, bytes) of a non-fusion kernel: operands in, result out."""
         entry = self.ops["ENTRY"]
-        nbytes = sum(schedule._nbytes(entry[n].shape) for n in _operands(op) if n in entry)
-        nbytes += schedule._nbytes(op.shape)
+        nbytes = sum(hlo.nbytes(entry[n].shape) for n in _operands(op) if n in entry)
+        nbytes += hlo.nbytes(op.shape)
         flops = 0.0
         if op.opcode == "custom-call" and re.search(r'custom_call_target="__cublas', op.text):
             lhs = entry[_operands(op)[0]].shape
@@ -206,8 +203,8 @@ class _Program:
     def collective_bytes(self, op) -> float:
         """Message size: the larger of what goes in and what comes out."""
         entry = self.ops["ENTRY"]
-        inputs = sum(schedule._nbytes(entry[n].shape) for n in _operands(op) if n in entry)
-        total = schedule._nbytes(op.shape)
+        inputs = sum(hlo.nbytes(entry[n].shape) for n in _operands(op) if n in entry)
+        total = hlo.nbytes(op.shape)
         outputs = total - inputs if op.opcode.endswith("-start") and total > inputs else total
         return float(max(inputs, outputs))
 
@@ -226,12 +223,12 @@ def _through_bitcasts(name, users) -> list:
     return out
 
 
-def read_kernels(hlo: str) -> list[Kernel]:
+def read_kernels(text: str) -> list[Kernel]:
     """The ENTRY computation of a scheduled module as Kernels, in schedule order."""
-    prog = _Program(hlo)
+    prog = _Program(text)
     kernels, sync = [], set()
     for op in prog.comps["ENTRY"]:
-        scope = schedule._SCOPE.search(op.op_name)
+        scope = hlo.SCOPE.search(op.op_name)
         layer = int(scope.group(1)) if scope else None
         code = op.opcode
         if code in _FREE:
@@ -354,9 +351,9 @@ def extended(shallow: Timeline, deep: Timeline, n_layers: int, deep_layers: int
 def program_kernels(config, *, phase: str, tp: int, batch: int, prompt_len: int,
                     new_tokens: int, target: str) -> tuple[Kernel, ...]:
     """The compiled program's kernels (compiled once per process and shape)."""
-    hlo, _ = schedule.compile_program(config, phase=phase, tp=tp, batch=batch, seq=prompt_len,
+    text, _ = programs.compile_program(config, phase=phase, tp=tp, batch=batch, seq=prompt_len,
                                      target=target, new_tokens=new_tokens)
-    return tuple(read_kernels(hlo))
+    return tuple(read_kernels(text))
 
 
 def check_layers_compiled(layers_compiled: int) -> None:
@@ -417,7 +414,6 @@ def program_time(config, *, phase: str, tp: int, batch: int, prompt_len: int, ne
 def check(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int, link: str,
           target: str, residual: str) -> None:
     """Every argument, before anything compiles: one line naming the fix."""
-    from ladder_jax import sharding
 
     if link not in hardware.LINKS:
         raise PredictError(f"unknown link {link!r}: choose one of {', '.join(hardware.LINKS)}")
@@ -454,7 +450,7 @@ def predict(config, *, tp=(8,), batch=(1,), prompt_len: int = 1024, new_tokens: 
                 for r in residuals:
                     check(config, tp=t, batch=b, prompt_len=prompt_len, new_tokens=new_tokens,
                           link=name, target=target, residual=r)
-    schedule.check_plugin()
+    programs.check_plugin()
     efficiency = efficiency or hardware.EFFICIENCY
     chosen = {n: dataclasses.replace(hardware.LINKS[n], **(link_overrides or {})) for n in links}
     base = dataclasses.replace(config, max_seq_len=max(config.max_seq_len,
@@ -492,7 +488,7 @@ def predict_train(config, *, tp=(8,), batch: int, seq_len: int, grad_accum: int 
             for r in residuals:
                 check(config, tp=t, batch=batch, prompt_len=seq_len, new_tokens=grad_accum,
                       link=name, target=target, residual=r)
-    schedule.check_plugin()
+    programs.check_plugin()
     efficiency = efficiency or hardware.EFFICIENCY
     chosen = {n: dataclasses.replace(hardware.LINKS[n], **(link_overrides or {})) for n in links}
     cases = [(t, dataclasses.replace(config, residual=r, ladder_layers=(
@@ -590,131 +586,7 @@ def summary(rows: list[dict]) -> str:
         for (link, tp, b), d in by.items())
 
 
-# ---------------------------------------------------------------------------------------------
-# CLI.
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ladder_jax.predict", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="llama-3-70b", help="model preset (default llama-3-70b)")
-    p.add_argument("--residual", nargs="+", default=["all"],
-                   help=f"schemes: {', '.join(RESIDUALS)}, or all (default)")
-    p.add_argument("--ladder-layers", default=None,
-                   help="ladder only: N (upper N layers) or a comma list (compiled at full depth)")
-    p.add_argument("--phase", default="generate",
-                   help="generate (prefill + decode, default) or train (needs --config)")
-    p.add_argument("--config", default=None, help="train: a training config (YAML)")
-    p.add_argument("--tp", type=int, nargs="+", default=None,
-                   help="tensor-parallel sizes (default 8; train: the config's mesh.tp)")
-    p.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes (generate)")
-    p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--new-tokens", type=int, default=512)
-    p.add_argument("--link", nargs="+", default=["nvlink"],
-                   help=f"interconnects: {', '.join(hardware.LINKS)} (see hardware.LINKS)")
-    p.add_argument("--target", default="h100", help=f"GPU: {', '.join(hardware.TARGETS)}")
-    p.add_argument("--algorithm", default="ring", help="all-reduce algorithm: ring or tree")
-    p.add_argument("--layers-compiled", type=int, default=4,
-                   help="compile this many layers and one fewer, extend to full depth "
-                        "(0: compile all)")
-    p.add_argument("--gemm-efficiency", type=float, default=None,
-                   help=f"fraction of dense bf16 peak (default {hardware.EFFICIENCY.gemm})")
-    p.add_argument("--memory-efficiency", type=float, default=None,
-                   help=f"fraction of HBM bandwidth (default {hardware.EFFICIENCY.memory})")
-    p.add_argument("--kernel-overhead-us", type=float, default=None,
-                   help=f"fixed cost per kernel (default "
-                        f"{hardware.EFFICIENCY.kernel_overhead_s * 1e6:g})")
-    p.add_argument("--link-latency-us", type=float, default=None,
-                   help="override the links' base latency per collective")
-    p.add_argument("--link-hop-us", type=float, default=None,
-                   help="override the links' latency per ring step")
-    p.add_argument("--link-busbw-gbs", type=float, default=None,
-                   help="override the links' bus bandwidth (nccl-tests busbw, GB/s)")
-    p.add_argument("--jobs", type=int, default=None,
-                   help="programs compiled at a time, in threads (default 1)")
-    p.add_argument("--json", action="store_true", help="one JSON object per row")
-    args = p.parse_args(argv)
-
-    import jax
-
-    jax.config.update("jax_platforms", "cpu")  # compile for the GPU target, run nothing
-    from ladder_jax.model import ConfigError, ModelConfig
-    from ladder_jax.sharding import ShardingError
-
-    try:
-        config = ModelConfig.from_preset(args.preset)
-        if args.ladder_layers is not None:
-            config = dataclasses.replace(config, residual="ladder",
-                                         ladder_layers=parse_ladder_layers(args.ladder_layers))
-        residuals = RESIDUALS if args.residual == ["all"] else tuple(args.residual)
-        eff = hardware.EFFICIENCY
-        eff = dataclasses.replace(eff, **{k: v for k, v in (
-            ("gemm", args.gemm_efficiency), ("memory", args.memory_efficiency),
-            ("kernel_overhead_s", None if args.kernel_overhead_us is None
-             else args.kernel_overhead_us * 1e-6)) if v is not None})
-        overrides = {k: v for k, v in (
-            ("base_latency_s", None if args.link_latency_us is None
-             else args.link_latency_us * 1e-6),
-            ("hop_latency_s", None if args.link_hop_us is None else args.link_hop_us * 1e-6),
-            ("bus_bytes_per_s", None if args.link_busbw_gbs is None
-             else args.link_busbw_gbs * 1e9))
-            if v is not None}
-        _check_knobs(eff, overrides)
-        t0 = time.perf_counter()
-        common = dict(links=args.link, target=args.target, residuals=residuals, efficiency=eff,
-                      link_overrides=overrides, layers_compiled=args.layers_compiled,
-                      algorithm=args.algorithm, jobs=args.jobs, progress=lambda s: print(
-                          f"compiling {name} {s}", file=sys.stderr, flush=True))
-        if args.phase == "train":
-            config, train_kw = _train_setup(args)
-            name, tp = args.config, train_kw.pop("tp")
-            rows = predict_train(config, tp=args.tp or tp, **train_kw, **common)
-        elif args.phase == "generate":
-            name = args.preset
-            rows = predict(config, tp=args.tp or [8], batch=args.batch,
-                           prompt_len=args.prompt_len, new_tokens=args.new_tokens, **common)
-        else:
-            raise PredictError(f"unknown phase {args.phase!r}: choose generate or train")
-    except (ConfigError, ShardingError, schedule.OverlapError, PredictError, ValueError) as e:
-        print(f"error: {e}".splitlines()[0], file=sys.stderr)
-        return 2
-    if args.json:
-        for r in with_ratios(rows):
-            print(json.dumps({"preset": name, **r}))
-    elif args.phase == "train":
-        print(f"{name}: training step, predicted in {time.perf_counter() - t0:.0f} s")
-        print(format_train_table(rows))
-    else:
-        print(f"{args.preset}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-              f"{args.target}; predicted in {time.perf_counter() - t0:.0f} s")
-        print(format_table(rows))
-        s = summary(rows)
-        if s:
-            print(s)
-    return 0
-
-
-def _train_setup(args) -> tuple:
-    """(model config, predict_train keywords) of a training config file."""
-
-    if not args.config:
-        raise PredictError("--phase train needs --config configs/X.yaml")
-    cfg = load_config([args.config])
-    data = cfg.mesh.data or 1
-    if cfg.data.batch_size % data:
-        raise PredictError(f"data.batch_size={cfg.data.batch_size} is not divisible by "
-                           f"mesh.data={data}")
-    config = model_config(cfg)
-    if args.ladder_layers is not None:
-        config = dataclasses.replace(config, residual="ladder",
-                                     ladder_layers=parse_ladder_layers(args.ladder_layers))
-    return config, dict(tp=[cfg.mesh.tp], batch=cfg.data.batch_size // data,
-                        seq_len=cfg.data.seq_len, grad_accum=cfg.data.grad_accum)
-
-
-
-
-def _check_knobs(eff: hardware.Efficiency, link_overrides: dict) -> None:
+def check_knobs(eff: hardware.Efficiency, link_overrides: dict) -> None:
     for name, v in (("gemm efficiency", eff.gemm), ("memory efficiency", eff.memory)):
         if not 0 < v <= 1:
             raise PredictError(f"{name} {v} must be in (0, 1]")
@@ -723,7 +595,3 @@ def _check_knobs(eff: hardware.Efficiency, link_overrides: dict) -> None:
     for k, v in link_overrides.items():
         if v < 0 or (k == "bus_bytes_per_s" and v == 0):
             raise PredictError(f"link {k}={v} must be positive")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -27,7 +27,7 @@ The residual scheme decides *what each module reads*:
 
 Hybrid ladder (`residual="ladder"`, `ladder_layers=N` or a list of layer indices): only those
 layers are ladder layers, the others standard. The one rule that covers every case, boundaries
-included, is the schedule of `ladder_jax.residual`: a module of a ladder layer (but the very
+included, is the wiring of `ladder_jax.model.residual`: a module of a ladder layer (but the very
 first module) reads the stream before the previous module's output is added; a module of a
 standard layer reads it after. So the first ladder layer's attention reads the stream without
 the previous standard layer's MLP output. `ladder_layers=0` runs exactly the standard
@@ -35,14 +35,14 @@ program, bit for bit.
 
 All schemes share one weight tree, so any weights load into any scheme and any tp size.
 
-Training: for ladder layers the backward pass is hand-written (`ladder_jax.residual`) so that
+Training: for ladder layers the backward pass is hand-written (`ladder_jax.model.residual`) so that
 it is a ladder too: the all-reduce of module i's input cotangent overlaps module i-1's backward
 matmuls. Autodiff's reverse-order program would block on every one. Same maths, tested
 against autodiff of an independent reference.
 
 Footguns:
 - `Transformer.__call__` runs through one `shard_map` over the model's mesh; calling it under
-  `nnx.jit` compiles one program. On GPUs compile with `ladder_jax.sharding.jit` (or use the
+  `nnx.jit` compiles one program. On GPUs compile with `ladder_jax.model.sharding.jit` (or use the
   package's entry points): it adds the XLA options the ladder's overlap needs.
 - Logits come back float32 and sharded over V on `tp`; reductions over V under jit are fine.
 - Parameters are float32 by default (`param_dtype`); matmuls run in `dtype`; norms, softmax
@@ -61,9 +61,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ladder_jax import residual, sharding
 from ladder_jax.config import PRESETS, RESIDUALS, ConfigError, ModelConfig, RopeScaling  # noqa: F401
-from ladder_jax.sharding import DATA, TP, WeightSpecs
+from ladder_jax.model import residual, sharding
+from ladder_jax.model.sharding import DATA, TP, WeightSpecs
 
 # ---------------------------------------------------------------------------------------------
 # Initialization: each weight is drawn directly into its sharding, from a key that depends only
@@ -235,7 +235,7 @@ class Layer(nnx.Module):
 class Transformer(nnx.Module):
     """The decoder. `model(tokens)` maps int32 tokens (B, T) to float32 logits (B, T, V).
 
-    Weights are created directly in their shardings on `mesh` (see `ladder_jax.sharding`); the
+    Weights are created directly in their shardings on `mesh` (see `ladder_jax.model.sharding`); the
     same `rngs` seed gives the same global weights on any mesh.
     """
 
@@ -271,7 +271,7 @@ class Transformer(nnx.Module):
 
     def forward_cached(self, tokens_bt, positions_bt, cache):
         """(logits, cache): the forward of `tokens_bt` at `positions_bt` against a KV cache
-        (see `ladder_jax.decode.init_cache`), whose updated copy is returned. Row b's tokens
+        (`ladder_jax.inference.generation.init_cache`), whose updated copy is returned. Row b's tokens
         are written to cache slots positions[b, 0] onwards and see the slots before them."""
         return self._sharded(tokens_bt, positions_bt, cache)
 
@@ -326,7 +326,7 @@ class Transformer(nnx.Module):
 
     def layer_loop(self, x_btd, positions_bt, caches=None):
         """THE layer loop. Parallel is spelled out here; standard, ladder, hybrid and
-        upper_bound follow the schedule of `ladder_jax.residual`. Returns (x, caches)."""
+        upper_bound follow the wiring of `ladder_jax.model.residual`. Returns (x, caches)."""
         c = self.config
         inv_freq = rope_frequencies(c)
         if c.residual != "parallel":

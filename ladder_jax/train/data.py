@@ -24,7 +24,7 @@ held-out split (never shuffled into training). Training records are shuffled wit
 the iterator's state (`get_state`/`set_state`, or orbax through `grain.checkpoint`) resumes
 exactly where it stopped.
 
-Tokenizer (`ladder_jax.tokenizer`): byte-level by default (bytes 0-255 plus BOS, EOS, PAD;
+Tokenizer (`ladder_jax.interop.tokenizer`): byte-level by default (bytes 0-255 plus BOS, EOS, PAD;
 fits the 320-token vocabulary of the `tiny` and `small` presets), or a local Hugging Face
 `tokenizer.json` (nothing is downloaded).
 

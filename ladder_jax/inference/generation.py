@@ -39,11 +39,12 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ladder_jax import hardware, sharding
-from ladder_jax.config import (ConfigError, ModelConfig)
-from ladder_jax.model import Transformer
-from ladder_jax.sharding import DATA
-from ladder_jax.tokenizer import ByteTokenizer
+from ladder_jax import hardware
+from ladder_jax.config import ConfigError, ModelConfig
+from ladder_jax.interop.tokenizer import ByteTokenizer
+from ladder_jax.model import sharding
+from ladder_jax.model.sharding import DATA
+from ladder_jax.model.transformer import Transformer
 
 
 class GenerationError(ConfigError):
@@ -138,7 +139,7 @@ class Decoder:
             last_bv = jnp.take_along_axis(logits_btv, (lengths_b - 1)[:, None, None], axis=1)
             return sample(last_bv[:, 0], key, self.sampling), cache
 
-        def step(state, cache, tokens_b, positions_b, key):
+        def decode_step(state, cache, tokens_b, positions_b, key):
             model = nnx.merge(graphdef, state)
             logits_btv, cache = model.forward_cached(tokens_b[:, None], positions_b[:, None],
                                                      cache)
@@ -147,13 +148,13 @@ class Decoder:
         cache_sharding = NamedSharding(mesh, sharding.CACHE_BSKH)
         out = (replicated, cache_sharding)
         self._prefill = sharding.jit(prefill, mesh=mesh, donate_argnums=(1,), out_shardings=out)
-        self._step = sharding.jit(step, mesh=mesh, donate_argnums=(1,), out_shardings=out)
+        self._decode_step = sharding.jit(decode_step, mesh=mesh, donate_argnums=(1,), out_shardings=out)
 
     def prefill(self, cache, tokens_bt, lengths_b, key):
         return self._prefill(self.state, cache, tokens_bt, lengths_b, key)
 
-    def step(self, cache, tokens_b, positions_b, key):
-        return self._step(self.state, cache, tokens_b, positions_b, key)
+    def decode_step(self, cache, tokens_b, positions_b, key):
+        return self._decode_step(self.state, cache, tokens_b, positions_b, key)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,7 +242,7 @@ def generate(model: Transformer, prompts, *, max_new_tokens: int = 64, temperatu
         # programs are ever in flight.
         if t + 1 < max_new_tokens:
             positions_b = to_device(lengths + t, mesh, batch)
-            nxt, cache = decoder.step(cache, pending, positions_b, jax.random.fold_in(key, t + 1))
+            nxt, cache = decoder.decode_step(cache, pending, positions_b, jax.random.fold_in(key, t + 1))
         step_tokens = to_host(pending)[:n]
         for b in range(n):
             if not done[b]:
@@ -396,7 +397,7 @@ def benchmark(config: ModelConfig, mesh, *, batch: int, prompt_len: int, new_tok
         tok.block_until_ready()
         t1 = time.perf_counter()
         for t in range(new_tokens - 1):
-            tok, cache = decoder.step(cache, tok, positions[t], key)
+            tok, cache = decoder.decode_step(cache, tok, positions[t], key)
             if t % 8 == 7:  # bounded queue (module docstring), cheap on GPUs
                 tok.block_until_ready()
         tok.block_until_ready()

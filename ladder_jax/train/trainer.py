@@ -8,7 +8,7 @@
 Data flows one way: config -> mesh -> model -> step -> outputs (`runs/<name>/`: the resolved
 `config.yaml`, `metrics.jsonl`, `checkpoints/<step>/` and, with the `tensorboard` extra
 installed, TensorBoard event files in `tensorboard/`: `tensorboard --logdir runs/`). The config schema and its checks are
-`ladder_jax.config`; the step is `ladder_jax.step`; checkpoints are `ladder_jax.checkpoint`.
+`ladder_jax.config`; the step is `ladder_jax.train.step`; checkpoints are `ladder_jax.train.checkpoint`.
 
 Each step: A = `data.grad_accum` micro-batches of `data.batch_size` sequences (global, over all
 processes) of `data.seq_len` tokens; fp32 cross-entropy, gradient mean, global-norm clipping,
@@ -18,7 +18,7 @@ optimizer state over `data` (`sharding.WeightSpecs.fsdp`).
 
 Memory: on a GPU the trainer compiles the step for its arrays before the first step and stops
 (exit 2, one line naming the fix) if XLA's memory analysis says it will not fit the device
-(`ladder_jax.step.check_memory`; `python -m ladder_jax.overlap --config` shows the same
+(`ladder_jax.train.step.check_memory`; `python -m ladder_jax.overlap --config` shows the same
 numbers without a GPU).
 
 Resume: re-running the same command continues from the latest checkpoint and produces exactly
@@ -57,16 +57,27 @@ import zlib
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from omegaconf import OmegaConf
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ladder_jax import data, hardware, runtime, sharding, step
-from ladder_jax.checkpoint import Checkpointer, load_params
+from ladder_jax import hardware, runtime
 from ladder_jax.config import (  # noqa: F401  (load_config, model_config: the train API)
-    RESIDUALS, ConfigError, TrainConfig, check, load_config, model_config, to_yaml)
-from ladder_jax.model import Transformer
-from ladder_jax.tokenizer import make_tokenizer
+    RESIDUALS,
+    ConfigError,
+    TrainConfig,
+    check,
+    load_config,
+    model_config,
+    to_yaml,
+)
+from ladder_jax.interop.tokenizer import make_tokenizer
+from ladder_jax.model import sharding
+from ladder_jax.model.transformer import Transformer
+from ladder_jax.train import data, step
+from ladder_jax.train.checkpoint import Checkpointer, load_params
 
 
 class NonFiniteError(RuntimeError):
@@ -132,7 +143,7 @@ class Trainer:
         self.mesh = self._mesh(devices)
         self.is_main = jax.process_index() == 0
         self._load_data()
-        self.schedule = step.make_schedule(cfg.optim, total_steps=cfg.steps)
+        self.lr_schedule = step.lr_schedule(cfg.optim, total_steps=cfg.steps)
         self.optimizer = step.make_optimizer(cfg.optim, total_steps=cfg.steps)
         self.params, self.opt_state = self.init_state(self.model_config)
         self.batch_sharding = NamedSharding(self.mesh, P(None, sharding.DATA, None))
@@ -338,7 +349,7 @@ class Trainer:
             for s in range(start + 1, cfg.steps + 1):
                 local = next(self.data_iter)
                 batch = self.global_batch(local)
-                lr = float(self.schedule(s - 1 - skipped))
+                lr = float(self.lr_schedule(s - 1 - skipped))
                 self.params, self.opt_state, m = train_step(self.params, self.opt_state, batch)
                 m = {k: float(np.asarray(v.addressable_data(0))) for k, v in m.items()}
                 now = time.perf_counter()
@@ -399,7 +410,6 @@ class Trainer:
         flag = stop["signal"] is not None
         if jax.process_count() == 1:
             return flag
-        from jax.experimental import multihost_utils
         return bool(multihost_utils.process_allgather(int(flag)).max())
 
     def describe(self) -> str:
@@ -419,8 +429,6 @@ class Trainer:
         if mode != "bar" or not self.is_main:
             yield
             return
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                   TimeRemainingColumn)
         self._bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
                              TextColumn("{task.fields[info]}"), TimeRemainingColumn())
         self._task = self._bar.add_task("train", total=self.cfg.steps, completed=start, info="")
@@ -598,35 +606,3 @@ def run(cfg: TrainConfig, *, devices=None) -> dict:
     if cfg.benchmark:
         return {"benchmark": benchmark(trainer)}
     return trainer.train()
-
-
-HELP = """usage: python -m ladder_jax.train [CONFIG.yaml ...] [key=value ...]
-
-YAML files merge left to right, then key=value overrides (dotted keys). Every key and its
-default:
-
-"""
-
-
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(HELP + to_yaml(TrainConfig()) + "\n" + __doc__)
-        return 0
-    argv = ["benchmark=true" if a == "--benchmark" else a for a in argv]
-    try:
-        cfg = load_config(argv)
-        check(cfg)
-        init_runtime(cfg)
-        result = run(cfg)
-    except ConfigError as e:  # ShardingError, DataError and tokenizer errors included
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except NonFiniteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 3
-    return 0 if result.get("exit", "done") in ("done", "interrupted") else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """Deviceless GPU programs and their schedules: compile a model program for an NVIDIA GPU target
 on a machine with no GPU, then read the scheduled HLO (every all-reduce, every other
 collective, memory). The command line is `python -m ladder_jax.overlap`; the performance model
-(`ladder_jax.perfmodel`) reads the same schedules.
+(`ladder_jax.analysis.perfmodel`) reads the same schedules.
 
     python -m ladder_jax.overlap --preset llama-3-8b --tp 8 --phase decode
     python -m ladder_jax.overlap --preset tiny --residual standard --phase train --json
@@ -23,7 +23,7 @@ Attribution: the model runs each module under `jax.named_scope("layer{i}.{attn|m
 survives in the HLO metadata; ops of the backward pass carry `transpose(` in their name stack.
 The all-reduce of module i is issued in module i's scope.
 
-Phases are the programs users run. `prefill` and `decode` are `ladder_jax.generation.Decoder`'s
+Phases are the programs users run. `prefill` and `decode` are `ladder_jax.inference.generation.Decoder`'s
 jitted prefill (a `--seq`-token prompt written into the KV cache, then sampling of the first
 new token) and its one-token step (KV cache, attention over all its slots, sampling), with a
 cache sized for `--seq` + `--new-tokens` as `decode` sizes it, and the decode CLI's sampling
@@ -32,310 +32,33 @@ update) on `--seq` tokens.
 
 Training configs (`--config configs/X.yaml [key=value ...] --hosts N`): compiles the training
 step that config runs (`compile_train_config`: its mesh, FSDP, dtypes, accumulation, remat and
-optimizer, through the same `ladder_jax.step` functions the trainer uses) for N hosts of
+optimizer, through the same `ladder_jax.train.step` functions the trainer uses) for N hosts of
 `--gpus-per-host` GPUs: the plugin's topology `1 x N x G`, the (data, tp) mesh filled row by
 row so that a tp group is one host. The report adds every other collective (`read_collectives`:
 FSDP's all-gathers and reduce-scatters over `data`, the loss's and gradient norm's
 all-reduces; counted per mesh axis and per place, inside the accumulation loop or once per
-step) and the memory per device (`ladder_jax.step.memory_use`) against the chip's capacity; a
-step that does not fit exits 2 with the fix (`ladder_jax.step.check_memory`, the check the
+step) and the memory per device (`ladder_jax.train.step.memory_use`) against the chip's capacity; a
+step that does not fit exits 2 with the fix (`ladder_jax.train.step.check_memory`, the check the
 trainer makes on a GPU).
 
     python -m ladder_jax.overlap --config configs/llama-3-70b.yaml --hosts 8
 
-The options the package compiles with (`ladder_jax.sharding.compiler_options("gpu")`) are
+The options the package compiles with (`ladder_jax.model.sharding.compiler_options("gpu")`) are
 applied here exactly as in training and decoding: the report shows what users get.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import re
-import time
 
+import numpy as np
+
+from ladder_jax import config as config_lib
 from ladder_jax import hardware
-
-PLUGIN_HINT = ('deviceless GPU compilation needs the CUDA PJRT plugin at the jax version in use: '
-               'pip install "jax-cuda12-plugin=={v}" "jax-cuda12-pjrt=={v}"  '
-               '(or: pip install -e ".[test]"); no GPU or CUDA libraries are needed')
-
-
-class OverlapError(RuntimeError):
-    pass
-
-
-def gpu_devices(target: str, n: int, *, hosts: int = 1) -> list:
-    """`n` abstract GPUs of `target` on `hosts` hosts (n / hosts each), process by process: the
-    plugin's topology `1 x hosts x n/hosts` (one slice). No GPU needed."""
-    import jax
-    from jax.experimental import topologies
-
-    if target not in hardware.TARGETS:
-        raise OverlapError(f"unknown target {target!r}: choose one of "
-                           f"{', '.join(hardware.TARGETS)}")
-    if hosts <= 0 or n <= 0 or n % hosts:
-        raise OverlapError(f"{n} GPUs cannot be spread evenly over {hosts} hosts")
-    check_plugin()
-    try:
-        topo = topologies.get_topology_desc(
-            platform="cuda", target_config=hardware.gpu_target_config(target),
-            topology=f"1x{hosts}x{n // hosts}")
-    except Exception as e:  # the plugin's errors are plain RuntimeErrors
-        raise OverlapError(f"could not describe {hosts} hosts x {n // hosts} {target}: {e}\n"
-                           + PLUGIN_HINT.format(v=jax.__version__)) from None
-    return list(topo.devices)
-
-
-def gpu_mesh(target: str, tp: int, *, data: int = 1, hosts: int = 1):
-    """A (data, tp) mesh of abstract GPUs of `target` on `hosts` hosts (no GPU needed). Devices
-    fill the mesh row by row, so a tp group is tp consecutive GPUs: one host when tp <= the
-    GPUs per host."""
-    from jax.sharding import AxisType, Mesh
-
-    devices = gpu_devices(target, data * tp, hosts=hosts)
-    import numpy as np
-    return Mesh(np.array(devices).reshape(data, tp), ("data", "tp"),
-                axis_types=(AxisType.Auto, AxisType.Auto))
-
-
-def check_plugin() -> None:
-    """Raises OverlapError with the install line when the CUDA PJRT plugin is missing."""
-    import jax
-
-    try:  # find_spec of a dotted name imports its parent: it raises when that is missing
-        found = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-    except ModuleNotFoundError:
-        found = False
-    if not found:
-        raise OverlapError(PLUGIN_HINT.format(v=jax.__version__))
-
-
-# ---------------------------------------------------------------------------------------------
-# Programs, from shapes alone.
-
-SAMPLING = dict(temperature=0.8, top_k=200)  # the decode CLI's defaults (the paper's protocol)
-
-
-def lower_decoder(config, mesh, *, phase: str, batch: int, prompt_len: int, new_tokens: int,
-                  sampling=None):
-    """The lowered `Decoder` prefill or one-token step (KV cache, sampling) of `config` on
-    `mesh`, from shapes: the cache holds `prompt_len + new_tokens` (rounded as `decode` does)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from ladder_jax import generation, sharding
-    from ladder_jax.model import abstract
-
-    sampling = sampling or generation.Sampling(**SAMPLING)
-    decoder = generation.Decoder(nnx.merge(*abstract(config, mesh)), sampling)
-    state = decoder.state  # weights as ShapeDtypeStructs in their shardings
-    tp = sharding.tp_size(mesh)
-    S = generation.cache_length(config, prompt_len, new_tokens)
-    kv = jax.ShapeDtypeStruct((batch, S, sharding.cache_kv_heads(config, tp), config.head_dim),
-                              jnp.dtype(config.dtype),
-                              sharding=NamedSharding(mesh, sharding.CACHE_BSKH))
-    cache = [(kv, kv) for _ in range(config.n_layers)]
-    rows = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=NamedSharding(mesh, P("data")))
-    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
-                               sharding=NamedSharding(mesh, P()))
-    if phase == "prefill":
-        tokens = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32,
-                                      sharding=NamedSharding(mesh, P("data", None)))
-        return decoder._prefill.lower(state, cache, tokens, rows, key)
-    return decoder._step.lower(state, cache, rows, rows, key)
-
-
-def compile_program(config, *, phase: str, tp: int, batch: int, seq: int, target: str = "h100",
-                    new_tokens: int = 512):
-    """Compiles `phase` of `config` for `tp` GPUs of `target`; returns (hlo_text, seconds).
-    `seq` is the prompt (prefill, decode) or training length; `new_tokens` sizes the decode
-    cache."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from ladder_jax import sharding, step
-    from ladder_jax.model import abstract
-
-    if phase not in PHASES:
-        raise OverlapError(f"unknown phase {phase!r}: choose one of {', '.join(PHASES)}")
-    mesh = gpu_mesh(target, tp)
-    sharding.check_divisible(config, tp)
-    options = sharding.compiler_options("gpu")
-    t0 = time.perf_counter()
-    if phase in ("prefill", "decode"):
-        lowered = lower_decoder(config, mesh, phase=phase, batch=batch, prompt_len=seq,
-                                new_tokens=new_tokens)
-        hlo = lowered.compile(compiler_options=options).as_text()
-        return hlo, time.perf_counter() - t0
-    graphdef, params = abstract(config, mesh)
-    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=NamedSharding(mesh, P()))
-    optimizer = step.make_optimizer()
-    # moments stored like their params, counters replicated (`jax.eval_shape` drops the
-    # shardings: moments left replicated would put the whole model's AdamW state on every GPU,
-    # and past XLA's memory limit the scheduler stops overlapping collectives)
-    opt_state = jax.eval_shape(optimizer.init, params)
-    opt_state = jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt_state,
-        step.opt_state_shardings(optimizer, opt_state, params, mesh))
-
-    def train(params, opt_state, tokens):
-        return step.train_step(graphdef, params, opt_state, tokens, tokens,
-                               optimizer=optimizer)
-
-    lowered = jax.jit(train, compiler_options=options, donate_argnums=(0, 1)).lower(
-        params, opt_state, tokens)
-    hlo = lowered.compile().as_text()
-    return hlo, time.perf_counter() - t0
-
-
-PHASES = ("prefill", "decode", "train")
-
-
-def compile_train_config(cfg, *, hosts: int = 1, gpus_per_host: int = 8, target: str = "h100"):
-    """Compiles the training step that `cfg` (a TrainConfig) runs, for `hosts` x
-    `gpus_per_host` GPUs of `target`: its mesh (`mesh.data` x `mesh.tp`, data filling what tp
-    leaves), its weights stored as the trainer stores them (FSDP
-    included), its dtypes, optimizer, gradient accumulation (`data.grad_accum` micro-batches of
-    `data.batch_size` x `data.seq_len`) and rematerialization, the step function the trainer
-    jits (`step.make_train_step`) with the same options. Returns (compiled, mesh, seconds)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from ladder_jax import config as config_lib
-    from ladder_jax import sharding, step
-    from ladder_jax.model import abstract
-
-    model_config = config_lib.check(cfg)
-    n = hosts * gpus_per_host
-    tp = cfg.mesh.tp
-    if cfg.mesh.data is not None and cfg.mesh.data * tp != n:
-        raise OverlapError(f"mesh.data={cfg.mesh.data} x mesh.tp={tp} = {cfg.mesh.data * tp} "
-                           f"GPUs, but {hosts} hosts x {gpus_per_host} = {n}: set --hosts or "
-                           f"mesh.data")
-    if n % tp:
-        raise OverlapError(f"mesh.tp={tp} does not divide the {n} GPUs")
-    data = n // tp
-    mesh = gpu_mesh(target, tp, data=data, hosts=hosts)
-    sharding.check_batch(cfg.data.batch_size, mesh)
-    graphdef, params = abstract(model_config, mesh, fsdp=cfg.mesh.fsdp)  # stored as trained
-    optimizer = step.make_optimizer(cfg.optim, total_steps=cfg.steps)
-    opt_state = jax.eval_shape(optimizer.init, params)
-    opt_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                             opt_state, step.opt_state_shardings(optimizer, opt_state, params,
-                                                                 mesh))
-    batch = jax.ShapeDtypeStruct(
-        (cfg.data.grad_accum, cfg.data.batch_size, cfg.data.seq_len + 1), jnp.int32,
-        sharding=NamedSharding(mesh, P(None, sharding.DATA, None)))
-    train_step = step.make_train_step(
-        graphdef, optimizer=optimizer, grad_clip=cfg.optim.grad_clip,
-        param_shardings=[x.sharding for x in jax.tree.leaves(params)],
-        opt_shardings=[x.sharding for x in jax.tree.leaves(opt_state)])
-    t0 = time.perf_counter()
-    compiled = sharding.jit(train_step, platform="gpu", donate_argnums=(0, 1)).lower(
-        params, opt_state, batch).compile()
-    return compiled, mesh, time.perf_counter() - t0
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading the schedule.
-
-_ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8\w*)\[([\d,]*)\]")
-_SCOPE = re.compile(r"layer(\d+)\.(attn|mlp|parallel)")
-
-
-def _nbytes(shape: str) -> int:
-    total = 0
-    for dtype, dims in _ARRAY.findall(shape):
-        bits = 8 if dtype == "pred" else 16 if dtype == "bf16" else int(
-            re.match(r"[a-z]+?(\d+)", dtype).group(1))
-        size = max(1, bits // 8)
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n * size
-    return total
-
-
-@dataclasses.dataclass
-class _Op:
-    name: str
-    shape: str
-    opcode: str
-    text: str
-
-    @property
-    def op_name(self) -> str:
-        m = re.search(r'op_name="((?:[^"\\]|\\.)*)"', self.text)
-        return m.group(1) if m else ""
-
-    @property
-    def arguments(self) -> str:
-        """The text after `opcode(`: the operands, then `)` and the attributes."""
-        after_shape = _HEAD.match(self.text).end() + len(self.shape)
-        start = self.text.index(self.opcode + "(", after_shape) + len(self.opcode) + 1
-        return self.text[start:]
-
-    def is_matmul(self) -> bool:
-        if self.opcode in ("dot", "convolution"):
-            return True
-        if self.opcode == "custom-call":
-            return bool(re.search(r'custom_call_target="__cu(blas|dnn)[^"]*', self.text))
-        if self.opcode == "fusion":
-            return (self.name.startswith(("gemm_fusion", "triton_gemm", "cublas"))
-                    or "__triton_gemm" in self.text or self.op_name.endswith("dot_general"))
-        return False
-
-
-def _computations(hlo: str) -> dict[str, list[_Op]]:
-    comps, current = {}, None
-    for line in hlo.splitlines():
-        if current is None:
-            m = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
-            if m and not line.startswith(" "):
-                current = "ENTRY" if m.group(1) else m.group(2)
-                comps[current] = []
-            continue
-        if line.strip() == "}":
-            current = None
-            continue
-        op = _parse_instruction(line)
-        if op:
-            comps[current].append(op)
-    return comps
-
-
-_HEAD = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
-_OPCODE = re.compile(r"\s*([\w\-$]+)\(")
-
-
-def _parse_instruction(line: str) -> _Op | None:
-    """`name = shape opcode(...)`; a tuple shape is matched by its parentheses (it may hold
-    `/*index=5*/` comments and nested tuples)."""
-    m = _HEAD.match(line)
-    if not m:
-        return None
-    rest = line[m.end():]
-    if rest.startswith("("):
-        depth = 0
-        for end, ch in enumerate(rest):
-            depth += ch == "("
-            depth -= ch == ")"
-            if depth == 0:
-                break
-        shape, rest = rest[:end + 1], rest[end + 1:]
-    else:
-        shape, _, rest = rest.partition(" ")
-        rest = " " + rest
-    o = _OPCODE.match(rest)
-    return _Op(m.group(1), shape, o.group(1), line) if o else None
+from ladder_jax.analysis.hlo import ARRAY, SCOPE, computations, nbytes
+from ladder_jax.analysis.programs import OverlapError, compile_program, compile_train_config
+from ladder_jax.train import step
 
 
 def read_all_reduces(hlo: str, d_model: int) -> list[dict]:
@@ -350,7 +73,7 @@ def read_all_reduces(hlo: str, d_model: int) -> list[dict]:
     if "is_scheduled=true" not in hlo.split("\n", 1)[0]:
         raise OverlapError("the HLO module is not scheduled: pass compiled, not lowered, text")
     found = []
-    for cname, ops in _computations(hlo).items():
+    for cname, ops in computations(hlo).items():
         for i, op in enumerate(ops):
             if op.opcode not in ("all-reduce-start", "all-reduce"):
                 continue
@@ -361,8 +84,8 @@ def read_all_reduces(hlo: str, d_model: int) -> list[dict]:
                 j = next(j for j in range(i + 1, len(ops))
                          if ops[j].opcode == "all-reduce-done" and ref.search(ops[j].text))
                 done, between, is_sync = ops[j], ops[i + 1:j], '"is_sync":true' in op.text
-            scope = _SCOPE.search(op.op_name)
-            dims = [int(d) for d in _ARRAY.search(done.shape).group(2).split(",") if d]
+            scope = SCOPE.search(op.op_name)
+            dims = [int(d) for d in ARRAY.search(done.shape).group(2).split(",") if d]
             activation = len(dims) == 3 and dims[-1] == d_model
             if "shard_map" not in op.op_name:
                 kind = "loss" if len(dims) > 1 or "jvp(" in op.op_name else "optimizer"
@@ -380,7 +103,7 @@ def read_all_reduces(hlo: str, d_model: int) -> list[dict]:
                 "asynchronous": asynchronous,
                 "gemms_between": gemms,
                 "overlapped": gemms >= 1,
-                "bytes": _nbytes(done.shape),
+                "bytes": nbytes(done.shape),
                 "computation": cname,
                 "op_name": op.op_name,
             })
@@ -391,7 +114,6 @@ COLLECTIVES = ("all-gather", "reduce-scatter", "all-to-all", "collective-permute
 
 
 def _iota(dims: list[int], perm: list[int] | None):
-    import numpy as np
     ids = np.arange(int(np.prod(dims))).reshape(dims)
     return (ids.transpose(perm) if perm else ids).reshape(-1)
 
@@ -401,7 +123,6 @@ def _first_group(text: str) -> list[int] | None:
     `{{0,1},{2,3}}`, `[2,2]<=[4]` (iota, optionally transposed `T(1,0)`), or
     `mesh['axis_0'=2,'axis_1'=4](, device_ids=(...))? {'axis_0'}` (groups along the named axes of
     a device mesh)."""
-    import numpy as np
 
     m = re.search(r"replica_groups=\{\{([\d,]*)\}", text)
     if m:
@@ -448,7 +169,7 @@ def read_collectives(hlo: str, *, data: int, tp: int) -> list[dict]:
     start and done, as in `read_all_reduces`)."""
     if "is_scheduled=true" not in hlo.split("\n", 1)[0]:
         raise OverlapError("the HLO module is not scheduled: pass compiled, not lowered, text")
-    comps = _computations(hlo)
+    comps = computations(hlo)
     bodies = set()
     for ops in comps.values():
         for op in ops:
@@ -473,7 +194,7 @@ def read_collectives(hlo: str, *, data: int, tp: int) -> list[dict]:
             gemms = sum(o.is_matmul() for o in between) if asynchronous else 0
             found.append({
                 "collective": base, "axis": _mesh_axis(_first_group(op.text), data, tp),
-                "bytes": _nbytes(done.shape), "where": "loop" if cname in bodies else "step",
+                "bytes": nbytes(done.shape), "where": "loop" if cname in bodies else "step",
                 "asynchronous": asynchronous, "gemms_between": gemms, "overlapped": gemms >= 1,
                 "computation": cname, "op_name": op.op_name,
             })
@@ -526,8 +247,6 @@ def report_config(cfg, *, hosts: int = 1, gpus_per_host: int = 8, target: str = 
     """Compile the training step of `cfg` (`compile_train_config`) and read it: the module
     all-reduces (`read_all_reduces`), every other collective (`read_collectives`) and the
     per-device memory (`step.memory_use`) against the target's capacity. JSON-able."""
-    from ladder_jax import config as config_lib
-    from ladder_jax import step
 
     compiled, mesh, seconds = compile_train_config(cfg, hosts=hosts,
                                                    gpus_per_host=gpus_per_host, target=target)

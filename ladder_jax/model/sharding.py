@@ -12,9 +12,9 @@ all-reduce combiner merges the two now-independent psums into one synchronous al
 fusion pulls `x + psum_i` forward. Two things fix it, and both are applied by the package:
 1. the model ties (`tie`) the in-flight result to the next module's output before adding it to
    the stream, so its only consumer comes after that module's matmuls (and the ladder's
-   hand-written backward does the same with cotangents, see `ladder_jax.residual`);
+   hand-written backward does the same with cotangents, see `ladder_jax.model.residual`);
 2. `compiler_options("gpu")`, applied wherever the package compiles (`jit` below), turns the
-   combiner off. If you jit the model yourself on GPUs, use `ladder_jax.sharding.jit`.
+   combiner off. If you jit the model yourself on GPUs, use `ladder_jax.model.sharding.jit`.
 On CPU, `compiler_options("cpu")` keeps those ties through XLA:CPU's fusion, without which the
 ladder's backward costs quadratically in depth (see `CPU_KEEP_BARRIERS_PASS`); training and
 decoding compile with it, through `jit` below.
@@ -68,6 +68,7 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
+from ladder_jax import runtime
 from ladder_jax.config import ConfigError
 
 DATA = "data"
@@ -108,7 +109,6 @@ def setup_host(cpu_devices: int = 8) -> None:
     """For notebooks and scripts, before any jax work: on a host with no NVIDIA device use the
     CPU, split into `cpu_devices` fake devices so that tensor parallelism runs for real, only
     slower (`ladder_jax.runtime.setup`, which the command-line tools call)."""
-    from ladder_jax import runtime
     runtime.setup(cpu_devices=cpu_devices)
 
 

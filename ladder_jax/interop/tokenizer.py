@@ -20,6 +20,8 @@ import json
 import os
 import shutil
 
+from tokenizers import Tokenizer
+
 from ladder_jax.config import ConfigError
 
 
@@ -41,14 +43,9 @@ class ByteTokenizer:
 
 class HFTokenizer:
     """A checkpoint's `tokenizer.json` (the `tokenizers` package), with the interface of
-    `ladder_jax.tokenizer.ByteTokenizer`: encode(text, bos=, eos=) -> ids, decode(ids)."""
+    `ladder_jax.interop.tokenizer.ByteTokenizer`: encode(text, bos=, eos=) -> ids, decode(ids)."""
 
     def __init__(self, file: str, *, bos_id=None, eos_id=None, pad_id=None):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise ConfigError(f"{file} needs the `tokenizers` package: pip install tokenizers") \
-                from None
         self.file = file
         try:
             self._tok = Tokenizer.from_file(file)

@@ -1,0 +1,192 @@
+"""Convert checkpoints: `python -m ladder_jax.convert --hf PATH --out DIR [...]`.
+
+    # a Hugging Face Llama -> a ladder_jax checkpoint, upper 8 layers converted to ladder
+    python -m ladder_jax.convert --hf Llama-3.2-1B/ --out runs/llama-hybrid \\
+        --residual ladder --ladder-layers 8
+    python -m ladder_jax.train runs/llama-hybrid/config.yaml init_from=runs/llama-hybrid ...
+    # a trained run (or a Hugging Face directory) -> the Hugging Face layout
+    python -m ladder_jax.convert --checkpoint runs/tiny --out exported/ --to-hf
+
+Sources: `--hf` a local Hugging Face Llama directory (see `ladder_jax.interop.hf`); `--checkpoint` a
+training run (its `config.yaml` and `checkpoints/<step>/params`, latest step).
+
+Output without `--to-hf`: a directory laid out like a training run, which `train`'s
+`init_from=` reads (weights only):
+    DIR/config.yaml             the model section of a train config (+ data.tokenizer)
+    DIR/tokenizer.json          the source's tokenizer, when it has one
+    DIR/checkpoints/0/params    the weights (orbax, the layout of `ladder_jax.train.checkpoint`)
+    DIR/checkpoints/0/meta      {"step": 0, "config": ..., "model_config": ..., "source": ...}
+With `--to-hf`: config.json + safetensors (+ index when over --max-shard-bytes) +
+tokenizer.json, the residual scheme recorded in config.json (see `ladder_jax.interop.hf`).
+
+The residual scheme is free: every scheme reads the same weights, so `--residual ladder
+--ladder-layers N` is the paper's post-training conversion of the upper N layers (quality drops
+until it is fine-tuned). Bad input: a one-line error and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import shutil
+import sys
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from ladder_jax import runtime
+from ladder_jax.config import (
+    RESIDUALS,
+    ConfigError,
+    ModelSection,
+    parse_ladder_layers,
+    scheme_overrides,
+)
+from ladder_jax.interop import hf
+from ladder_jax.model import sharding
+from ladder_jax.train.checkpoint import load_run
+
+
+def train_config(config, tokenizer_path: str | None) -> tuple[dict, list[str]]:
+    """The model section (+ data.tokenizer) of a train config for `config` (a ModelConfig),
+    and the fields that the train config cannot express (they would take the preset's values
+    silently)."""
+    fields = {f.name for f in dataclasses.fields(ModelSection)}
+    mc = dataclasses.asdict(config)
+    ll = mc["ladder_layers"]
+    mc["ladder_layers"] = list(ll) if isinstance(ll, (tuple, list)) else ll
+    if mc.get("rope_scaling") is not None:
+        mc["rope_scaling"] = dict(mc["rope_scaling"])
+    model = {"preset": "tiny", **{k: v for k, v in mc.items() if k in fields}}
+    doc = {"model": model}
+    if tokenizer_path:
+        doc["data"] = {"tokenizer": tokenizer_path}
+    preset = config.__class__.from_preset("tiny")
+    lost = [k for k in mc if k not in fields and k != "ladder_layers"
+            and getattr(preset, k) != getattr(config, k)]
+    return doc, lost
+
+
+def _save_checkpoint(model, out: str, meta: dict) -> None:
+
+    directory = os.path.abspath(os.path.join(out, "checkpoints"))
+    manager = ocp.CheckpointManager(
+        directory, options=ocp.CheckpointManagerOptions(create=True),
+        item_handlers={"params": ocp.StandardCheckpointHandler(),
+                       "meta": ocp.JsonCheckpointHandler()})
+    manager.save(0, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(model))),
+        meta=ocp.args.JsonSave(meta)), force=True)
+    manager.wait_until_finished()
+    manager.close()
+
+
+@contextlib.contextmanager
+def _progress_bar(transfer, verb: str):
+    """A rich bar over the tensors of `transfer` (bytes and tensors), on a terminal only."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    with Progress(TextColumn(f"{verb} {{task.fields[tensors]}}"), BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), TimeRemainingColumn(), transient=True,
+                  console=Console(stderr=True)) as bar:
+        task = bar.add_task(verb, total=None, tensors="")
+
+        def update(t):
+            bar.update(task, total=t.total_bytes, completed=t.bytes,
+                       tensors=f"{t.tensors}/{t.total_tensors} tensors")
+
+        transfer.on_tensor = update
+        yield
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ladder_jax.convert",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf", help="a local Hugging Face Llama directory")
+    src.add_argument("--checkpoint", help="a training run directory")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--to-hf", action="store_true", help="write the Hugging Face layout")
+    p.add_argument("--residual", choices=RESIDUALS,
+                   help="residual scheme of the result (default: the source's)")
+    p.add_argument("--ladder-layers", default=None,
+                   help="ladder only: N (upper N layers) or a comma list of layer indices")
+    p.add_argument("--param-dtype", default="float32", help="weights' dtype (default float32)")
+    p.add_argument("--max-shard-bytes", type=int, default=5 * 2**30,
+                   help="--to-hf: largest safetensors file (default 5 GiB)")
+    p.add_argument("--tp", type=int, default=1, help="devices to spread the weights over")
+    args = p.parse_args(argv)
+
+
+
+
+
+    transfer = hf.Transfer()
+    try:
+        runtime.setup(cpu_devices=max(args.tp, 1))
+        if args.tp <= 0 or args.tp > len(jax.devices()):
+            raise ConfigError(f"--tp {args.tp}: between 1 and {len(jax.devices())}")
+        if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
+            raise ConfigError(f"--out {args.out!r} exists and is not an empty directory: choose "
+                              f"a new directory")
+        mesh = sharding.make_mesh(tp=args.tp, devices=jax.devices()[:args.tp])
+        ladder_layers = parse_ladder_layers(args.ladder_layers)
+        if args.hf:
+            kw = {} if ladder_layers is None else {"ladder_layers": ladder_layers}
+            with _progress_bar(transfer, "reading"):
+                model, tokenizer = hf.load_hf(args.hf, mesh=mesh, residual=args.residual,
+                                              param_dtype=args.param_dtype, transfer=transfer,
+                                              **kw)
+            print(transfer.summary("read"), file=sys.stderr)
+        else:
+            model, tokenizer = load_run(args.checkpoint, mesh=mesh, what="--checkpoint",
+                                        **scheme_overrides(args.residual, ladder_layers))
+            if not isinstance(getattr(tokenizer, "file", None), str):
+                tokenizer = None  # the byte tokenizer has no file to carry along
+        os.makedirs(args.out, exist_ok=True)
+        if args.to_hf:
+            written = hf.Transfer()
+            with _progress_bar(written, "writing"):
+                hf.save_hf(model, args.out, tokenizer=tokenizer,
+                           max_shard_bytes=args.max_shard_bytes, transfer=written)
+            print(written.summary("wrote"), file=sys.stderr)
+        else:
+            tok_path = None
+            if tokenizer is not None:
+                tok_path = os.path.abspath(os.path.join(args.out, hf.TOKENIZER))
+                shutil.copyfile(tokenizer.file, tok_path)
+            doc, lost = train_config(model.config, tok_path)
+            with open(os.path.join(args.out, "config.yaml"), "w") as f:
+                f.write(OmegaConf.to_yaml(OmegaConf.create(doc)))
+            _save_checkpoint(model, args.out, {
+                "step": 0, "config": doc, "model_config": dataclasses.asdict(model.config),
+                "source": os.path.abspath(args.hf or args.checkpoint)})
+            for k in lost:
+                print(f"warning: the train config has no model.{k} key: training from this "
+                      f"checkpoint would use the preset's {k} instead of "
+                      f"{getattr(model.config, k)!r}", file=sys.stderr)
+    except ConfigError as e:  # HFError and ShardingError included
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{model}\nwritten to {args.out}" + (" (Hugging Face layout)" if args.to_hf else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

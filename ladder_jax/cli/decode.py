@@ -1,0 +1,216 @@
+"""Generate from the command line: `python -m ladder_jax.decode`.
+
+    python -m ladder_jax.decode --preset tiny --prompt "Once upon a time" --max-new-tokens 64
+    python -m ladder_jax.decode --checkpoint runs/tiny --prompt "LOVE, n." --temperature 0.7
+    python -m ladder_jax.decode --preset small --benchmark --residual all --batch 16
+
+The library behind it (KV cache, prefill and one-token step, sampling, `generate`, the
+benchmark) is `ladder_jax.inference.generation`. Bad input is one
+line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import jax
+from flax import nnx
+
+from ladder_jax import runtime
+from ladder_jax.config import (
+    RESIDUALS,
+    ConfigError,
+    ModelConfig,
+    parse_ladder_layers,
+    scheme_overrides,
+)
+from ladder_jax.inference.generation import (
+    GenerationError,
+    Sampling,
+    benchmark,
+    check_generation,
+    generate,
+)
+from ladder_jax.interop.tokenizer import ByteTokenizer
+from ladder_jax.model import sharding
+from ladder_jax.model.transformer import Transformer
+from ladder_jax.train import checkpoint
+
+# ---------------------------------------------------------------------------------------------
+# CLI.
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m ladder_jax.decode", description=__doc__.split("\n\n")[0],
+        epilog="Multi-host: start one process per host with --coordinator HOST:PORT "
+               "--num-processes N --process-id I (or JAX_COORDINATOR_ADDRESS, "
+               "JAX_NUM_PROCESSES, JAX_PROCESS_ID); tensor parallelism then spans them and "
+               "process 0 prints.")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", default="tiny", help="model preset, random weights (default: tiny)")
+    src.add_argument("--checkpoint", help="a training run or checkpoint directory")
+    p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    p.add_argument("--prompt-file", help="a file with one prompt per line")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample among the k most likely tokens (default: 200, or the whole "
+                        "vocabulary when it is smaller)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--residual", default=None, choices=[*RESIDUALS, "all"],
+                   help="residual scheme (default: the preset's / checkpoint's); 'all' "
+                        "benchmarks every scheme")
+    p.add_argument("--ladder-layers", default=None, help="ladder only: N or a comma list")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: all devices)")
+    p.add_argument("--benchmark", action="store_true",
+                   help="time prefill and decode with random weights (paper protocol)")
+    p.add_argument("--batch", type=int, default=1, help="benchmark batch size")
+    p.add_argument("--prompt-len", type=int, default=1024, help="benchmark prompt length")
+    p.add_argument("--json", action="store_true", help="benchmark: print JSON lines")
+    runtime.add_arguments(p, cpu_devices_help="on a CPU host, fake devices to split it into "
+                                              "(default: --tp, else 8)")
+    args = p.parse_args(argv)
+
+    try:
+        runtime.setup(cpu_devices=args.cpu_devices or args.tp or 8,
+                      coordinator=args.coordinator, num_processes=args.num_processes,
+                      process_id=args.process_id)
+        lead = jax.process_index() == 0
+
+        def say(*a, **kw):
+            if lead:
+                print(*a, **kw, flush=True)
+
+        return _run(args, say)
+    except ConfigError as e:  # GenerationError and ShardingError included
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args, say) -> int:
+    tp = len(jax.devices()) if args.tp is None else args.tp
+    if tp <= 0 or tp > len(jax.devices()):
+        raise ConfigError(f"--tp {tp}: between 1 and the {len(jax.devices())} devices")
+    mesh = sharding.make_mesh(tp=tp)
+    overrides = scheme_overrides(None if args.residual == "all" else args.residual,
+                                 parse_ladder_layers(args.ladder_layers))
+    tokenizer, model = ByteTokenizer(), None
+    if args.checkpoint:
+        if args.benchmark:
+            raise ConfigError("--benchmark times random weights of a --preset; drop "
+                              "--checkpoint")
+        model, tokenizer = checkpoint.load_run(args.checkpoint, mesh=mesh, **overrides)
+        config = model.config
+    else:
+        config = ModelConfig.from_preset(args.preset, **overrides)
+
+    if args.benchmark:
+        schemes = list(RESIDUALS) if args.residual == "all" else [config.residual]
+        config = dataclasses.replace(config, max_seq_len=max(
+            config.max_seq_len, args.prompt_len + args.max_new_tokens))
+        if not args.json:
+            kind = mesh.devices.flat[0].device_kind
+            what = (f"--checkpoint {args.checkpoint}'s shapes" if args.checkpoint
+                    else f"preset {args.preset}")
+            say(f"decode benchmark, random weights of {what}: "
+                f"residual {', '.join(schemes)}; tp={sharding.tp_size(mesh)} on {mesh.size} "
+                f"{jax.default_backend()} device(s) ({kind}); batch {args.batch}, prompt "
+                f"{args.prompt_len} tokens, {args.max_new_tokens} new tokens; per scheme a "
+                f"first run that compiles, then the best of 3")
+        results = []
+        for scheme in schemes:
+            cfg = dataclasses.replace(config, residual=scheme, ladder_layers=(
+                config.ladder_layers if scheme == "ladder" else None))
+            r = benchmark(cfg, mesh, batch=args.batch, prompt_len=args.prompt_len,
+                          new_tokens=args.max_new_tokens)
+            results.append(r)
+            if args.json:
+                say(json.dumps({"preset": args.preset, **r}))
+            else:
+                say(f"{scheme:<12} prefill {r['prefill_ms']:8.1f} ms   decode "
+                    f"{r['decode_ms_per_token']:7.2f} ms/token   "
+                    f"{r['decode_tokens_per_s_per_user']:8.1f} tok/s/user  "
+                    f"{r['decode_tokens_per_s']:9.1f} tok/s total   roofline "
+                    f"{100 * r['roofline_fraction']:5.1f}%   (first run incl. compile "
+                    f"{r['first_run_s_incl_compile']:.1f} s)")
+        by = {r["residual"]: r["decode_tokens_per_s"] for r in results}
+        if not args.json and "standard" in by and len(by) > 1:
+            say("decode speed vs standard: " + ", ".join(
+                f"{k} {v / by['standard']:.2f}x" for k, v in by.items() if k != "standard"))
+            say(f"bandwidth: {results[0]['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
+                f"({results[0]['bandwidth_source']})")
+        return 0
+
+    prompts = list(args.prompt or [])
+    if args.prompt_file:
+        file = args.prompt_file
+        try:
+            with open(file, "rb") as f:
+                raw = f.read()
+            text = raw.decode("utf-8")  # whole, so that the offset below is the file's
+        except UnicodeDecodeError as e:
+            line = raw.count(b"\n", 0, e.start) + 1
+            raise GenerationError(f"--prompt-file {file}: byte {e.start} (line {line}) is not "
+                                  f"UTF-8 ({e.reason}): save the file as UTF-8 text") from None
+        except OSError as e:
+            raise GenerationError(f"--prompt-file {file}: cannot read it "
+                                  f"({e.strerror or e})") from None
+        lines = [ln for ln in text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+                 if ln.strip()]
+        if not lines:
+            raise GenerationError(f"--prompt-file {file} has no prompts (it is empty or only "
+                                  f"blank lines): write one prompt per line")
+        prompts += lines
+    if not prompts:
+        prompts = ["Once upon a time"]
+    for b, prompt in enumerate(prompts):
+        if not prompt:
+            raise GenerationError(f"prompt {b} is empty: give at least one character")
+    if config.vocab_size < tokenizer.vocab_size:
+        what = f"--checkpoint {args.checkpoint!r}" if args.checkpoint else (
+            f"preset {args.preset!r}")
+        raise ConfigError(f"{what} has vocab_size={config.vocab_size}, too small for its "
+                          f"tokenizer ({tokenizer.vocab_size} tokens)")
+    top_k = min(200, config.vocab_size) if args.top_k is None else args.top_k
+    sampling = Sampling(args.temperature, top_k, args.top_p).check(config.vocab_size)
+    check_generation(config, [tokenizer.encode(q) for q in prompts], args.max_new_tokens)
+    if model is None:
+        model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(args.seed))
+    say(f"{model}\n(random weights: expect noise)" if not args.checkpoint else str(model))
+    single = len(prompts) == 1
+    pieces = [[] for _ in prompts]
+    done = [False] * len(prompts)
+
+    shown = [""]
+
+    def stream(t, tokens):
+        for b, tok in enumerate(tokens[:len(prompts)]):
+            if done[b] or tok == tokenizer.eos_id:
+                done[b] = True
+                continue
+            pieces[b].append(tok)
+        text = tokenizer.decode(pieces[0])
+        if single and not text.endswith("\ufffd"):  # wait for a whole UTF-8 character
+            say(text[len(shown[0]):], end="")
+            shown[0] = text
+
+    if single:
+        say(prompts[0], end="")
+    texts = generate(model, prompts, max_new_tokens=args.max_new_tokens,
+                     temperature=sampling.temperature, top_k=sampling.top_k,
+                     top_p=sampling.top_p, seed=args.seed, tokenizer=tokenizer, stream=stream)
+    if single:
+        say(texts[0][len(shown[0]):])
+    else:
+        for prompt, text in zip(prompts, texts):
+            say(f"--- {prompt!r}\n{prompt}{text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

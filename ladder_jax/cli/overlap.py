@@ -1,0 +1,119 @@
+"""Prove the overlap: `python -m ladder_jax.overlap` compiles a model program for an NVIDIA GPU
+target on a machine with no GPU and reports every all-reduce of its schedule (how, and what
+counts: `ladder_jax.analysis.overlap`).
+
+    python -m ladder_jax.overlap --preset llama-3-8b --tp 8 --phase decode
+    python -m ladder_jax.overlap --preset tiny --residual standard --phase train --json
+    python -m ladder_jax.overlap --config configs/llama-3-70b.yaml --hosts 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+
+from ladder_jax import hardware
+from ladder_jax.analysis.overlap import (
+    format_collectives,
+    format_memory,
+    format_table,
+    report,
+    report_config,
+    verdict,
+)
+from ladder_jax.analysis.programs import PHASES, OverlapError
+from ladder_jax.config import RESIDUALS, ConfigError, ModelConfig, load_config, parse_ladder_layers
+from ladder_jax.train import step
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ladder_jax.overlap", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="llama-3-8b")
+    p.add_argument("--residual", default=None, choices=RESIDUALS,
+                   help="default: ladder (with --config: the config's)")
+    p.add_argument("--ladder-layers", default=None,
+                   help="ladder only: N (upper N layers) or a comma list of layer indices")
+    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=1024, help="prompt / training length")
+    p.add_argument("--new-tokens", type=int, default=512,
+                   help="decode: new tokens the KV cache has room for (default 512)")
+    p.add_argument("--phase", default="decode", choices=PHASES)
+    p.add_argument("--target", default="h100", choices=hardware.TARGETS)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--config", default=None,
+                   help="a training config (YAML): compile the training step it runs, with its "
+                        "mesh, FSDP, dtypes, accumulation and remat; report memory too")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="with --config: overrides, as for python -m ladder_jax.train")
+    p.add_argument("--hosts", type=int, default=1, help="with --config: hosts (processes)")
+    p.add_argument("--gpus-per-host", type=int, default=8)
+    args = p.parse_args(argv)
+    if args.config or args.overrides:
+        return _main_config(args)
+    args.residual = args.residual or "ladder"
+
+    jax.config.update("jax_platforms", "cpu")  # compile for the GPU target, run nothing
+
+    try:
+        config = ModelConfig.from_preset(args.preset, residual=args.residual,
+                                         ladder_layers=parse_ladder_layers(args.ladder_layers))
+        rep = report(config, phase=args.phase, tp=args.tp, batch=args.batch, seq=args.seq,
+                     target=args.target, new_tokens=args.new_tokens)
+    except (ConfigError, OverlapError, ValueError) as e:  # ShardingError is a ConfigError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        rep.pop("preset_config")
+        print(json.dumps({"preset": args.preset, **rep}))
+    else:
+        print(format_table(rep))
+        print(verdict(rep))
+    return 0
+
+
+def _main_config(args) -> int:
+    """`--config`: the training step of a config, its memory and its collectives. Exit 2 (one
+    line) when the config is invalid or its step does not fit on the target."""
+    jax.config.update("jax_platforms", "cpu")  # compile for the GPU target, run nothing
+
+    try:
+        if not args.config:
+            raise ConfigError("key=value overrides need --config")
+        over = list(args.overrides)
+        if args.residual:
+            over.append(f"model.residual={args.residual}")
+        if args.ladder_layers is not None:
+            over.append(f"model.ladder_layers={args.ladder_layers}")
+        cfg = load_config([args.config, *over])
+        rep = report_config(cfg, hosts=args.hosts, gpus_per_host=args.gpus_per_host,
+                            target=args.target)
+    except (ConfigError, OverlapError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(rep))
+    else:
+        print(format_table(rep))
+        print(format_collectives(rep))
+        print(format_memory(rep))
+        print(f"{rep['gpus']} GPUs on {rep['hosts']} host(s), mesh data={rep['data']} x "
+              f"tp={rep['tp']}{' fsdp' if rep['fsdp'] else ''}, {rep['tokens_per_step']:,} "
+              f"tokens/step ({rep['grad_accum']} x {rep['batch']} x {rep['seq']}), remat="
+              f"{rep['remat']}")
+        print(verdict(rep))
+    try:
+        step.check_memory(rep["memory"], rep["device_memory_bytes"], cfg,
+                          where=f"per device ({rep['target']})")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

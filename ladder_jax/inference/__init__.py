@@ -1,0 +1,2 @@
+"""Inference: the KV cache, sampling, the jitted prefill and one-token step, `generate` and the
+decode benchmark (`generation`)."""

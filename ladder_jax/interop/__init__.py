@@ -1,0 +1,2 @@
+"""Interoperability: Hugging Face Llama checkpoints in and out (`hf`) and tokenizers
+(`tokenizer`)."""
