@@ -22,7 +22,7 @@ import os
 import jax
 
 from ladder_jax.analysis import overlap, perfmodel
-from ladder_jax.config import ModelConfig, load_config
+from ladder_jax.config import RESIDUALS, ModelConfig, load_config
 from ladder_jax.inference import generation
 from ladder_jax.model import sharding
 from ladder_jax.train import trainer
@@ -131,7 +131,7 @@ def overlap_table(preset: str = "llama-3-8b", *, tp: int = 8, phase: str = "deco
 
 def predict(preset: str = "llama-3-70b", *, tp=(2, 4, 8), batch=1, prompt_len: int = 1024,
             new_tokens: int = 512, links=("nvlink", "pcie"), target: str = "h100",
-            residuals=("standard", "parallel", "ladder", "upper_bound"), **kwargs) -> list[dict]:
+            residuals=RESIDUALS, **kwargs) -> list[dict]:
     """`python -m ladder_jax.predict` as rows: one dict per (tp, batch, scheme, link) with the
     predicted prefill_s, decode_step_s, tokens_per_s, tokens_per_s_per_user, exposed_comm_s
     and vs_standard (tokens/s over standard's). `tp`, `batch`, `links` take one value or a

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from ladder_jax.inference import generation
-from tests.conftest import SCHEMES, free_port
-from tests.conftest import logits as _logits
-from tests.conftest import tiny_model as _model
+from tests.helpers import SCHEMES, free_port
+from tests.helpers import logits as _logits
+from tests.helpers import tiny_model as _model
 
 
 @pytest.mark.parametrize("tp", [1, 4])

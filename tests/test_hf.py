@@ -18,8 +18,8 @@ import ladder_jax as lj
 from ladder_jax.cli import convert
 from ladder_jax.interop import hf
 from tests import reference
-from tests.conftest import logits as _logits
-from tests.conftest import mesh as _mesh
+from tests.helpers import logits as _logits
+from tests.helpers import mesh as _mesh
 
 V = 128  # divisible by 1, 2, 4, 8
 GQA_SCALED = dict(  # GQA (8 query / 2 kv heads: replicated at tp=4), llama-3 scaling, untied

@@ -10,9 +10,9 @@ from flax import nnx
 
 import ladder_jax as lj
 from tests import reference
-from tests.conftest import TINY
-from tests.conftest import logits as _logits
-from tests.conftest import tiny_model as _model
+from tests.helpers import TINY
+from tests.helpers import logits as _logits
+from tests.helpers import tiny_model as _model
 
 
 def _tokens(B=2, T=12, seed=1, vocab=TINY.vocab_size):

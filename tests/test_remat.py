@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -16,16 +15,7 @@ from ladder_jax.analysis import overlap, programs
 from ladder_jax.model import sharding
 from ladder_jax.model.transformer import abstract
 from ladder_jax.train import step
-from tests.conftest import SCHEMES, TINY, mesh
-
-
-def _loss_and_grads(config, tp, data, fsdp=False, T=32):
-    m = mesh(tp, data)  # fsdp: weights stored split over data too, as mesh.fsdp=true does
-    graphdef, params = nnx.split(lj.Transformer(config, mesh=m, rngs=nnx.Rngs(0), fsdp=fsdp))
-    tokens = jax.random.randint(jax.random.key(3), (4, T + 1), 0, config.vocab_size)
-    fn = jax.jit(lambda p, t: step.loss_and_grads(graphdef, p, t[:, :-1], t[:, 1:]))
-    loss, grads = fn(params, tokens)
-    return float(loss), jax.tree.map(np.asarray, nnx.to_pure_dict(grads))
+from tests.helpers import SCHEMES, TINY, loss_and_grads
 
 
 @pytest.mark.parametrize("layout", [(1, 2, False), (4, 2, False), (4, 2, True)],
@@ -34,8 +24,8 @@ def _loss_and_grads(config, tp, data, fsdp=False, T=32):
 def test_remat_keeps_loss_and_gradients(scheme, layout):
     tp, data, fsdp = layout
     base = dataclasses.replace(TINY, **SCHEMES[scheme])
-    loss0, grads0 = _loss_and_grads(base, tp, data, fsdp)
-    loss1, grads1 = _loss_and_grads(dataclasses.replace(base, remat="module"), tp, data, fsdp)
+    loss0, grads0 = loss_and_grads(base, tp, data, fsdp)
+    loss1, grads1 = loss_and_grads(dataclasses.replace(base, remat="module"), tp, data, fsdp)
     np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                  grads1, grads0)

@@ -19,8 +19,7 @@ from ladder_jax.cli import overlap as overlap_cli
 from ladder_jax.cli import train as train_cli
 from ladder_jax.config import load_config
 from ladder_jax.train import step, trainer
-from tests.conftest import SCHEMES, TINY
-from tests.test_remat import _loss_and_grads
+from tests.helpers import SCHEMES, TINY, loss_and_grads
 
 # tiny, ladder, FSDP over 2 hosts (data 2) x 4 GPUs (tp 4), remat, 2 accumulated micro-batches
 TINY_SCALE = ["configs/tiny.yaml", "model.residual=ladder", "model.n_kv_heads=8",
@@ -125,8 +124,8 @@ def test_fsdp_gathers_at_the_module_same_loss_and_gradients(scheme):
     """Weights stored split over data (FSDP) and gathered where each module reads them give the
     loss and gradients of replicated storage."""
     config = dataclasses.replace(TINY, **SCHEMES[scheme], remat="module")
-    loss0, grads0 = _loss_and_grads(config, 4, 2, fsdp=False)
-    loss1, grads1 = _loss_and_grads(config, 4, 2, fsdp=True)
+    loss0, grads0 = loss_and_grads(config, 4, 2, fsdp=False)
+    loss1, grads1 = loss_and_grads(config, 4, 2, fsdp=True)
     np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                  grads1, grads0)

@@ -9,9 +9,9 @@ import pytest
 from flax import nnx
 
 import ladder_jax as lj
-from tests.conftest import SCHEMES as VALID
-from tests.conftest import TINY
-from tests.conftest import mesh as _mesh
+from tests.helpers import SCHEMES as VALID
+from tests.helpers import TINY
+from tests.helpers import mesh as _mesh
 
 SCHEMES = {**VALID, "tied-ladder": dict(residual="ladder", tie_embeddings=True)}
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (8, 1), (2, 4)]  # (tp, data)

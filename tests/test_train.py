@@ -19,7 +19,7 @@ from ladder_jax.interop.tokenizer import ByteTokenizer
 from ladder_jax.model.sharding import make_mesh
 from ladder_jax.model.transformer import Transformer
 from ladder_jax.train import checkpoint, data, step, trainer
-from tests.conftest import free_port
+from tests.helpers import free_port
 
 SMALL = ["model.n_layers=2", "data.seq_len=32", "data.batch_size=8", "eval_batches=2",
          "progress=lines", "log_every=1000", "optim.warmup_steps=5", "optim.peak_lr=3e-3",

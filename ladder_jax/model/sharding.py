@@ -215,7 +215,9 @@ def check_batch(batch: int, mesh: Mesh) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Collectives. These two functions are the whole communication story of the model.
+# Collectives of the tensor-parallel forward: every module output is reduced by `reduce_tp`, and
+# `tie` orders it in the ladder. (FSDP gathers are `read_weight` / `embed_lookup` below; the
+# gradient norm is `global_norm`.)
 
 
 def reduce_tp(partial_sum: jax.Array) -> jax.Array:

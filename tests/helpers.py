@@ -1,0 +1,53 @@
+"""Helpers shared by the test modules (`from tests.helpers import ...`). tests/conftest.py has
+already made the 8 fake CPU devices when these are imported."""
+
+import dataclasses
+import socket
+
+import jax
+import numpy as np
+from flax import nnx
+
+import ladder_jax as lj
+from ladder_jax.train import step
+
+TINY = lj.ModelConfig.from_preset("tiny")
+SCHEMES = {  # every valid scheme, hybrid included
+    "standard": dict(residual="standard"),
+    "parallel": dict(residual="parallel"),
+    "ladder": dict(residual="ladder"),
+    "hybrid": dict(residual="ladder", ladder_layers=2),
+}
+
+
+def mesh(tp, data=1):
+    """A data x tp mesh over the first tp * data fake devices."""
+    return lj.make_mesh(tp=tp, data=data, devices=jax.devices()[: tp * data])
+
+
+def tiny_model(tp=1, seed=0, **changes):
+    """The tiny preset with `changes`, on a tp mesh."""
+    return lj.Transformer(dataclasses.replace(TINY, **changes), mesh=mesh(tp),
+                          rngs=nnx.Rngs(seed))
+
+
+@nnx.jit
+def logits(model, tokens):
+    return model(tokens)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def loss_and_grads(config, tp, data, fsdp=False, T=32):
+    """Loss and gradients (host arrays) of the tiny-shaped `config` at seed 0 on a data x tp
+    mesh, from `step.loss_and_grads` on a fixed batch."""
+    m = mesh(tp, data)  # fsdp: weights stored split over data too, as mesh.fsdp=true does
+    graphdef, params = nnx.split(lj.Transformer(config, mesh=m, rngs=nnx.Rngs(0), fsdp=fsdp))
+    tokens = jax.random.randint(jax.random.key(3), (4, T + 1), 0, config.vocab_size)
+    fn = jax.jit(lambda p, t: step.loss_and_grads(graphdef, p, t[:, :-1], t[:, 1:]))
+    loss, grads = fn(params, tokens)
+    return float(loss), jax.tree.map(np.asarray, nnx.to_pure_dict(grads))
