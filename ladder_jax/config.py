@@ -472,16 +472,16 @@ def _choices_of(field) -> list[str] | None:
     return None
 
 
-def help_rows(node=TrainConfig, prefix="") -> list[tuple[str, Any, str]]:
-    """(dotted key, default, help) of every key of the training schema, in order; a section
-    row (default None) before its keys."""
+def help_rows(node=TrainConfig, prefix="") -> list[tuple[str, Any, str, bool]]:
+    """(dotted key, default, help, is a section) of every key of the training schema, in
+    order; a section's row comes before its keys."""
     rows = []
     for f in dataclasses.fields(node):
         if dataclasses.is_dataclass(f.default_factory):
-            rows.append((prefix + f.name, None, f.metadata.get("help", "")))
+            rows.append((prefix + f.name, None, f.metadata.get("help", ""), True))
             rows += help_rows(f.default_factory, f"{prefix}{f.name}.")
         else:
-            rows.append((prefix + f.name, f.default, f.metadata.get("help", "")))
+            rows.append((prefix + f.name, f.default, f.metadata.get("help", ""), False))
     return rows
 
 
