@@ -9,6 +9,10 @@ run's (`TrainConfig`, the schema of `python -m ladder_jax.train`), their checks,
 Training configs are OmegaConf structured configs: YAML files merge left to right, then dotted
 `key=value` overrides. An unknown key, a value of the wrong type or out of range, or a YAML
 syntax error is a `ConfigError` naming the key (and the closest valid one) or the file and line.
+The schema has one source per idea: its model section (`ModelSection`) is made from
+`ModelConfig`'s own fields, each null (= the preset's value); every field carries its help text
+in its metadata (`help_rows()`, which `train --help` prints); choices (`Residual`, `Remat`,
+`Progress`) are enums that OmegaConf checks, whose members equal and print as plain strings.
 
 Nothing here imports jax's backends or the rest of the package: every other module may import
 this one.

@@ -49,3 +49,18 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# The quick first check, `python -m pytest -m quick` (README): these files, and the tests
+# marked `@pytest.mark.quick` elsewhere. CI runs everything.
+
+import pytest  # noqa: E402
+
+QUICK = ("test_model.py", "test_sharding.py", "test_cli.py")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.name in QUICK:
+            item.add_marker(pytest.mark.quick)
