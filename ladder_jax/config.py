@@ -9,6 +9,10 @@ run's (`TrainConfig`, the schema of `python -m ladder_jax.train`), their checks,
 Training configs are OmegaConf structured configs: YAML files merge left to right, then dotted
 `key=value` overrides. An unknown key, a value of the wrong type or out of range, or a YAML
 syntax error is a `ConfigError` naming the key (and the closest valid one) or the file and line.
+The schema has one source per idea: its model section (`ModelSection`) is made from
+`ModelConfig`'s own fields, each null (= the preset's value); every field carries its help text
+in its metadata (`help_rows()`, which `train --help` prints); choices (`Residual`, `Remat`,
+`Progress`) are enums that OmegaConf checks, whose members equal and print as plain strings.
 
 Nothing here imports jax's backends or the rest of the package: every other module may import
 this one.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import math
 import os
 from typing import Any, Optional
@@ -57,25 +62,37 @@ class RopeScaling:
     original_max_len: int = 8192
 
 
+def _doc(text: str, default=dataclasses.MISSING, **kw):
+    """A dataclass field with its help text (`train --help` prints it per key)."""
+    return dataclasses.field(default=default, metadata={"help": text}, **kw)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int
-    d_model: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    d_ff: int
-    head_dim: int | None = None  # default d_model // n_heads
-    max_seq_len: int = 2048
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    residual: str = "standard"
-    ladder_layers: int | tuple[int, ...] | None = None  # ladder only: None = all layers
-    dtype: str = "float32"  # matmul compute dtype
-    param_dtype: str = "float32"
-    remat: str = "none"  # training memory: see REMAT (the function computed is the same)
+    vocab_size: int = _doc("tokens in the vocabulary (tp must divide it: the LM head is split "
+                           "over it)")
+    d_model: int = _doc("width of the residual stream")
+    n_layers: int = _doc("layers, each an attention and an MLP module")
+    n_heads: int = _doc("query heads")
+    n_kv_heads: int = _doc("key / value heads (grouped-query attention; must divide n_heads)")
+    d_ff: int = _doc("hidden width of the SwiGLU MLP")
+    head_dim: int | None = _doc("width of one head (null: d_model / n_heads)", None)
+    max_seq_len: int = _doc("longest sequence (RoPE table, KV cache)", 2048)
+    rope_theta: float = _doc("RoPE base frequency", 10000.0)
+    rope_scaling: RopeScaling | None = _doc(
+        "llama-3 RoPE scaling {factor, low_freq_factor, high_freq_factor, original_max_len} "
+        "(null: none)", None)
+    norm_eps: float = _doc("RMSNorm epsilon", 1e-5)
+    tie_embeddings: bool = _doc("the LM head is the embedding, transposed", False)
+    residual: str = _doc("residual wiring: standard | parallel | ladder | upper_bound (a speed "
+                         "ceiling for benchmarks, not a valid model)", "standard")
+    ladder_layers: int | tuple[int, ...] | None = _doc(
+        "ladder only: N (the upper N layers) or a list of layer indices (null: every layer)",
+        None)
+    dtype: str = _doc("matmul compute dtype, e.g. bfloat16", "float32")
+    param_dtype: str = _doc("dtype of the weights (and of the optimizer state)", "float32")
+    remat: str = _doc("training memory: none | module (each module keeps only its input and "
+                      "recomputes the rest in the backward; same function)", "none")
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
@@ -224,96 +241,126 @@ def scheme_overrides(residual: str | None, ladder_layers) -> dict:
 # A training run.
 
 
+class Choice(enum.StrEnum):
+    """A config key's choices, checked by OmegaConf; the members are their own strings (equal
+    to, printed and serialized as the plain value)."""
+
+    def __repr__(self):
+        return repr(self.value)
+
+
+Residual = Choice("Residual", {r: r for r in RESIDUALS})
+Remat = Choice("Remat", {r: r for r in REMAT})
+Progress = Choice("Progress", {p: p for p in ("auto", "bar", "lines", "none")})
+
+
 @dataclasses.dataclass
 class OptimizerConfig:
     """The optimizer's settings, with the paper's defaults; also the `optim` section of a
     training config (mutable, as OmegaConf merges YAML into it)."""
 
-    peak_lr: float = 3e-4
-    warmup_steps: int = 100
-    end_lr_fraction: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-10
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
+    peak_lr: float = _doc("learning rate after warmup", 3e-4)
+    warmup_steps: int = _doc("linear warmup from 0", 100)
+    end_lr_fraction: float = _doc("cosine decay ends at peak_lr x this", 0.1)
+    b1: float = _doc("AdamW beta 1", 0.9)
+    b2: float = _doc("AdamW beta 2", 0.95)
+    eps: float = _doc("AdamW epsilon", 1e-10)
+    weight_decay: float = _doc("AdamW decoupled weight decay", 0.1)
+    grad_clip: float = _doc("clip the global gradient norm to this", 1.0)
 
 
-@dataclasses.dataclass
-class ModelSection:
-    """A `ModelConfig` preset with fields overridden (null = the preset's value)."""
+# The model section of a training config is ModelConfig's fields, each null (= the preset's
+# value) unless set, plus the preset's name. Two keep a value of their own, so that a config
+# reads the same as before the schema was derived: residual (every preset is standard) and
+# param_dtype (training keeps float32 master weights even for the bfloat16 presets).
+_SECTION_DEFAULTS = {"residual": Residual.standard, "param_dtype": "float32"}
+_CHOICES = {"residual": Residual, "remat": Remat}
+_PLAIN = {"int": int, "float": float, "bool": bool, "str": str}
 
-    preset: str = "tiny"
-    residual: str = "standard"  # standard | parallel | ladder | upper_bound
-    ladder_layers: Optional[Any] = None  # ladder only: int (upper N layers) or list of indices
-    n_layers: Optional[int] = None
-    d_model: Optional[int] = None
-    n_heads: Optional[int] = None
-    n_kv_heads: Optional[int] = None
-    d_ff: Optional[int] = None
-    head_dim: Optional[int] = None
-    vocab_size: Optional[int] = None
-    max_seq_len: Optional[int] = None
-    rope_theta: Optional[float] = None
-    rope_scaling: Optional[Any] = None  # llama-3 scaling: {factor, low_freq_factor, ...}
-    norm_eps: Optional[float] = None
-    tie_embeddings: Optional[bool] = None
-    dtype: Optional[str] = None  # matmul compute dtype, e.g. bfloat16
-    param_dtype: str = "float32"  # params and optimizer state
-    remat: Optional[str] = None  # none | module: recompute module internals in the backward
+
+def _section_field(f: dataclasses.Field):
+    base = f.type.replace(" | None", "") if isinstance(f.type, str) else f.type
+    typ = _CHOICES.get(f.name) or _PLAIN.get(base, Any)
+    return (f.name, Optional[typ],
+            _doc(f.metadata["help"], _SECTION_DEFAULTS.get(f.name)))
+
+
+ModelSection = dataclasses.make_dataclass(
+    "ModelSection",
+    [("preset", str, _doc(f"the ModelConfig preset the other keys change: "
+                          f"{', '.join(PRESETS)}", "tiny"))]
+    + [_section_field(f) for f in dataclasses.fields(ModelConfig)])
+ModelSection.__module__ = __name__
+ModelSection.__doc__ = """A `ModelConfig` preset with fields overridden (null = the preset's
+value): the model section of a training config, derived from ModelConfig's fields."""
 
 
 @dataclasses.dataclass
 class DataSection:
-    path: Optional[str] = None  # file, glob, directory or .npy files; null = embedded corpus
-    tokenizer: str = "byte"  # or a local tokenizer.json
-    seq_len: int = 256
-    batch_size: int = 16  # sequences per micro-batch, global (all processes)
-    grad_accum: int = 1  # micro-batches per step
-    eval_fraction: float = 0.05  # held-out share of the records
-    seed: int = 0  # shuffle seed
+    path: Optional[str] = _doc("a text file, glob, directory or .npy token arrays (null: the "
+                               "embedded corpus)", None)
+    tokenizer: str = _doc("byte, or a local tokenizer.json", "byte")
+    seq_len: int = _doc("tokens per sequence", 256)
+    batch_size: int = _doc("sequences per micro-batch, global (all processes)", 16)
+    grad_accum: int = _doc("micro-batches per step", 1)
+    eval_fraction: float = _doc("held-out share of the records", 0.05)
+    seed: int = _doc("shuffle seed", 0)
 
 
 @dataclasses.dataclass
 class MeshSection:
-    tp: int = 1
-    data: Optional[int] = None  # null = the devices left over
-    fsdp: bool = False  # also shard params and optimizer state over `data`
-    cpu_devices: Optional[int] = None  # CPU host: fake devices to make (null: what the mesh needs)
+    tp: int = _doc("tensor-parallel size", 1)
+    data: Optional[int] = _doc("data-parallel size (null: the devices left over)", None)
+    fsdp: bool = _doc("also shard weights and optimizer state over `data`", False)
+    cpu_devices: Optional[int] = _doc("CPU host: fake devices to make (null: what the mesh "
+                                      "needs)", None)
 
 
 @dataclasses.dataclass
 class DistSection:
-    coordinator_address: Optional[str] = None  # host:port of process 0
-    num_processes: Optional[int] = None
-    process_id: Optional[int] = None
+    coordinator_address: Optional[str] = _doc("host:port of process 0 (or "
+                                              "JAX_COORDINATOR_ADDRESS)", None)
+    num_processes: Optional[int] = _doc("processes in all (or JAX_NUM_PROCESSES)", None)
+    process_id: Optional[int] = _doc("this process, 0..N-1 (or JAX_PROCESS_ID)", None)
+
+
+def _section(cls, text: str):
+    return dataclasses.field(default_factory=cls, metadata={"help": text})
 
 
 @dataclasses.dataclass
 class TrainConfig:
-    name: str = "run"  # run directory: <run_dir>/<name>
-    run_dir: str = "runs"
-    steps: int = 1000
-    seed: int = 0  # weight init
-    log_every: int = 10
-    eval_every: int = 200  # 0: only at the end
-    eval_batches: int = 8
-    ckpt_every: int = 200  # 0: only at the end (and on SIGTERM)
-    keep: int = 3  # checkpoints kept
-    async_ckpt: bool = True
-    max_bad_steps: int = 5  # consecutive non-finite steps before stopping
-    accept_changes: bool = False  # resume although the model / data / optimizer keys changed
-    init_from: Optional[str] = None  # weights only, from a run or checkpoint directory
-    progress: str = "auto"  # auto | bar | lines | none
-    tensorboard: Optional[bool] = None  # event files in <run>/tensorboard; null: if installed
-    benchmark: bool = False  # time every residual scheme instead of training
-    bench_steps: int = 5
-    peak_tflops: Optional[float] = None  # per device, for MFU; null = known GPUs only
-    model: ModelSection = dataclasses.field(default_factory=ModelSection)
-    data: DataSection = dataclasses.field(default_factory=DataSection)
-    optim: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
-    mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
-    dist: DistSection = dataclasses.field(default_factory=DistSection)
+    name: str = _doc("the run's directory is <run_dir>/<name>", "run")
+    run_dir: str = _doc("where runs live", "runs")
+    steps: int = _doc("optimizer steps in all (a resumed run continues to this)", 1000)
+    seed: int = _doc("weight init seed", 0)
+    log_every: int = _doc("a progress line every this many steps", 10)
+    eval_every: int = _doc("held-out loss every this many steps (0: only at the end)", 200)
+    eval_batches: int = _doc("held-out batches per evaluation", 8)
+    ckpt_every: int = _doc("a checkpoint every this many steps (0: only at the end and on "
+                           "SIGTERM)", 200)
+    keep: int = _doc("checkpoints kept", 3)
+    async_ckpt: bool = _doc("write checkpoints while training goes on", True)
+    max_bad_steps: int = _doc("non-finite steps in a row before the run stops (exit 3)", 5)
+    accept_changes: bool = _doc("resume although model / data / optimizer keys changed "
+                                "(recorded in changes.jsonl)", False)
+    init_from: Optional[str] = _doc("weights only, from a run or checkpoint directory (for "
+                                    "fine-tuning)", None)
+    progress: Progress = _doc("auto (a bar on a terminal, else lines) | bar | lines | none",
+                              Progress.auto)
+    tensorboard: Optional[bool] = _doc("event files in <run>/tensorboard (null: if "
+                                       "tensorboardX is installed)", None)
+    benchmark: bool = _doc("time every residual scheme's step instead of training", False)
+    bench_steps: int = _doc("benchmark: timed rounds", 5)
+    peak_tflops: Optional[float] = _doc("per device, for MFU (null: known GPUs only)", None)
+    model: ModelSection = _section(ModelSection, "the model: a preset, any field changed "
+                                   "(null: the preset's value)")
+    data: DataSection = _section(DataSection, "the data (and held-out split)")
+    optim: OptimizerConfig = _section(OptimizerConfig, "AdamW, warmup + cosine (the paper's "
+                                      "settings)")
+    mesh: MeshSection = _section(MeshSection, "devices: a data x tp mesh")
+    dist: DistSection = _section(DistSection, "several processes (jax.distributed); unset "
+                                 "under SLURM or with the JAX_* environment variables")
 
 
 def _keys(node=TrainConfig, prefix="") -> list[str]:
@@ -360,8 +407,13 @@ def load_config(args: list[str], overrides: dict | None = None) -> TrainConfig:
         raise ConfigError(f"unknown config key {key!r}{_closest(key)}") from None
     except oc_errors.ValidationError as e:
         field = _field(e.full_key)
-        want = getattr(field, "type", None)
-        want = getattr(want, "__name__", None) or str(want).replace("typing.", "")
+        choices = _choices_of(field)
+        if choices is not None:
+            close = difflib.get_close_matches(str(e.value), choices, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{e.full_key}={e.value!r}{hint}: choose one of "
+                              f"{', '.join(choices)}") from None
+        want = _type_name(getattr(field, "type", None))
         raise ConfigError(f"config key {e.full_key!r} must be {want}, got {e.value!r}") from None
     except oc_errors.OmegaConfBaseException as e:
         raise ConfigError(f"bad config: {str(e).splitlines()[0]}") from None
@@ -401,6 +453,42 @@ def _field(full_key: str):
     return field
 
 
+def _type_name(typ) -> str:
+    """"int", "int or null" (Optional[int]), ... for an error message."""
+    if isinstance(typ, str):  # an annotation of this module
+        optional = typ.startswith("Optional[")
+        name = typ[len("Optional["):-1] if optional else typ
+    else:
+        args = [a for a in getattr(typ, "__args__", ()) if a is not type(None)]
+        optional = len(args) == 1
+        name = getattr(args[0] if optional else typ, "__name__", None) or str(typ)
+    return f"{name} or null" if optional else name.replace("typing.", "")
+
+
+def _choices_of(field) -> list[str] | None:
+    """The choices of an enum-typed schema field (None for any other field)."""
+    typ = getattr(field, "type", None)
+    if isinstance(typ, str):  # an annotation of this module, e.g. "Progress"
+        typ = globals().get(typ)
+    for t in (typ, *getattr(typ, "__args__", ())):  # Optional[X] too
+        if isinstance(t, type) and issubclass(t, enum.Enum):
+            return [m.value for m in t]
+    return None
+
+
+def help_rows(node=TrainConfig, prefix="") -> list[tuple[str, Any, str, bool]]:
+    """(dotted key, default, help, is a section) of every key of the training schema, in
+    order; a section's row comes before its keys."""
+    rows = []
+    for f in dataclasses.fields(node):
+        if dataclasses.is_dataclass(f.default_factory):
+            rows.append((prefix + f.name, None, f.metadata.get("help", ""), True))
+            rows += help_rows(f.default_factory, f"{prefix}{f.name}.")
+        else:
+            rows.append((prefix + f.name, f.default, f.metadata.get("help", ""), False))
+    return rows
+
+
 def to_yaml(cfg: TrainConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
@@ -409,7 +497,8 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
     """The `ModelConfig` a training config describes (its preset with fields overridden)."""
     m = dataclasses.asdict(cfg.model)
     preset = m.pop("preset")
-    over = {k: v for k, v in m.items() if v is not None}
+    over = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in m.items()
+            if v is not None}
     if isinstance(over.get("ladder_layers"), list):
         over["ladder_layers"] = tuple(over["ladder_layers"])
     try:

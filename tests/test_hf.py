@@ -337,3 +337,146 @@ def test_convert_reports_what_it_read_and_shows_progress_only_on_a_tty(llamas, t
     assert "reading" not in plain
     tty = convert_cli(str(tmp_path / "b"), tty=True)
     assert "reading" in tty and f"{len(index)}/{len(index)} tensors" in tty, tty[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# The Ladder Residual authors' checkpoints: "model_type": "llamaLadder".
+
+
+class _AuthorsConfig(transformers.LlamaConfig):
+    """How the authors' LlamaLadderConfig reads `ladder_layers` (restated from their rule:
+    N -> the upper N layers, a list as given, null -> none)."""
+
+    model_type = "llamaLadder"
+
+    def __init__(self, ladder_layers=None, **kwargs):
+        super().__init__(**kwargs)
+        n = self.num_hidden_layers
+        self.ladder_layers = ([] if ladder_layers is None else
+                              list(range(n - ladder_layers, n))
+                              if isinstance(ladder_layers, int) else list(ladder_layers))
+
+
+def _authors_dir(tmp_path, llamas, name, ladder_layers):
+    """The gqa_scaled weights under a config.json in the authors' exact format."""
+    path, _ = llamas["gqa_scaled"]
+    d = tmp_path / name
+    d.mkdir()
+    cfg = json.loads((open(os.path.join(path, hf.CONFIG))).read())
+    cfg.update(model_type="llamaLadder", architectures=["LlamaLadderForCausalLM"],
+               ladder_layers=ladder_layers)
+    (d / hf.CONFIG).write_text(json.dumps(cfg))
+    os.symlink(os.path.join(path, hf.SINGLE), d / hf.SINGLE)
+    return d
+
+
+@pytest.mark.parametrize("ladder_layers, layers", [(2, {1, 2}), ([2], {2}), ([0, 2], {0, 2})])
+def test_the_authors_llamaladder_config_loads_as_its_hybrid(llamas, tmp_path, ladder_layers,
+                                                            layers):
+    _, tm = llamas["gqa_scaled"]  # 3 layers
+    tokens = _tokens()
+    d = _authors_dir(tmp_path, llamas, "authors", ladder_layers)
+    model, _ = lj.load_hf(d, mesh=_mesh(2))
+    assert model.config.residual == "ladder" and model.config.ladder_layer_set() == layers
+    got = np.asarray(_logits(model, tokens))
+    np.testing.assert_allclose(got, _torch_hybrid(tm, tokens, ladder=layers), atol=2e-5,
+                               rtol=1e-5)
+    assert np.abs(got - _torch_logits(tm, tokens)).max() > 1e-2  # not the standard model
+    # residual="ladder" alone keeps the file's layers (it used to convert every layer)
+    same, _ = lj.load_hf(d, mesh=_mesh(1), residual="ladder")
+    assert same.config == model.config
+    # an explicit ladder_layers naming the same layers is fine; other layers are an error
+    agree = sorted(layers) if isinstance(ladder_layers, list) else ladder_layers
+    assert lj.load_hf(d, mesh=_mesh(1), ladder_layers=agree)[0].config == model.config
+    with pytest.raises(hf.HFError, match=r"config.json names its ladder layers \(ladder "
+                                         r"layers \[.*\]\); ladder_layers=None \(every layer "
+                                         r"ladder\) disagrees"):
+        lj.load_hf(d, mesh=_mesh(1), residual="ladder", ladder_layers=None)
+    with pytest.raises(hf.HFError, match="disagrees: leave ladder_layers out"):
+        lj.load_hf(d, mesh=_mesh(1), ladder_layers=3 if ladder_layers != 3 else 1)
+
+
+def test_llamaladder_without_ladder_layers_and_bad_values(llamas, tmp_path):
+    path, _ = llamas["gqa_scaled"]
+    tokens = _tokens()
+    standard, _ = lj.load_hf(path, mesh=_mesh(1))
+    none, _ = lj.load_hf(_authors_dir(tmp_path, llamas, "none", None), mesh=_mesh(1))
+    assert none.config.ladder_layer_set() == frozenset()  # their null: no ladder layers
+    np.testing.assert_array_equal(np.asarray(_logits(none, tokens)),
+                                  np.asarray(_logits(standard, tokens)))
+    for i, bad in enumerate((5, [0, 3], [1, 1], "2", True)):
+        with pytest.raises(hf.HFError, match=r"config.json: ladder_layers=.* must be N \(the "
+                                             r"upper N of the 3 layers\)"):
+            lj.load_hf(_authors_dir(tmp_path, llamas, f"bad{i}", bad), mesh=_mesh(1))
+
+
+def test_our_recorded_hybrid_is_not_converted_whole_by_residual_ladder(llamas, tmp_path):
+    path, _ = llamas["gqa_scaled"]
+    hybrid, _ = lj.load_hf(path, mesh=_mesh(1), ladder_layers=1)
+    out = tmp_path / "export"
+    lj.save_hf(hybrid, out)
+    again, _ = lj.load_hf(out, mesh=_mesh(1), residual="ladder")
+    assert again.config == hybrid.config and again.config.ladder_layer_set() == {2}
+    with pytest.raises(hf.HFError, match="disagrees"):
+        lj.load_hf(out, mesh=_mesh(1), ladder_layers=2)
+
+
+@pytest.mark.parametrize("changes, layers", [(dict(ladder_layers=2), [1, 2]),
+                                             (dict(ladder_layers=(0, 2)), [0, 2]),
+                                             (dict(), [0, 1, 2])])
+def test_save_hf_writes_what_the_authors_llamaladder_reads(llamas, tmp_path, changes, layers):
+    path, tm = llamas["gqa_scaled"]
+    model, _ = lj.load_hf(path, mesh=_mesh(1), residual="ladder", **changes)
+    out = tmp_path / "export"
+    lj.save_hf(model, out)
+    written = json.loads((out / hf.CONFIG).read_text())
+    assert written["model_type"] == "llamaLadder"
+    assert written["architectures"] == ["LlamaLadderForCausalLM"]
+    theirs = _AuthorsConfig.from_pretrained(out)  # their config class's reading of the file
+    assert theirs.ladder_layers == layers and theirs.num_hidden_layers == 3
+    again, _ = lj.load_hf(out, mesh=_mesh(1))
+    assert again.config == model.config
+    # a standard model stays a plain LlamaForCausalLM that transformers loads as it is
+    plain = tmp_path / "plain"
+    lj.save_hf(lj.with_config(model, residual="standard"), plain)
+    written = json.loads((plain / hf.CONFIG).read_text())
+    assert written["model_type"] == "llama" and written["architectures"] == ["LlamaForCausalLM"]
+    assert type(transformers.AutoConfig.from_pretrained(plain)) is transformers.LlamaConfig
+
+
+def test_with_config_to_standard_drops_the_hybrids_ladder_layers(llamas):
+    path, _ = llamas["gqa_scaled"]
+    tokens = _tokens()
+    hybrid, _ = lj.load_hf(path, mesh=_mesh(2), ladder_layers=2)
+    standard = lj.with_config(hybrid, residual="standard")
+    assert standard.config.residual == "standard" and standard.config.ladder_layers is None
+    want, _ = lj.load_hf(path, mesh=_mesh(2))
+    np.testing.assert_array_equal(np.asarray(_logits(standard, tokens)),
+                                  np.asarray(_logits(want, tokens)))
+    # ladder_layers given too still wins
+    assert lj.with_config(standard, residual="ladder", ladder_layers=1).config.ladder_layers == 1
+
+
+def test_without_tokenizer_json_decode_says_so(llamas, tmp_path, capsys):
+    from ladder_jax.cli import decode
+    from ladder_jax.interop.tokenizer import ByteTokenizer
+    path, _ = llamas["tied"]  # vocab 128: not the byte tokenizer's
+    rc = decode.main(["--checkpoint", path, "--tp", "1", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "has no tokenizer.json" in err[0] and "not byte-level" in err[0], err
+    # a byte-level model exported: no tokenizer.json, and the byte tokenizer comes back
+    byte = lj.Transformer(lj.ModelConfig.from_preset("tiny"), mesh=_mesh(1), rngs=nnx.Rngs(0))
+    out = tmp_path / "byte"
+    lj.save_hf(byte, out, tokenizer=ByteTokenizer())
+    assert not (out / hf.TOKENIZER).exists()
+    assert json.loads((out / hf.CONFIG).read_text())[hf.BYTE_TOKENIZER_KEY] == "byte"
+    _, tokenizer = lj.load_hf(out, mesh=_mesh(1))
+    assert isinstance(tokenizer, ByteTokenizer)
+    (out / hf.CONFIG).write_text(json.dumps({
+        k: v for k, v in json.loads((out / hf.CONFIG).read_text()).items()
+        if k != hf.BYTE_TOKENIZER_KEY}))
+    assert decode.main(["--checkpoint", str(out), "--tp", "1", "--max-new-tokens", "2",
+                        "--prompt", "ab"]) == 0
+    err = capsys.readouterr().err
+    assert "has no tokenizer.json; its vocabulary (320) is byte-level" in err, err

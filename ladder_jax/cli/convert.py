@@ -26,7 +26,6 @@ until it is fine-tuned). Bad input: a one-line error and exit code 2.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import os
@@ -48,36 +47,31 @@ from rich.progress import (
 )
 
 from ladder_jax import runtime
+from ladder_jax.cli.common import ArgumentParser
 from ladder_jax.config import (
     RESIDUALS,
     ConfigError,
-    ModelSection,
     parse_ladder_layers,
     scheme_overrides,
 )
 from ladder_jax.interop import hf
+from ladder_jax.interop.tokenizer import ByteTokenizer
 from ladder_jax.model import sharding
 from ladder_jax.train.checkpoint import load_run
 
 
-def train_config(config, tokenizer_path: str | None) -> tuple[dict, list[str]]:
-    """The model section (+ data.tokenizer) of a train config for `config` (a ModelConfig),
-    and the fields that the train config cannot express (they would take the preset's values
-    silently)."""
-    fields = {f.name for f in dataclasses.fields(ModelSection)}
+def train_config(config, tokenizer_path: str | None) -> dict:
+    """The model section (+ data.tokenizer) of a train config for `config` (a ModelConfig):
+    every field, as the schema's model section is ModelConfig's fields."""
     mc = dataclasses.asdict(config)
     ll = mc["ladder_layers"]
     mc["ladder_layers"] = list(ll) if isinstance(ll, (tuple, list)) else ll
     if mc.get("rope_scaling") is not None:
         mc["rope_scaling"] = dict(mc["rope_scaling"])
-    model = {"preset": "tiny", **{k: v for k, v in mc.items() if k in fields}}
-    doc = {"model": model}
+    doc = {"model": {"preset": "tiny", **mc}}
     if tokenizer_path:
         doc["data"] = {"tokenizer": tokenizer_path}
-    preset = config.__class__.from_preset("tiny")
-    lost = [k for k in mc if k not in fields and k != "ladder_layers"
-            and getattr(preset, k) != getattr(config, k)]
-    return doc, lost
+    return doc
 
 
 def _save_checkpoint(model, out: str, meta: dict) -> None:
@@ -114,29 +108,28 @@ def _progress_bar(transfer, verb: str):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ladder_jax.convert",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = ArgumentParser(prog="python -m ladder_jax.convert",
+                       description=__doc__.split("\n\n")[0],
+                       epilog=__doc__.split("\n\n", 1)[1])
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--hf", help="a local Hugging Face Llama directory")
-    src.add_argument("--checkpoint", help="a training run directory")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--to-hf", action="store_true", help="write the Hugging Face layout")
+    src.add_argument("--hf", help="a local Hugging Face Llama directory (config.json + "
+                                  "safetensors; the authors' llamaLadder hybrids too)")
+    src.add_argument("--checkpoint", help="a training run directory (its latest checkpoint)")
+    p.add_argument("--out", required=True, help="output directory (new or empty)")
+    p.add_argument("--to-hf", action="store_true",
+                   help="write the Hugging Face layout instead of a training-run checkpoint")
     p.add_argument("--residual", choices=RESIDUALS,
                    help="residual scheme of the result (default: the source's)")
     p.add_argument("--ladder-layers", default=None,
                    help="ladder only: N (upper N layers) or a comma list of layer indices")
-    p.add_argument("--param-dtype", default="float32", help="weights' dtype (default float32)")
+    p.add_argument("--param-dtype", default="float32",
+                   help="the weights' dtype in the result, e.g. bfloat16")
     p.add_argument("--max-shard-bytes", type=int, default=5 * 2**30,
-                   help="--to-hf: largest safetensors file (default 5 GiB)")
-    p.add_argument("--tp", type=int, default=1, help="devices to spread the weights over")
+                   help="--to-hf: largest safetensors file in bytes (default 5 GiB)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="devices to spread the weights over while converting (host memory: "
+                        "one tensor at a time either way)")
     args = p.parse_args(argv)
-
-
-
-
-
     transfer = hf.Transfer()
     try:
         runtime.setup(cpu_devices=max(args.tp, 1))
@@ -157,8 +150,6 @@ def main(argv=None) -> int:
         else:
             model, tokenizer = load_run(args.checkpoint, mesh=mesh, what="--checkpoint",
                                         **scheme_overrides(args.residual, ladder_layers))
-            if not isinstance(getattr(tokenizer, "file", None), str):
-                tokenizer = None  # the byte tokenizer has no file to carry along
         os.makedirs(args.out, exist_ok=True)
         if args.to_hf:
             written = hf.Transfer()
@@ -166,21 +157,22 @@ def main(argv=None) -> int:
                 hf.save_hf(model, args.out, tokenizer=tokenizer,
                            max_shard_bytes=args.max_shard_bytes, transfer=written)
             print(written.summary("wrote"), file=sys.stderr)
+            if isinstance(tokenizer, ByteTokenizer):
+                print(f"note: a byte-level model: no tokenizer.json is written (there is no "
+                      f"such file for it); config.json records \"{hf.BYTE_TOKENIZER_KEY}\": "
+                      f"\"byte\", which load_hf and decode read back (ids 0-255 are the UTF-8 "
+                      f"bytes, BOS {tokenizer.bos_id}, EOS {tokenizer.eos_id})", file=sys.stderr)
         else:
             tok_path = None
-            if tokenizer is not None:
+            if isinstance(getattr(tokenizer, "file", None), str):  # the byte one has no file
                 tok_path = os.path.abspath(os.path.join(args.out, hf.TOKENIZER))
                 shutil.copyfile(tokenizer.file, tok_path)
-            doc, lost = train_config(model.config, tok_path)
+            doc = train_config(model.config, tok_path)
             with open(os.path.join(args.out, "config.yaml"), "w") as f:
                 f.write(OmegaConf.to_yaml(OmegaConf.create(doc)))
             _save_checkpoint(model, args.out, {
                 "step": 0, "config": doc, "model_config": dataclasses.asdict(model.config),
                 "source": os.path.abspath(args.hf or args.checkpoint)})
-            for k in lost:
-                print(f"warning: the train config has no model.{k} key: training from this "
-                      f"checkpoint would use the preset's {k} instead of "
-                      f"{getattr(model.config, k)!r}", file=sys.stderr)
     except ConfigError as e:  # HFError and ShardingError included
         print(f"error: {e}", file=sys.stderr)
         return 2

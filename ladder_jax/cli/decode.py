@@ -11,15 +11,16 @@ line and exit code 2.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
+import time
 
 import jax
 from flax import nnx
 
 from ladder_jax import runtime
+from ladder_jax.cli.common import ArgumentParser
 from ladder_jax.config import (
     RESIDUALS,
     ConfigError,
@@ -44,33 +45,44 @@ from ladder_jax.train import checkpoint
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m ladder_jax.decode", description=__doc__.split("\n\n")[0],
         epilog="Multi-host: start one process per host with --coordinator HOST:PORT "
                "--num-processes N --process-id I (or JAX_COORDINATOR_ADDRESS, "
                "JAX_NUM_PROCESSES, JAX_PROCESS_ID); tensor parallelism then spans them and "
                "process 0 prints.")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", default="tiny", help="model preset, random weights (default: tiny)")
-    src.add_argument("--checkpoint", help="a training run or checkpoint directory")
-    p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    src.add_argument("--preset", default="tiny", help="model preset, random weights")
+    src.add_argument("--checkpoint", help="a training run, `convert` output or Hugging Face "
+                                           "directory (its weights and tokenizer)")
+    p.add_argument("--prompt", action="append",
+                   help="a prompt (repeat for a batch; default: \"Once upon a time\")")
     p.add_argument("--prompt-file", help="a file with one prompt per line")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens to generate per prompt (and, with --benchmark, to time)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="sampling temperature; 0 is greedy (always the most likely token)")
     p.add_argument("--top-k", type=int, default=None,
                    help="sample among the k most likely tokens (default: 200, or the whole "
                         "vocabulary when it is smaller)")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=None,
+                   help="sample among the most likely tokens whose probabilities sum to p, "
+                        "e.g. 0.9 (default: off)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed (and, with --preset, the random weights' seed)")
     p.add_argument("--residual", default=None, choices=[*RESIDUALS, "all"],
                    help="residual scheme (default: the preset's / checkpoint's); 'all' "
                         "benchmarks every scheme")
-    p.add_argument("--ladder-layers", default=None, help="ladder only: N or a comma list")
+    p.add_argument("--ladder-layers", default=None,
+                   help="ladder only: N (the upper N layers) or a comma list of layer indices "
+                        "(default: every layer)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: all devices)")
     p.add_argument("--benchmark", action="store_true",
                    help="time prefill and decode with random weights (paper protocol)")
-    p.add_argument("--batch", type=int, default=1, help="benchmark batch size")
-    p.add_argument("--prompt-len", type=int, default=1024, help="benchmark prompt length")
+    p.add_argument("--batch", type=int, default=1,
+                   help="--benchmark: sequences decoded together")
+    p.add_argument("--prompt-len", type=int, default=1024,
+                   help="--benchmark: prompt length in tokens (random ids)")
     p.add_argument("--json", action="store_true", help="benchmark: print JSON lines")
     runtime.add_arguments(p, cpu_devices_help="on a CPU host, fake devices to split it into "
                                               "(default: --tp, else 8)")
@@ -106,6 +118,8 @@ def _run(args, say) -> int:
                               "--checkpoint")
         model, tokenizer = checkpoint.load_run(args.checkpoint, mesh=mesh, **overrides)
         config = model.config
+        if tokenizer is None:
+            tokenizer = _without_tokenizer_json(args.checkpoint, config, say)
     else:
         config = ModelConfig.from_preset(args.preset, **overrides)
 
@@ -187,8 +201,10 @@ def _run(args, say) -> int:
     done = [False] * len(prompts)
 
     shown = [""]
+    times = []
 
     def stream(t, tokens):
+        times.append(time.perf_counter())
         for b, tok in enumerate(tokens[:len(prompts)]):
             if done[b] or tok == tokenizer.eos_id:
                 done[b] = True
@@ -201,6 +217,7 @@ def _run(args, say) -> int:
 
     if single:
         say(prompts[0], end="")
+    t0 = time.perf_counter()
     texts = generate(model, prompts, max_new_tokens=args.max_new_tokens,
                      temperature=sampling.temperature, top_k=sampling.top_k,
                      top_p=sampling.top_p, seed=args.seed, tokenizer=tokenizer, stream=stream)
@@ -209,7 +226,36 @@ def _run(args, say) -> int:
     else:
         for prompt, text in zip(prompts, texts):
             say(f"--- {prompt!r}\n{prompt}{text}")
+    say(_speed(t0, times, sum(map(len, pieces)), len(prompts)), file=sys.stderr)
     return 0
+
+
+def _speed(t0: float, times: list[float], generated: int, batch: int) -> str:
+    """The figures after a decode (stderr, as gpt-fast prints them): wall time, time to the
+    first token (prefill, and compiling both programs on a first call) and the decode rate
+    after it, one step per token for the whole batch."""
+    end = times[-1] if times else time.perf_counter()
+    line = f"{generated} tokens in {end - t0:.2f} s"
+    if len(times) > 1:
+        rate = (len(times) - 1) / (end - times[0])
+        line += (f"; first token after {times[0] - t0:.2f} s (prefill, and compiling), then "
+                 f"{rate:.1f} tokens/s" + (f" per sequence, {rate * batch:.1f} in total"
+                                           if batch > 1 else ""))
+    return line
+
+
+def _without_tokenizer_json(path: str, config, say):
+    """A Hugging Face directory without tokenizer.json: the byte tokenizer when the vocabulary
+    is byte-level (said on stderr), else a ConfigError (decoding text with the wrong
+    tokenizer would print garbage)."""
+    byte = ByteTokenizer()
+    if byte.vocab_size <= config.vocab_size <= 320:  # the byte presets' padded vocabulary
+        say(f"note: {path} has no tokenizer.json; its vocabulary ({config.vocab_size}) is "
+            f"byte-level, so the byte tokenizer is used", file=sys.stderr)
+        return byte
+    raise ConfigError(f"--checkpoint {path!r} has no tokenizer.json and its vocabulary "
+                      f"({config.vocab_size} tokens) is not byte-level: copy the model's "
+                      f"tokenizer.json into that directory")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ parallelism is real: the all-reduces run, only slower than on GPUs.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -16,14 +15,14 @@ import numpy as np
 from flax import nnx
 
 import ladder_jax as lj
+from ladder_jax.cli.common import ArgumentParser
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ladder_jax.demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="tiny", help="model preset (default: tiny)")
+    p = ArgumentParser(prog="python -m ladder_jax.demo", description=__doc__)
+    p.add_argument("--preset", default="tiny", help="model preset (random weights, seed 0)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: all devices)")
-    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--batch", type=int, default=2, help="sequences of random tokens")
     p.add_argument("--seq", type=int, default=32, help="tokens per sequence")
     p.add_argument("--cpu-devices", type=int, default=8,
                    help="fake devices to split a CPU host into (default: 8; ignored on GPU)")

@@ -25,12 +25,13 @@ from ladder_jax.analysis.overlap import (
     verdict,
 )
 from ladder_jax.analysis.programs import PHASES, OverlapError
+from ladder_jax.cli.common import ArgumentParser
 from ladder_jax.config import RESIDUALS, ConfigError, ModelConfig, load_config, parse_ladder_layers
 from ladder_jax.train import step
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ladder_jax.overlap", description=__doc__,
+    p = ArgumentParser(prog="python -m ladder_jax.overlap", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="llama-3-8b")
     p.add_argument("--residual", default=None, choices=RESIDUALS,

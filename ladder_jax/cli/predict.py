@@ -23,6 +23,7 @@ from ladder_jax.analysis.perfmodel import (
     with_ratios,
 )
 from ladder_jax.analysis.programs import OverlapError
+from ladder_jax.cli.common import ArgumentParser
 from ladder_jax.config import (
     RESIDUALS,
     ConfigError,
@@ -35,7 +36,7 @@ from ladder_jax.model.sharding import ShardingError
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ladder_jax.predict", description=perfmodel.__doc__,
+    p = ArgumentParser(prog="python -m ladder_jax.predict", description=perfmodel.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="llama-3-70b", help="model preset (default llama-3-70b)")
     p.add_argument("--residual", nargs="+", default=["all"],

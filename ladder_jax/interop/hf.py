@@ -4,9 +4,9 @@
     model, _ = ladder_jax.load_hf(path, mesh=mesh, residual="ladder", ladder_layers=8)  # hybrid
     ladder_jax.save_hf(model, "out/", tokenizer=tokenizer)
 
-A Hugging Face directory holds `config.json` (model_type "llama"), the weights as
-`model.safetensors` or as shards listed in `model.safetensors.index.json`, and usually
-`tokenizer.json`. Config mapping (HF -> `ModelConfig`): vocab_size, hidden_size -> d_model,
+A Hugging Face directory holds `config.json` (model_type "llama", or "llamaLadder": below), the
+weights as `model.safetensors` or as shards listed in `model.safetensors.index.json`, and
+usually `tokenizer.json`. Config mapping (HF -> `ModelConfig`): vocab_size, hidden_size -> d_model,
 num_hidden_layers -> n_layers, num_attention_heads -> n_heads, num_key_value_heads ->
 n_kv_heads, intermediate_size -> d_ff, head_dim, max_position_embeddings -> max_seq_len,
 rope_theta, rope scaling of type "llama3" -> `RopeScaling` (transformers 4.x `rope_scaling` or
@@ -31,13 +31,25 @@ header, raw little-endian data, memory-mapped): `safetensors.safe_open(framework
 tried and reads bfloat16 fine, but reports a damaged header as one generic message without the
 tensor or byte range at fault, which this reader names before anything is read.
 
-Residual scheme: `save_hf` records it in config.json as "ladder_residual" and "ladder_layers";
-`load_hf` uses them unless `residual=` / `ladder_layers=` are given (giving `ladder_layers`
-alone implies residual="ladder"). Any scheme loads any Llama weights.
+Residual scheme, in config.json: the Ladder Residual authors publish their hybrids as
+`"model_type": "llamaLadder"` (architecture `LlamaLadderForCausalLM`, their own modeling code)
+with `"ladder_layers"`: N (the upper N layers), a list of layer indices, or null / [] (none).
+`load_hf` reads that as the hybrid it describes; this package's own keys "ladder_residual" /
+"ladder_layers" on a plain "llama" config likewise. `save_hf` writes a ladder or hybrid model
+in the authors' form (plus "ladder_residual"), which their LlamaLadderForCausalLM loads as the
+same hybrid, and any other scheme as a plain LlamaForCausalLM with "ladder_residual" recorded.
+Arguments: none -> the model the file describes. `residual="ladder"` alone -> the file's
+ladder layers (every layer only when the file names none: converting a standard Llama).
+`ladder_layers=` -> implies "ladder"; when the file names its ladder layers and these are
+other layers, it is an error (the file's own always win: anything else is another model).
+Another scheme by name (`residual="standard"`, ...) loads the same weights as that scheme. Any
+scheme loads any Llama weights. A byte-level export has no tokenizer.json: config.json says
+"ladder_tokenizer": "byte" and `load_hf` returns the byte tokenizer.
 
 Footguns:
-- transformers ignores those two keys: it runs an exported ladder model as a *standard* Llama,
-  which is a different function of the same weights. Load it back with `load_hf`.
+- transformers' LlamaForCausalLM ignores the ladder keys: forced onto a llamaLadder or
+  ladder_residual export it runs a *standard* Llama, a different function of the same weights.
+  Use the authors' LlamaLadderForCausalLM, or load it back with `load_hf`.
 - vocab_size must be divisible by tp (the LM head is split over the vocabulary). Padding is not
   done for you: zero rows would produce logits of exactly 0 that greedy decoding could pick.
   Use a tp that divides the vocabulary.
@@ -66,13 +78,15 @@ from jax.sharding import NamedSharding
 from safetensors.numpy import save_file
 
 from ladder_jax.config import ConfigError, ModelConfig, RopeScaling
-from ladder_jax.interop.tokenizer import HFTokenizer
+from ladder_jax.interop.tokenizer import ByteTokenizer, HFTokenizer
 from ladder_jax.model.transformer import Transformer, abstract
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 TOKENIZER = "tokenizer.json"
+LADDER_TYPE = "llamaLadder"  # the Ladder Residual authors' model_type (LlamaLadderForCausalLM)
+BYTE_TOKENIZER_KEY = "ladder_tokenizer"  # "byte": the model reads ByteTokenizer ids
 _KEEP = object()  # "take it from config.json"
 
 
@@ -131,14 +145,50 @@ def _check_types(hf: dict, need: tuple) -> None:
         raise wrong("tie_word_embeddings", "true or false")
 
 
+def _layer_set(ladder_layers, n_layers: int) -> frozenset[int]:
+    """The layers `ladder_layers` names: None every layer, N the upper N, else the list."""
+    if ladder_layers is None:
+        return frozenset(range(n_layers))
+    if isinstance(ladder_layers, int):
+        return frozenset(range(n_layers - ladder_layers, n_layers))
+    return frozenset(ladder_layers)
+
+
+def _recorded_scheme(hf: dict) -> tuple[str, Any, bool]:
+    """(residual, ladder_layers, whether the file names its ladder layers) that config.json
+    records: the authors' llamaLadder convention (`ladder_layers` N = the upper N layers, a
+    list, or null / [] = none) or this package's "ladder_residual" / "ladder_layers" keys."""
+    n = hf["num_hidden_layers"]
+    if hf.get("model_type") != LADDER_TYPE:
+        residual = hf.get("ladder_residual", "standard")
+        ll = hf.get("ladder_layers")
+        return residual, tuple(ll) if isinstance(ll, list) else ll, residual == "ladder"
+    ll = hf.get("ladder_layers")
+    ll = [] if ll is None else ll
+    ok = (type(ll) is int and 0 <= ll <= n) or (
+        isinstance(ll, list) and all(type(i) is int and 0 <= i < n for i in ll)
+        and len(set(ll)) == len(ll))
+    if not ok:
+        raise HFError(f"config.json: ladder_layers={ll!r} must be N (the upper N of the {n} "
+                      f"layers) or a list of distinct layer indices in [0, {n}): fix it in "
+                      f"config.json")
+    if _layer_set(ll, n) == frozenset(range(n)):
+        return "ladder", None, True  # every layer: the canonical spelling
+    return "ladder", tuple(sorted(ll)) if isinstance(ll, list) and ll else (
+        ll if isinstance(ll, int) else 0), True
+
+
 def config_from_hf(hf: dict, *, residual=None, ladder_layers=_KEEP, dtype="float32",
                    param_dtype="float32") -> ModelConfig:
-    """The `ModelConfig` of an HF LlamaForCausalLM config.json (a dict). See the module doc."""
+    """The `ModelConfig` of an HF LlamaForCausalLM / LlamaLadderForCausalLM config.json (a
+    dict). See the module doc, "Residual scheme", for how arguments and file combine."""
     kind = hf.get("model_type")
-    if kind != "llama":
+    if kind not in ("llama", LADDER_TYPE):
         arch = ", ".join(hf.get("architectures") or []) or "unknown architecture"
         raise HFError(f"config.json: model_type={kind!r} ({arch}) is not a Llama model; only "
-                      f"model_type 'llama' (LlamaForCausalLM) can be imported")
+                      f"model_type 'llama' (LlamaForCausalLM) or {LADDER_TYPE!r} "
+                      f"(LlamaLadderForCausalLM, the Ladder Residual authors' hybrids) can be "
+                      f"imported")
     for key, ok in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
         if hf.get(key, ok) != ok:
             raise HFError(f"config.json: {key}={hf[key]!r} is not supported (needs {ok!r})")
@@ -150,21 +200,32 @@ def config_from_hf(hf: dict, *, residual=None, ladder_layers=_KEEP, dtype="float
     if missing:
         raise HFError(f"config.json lacks {', '.join(missing)}")
     _check_types(hf, need)
-    if residual is None:
-        residual = hf.get("ladder_residual", "standard")
-        if ladder_layers is _KEEP:
-            ladder_layers = hf.get("ladder_layers")
-        elif ladder_layers is not None:
-            residual = "ladder"
-    elif ladder_layers is _KEEP:
-        ladder_layers = None
+    n = hf["num_hidden_layers"]
+    file_residual, file_layers, named = _recorded_scheme(hf)
     if isinstance(ladder_layers, list):
         ladder_layers = tuple(ladder_layers)
+    if ladder_layers is not _KEEP:  # an explicit ladder_layers: it must agree with the file's
+        if named and not isinstance(ladder_layers, bool) and isinstance(
+                ladder_layers, (int, tuple, type(None))) and (
+                _layer_set(ladder_layers, n) != _layer_set(file_layers, n)):
+            raise HFError(
+                f"config.json names its ladder layers ({_describe(file_layers, n)}); "
+                f"ladder_layers={ladder_layers!r} ({_describe(ladder_layers, n)}) disagrees: "
+                f"leave ladder_layers out to load the model the file describes")
+        if named:
+            ladder_layers = file_layers  # the same layers, in the file's spelling
+        residual = residual or "ladder"
+    elif residual is None:
+        residual, ladder_layers = file_residual, file_layers
+    elif residual == "ladder":  # the file's hybrid, never silently every layer
+        ladder_layers = file_layers if named else None
+    else:  # another scheme, asked for by name: the same weights, another function
+        ladder_layers = None
     theta, scaling = _rope(hf)
     try:
         return ModelConfig(
             vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
-            n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
+            n_layers=n, n_heads=hf["num_attention_heads"],
             n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
             d_ff=hf["intermediate_size"], head_dim=hf.get("head_dim"),
             max_seq_len=hf.get("max_position_embeddings", 2048), rope_theta=theta,
@@ -175,8 +236,19 @@ def config_from_hf(hf: dict, *, residual=None, ladder_layers=_KEEP, dtype="float
         raise HFError(f"config.json: {e}") from None
 
 
+def _describe(ladder_layers, n_layers: int) -> str:
+    layers = sorted(_layer_set(ladder_layers, n_layers))
+    if not layers:
+        return "no ladder layers"
+    if len(layers) == n_layers:
+        return "every layer ladder"
+    return f"ladder layers {layers}"
+
+
 def hf_config(config: ModelConfig, tokenizer=None) -> dict:
-    """config.json for `config` (LlamaForCausalLM), with the residual scheme recorded."""
+    """config.json for `config`: LlamaForCausalLM, or for a ladder / hybrid model the
+    authors' LlamaLadderForCausalLM ("model_type": "llamaLadder", "ladder_layers": N or a
+    list); the residual scheme also under "ladder_residual"."""
     sc = config.rope_scaling
     rope = {"rope_type": "default", "rope_theta": config.rope_theta}
     if sc is not None:
@@ -184,8 +256,12 @@ def hf_config(config: ModelConfig, tokenizer=None) -> dict:
                 "low_freq_factor": sc.low_freq_factor, "high_freq_factor": sc.high_freq_factor,
                 "original_max_position_embeddings": sc.original_max_len}
     ll = config.ladder_layers
+    ladder = config.residual == "ladder"
+    if ladder and ll is None:
+        ll = config.n_layers  # every layer: "the upper n_layers" in their convention
     out = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": ["LlamaLadderForCausalLM" if ladder else "LlamaForCausalLM"],
+        "model_type": LADDER_TYPE if ladder else "llama",
         "vocab_size": config.vocab_size, "hidden_size": config.d_model,
         "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
         "num_key_value_heads": config.n_kv_heads, "intermediate_size": config.d_ff,
@@ -195,7 +271,7 @@ def hf_config(config: ModelConfig, tokenizer=None) -> dict:
         # transformers 4.x reads rope_theta (+ rope_scaling), 5.x rope_parameters
         "rope_theta": config.rope_theta, "rope_parameters": rope,
         "dtype": str(np.dtype(config.param_dtype)),
-        # ladder_jax's own keys (transformers ignores them: see the module docstring)
+        # the scheme (llamaLadder reads ladder_layers; ladder_residual is this package's)
         "ladder_residual": config.residual,
         "ladder_layers": list(ll) if isinstance(ll, tuple) else ll,
     }
@@ -203,6 +279,8 @@ def hf_config(config: ModelConfig, tokenizer=None) -> dict:
         out["rope_scaling"] = dict(rope)
     if tokenizer is not None:
         out["bos_token_id"], out["eos_token_id"] = tokenizer.bos_id, tokenizer.eos_id
+    if isinstance(tokenizer, ByteTokenizer):
+        out[BYTE_TOKENIZER_KEY] = "byte"  # no tokenizer.json exists for it
     return out
 
 
@@ -495,6 +573,8 @@ def load_hf(path: str, *, mesh, residual: str | None = None, ladder_layers=_KEEP
                       f"weight of a Llama model with this config.json ({len(extra)} unexpected)")
 
     tokenizer = HFTokenizer.from_dir(path, hf)  # a bad tokenizer.json fails before the reads
+    if tokenizer is None and hf.get(BYTE_TOKENIZER_KEY) == "byte":
+        tokenizer = ByteTokenizer()  # a byte-level export: there is no tokenizer.json
     transfer.total_tensors = len(table)
     transfer.total_bytes = sum(headers[files[e.name]].nbytes(e.name) for e in table)
     pure = nnx.to_pure_dict(state)

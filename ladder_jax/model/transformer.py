@@ -381,7 +381,11 @@ def abstract(config: ModelConfig, mesh: Mesh, *, fsdp: bool = False):
 
 def with_config(model: Transformer, **changes) -> Transformer:
     """The same weights (shared, not copied) under a changed config, e.g. another residual
-    scheme: `with_config(model, residual="ladder", ladder_layers=2)`. The mesh stays."""
+    scheme: `with_config(model, residual="ladder", ladder_layers=2)`. The mesh stays. A scheme
+    other than ladder drops the model's ladder_layers (`with_config(hybrid, residual=
+    "standard")`), unless ladder_layers is given too."""
+    if changes.get("residual", "ladder") != "ladder":
+        changes = {"ladder_layers": None, **changes}
     config = dataclasses.replace(model.config, **changes)
     WeightSpecs.for_model(config, model.mesh)
     graphdef, state = nnx.split(model)

@@ -345,6 +345,7 @@ class Trainer:
         bad_in_row = skipped = 0
         result = {"exit": "done", "losses": {r["step"]: r["loss"] for r in history if "loss" in r}}
         t_last, s, rec = time.perf_counter(), start, {}
+        t_begin = t_last
         with _stop_signals() as stop, self._progress(start):
             for s in range(start + 1, cfg.steps + 1):
                 local = next(self.data_iter)
@@ -357,7 +358,8 @@ class Trainer:
                 rec = {"step": s, "loss": m["loss"], "grad_norm": m["grad_norm"], "lr": lr,
                        "tokens_per_s": tokens_per_step / dt,
                        "mfu": (fpt * tokens_per_step / dt / (peak * n_dev)) if peak else None,
-                       "batch_crc": zlib.crc32(local.tobytes())}  # process 0's data, for tests
+                       "batch_crc": zlib.crc32(local.tobytes()),  # process 0's data, for tests
+                       "time": round(time.time(), 3)}  # wall clock, Unix seconds
                 if m["skipped"]:
                     skipped += 1
                     bad_in_row += 1
@@ -402,7 +404,8 @@ class Trainer:
         result["eval_loss"] = (rec.get("eval_loss") if start < s else self.evaluate()) if (
             done) else None
         if done and start < cfg.steps and result["eval_loss"] is not None:
-            self.log(f"done: step {s}, held-out loss {result['eval_loss']:.4f} (perplexity "
+            self.log(f"done: step {s} in {_duration(time.perf_counter() - t_begin)}, held-out "
+                     f"loss {result['eval_loss']:.4f} (perplexity "
                      f"{_perplexity(result['eval_loss']):.2f}); metrics {metrics.path}")
         return result
 
@@ -499,6 +502,16 @@ class MetricsLog:
             self.events.close()
 
 
+def _duration(seconds: float) -> str:
+    """'42.0 s', '4 min 05 s', '2 h 03 min': a wall time for a person."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, sec = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {sec:02d} s"
+    return f"{minutes // 60} h {minutes % 60:02d} min"
+
+
 def _perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0)) if math.isfinite(loss) else float("nan")
 
@@ -581,17 +594,26 @@ def benchmark(trainer: Trainer) -> list[dict]:
     rows = []
     for residual, (mc, _, _, times) in runs.items():
         dt = float(np.median(times[1:]))
+        spread = (max(times[1:]) - min(times[1:])) / dt  # run to run, over the median
         tps = tokens_per_step / dt
         mfu = flops_per_token(mc, cfg.data.seq_len) * tps / (peak * n_dev) if peak else None
         rows.append({"residual": residual, "tokens_per_s": tps, "step_ms": dt * 1e3,
-                     "mfu": mfu, "first_step_s": times[0]})
-        trainer.log(f"  {residual:<12} {tps:>12,.0f} tokens/s  {dt * 1e3:>9.1f} ms/step  "
+                     "spread": spread, "mfu": mfu, "first_step_s": times[0]})
+        trainer.log(f"  {residual:<12} {tps:>12,.0f} tokens/s  {dt * 1e3:>9.1f} ms/step "
+                    f"(spread {spread:4.0%})  "
                     f"MFU {f'{mfu:.1%}' if peak else 'n/a (set peak_tflops)'}"
                     + ("   (not a valid model: speed ceiling)" if residual == "upper_bound"
                        else ""))
     by = {r["residual"]: r["tokens_per_s"] for r in rows}
     trainer.log("  vs standard: " + ", ".join(f"{k} {v / by['standard']:.2f}x"
                                              for k, v in by.items() if k != "standard"))
+    if trainer.mesh.shape["tp"] == 1:
+        trainer.log("  note: tp=1 has no all-reduce to overlap: ladder and upper_bound compute "
+                    "what standard does, so their ratios are run-to-run noise (see the spread); "
+                    "use mesh.tp > 1 on GPUs")
+    elif jax.default_backend() == "cpu":
+        trainer.log("  note: XLA:CPU runs all-reduces synchronously, so nothing overlaps on "
+                    "CPU: the ladder's speed-up needs GPUs")
     if trainer.is_main:
         os.makedirs(trainer.run_path, exist_ok=True)
         with open(os.path.join(trainer.run_path, "benchmark.json"), "w") as f:

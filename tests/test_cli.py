@@ -1,0 +1,142 @@
+"""The command lines' words: one-line argparse errors, help on every flag with its default,
+`train --help` from the schema, and the schema's model section derived from ModelConfig."""
+
+import dataclasses
+import pathlib
+import re
+
+import pytest
+import yaml
+
+import ladder_jax as lj
+from ladder_jax import config as config_lib
+from ladder_jax.cli import common, convert, decode, demo, overlap, predict
+from ladder_jax.cli import train as train_cli
+
+pytestmark = pytest.mark.quick
+CONFIGS = sorted((pathlib.Path(__file__).parent.parent / "configs").glob("*.yaml"))
+MAINS = {"decode": decode.main, "convert": convert.main, "demo": demo.main,
+         "overlap": overlap.main, "predict": predict.main}
+
+
+def _exit_line(capsys, main, argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "usage:" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("name, argv, expect", [
+    ("decode", ["--seed", "1.5"], "error: --seed: invalid int value '1.5'"),
+    ("decode", ["--sed", "1"], "error: unrecognized arguments: --sed 1 (did you mean --seed?)"),
+    ("decode", ["--residual", "ladr"], "error: --residual: invalid choice: 'ladr' (choose from "
+                                       "'standard', 'parallel', 'ladder', 'upper_bound', 'all'); "
+                                       "did you mean 'ladder'?"),
+    ("decode", ["--preset", "small", "--checkpoint", "x"], "error: --checkpoint: not allowed "
+                                                          "with --preset"),
+    ("overlap", ["--target", "a100"], "error: --target: invalid choice: 'a100'"),
+    ("convert", ["--out", "x"], "error: one of the arguments --hf --checkpoint is required"),
+    ("convert", ["--hf", "x", "--out", "y", "--tp", "two"], "error: --tp: invalid int value "
+                                                            "'two'"),
+    ("demo", ["--batch", "x"], "error: --batch: invalid int value 'x'"),
+    ("predict", ["--tp", "1.5"], "error: --tp: invalid int value '1.5'"),
+])
+def test_bad_flags_are_one_line(capsys, name, argv, expect):
+    line = _exit_line(capsys, MAINS[name], argv)
+    assert line.startswith(expect), line
+
+
+@pytest.mark.parametrize("name", ["decode", "convert", "demo"])
+def test_every_flag_has_help_and_shows_its_default(monkeypatch, capsys, name):
+    seen = []
+
+    def capture(self, argv=None, namespace=None):
+        seen.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(common.ArgumentParser, "parse_args", capture)
+    with pytest.raises(SystemExit):
+        MAINS[name]([])
+    parser = seen[0]
+    bare = [a.option_strings for a in parser._actions if a.option_strings and not a.help]
+    assert not bare, f"{name}: flags without help: {bare}"
+    formatter = parser._get_formatter()
+    for a in parser._actions:
+        if a.option_strings and a.default not in (None, "==SUPPRESS==") and not isinstance(
+                a.default, bool):
+            assert "default" in formatter._get_help_string(a), a.option_strings
+
+
+def test_decode_help_names_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        decode.main(["--help"])
+    text = capsys.readouterr().out.split("\noptions:\n", 1)[1]
+    for flag, default in (("--max-new-tokens", "64"), ("--temperature", "0.8"),
+                          ("--seed", "0"), ("--batch", "1"), ("--prompt-len", "1024")):
+        m = re.search(rf"^  {flag} \S+(.*?)(?=^  -|\Z)", text, flags=re.S | re.M)
+        entry = " ".join(m.group(1).split())
+        assert entry.endswith(f"(default: {default})") and len(entry) > 25, (flag, entry)
+
+
+def test_train_help_lists_every_key_with_default_and_description(capsys):
+    assert train_cli.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    rows = {}
+    for line in lines:
+        m = re.match(r"  (\S+)\s+(\S+)\s+(\S.*)$", line)
+        if m and not line.startswith("   "):
+            rows[m.group(1)] = (m.group(2), m.group(3))
+    keys = [k for k, _, _, section in config_lib.help_rows() if not section]
+    assert set(keys) <= set(rows), set(keys) - set(rows)
+    assert len(keys) > 50
+    assert rows["steps"][0] == "1000" and rows["model.residual"][0] == "standard"
+    assert rows["model.d_model"][0] == "null" and "residual stream" in rows["model.d_model"][1]
+    assert rows["progress"][0] == "auto" and rows["mesh.fsdp"][0] == "false"
+    first_key = next(i for i, ln in enumerate(lines) if ln.startswith("  name "))
+    assert first_key < 10  # the keys come first, the prose after
+    assert "deadlock" not in text and "XLA:CPU" not in text
+
+
+def test_the_model_section_is_modelconfigs_fields():
+    section = {f.name: f for f in dataclasses.fields(config_lib.ModelSection)}
+    model = [f.name for f in dataclasses.fields(lj.ModelConfig)]
+    assert list(section) == ["preset", *model]
+    for f in dataclasses.fields(lj.ModelConfig):
+        assert f.metadata["help"] == section[f.name].metadata["help"] != ""
+    # every field overrides the preset from a key=value ...
+    cfg = config_lib.load_config(["model.d_model=128", "model.n_heads=4", "model.norm_eps=1e-6",
+                                  "model.tie_embeddings=true", "model.remat=module",
+                                  "model.residual=ladder", "model.ladder_layers=[0,2]"])
+    got = config_lib.model_config(cfg)
+    want = lj.ModelConfig.from_preset("tiny", d_model=128, n_heads=4, norm_eps=1e-6,
+                                      tie_embeddings=True, remat="module", residual="ladder",
+                                      ladder_layers=(0, 2))
+    assert got == want and type(got.residual) is str and type(got.remat) is str
+
+
+@pytest.mark.parametrize("file", CONFIGS, ids=lambda p: p.name)
+def test_every_config_file_loads_as_its_yaml_says(file):
+    raw = yaml.safe_load(file.read_text()).get("model", {})
+    over = {k: (tuple(v) if isinstance(v, list) else v) for k, v in raw.items()
+            if k != "preset" and v is not None}
+    over.setdefault("param_dtype", "float32")  # the training schema's own default
+    want = lj.ModelConfig.from_preset(raw.get("preset", "tiny"), **over)
+    assert config_lib.model_config(config_lib.load_config([str(file)])) == want
+
+
+@pytest.mark.parametrize("arg, expect", [
+    ("model.residual=ladr", "model.residual='ladr' (did you mean 'ladder'?): choose one of "
+                            "standard, parallel, ladder, upper_bound"),
+    ("model.remat=layers", "model.remat='layers': choose one of none, module"),
+    ("progress=bars", "progress='bars' (did you mean 'bar'?): choose one of auto, bar, lines, "
+                      "none"),
+    ("model.n_layers=x", "config key 'model.n_layers' must be int or null, got 'x'"),
+])
+def test_choices_are_checked_by_the_schema(arg, expect):
+    with pytest.raises(lj.ConfigError) as e:
+        config_lib.load_config([arg])
+    assert str(e.value) == expect
