@@ -7,7 +7,7 @@ import sys
 
 from ladder_jax.config import ConfigError, TrainConfig, check, load_config, to_yaml
 from ladder_jax.train import trainer
-from ladder_jax.train.trainer import NonFiniteError, init_runtime, run
+from ladder_jax.train.trainer import NonFiniteError, SaveError, init_runtime, run
 
 HELP = """usage: python -m ladder_jax.train [CONFIG.yaml ...] [key=value ...]
 
@@ -34,6 +34,9 @@ def main(argv=None) -> int:
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except SaveError as e:  # disk full: the last complete checkpoint is intact
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0 if result.get("exit", "done") in ("done", "interrupted") else 1
 
 
