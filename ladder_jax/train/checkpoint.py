@@ -19,6 +19,11 @@ training continues. `keep` bounds how many are kept. A save that fails in the ba
 full disk) is reported by the next `save`, `check` or `wait` as `SaveError`: the checkpoints
 already written stay intact.
 
+Checksums: once a save is complete, process 0 records the size and CRC-32 of every file of the
+checkpoint in `<step>/checksums.json` (in a background thread; it reads the checkpoint once),
+and `restore` verifies them before reading anything. A checkpoint without that file (killed
+before it was written, or from an older version) is restored on orbax's own checks alone.
+
 Damage (a file removed, truncated, bit-flipped, metadata garbled, a stray empty `<step>`
 directory): `restore` raises `DamagedCheckpoint` saying what is wrong, never a traceback, and
 deletes nothing; the trainer then tries the next older checkpoint (`move_aside` renames a
@@ -42,6 +47,8 @@ import glob as globlib
 import json
 import os
 import re
+import threading
+import zlib
 
 import grain
 import jax
@@ -65,10 +72,66 @@ class SaveError(RuntimeError):
     """A checkpoint could not be written (disk full, permissions); the message is one line."""
 
 
+CHECKSUMS = "checksums.json"
+
+
 def _first_line(e: BaseException) -> str:
+    """The gist of an error from orbax / tensorstore: its first line, without the spec dump."""
     text = str(e).strip() or type(e).__name__
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return lines[0][:300] if lines else type(e).__name__
+    line = lines[0] if lines else type(e).__name__
+    for cut in (" [tensorstore_spec", " See full TensorStore", " [source locations"):
+        line = line.split(cut)[0]
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def _crc32(file: str) -> int:
+    crc = 0
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(directory: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), directory)
+                  for d, _, fs in os.walk(directory) for f in fs if f != CHECKSUMS)
+
+
+def write_checksums(directory: str) -> None:
+    """`directory/checksums.json`: {file: [size, crc32]} of every file below it."""
+    sums = {f: [os.path.getsize(os.path.join(directory, f)), _crc32(os.path.join(directory, f))]
+            for f in _files(directory)}
+    tmp = os.path.join(directory, CHECKSUMS + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(sums, f)
+    os.replace(tmp, os.path.join(directory, CHECKSUMS))
+
+
+def verify_checksums(directory: str) -> bool:
+    """Raises DamagedCheckpoint naming the first file missing, cut short or changed since the
+    checkpoint was written; False when there are no checksums to verify, True when they hold."""
+    file = os.path.join(directory, CHECKSUMS)
+    if not os.path.exists(file):
+        return False
+    try:
+        with open(file) as f:
+            sums = json.load(f)
+        sums = {str(k): (int(v[0]), int(v[1])) for k, v in sums.items()}
+    except (OSError, ValueError, TypeError, IndexError, AttributeError) as e:
+        raise DamagedCheckpoint(f"{CHECKSUMS} is unreadable ({_first_line(e)})") from None
+    for name, (size, crc) in sums.items():
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise DamagedCheckpoint(f"{name} is missing")
+        have = os.path.getsize(path)
+        if have != size:
+            raise DamagedCheckpoint(f"{name} has {have} bytes, {size} when it was written "
+                                    f"(truncated or overwritten)")
+        if _crc32(path) != crc:
+            raise DamagedCheckpoint(f"{name} is corrupt (its CRC-32 differs from the one "
+                                    f"recorded when it was written)")
+    return True
 
 
 def _opt_dict(opt_state) -> dict:
@@ -93,6 +156,7 @@ class Checkpointer:
                            "opt_state": ocp.StandardCheckpointHandler(),
                            "data": grain.checkpoint.CheckpointHandler(),
                            "meta": ocp.JsonCheckpointHandler()})
+        self._unhashed, self._hasher, self._hash_error = [], None, None
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -114,13 +178,46 @@ class Checkpointer:
                 meta=ocp.args.JsonSave(meta)), force=True)
         except Exception as e:  # noqa: BLE001 (orbax and tensorstore raise many kinds)
             raise self._save_error(state.step, e) from None
+        self._unhashed.append(state.step)
 
     def check(self) -> None:
-        """Raises SaveError if a background save has failed."""
+        """Raises SaveError if a background save has failed; starts recording the checksums of
+        the saves that have completed."""
         try:
             self.manager.check_for_errors()
         except Exception as e:  # noqa: BLE001
             raise self._save_error(None, e) from None
+        self._hash(block=False)
+
+    def _hash(self, *, block: bool) -> None:
+        """Checksums of completed saves (process 0, one background thread at a time)."""
+        if self._hasher is not None and (block or not self._hasher.is_alive()):
+            self._hasher.join()
+            self._hasher = None
+            if self._hash_error is not None:
+                e, self._hash_error = self._hash_error, None
+                raise self._save_error(None, e)
+        if (not self._unhashed or self._hasher is not None
+                or self.manager.is_saving_in_progress()):
+            return
+        steps, self._unhashed = self._unhashed, []
+        if jax.process_index() != 0:
+            return
+
+        def work():
+            try:
+                for s in steps:
+                    if os.path.isdir(os.path.join(self.directory, str(s))):
+                        write_checksums(os.path.join(self.directory, str(s)))
+            except FileNotFoundError:  # removed by `keep` meanwhile
+                pass
+            except OSError as e:
+                self._hash_error = e
+
+        self._hasher = threading.Thread(target=work, name="checkpoint-checksums", daemon=True)
+        self._hasher.start()
+        if block:
+            self._hash(block=True)
 
     def _save_error(self, step, e) -> SaveError:
         good = [s for s in self.steps() if os.path.exists(
@@ -157,6 +254,7 @@ class Checkpointer:
         `data_iter` is then to be trusted) or ConfigError (another model's weights)."""
         meta = self.meta(step)
         where = os.path.join(self.directory, str(step))
+        verify_checksums(where)
         for item in ("params", "opt_state", "data"):
             if not os.path.isdir(os.path.join(where, item)):
                 raise DamagedCheckpoint(f"its {item}/ directory is missing")
@@ -198,10 +296,13 @@ class Checkpointer:
         return dst
 
     def wait(self):
+        """Until every save is written (and its checksums recorded); SaveError if one failed."""
         try:
             self.manager.wait_until_finished()
+            self.manager.check_for_errors()
         except Exception as e:  # noqa: BLE001
             raise self._save_error(None, e) from None
+        self._hash(block=True)
 
     def close(self):
         try:
