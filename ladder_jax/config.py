@@ -392,6 +392,7 @@ def load_config(args: list[str], overrides: dict | None = None) -> TrainConfig:
     """YAML files and `key=value` overrides, merged in order onto the schema's defaults, then
     `overrides` (a nested dict of Python values, as `ladder_jax.fit` passes them)."""
     cfg = OmegaConf.structured(TrainConfig)
+    a = None  # what is being merged, for the messages
     try:
         args = list(args) + ([OmegaConf.create(overrides)] if overrides else [])
         for a in args:
@@ -407,8 +408,14 @@ def load_config(args: list[str], overrides: dict | None = None) -> TrainConfig:
         return OmegaConf.to_object(cfg)
     except oc_errors.ConfigKeyError as e:
         key = e.full_key or str(e.key)
-        raise ConfigError(f"unknown config key {key!r}{_closest(key)}") from None
+        where = f"{a}: " if isinstance(a, str) and "=" not in a else ""
+        raise ConfigError(f"{where}unknown config key {key!r}{_closest(key)}") from None
     except oc_errors.ValidationError as e:
+        section = a.split("=", 1)[0] if isinstance(a, str) and "=" in a else None
+        if not e.full_key and section in {f.name for f in dataclasses.fields(TrainConfig)}:
+            raise ConfigError(f"config key {section!r} is a section, not a value: set its keys "
+                              f"(e.g. {_keys()[[k.split('.')[0] for k in _keys()].index(section)]}"
+                              f"=...), got {a!r}") from None
         field = _field(e.full_key)
         want = getattr(field, "type", None)
         want = getattr(want, "__name__", None) or str(want).replace("typing.", "")

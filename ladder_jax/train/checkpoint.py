@@ -43,10 +43,13 @@ with the new count would have read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob as globlib
 import json
+import logging
 import os
 import re
+import sys
 import threading
 import zlib
 
@@ -83,6 +86,32 @@ def _first_line(e: BaseException) -> str:
     for cut in (" [tensorstore_spec", " See full TensorStore", " [source locations"):
         line = line.split(cut)[0]
     return line if len(line) <= 200 else line[:197] + "..."
+
+
+class _OrbaxFailureFilter(logging.Filter):
+    """Drops the tracebacks orbax's and asyncio's background tasks log for a failed write:
+    `Checkpointer` reports that failure itself, in one line (`SaveError`)."""
+
+    def filter(self, record):
+        text = record.getMessage()
+        return not ((record.exc_info or "exception" in text) and (
+            "orbax" in record.pathname or "Task exception was never retrieved" in text))
+
+
+@functools.cache
+def _quiet_background_failures() -> None:
+    """Once per process: the filter above, and no "Event loop is closed" tracebacks from
+    tensorstore callbacks that outlive the event loop of a failed orbax write."""
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).addFilter(_OrbaxFailureFilter())
+    hook = sys.unraisablehook
+
+    def unraisable(u):
+        if isinstance(u.exc_value, RuntimeError) and "Event loop is closed" in str(u.exc_value):
+            return
+        hook(u)
+
+    sys.unraisablehook = unraisable
 
 
 def _crc32(file: str) -> int:
@@ -157,6 +186,7 @@ class Checkpointer:
                            "data": grain.checkpoint.CheckpointHandler(),
                            "meta": ocp.JsonCheckpointHandler()})
         self._unhashed, self._hasher, self._hash_error = [], None, None
+        _quiet_background_failures()
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -224,8 +254,13 @@ class Checkpointer:
             os.path.join(self.directory, str(s), "meta", "metadata"))]
         kept = (f"the last complete checkpoint, step {good[0]}, is intact" if good else
                 "no checkpoint had been written yet")
+        failed = re.search(r"/(\d+)\.orbax-checkpoint-tmp", str(e))
+        step = int(failed.group(1)) if failed else step  # the save that failed, if it says
         what = f"checkpoint {step}" if step is not None else "a checkpoint"
-        return SaveError(f"could not write {what} in {self.directory} ({_first_line(e)}): "
+        reason = re.search(r"(No space left on device|File too large|Disk quota exceeded|"
+                           r"Permission denied|Read-only file system)", str(e))
+        return SaveError(f"could not write {what} in {self.directory} "
+                         f"({reason.group(1) if reason else _first_line(e)}): "
                          f"{kept}; free disk space (or fix the directory's permissions) and "
                          f"run the same command again to resume")
 

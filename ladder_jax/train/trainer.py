@@ -337,9 +337,13 @@ class Trainer:
                 start, damaged = self._resume_or_init(ckpt)
                 if start >= cfg.steps:  # reads only: writes nothing, not even config.yaml
                     return self._nothing_to_do(start)
-                if self.is_main:
-                    for s, why in damaged:
-                        self.log(f"checkpoint {s} kept as {ckpt.move_aside(s)} ({why})")
+                if damaged:  # out of orbax's sight (latest step, `keep`), never deleted
+                    if self.is_main:
+                        for s, why in damaged:
+                            self.log(f"checkpoint {s} kept as {ckpt.move_aside(s)} ({why})")
+                    if jax.process_count() > 1:
+                        multihost_utils.sync_global_devices("damaged checkpoints moved")
+                        ckpt.manager.reload()
                 history, metrics = self._open_files(start)
                 try:
                     return self._loop(ckpt, start, history, metrics)
