@@ -635,7 +635,7 @@ def test_decode_seed_and_a_model_without_tokenizer_are_one_line(hf_dir, capsys):
 
 def test_decode_memory_estimate_before_allocating(capsys):
     line = one_line(capsys, decode_cli.main(["--preset", "llama-3.1-405b", "--tp", "1"]))
-    assert "preset 'llama-3.1-405b' (405.9B parameters in bfloat16) needs at least" in line
+    assert "preset 'llama-3.1-405b' (410.1B parameters in bfloat16) needs at least" in line
     assert "GB of host memory but" in line and "smaller --preset" in line, line
 
 
@@ -650,8 +650,8 @@ def test_a_checkpoint_directory_loads_like_its_run(trained, hf_dir, tmp_path, ca
         lj.load("/nonexistent", mesh=mesh)
     line = one_line(capsys, train_cli.main(SMALL + [f"run_dir={tmp_path}", "name=ft",
                                                     f"init_from={hf_dir}"]))
-    assert "is a Hugging Face model directory: convert it first (python -m ladder_jax.convert "
-           f"--hf {hf_dir} --out DIR)" in line, line
+    assert ("is a Hugging Face model directory: convert it first (python -m ladder_jax.convert "
+            f"--hf {hf_dir} --out DIR)") in line, line
     assert not (tmp_path / "ft").exists()
 
 

@@ -51,7 +51,7 @@ def one_line(capsys, rc, code=2) -> str:
 
 
 def cli(*args, env=None, **kw):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+    env = {**(os.environ if env is None else env), "JAX_PLATFORMS": "cpu"}
     return subprocess.Popen([sys.executable, "-m", "ladder_jax.train", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
@@ -87,9 +87,11 @@ def _data_file(step_dir, item):
 
 
 def _flip(file):
-    raw = bytearray(open(file, "rb").read())
-    raw[len(raw) // 2] ^= 0x10
-    open(file, "wb").write(bytes(raw))
+    with open(file, "r+b") as f:
+        raw = bytearray(f.read())
+        raw[len(raw) // 2] ^= 0x10
+        f.seek(0)
+        f.write(bytes(raw))
 
 
 DAMAGE = {  # name: (damage to checkpoints/<step>, what the skip says)

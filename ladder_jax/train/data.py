@@ -140,8 +140,9 @@ class TokenFile:
                                     f"ids with numpy.save(file, ids), ids a 1-D integer array")
                 fh.seek(0)
                 version = np.lib.format.read_magic(fh)
-                shape, fortran, dtype = np.lib.format._read_array_header(
-                    fh, version, max_header_size=10000)
+                read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                        else np.lib.format.read_array_header_2_0)
+                shape, _, dtype = read(fh)
                 offset = fh.tell()
         except OSError as e:
             raise DataError(f"{file}: cannot read it ({e.strerror or e})") from None
