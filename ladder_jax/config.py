@@ -106,13 +106,22 @@ class ModelConfig:
                     f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}: "
                     f"set head_dim explicitly")
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        if not _is_int(self.head_dim) or self.head_dim <= 0:
+            raise ConfigError(f"head_dim={self.head_dim!r} must be a positive even integer "
+                              f"(or unset: d_model // n_heads)")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
-        if isinstance(self.rope_scaling, dict):
-            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        for name, usual in (("rope_theta", "10000 or 500000"), ("norm_eps", "1e-5 or 1e-6")):
+            v = getattr(self, name)  # 0 or negative: every step is NaN
+            if not _is_number(v) or not (v > 0 and math.isfinite(v)):
+                raise ConfigError(f"{name}={v!r} must be a positive finite number (usually "
+                                  f"{usual})")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ConfigError(f"tie_embeddings={self.tie_embeddings!r} must be true or false")
+        object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling))
         if self.residual not in RESIDUALS:
             close = difflib.get_close_matches(str(self.residual), RESIDUALS, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -122,10 +131,14 @@ class ModelConfig:
         if self.remat not in REMAT:
             raise ConfigError(f"remat={self.remat!r}: choose one of {', '.join(REMAT)}")
         for name in ("dtype", "param_dtype"):
+            v = getattr(self, name)
             try:
-                jnp.dtype(getattr(self, name))
+                dt = jnp.dtype(v)
             except TypeError:
-                raise ConfigError(f"{name}={getattr(self, name)!r} is not a dtype name") from None
+                dt = None
+            if dt is None or not jnp.issubdtype(dt, jnp.floating):
+                why = "is not a dtype name" if dt is None else "is not a floating-point dtype"
+                raise ConfigError(f"{name}={v!r} {why}: choose float32, bfloat16 or float16")
         ll = self.ladder_layers
         if ll is None:
             return
@@ -185,6 +198,43 @@ class ModelConfig:
         layer = attn + 3 * D * F + 2 * D
         embed = V * D * (1 if self.tie_embeddings else 2)
         return self.n_layers * layer + embed + D
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _rope_scaling(v) -> RopeScaling | None:
+    """`rope_scaling` as a checked RopeScaling (from a mapping of its fields), or None."""
+    if v is None:
+        return None
+    fields = [f.name for f in dataclasses.fields(RopeScaling)]
+    if isinstance(v, RopeScaling):
+        v = dataclasses.asdict(v)
+    if not isinstance(v, dict):
+        raise ConfigError(f"rope_scaling={v!r} must be null or a mapping of {', '.join(fields)}"
+                          f" (llama-3's: factor 8, low_freq_factor 1, high_freq_factor 4, "
+                          f"original_max_len 8192)")
+    unknown = [k for k in v if k not in fields]
+    if unknown:
+        raise ConfigError(f"rope_scaling has no field {unknown[0]!r}: its fields are "
+                          f"{', '.join(fields)}")
+    r = RopeScaling(**v)
+    for name in ("factor", "low_freq_factor", "high_freq_factor"):
+        x = getattr(r, name)
+        if not _is_number(x) or not (x > 0 and math.isfinite(x)):
+            raise ConfigError(f"rope_scaling.{name}={x!r} must be a positive finite number")
+    if not r.high_freq_factor > r.low_freq_factor:
+        raise ConfigError(f"rope_scaling.high_freq_factor={r.high_freq_factor} must be larger "
+                          f"than low_freq_factor={r.low_freq_factor}")
+    if not _is_int(r.original_max_len) or r.original_max_len <= 0:
+        raise ConfigError(f"rope_scaling.original_max_len={r.original_max_len!r} must be a "
+                          f"positive integer")
+    return r
 
 
 PRESETS: dict[str, dict] = {  # ModelConfig fields; head_dim is derived unless given
@@ -389,6 +439,7 @@ def load_config(args: list[str], overrides: dict | None = None) -> TrainConfig:
     """YAML files and `key=value` overrides, merged in order onto the schema's defaults, then
     `overrides` (a nested dict of Python values, as `ladder_jax.fit` passes them)."""
     cfg = OmegaConf.structured(TrainConfig)
+    a = None  # what is being merged, for the messages
     try:
         args = list(args) + ([OmegaConf.create(overrides)] if overrides else [])
         for a in args:
@@ -404,8 +455,14 @@ def load_config(args: list[str], overrides: dict | None = None) -> TrainConfig:
         return OmegaConf.to_object(cfg)
     except oc_errors.ConfigKeyError as e:
         key = e.full_key or str(e.key)
-        raise ConfigError(f"unknown config key {key!r}{_closest(key)}") from None
+        where = f"{a}: " if isinstance(a, str) and "=" not in a else ""
+        raise ConfigError(f"{where}unknown config key {key!r}{_closest(key)}") from None
     except oc_errors.ValidationError as e:
+        section = a.split("=", 1)[0] if isinstance(a, str) and "=" in a else None
+        if not e.full_key and section in {f.name for f in dataclasses.fields(TrainConfig)}:
+            raise ConfigError(f"config key {section!r} is a section, not a value: set its keys "
+                              f"(e.g. {_keys()[[k.split('.')[0] for k in _keys()].index(section)]}"
+                              f"=...), got {a!r}") from None
         field = _field(e.full_key)
         choices = _choices_of(field)
         if choices is not None:
@@ -547,4 +604,9 @@ def check(cfg: TrainConfig) -> ModelConfig:
         raise ConfigError(f"progress={cfg.progress!r}: choose auto, bar, lines or none")
     if os.path.exists(cfg.run_dir) and not os.path.isdir(cfg.run_dir):
         raise ConfigError(f"run_dir={cfg.run_dir!r} is a file: give a directory")
+    name = cfg.name
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ConfigError(f"name={name!r} must be a plain directory name (no '/' and not '..'):"
+                          f" the run is written to run_dir/name; to write elsewhere set "
+                          f"run_dir=")
     return model

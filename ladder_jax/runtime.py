@@ -116,3 +116,40 @@ def _env_int(name):
         return int(v) if v else None
     except ValueError:
         raise ConfigError(f"{name}={v!r} must be an integer") from None
+
+
+def available_memory() -> int | None:
+    """Bytes of host memory this process can still allocate: the kernel's MemAvailable, capped
+    by the cgroup's limit (containers); None where neither can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            found.append(int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def check_host_memory(need: int, what: str, fix: str) -> None:
+    """On a CPU backend (where the devices are host memory), a one-line ConfigError when `need`
+    bytes will not fit in `available_memory()`: said before allocating, not after minutes."""
+    import jax
+
+    from ladder_jax.config import ConfigError
+
+    avail = available_memory()
+    if jax.default_backend() != "cpu" or avail is None or need <= avail:
+        return
+    raise ConfigError(f"{what} needs at least {need / 1e9:.1f} GB of host memory but "
+                      f"{avail / 1e9:.1f} GB is available: {fix}")

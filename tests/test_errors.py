@@ -5,6 +5,7 @@ traceback, and nothing written: training data through `train_cli.main`, Hugging 
 import json
 import os
 import re
+import signal
 import struct
 import subprocess
 import sys
@@ -191,6 +192,14 @@ def _index(weight_map):
     return edit
 
 
+def _index_outside(d):
+    """An index whose weight_map names a file outside the model directory (which exists)."""
+    header, _ = _st_parts(d / hf.SINGLE)
+    os.rename(d / hf.SINGLE, d.parent / "x.safetensors")
+    (d / hf.INDEX).write_text(json.dumps({"weight_map": {
+        k: "../x.safetensors" for k in header if k != "__metadata__"}}))
+
+
 def _config(**changes):
     def edit(d):
         cfg = json.loads((d / hf.CONFIG).read_text())
@@ -234,6 +243,8 @@ HEADER_DAMAGE = [  # (name, damage, what the line says); all must fail before an
      ["lists 'model-00002-of-00002.safetensors', which is not in", "download is incomplete"]),
     ("index_list", _index([]), ["has no \"weight_map\" object"]),
     ("index_garbage", _index("{not json"), ["cannot read", hf.INDEX]),
+    ("index_outside", _index_outside, ["lists '../x.safetensors', which is not a file name in",
+                                       "no directories, no '..'"]),
     ("tokenizer_garbage", lambda d: (d / hf.TOKENIZER).write_text("{not a tokenizer"),
      ["tokenizer.json is not a tokenizer.json the tokenizers package can read"]),
 ]
@@ -255,6 +266,30 @@ def test_damaged_hf_checkpoint_fails_before_any_tensor_is_read(
     line = one_line(capsys, convert.main(["--hf", str(d), "--out", str(out)]))
     assert all(e in line for e in expect) and line.count(" is not ") <= 2, line
     assert reads == [] and not out.exists()
+
+
+def test_save_hf_refuses_a_non_empty_directory(model, tmp_path):
+    (tmp_path / "notes.txt").write_text("keep me")
+    with pytest.raises(hf.HFError, match="exists and is not an empty directory.*overwrite=True"):
+        lj.save_hf(model, tmp_path)
+    assert os.listdir(tmp_path) == ["notes.txt"]
+    with pytest.raises(hf.HFError, match="max_shard_bytes=-5 must be a positive"):
+        lj.save_hf(model, tmp_path / "new", max_shard_bytes=-5)
+    lj.save_hf(model, tmp_path, overwrite=True)
+    assert (tmp_path / hf.SINGLE).is_file() and (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--param-dtype", "int32"], "--param-dtype 'int32' is not a floating-point dtype: choose "
+                                 "float32, bfloat16 or float16"),
+    (["--param-dtype", "foo"], "--param-dtype 'foo' is not a dtype name"),
+    (["--to-hf", "--max-shard-bytes", "-5"], "--max-shard-bytes -5 must be a positive number"),
+])
+def test_convert_flags_are_checked_before_reading(hf_dir, tmp_path, capsys, args, expect):
+    line = one_line(capsys, convert.main(["--hf", str(hf_dir), "--out", str(tmp_path / "o"),
+                                          *args]))
+    assert expect in line and "config.json" not in line, line
+    assert not (tmp_path / "o").exists()
 
 
 def test_nan_weights_are_refused_naming_the_tensor(hf_dir, tmp_path, capsys):
@@ -536,11 +571,41 @@ def test_init_from_problems_are_one_line(trained, tmp_path, capsys):
     (["optim.warmup_steps=-5"], "optim.warmup_steps=-5 must be >= 0"),
     (["mesh.data=0"], "mesh.data=0 must be positive"),
     (["model.remat=layers"], "remat='layers'"),
+    (["model.rope_theta=0"], "rope_theta=0.0 must be a positive finite number"),
+    (["model.rope_theta=nan"], "rope_theta=nan must be a positive finite number"),
+    (["model.norm_eps=-1"], "norm_eps=-1.0 must be a positive finite number"),
+    (["model.head_dim=0"], "head_dim=0 must be a positive even integer"),
+    (["model.head_dim=-2"], "head_dim=-2 must be a positive even integer"),
+    (["model.rope_scaling=5"], "rope_scaling=5 must be null or a mapping of factor"),
+    (["model.rope_scaling={factor: -1}"], "rope_scaling.factor=-1 must be a positive"),
+    (["model.rope_scaling={size: 2}"], "rope_scaling has no field 'size'"),
+    (["model.dtype=int32"], "dtype='int32' is not a floating-point dtype: choose float32"),
+    (["model.param_dtype=int8"], "param_dtype='int8' is not a floating-point dtype"),
+    (["model.dtype=floaty"], "dtype='floaty' is not a dtype name"),
+    (["model.vocab_size=500000000"], "GB of host memory but"),
+    (["name=../../escaped"], "name='../../escaped' must be a plain directory name"),
+    (["name=a/b"], "name='a/b' must be a plain directory name"),
+    (["name=.."], "set run_dir="),
+    (["model=5"], "config key 'model' is a section, not a value: set its keys (e.g. model."),
 ])
 def test_out_of_range_settings_are_one_line(tmp_path, capsys, args, expect):
     line = one_line(capsys, train_cli.main(SMALL + [f"run_dir={tmp_path}", *args]))
     assert expect in line, line
     assert not os.listdir(tmp_path)
+
+
+def test_unwritable_run_dir_is_one_line_before_data_or_compiling(tmp_path, capsys, monkeypatch):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    if os.geteuid() == 0:  # the superuser writes through permissions: a directory it cannot
+        ro = "/sys"        # write in (sysfs takes no new files)
+    monkeypatch.setattr(data, "load_tokens", lambda *a, **k: pytest.fail("data was loaded"))
+    line = one_line(capsys, train_cli.main(SMALL + [f"run_dir={ro}/runs", "name=r"]))
+    assert f"run_dir='{ro}/runs': cannot write in {ro}" in line and "writable" in line, line
+    line = one_line(capsys, convert.main(["--checkpoint", str(tmp_path), "--out",
+                                          f"{ro}/out"]))
+    assert f"--out '{ro}/out': cannot write in {ro}" in line, line
 
 
 def test_run_dir_that_is_a_file_and_bad_yaml_are_one_line(tmp_path, capsys):
@@ -558,6 +623,72 @@ def test_run_dir_that_is_a_file_and_bad_yaml_are_one_line(tmp_path, capsys):
 def test_decode_checkpoint_errors_name_the_flag(tmp_path, capsys):
     line = one_line(capsys, decode_cli.main(["--checkpoint", str(tmp_path / "nope")]))
     assert "--checkpoint" in line and "init_from" not in line
+
+
+def test_decode_seed_and_a_model_without_tokenizer_are_one_line(hf_dir, capsys):
+    line = one_line(capsys, decode_cli.main(["--seed", "99999999999999999999", "--tp", "1"]))
+    assert "--seed 99999999999999999999 does not fit in 64 bits" in line
+    assert not (hf_dir / hf.TOKENIZER).exists()
+    line = one_line(capsys, decode_cli.main(["--checkpoint", str(hf_dir), "--tp", "1"]))
+    assert f"--checkpoint {str(hf_dir)!r} has no tokenizer.json: copy the model's" in line
+
+
+def test_decode_memory_estimate_before_allocating(capsys):
+    line = one_line(capsys, decode_cli.main(["--preset", "llama-3.1-405b", "--tp", "1"]))
+    assert "preset 'llama-3.1-405b' (410.1B parameters in bfloat16) needs at least" in line
+    assert "GB of host memory but" in line and "smaller --preset" in line, line
+
+
+def test_a_checkpoint_directory_loads_like_its_run(trained, hf_dir, tmp_path, capsys):
+    mesh = sharding.make_mesh(tp=1, devices=jax.devices()[:1])
+    whole, _ = lj.load(str(trained / "run"), mesh=mesh)
+    for sub in ("checkpoints", "checkpoints/2"):
+        part, _ = lj.load(str(trained / "run" / sub), mesh=mesh)
+        jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(part)),
+                     nnx.to_pure_dict(nnx.state(whole)))
+    with pytest.raises(lj.ConfigError, match="'/nonexistent' does not exist"):
+        lj.load("/nonexistent", mesh=mesh)
+    line = one_line(capsys, train_cli.main(SMALL + [f"run_dir={tmp_path}", "name=ft",
+                                                    f"init_from={hf_dir}"]))
+    assert ("is a Hugging Face model directory: convert it first (python -m ladder_jax.convert "
+            f"--hf {hf_dir} --out DIR)") in line, line
+    assert not (tmp_path / "ft").exists()
+
+
+def test_corpus_shorter_than_one_sequence_says_so(tmp_path, capsys):
+    (tmp_path / "short.txt").write_text("tiny")
+    line = one_line(capsys, train_cli.main(SMALL + [f"data.path={tmp_path}/short.txt",
+                                                    f"run_dir={tmp_path}/runs"]))
+    assert "6 tokens are fewer than one record of seq_len + 1 = 33 tokens" in line, line
+    assert "held-out" not in line
+
+
+def test_fifo_in_data_is_skipped_or_refused_never_read(tmp_path, capsys):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / "a.txt").write_text("abc")
+    os.mkfifo(d / "pipe")  # opening it for reading would wait for a writer forever
+    old = signal.signal(signal.SIGALRM, lambda *_: pytest.fail("hung on the FIFO"))
+    signal.alarm(60)
+    try:
+        assert data.load_tokens(str(d), ByteTokenizer()).tolist() == [256, 97, 98, 99, 257]
+        line = one_line(capsys, train_cli.main(SMALL + [f"data.path={d}/pipe",
+                                                        f"run_dir={tmp_path}/runs"]))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert f"data.path='{d}/pipe' is not a regular file (a FIFO" in line, line
+
+
+def test_npy_cut_short_while_training_reads_it_is_an_error_not_sigbus(tmp_path):
+    f = tmp_path / "t.npy"
+    np.save(f, np.arange(10_000, dtype=np.int32) % 300)
+    tokens = data.load_tokens(str(f), ByteTokenizer(), vocab_size=320)
+    records, _ = data.split(tokens, 32, 0.0)
+    assert records[3].tolist() == (np.arange(96, 129) % 300).tolist()
+    os.truncate(f, 2000)  # another process rewrites the file under the run
+    with pytest.raises(data.DataError, match="was cut short while the run read it"):
+        records[200]
 
 
 def test_cli_start_is_quiet(tmp_path):

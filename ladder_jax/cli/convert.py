@@ -33,6 +33,8 @@ import shutil
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 from omegaconf import OmegaConf
@@ -58,6 +60,7 @@ from ladder_jax.interop import hf
 from ladder_jax.interop.tokenizer import ByteTokenizer
 from ladder_jax.model import sharding
 from ladder_jax.train.checkpoint import load_run
+from ladder_jax.train.trainer import check_writable
 
 
 def train_config(config, tokenizer_path: str | None) -> dict:
@@ -72,6 +75,17 @@ def train_config(config, tokenizer_path: str | None) -> dict:
     if tokenizer_path:
         doc["data"] = {"tokenizer": tokenizer_path}
     return doc
+
+
+def _check_param_dtype(name: str) -> None:
+    """--param-dtype: a floating-point dtype name (an integer one would write zeros)."""
+    try:
+        dt = np.dtype(jnp.dtype(name))
+    except TypeError:
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+        why = "is not a dtype name" if dt is None else "is not a floating-point dtype"
+        raise ConfigError(f"--param-dtype {name!r} {why}: choose float32, bfloat16 or float16")
 
 
 def _save_checkpoint(model, out: str, meta: dict) -> None:
@@ -138,6 +152,11 @@ def main(argv=None) -> int:
         if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
             raise ConfigError(f"--out {args.out!r} exists and is not an empty directory: choose "
                               f"a new directory")
+        if args.max_shard_bytes <= 0:
+            raise ConfigError(f"--max-shard-bytes {args.max_shard_bytes} must be a positive "
+                              f"number of bytes (default {5 * 2**30}, 5 GiB)")
+        _check_param_dtype(args.param_dtype)
+        check_writable(args.out, f"--out {args.out!r}")
         mesh = sharding.make_mesh(tp=args.tp, devices=jax.devices()[:args.tp])
         ladder_layers = parse_ladder_layers(args.ladder_layers)
         if args.hf:

@@ -17,6 +17,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from ladder_jax import runtime
@@ -108,6 +109,9 @@ def _run(args, say) -> int:
     tp = len(jax.devices()) if args.tp is None else args.tp
     if tp <= 0 or tp > len(jax.devices()):
         raise ConfigError(f"--tp {tp}: between 1 and the {len(jax.devices())} devices")
+    if not -2**63 <= args.seed < 2**63:
+        raise ConfigError(f"--seed {args.seed} does not fit in 64 bits: give an integer between "
+                          f"-2**63 and 2**63 - 1")
     mesh = sharding.make_mesh(tp=tp)
     overrides = scheme_overrides(None if args.residual == "all" else args.residual,
                                  parse_ladder_layers(args.ladder_layers))
@@ -122,6 +126,10 @@ def _run(args, say) -> int:
             tokenizer = _without_tokenizer_json(args.checkpoint, config, say)
     else:
         config = ModelConfig.from_preset(args.preset, **overrides)
+        runtime.check_host_memory(  # random weights, before allocating them (CPU hosts)
+            config.num_params() * jnp.dtype(config.param_dtype).itemsize,
+            f"preset {args.preset!r} ({config.num_params() / 1e9:.1f}B parameters in "
+            f"{config.param_dtype})", "choose a smaller --preset (tiny, small, 1b) or a GPU")
 
     if args.benchmark:
         schemes = list(RESIDUALS) if args.residual == "all" else [config.residual]

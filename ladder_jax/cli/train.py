@@ -7,7 +7,7 @@ import sys
 import textwrap
 
 from ladder_jax.config import ConfigError, check, help_rows, load_config
-from ladder_jax.train.trainer import NonFiniteError, init_runtime, run
+from ladder_jax.train.trainer import NonFiniteError, SaveError, init_runtime, run
 
 USAGE = """usage: python -m ladder_jax.train [CONFIG.yaml ...] [key=value ...]
 
@@ -66,6 +66,9 @@ def main(argv=None) -> int:
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except SaveError as e:  # disk full: the last complete checkpoint is intact
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0 if result.get("exit", "done") in ("done", "interrupted") else 1
 
 

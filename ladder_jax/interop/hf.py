@@ -475,6 +475,12 @@ def _weight_files(path: str) -> dict[str, str]:
                 isinstance(v, str) for v in weight_map.values()):
             raise HFError(f"{index} has no \"weight_map\" object of tensor name -> file name: "
                           f"the index is damaged; fetch it again")
+        outside = sorted({v for v in weight_map.values()
+                          if os.path.basename(v) != v or v in ("", ".", "..")})
+        if outside:
+            raise HFError(f"{index} lists {outside[0]!r}, which is not a file name in {path!r}"
+                          f": an index names the files beside it (no directories, no '..'); "
+                          f"the index is damaged or not from this model, fetch it again")
         absent = sorted({v for v in weight_map.values()
                          if not os.path.isfile(os.path.join(path, v))})
         if absent:
@@ -607,13 +613,22 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 
 def save_hf(model: Transformer, path: str, *, tokenizer=None,
-            max_shard_bytes: int = 5 * 2**30, transfer: Transfer | None = None) -> None:
+            max_shard_bytes: int = 5 * 2**30, transfer: Transfer | None = None,
+            overwrite: bool = False) -> None:
     """Writes `model` as a Hugging Face Llama directory: config.json (with the residual scheme
     under "ladder_residual" / "ladder_layers"), safetensors in the weights' dtype (several
     files and an index when they exceed `max_shard_bytes`), and the tokenizer's tokenizer.json
     if it has one (`HFTokenizer`). Host memory: one shard at a time. Multi-host: call on every
-    process; process 0 writes. `transfer` counts what is written."""
+    process; process 0 writes. `transfer` counts what is written. An existing directory that is
+    not empty is refused (HFError) unless `overwrite=True` (its model files are then replaced)."""
     path = os.fspath(path)
+    if (not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool)
+            or max_shard_bytes <= 0):
+        raise HFError(f"max_shard_bytes={max_shard_bytes!r} must be a positive number of bytes "
+                      f"(default 5 GiB)")
+    if os.path.exists(path) and (not os.path.isdir(path) or (os.listdir(path) and not overwrite)):
+        raise HFError(f"{path!r} exists and is not an empty directory: choose a new directory, "
+                      f"or pass overwrite=True to replace its model files")
     transfer = transfer if transfer is not None else Transfer()
     config = model.config
     writer = jax.process_index() == 0

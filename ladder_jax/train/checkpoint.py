@@ -2,9 +2,9 @@
 the one way to load a trained (or converted, or Hugging Face) model.
 
     ckpt = Checkpointer(run_dir / "checkpoints", keep=3)
-    ckpt.save(step, params, opt_state, data_iter, meta)        # asynchronous
-    step = ckpt.latest_step()
-    params, opt_state, meta = ckpt.restore(step, params_like, opt_state_like, data_iter)
+    ckpt.save(state, data_iter, meta)                           # asynchronous; state a TrainState
+    for step in ckpt.steps(): ...                               # newest first
+    state, meta = ckpt.restore(step, state_like, data_iter)     # or raises DamagedCheckpoint
     model, tokenizer = load_run("runs/tiny", mesh=mesh)        # decode, convert, lj.load
 
 Layout of one checkpoint (`checkpoints/<step>/`): `params` (the model's weights as a nested dict
@@ -15,19 +15,43 @@ Guarantees, from orbax: a checkpoint is written to a temporary directory and ren
 only once complete (and, with many processes, once every process has finished), so a crash or
 kill mid-save leaves the previous checkpoints intact and the partial one is ignored. Saves are
 asynchronous: arrays are copied off the devices, then written in a background thread while
-training continues. `keep` bounds how many are kept.
+training continues. `keep` bounds how many are kept. A save that fails in the background (a
+full disk) is reported by the next `save`, `check` or `wait` as `SaveError`: the checkpoints
+already written stay intact.
+
+Checksums: once a save is complete, process 0 records the size and CRC-32 of every file of the
+checkpoint in `<step>/checksums.json` (in a background thread; it reads the checkpoint once),
+and `restore` verifies them before reading anything. A checkpoint without that file (killed
+before it was written, or from an older version) is restored on orbax's own checks alone.
+
+Damage (a file removed, truncated, bit-flipped, metadata garbled, a stray empty `<step>`
+directory): `restore` raises `DamagedCheckpoint` saying what is wrong, never a traceback, and
+deletes nothing; the trainer then tries the next older checkpoint (`move_aside` renames a
+damaged one to `<step>.damaged` once a run goes on past it, so that orbax's bookkeeping of the
+latest step and of `keep` never counts it).
 
 Restoring onto another mesh (e.g. trained at tp=2, resumed at tp=4): the restore targets carry
 concrete `NamedSharding`s of the *new* mesh (built from the model's partition specs by the
 caller), and orbax reads each shard straight into place. Abstract shardings from
-`nnx.eval_shape` under `jax.set_mesh` won't do: orbax needs concrete devices.
+`nnx.eval_shape` under `jax.set_mesh` won't do: orbax needs concrete devices. Restoring with
+another process count: the data iterator's files are per process; every process's position is
+the number of batches taken (the global batch is fixed by the config), so the position is
+carried over to the new process count ("re-sharded"): the batches are those an uninterrupted run
+with the new count would have read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import glob as globlib
 import json
+import logging
 import os
+import re
+import sys
+import threading
+import zlib
 
 import grain
 import jax
@@ -40,6 +64,103 @@ from ladder_jax.config import ConfigError
 from ladder_jax.interop.hf import load_hf
 from ladder_jax.interop.tokenizer import make_tokenizer
 from ladder_jax.model.transformer import abstract
+from ladder_jax.train.step import TrainState
+
+
+class DamagedCheckpoint(Exception):
+    """A checkpoint that cannot be trusted; `str(e)` says why (one line)."""
+
+
+class SaveError(RuntimeError):
+    """A checkpoint could not be written (disk full, permissions); the message is one line."""
+
+
+CHECKSUMS = "checksums.json"
+
+
+def _first_line(e: BaseException) -> str:
+    """The gist of an error from orbax / tensorstore: its first line, without the spec dump."""
+    text = str(e).strip() or type(e).__name__
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    line = lines[0] if lines else type(e).__name__
+    for cut in (" [tensorstore_spec", " See full TensorStore", " [source locations"):
+        line = line.split(cut)[0]
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+class _OrbaxFailureFilter(logging.Filter):
+    """Drops the tracebacks orbax's and asyncio's background tasks log for a failed write:
+    `Checkpointer` reports that failure itself, in one line (`SaveError`)."""
+
+    def filter(self, record):
+        text = record.getMessage()
+        return not ((record.exc_info or "exception" in text) and (
+            "orbax" in record.pathname or "Task exception was never retrieved" in text))
+
+
+@functools.cache
+def _quiet_background_failures() -> None:
+    """Once per process: the filter above, and no "Event loop is closed" tracebacks from
+    tensorstore callbacks that outlive the event loop of a failed orbax write."""
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).addFilter(_OrbaxFailureFilter())
+    hook = sys.unraisablehook
+
+    def unraisable(u):
+        if isinstance(u.exc_value, RuntimeError) and "Event loop is closed" in str(u.exc_value):
+            return
+        hook(u)
+
+    sys.unraisablehook = unraisable
+
+
+def _crc32(file: str) -> int:
+    crc = 0
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(directory: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), directory)
+                  for d, _, fs in os.walk(directory) for f in fs if f != CHECKSUMS)
+
+
+def write_checksums(directory: str) -> None:
+    """`directory/checksums.json`: {file: [size, crc32]} of every file below it."""
+    sums = {f: [os.path.getsize(os.path.join(directory, f)), _crc32(os.path.join(directory, f))]
+            for f in _files(directory)}
+    tmp = os.path.join(directory, CHECKSUMS + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(sums, f)
+    os.replace(tmp, os.path.join(directory, CHECKSUMS))
+
+
+def verify_checksums(directory: str) -> bool:
+    """Raises DamagedCheckpoint naming the first file missing, cut short or changed since the
+    checkpoint was written; False when there are no checksums to verify, True when they hold."""
+    file = os.path.join(directory, CHECKSUMS)
+    if not os.path.exists(file):
+        return False
+    try:
+        with open(file) as f:
+            sums = json.load(f)
+        sums = {str(k): (int(v[0]), int(v[1])) for k, v in sums.items()}
+    except (OSError, ValueError, TypeError, IndexError, AttributeError) as e:
+        raise DamagedCheckpoint(f"{CHECKSUMS} is unreadable ({_first_line(e)})") from None
+    for name, (size, crc) in sums.items():
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise DamagedCheckpoint(f"{name} is missing")
+        have = os.path.getsize(path)
+        if have != size:
+            raise DamagedCheckpoint(f"{name} has {have} bytes, {size} when it was written "
+                                    f"(truncated or overwritten)")
+        if _crc32(path) != crc:
+            raise DamagedCheckpoint(f"{name} is corrupt (its CRC-32 differs from the one "
+                                    f"recorded when it was written)")
+    return True
 
 
 def _opt_dict(opt_state) -> dict:
@@ -64,50 +185,197 @@ class Checkpointer:
                            "opt_state": ocp.StandardCheckpointHandler(),
                            "data": grain.checkpoint.CheckpointHandler(),
                            "meta": ocp.JsonCheckpointHandler()})
+        self._unhashed, self._hasher, self._hash_error = [], None, None
+        _quiet_background_failures()
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, params: nnx.State, opt_state, data_iter, meta: dict):
-        os.makedirs(self.directory, exist_ok=True)
-        self.manager.save(step, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(nnx.to_pure_dict(params)),
-            opt_state=ocp.args.StandardSave(_opt_dict(opt_state)),
-            data=grain.checkpoint.CheckpointSave(data_iter),
-            meta=ocp.args.JsonSave(meta)), force=True)
+    def steps(self) -> list[int]:
+        """Every checkpoint step on disk (complete or not yet verified), newest first."""
+        return sorted(self.manager.all_steps(), reverse=True)
+
+    def save(self, state: TrainState, data_iter, meta: dict):
+        """Starts writing `state` as checkpoint `state.step` (asynchronous). A failed earlier
+        save is raised here as SaveError."""
+        self.check()
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            self.manager.save(state.step, args=ocp.args.Composite(
+                params=ocp.args.StandardSave(nnx.to_pure_dict(state.params)),
+                opt_state=ocp.args.StandardSave(_opt_dict(state.opt_state)),
+                data=grain.checkpoint.CheckpointSave(data_iter),
+                meta=ocp.args.JsonSave(meta)), force=True)
+        except Exception as e:  # noqa: BLE001 (orbax and tensorstore raise many kinds)
+            raise self._save_error(state.step, e) from None
+        self._unhashed.append(state.step)
+
+    def check(self) -> None:
+        """Raises SaveError if a background save has failed; starts recording the checksums of
+        the saves that have completed."""
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:  # noqa: BLE001
+            raise self._save_error(None, e) from None
+        self._hash(block=False)
+
+    def _hash(self, *, block: bool) -> None:
+        """Checksums of completed saves (process 0, one background thread at a time)."""
+        if self._hasher is not None and (block or not self._hasher.is_alive()):
+            self._hasher.join()
+            self._hasher = None
+            if self._hash_error is not None:
+                e, self._hash_error = self._hash_error, None
+                raise self._save_error(None, e)
+        if (not self._unhashed or self._hasher is not None
+                or self.manager.is_saving_in_progress()):
+            return
+        steps, self._unhashed = self._unhashed, []
+        if jax.process_index() != 0:
+            return
+
+        def work():
+            try:
+                for s in steps:
+                    if os.path.isdir(os.path.join(self.directory, str(s))):
+                        write_checksums(os.path.join(self.directory, str(s)))
+            except FileNotFoundError:  # removed by `keep` meanwhile
+                pass
+            except OSError as e:
+                self._hash_error = e
+
+        self._hasher = threading.Thread(target=work, name="checkpoint-checksums", daemon=True)
+        self._hasher.start()
+        if block:
+            self._hash(block=True)
+
+    def _save_error(self, step, e) -> SaveError:
+        good = [s for s in self.steps() if os.path.exists(
+            os.path.join(self.directory, str(s), "meta", "metadata"))]
+        kept = (f"the last complete checkpoint, step {good[0]}, is intact" if good else
+                "no checkpoint had been written yet")
+        failed = re.search(r"/(\d+)\.orbax-checkpoint-tmp", str(e))
+        step = int(failed.group(1)) if failed else step  # the save that failed, if it says
+        what = f"checkpoint {step}" if step is not None else "a checkpoint"
+        reason = re.search(r"(No space left on device|File too large|Disk quota exceeded|"
+                           r"Permission denied|Read-only file system)", str(e))
+        return SaveError(f"could not write {what} in {self.directory} "
+                         f"({reason.group(1) if reason else _first_line(e)}): "
+                         f"{kept}; free disk space (or fix the directory's permissions) and "
+                         f"run the same command again to resume")
 
     def meta(self, step: int) -> dict:
-        """The JSON metadata saved with `step` (step, config, mesh), read without restoring."""
+        """The JSON metadata saved with `step` (step, config, mesh), read without restoring.
+        Raises DamagedCheckpoint when it is missing or not what a save writes."""
         file = os.path.join(self.directory, str(step), "meta", "metadata")
         try:
             with open(file) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return {}
+                meta = json.load(f)
+        except FileNotFoundError:
+            raise DamagedCheckpoint(f"no meta/metadata file: not a complete checkpoint"
+                                    ) from None
+        except (OSError, ValueError) as e:
+            raise DamagedCheckpoint(f"meta/metadata is unreadable ({_first_line(e)})") from None
+        if (not isinstance(meta, dict) or meta.get("step") != step
+                or not isinstance(meta.get("config"), dict)):
+            raise DamagedCheckpoint("meta/metadata is not the metadata of this checkpoint "
+                                    "(no step and config)")
+        return meta
 
-    def restore(self, step: int, params: nnx.State, opt_state, data_iter):
-        """Restores into the shapes, dtypes and shardings of `params` / `opt_state` (concrete
-        arrays or ShapeDtypeStructs with NamedShardings); sets `data_iter`'s position."""
-        check_shapes(os.path.join(self.directory, str(step), "params"), params,
+    def restore(self, step: int, state: TrainState, data_iter):
+        """Restores checkpoint `step` into the shapes, dtypes and shardings of `state`'s arrays
+        (concrete arrays or ShapeDtypeStructs with NamedShardings); sets `data_iter`'s position.
+        Returns (TrainState, meta). Raises DamagedCheckpoint (nothing restored into
+        `data_iter` is then to be trusted) or ConfigError (another model's weights)."""
+        meta = self.meta(step)
+        where = os.path.join(self.directory, str(step))
+        verify_checksums(where)
+        for item in ("params", "opt_state", "data"):
+            if not os.path.isdir(os.path.join(where, item)):
+                raise DamagedCheckpoint(f"its {item}/ directory is missing")
+        check_shapes(os.path.join(where, "params"), state.params,
                      f"checkpoint {self.directory}/{step}")
-        params_target = jax.tree.map(_abstract, nnx.to_pure_dict(params))
-        opt_target = jax.tree.map(_abstract, _opt_dict(opt_state))
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(params_target),
-            opt_state=ocp.args.StandardRestore(opt_target),
-            data=grain.checkpoint.CheckpointRestore(data_iter),
-            meta=ocp.args.JsonRestore()))
-        params = _replace(params, out["params"])
-        treedef = jax.tree.structure(opt_state)
-        opt_state = jax.tree.unflatten(treedef, [out["opt_state"][k] for k in _opt_dict(opt_state)])
-        return params, opt_state, out["meta"]
+        data_state = _data_position(os.path.join(where, "data"))
+        params_target = jax.tree.map(_abstract, nnx.to_pure_dict(state.params))
+        opt_target = jax.tree.map(_abstract, _opt_dict(state.opt_state))
+        items = dict(params=ocp.args.StandardRestore(params_target),
+                     opt_state=ocp.args.StandardRestore(opt_target),
+                     meta=ocp.args.JsonRestore())
+        if data_state is None:
+            items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(**items))
+            if data_state is not None:
+                data_iter.set_state(data_state)
+        except Exception as e:  # noqa: BLE001 (tensorstore, zstd, orbax, grain, json)
+            raise DamagedCheckpoint(f"it does not restore: {_first_line(e)}") from None
+        params = _replace(state.params, out["params"])
+        treedef = jax.tree.structure(state.opt_state)
+        opt_state = jax.tree.unflatten(treedef, [out["opt_state"][k]
+                                                 for k in _opt_dict(state.opt_state)])
+        meta = dict(out["meta"])
+        if data_state is not None:
+            meta["resharded"] = data_state
+        return TrainState(params, opt_state, step), meta
+
+    def move_aside(self, step: int) -> str:
+        """Renames damaged checkpoint `step` to `<step>.damaged` (never deletes it); returns the
+        new path."""
+        src = os.path.join(self.directory, str(step))
+        dst, n = src + ".damaged", 1
+        while os.path.exists(dst):
+            n += 1
+            dst = f"{src}.damaged{n}"
+        os.rename(src, dst)
+        self.manager.reload()
+        return dst
 
     def wait(self):
-        self.manager.wait_until_finished()
+        """Until every save is written (and its checksums recorded); SaveError if one failed."""
+        try:
+            self.manager.wait_until_finished()
+            self.manager.check_for_errors()
+        except Exception as e:  # noqa: BLE001
+            raise self._save_error(None, e) from None
+        self._hash(block=True)
 
     def close(self):
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            try:
+                self.manager.close()
+            except Exception:  # noqa: BLE001 (a failed save was reported by wait)
+                pass
+
+
+def _data_position(directory: str) -> dict | None:
+    """None when `directory` holds this process count's iterator files (orbax restores them);
+    else the position to carry over (re-sharding), read from the files another process count
+    wrote. Raises DamagedCheckpoint when the files are missing, unreadable or disagree."""
+    me, count = jax.process_index(), jax.process_count()
+    if os.path.isfile(os.path.join(directory, f"process_{me}-of-{count}.json")):
+        return None
+    files = globlib.glob(os.path.join(directory, "process_*-of-*.json"))
+    counts = {int(m.group(1)) for f in files
+              if (m := re.search(r"-of-(\d+)\.json$", os.path.basename(f)))}
+    if len(counts) != 1:
+        raise DamagedCheckpoint(f"its data iterator file for process {me} of {count} "
+                                f"(data/process_{me}-of-{count}.json) is missing")
+    (n,) = counts
+    states = []
+    for i in range(n):
+        file = os.path.join(directory, f"process_{i}-of-{n}.json")
+        try:
+            with open(file) as f:
+                states.append(json.load(f))
+        except (OSError, ValueError) as e:
+            raise DamagedCheckpoint(f"data/{os.path.basename(file)} is unreadable "
+                                    f"({_first_line(e)})") from None
+    if any(st != states[0] for st in states) or not isinstance(states[0], dict):
+        raise DamagedCheckpoint(f"its {n} data iterator files disagree on the position, so it "
+                                f"cannot resume on {count} process(es): resume it on {n}")
+    return states[0]
 
 
 def _replace(state: nnx.State, pure: dict) -> nnx.State:
@@ -157,6 +425,13 @@ def find_checkpoint(path: str, what: str) -> str:
     """The `params` directory of a run directory, its `checkpoints/` directory, or one
     checkpoint `checkpoints/<step>`: the latest step unless one is named."""
     path = os.path.abspath(path)
+    if not os.path.exists(path):
+        raise ConfigError(f"{what}: {path} does not exist")
+    if os.path.isfile(os.path.join(path, "config.json")) and not os.path.isdir(
+            os.path.join(path, "checkpoints")):
+        raise ConfigError(f"{what}: {path} is a Hugging Face model directory: convert it "
+                          f"first (python -m ladder_jax.convert --hf {path} --out DIR), then "
+                          f"give DIR")
     if os.path.isdir(os.path.join(path, "checkpoints")):
         path = os.path.join(path, "checkpoints")
     if os.path.isdir(os.path.join(path, "params")):
@@ -181,6 +456,19 @@ def load_params(path: str, params: nnx.State, *, what: str = "init_from") -> nnx
     return _replace(params, pure)
 
 
+def _run_root(path: str) -> str:
+    """The run directory of `path`: itself, or the run holding it when `path` is a run's
+    `checkpoints/` directory or one `checkpoints/<step>`."""
+    p = os.path.abspath(path)
+    up = os.path.dirname(p)
+    if os.path.basename(p) == "checkpoints" and os.path.isfile(os.path.join(up, "config.yaml")):
+        return up
+    if os.path.basename(up) == "checkpoints" and os.path.isfile(
+            os.path.join(os.path.dirname(up), "config.yaml")):
+        return os.path.dirname(up)
+    return path
+
+
 def load_run(path: str, *, mesh, what: str = "--checkpoint", **overrides):
     """(model, tokenizer) from a training run or a `python -m ladder_jax.convert` output (a
     directory with config.yaml and checkpoints/), or a Hugging Face Llama directory
@@ -190,7 +478,11 @@ def load_run(path: str, *, mesh, what: str = "--checkpoint", **overrides):
     weights)."""
 
     path = os.fspath(path)
-    cfg_file = os.path.join(path, "config.yaml")
+    if not os.path.exists(path):
+        raise ConfigError(f"{what} {path!r} does not exist: give a training run directory "
+                          f"(runs/NAME), the output of ladder_jax.convert, or a Hugging Face "
+                          f"model directory")
+    cfg_file = os.path.join(_run_root(path), "config.yaml")
     if not os.path.isfile(cfg_file):
         if os.path.isfile(os.path.join(path, "config.json")):
             return load_hf(path, mesh=mesh, **overrides)

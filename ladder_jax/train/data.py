@@ -9,9 +9,15 @@ Sources (`path`):
   NOTICE.md there), so training needs no download;
 - a text file, a glob (`books/*.txt`) or a directory (every file below it, sorted): each file
   is one document, tokenized when the run starts and framed as BOS ... EOS;
-- `.npy` files: pre-tokenized 1-D integer arrays, memory-mapped; every id is checked against
-  the model's vocabulary when the run starts, in one streaming pass over each file (a -1 or an
-  id past the vocabulary is refused, naming the file).
+- `.npy` files: pre-tokenized 1-D integer arrays, read in place (`TokenFile`: each record is
+  one positioned read, never a memory map, so a file cut short while the run reads it is a
+  one-line error, not a SIGBUS that kills the process without a word); the header is checked
+  against the file's size, and every id against the model's vocabulary when the run starts, in
+  one streaming pass over each file (a -1 or an id past the vocabulary is refused, naming the
+  file).
+
+Only regular files are read: in a directory, FIFOs, sockets and devices are skipped (reading a
+FIFO would wait forever for a writer); named directly, they are refused.
 
 Text must be UTF-8: a file with NUL bytes or with more than 1% of its bytes not UTF-8 is refused
 as binary; a few stray invalid bytes become U+FFFD. Empty sources are refused.
@@ -57,9 +63,12 @@ def source_files(path: str | None) -> list[str]:
         return [str(resources.files("ladder_jax") / "corpus" / DEFAULT_CORPUS)]
     if os.path.isdir(path):
         files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
-                       if not f.startswith("."))
+                       if not f.startswith(".") and os.path.isfile(os.path.join(d, f)))
     elif os.path.isfile(path):
         files = [path]
+    elif os.path.exists(path):
+        raise DataError(f"data.path={path!r} is not a regular file (a FIFO, socket or device, "
+                        f"which would be read forever): give a file, a glob or a directory")
     else:
         files = sorted(f for f in globlib.glob(path, recursive=True) if os.path.isfile(f))
     if not files:
@@ -114,30 +123,80 @@ def _read_text(file: str) -> str:
     return text
 
 
-def _load_npy(file: str, vocab_size: int | None) -> np.ndarray:
-    """A pre-tokenized array, memory-mapped, its ids checked against `vocab_size` in chunks."""
-    try:
-        with open(file, "rb") as fh:
-            magic = fh.read(6)
-        a = np.load(file, mmap_mode="r", allow_pickle=False) if magic == b"\x93NUMPY" else None
-    except OSError as e:
-        raise DataError(f"{file}: cannot read it ({e.strerror or e})") from None
-    except (ValueError, EOFError) as e:  # a damaged header, or Python objects (pickled)
-        why = ("holds Python objects, not integers" if "object" in str(e).lower()
-               else f"is damaged ({str(e).splitlines()[0]})")
-        raise DataError(f"{file} {why}: save token ids with numpy.save(file, ids), ids a 1-D "
-                        f"integer array") from None
-    if a is None:
-        raise DataError(f"{file} is not a .npy file (no NUMPY header): save token ids with "
-                        f"numpy.save(file, ids), ids a 1-D integer array")
-    if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
-        raise DataError(f"{file}: pre-tokenized data must be a 1-D integer array, got "
-                        f"{a.dtype}{list(a.shape)}")
-    if vocab_size is None or not a.size:
+class TokenFile:
+    """A 1-D integer `.npy` file read in place: `len()`, and slices read with one `os.pread`
+    each (a file that shrinks under a reader is a DataError, not a SIGBUS)."""
+
+    def __init__(self, file: str, dtype: np.dtype, length: int, offset: int):
+        self.file, self.dtype, self.length, self.offset = file, dtype, length, offset
+        self.fd = os.open(file, os.O_RDONLY)
+
+    @classmethod
+    def open(cls, file: str) -> "TokenFile":
+        try:
+            with open(file, "rb") as fh:
+                if fh.read(6) != b"\x93NUMPY":
+                    raise DataError(f"{file} is not a .npy file (no NUMPY header): save token "
+                                    f"ids with numpy.save(file, ids), ids a 1-D integer array")
+                fh.seek(0)
+                version = np.lib.format.read_magic(fh)
+                read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                        else np.lib.format.read_array_header_2_0)
+                shape, _, dtype = read(fh)
+                offset = fh.tell()
+        except OSError as e:
+            raise DataError(f"{file}: cannot read it ({e.strerror or e})") from None
+        except (ValueError, EOFError, SyntaxError) as e:  # a damaged header
+            raise DataError(f"{file} is damaged ({str(e).splitlines()[0]}): save token ids "
+                            f"with numpy.save(file, ids), ids a 1-D integer array") from None
+        if dtype.hasobject:
+            raise DataError(f"{file} holds Python objects, not integers: save token ids with "
+                            f"numpy.save(file, ids), ids a 1-D integer array")
+        if len(shape) != 1 or not np.issubdtype(dtype, np.integer):
+            raise DataError(f"{file}: pre-tokenized data must be a 1-D integer array, got "
+                            f"{dtype}{list(shape)}")
+        want, have = offset + shape[0] * dtype.itemsize, os.path.getsize(file)
+        if have < want:
+            raise DataError(f"{file} is damaged (truncated: its header promises {shape[0]} "
+                            f"tokens, {want} bytes, but the file has {have}): write it again")
+        return cls(file, dtype, shape[0], offset)
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):
+        if not isinstance(index, slice):
+            raise TypeError("TokenFile reads slices")
+        start, stop, step = index.indices(self.length)
+        if step != 1:
+            raise TypeError("TokenFile reads contiguous slices")
+        n = max(stop - start, 0)
+        size = n * self.dtype.itemsize
+        raw = os.pread(self.fd, size, self.offset + start * self.dtype.itemsize)
+        if len(raw) != size:
+            raise DataError(f"{self.file} was cut short while the run read it (tokens "
+                            f"{start}..{stop} are gone): restore the file, then run the same "
+                            f"command again to resume from the last checkpoint")
+        return np.frombuffer(raw, self.dtype)
+
+    def __array__(self, dtype=None, copy=None):
+        a = self[0:self.length]
+        return a if dtype is None else a.astype(dtype)
+
+    def __del__(self):
+        fd, self.fd = getattr(self, "fd", None), None
+        if fd is not None:
+            os.close(fd)
+
+
+def _load_npy(file: str, vocab_size: int | None) -> TokenFile:
+    """A pre-tokenized array (`TokenFile`), its ids checked against `vocab_size` in chunks."""
+    a = TokenFile.open(file)
+    if vocab_size is None or not len(a):
         return a
     lo, hi, bad = [], [], 0
     for i in range(0, len(a), 1 << 24):  # bounded memory for any file size
-        part = np.asarray(a[i:i + (1 << 24)])
+        part = a[i:i + (1 << 24)]
         lo.append(int(part.min()))
         hi.append(int(part.max()))
         bad += int(np.count_nonzero((part < 0) | (part >= vocab_size)))
@@ -175,6 +234,9 @@ def split(tokens: np.ndarray, seq_len: int, eval_fraction: float):
     """(train records, held-out records): the held-out split is the stream's last records."""
     n = (len(tokens) - 1) // seq_len
     n_eval = int(round(n * eval_fraction))
+    if n < 1:
+        raise DataError(f"{len(tokens)} tokens are fewer than one record of seq_len + 1 = "
+                        f"{seq_len + 1} tokens: use more data or a shorter data.seq_len")
     if n - n_eval < 1 or (eval_fraction > 0 and n_eval < 1):
         raise DataError(
             f"{len(tokens)} tokens make {n} records of seq_len={seq_len}: too few for a "

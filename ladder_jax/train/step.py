@@ -20,6 +20,10 @@ the step from the same pieces, so the report is about the program a run executes
 as `Transformer(..., fsdp=True)` creates them),
 `make_train_step` (the function that is jitted, with its sharding constraints) and
 `memory_use` / `check_memory` (does the compiled step fit on the device?).
+
+`TrainState(params, opt_state, step)` is what a run carries from step to step (and what a
+checkpoint holds): the weights, the optimizer state stored like them, and the number of steps
+taken (skipped non-finite steps included; the data iterator has advanced that many batches).
 """
 
 from __future__ import annotations
@@ -27,13 +31,24 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
+from flax import nnx, struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ladder_jax.config import ConfigError, OptimizerConfig
 from ladder_jax.model import sharding
 from ladder_jax.model.transformer import param_specs
+
+
+@struct.dataclass
+class TrainState:
+    """A run's state between steps: `params` (the model's `nnx.State` of weights), `opt_state`
+    (the optimizer's, stored like the weights: `opt_state_shardings`) and `step` (steps taken, a
+    Python int: not traced). A pytree of the arrays; `step` is static metadata."""
+
+    params: nnx.State
+    opt_state: optax.OptState
+    step: int = struct.field(pytree_node=False, default=0)
 
 
 def lr_schedule(cfg: OptimizerConfig | None = None, total_steps: int = 10_000) -> optax.Schedule:

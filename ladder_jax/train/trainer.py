@@ -21,16 +21,28 @@ Memory: on a GPU the trainer compiles the step for its arrays before the first s
 (`ladder_jax.train.step.check_memory`; `python -m ladder_jax.overlap --config` shows the same
 numbers without a GPU).
 
-Resume: re-running the same command continues from the latest checkpoint and produces exactly
-the losses an uninterrupted run would. A run whose model, data or optimizer keys changed since
-its checkpoint is refused (naming the keys) unless `accept_changes=true`, which records the
-change in `changes.jsonl`; the run directory is not touched before these checks pass. The mesh
-may change (a checkpoint restores onto any mesh).
+One writer: a trainer holds `<run>/.lock` (`ladder_jax.train.lock`) while it runs; a second
+one on the same run directory refuses (exit 2, naming the holder's host and pid). A lock left by
+a killed process is stale and taken over, so kill -9 then re-running still resumes.
+
+Resume: re-running the same command continues from the latest checkpoint that verifies and
+produces exactly the losses an uninterrupted run would. A damaged checkpoint (a file missing,
+truncated or corrupt, metadata garbled, a stray empty directory) is skipped with a line saying
+why and, once the run goes on past it, renamed `<step>.damaged` (never deleted); when none
+restores, the run stops (exit 2) naming them. A run whose model, data or optimizer keys changed
+since its checkpoint is refused (naming the keys) unless `accept_changes=true`, which records
+the change in `changes.jsonl`; the run directory is not touched before these checks pass, and a
+resume with nothing left to do (`steps` at or below the checkpoint) writes nothing at all. The
+mesh may change (a checkpoint restores onto any mesh), and so may the number of processes (the
+data iterator's position is re-sharded, `ladder_jax.train.checkpoint`).
 
 Faults and exit codes: SIGTERM or Ctrl-C saves a checkpoint and exits 0 (a second Ctrl-C
 aborts). A step whose loss or gradient is not finite is skipped (params unchanged) and logged;
-after `max_bad_steps` in a row the run stops with exit code 3, the last checkpoint intact. Bad
-configuration or data: one line, exit code 2.
+after `max_bad_steps` in a row the run stops with exit code 3, the last checkpoint intact. A
+checkpoint or log that cannot be written (disk full) stops the run at once: one line, exit code
+1, the last complete checkpoint intact. Bad configuration or data, a run directory that is
+not writable, a model too big for this host's memory (CPU): one line, exit code 2, before data
+is loaded or anything is compiled or written.
 
 Multi-host: with `dist.coordinator_address`/`dist.num_processes`/`dist.process_id` (or the
 environment variables JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID; or under
@@ -46,11 +58,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import os
 import signal
 import sys
+import tempfile
 import time
 import zlib
 
@@ -77,7 +91,11 @@ from ladder_jax.interop.tokenizer import make_tokenizer
 from ladder_jax.model import sharding
 from ladder_jax.model.transformer import Transformer
 from ladder_jax.train import data, step
-from ladder_jax.train.checkpoint import Checkpointer, load_params
+from ladder_jax.train.checkpoint import Checkpointer, DamagedCheckpoint, SaveError, load_params
+from ladder_jax.train.lock import RunBusy, RunLock
+from ladder_jax.train.step import TrainState
+
+__all__ = ["NonFiniteError", "SaveError", "Trainer", "benchmark", "run"]
 
 
 class NonFiniteError(RuntimeError):
@@ -130,22 +148,57 @@ def changed_keys(old: dict, new: dict) -> dict:
     return {k: (a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)}
 
 
+def check_writable(path: str, what: str) -> None:
+    """A one-line ConfigError (naming `what`, e.g. "run_dir='runs'") unless files can be
+    created in `path` (or, where it does not exist yet, in its nearest existing parent): said
+    before data is loaded or anything is compiled. Probes with a temporary file (removed at
+    once), which catches read-only mounts and permissions, the superuser's included."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    if not os.path.isdir(p):
+        raise ConfigError(f"{what}: {p} is a file, not a directory: give a directory")
+    try:
+        fd, probe = tempfile.mkstemp(dir=p, prefix=".write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot write in {p} ({e.strerror}): give a writable "
+                          f"directory or fix its permissions") from None
+
+
+def check_host_memory(model_config, mesh, fsdp: bool) -> None:
+    """CPU backends: a one-line estimate before allocating. Weights, gradients and Adam's two
+    moments (4 copies of the parameters, a lower bound) on this process's devices."""
+    me = jax.process_index()
+    local = sum(1 for d in mesh.devices.flat if d.process_index == me)
+    shards = mesh.shape["tp"] * (mesh.shape["data"] if fsdp else 1)
+    n = model_config.num_params()
+    need = 4 * n * np.dtype(model_config.param_dtype).itemsize * local // shards
+    runtime.check_host_memory(
+        need, f"training the model ({n / 1e9:.2f}B parameters: weights, gradients and optimizer "
+              f"state on {local} CPU device(s))",
+        "use a smaller model (model.vocab_size, model.d_model, model.n_layers, ...) or a GPU")
+
+
 class Trainer:
     """Everything one run needs, built from the config in the order data flows."""
 
     def __init__(self, cfg: TrainConfig, *, devices=None):
         self.cfg = cfg
         self.model_config = check(cfg)
+        check_writable(self.run_path, f"run_dir={cfg.run_dir!r}")
         self.tokenizer = make_tokenizer(cfg.data.tokenizer)
         if self.tokenizer.vocab_size > self.model_config.vocab_size:
             raise ConfigError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but "
                               f"model vocab_size={self.model_config.vocab_size}")
         self.mesh = self._mesh(devices)
         self.is_main = jax.process_index() == 0
+        check_host_memory(self.model_config, self.mesh, cfg.mesh.fsdp)
         self._load_data()
         self.lr_schedule = step.lr_schedule(cfg.optim, total_steps=cfg.steps)
         self.optimizer = step.make_optimizer(cfg.optim, total_steps=cfg.steps)
-        self.params, self.opt_state = self.init_state(self.model_config)
+        self.graphdef, self.state = self.init_state(self.model_config)
         self.batch_sharding = NamedSharding(self.mesh, P(None, sharding.DATA, None))
         self.eval_sharding = NamedSharding(self.mesh, P(sharding.DATA, None))
         self._steps = {}
@@ -184,24 +237,26 @@ class Trainer:
 
     # -- state and the compiled step ---------------------------------------------------------
 
-    def init_state(self, config):
+    def init_state(self, config) -> tuple[nnx.GraphDef, TrainState]:
+        """(graphdef, TrainState at step 0) of a freshly initialized `config` on this mesh."""
         model = Transformer(config, mesh=self.mesh, rngs=nnx.Rngs(self.cfg.seed),
                             fsdp=self.cfg.mesh.fsdp)  # weights created where they are stored
-        self.graphdef, params = nnx.split(model)
+        graphdef, params = nnx.split(model)
         opt_state = jax.jit(self.optimizer.init)(params)
         opt_state = jax.device_put(
             opt_state, step.opt_state_shardings(self.optimizer, opt_state, params, self.mesh))
-        return params, opt_state
+        return graphdef, TrainState(params, opt_state, 0)
 
-    def compiled_step(self, graphdef):
-        """(train_step, eval_loss), jitted once per model graph."""
+    def compiled_step(self, graphdef, state: TrainState):
+        """(train_step, eval_loss) for the model graph `graphdef` and arrays stored like
+        `state`'s, jitted once per graph."""
         key = id(graphdef)
         if key in self._steps:
             return self._steps[key]
         train_step = step.make_train_step(
             graphdef, optimizer=self.optimizer, grad_clip=self.cfg.optim.grad_clip,
-            param_shardings=[x.sharding for x in jax.tree.leaves(self.params)],
-            opt_shardings=[x.sharding for x in jax.tree.leaves(self.opt_state)])
+            param_shardings=[x.sharding for x in jax.tree.leaves(state.params)],
+            opt_shardings=[x.sharding for x in jax.tree.leaves(state.opt_state)])
 
         def eval_loss(params, batch_bt):
             return step.loss_fn(graphdef, params, batch_bt[:, :-1], batch_bt[:, 1:])
@@ -225,7 +280,7 @@ class Trainer:
         batch = jax.ShapeDtypeStruct(
             (cfg.data.grad_accum, cfg.data.batch_size, cfg.data.seq_len + 1), np.int32,
             sharding=self.batch_sharding)
-        compiled = train_step.lower(self.params, self.opt_state, batch).compile()
+        compiled = train_step.lower(self.state.params, self.state.opt_state, batch).compile()
         stats = (device.memory_stats() or {}) if hasattr(device, "memory_stats") else {}
         capacity = int(stats.get("bytes_limit") or chip.memory_bytes)
         use = step.memory_use(compiled)
@@ -247,12 +302,13 @@ class Trainer:
     def evaluate(self) -> float | None:
         if not self.eval_data:
             return None
-        _, eval_loss = self.compiled_step(self.graphdef)
+        _, eval_loss = self.compiled_step(self.graphdef, self.state)
         losses = []
         for b in self.eval_data:
             g = jax.make_array_from_process_local_data(
                 self.eval_sharding, b, (self.cfg.data.batch_size, b.shape[1]))
-            losses.append(float(np.asarray(eval_loss(self.params, g).addressable_data(0))))
+            losses.append(float(np.asarray(
+                eval_loss(self.state.params, g).addressable_data(0))))
         return float(np.mean(losses))
 
     # -- the run -----------------------------------------------------------------------------
@@ -269,50 +325,114 @@ class Trainer:
                 print(msg, flush=True)
 
     def train(self) -> dict:
-        """Resume or initialize, then step, evaluate, log and checkpoint until `steps`."""
+        """Lock the run directory, resume or initialize, then step, evaluate, log and
+        checkpoint until `steps`."""
         cfg = self.cfg
-        train_step, eval_loss = self.compiled_step(self.graphdef)
-        self._steps[id(self.graphdef)] = (self.check_memory(train_step), eval_loss)
-        ckpt = Checkpointer(os.path.join(self.run_path, "checkpoints"), keep=cfg.keep,
-                            async_save=cfg.async_ckpt)
-        try:
-            start = self._resume_or_init(ckpt)
-            history, metrics = self._open_files(start)
+        with self._run_lock():
+            train_step, eval_loss = self.compiled_step(self.graphdef, self.state)
+            self._steps[id(self.graphdef)] = (self.check_memory(train_step), eval_loss)
+            ckpt = Checkpointer(os.path.join(self.run_path, "checkpoints"), keep=cfg.keep,
+                                async_save=cfg.async_ckpt)
             try:
-                return self._loop(ckpt, start, history, metrics)
+                start, damaged = self._resume_or_init(ckpt)
+                if start >= cfg.steps:  # reads only: writes nothing, not even config.yaml
+                    return self._nothing_to_do(start)
+                if damaged:  # out of orbax's sight (latest step, `keep`), never deleted
+                    if self.is_main:
+                        for s, why in damaged:
+                            self.log(f"checkpoint {s} kept as {ckpt.move_aside(s)} ({why})")
+                    if jax.process_count() > 1:
+                        multihost_utils.sync_global_devices("damaged checkpoints moved")
+                        ckpt.manager.reload()
+                history, metrics = self._open_files(start)
+                try:
+                    return self._loop(ckpt, start, history, metrics)
+                finally:
+                    metrics.close()
             finally:
-                metrics.close()
+                ckpt.close()
+
+    @contextlib.contextmanager
+    def _run_lock(self):
+        """Holds `<run>/.lock` (process 0; the others learn whether it was granted)."""
+        lock, refused = RunLock(self.run_path), None
+        if self.is_main:
+            try:
+                lock.acquire()
+            except RunBusy as e:
+                refused = str(e)
+        if jax.process_count() > 1:
+            if multihost_utils.process_allgather(np.int32(refused is not None)).max() and (
+                    refused is None):
+                refused = f"{self.run_path}: process 0 could not lock it (see its output)"
+        if refused:
+            raise RunBusy(refused)
+        if lock.stale:
+            h = lock.stale
+            self.log(f"{lock.file}: taking over the lock of pid {h.get('pid')} on host "
+                     f"{h.get('host')} (it is not running any more)")
+        try:
+            yield
         finally:
-            ckpt.close()
+            lock.release()
 
     def _config_dict(self) -> dict:
         return OmegaConf.to_container(OmegaConf.structured(self.cfg))
 
-    def _resume_or_init(self, ckpt) -> int:
-        """The step to start from; restores the latest checkpoint (after checking that the
-        config still describes the same experiment) or loads `init_from`. Writes nothing."""
-        start = ckpt.latest_step() or 0
-        if start:
-            saved = ckpt.meta(start).get("config") or {}
-            changes = changed_keys(saved, self._config_dict()) if saved else {}
+    def _resume_or_init(self, ckpt) -> tuple[int, list[tuple[int, str]]]:
+        """(the step to start from, the damaged checkpoints skipped: [(step, why)]). Restores
+        the newest checkpoint that verifies (after checking that the config still describes
+        the same experiment) or loads `init_from`. Writes nothing."""
+        damaged = []
+        for s in ckpt.steps():
+            try:
+                saved = ckpt.meta(s)["config"]
+            except DamagedCheckpoint as e:
+                damaged.append((s, str(e)))
+                continue
+            changes = changed_keys(saved, self._config_dict())
             if changes and not self.cfg.accept_changes:
                 listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in
                                    list(changes.items())[:4])
                 more = f" and {len(changes) - 4} more" if len(changes) > 4 else ""
                 raise ConfigError(
-                    f"{self.run_path} was trained to step {start} with another config "
+                    f"{self.run_path} was trained to step {s} with another config "
                     f"({listed}{more}): resuming would mix two experiments. Use a new name= for "
                     f"a new run, init_from={self.run_path} to start from its weights, or "
                     f"accept_changes=true to resume anyway")
-            self.params, self.opt_state, meta = ckpt.restore(
-                start, self.params, self.opt_state, self.data_iter)
+            try:
+                self.state, meta = ckpt.restore(s, self.state, self.data_iter)
+            except DamagedCheckpoint as e:
+                damaged.append((s, str(e)))
+                continue
+            for d, why in damaged:
+                self.log(f"skipped damaged checkpoint {ckpt.directory}/{d}: {why}")
             self._changes = changes
-            self.log(f"resumed from {ckpt.directory}/{start} (trained on mesh "
+            self.log(f"resumed from {ckpt.directory}/{s} (trained on mesh "
                      f"{meta.get('mesh')})")
-        elif self.cfg.init_from:
-            self.params = load_params(self.cfg.init_from, self.params)
+            if "resharded" in meta:
+                self.log(f"data iterator re-sharded onto {jax.process_count()} process(es) at "
+                         f"its saved position {meta['resharded']}")
+            return s, damaged
+        if damaged:
+            listed = "; ".join(f"{d}: {why}" for d, why in damaged[:3])
+            more = f"; and {len(damaged) - 3} more" if len(damaged) > 3 else ""
+            raise ConfigError(
+                f"no checkpoint in {ckpt.directory} can be restored ({listed}{more}); nothing "
+                f"was changed: move the damaged ones out of the way to start this run afresh, "
+                f"or train under a new name=")
+        if self.cfg.init_from:
+            self.state = dataclasses.replace(
+                self.state, params=load_params(self.cfg.init_from, self.state.params))
             self.log(f"initialized weights from {self.cfg.init_from}")
-        return start
+        return 0, damaged
+
+    def _nothing_to_do(self, start: int) -> dict:
+        self.log(f"already trained to step {start} (steps={self.cfg.steps}); nothing to do")
+        path = os.path.join(self.run_path, "metrics.jsonl")
+        history = _read_metrics(path, start, self.log)
+        return {"exit": "done", "losses": {r["step"]: r["loss"] for r in history if "loss" in r},
+                "step": start, "skipped": 0, "eval_loss": self.evaluate()}
 
     def _open_files(self, start):
         """config.yaml, changes.jsonl and the metrics log (`MetricsLog`). Returns (metrics
@@ -339,9 +459,9 @@ class Trainer:
         n_dev = self.mesh.devices.size
         self.log(f"{self.describe()}; steps {start}->{cfg.steps}, {tokens_per_step} tokens/step"
                  f"; run dir {self.run_path}")
-        train_step, _ = self.compiled_step(self.graphdef)
+        train_step, _ = self.compiled_step(self.graphdef, self.state)
         meta = lambda s: {"step": s, "config": self._config_dict(),  # noqa: E731
-                          "mesh": dict(self.mesh.shape)}
+                          "mesh": dict(self.mesh.shape), "processes": jax.process_count()}
         bad_in_row = skipped = 0
         result = {"exit": "done", "losses": {r["step"]: r["loss"] for r in history if "loss" in r}}
         t_last, s, rec = time.perf_counter(), start, {}
@@ -351,7 +471,8 @@ class Trainer:
                 local = next(self.data_iter)
                 batch = self.global_batch(local)
                 lr = float(self.lr_schedule(s - 1 - skipped))
-                self.params, self.opt_state, m = train_step(self.params, self.opt_state, batch)
+                params, opt_state, m = train_step(self.state.params, self.state.opt_state, batch)
+                self.state = TrainState(params, opt_state, s)
                 m = {k: float(np.asarray(v.addressable_data(0))) for k, v in m.items()}
                 now = time.perf_counter()
                 dt, t_last = now - t_last, now
@@ -385,24 +506,21 @@ class Trainer:
                     rec["eval_ppl"] = _perplexity(rec["eval_loss"])
                 metrics.write(rec)
                 self._report(rec, start)
+                ckpt.check()  # a background save that failed stops the run here
                 if self._stop_requested(stop):
-                    ckpt.save(s, self.params, self.opt_state, self.data_iter, meta(s))
+                    ckpt.save(self.state, self.data_iter, meta(s))
                     ckpt.wait()
                     self.log(f"{stop['signal'] or 'stop'}: checkpoint saved at step {s}; run "
                              f"the same command again to resume")
                     result["exit"] = "interrupted"
                     break
                 if s == cfg.steps or (cfg.ckpt_every and s % cfg.ckpt_every == 0):
-                    ckpt.save(s, self.params, self.opt_state, self.data_iter, meta(s))
-            else:
-                if start >= cfg.steps:
-                    self.log(f"already trained to step {start} (steps={cfg.steps}); nothing "
-                             f"to do")
+                    ckpt.save(self.state, self.data_iter, meta(s))
+            ckpt.wait()  # the last save, before saying "done"
         result["step"] = s
         result["skipped"] = skipped
         done = result["exit"] == "done"
-        result["eval_loss"] = (rec.get("eval_loss") if start < s else self.evaluate()) if (
-            done) else None
+        result["eval_loss"] = rec.get("eval_loss") if done else None
         if done and start < cfg.steps and result["eval_loss"] is not None:
             self.log(f"done: step {s} in {_duration(time.perf_counter() - t_begin)}, held-out "
                      f"loss {result['eval_loss']:.4f} (perplexity "
@@ -474,7 +592,6 @@ class MetricsLog:
         with open(self.path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in history)
         if tensorboard is None:
-            import importlib.util
             tensorboard = importlib.util.find_spec("tensorboardX") is not None
         if tensorboard:
             try:
@@ -488,8 +605,13 @@ class MetricsLog:
     def write(self, rec: dict) -> None:
         if not self.active:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        except OSError as e:
+            raise SaveError(f"could not write {self.path} ({e.strerror}): free disk space and "
+                            f"run the same command again to resume from the last "
+                            f"checkpoint") from None
         if self.events is not None:
             for k in self.SCALARS:
                 if rec.get(k) is not None:
@@ -573,16 +695,18 @@ def benchmark(trainer: Trainer) -> list[dict]:
     batches = [trainer.global_batch(next(trainer.data_iter)) for _ in range(2)]
     trainer.log(f"benchmark: {trainer.describe()}; {tokens_per_step} tokens/step, "
                 f"{cfg.bench_steps} interleaved rounds after 1 warm-up step per scheme")
-    runs = {}
+    runs, states = {}, {}
     for residual in RESIDUALS:
         mc = dataclasses.replace(trainer.model_config, residual=residual, ladder_layers=None)
-        state = list(trainer.init_state(mc))
-        runs[residual] = (mc, trainer.compiled_step(trainer.graphdef)[0], state, [])
+        graphdef, states[residual] = trainer.init_state(mc)
+        runs[residual] = (mc, trainer.compiled_step(graphdef, states[residual])[0], [])
 
     def one(residual, i):
-        _, train_step, state, times = runs[residual]
+        _, train_step, times = runs[residual]
+        state = states[residual]
         t0 = time.perf_counter()
-        state[0], state[1], m = train_step(state[0], state[1], batches[i % 2])
+        params, opt_state, m = train_step(state.params, state.opt_state, batches[i % 2])
+        states[residual] = TrainState(params, opt_state, state.step + 1)
         float(np.asarray(m["loss"].addressable_data(0)))  # one step in flight at most
         times.append(time.perf_counter() - t0)
 
@@ -592,7 +716,7 @@ def benchmark(trainer: Trainer) -> list[dict]:
         for residual in runs:
             one(residual, i + 1)
     rows = []
-    for residual, (mc, _, _, times) in runs.items():
+    for residual, (mc, _, times) in runs.items():
         dt = float(np.median(times[1:]))
         spread = (max(times[1:]) - min(times[1:])) / dt  # run to run, over the median
         tps = tokens_per_step / dt

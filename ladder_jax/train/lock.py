@@ -1,0 +1,114 @@
+"""One writer per run directory: `RunLock(run_path)`, held by the trainer while it runs.
+
+    with RunLock("runs/tiny") as lock:      # RunBusy (a ConfigError) if another trainer holds it
+        ...                                  # lock.stale: the holder a killed process left, or None
+
+The lock is `<run>/.lock`, locked with `fcntl.flock` and holding {host, pid, started} of its
+holder (so a refusal can name it). The kernel drops the lock when its process dies, however it
+dies (kill -9 included): a lock file left behind is then stale, and the next trainer takes it over
+(`stale` says whose it was). On release the file is removed, so a run that only read leaves the
+directory as it found it. `RunLock` creates the run directory if needed and, when it created
+it, removes it again if the run fails before writing anything else.
+
+Multi-process runs: process 0 alone takes the lock; the others learn from it whether to go on
+(`multihost_utils`), since every process writes its part of each checkpoint.
+
+Footguns: `flock` on a network file system is only as good as the server's lock support (NFSv4
+and Lustre with `flock` mounts honour it; some FUSE file systems do not). Removing the file while
+a trainer holds it unlocks nothing for that trainer but lets a second one in: don't.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+
+from ladder_jax.config import ConfigError
+
+LOCK_FILE = ".lock"
+
+
+class RunBusy(ConfigError):
+    """Another live trainer holds the run directory."""
+
+
+class RunLock:
+    def __init__(self, run_path: str):
+        self.run_path = os.path.abspath(run_path)
+        self.file = os.path.join(self.run_path, LOCK_FILE)
+        self.fd = None
+        self.stale = None  # the holder {host, pid, started} a dead process left, if any
+        self.created_dir = False
+
+    def __enter__(self) -> "RunLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        if not os.path.isdir(self.run_path):
+            os.makedirs(self.run_path)
+            self.created_dir = True
+        for _ in range(10):  # the file may be removed by its releasing holder under us: retry
+            fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                holder = _read(fd)
+                os.close(fd)
+                if e.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                self._cleanup_dir()
+                who = (f"pid {holder.get('pid')} on host {holder.get('host')}, started "
+                       f"{holder.get('started')}" if holder else "another process")
+                raise RunBusy(f"{self.run_path} is in use by another trainer ({who}): wait for "
+                              f"it to finish, stop it, or give this run a new name=") from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.file).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # locked a file its holder had just removed
+                os.close(fd)
+                continue
+            self.stale = _read(fd) or None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                      "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                                     ).encode(), 0)
+            self.fd = fd
+            return
+        raise RunBusy(f"{self.file}: could not take the lock (it keeps being replaced)")
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.file)
+        except FileNotFoundError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+        self._cleanup_dir()
+
+    def _cleanup_dir(self) -> None:
+        """Removes the run directory this lock created, if nothing else was written there."""
+        if self.created_dir:
+            try:
+                os.rmdir(self.run_path)
+                self.created_dir = False
+            except OSError:
+                pass
+
+
+def _read(fd) -> dict:
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        return {}
+    return holder if isinstance(holder, dict) else {}
