@@ -8,8 +8,12 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 
+import ladder_jax as lj
 from ladder_jax.inference import generation
+from ladder_jax.inference.cache import KVCache
+from ladder_jax.model import sharding
 from tests.helpers import SCHEMES, free_port
 from tests.helpers import logits as _logits
 from tests.helpers import tiny_model as _model
@@ -57,6 +61,44 @@ def test_sampling_top_k1_seeds_and_eos():
     assert generation.generate(model, prompt, max_new_tokens=16, eos_id=greedy[0][0]) == [[]]
     assert generation.generate(model, prompt, max_new_tokens=16, eos_id=greedy[0][3]) == [
         greedy[0][:3]]
+
+
+def test_sampled_rows_do_not_depend_on_the_batch_and_sampling_objects_equal_keywords():
+    """Row b draws with fold_in(key(seed), b): row 0 of a batch samples like the prompt alone
+    (the old shared-key sampler drew every row from one (B, V) draw, so it would not)."""
+    model = _model(1, residual="ladder")
+    s = generation.Sampling(temperature=1.0, top_k=40, seed=5)
+    alone = generation.generate(model, [[10, 20, 30]], max_new_tokens=8, sampling=s)
+    batch = generation.generate(model, [[10, 20, 30], [7] * 9, [1]], max_new_tokens=8,
+                                sampling=s)
+    assert batch[0] == alone[0]
+    assert generation.generate(model, [[10, 20, 30]], max_new_tokens=8, temperature=1.0,
+                               top_k=40, seed=5) == alone
+    with pytest.raises(generation.GenerationError, match="not both"):
+        generation.generate(model, [[1]], sampling=s, temperature=0.5)
+
+
+@pytest.mark.parametrize("seed", ["x", 1.5, True, -1, 2**32])
+def test_bad_seed_is_one_config_error(seed):
+    with pytest.raises(lj.ConfigError, match=r"seed=.* must be an integer from 0 to 2\*\*32 - 1"):
+        lj.generate(_model(1), [[1, 2]], max_new_tokens=2, seed=seed)
+
+
+def test_kv_cache_is_a_typed_pytree_with_its_shardings():
+    model = _model(4)
+    c = model.config
+    abstract = KVCache.abstract(c, model.mesh, batch=2, length=64)
+    cache = KVCache.init(c, model.mesh, batch=2, length=64)
+    kv_heads = max(c.n_kv_heads, 4)  # K' = max(K, tp)
+    assert (cache.batch, cache.length) == (2, 64)
+    assert len(jax.tree.leaves(cache)) == 2 * c.n_layers
+    for a, x in zip(jax.tree.leaves(abstract), jax.tree.leaves(cache)):
+        assert a.shape == x.shape == (2, 64, kv_heads, c.head_dim) and a.dtype == x.dtype
+        assert x.sharding == a.sharding == NamedSharding(model.mesh, sharding.CACHE_BSKH)
+    want = 2 * c.n_layers * 2 * 64 * kv_heads * c.head_dim * np.dtype(c.dtype).itemsize
+    assert abstract.nbytes == cache.nbytes == want
+    doubled = jax.jit(lambda kv: jax.tree.map(lambda x: x + 1, kv))(cache)
+    assert isinstance(doubled, KVCache) and float(doubled.k[0][0, 0, 0, 0]) == 1.0
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():

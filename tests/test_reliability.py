@@ -19,7 +19,7 @@ from ladder_jax.train import checkpoint, trainer
 from ladder_jax.train.checkpoint import Checkpointer, DamagedCheckpoint
 from ladder_jax.train.lock import RunBusy, RunLock
 from ladder_jax.train.step import TrainState
-from tests.conftest import free_port
+from tests.helpers import free_port
 
 SMALL = ["model.n_layers=2", "data.seq_len=32", "data.batch_size=8", "eval_batches=2",
          "progress=none", "log_every=1000", "mesh.data=1", "eval_every=0", "ckpt_every=2",

@@ -9,8 +9,8 @@ so `llama-3-70b` compiles on a laptop.
 Phases are the programs users run. `prefill` and `decode` are
 `ladder_jax.inference.generation.Decoder`'s jitted prefill (a prompt written into the KV cache,
 then sampling of the first new token) and its one-token step (KV cache, attention over all its
-slots, sampling), with a cache sized for the prompt + new tokens as `decode` sizes it, and the
-decode CLI's sampling (temperature 0.8, top-k 200). `train` is a full training step (forward,
+slots, per-row sampling), with a cache sized for the prompt + new tokens as `decode` sizes it.
+`train` is a full training step (forward,
 backward, AdamW update).
 
 Training configs: `compile_train_config` compiles the training step a TrainConfig runs (its
@@ -93,33 +93,27 @@ def check_plugin() -> None:
         raise OverlapError(PLUGIN_HINT.format(v=jax.__version__))
 
 
-SAMPLING = dict(temperature=0.8, top_k=200)  # the decode CLI's defaults (the paper's protocol)
-
-
-def lower_decoder(config, mesh, *, phase: str, batch: int, prompt_len: int, new_tokens: int,
-                  sampling=None):
-    """The lowered `Decoder` prefill or one-token step (KV cache, sampling) of `config` on
-    `mesh`, from shapes: the cache holds `prompt_len + new_tokens` (rounded as `decode` does)."""
-
-
-
-    sampling = sampling or generation.Sampling(**SAMPLING)
-    decoder = generation.Decoder(nnx.merge(*abstract(config, mesh)), sampling)
+def lower_decoder(config, mesh, *, phase: str, batch: int, prompt_len: int, new_tokens: int):
+    """The lowered `Decoder` prefill or one-token step (KV cache, per-row sampling) of `config`
+    on `mesh`, from shapes: the cache holds `prompt_len + new_tokens` (rounded as `decode`
+    does). Sampling settings are runtime arrays, so one program serves greedy and sampled rows."""
+    decoder = generation.Decoder(nnx.merge(*abstract(config, mesh)))
     state = decoder.state  # weights as ShapeDtypeStructs in their shardings
-    tp = sharding.tp_size(mesh)
     S = generation.cache_length(config, prompt_len, new_tokens)
-    kv = jax.ShapeDtypeStruct((batch, S, sharding.cache_kv_heads(config, tp), config.head_dim),
-                              jnp.dtype(config.dtype),
-                              sharding=NamedSharding(mesh, sharding.CACHE_BSKH))
-    cache = [(kv, kv) for _ in range(config.n_layers)]
-    rows = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=NamedSharding(mesh, P("data")))
-    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
-                               sharding=NamedSharding(mesh, P()))
+    cache = generation.KVCache.abstract(config, mesh, batch, S)
+
+    def rows_of(dtype, *shape):
+        return jax.ShapeDtypeStruct((batch, *shape), dtype, sharding=NamedSharding(
+            mesh, P("data", *(None,) * len(shape))))
+
+    rows = rows_of(jnp.int32)
+    settings = generation.Rows(rows_of(jnp.uint32, 2), rows_of(jnp.float32),
+                               rows_of(jnp.int32), rows_of(jnp.float32))
     if phase == "prefill":
         tokens = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32,
                                       sharding=NamedSharding(mesh, P("data", None)))
-        return decoder._prefill.lower(state, cache, tokens, rows, key)
-    return decoder._decode_step.lower(state, cache, rows, rows, key)
+        return decoder._prefill.lower(state, cache, tokens, rows, settings)
+    return decoder._decode_step.lower(state, cache, rows, rows, settings, rows)
 
 
 def compile_program(config, *, phase: str, tp: int, batch: int, seq: int, target: str = "h100",

@@ -1,18 +1,23 @@
-"""KV-cached generation: cache, prefill, one-token step, sampling, batched generation and the
-paper's decode benchmark. The command line is `python -m ladder_jax.decode`.
+"""KV-cached generation: the jitted prefill and one-token step (`Decoder`), batched
+`generate` and the paper's decode benchmark. The cache is `ladder_jax.inference.cache.KVCache`,
+sampling `ladder_jax.inference.sampling`; the command line is `python -m ladder_jax.decode`.
 
-    texts = generate(model, ["Once upon a time"], max_new_tokens=64, temperature=0.8)
+    texts = generate(model, ["Once upon a time"], max_new_tokens=64,
+                     sampling=Sampling(temperature=0.8, top_k=200, seed=0))
 
-The KV cache is a pytree, one (k, v) per layer, each (B, S, max(K, tp), H), batch on `data`
-and kv heads on `tp` (see `sharding.CACHE_BSKH`). `Decoder.prefill` writes a prompt into it in
-one pass; `Decoder.step` appends one token per row. Both are jitted once per shape with the cache
-donated, so XLA updates it in place; both run the model's own residual scheme and sharding,
-so the ladder's all-reduce overlap applies to every token.
+`Decoder.prefill` writes a prompt into the cache in one pass; `Decoder.decode_step` appends one
+token per row; `Decoder.prefill_slot` writes one prompt into one row of a larger cache (the
+server's continuous batching, `ladder_jax.inference.batching`). All are jitted once per shape
+with the cache donated, so XLA updates it in place; all run the model's own residual scheme
+and sharding, so the ladder's all-reduce overlap applies to every token. Sampling settings are
+per-row arrays (`sampling.Rows`), so one compiled program serves every mix of settings.
 
 Batches of prompts of different lengths are right-padded: row b's prompt occupies cache slots
 0..len_b-1 and its n-th new token slot len_b+n, so every row has its own positions and its own
 causal mask (a query at position p sees slots <= p); the padding slots are overwritten before
-anything can see them.
+anything can see them. A row's tokens depend on nothing but its prompt, its settings and its
+key: a prompt gives the same tokens alone or in any batch (greedy; sampled with the same
+seed and row).
 
 Footguns, handled here on the host before any device work:
 - XLA clamps out-of-range dynamic updates silently: a prompt plus new tokens longer than the
@@ -26,9 +31,7 @@ Footguns, handled here on the host before any device work:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 import time
 from typing import Callable, Sequence
 
@@ -40,121 +43,82 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ladder_jax import hardware
-from ladder_jax.config import ConfigError, ModelConfig
+from ladder_jax.config import ModelConfig
+from ladder_jax.inference.cache import KVCache, _round_up, cache_length
+from ladder_jax.inference.sampling import (
+    GenerationError,
+    Rows,
+    Sampling,
+    is_int,
+    sample,
+    sample_rows,
+)
 from ladder_jax.interop.tokenizer import ByteTokenizer
 from ladder_jax.model import sharding
 from ladder_jax.model.sharding import DATA
 from ladder_jax.model.transformer import Transformer
 
-
-class GenerationError(ConfigError):
-    """Input generation cannot run on; the message gives the numbers."""
+__all__ = ["GenerationError", "KVCache", "Rows", "Sampling", "sample", "cache_length",
+           "Decoder", "generate", "check_generation", "benchmark", "to_device", "to_host"]
 
 
 # ---------------------------------------------------------------------------------------------
-# Cache and the two jitted programs.
-
-
-def init_cache(model: Transformer, batch: int, length: int):
-    """A zeroed KV cache for `batch` rows of `length` slots, created in its sharding."""
-    c, mesh = model.config, model.mesh
-    shape = (batch, length, sharding.cache_kv_heads(c, sharding.tp_size(mesh)), c.head_dim)
-    make = jax.jit(lambda: jnp.zeros(shape, c.dtype),
-                   out_shardings=NamedSharding(mesh, sharding.CACHE_BSKH))
-    return [(make(), make()) for _ in range(c.n_layers)]
-
-
-def cache_bytes(model: Transformer, batch: int, length: int) -> int:
-    c = model.config
-    kv = sharding.cache_kv_heads(c, sharding.tp_size(model.mesh))
-    return 2 * c.n_layers * batch * length * kv * c.head_dim * jnp.dtype(c.dtype).itemsize
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """temperature 0 is greedy; top_k / top_p filter before sampling (None: off)."""
-
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-
-    def check(self, vocab_size: int) -> "Sampling":
-        t, k, p = self.temperature, self.top_k, self.top_p
-        if not (_is_number(t) and math.isfinite(t) and t >= 0):
-            raise GenerationError(f"temperature={t!r} must be >= 0 and finite (0 = greedy)")
-        if k is not None and not (_is_int(k) and 1 <= k <= vocab_size):
-            raise GenerationError(f"top_k={k!r} must be an integer from 1 to the vocabulary "
-                                  f"size {vocab_size} (None: off)")
-        if p is not None and not (_is_number(p) and 0 < p <= 1):
-            raise GenerationError(f"top_p={p!r} must be in (0, 1] (1 or None: off)")
-        return self
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def _is_number(x) -> bool:
-    return _is_int(x) or isinstance(x, (float, np.floating))
-
-
-def sample(logits_bv, key, s: Sampling):
-    """One token per row from float32 logits (B, V)."""
-    if s.temperature == 0 or s.top_k == 1:
-        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
-    logits_bv = logits_bv / s.temperature
-    if s.top_k is not None:
-        kth_b1 = jax.lax.top_k(logits_bv, s.top_k)[0][:, -1:]
-        logits_bv = jnp.where(logits_bv < kth_b1, -jnp.inf, logits_bv)
-    if s.top_p is not None and s.top_p < 1:
-        sorted_bv = jnp.sort(logits_bv, axis=-1)[:, ::-1]
-        cum_bv = jnp.cumsum(jax.nn.softmax(sorted_bv, axis=-1), axis=-1)
-        # keep the smallest set whose mass reaches top_p: a token stays if the mass before it
-        # is still below top_p (the most likely token always stays)
-        keep_bv = (cum_bv - jax.nn.softmax(sorted_bv, axis=-1)) < s.top_p
-        cutoff_b1 = jnp.min(jnp.where(keep_bv, sorted_bv, jnp.inf), axis=-1, keepdims=True)
-        logits_bv = jnp.where(logits_bv < cutoff_b1, -jnp.inf, logits_bv)
-    return jax.random.categorical(key, logits_bv, axis=-1).astype(jnp.int32)
+# The jitted programs.
 
 
 class Decoder:
-    """The jitted prefill and decode step of one model (compiled once per shape/sampling).
+    """The jitted prefill and decode step of one model (compiled once per shape).
 
-    `prefill(cache, tokens_bt, lengths_b, key)` -> (first new tokens (B,), cache)
-    `step(cache, tokens_b, positions_b, key)` -> (next tokens (B,), cache)
-    The cache argument is donated: use only the returned one.
+    `prefill(cache, tokens_bt, lengths_b, rows)` -> (first new tokens (B,), cache)
+    `decode_step(cache, tokens_b, positions_b, rows, token_b)` -> (next tokens (B,), cache):
+        `token_b` is the index of the token each row produces (its key is fold_in(row key, n))
+    `prefill_slot(cache, slot, tokens_1t, lengths_1, rows_1)` -> (first token (1,), cache):
+        one prompt into row `slot` of the cache (meshes with data = 1)
+    The cache argument is donated: use only the returned one. `rows` is `sampling.Rows`.
     """
 
-    def __init__(self, model: Transformer, sampling: Sampling = Sampling()):
-        self.model, self.sampling = model, sampling.check(model.config.vocab_size)
+    def __init__(self, model: Transformer):
+        self.model = model
         graphdef, self.state = nnx.split(model)
         mesh = model.mesh
         replicated = NamedSharding(mesh, P())
 
-        def prefill(state, cache, tokens_bt, lengths_b, key):
+        def prefill(state, cache, tokens_bt, lengths_b, rows):
             model = nnx.merge(graphdef, state)
             positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32),
                                             tokens_bt.shape)
-            logits_btv, cache = model.forward_cached(tokens_bt, positions_bt, cache)
+            logits_btv, layers = model.forward_cached(tokens_bt, positions_bt, cache.layers())
             last_bv = jnp.take_along_axis(logits_btv, (lengths_b - 1)[:, None, None], axis=1)
-            return sample(last_bv[:, 0], key, self.sampling), cache
+            first_b = jnp.zeros(tokens_bt.shape[:1], jnp.int32)
+            return sample_rows(last_bv[:, 0], rows, first_b), KVCache.from_layers(layers)
 
-        def decode_step(state, cache, tokens_b, positions_b, key):
+        def decode_step(state, cache, tokens_b, positions_b, rows, token_b):
             model = nnx.merge(graphdef, state)
-            logits_btv, cache = model.forward_cached(tokens_b[:, None], positions_b[:, None],
-                                                     cache)
-            return sample(logits_btv[:, 0], key, self.sampling), cache
+            logits_btv, layers = model.forward_cached(tokens_b[:, None], positions_b[:, None],
+                                                      cache.layers())
+            return sample_rows(logits_btv[:, 0], rows, token_b), KVCache.from_layers(layers)
+
+        def prefill_slot(state, cache, slot, tokens_1t, lengths_1, rows_1):
+            row = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, 0), cache)
+            first_1, row = prefill(state, row, tokens_1t, lengths_1, rows_1)
+            return first_1, jax.tree.map(
+                lambda c, r: jax.lax.dynamic_update_slice_in_dim(c, r, slot, 0), cache, row)
 
         cache_sharding = NamedSharding(mesh, sharding.CACHE_BSKH)
         out = (replicated, cache_sharding)
-        self._prefill = sharding.jit(prefill, mesh=mesh, donate_argnums=(1,), out_shardings=out)
-        self._decode_step = sharding.jit(decode_step, mesh=mesh, donate_argnums=(1,), out_shardings=out)
+        jit = functools.partial(sharding.jit, mesh=mesh, donate_argnums=(1,), out_shardings=out)
+        self._prefill = jit(prefill)
+        self._decode_step = jit(decode_step)
+        self._prefill_slot = jit(prefill_slot)
 
-    def prefill(self, cache, tokens_bt, lengths_b, key):
-        return self._prefill(self.state, cache, tokens_bt, lengths_b, key)
+    def prefill(self, cache, tokens_bt, lengths_b, rows):
+        return self._prefill(self.state, cache, tokens_bt, lengths_b, rows)
 
-    def decode_step(self, cache, tokens_b, positions_b, key):
-        return self._decode_step(self.state, cache, tokens_b, positions_b, key)
+    def decode_step(self, cache, tokens_b, positions_b, rows, token_b):
+        return self._decode_step(self.state, cache, tokens_b, positions_b, rows, token_b)
+
+    def prefill_slot(self, cache, slot, tokens_1t, lengths_1, rows_1):
+        return self._prefill_slot(self.state, cache, slot, tokens_1t, lengths_1, rows_1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,28 +131,26 @@ def to_device(array: np.ndarray, mesh, spec=P()) -> jax.Array:
                                         lambda index: array[index])
 
 
+def rows_to_device(rows: Rows, mesh, batch_spec=P(DATA)) -> Rows:
+    keys_spec = P(*batch_spec, None)
+    return Rows(to_device(rows.keys, mesh, keys_spec), to_device(rows.temperature, mesh, batch_spec),
+                to_device(rows.top_k, mesh, batch_spec), to_device(rows.top_p, mesh, batch_spec))
+
+
 def to_host(x: jax.Array) -> np.ndarray:
     """A replicated result, read from this process's first copy."""
     return np.asarray(x.addressable_data(0))
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def cache_length(config: ModelConfig, longest_prompt: int, new_tokens: int) -> int:
-    """Cache slots for a batch: room for the longest prompt and the new tokens, rounded so
-    that nearby requests reuse compiled programs."""
-    return min(_round_up(longest_prompt + new_tokens, 64), config.max_seq_len)
-
-
 # ---------------------------------------------------------------------------------------------
 # Generation.
 
+_UNSET = object()
 
-def generate(model: Transformer, prompts, *, max_new_tokens: int = 64, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-             eos_id: int | None = None, tokenizer=None,
+
+def generate(model: Transformer, prompts, *, max_new_tokens: int = 64,
+             sampling: Sampling | None = None, temperature=_UNSET, top_k=_UNSET, top_p=_UNSET,
+             seed=_UNSET, eos_id: int | None = None, tokenizer=None,
              stream: Callable[[int, list[int]], None] | None = None, decoder: Decoder = None):
     """Generates a continuation of every prompt (a batch, any mix of lengths).
 
@@ -200,13 +162,23 @@ def generate(model: Transformer, prompts, *, max_new_tokens: int = 64, temperatu
     refused, as transformers' `generate` needs 2-D input_ids too: pass `[ids]` or `ids[None]`.
     Floats, strings, bools or bytes among token ids are refused, never converted.
 
-    Greedy when temperature is 0; otherwise sampled, reproducibly for a `seed`. A row stops at
-    `eos_id` (default: the tokenizer's EOS, if there is a tokenizer); the others go on to
-    `max_new_tokens`. `stream(step, tokens)` is called with each step's new token per row, as
-    soon as it reaches the host. Returns the new tokens (EOS excluded) per row, or texts when
-    the prompts were strings.
+    `sampling`: a `Sampling` (default greedy); the keywords temperature / top_k / top_p / seed
+    build one instead (give one form, not both). Row b draws with fold_in(key(seed), b)
+    (`ladder_jax.inference.sampling`). A row stops at `eos_id` (default: the tokenizer's EOS,
+    if there is a tokenizer); the others go on to `max_new_tokens`. `stream(step, tokens)` is
+    called with each step's new token per row, as soon as it reaches the host. Returns the new
+    tokens (EOS excluded) per row, or texts when the prompts were strings.
     """
     c = model.config
+    keywords = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p,
+                                      seed=seed).items() if v is not _UNSET}
+    if sampling is not None and keywords:
+        raise GenerationError(f"give sampling=Sampling(...) or the keywords "
+                              f"{', '.join(keywords)}, not both")
+    if sampling is not None and not isinstance(sampling, Sampling):
+        raise GenerationError(f"sampling={sampling!r} must be a Sampling(temperature, top_k, "
+                              f"top_p, seed)")
+    sampling = (sampling or Sampling(**{"temperature": 0.0, **keywords})).check(c.vocab_size)
     texts, rows = _prompt_rows(prompts)
     if texts:
         tokenizer = tokenizer or ByteTokenizer()
@@ -214,9 +186,7 @@ def generate(model: Transformer, prompts, *, max_new_tokens: int = 64, temperatu
     if eos_id is None and tokenizer is not None:
         eos_id = tokenizer.eos_id
     check_generation(c, rows, max_new_tokens)
-    sampling = Sampling(temperature, top_k, top_p).check(c.vocab_size)
-    decoder = decoder if decoder is not None and decoder.sampling == sampling else Decoder(
-        model, sampling)
+    decoder = decoder if decoder is not None else Decoder(model)
     mesh = model.mesh
 
     # Shapes are rounded so that nearby requests reuse compiled programs.
@@ -229,11 +199,11 @@ def generate(model: Transformer, prompts, *, max_new_tokens: int = 64, temperatu
     for b, r in enumerate(rows):
         tokens_bt[b, :len(r)] = r
 
-    cache = init_cache(model, B, S)
-    key = jax.random.key(seed)
+    cache = KVCache.init(c, mesh, B, S)
     batch = P(DATA)
+    settings = rows_to_device(Rows.of([sampling] * B), mesh)
     new_b, cache = decoder.prefill(cache, to_device(tokens_bt, mesh, P(DATA, None)),
-                                   to_device(lengths, mesh, batch), jax.random.fold_in(key, 0))
+                                   to_device(lengths, mesh, batch), settings)
     out = [[] for _ in range(n)]
     done = np.zeros(n, bool)
     pending = new_b  # the newest step's tokens, still on the device
@@ -242,7 +212,8 @@ def generate(model: Transformer, prompts, *, max_new_tokens: int = 64, temperatu
         # programs are ever in flight.
         if t + 1 < max_new_tokens:
             positions_b = to_device(lengths + t, mesh, batch)
-            nxt, cache = decoder.decode_step(cache, pending, positions_b, jax.random.fold_in(key, t + 1))
+            token_b = to_device(np.full(B, t + 1, np.int32), mesh, batch)
+            nxt, cache = decoder.decode_step(cache, pending, positions_b, settings, token_b)
         step_tokens = to_host(pending)[:n]
         for b in range(n):
             if not done[b]:
@@ -274,7 +245,7 @@ def _prompt_rows(prompts) -> tuple[bool, list]:
                               f"{type(prompts).__name__}") from None
     if not prompts:
         raise GenerationError("no prompts given")
-    if all(_is_int(t) for t in prompts):
+    if all(is_int(t) for t in prompts):
         raise GenerationError("prompts is one list of token ids, not a batch of prompts: pass "
                               "[ids]")
     kinds = {isinstance(p, str) for p in prompts}
@@ -303,7 +274,7 @@ def _prompt_rows(prompts) -> tuple[bool, list]:
             raise GenerationError(f"prompt {b} is a {type(p).__name__}: give a string or a "
                                   f"list of token ids") from None
         for i, t in enumerate(items):
-            if not _is_int(t):
+            if not is_int(t):
                 raise GenerationError(f"prompt {b} has {t!r} ({type(t).__name__}) at position "
                                       f"{i}: token ids must be integers, never converted")
         rows.append([int(t) for t in items])
@@ -312,7 +283,7 @@ def _prompt_rows(prompts) -> tuple[bool, list]:
 
 def check_generation(config: ModelConfig, rows: Sequence[Sequence[int]], max_new_tokens: int):
     """Refuses, before any device work, what the cache cannot hold (XLA would clamp)."""
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
     M, new = config.max_seq_len, int(max_new_tokens)
     for b, r in enumerate(rows):
@@ -371,7 +342,7 @@ def benchmark(config: ModelConfig, mesh, *, batch: int, prompt_len: int, new_tok
     for name, flag, v, low in (("batch", "batch", batch, 1),
                                ("prompt_len", "prompt-len", prompt_len, 1),
                                ("new_tokens", "max-new-tokens", new_tokens, 2)):
-        if not _is_int(v) or v < low:
+        if not is_int(v) or v < low:
             raise GenerationError(
                 f"benchmark {name}={v!r} (--{flag}) must be an integer >= {low}" + (
                     " (the first new token comes from prefill; decode is timed on the rest)"
@@ -380,24 +351,26 @@ def benchmark(config: ModelConfig, mesh, *, batch: int, prompt_len: int, new_tok
     check_generation(config, [[0] * prompt_len], new_tokens)
     model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(seed))
     decoder = Decoder(model)
+    settings = rows_to_device(Rows.of([Sampling()] * batch), mesh)
     S = cache_length(config, prompt_len, new_tokens)
     rng = np.random.default_rng(seed)
     tokens = to_device(rng.integers(0, min(config.vocab_size, 256), (batch, prompt_len),
                                     dtype=np.int32), mesh, P(DATA, None))
     lengths = to_device(np.full(batch, prompt_len, np.int32), mesh, P(DATA))
-    key = jax.random.key(seed)
+    steps = [to_device(np.full(batch, t + 1, np.int32), mesh, P(DATA))
+                 for t in range(new_tokens)]
     positions = [to_device(np.full(batch, prompt_len + t, np.int32), mesh, P(DATA))
                  for t in range(new_tokens)]
 
     def run():
-        cache = init_cache(model, batch, S)
+        cache = KVCache.init(config, mesh, batch, S)
         jax.block_until_ready(cache)
         t0 = time.perf_counter()
-        tok, cache = decoder.prefill(cache, tokens, lengths, key)
+        tok, cache = decoder.prefill(cache, tokens, lengths, settings)
         tok.block_until_ready()
         t1 = time.perf_counter()
         for t in range(new_tokens - 1):
-            tok, cache = decoder.decode_step(cache, tok, positions[t], key)
+            tok, cache = decoder.decode_step(cache, tok, positions[t], settings, steps[t])
             if t % 8 == 7:  # bounded queue (module docstring), cheap on GPUs
                 tok.block_until_ready()
         tok.block_until_ready()
@@ -413,7 +386,7 @@ def benchmark(config: ModelConfig, mesh, *, batch: int, prompt_len: int, new_tok
     # replicated weights are read on every rank: count what is actually read
     param_bytes_read = sum(x.addressable_data(0).nbytes * len(x.sharding.device_set)
                            for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    kv_read = cache_bytes(model, batch, S)  # each step attends over the whole cache
+    kv_read = KVCache.abstract(config, mesh, batch, S).nbytes  # each step attends over the whole cache
     bandwidth, how = device_bandwidth()
     step_s = decode_s / steps
     return {

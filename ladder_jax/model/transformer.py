@@ -271,8 +271,9 @@ class Transformer(nnx.Module):
 
     def forward_cached(self, tokens_bt, positions_bt, cache):
         """(logits, cache): the forward of `tokens_bt` at `positions_bt` against a KV cache
-        (`ladder_jax.inference.generation.init_cache`), whose updated copy is returned. Row b's tokens
-        are written to cache slots positions[b, 0] onwards and see the slots before them."""
+        (a list of (k, v) per layer: `ladder_jax.inference.cache.KVCache.layers()`), whose
+        updated copy is returned. Row b's tokens are written to cache slots positions[b, 0]
+        onwards and see the slots before them."""
         return self._sharded(tokens_bt, positions_bt, cache)
 
     def _sharded(self, tokens_bt, positions_bt, cache):

@@ -1,0 +1,331 @@
+"""Continuous batching over the jitted decode step: a fixed number of slots, each owning one row
+of one KV cache, filled and emptied between decode steps.
+
+    engine = Engine(model, slots=16, max_queue=64)
+    engine.start()                                  # the scheduling thread (process 0)
+    req = Request(prompt=[1, 2, 3], max_tokens=32, sampling=Sampling(), eos_id=257,
+                  on_token=..., on_finish=...)
+    engine.submit(req)                              # EngineFull when the queue is full
+
+Each iteration of the loop is one *plan*, built on process 0 from the host state alone:
+
+    1. one decode step over all slots (if any is busy): busy slot i feeds its last token at
+       position len_i + n_i - 1 and draws its token n_i; free slots compute garbage nobody reads;
+    2. up to `prefills_per_step` waiting requests are prefilled, each into a free slot's row
+       (`Decoder.prefill_slot`), which gives their first token.
+
+Then every token reaches the host (the loop fetches each step's results, so at most one
+program is ever queued: the XLA:CPU rule) and finished requests (max_tokens, EOS, cancelled)
+free their slot at once. A slot's tokens depend only on its own prompt, settings and key (the
+row positions, the causal mask over its own row and `sampling.Rows` are per row), so a
+response does not depend on who else is in the batch: greedy, it equals `generate` of that
+prompt alone.
+
+Many processes (`jax.distributed`): every process holds its part of the model and cache and
+runs the same programs; process 0 schedules and broadcasts each plan (a fixed-size int32
+vector, `multihost_utils.broadcast_one_to_all`), the others `follow()`. When idle, process 0
+still broadcasts an empty plan every `heartbeat_s`, so the followers' collective never waits
+long; a stop plan ends them.
+
+Footguns:
+- Meshes with data > 1 are refused: a slot is one row of a cache split over tp only.
+- Prompt lengths are padded to powers of two (>= 16) so a few prefill programs serve all
+  lengths; the first request of a new length bucket compiles one (`warmup()` compiles all).
+- Callbacks (`on_token`, `on_finish`) run on the scheduling thread: they must be quick and
+  never block (the server hands them to its event loop).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import PartitionSpec as P
+
+from ladder_jax.inference.cache import KVCache
+from ladder_jax.inference.generation import Decoder, rows_to_device, to_device, to_host
+from ladder_jax.inference.sampling import GenerationError, Rows, Sampling
+from ladder_jax.model import sharding
+from ladder_jax.model.transformer import Transformer
+
+
+class EngineFull(GenerationError):
+    """The waiting queue is full (or the engine is draining): try again later."""
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling = Sampling()
+    eos_id: int | None = None
+    on_token: Callable[[int], None] = lambda token: None
+    on_finish: Callable[[str], None] = lambda reason: None  # length stop cancelled error
+    arrived: float = dataclasses.field(default_factory=time.perf_counter)
+    cancelled: bool = False
+    rows: Rows | None = None  # its sampling settings (set by submit)
+
+
+def prompt_bucket(n: int, length: int) -> int:
+    """The padded prompt length of a prefill: the next power of two >= n (>= 16, <= length)."""
+    return min(max(16, 1 << (n - 1).bit_length()), length)
+
+
+class Engine:
+    def __init__(self, model: Transformer, *, slots: int = 16, max_len: int | None = None,
+                 max_queue: int = 64, prefills_per_step: int = 1, heartbeat_s: float = 1.0):
+        mesh = model.mesh
+        if sharding.data_size(mesh) != 1:
+            raise GenerationError(f"the server batches over slots of one cache: use a mesh "
+                                  f"with data=1 (got data={sharding.data_size(mesh)})")
+        c = model.config
+        self.model, self.mesh, self.config = model, mesh, c
+        self.slots, self.max_queue = slots, max_queue
+        self.length = min(max_len or c.max_seq_len, c.max_seq_len)
+        self.prefills_per_step, self.heartbeat_s = prefills_per_step, heartbeat_s
+        self.decoder = Decoder(model)
+        self.cache = KVCache.init(c, mesh, slots, self.length)
+        self.lead = jax.process_index() == 0
+        self.many = jax.process_count() > 1
+        # host state of the slots (process 0)
+        self.owner: list[Request | None] = [None] * slots
+        self.last = np.zeros(slots, np.int32)  # each slot's newest token
+        self.length_b = np.zeros(slots, np.int32)  # prompt lengths
+        self.count_b = np.zeros(slots, np.int32)  # tokens produced so far
+        self.settings = Rows.empty(slots)
+        self.queue: collections.deque[Request] = collections.deque()
+        self.lock = threading.Condition()
+        self.admitting, self.stopping = True, False
+        self.thread: threading.Thread | None = None
+        self.steps = 0  # decode steps run
+        self.error: str | None = None  # why the loop died, if it did
+        # plan layout: header, decode block (per slot), prefill blocks
+        self._plan_size = 3 + 9 * slots + prefills_per_step * (7 + self.length)
+
+    # -- process 0: requests in ---------------------------------------------------------------
+
+    def check(self, req: Request) -> None:
+        """Refuses what the cache cannot hold (before any device work)."""
+        n, c = len(req.prompt), self.config
+        if n == 0:
+            raise GenerationError("the prompt is empty: give at least one token")
+        bad = [t for t in req.prompt if not 0 <= t < c.vocab_size]
+        if bad:
+            raise GenerationError(f"the prompt has token ids outside [0, {c.vocab_size}): "
+                                  f"{bad[:5]}")
+        if n + req.max_tokens > self.length:
+            raise GenerationError(
+                f"the prompt has {n} tokens; with max_tokens={req.max_tokens} that is "
+                f"{n + req.max_tokens} positions, but a slot holds {self.length}: shorten the "
+                f"prompt or lower max_tokens")
+
+    def submit(self, req: Request) -> None:
+        self.check(req)
+        req.sampling.check(self.config.vocab_size)
+        req.rows = Rows.of([req.sampling], rows=[0])
+        with self.lock:
+            if not self.admitting:
+                raise EngineFull("the server is shutting down")
+            if len(self.queue) >= self.max_queue:
+                raise EngineFull(f"all {self.slots} slots are busy and {len(self.queue)} "
+                                 f"requests wait: try again later")
+            self.queue.append(req)
+            self.lock.notify()
+
+    def cancel(self, req: Request) -> None:
+        """Frees the request's slot before the next step (or drops it from the queue)."""
+        req.cancelled = True
+        with self.lock:
+            self.lock.notify()
+
+    @property
+    def busy(self) -> int:
+        return sum(o is not None for o in self.owner)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.queue)
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._lead_loop, name="ladder-engine", daemon=True)
+        self.thread.start()
+
+    def drain(self, timeout_s: float) -> None:
+        """Stops admitting, lets running requests finish for up to `timeout_s`, cancels the
+        rest (queued ones at once), stops the loop (and the followers)."""
+        with self.lock:
+            self.admitting = False
+            queued, self.queue = list(self.queue), collections.deque()
+        for req in queued:
+            req.cancelled = True
+            req.on_finish("cancelled")
+        deadline = time.monotonic() + timeout_s
+        while self.busy and time.monotonic() < deadline and self.thread.is_alive():
+            time.sleep(0.02)
+        for req in self.owner:
+            if req is not None:
+                req.cancelled = True
+        with self.lock:
+            self.stopping = True
+            self.lock.notify()
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+
+    def _lead_loop(self) -> None:
+        try:
+            self._lead_steps()
+        except BaseException as e:  # a device failure: fail every request, say so in /health
+            self.error = f"{type(e).__name__}: {e}"
+            with self.lock:
+                self.admitting = False
+                for i, req in enumerate(self.owner):
+                    if req is not None:
+                        self._free(i, "error")
+                for req in self.queue:
+                    req.on_finish("error")
+                self.queue.clear()
+            raise
+
+    def _lead_steps(self) -> None:
+        while True:
+            with self.lock:
+                while not (self.stopping or self.queue or self.busy):
+                    if not self.lock.wait(timeout=self.heartbeat_s) and self.many:
+                        break  # a heartbeat for the followers
+                plan = self._plan()
+            if self.many:
+                multihost_utils.broadcast_one_to_all(plan)
+            if not self._execute(plan):
+                return
+
+    def follow(self) -> None:
+        """Processes other than 0: run process 0's plans until it stops."""
+        zeros = np.zeros(self._plan_size, np.int32)
+        while self._execute(np.asarray(multihost_utils.broadcast_one_to_all(zeros))):
+            pass
+
+    def _plan(self) -> np.ndarray:
+        """The next iteration as an int32 vector (module docstring); frees cancelled slots and
+        pops admitted requests from the queue (called with the lock held)."""
+        for i, req in enumerate(self.owner):
+            if req is not None and req.cancelled:
+                self._free(i, "cancelled")
+        B, plan = self.slots, np.zeros(self._plan_size, np.int32)
+        plan[0] = 0 if self.stopping else 1
+        busy_b = np.array([o is not None for o in self.owner])
+        plan[1] = int(busy_b.any()) and not self.stopping
+        positions_b = np.where(busy_b, self.length_b + self.count_b - 1, 0)
+        s = self.settings
+        block = np.stack([self.last, positions_b, s.keys[:, 0].view(np.int32),
+                          s.keys[:, 1].view(np.int32), s.temperature.view(np.int32), s.top_k,
+                          s.top_p.view(np.int32), self.count_b, busy_b.astype(np.int32)], 1)
+        plan[3:3 + 9 * B] = block.reshape(-1)
+        free = [i for i in range(B) if self.owner[i] is None]
+        n = 0
+        while self.queue and free and n < self.prefills_per_step and not self.stopping:
+            req = self.queue.popleft()
+            if req.cancelled:
+                req.on_finish("cancelled")
+                continue
+            i = free.pop(0)
+            self.owner[i] = req
+            r = req.rows
+            self.settings.keys[i], self.settings.temperature[i] = r.keys[0], r.temperature[0]
+            self.settings.top_k[i], self.settings.top_p[i] = r.top_k[0], r.top_p[0]
+            self.length_b[i], self.count_b[i] = len(req.prompt), 0
+            o = 3 + 9 * B + n * (7 + self.length)
+            plan[o:o + 7] = [i, len(req.prompt), r.keys[0, 0].view(np.int32),
+                             r.keys[0, 1].view(np.int32), r.temperature[0:1].view(np.int32)[0],
+                             r.top_k[0], r.top_p[0:1].view(np.int32)[0]]
+            plan[o + 7:o + 7 + len(req.prompt)] = req.prompt
+            n += 1
+        plan[2] = n
+        return plan
+
+    def _execute(self, plan: np.ndarray) -> bool:
+        """Runs one plan on this process's devices; process 0 also hands out the tokens.
+        False: stop."""
+        if plan[0] == 0:
+            return False
+        B, mesh = self.slots, self.mesh
+        block = plan[3:3 + 9 * B].reshape(B, 9)
+        rep = P()
+        if plan[1]:
+            rows = Rows(np.ascontiguousarray(block[:, 2:4]).view(np.uint32),
+                        np.ascontiguousarray(block[:, 4]).view(np.float32), block[:, 5].copy(),
+                        np.ascontiguousarray(block[:, 6]).view(np.float32))
+            tokens_b, self.cache = self.decoder.decode_step(
+                self.cache, to_device(block[:, 0], mesh, rep), to_device(block[:, 1], mesh, rep),
+                rows_to_device(rows, mesh, rep), to_device(block[:, 7], mesh, rep))
+            tokens = to_host(tokens_b)
+            self.steps += 1
+            if self.lead:
+                for i in range(B):
+                    if block[i, 8] and self.owner[i] is not None:  # busy when planned
+                        self._deliver(i, int(tokens[i]))
+        for n in range(plan[2]):
+            o = 3 + 9 * B + n * (7 + self.length)
+            slot, length = int(plan[o]), int(plan[o + 1])
+            T = prompt_bucket(length, self.length)
+            tokens_1t = np.zeros((1, T), np.int32)
+            tokens_1t[0, :length] = plan[o + 7:o + 7 + length]
+            h = plan[o:o + 7]
+            rows = Rows(h[2:4].copy().view(np.uint32)[None], h[4:5].copy().view(np.float32),
+                        h[5:6].copy(), h[6:7].copy().view(np.float32))
+            first_1, self.cache = self.decoder.prefill_slot(
+                self.cache, to_device(np.int32(slot), mesh, rep), to_device(tokens_1t, mesh, rep),
+                to_device(np.array([length], np.int32), mesh, rep), rows_to_device(rows, mesh, rep))
+            first = int(to_host(first_1)[0])
+            if self.lead:
+                self._deliver(slot, first)
+        return True
+
+    def _deliver(self, i: int, token: int) -> None:
+        req = self.owner[i]
+        if req.cancelled:
+            with self.lock:
+                self._free(i, "cancelled")
+            return
+        self.count_b[i] += 1
+        self.last[i] = token
+        if token == req.eos_id and req.eos_id is not None:
+            with self.lock:
+                self._free(i, "stop")
+            return
+        req.on_token(token)
+        if self.count_b[i] >= req.max_tokens:
+            with self.lock:
+                self._free(i, "length")
+
+    def _free(self, i: int, reason: str) -> None:
+        req, self.owner[i] = self.owner[i], None
+        self.settings.temperature[i], self.settings.top_k[i] = 0, 0
+        self.count_b[i], self.last[i], self.length_b[i] = 0, 0, 0
+        req.on_finish(reason)
+
+    # -- compile ahead ------------------------------------------------------------------------
+
+    def warmup(self) -> None:
+        """Compiles the decode step and every prefill bucket (on every process, before
+        serving): runs them on slot 0 with a one-token prompt."""
+        rep, mesh = P(), self.mesh
+        rows1 = rows_to_device(Rows.empty(1), mesh, rep)
+        buckets = sorted({prompt_bucket(n, self.length) for n in range(1, self.length + 1)})
+        for T in buckets:
+            first, self.cache = self.decoder.prefill_slot(
+                self.cache, to_device(np.int32(0), mesh, rep),
+                to_device(np.zeros((1, T), np.int32), mesh, rep),
+                to_device(np.ones(1, np.int32), mesh, rep), rows1)
+            to_host(first)
+        z = to_device(np.zeros(self.slots, np.int32), mesh, rep)
+        tokens, self.cache = self.decoder.decode_step(
+            self.cache, z, z, rows_to_device(Rows.empty(self.slots), mesh, rep), z)
+        to_host(tokens)

@@ -1,0 +1,474 @@
+"""The OpenAI-compatible HTTP API over the continuous-batching engine (an ASGI app: Starlette,
+served by uvicorn from `python -m ladder_jax.serve`; both in the `serve` extra).
+
+    POST /v1/completions        prompt (text or token ids), max_tokens, temperature, top_p,
+                                top_k, seed, stop, n=1, stream (server-sent events), usage
+    POST /v1/chat/completions   messages, rendered with the model's chat template (if it has one)
+    GET  /v1/models             the one model
+    GET  /health                ok / draining / failed (no key needed: for load balancers)
+    GET  /metrics               Prometheus text: requests, tokens, queue depth, slots busy,
+                                time to first token
+
+Starlette rather than FastAPI: the request schema here is the OpenAI one, checked by hand so
+every refusal is one OpenAI-shaped error that names the field (FastAPI's validation errors
+have another shape), and it is the small, well-kept core FastAPI itself is built on.
+
+Every error is `{"error": {"message", "type", "param", "code"}}` with its status: 400 (bad
+field, named in `param`; malformed JSON; unknown fields; prompt + max_tokens longer than a
+slot), 401 (missing or wrong API key), 404 (unknown route or model), 413 (body over
+`max_request_bytes`), 503 (queue full, or draining). One bad request never stops the server.
+
+Footguns:
+- The engine calls back on its own thread: tokens reach each request's asyncio queue through
+  `loop.call_soon_threadsafe` and nothing else.
+- A client that disconnects (mid-stream, or while waiting for a whole completion) cancels its
+  request: its slot is free before the next decode step.
+- Streamed text holds back what could still become a stop string, and a trailing U+FFFD
+  (a multi-byte character cut between tokens), so the pieces add up to the final text.
+- OpenAI's default temperature is 1 (sampled); pass temperature=0 for greedy. Without a `seed`
+  a sampled request draws a fresh one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import secrets
+import time
+
+import jinja2.sandbox
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ladder_jax.inference.batching import Engine, EngineFull, Request
+from ladder_jax.inference.sampling import GenerationError, Sampling, is_int, is_number
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+# fields accepted as OpenAI sends them; the `only` ones must keep their neutral value
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
+           "stream", "stream_options", "user", "logprobs", "presence_penalty",
+           "frequency_penalty", "logit_bias"}
+_COMPLETION = _COMMON | {"prompt", "echo", "best_of", "suffix"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+_NEUTRAL = {"n": (1,), "logprobs": (None, False, 0), "echo": (False,), "best_of": (1,),
+            "suffix": (None, ""), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+            "logit_bias": (None, {}), "top_logprobs": (None, 0)}
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 code: str | None = None):
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+def error(status: int, message: str, param=None, code=None) -> JSONResponse:
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            413: "invalid_request_error", 503: "server_overloaded"}.get(status, "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": code}}, status_code=status)
+
+
+class Metrics:
+    def __init__(self):
+        self.requests: dict[tuple[str, int], int] = {}
+        self.prompt_tokens = self.generated_tokens = 0
+        self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
+        self.ttft_sum = 0.0
+
+    def request(self, endpoint: str, status: int) -> None:
+        self.requests[endpoint, status] = self.requests.get((endpoint, status), 0) + 1
+
+    def first_token(self, seconds: float) -> None:
+        i = next((i for i, b in enumerate(TTFT_BUCKETS) if seconds <= b), len(TTFT_BUCKETS))
+        self.ttft_counts[i] += 1
+        self.ttft_sum += seconds
+
+    def text(self, engine: Engine) -> str:
+        out = ["# HELP ladder_requests_total Requests answered, by endpoint and status.",
+               "# TYPE ladder_requests_total counter"]
+        out += [f'ladder_requests_total{{endpoint="{e}",status="{s}"}} {n}'
+                for (e, s), n in sorted(self.requests.items())]
+        for name, kind, value, help_ in (
+                ("prompt_tokens_total", "counter", self.prompt_tokens, "Prompt tokens admitted."),
+                ("generation_tokens_total", "counter", self.generated_tokens,
+                 "Tokens generated."),
+                ("decode_steps_total", "counter", engine.steps, "Batched decode steps run."),
+                ("queue_depth", "gauge", engine.waiting, "Requests waiting for a slot."),
+                ("slots_busy", "gauge", engine.busy, "Slots generating."),
+                ("slots_total", "gauge", engine.slots, "Slots (rows of the KV cache).")):
+            out += [f"# HELP ladder_{name} {help_}", f"# TYPE ladder_{name} {kind}",
+                    f"ladder_{name} {value}"]
+        out += ["# HELP ladder_time_to_first_token_seconds From arrival to the first token.",
+                "# TYPE ladder_time_to_first_token_seconds histogram"]
+        cum = 0
+        for b, n in zip((*TTFT_BUCKETS, "+Inf"), self.ttft_counts):
+            cum += n
+            out.append(f'ladder_time_to_first_token_seconds_bucket{{le="{b}"}} {cum}')
+        out += [f"ladder_time_to_first_token_seconds_sum {self.ttft_sum:.6f}",
+                f"ladder_time_to_first_token_seconds_count {cum}"]
+        return "\n".join(out) + "\n"
+
+
+class TextStream:
+    """Token ids in, text pieces out: holds back a possible stop string's start and a cut
+    multi-byte character; `stopped` once a stop string appears (the text ends before it)."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.tokens: list[int] = []
+        self.sent = 0
+        self.stopped = False
+
+    def add(self, token: int) -> str:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens)
+        for stop in self.stops:
+            at = text.find(stop)
+            if at >= 0:
+                piece, self.sent, self.stopped = text[self.sent:at], max(self.sent, at), True
+                return piece
+        safe = len(text) - self.hold
+        while safe > self.sent and text[safe - 1] == "\ufffd":
+            safe -= 1
+        if safe <= self.sent:
+            return ""
+        piece, self.sent = text[self.sent:safe], safe
+        return piece
+
+    def flush(self) -> str:
+        if self.stopped:
+            return ""
+        text = self.tokenizer.decode(self.tokens)
+        piece, self.sent = text[self.sent:], len(text)
+        return piece
+
+
+def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | None = None,
+               max_request_bytes: int = 1 << 20, max_tokens_limit: int | None = None,
+               chat_template: str | None = None) -> Starlette:
+    """The ASGI app serving `engine` (already started) with `tokenizer`."""
+    metrics = Metrics()
+    state = {"draining": False}
+    max_tokens_limit = max_tokens_limit or engine.length - 1
+    template = None if chat_template is None else jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True).from_string(chat_template)
+    created = int(time.time())
+
+    def authorized(request: HTTPRequest) -> bool:
+        if api_key is None:
+            return True
+        given = request.headers.get("authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+
+    async def read_json(request: HTTPRequest) -> dict:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_request_bytes:
+            raise BadRequest(f"the request body has {declared} bytes, more than the "
+                             f"server's limit of {max_request_bytes}", status=413)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_request_bytes:
+                raise BadRequest(f"the request body is more than the server's limit of "
+                                 f"{max_request_bytes} bytes", status=413)
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadRequest(f"the body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise BadRequest("the body must be a JSON object")
+        return data
+
+    def parse(data: dict, allowed: set[str], chat: bool):
+        unknown = sorted(set(data) - allowed)
+        if unknown:
+            raise BadRequest(f"unknown field {unknown[0]!r}", unknown[0])
+        for field, ok in _NEUTRAL.items():
+            if field in data and not any(data[field] == v and type(data[field]) is type(v)
+                                         for v in ok if v is not None) and not (
+                    data[field] is None and None in ok):
+                raise BadRequest(f"{field}={data[field]!r} is not supported (only "
+                                 f"{ok[0] if ok[0] is not None else 'null'})", field)
+        model = data.get("model")
+        if model is not None and model != model_name:
+            raise BadRequest(f"the model {model!r} does not exist: this server serves "
+                             f"{model_name!r}", "model", status=404, code="model_not_found")
+        if chat:
+            prompt = chat_prompt(data.get("messages"))
+            key = "max_completion_tokens" if data.get("max_completion_tokens") is not None \
+                else "max_tokens"
+        else:
+            prompt = completion_prompt(data.get("prompt"))
+            key = "max_tokens"
+        max_tokens = data.get(key)
+        if max_tokens is None:
+            max_tokens = min(16, max_tokens_limit) if not chat else min(
+                max_tokens_limit, engine.length - len(prompt))
+        if not (is_int(max_tokens) and 1 <= max_tokens <= max_tokens_limit):
+            raise BadRequest(f"{key}={max_tokens!r} must be an integer from 1 to "
+                             f"{max_tokens_limit}", key)
+        if len(prompt) + max_tokens > engine.length:
+            raise BadRequest(f"the prompt has {len(prompt)} tokens; with {key}={max_tokens} "
+                             f"that is {len(prompt) + max_tokens}, more than this server's "
+                             f"{engine.length} positions per request: shorten the prompt "
+                             f"or lower {key}", "prompt" if not chat else "messages",
+                             code="context_length_exceeded")
+        t = data.get("temperature", 1.0)
+        t = 1.0 if t is None else t
+        if not (is_number(t) and 0 <= t <= 2):
+            raise BadRequest(f"temperature={t!r} must be a number from 0 to 2", "temperature")
+        top_p = data.get("top_p")
+        if top_p is not None and not (is_number(top_p) and 0 < top_p <= 1):
+            raise BadRequest(f"top_p={top_p!r} must be in (0, 1]", "top_p")
+        top_k = data.get("top_k")
+        if top_k in (-1, 0):
+            top_k = None  # vLLM's spelling of off
+        if top_k is not None and not (is_int(top_k) and 1 <= top_k <= engine.config.vocab_size):
+            raise BadRequest(f"top_k={top_k!r} must be an integer from 1 to "
+                             f"{engine.config.vocab_size} (or -1: off)", "top_k")
+        seed = data.get("seed")
+        if seed is None:
+            seed = secrets.randbelow(2**32)
+        if not (is_int(seed) and 0 <= seed < 2**32):
+            raise BadRequest(f"seed={seed!r} must be an integer from 0 to 2**32 - 1", "seed")
+        stop = data.get("stop")
+        stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        if not (isinstance(stops, list) and len(stops) <= 4 and all(
+                isinstance(s, str) and s for s in stops)):
+            raise BadRequest("stop must be a non-empty string or a list of up to 4 of them",
+                             "stop")
+        stream = data.get("stream", False)
+        if not isinstance(stream, bool) and stream is not None:
+            raise BadRequest(f"stream={stream!r} must be true or false", "stream")
+        options = data.get("stream_options") or {}
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise BadRequest("stream_options may only hold include_usage", "stream_options")
+        sampling = Sampling(float(t), top_k, None if top_p is None else float(top_p), seed)
+        return prompt, max_tokens, sampling, stops, bool(stream), bool(
+            options.get("include_usage"))
+
+    def completion_prompt(prompt) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            if not prompt:
+                raise BadRequest("prompt is empty", "prompt")
+            return tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < engine.config.vocab_size]
+            if bad:
+                raise BadRequest(f"prompt has token ids outside [0, "
+                                 f"{engine.config.vocab_size}): {bad[:5]}", "prompt")
+            return list(prompt)
+        if isinstance(prompt, list) and len(prompt) > 1:
+            raise BadRequest("prompt must be one prompt (a string or a list of token ids); "
+                             "send one request per prompt", "prompt")
+        raise BadRequest("prompt must be a non-empty string or a list of token ids", "prompt")
+
+    def chat_prompt(messages) -> list[int]:
+        if template is None:
+            raise BadRequest(f"the model {model_name!r} has no chat template: use "
+                             f"/v1/completions (or start the server with --chat-template)",
+                             "messages")
+        if not (isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages)):
+            raise BadRequest("messages must be a non-empty list of {role, content} objects "
+                             "with string content", "messages")
+        try:
+            text = template.render(messages=messages, add_generation_prompt=True,
+                                   bos_token="", eos_token="")
+        except jinja2.TemplateError as e:
+            raise BadRequest(f"the chat template failed on these messages: {e}",
+                             "messages") from None
+        return tokenizer.encode(text)
+
+    async def generate(request: HTTPRequest, chat: bool):
+        endpoint = "chat" if chat else "completions"
+        try:
+            if not authorized(request):
+                raise BadRequest("missing or wrong API key: send Authorization: Bearer KEY",
+                                 status=401, code="invalid_api_key")
+            if state["draining"] or engine.error:
+                raise BadRequest("the server is shutting down" if state["draining"] else
+                                 f"the engine failed: {engine.error}", status=503)
+            data = await read_json(request)
+            prompt, max_tokens, sampling, stops, stream, usage = parse(
+                data, _CHAT if chat else _COMPLETION, chat)
+        except BadRequest as e:
+            metrics.request(endpoint, e.status)
+            return error(e.status, str(e), e.param, e.code)
+
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def put(item):
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, item)
+            except RuntimeError:  # the loop is closed: nobody is listening
+                pass
+
+        req = Request(prompt=prompt, max_tokens=max_tokens, sampling=sampling,
+                      eos_id=tokenizer.eos_id, on_token=lambda t: put(("token", t)),
+                      on_finish=lambda r: put(("finish", r)))
+        try:
+            engine.submit(req)
+        except EngineFull as e:
+            metrics.request(endpoint, 503)
+            return error(503, str(e))
+        except GenerationError as e:
+            metrics.request(endpoint, 400)
+            return error(400, str(e), "prompt")
+        metrics.prompt_tokens += len(prompt)
+        text = TextStream(tokenizer, stops)
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        first = [True]
+
+        async def pieces():
+            """(text piece, finish_reason or None) until the request ends."""
+            while True:
+                kind, value = await events.get()
+                if kind == "token":
+                    if first[0]:
+                        metrics.first_token(time.perf_counter() - req.arrived)
+                        first[0] = False
+                    metrics.generated_tokens += 1
+                    piece = text.add(value)
+                    if text.stopped:
+                        engine.cancel(req)
+                        yield piece, "stop"
+                        return
+                    if piece:
+                        yield piece, None
+                else:
+                    yield text.flush(), {"length": "length", "stop": "stop"}.get(value, value)
+                    return
+
+        def counts():
+            n = len(text.tokens)
+            return {"prompt_tokens": len(prompt), "completion_tokens": n,
+                    "total_tokens": len(prompt) + n}
+
+        if stream:
+            return StreamingResponse(sse(pieces(), req, rid, chat, usage, counts, endpoint),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+
+        async def collect():
+            out, reason = [], None
+            async for piece, reason in pieces():
+                out.append(piece)
+            return "".join(out), reason
+
+        watcher = asyncio.ensure_future(disconnected(request))
+        result = asyncio.ensure_future(collect())
+        try:
+            await asyncio.wait({watcher, result}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if not result.done():  # the client went away
+            result.cancel()
+            engine.cancel(req)
+            metrics.request(endpoint, 499)
+            return Response(status_code=499)
+        out, reason = result.result()
+        if reason in ("cancelled", "error"):
+            metrics.request(endpoint, 503)
+            return error(503, "the server is shutting down" if reason == "cancelled" else
+                         f"the engine failed: {engine.error}")
+        metrics.request(endpoint, 200)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": out},
+                   "logprobs": None, "finish_reason": reason} if chat else
+                  {"index": 0, "text": out, "logprobs": None, "finish_reason": reason})
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else
+                             "text_completion", "created": int(time.time()),
+                             "model": model_name, "choices": [choice], "usage": counts()})
+
+    async def sse(pieces, req, rid, chat, usage, counts, endpoint):
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(piece, reason, role=False):
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else (
+                    {"content": piece} if piece else {})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
+            return event({"id": rid, "object": kind, "created": int(time.time()),
+                          "model": model_name, "choices": [choice]})
+
+        try:
+            if chat:
+                yield chunk("", None, role=True)
+            async for piece, reason in pieces:
+                if reason in ("cancelled", "error"):
+                    reason = "abort"  # as vLLM says it: drained or failed mid-stream
+                if piece or reason:
+                    yield chunk(piece, reason)
+            if usage:
+                yield event({"id": rid, "object": kind, "created": int(time.time()),
+                             "model": model_name, "choices": [], "usage": counts()})
+            yield "data: [DONE]\n\n"
+            metrics.request(endpoint, 200)
+        finally:  # also when the client disconnects (the generator is closed)
+            engine.cancel(req)
+
+    def event(obj) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    async def disconnected(request: HTTPRequest):
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    async def completions(request):
+        return await generate(request, chat=False)
+
+    async def chat_completions(request):
+        return await generate(request, chat=True)
+
+    async def models(request):
+        if not authorized(request):
+            return error(401, "missing or wrong API key: send Authorization: Bearer KEY",
+                         code="invalid_api_key")
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": created, "owned_by": "ladder_jax"}]})
+
+    async def health(request):
+        status = "failed" if engine.error else "draining" if state["draining"] else "ok"
+        return JSONResponse({"status": status, "slots": engine.slots, "busy": engine.busy,
+                             "waiting": engine.waiting}, status_code=200 if status == "ok"
+                            else 503)
+
+    async def prometheus(request):
+        if not authorized(request):
+            return error(401, "missing or wrong API key: send Authorization: Bearer KEY",
+                         code="invalid_api_key")
+        return PlainTextResponse(metrics.text(engine),
+                                 media_type="text/plain; version=0.0.4")
+
+    async def http_error(request, exc: HTTPException):
+        message = {404: f"no route {request.url.path}: see /v1/models, /v1/completions, "
+                        f"/v1/chat/completions, /health, /metrics",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(
+            exc.status_code, str(exc.detail))
+        return error(exc.status_code, message)
+
+    app = Starlette(routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+    ], exception_handlers={HTTPException: http_error})
+    app.state.drain = lambda: state.update(draining=True)
+    app.state.metrics = metrics
+    return app

@@ -1,0 +1,292 @@
+"""The OpenAI-compatible server, through the official `openai` client, against offline greedy
+generation (`lj.generate`): one server process for most tests, two processes for the
+multi-host path. Servers run on free loopback ports; every wait is bounded."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from ladder_jax.inference import generation
+from ladder_jax.inference.sampling import Sampling
+from ladder_jax.interop.tokenizer import ByteTokenizer
+from tests.helpers import free_port, tiny_model
+
+KEY = "test-key"
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+MAX_LEN = 96
+TOK = ByteTokenizer()
+
+
+def _start(tmp_path, name, *args, env=None):
+    log = open(tmp_path / f"{name}.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ladder_jax.serve", "--preset", "tiny", "--residual", "ladder",
+         "--max-len", str(MAX_LEN), "--no-warmup", *args],
+        stdout=log, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", **(env or {})})
+    proc.log = tmp_path / f"{name}.log"
+    return proc
+
+
+def _wait_healthy(proc, port, timeout=240):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited {proc.returncode}:\n{proc.log.read_text()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise AssertionError(f"server not healthy in {timeout} s:\n{proc.log.read_text()}")
+
+
+def _stop(proc, timeout=60):
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    (tmp / "chat.jinja").write_text(TEMPLATE)
+    port = free_port()
+    proc = _start(tmp, "server", "--tp", "2", "--slots", "8", "--port", str(port),
+                  "--max-request-bytes", "65536", "--drain-seconds", "3",
+                  "--chat-template", str(tmp / "chat.jinja"), env={"LADDER_API_KEY": KEY})
+    _wait_healthy(proc, port)
+    proc.port = port
+    yield proc
+    _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(2, residual="ladder")
+
+
+def _client(server, **kw):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY,
+                         max_retries=0, timeout=120, **kw)
+
+
+def _offline(model, prompts, max_tokens):
+    """Greedy text of each prompt alone (`generate` batches are row-independent; a row's
+    first tokens do not depend on how many follow)."""
+    rows = [TOK.encode(p) if isinstance(p, str) else p for p in prompts]
+    out = generation.generate(model, rows, max_new_tokens=max(max_tokens), eos_id=TOK.eos_id)
+    return [TOK.decode(o[:m]) for o, m in zip(out, max_tokens)]
+
+
+def test_completions_and_stream_equal_offline_greedy(server, model):
+    client = _client(server)
+    prompts = ["LOVE, n.", [256, 72, 105]]  # text, and token ids (BOS "Hi")
+    want = _offline(model, prompts, [12, 12])
+    for prompt, expected in zip(prompts, want):
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        assert r.choices[0].text == expected
+        assert r.usage.prompt_tokens == len(TOK.encode(prompt) if isinstance(prompt, str)
+                                            else prompt)
+        assert r.usage.completion_tokens <= 12
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
+                                                temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length",
+                                                                                  "stop")
+        assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_32_concurrent_requests_each_equal_their_offline_result(server, model):
+    prompts = ["x" * (1 + 2 * i) if i % 2 else [256] + list(range(65, 66 + i)) for i in range(32)]
+    max_tokens = [2 + i % 9 for i in range(32)]
+    want = _offline(model, prompts, max_tokens)
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY,
+                                max_retries=0, timeout=240)
+
+    async def one(p, m):
+        r = await client.completions.create(model="tiny", prompt=p, max_tokens=m,
+                                            temperature=0)
+        return r.choices[0].text
+
+    async def all_of():
+        return await asyncio.gather(*[one(p, m) for p, m in zip(prompts, max_tokens)])
+
+    got = asyncio.run(all_of())
+    assert got == want
+
+
+def test_seeded_sampling_is_reproducible_and_equals_generate(server, model):
+    client = _client(server)
+    kw = dict(model="tiny", prompt="Once", max_tokens=8, temperature=1.0, seed=1234,
+              extra_body={"top_k": 50})
+    a, b = (client.completions.create(**kw).choices[0].text for _ in range(2))
+    want = generation.generate(model, ["Once"], max_new_tokens=8, tokenizer=TOK,
+                               sampling=Sampling(1.0, 50, None, 1234))[0]
+    assert a == b == want
+    other = client.completions.create(**{**kw, "seed": 99}).choices[0].text
+    assert other != a
+
+
+def test_chat_uses_the_template(server, model):
+    client = _client(server)
+    messages = [{"role": "user", "content": "Hi"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+                                       temperature=0)
+    rendered = "<user>Hi\n<assistant>"
+    assert r.choices[0].message.content == _offline(model, [rendered], [6])[0]
+    assert r.usage.prompt_tokens == len(TOK.encode(rendered))
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True)]
+    assert "".join(pieces) == r.choices[0].message.content
+
+
+def test_stop_strings_end_the_text_before_them(server, model):
+    client = _client(server)
+    full = _offline(model, ["LOVE, n."], [12])[0]
+    stop = full[3:5]
+    r = client.completions.create(model="tiny", prompt="LOVE, n.", max_tokens=12,
+                                  temperature=0, stop=[stop])
+    assert r.choices[0].text == full[:full.find(stop)] and r.choices[0].finish_reason == "stop"
+
+
+def test_models_metrics_and_health(server):
+    client = _client(server)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    text = httpx.get(f"http://127.0.0.1:{server.port}/metrics",
+                     headers={"Authorization": f"Bearer {KEY}"}).text
+    for name in ("ladder_requests_total", "ladder_generation_tokens_total",
+                 "ladder_queue_depth", "ladder_slots_busy",
+                 "ladder_time_to_first_token_seconds_count"):
+        assert name in text, text
+    health = httpx.get(f"http://127.0.0.1:{server.port}/health").json()
+    assert health["status"] == "ok" and health["slots"] == 8
+
+
+def _steps(server):
+    text = httpx.get(f"http://127.0.0.1:{server.port}/metrics",
+                     headers={"Authorization": f"Bearer {KEY}"}).text
+    return int(next(ln.split()[-1] for ln in text.splitlines()
+                    if ln.startswith("ladder_decode_steps_total")))
+
+
+def test_a_disconnect_frees_the_slot(server):
+    url = f"http://127.0.0.1:{server.port}/v1/completions"
+    body = {"model": "tiny", "prompt": "a", "max_tokens": MAX_LEN - 8, "temperature": 0,
+            "stream": True}
+    with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as http:
+        with http.stream("POST", url, json=body) as r:
+            lines = r.iter_lines()
+            assert next(ln for ln in lines if ln.startswith("data:"))  # it is generating
+            assert httpx.get(f"http://127.0.0.1:{server.port}/health").json()["busy"] == 1
+            at = _steps(server)
+        # closed after a few tokens: the slot must be free long before its 88 tokens are done
+        deadline = time.monotonic() + 60
+        while httpx.get(f"http://127.0.0.1:{server.port}/health").json()["busy"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert _steps(server) - at < 40
+    r = _client(server).completions.create(model="tiny", prompt="b", max_tokens=2,
+                                           temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x" * 200, "max_tokens": 4}, 400, "prompt"),
+    ({"prompt": "x", "bogus": 1}, 400, "bogus"),
+    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": [1, 2, 999]}, 400, "prompt"),
+    ({"prompt": "x", "seed": 2**40}, 400, "seed"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ({"prompt": "x" * 70000}, 413, None),
+])
+def test_bad_requests_get_their_status_and_the_server_stays_up(server, body, status, param):
+    r = httpx.post(f"http://127.0.0.1:{server.port}/v1/completions",
+                   json={"model": "tiny", **body}, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"], err
+    assert httpx.get(f"http://127.0.0.1:{server.port}/health").json()["status"] == "ok"
+
+
+def test_malformed_json_unknown_route_and_the_api_key(server):
+    base = f"http://127.0.0.1:{server.port}"
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    r = httpx.post(f"{base}/v1/completions", content=b"{not json", headers=auth)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.get(f"{base}/v1/nothing", headers=auth)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2)
+    for path in ("/v1/completions", "/v1/chat/completions"):  # no key at all
+        r = httpx.post(f"{base}{path}", json={"model": "tiny", "prompt": "x"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{base}/v1/models").status_code == 401
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        _client(server).completions.create(model="tiny", prompt="x", max_tokens=-1)
+    assert _client(server).completions.create(model="tiny", prompt="x", max_tokens=2,
+                                              temperature=0).choices[0].text is not None
+
+
+def test_sigterm_drains_and_exits_0(server):
+    """Last in the file: stops the shared server."""
+    url = f"http://127.0.0.1:{server.port}/v1/completions"
+    body = {"model": "tiny", "prompt": "a", "max_tokens": MAX_LEN - 8, "temperature": 0,
+            "stream": True}
+    with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as http:
+        with http.stream("POST", url, json=body) as r:
+            lines = r.iter_lines()
+            next(ln for ln in lines if ln.startswith("data:"))
+            server.send_signal(signal.SIGTERM)
+            rest = [ln for ln in lines if ln]  # it ends: finished or cut at the drain bound
+        assert rest and rest[-1] == "data: [DONE]"
+        final = [json.loads(ln[5:]) for ln in rest if ln.startswith("data: {")][-1]
+        assert final["choices"][0]["finish_reason"] in ("length", "stop", "abort")
+    assert server.wait(60) == 0, server.log.read_text()
+
+
+def test_two_process_server_answers_like_one_process(tmp_path, model):
+    coordinator, port = free_port(), free_port()
+    common = ["--tp", "4", "--cpu-devices", "2", "--slots", "4", "--port", str(port),
+              "--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2"]
+    procs = [_start(tmp_path, f"p{i}", *common, "--process-id", str(i)) for i in range(2)]
+    try:
+        _wait_healthy(procs[0], port)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               max_retries=0, timeout=240)
+        prompts, max_tokens = ["LOVE, n.", "Hello there"], [8, 5]
+        want = _offline(model, prompts, max_tokens)
+        got = [client.completions.create(model="tiny", prompt=p, max_tokens=m,
+                                         temperature=0).choices[0].text
+               for p, m in zip(prompts, max_tokens)]
+        assert got == want
+        stream = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=8,
+                                           temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in stream) == want[0]
+        assert _stop(procs[0]) == 0, procs[0].log.read_text()
+        assert procs[1].wait(60) == 0, procs[1].log.read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
