@@ -1,0 +1,67 @@
+"""The paper's quality claims in miniature: from-scratch standard / parallel / ladder over seeds,
+and a standard model's upper layers converted to ladder (zero-shot, then fine-tuned). Prints
+one JSON line per result on stdout (the trainer's lines go to stderr), then the Markdown table
+(stderr), and writes results.jsonl, curves.png and held_out.png under --out.
+
+    python benchmarks/paper_quality.py --quick        # embedded corpus, 2 seeds: a few minutes
+    python benchmarks/paper_quality.py                # King James Bible, 3 seeds (pip install -e ".[paper]")
+    python benchmarks/paper_quality.py --quick --set steps=100 --set seeds=[0,1,2]
+    python benchmarks/paper_quality.py --set seeds=[1] --no-adapt &    # seeds in parallel,
+    python benchmarks/paper_quality.py                                 # then the rest
+
+The experiment is `ladder_jax.experiments.paper_quality` (its docstring says what each result
+means); rerunning reuses finished runs under --out unless --fresh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import yaml
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the CI setting (embedded corpus)")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="change a field of the setting (YAML value), e.g. steps=100")
+    ap.add_argument("--out", default=None, help="directory (default runs/paper_quality/<setting>)")
+    ap.add_argument("--fresh", action="store_true", help="retrain: remove the runs under --out")
+    ap.add_argument("--no-adapt", action="store_true",
+                    help="from-scratch runs only (e.g. one process per seed sharing --out)")
+    args = ap.parse_args(argv)
+
+    import ladder_jax as lj  # after argparse: --help needs no jax
+
+    from ladder_jax.experiments import paper_quality as pq
+
+    try:
+        changes = {}
+        for item in args.set:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise lj.ConfigError(f"--set {item!r}: write FIELD=VALUE, e.g. steps=100")
+            changes[key] = yaml.safe_load(value)
+        setting = pq.with_changes(pq.SETTINGS["quick" if args.quick else "full"], **changes)
+        out = args.out or os.path.join("runs", "paper_quality", setting.name)
+        lj.sharding.setup_host(1)
+        emit = lambda r: print(json.dumps(r), flush=True)  # noqa: E731
+        results = pq.run(setting, out, emit=emit, fresh=args.fresh, adapt=not args.no_adapt)
+        paths = pq.plots(results, out)
+    except lj.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        print(f"stopped ({e or 'interrupted'}): run the same command again to resume",
+              file=sys.stderr)
+        return 130
+    print(pq.table(results), file=sys.stderr)
+    print(f"wrote {os.path.join(out, 'results.jsonl')}, {', '.join(paths)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

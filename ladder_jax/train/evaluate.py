@@ -1,0 +1,59 @@
+"""Held-out loss of a model on a token stream it never trained on.
+
+    tokens = data.load_tokens("held_out_books/", tokenizer)      # BOS ... EOS per document
+    loss = held_out_loss(model, tokens, seq_len=128)             # mean nats per token
+    loss_b = held_out_loss(lj.with_config(model, residual="ladder", ladder_layers=4), ...)
+
+The stream is packed the way training packs it (`data.split`: consecutive seq_len + 1 token
+records, inputs the first seq_len, targets the last seq_len) and every record counts: the last
+batch is padded with masked rows, so the figure is the token-weighted mean over all records (or
+the first `max_records`), not a mean of per-batch means. The trainer's own held-out split is
+the last records of the training stream; this evaluates any stream, so held-out data can be
+whole documents kept out of training.
+
+Footgun: the jitted loss is cached per model graph (config), so evaluating several schemes
+compiles once per scheme; the model's mesh decides where it runs (inputs are plain numpy).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ladder_jax.train import data
+from ladder_jax.train.step import cross_entropy
+
+
+@nnx.jit
+def _loss_sum(model, tokens_bt, targets_bt, mask_bt):
+    """(sum of the masked next-token losses, number of unmasked tokens)."""
+    n = mask_bt.astype(jnp.float32).sum()
+    return cross_entropy(model(tokens_bt), targets_bt, mask_bt) * n, n
+
+
+def held_out_loss(model, tokens: np.ndarray, *, seq_len: int, batch: int = 16,
+                  max_records: int | None = None) -> float:
+    """Mean next-token cross-entropy (nats per token) of `model` over the (seq_len + 1)-token
+    records of `tokens` (at most `max_records` of them, evenly spaced)."""
+    records, _ = data.split(np.asarray(tokens), seq_len, 0.0)
+    index = np.arange(len(records))
+    if max_records is not None and max_records < len(records):
+        index = np.linspace(0, len(records) - 1, max_records).round().astype(int)
+    total = count = 0.0
+    for start in range(0, len(index), batch):
+        rows = [records[int(i)] for i in index[start:start + batch]]
+        mask_bt = np.ones((batch, seq_len), np.int32)
+        mask_bt[len(rows):] = 0
+        rows += [rows[0]] * (batch - len(rows))  # padding, masked out
+        x_bt = np.stack(rows)
+        s, c = _loss_sum(model, x_bt[:, :-1], x_bt[:, 1:], mask_bt)
+        total += float(s)
+        count += float(c)
+    return total / count
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0)) if math.isfinite(loss) else float("nan")
