@@ -46,6 +46,17 @@ RESIDUALS = ("standard", "parallel", "ladder", "upper_bound")
 # (the recomputation is more matmul work beside them).
 REMAT = ("none", "module")
 
+# Weight-only quantization for decoding (`ladder_jax.model.quant`): None keeps float weights.
+QUANTIZE = ("int8",)
+
+
+def check_quantize(mode, what: str = "quantize") -> None:
+    """Refuses, naming the modes, a quantization mode that does not exist (None: float)."""
+    if mode is not None and mode not in QUANTIZE:
+        given = f"{what} {mode}" if what.startswith("-") else f"{what}={mode!r}"
+        raise ConfigError(f"{given} is not a quantization mode: choose "
+                          f"{', '.join(QUANTIZE)} (or none, for float weights)")
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -76,6 +87,7 @@ class ModelConfig:
     dtype: str = "float32"  # matmul compute dtype
     param_dtype: str = "float32"
     remat: str = "none"  # training memory: see REMAT (the function computed is the same)
+    quantize: str | None = None  # decoding only: "int8" weights (see QUANTIZE); None = float
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
@@ -104,6 +116,7 @@ class ModelConfig:
                 f"{', '.join(RESIDUALS)}")
         if self.remat not in REMAT:
             raise ConfigError(f"remat={self.remat!r}: choose one of {', '.join(REMAT)}")
+        check_quantize(self.quantize)
         for name in ("dtype", "param_dtype"):
             try:
                 jnp.dtype(getattr(self, name))
@@ -261,6 +274,7 @@ class ModelSection:
     dtype: Optional[str] = None  # matmul compute dtype, e.g. bfloat16
     param_dtype: str = "float32"  # params and optimizer state
     remat: Optional[str] = None  # none | module: recompute module internals in the backward
+    quantize: Optional[str] = None  # int8: weights stored quantized (decoding only, see convert)
 
 
 @dataclasses.dataclass
@@ -433,6 +447,10 @@ def check(cfg: TrainConfig) -> ModelConfig:
     """Everything about a training config that can be checked without data or devices;
     returns its `ModelConfig`. Raises ConfigError naming the key."""
     model = model_config(cfg)
+    if model.quantize is not None:
+        raise ConfigError(f"model.quantize={model.quantize}: training runs on float weights; "
+                          f"quantize for decoding (decode --quantize, convert --quantize) and "
+                          f"train from the float model")
     node = OmegaConf.structured(cfg)
     for key in _POSITIVE:
         v = OmegaConf.select(node, key)
