@@ -6,6 +6,8 @@
     python -m ladder_jax.train runs/llama-hybrid/config.yaml init_from=runs/llama-hybrid ...
     # a trained run (or a Hugging Face directory) -> the Hugging Face layout
     python -m ladder_jax.convert --checkpoint runs/tiny --out exported/ --to-hf
+    # int8 weights for decoding, stored quantized (loaded without re-quantizing)
+    python -m ladder_jax.convert --checkpoint runs/tiny --out runs/tiny-int8 --quantize int8
 
 Sources: `--hf` a local Hugging Face Llama directory (see `ladder_jax.interop.hf`); `--checkpoint` a
 training run (its `config.yaml` and `checkpoints/<step>/params`, latest step).
@@ -52,6 +54,7 @@ from ladder_jax.config import (
     RESIDUALS,
     ConfigError,
     ModelSection,
+    check_quantize,
     parse_ladder_layers,
     scheme_overrides,
 )
@@ -131,6 +134,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-shard-bytes", type=int, default=5 * 2**30,
                    help="--to-hf: largest safetensors file (default 5 GiB)")
     p.add_argument("--tp", type=int, default=1, help="devices to spread the weights over")
+    p.add_argument("--quantize", default=None, metavar="MODE",
+                   help="int8: store weight-only int8 linear weights, for decoding "
+                        "(not with --to-hf)")
     args = p.parse_args(argv)
 
 
@@ -145,6 +151,10 @@ def main(argv=None) -> int:
         if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
             raise ConfigError(f"--out {args.out!r} exists and is not an empty directory: choose "
                               f"a new directory")
+        check_quantize(args.quantize, "--quantize")
+        if args.quantize and args.to_hf:
+            raise ConfigError(f"--quantize {args.quantize} with --to-hf: the Hugging Face "
+                              f"layout holds float Llama weights; drop one of them")
         mesh = sharding.make_mesh(tp=args.tp, devices=jax.devices()[:args.tp])
         ladder_layers = parse_ladder_layers(args.ladder_layers)
         if args.hf:
@@ -152,13 +162,18 @@ def main(argv=None) -> int:
             with _progress_bar(transfer, "reading"):
                 model, tokenizer = hf.load_hf(args.hf, mesh=mesh, residual=args.residual,
                                               param_dtype=args.param_dtype, transfer=transfer,
-                                              **kw)
+                                              quantize=args.quantize, **kw)
             print(transfer.summary("read"), file=sys.stderr)
         else:
             model, tokenizer = load_run(args.checkpoint, mesh=mesh, what="--checkpoint",
+                                        quantize=args.quantize,
                                         **scheme_overrides(args.residual, ladder_layers))
             if not isinstance(getattr(tokenizer, "file", None), str):
                 tokenizer = None  # the byte tokenizer has no file to carry along
+        if args.to_hf and model.config.quantize:
+            raise ConfigError(f"--checkpoint {args.checkpoint!r} is quantized "
+                              f"({model.config.quantize}): --to-hf writes float Llama weights; "
+                              f"convert its float source")
         os.makedirs(args.out, exist_ok=True)
         if args.to_hf:
             written = hf.Transfer()

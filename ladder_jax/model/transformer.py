@@ -271,6 +271,7 @@ class Transformer(nnx.Module):
             ladder = f", ladder_layers={c.ladder_layers}"
         return (f"Transformer({c.n_layers}L d={c.d_model} heads={c.n_heads}/{c.n_kv_heads} "
                 f"ff={c.d_ff} vocab={c.vocab_size}, residual={c.residual!r}{ladder}, "
+                f"{f'weights {c.quantize}, ' if c.quantize else ''}"
                 f"params={c.num_params() / 1e6:.2f}M, mesh=data:{self.mesh.shape[DATA]} x "
                 f"tp:{self.mesh.shape[TP]})")
 
