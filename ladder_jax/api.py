@@ -72,14 +72,16 @@ def fit_config(config: str | None = None, **overrides):
     return load_config([config] if config else [], overrides=nested)
 
 
-def load(path: str, *, tp: int | None = None, mesh=None, **overrides):
+def load(path: str, *, tp: int | None = None, mesh=None, quantize: str | None = None,
+         **overrides):
     """(model, tokenizer) from a training run / `convert` output (config.yaml) or a Hugging
     Face Llama directory (config.json): `ladder_jax.train.checkpoint.load_run`. `overrides` change
-    the model config, e.g. residual="ladder", ladder_layers=2."""
+    the model config, e.g. residual="ladder", ladder_layers=2. `quantize="int8"`: int8 weights
+    for decoding (`ladder_jax.model.quant`)."""
 
 
     mesh = mesh or sharding.make_mesh(tp=tp or len(jax.devices()))
-    return load_run(path, mesh=mesh, what="load", **overrides)
+    return load_run(path, mesh=mesh, what="load", quantize=quantize, **overrides)
 
 
 def generate(model, prompts, **kwargs):

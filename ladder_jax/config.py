@@ -51,6 +51,17 @@ RESIDUALS = ("standard", "parallel", "ladder", "upper_bound")
 # (the recomputation is more matmul work beside them).
 REMAT = ("none", "module")
 
+# Weight-only quantization for decoding (`ladder_jax.model.quant`): None keeps float weights.
+QUANTIZE = ("int8",)
+
+
+def check_quantize(mode, what: str = "quantize") -> None:
+    """Refuses, naming the modes, a quantization mode that does not exist (None: float)."""
+    if mode is not None and mode not in QUANTIZE:
+        given = f"{what} {mode}" if what.startswith("-") else f"{what}={mode!r}"
+        raise ConfigError(f"{given} is not a quantization mode: choose "
+                          f"{', '.join(QUANTIZE)} (or none, for float weights)")
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -93,6 +104,8 @@ class ModelConfig:
     param_dtype: str = _doc("dtype of the weights (and of the optimizer state)", "float32")
     remat: str = _doc("training memory: none | module (each module keeps only its input and "
                       "recomputes the rest in the backward; same function)", "none")
+    quantize: str | None = _doc("decoding only: int8 weight-only linear weights (null: float; "
+                                "ladder_jax.model.quant)", None)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
@@ -130,6 +143,7 @@ class ModelConfig:
                 f"{', '.join(RESIDUALS)}")
         if self.remat not in REMAT:
             raise ConfigError(f"remat={self.remat!r}: choose one of {', '.join(REMAT)}")
+        check_quantize(self.quantize)
         for name in ("dtype", "param_dtype"):
             v = getattr(self, name)
             try:
@@ -579,6 +593,10 @@ def check(cfg: TrainConfig) -> ModelConfig:
     """Everything about a training config that can be checked without data or devices;
     returns its `ModelConfig`. Raises ConfigError naming the key."""
     model = model_config(cfg)
+    if model.quantize is not None:
+        raise ConfigError(f"model.quantize={model.quantize}: training runs on float weights; "
+                          f"quantize for decoding (decode --quantize, convert --quantize) and "
+                          f"train from the float model")
     node = OmegaConf.structured(cfg)
     for key in _POSITIVE:
         v = OmegaConf.select(node, key)

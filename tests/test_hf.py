@@ -17,6 +17,7 @@ from flax import nnx
 import ladder_jax as lj
 from ladder_jax.cli import convert
 from ladder_jax.interop import hf
+from ladder_jax.model import quant
 from tests import reference
 from tests.helpers import logits as _logits
 from tests.helpers import mesh as _mesh
@@ -83,6 +84,27 @@ def test_logits_match_transformers(llamas, which, tp):
     got, want = np.asarray(_logits(model, tokens)), _torch_logits(tm, tokens)
     assert np.abs(want).max() > 1.0  # not a degenerate, near-zero model
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["gqa_scaled", "tied"])
+def test_load_hf_quantize_int8(llamas, which):
+    """load_hf(quantize="int8") at tp=4 is the tp=1 float import quantized in memory (the same
+    int8 values and scales), and stays close to transformers' float logits; a tied head stays
+    float (it is the embedding table)."""
+    path, tm = llamas[which]
+    q, _ = lj.load_hf(path, mesh=_mesh(4), quantize="int8")
+    want = quant.quantize(lj.load_hf(path, mesh=_mesh(1))[0])
+    assert q.config.quantize == "int8" and q.layers[0].mlp.down.dtype == np.int8
+    assert (q.head is None) == (which == "tied") and q.embed.dtype == np.float32
+    for a, b in zip(jax.tree.leaves(nnx.state(q)), jax.tree.leaves(nnx.state(want))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    tokens = _tokens()
+    got, ref = np.asarray(_logits(q, tokens)), _torch_logits(tm, tokens)
+    rel = np.linalg.norm(got - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
+    assert 1e-4 < rel.max() < 0.1, rel.max()  # int8 (random weights, D=64: max 0.048)
+    with pytest.raises(lj.ConfigError, match="save_hf .* quantized"):
+        lj.save_hf(q, os.path.join(path, "never"))
+    assert not os.path.exists(os.path.join(path, "never"))
 
 
 def test_greedy_generation_matches_transformers(llamas):

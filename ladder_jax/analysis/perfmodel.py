@@ -434,11 +434,14 @@ def predict(config, *, tp=(8,), batch=(1,), prompt_len: int = 1024, new_tokens: 
             links=("nvlink",), target: str = "h100", residuals=RESIDUALS,
             efficiency: hardware.Efficiency | None = None, link_overrides: dict | None = None,
             layers_compiled: int = 4, algorithm: str = "ring", jobs: int | None = None,
-            progress=None) -> list[dict]:
+            progress=None, quantize: str | None = None) -> list[dict]:
     """One row per (tp, batch, residual, link): predicted prefill and decode-step seconds,
     tokens/s (all users and per user) and exposed communication. `config` is a ModelConfig
     (its `residual` is replaced by each of `residuals`; `ladder_layers` kept for ladder);
-    `link_overrides` replace fields of every link (e.g. bus_bytes_per_s=300e9)."""
+    `link_overrides` replace fields of every link (e.g. bus_bytes_per_s=300e9);
+    `quantize="int8"`: the int8-weight programs (`ladder_jax.model.quant`)."""
+    if quantize is not None:
+        config = dataclasses.replace(config, quantize=quantize)
     tps, batches = _as_tuple(tp), _as_tuple(batch)
     links, residuals = _as_tuple(links), _as_tuple(residuals)
     if algorithm not in ("ring", "tree"):
@@ -525,6 +528,7 @@ def _row(cfg, tp, batch, prompt_len, new_tokens, link, target, pre, step) -> dic
     tokens_per_s = batch * new_tokens / total
     return {
         "residual": cfg.residual, "ladder_layers": cfg.ladder_layers, "tp": tp, "batch": batch,
+        "quantize": cfg.quantize,
         "prompt_len": prompt_len, "new_tokens": new_tokens, "link": link, "target": target,
         "prefill_s": pre["seconds"], "decode_step_s": step["seconds"],
         "tokens_per_s": tokens_per_s, "tokens_per_s_per_user": tokens_per_s / batch,

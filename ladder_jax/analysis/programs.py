@@ -25,6 +25,7 @@ applied here exactly as in training and decoding.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import time
 
@@ -93,10 +94,14 @@ def check_plugin() -> None:
         raise OverlapError(PLUGIN_HINT.format(v=jax.__version__))
 
 
-def lower_decoder(config, mesh, *, phase: str, batch: int, prompt_len: int, new_tokens: int):
+def lower_decoder(config, mesh, *, phase: str, batch: int, prompt_len: int, new_tokens: int,
+                  quantize: str | None = None):
     """The lowered `Decoder` prefill or one-token step (KV cache, per-row sampling) of `config`
     on `mesh`, from shapes: the cache holds `prompt_len + new_tokens` (rounded as `decode`
-    does). Sampling settings are runtime arrays, so one program serves greedy and sampled rows."""
+    does). Sampling settings are runtime arrays, so one program serves greedy and sampled rows.
+    `quantize="int8"`: int8 linear weights (`ladder_jax.model.quant`)."""
+    if quantize is not None:
+        config = dataclasses.replace(config, quantize=quantize)
     decoder = generation.Decoder(nnx.merge(*abstract(config, mesh)))
     state = decoder.state  # weights as ShapeDtypeStructs in their shardings
     S = generation.cache_length(config, prompt_len, new_tokens)
@@ -117,13 +122,16 @@ def lower_decoder(config, mesh, *, phase: str, batch: int, prompt_len: int, new_
 
 
 def compile_program(config, *, phase: str, tp: int, batch: int, seq: int, target: str = "h100",
-                    new_tokens: int = 512):
+                    new_tokens: int = 512, quantize: str | None = None):
     """Compiles `phase` of `config` for `tp` GPUs of `target`; returns (hlo_text, seconds).
     `seq` is the prompt (prefill, decode) or training length; `new_tokens` sizes the decode
-    cache."""
+    cache; `quantize="int8"`: int8 linear weights (prefill and decode only)."""
 
-
-
+    if quantize is not None:
+        config = dataclasses.replace(config, quantize=quantize)
+    if phase == "train" and config.quantize is not None:
+        raise OverlapError(f"quantize={config.quantize!r} is for decoding: the train phase "
+                           f"runs float weights")
     if phase not in PHASES:
         raise OverlapError(f"unknown phase {phase!r}: choose one of {', '.join(PHASES)}")
     mesh = gpu_mesh(target, tp)

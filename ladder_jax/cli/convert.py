@@ -6,6 +6,8 @@
     python -m ladder_jax.train runs/llama-hybrid/config.yaml init_from=runs/llama-hybrid ...
     # a trained run (or a Hugging Face directory) -> the Hugging Face layout
     python -m ladder_jax.convert --checkpoint runs/tiny --out exported/ --to-hf
+    # int8 weights for decoding, stored quantized (loaded without re-quantizing)
+    python -m ladder_jax.convert --checkpoint runs/tiny --out runs/tiny-int8 --quantize int8
 
 Sources: `--hf` a local Hugging Face Llama directory (see `ladder_jax.interop.hf`); `--checkpoint` a
 training run (its `config.yaml` and `checkpoints/<step>/params`, latest step).
@@ -53,6 +55,7 @@ from ladder_jax.cli.common import ArgumentParser
 from ladder_jax.config import (
     RESIDUALS,
     ConfigError,
+    check_quantize,
     parse_ladder_layers,
     scheme_overrides,
 )
@@ -143,6 +146,9 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=1,
                    help="devices to spread the weights over while converting (host memory: "
                         "one tensor at a time either way)")
+    p.add_argument("--quantize", default=None, metavar="MODE",
+                   help="int8: store weight-only int8 linear weights, for decoding "
+                        "(not with --to-hf)")
     args = p.parse_args(argv)
     transfer = hf.Transfer()
     try:
@@ -157,6 +163,10 @@ def main(argv=None) -> int:
                               f"number of bytes (default {5 * 2**30}, 5 GiB)")
         _check_param_dtype(args.param_dtype)
         check_writable(args.out, f"--out {args.out!r}")
+        check_quantize(args.quantize, "--quantize")
+        if args.quantize and args.to_hf:
+            raise ConfigError(f"--quantize {args.quantize} with --to-hf: the Hugging Face "
+                              f"layout holds float Llama weights; drop one of them")
         mesh = sharding.make_mesh(tp=args.tp, devices=jax.devices()[:args.tp])
         ladder_layers = parse_ladder_layers(args.ladder_layers)
         if args.hf:
@@ -164,11 +174,16 @@ def main(argv=None) -> int:
             with _progress_bar(transfer, "reading"):
                 model, tokenizer = hf.load_hf(args.hf, mesh=mesh, residual=args.residual,
                                               param_dtype=args.param_dtype, transfer=transfer,
-                                              **kw)
+                                              quantize=args.quantize, **kw)
             print(transfer.summary("read"), file=sys.stderr)
         else:
             model, tokenizer = load_run(args.checkpoint, mesh=mesh, what="--checkpoint",
+                                        quantize=args.quantize,
                                         **scheme_overrides(args.residual, ladder_layers))
+        if args.to_hf and model.config.quantize:
+            raise ConfigError(f"--checkpoint {args.checkpoint!r} is quantized "
+                              f"({model.config.quantize}): --to-hf writes float Llama weights; "
+                              f"convert its float source")
         os.makedirs(args.out, exist_ok=True)
         if args.to_hf:
             written = hf.Transfer()

@@ -3,6 +3,7 @@
     python -m ladder_jax.decode --preset tiny --prompt "Once upon a time" --max-new-tokens 64
     python -m ladder_jax.decode --checkpoint runs/tiny --prompt "LOVE, n." --temperature 0.7
     python -m ladder_jax.decode --preset small --benchmark --residual all --batch 16
+    python -m ladder_jax.decode --checkpoint runs/tiny --quantize int8 --prompt "LOVE, n."
 
 The library behind it (KV cache, prefill and one-token step, sampling, `generate`, the
 benchmark) is `ladder_jax.inference.generation`. Bad input is one
@@ -26,6 +27,7 @@ from ladder_jax.config import (
     RESIDUALS,
     ConfigError,
     ModelConfig,
+    check_quantize,
     parse_ladder_layers,
     scheme_overrides,
 )
@@ -85,6 +87,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=1024,
                    help="--benchmark: prompt length in tokens (random ids)")
     p.add_argument("--json", action="store_true", help="benchmark: print JSON lines")
+    p.add_argument("--quantize", default=None, metavar="MODE",
+                   help="int8: weight-only int8 linear weights (ladder_jax.model.quant)")
     runtime.add_arguments(p, cpu_devices_help="on a CPU host, fake devices to split it into "
                                               "(default: --tp, else 8)")
     args = p.parse_args(argv)
@@ -113,6 +117,7 @@ def _run(args, say) -> int:
         raise ConfigError(f"--seed {args.seed} does not fit in 64 bits: give an integer between "
                           f"-2**63 and 2**63 - 1")
     mesh = sharding.make_mesh(tp=tp)
+    check_quantize(args.quantize, "--quantize")
     overrides = scheme_overrides(None if args.residual == "all" else args.residual,
                                  parse_ladder_layers(args.ladder_layers))
     tokenizer, model = ByteTokenizer(), None
@@ -120,12 +125,13 @@ def _run(args, say) -> int:
         if args.benchmark:
             raise ConfigError("--benchmark times random weights of a --preset; drop "
                               "--checkpoint")
-        model, tokenizer = checkpoint.load_run(args.checkpoint, mesh=mesh, **overrides)
+        model, tokenizer = checkpoint.load_run(args.checkpoint, mesh=mesh,
+                                               quantize=args.quantize, **overrides)
         config = model.config
         if tokenizer is None:
             tokenizer = _without_tokenizer_json(args.checkpoint, config, say)
     else:
-        config = ModelConfig.from_preset(args.preset, **overrides)
+        config = ModelConfig.from_preset(args.preset, quantize=args.quantize, **overrides)
         runtime.check_host_memory(  # random weights, before allocating them (CPU hosts)
             config.num_params() * jnp.dtype(config.param_dtype).itemsize,
             f"preset {args.preset!r} ({config.num_params() / 1e9:.1f}B parameters in "
@@ -138,7 +144,8 @@ def _run(args, say) -> int:
         if not args.json:
             kind = mesh.devices.flat[0].device_kind
             what = (f"--checkpoint {args.checkpoint}'s shapes" if args.checkpoint
-                    else f"preset {args.preset}")
+                    else f"preset {args.preset}") + (
+                f", {config.quantize} weights" if config.quantize else "")
             say(f"decode benchmark, random weights of {what}: "
                 f"residual {', '.join(schemes)}; tp={sharding.tp_size(mesh)} on {mesh.size} "
                 f"{jax.default_backend()} device(s) ({kind}); batch {args.batch}, prompt "

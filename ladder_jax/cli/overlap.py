@@ -26,7 +26,8 @@ from ladder_jax.analysis.overlap import (
 )
 from ladder_jax.analysis.programs import PHASES, OverlapError
 from ladder_jax.cli.common import ArgumentParser
-from ladder_jax.config import RESIDUALS, ConfigError, ModelConfig, load_config, parse_ladder_layers
+from ladder_jax.config import (RESIDUALS, ConfigError, ModelConfig, check_quantize, load_config,
+                               parse_ladder_layers)
 from ladder_jax.train import step
 
 
@@ -46,6 +47,8 @@ def main(argv=None) -> int:
     p.add_argument("--phase", default="decode", choices=PHASES)
     p.add_argument("--target", default="h100", choices=hardware.TARGETS)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--quantize", default=None, metavar="MODE",
+                   help="int8: the program with weight-only int8 linear weights")
     p.add_argument("--config", default=None,
                    help="a training config (YAML): compile the training step it runs, with its "
                         "mesh, FSDP, dtypes, accumulation and remat; report memory too")
@@ -55,14 +58,20 @@ def main(argv=None) -> int:
     p.add_argument("--gpus-per-host", type=int, default=8)
     args = p.parse_args(argv)
     if args.config or args.overrides:
+        if args.quantize:
+            print(f"error: --quantize {args.quantize} is for decoding: drop it with --config "
+                  f"(a training step)", file=sys.stderr)
+            return 2
         return _main_config(args)
     args.residual = args.residual or "ladder"
 
     jax.config.update("jax_platforms", "cpu")  # compile for the GPU target, run nothing
 
     try:
+        check_quantize(args.quantize, "--quantize")
         config = ModelConfig.from_preset(args.preset, residual=args.residual,
-                                         ladder_layers=parse_ladder_layers(args.ladder_layers))
+                                         ladder_layers=parse_ladder_layers(args.ladder_layers),
+                                         quantize=args.quantize)
         rep = report(config, phase=args.phase, tp=args.tp, batch=args.batch, seq=args.seq,
                      target=args.target, new_tokens=args.new_tokens)
     except (ConfigError, OverlapError, ValueError) as e:  # ShardingError is a ConfigError

@@ -28,6 +28,7 @@ from ladder_jax.config import (
     RESIDUALS,
     ConfigError,
     ModelConfig,
+    check_quantize,
     load_config,
     model_config,
     parse_ladder_layers,
@@ -74,12 +75,15 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=None,
                    help="programs compiled at a time, in threads (default 1)")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
+    p.add_argument("--quantize", default=None, metavar="MODE",
+                   help="int8: the programs with weight-only int8 linear weights (generate)")
     args = p.parse_args(argv)
 
     jax.config.update("jax_platforms", "cpu")  # compile for the GPU target, run nothing
 
     try:
-        config = ModelConfig.from_preset(args.preset)
+        check_quantize(args.quantize, "--quantize")
+        config = ModelConfig.from_preset(args.preset, quantize=args.quantize)
         if args.ladder_layers is not None:
             config = dataclasses.replace(config, residual="ladder",
                                          ladder_layers=parse_ladder_layers(args.ladder_layers))
@@ -103,6 +107,9 @@ def main(argv=None) -> int:
                       algorithm=args.algorithm, jobs=args.jobs, progress=lambda s: print(
                           f"compiling {name} {s}", file=sys.stderr, flush=True))
         if args.phase == "train":
+            if args.quantize:
+                raise PredictError(f"--quantize {args.quantize} is for decoding: drop it with "
+                                   f"--phase train")
             config, train_kw = _train_setup(args)
             name, tp = args.config, train_kw.pop("tp")
             rows = predict_train(config, tp=args.tp or tp, **train_kw, **common)
@@ -122,7 +129,8 @@ def main(argv=None) -> int:
         print(f"{name}: training step, predicted in {time.perf_counter() - t0:.0f} s")
         print(format_train_table(rows))
     else:
-        print(f"{args.preset}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
+        print(f"{args.preset}{f', {args.quantize} weights' if args.quantize else ''}, "
+              f"prompt {args.prompt_len}, {args.new_tokens} new tokens, "
               f"{args.target}; predicted in {time.perf_counter() - t0:.0f} s")
         print(format_table(rows))
         s = summary(rows)

@@ -54,7 +54,7 @@ from ladder_jax.inference.sampling import (
     sample_rows,
 )
 from ladder_jax.interop.tokenizer import ByteTokenizer
-from ladder_jax.model import sharding
+from ladder_jax.model import quant, sharding
 from ladder_jax.model.sharding import DATA
 from ladder_jax.model.transformer import Transformer
 
@@ -75,12 +75,18 @@ class Decoder:
     `prefill_slot(cache, slot, tokens_1t, lengths_1, rows_1)` -> (first token (1,), cache):
         one prompt into row `slot` of the cache (meshes with data = 1)
     The cache argument is donated: use only the returned one. `rows` is `sampling.Rows`.
+
+    A quantized model (`ladder_jax.model.quant`) on a CPU mesh is decoded through its float
+    copy, dequantized once here (XLA:CPU's int8 matmuls are ~10x slower than float32); on GPU
+    meshes the programs read the int8 weights.
     """
 
     def __init__(self, model: Transformer):
         self.model = model
-        graphdef, self.state = nnx.split(model)
         mesh = model.mesh
+        if mesh.devices.flat[0].platform == "cpu":
+            model = quant.dequantize(model)
+        graphdef, self.state = nnx.split(model)
         replicated = NamedSharding(mesh, P())
 
         def prefill(state, cache, tokens_bt, lengths_b, rows):
@@ -383,14 +389,16 @@ def benchmark(config: ModelConfig, mesh, *, batch: int, prompt_len: int, new_tok
     steps = new_tokens - 1
     per_user = steps / decode_s
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    # replicated weights are read on every rank: count what is actually read
+    # replicated weights are read on every rank: count what is actually read (by the step
+    # program: a quantized model's float copy on a CPU, see Decoder)
     param_bytes_read = sum(x.addressable_data(0).nbytes * len(x.sharding.device_set)
-                           for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+                           for x in jax.tree.leaves(decoder.state))
     kv_read = KVCache.abstract(config, mesh, batch, S).nbytes  # each step attends over the whole cache
     bandwidth, how = device_bandwidth()
     step_s = decode_s / steps
     return {
         "residual": config.residual, "ladder_layers": config.ladder_layers,
+        "quantize": config.quantize,
         "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
         "tp": sharding.tp_size(mesh), "devices": mesh.size,
         "prefill_ms": prefill_s * 1e3, "prefill_tokens_per_s": batch * prompt_len / prefill_s,

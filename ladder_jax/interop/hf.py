@@ -77,8 +77,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from safetensors.numpy import save_file
 
-from ladder_jax.config import ConfigError, ModelConfig, RopeScaling
+from ladder_jax.config import ConfigError, ModelConfig, RopeScaling, check_quantize
 from ladder_jax.interop.tokenizer import ByteTokenizer, HFTokenizer
+from ladder_jax.model import quant
 from ladder_jax.model.transformer import Transformer, abstract
 
 CONFIG = "config.json"
@@ -540,13 +541,16 @@ def _leaf(tree, path):
 
 def load_hf(path: str, *, mesh, residual: str | None = None, ladder_layers=_KEEP,
             dtype: str = "float32", param_dtype: str = "float32",
-            transfer: Transfer | None = None):
+            transfer: Transfer | None = None, quantize: str | None = None):
     """(model, tokenizer) from a local Hugging Face Llama directory; tokenizer is an
     `HFTokenizer`, or None when there is no tokenizer.json.
 
     residual / ladder_layers: any scheme (default: what config.json records, else standard;
     `ladder_layers` alone implies "ladder"). dtype: matmul compute dtype; param_dtype: the
-    weights' dtype on the devices (float32 unless given). `transfer` counts what is read."""
+    weights' dtype on the devices (float32 unless given). `transfer` counts what is read.
+    `quantize="int8"`: the linear weights quantized once loaded (`ladder_jax.model.quant`; the
+    float model is on the devices until then)."""
+    check_quantize(quantize)
     path = os.fspath(path)
     transfer = transfer if transfer is not None else Transfer()
     hf = read_config(path)
@@ -599,7 +603,8 @@ def load_hf(path: str, *, mesh, residual: str | None = None, ladder_layers=_KEEP
             del host
             transfer.add(file, h.header[e.name]["dtype"], h.nbytes(e.name))
     nnx.replace_by_pure_dict(state, pure)
-    return nnx.merge(graphdef, state), tokenizer
+    model = nnx.merge(graphdef, state)
+    return (model if quantize is None else quant.quantize(model, quantize)), tokenizer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -631,6 +636,7 @@ def save_hf(model: Transformer, path: str, *, tokenizer=None,
                       f"or pass overwrite=True to replace its model files")
     transfer = transfer if transfer is not None else Transfer()
     config = model.config
+    quant.refuse(config, "save_hf (the Hugging Face layout holds float Llama weights)")
     writer = jax.process_index() == 0
     state = nnx.state(model)
     table = _table(config)

@@ -47,6 +47,9 @@ Footguns:
 - Logits come back float32 and sharded over V on `tp`; reductions over V under jit are fine.
 - Parameters are float32 by default (`param_dtype`); matmuls run in `dtype`; norms, softmax
   and logits in float32.
+- `config.quantize="int8"`: every linear weight is int8 values plus a float32 scale per
+  output channel (attribute `<name>_scale`, None for float weights), read through
+  `ladder_jax.model.quant.einsum`; for decoding only (`ladder_jax.model.quant`).
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ladder_jax.config import PRESETS, RESIDUALS, ConfigError, ModelConfig, RopeScaling  # noqa: F401
-from ladder_jax.model import residual, sharding
+from ladder_jax.model import quant, residual, sharding
 from ladder_jax.model.sharding import DATA, TP, WeightSpecs
 
 # ---------------------------------------------------------------------------------------------
@@ -92,6 +95,14 @@ def _weight(rngs: nnx.Rngs, mesh: Mesh, shape, spec: P, dtype, std: float,
     value = _normal(rngs.params(), shape=tuple(shape), dtype=jnp.dtype(dtype), std=std,
                     sharding=NamedSharding(mesh, stored))
     return nnx.Param(value, spec=spec, stored=stored)
+
+
+def _linear(rngs: nnx.Rngs, mesh: Mesh, name: str, shape, spec: P, config: ModelConfig,
+            std: float, fsdp_data: int = 1) -> tuple[nnx.Param, nnx.Param | None]:
+    """A linear weight `name` and its scale: None for float weights; with `config.quantize`
+    the same draw, quantized in place (`ladder_jax.model.quant`)."""
+    w = _weight(rngs, mesh, shape, spec, config.param_dtype, std, fsdp_data)
+    return (w, None) if config.quantize is None else quant.quantized_param(w, name, mesh)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,13 +152,13 @@ def apply_rope(x_btnh, positions_bt, inv_freq):
 class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, *, mesh: Mesh, specs: WeightSpecs, rngs: nnx.Rngs):
         D, N, K, H = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
-        pd = config.param_dtype
         std_out = 0.02 / math.sqrt(2 * config.n_layers)
         fs = specs.fsdp_data
-        self.q = _weight(rngs, mesh, (D, N, H), specs.q_dnh, pd, 0.02, fs)
-        self.k = _weight(rngs, mesh, (D, K, H), specs.kv_dkh, pd, 0.02, fs)
-        self.v = _weight(rngs, mesh, (D, K, H), specs.kv_dkh, pd, 0.02, fs)
-        self.o = _weight(rngs, mesh, (N, H, D), specs.o_nhd, pd, std_out, fs)
+        self.q, self.q_scale = _linear(rngs, mesh, "q", (D, N, H), specs.q_dnh, config, 0.02, fs)
+        self.k, self.k_scale = _linear(rngs, mesh, "k", (D, K, H), specs.kv_dkh, config, 0.02, fs)
+        self.v, self.v_scale = _linear(rngs, mesh, "v", (D, K, H), specs.kv_dkh, config, 0.02, fs)
+        self.o, self.o_scale = _linear(rngs, mesh, "o", (N, H, D), specs.o_nhd, config, std_out,
+                                       fs)
         self.n_kv_heads = K
         self.tp = sharding.tp_size(mesh)
         self.kv_replicated = specs.kv_replicated
@@ -159,13 +170,11 @@ class Attention(nnx.Module):
         written at `positions_bt` (row b's tokens go to slots positions[b, 0] onwards)."""
         dt = self.dtype
         x = x_btd.astype(dt)
-        wk, wv = sharding.read_weight(self.k, dt), sharding.read_weight(self.v, dt)
-        if self.kv_replicated:
-            wk = sharding.local_kv_head(wk, self.n_kv_heads, self.tp)
-            wv = sharding.local_kv_head(wv, self.n_kv_heads, self.tp)
-        q_btnh = jnp.einsum("BTD,DNH->BTNH", x, sharding.read_weight(self.q, dt))
-        k_btkh = jnp.einsum("BTD,DKH->BTKH", x, wk)
-        v_btkh = jnp.einsum("BTD,DKH->BTKH", x, wv)
+        pick = functools.partial(sharding.local_kv_head, n_kv_heads=self.n_kv_heads,
+                                 tp=self.tp) if self.kv_replicated else None
+        q_btnh = quant.einsum("BTD,DNH->BTNH", x, self.q, self.q_scale, dt)
+        k_btkh = quant.einsum("BTD,DKH->BTKH", x, self.k, self.k_scale, dt, pick)
+        v_btkh = quant.einsum("BTD,DKH->BTKH", x, self.v, self.v_scale, dt, pick)
         q_btnh = apply_rope(q_btnh, positions_bt, inv_freq)
         k_btkh = apply_rope(k_btkh, positions_bt, inv_freq)
         if cache is None:
@@ -177,7 +186,7 @@ class Attention(nnx.Module):
             slots_bs = jnp.broadcast_to(jnp.arange(S, dtype=positions_bt.dtype), (B, S))
             out_btnh = attend(q_btnh, k_bskh, v_bskh, positions_bt, slots_bs)
             cache = (k_bskh, v_bskh)
-        y_btd = jnp.einsum("BTNH,NHD->BTD", out_btnh, sharding.read_weight(self.o, dt))
+        y_btd = quant.einsum("BTNH,NHD->BTD", out_btnh, self.o, self.o_scale, dt)
         return y_btd if cache is None else (y_btd, cache)
 
 
@@ -205,22 +214,23 @@ def attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs):
 
 class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, *, mesh: Mesh, specs: WeightSpecs, rngs: nnx.Rngs):
-        D, F, pd = config.d_model, config.d_ff, config.param_dtype
+        D, F = config.d_model, config.d_ff
         fs = specs.fsdp_data
-        self.gate = _weight(rngs, mesh, (D, F), specs.up_df, pd, 0.02, fs)
-        self.up = _weight(rngs, mesh, (D, F), specs.up_df, pd, 0.02, fs)
-        self.down = _weight(rngs, mesh, (F, D), specs.down_fd, pd,
-                            0.02 / math.sqrt(2 * config.n_layers), fs)
+        self.gate, self.gate_scale = _linear(rngs, mesh, "gate", (D, F), specs.up_df, config,
+                                             0.02, fs)
+        self.up, self.up_scale = _linear(rngs, mesh, "up", (D, F), specs.up_df, config, 0.02, fs)
+        self.down, self.down_scale = _linear(rngs, mesh, "down", (F, D), specs.down_fd, config,
+                                             0.02 / math.sqrt(2 * config.n_layers), fs)
         self.dtype = config.dtype
 
     def __call__(self, x_btd):
         """Returns this rank's partial sum (B, T, D) of the SwiGLU output."""
         dt = self.dtype
         x = x_btd.astype(dt)
-        g_btf = jnp.einsum("BTD,DF->BTF", x, sharding.read_weight(self.gate, dt))
-        u_btf = jnp.einsum("BTD,DF->BTF", x, sharding.read_weight(self.up, dt))
-        return jnp.einsum("BTF,FD->BTD", jax.nn.silu(g_btf) * u_btf,
-                          sharding.read_weight(self.down, dt))
+        g_btf = quant.einsum("BTD,DF->BTF", x, self.gate, self.gate_scale, dt)
+        u_btf = quant.einsum("BTD,DF->BTF", x, self.up, self.up_scale, dt)
+        return quant.einsum("BTF,FD->BTD", jax.nn.silu(g_btf) * u_btf, self.down,
+                            self.down_scale, dt)
 
 
 class Layer(nnx.Module):
@@ -241,6 +251,9 @@ class Transformer(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, mesh: Mesh, rngs: nnx.Rngs, fsdp: bool = False):
         specs = WeightSpecs.for_model(config, mesh, fsdp=fsdp)
+        if fsdp and config.quantize is not None:
+            raise ConfigError(f"quantize={config.quantize!r} is for decoding: FSDP (training) "
+                              f"keeps float weights")
         self.config = config
         self.mesh = mesh
         D, V, pd = config.d_model, config.vocab_size, config.param_dtype
@@ -248,8 +261,8 @@ class Transformer(nnx.Module):
         self.layers = nnx.List(
             [Layer(config, mesh=mesh, specs=specs, rngs=rngs) for _ in range(config.n_layers)])
         self.final_norm = RMSNorm(D, config.norm_eps, mesh=mesh, specs=specs, param_dtype=pd)
-        self.head = None if config.tie_embeddings else _weight(
-            rngs, mesh, (D, V), specs.head_dv, pd, 0.02, specs.fsdp_data)
+        self.head, self.head_scale = (None, None) if config.tie_embeddings else _linear(
+            rngs, mesh, "head", (D, V), specs.head_dv, config, 0.02, specs.fsdp_data)
 
     def __repr__(self):
         c = self.config
@@ -258,6 +271,7 @@ class Transformer(nnx.Module):
             ladder = f", ladder_layers={c.ladder_layers}"
         return (f"Transformer({c.n_layers}L d={c.d_model} heads={c.n_heads}/{c.n_kv_heads} "
                 f"ff={c.d_ff} vocab={c.vocab_size}, residual={c.residual!r}{ladder}, "
+                f"{f'weights {c.quantize}, ' if c.quantize else ''}"
                 f"params={c.num_params() / 1e6:.2f}M, mesh=data:{self.mesh.shape[DATA]} x "
                 f"tp:{self.mesh.shape[TP]})")
 
@@ -323,6 +337,8 @@ class Transformer(nnx.Module):
                                         preferred_element_type=jnp.float32)
             else:
                 logits_btv = residual.lm_head(h_btd, head_dv)
+            logits_btv = quant.rescale(logits_btv, "BTD,DV->BTV", None if self.head_scale is None
+                                       else sharding.read_weight(self.head_scale, jnp.float32))
         return logits_btv, caches
 
     def layer_loop(self, x_btd, positions_bt, caches=None):

@@ -63,6 +63,7 @@ from ladder_jax import config as config_lib
 from ladder_jax.config import ConfigError
 from ladder_jax.interop.hf import load_hf
 from ladder_jax.interop.tokenizer import make_tokenizer
+from ladder_jax.model import quant
 from ladder_jax.model.transformer import abstract
 from ladder_jax.train.step import TrainState
 
@@ -407,6 +408,12 @@ def check_shapes(directory: str, params: nnx.State, what: str) -> None:
     have, want = flat(saved), flat(nnx.to_pure_dict(params))
     if not have:
         return
+    scales = sorted(k for k in set(have) - set(want) if k.endswith(quant.SCALE))
+    if scales:
+        raise ConfigError(f"{what} is quantized (int8 weights with scales such as {scales[0]}, "
+                          f"made by convert --quantize): it loads for decoding only (decode "
+                          f"--checkpoint, lj.load); this path needs float weights, so give "
+                          f"it the float model it was made from")
     fix = "start a new run (a new name=) or load a checkpoint of this model"
     for key, shape in want.items():
         if key not in have:
@@ -469,14 +476,17 @@ def _run_root(path: str) -> str:
     return path
 
 
-def load_run(path: str, *, mesh, what: str = "--checkpoint", **overrides):
+def load_run(path: str, *, mesh, what: str = "--checkpoint", quantize: str | None = None,
+             **overrides):
     """(model, tokenizer) from a training run or a `python -m ladder_jax.convert` output (a
     directory with config.yaml and checkpoints/), or a Hugging Face Llama directory
     (config.json, see `ladder_jax.interop.hf.load_hf`). The model is built from shapes and its weights
     restored straight into their shardings on `mesh`; no random weights are made. `overrides`
     change the model config, e.g. residual="ladder", ladder_layers=2 (any scheme reads any
-    weights)."""
+    weights). `quantize="int8"` quantizes float weights once loaded (`ladder_jax.model.quant`);
+    a checkpoint stored quantized (`convert --quantize`) loads as it is, with or without it."""
 
+    config_lib.check_quantize(quantize)
     path = os.fspath(path)
     if not os.path.exists(path):
         raise ConfigError(f"{what} {path!r} does not exist: give a training run directory "
@@ -485,7 +495,7 @@ def load_run(path: str, *, mesh, what: str = "--checkpoint", **overrides):
     cfg_file = os.path.join(_run_root(path), "config.yaml")
     if not os.path.isfile(cfg_file):
         if os.path.isfile(os.path.join(path, "config.json")):
-            return load_hf(path, mesh=mesh, **overrides)
+            return load_hf(path, mesh=mesh, quantize=quantize, **overrides)
         raise ConfigError(f"{what} {path!r}: no config.yaml there: give a training run "
                           f"directory (runs/NAME), the output of ladder_jax.convert, or a Hugging "
                           f"Face model directory")
@@ -496,4 +506,7 @@ def load_run(path: str, *, mesh, what: str = "--checkpoint", **overrides):
     except (ConfigError, TypeError) as e:
         raise ConfigError(f"{what} {path!r}: {e}") from None
     graphdef, state = abstract(model_config, mesh)
-    return nnx.merge(graphdef, load_params(path, state, what=what)), tokenizer
+    model = nnx.merge(graphdef, load_params(path, state, what=what))
+    if quantize is not None and model.config.quantize is None:
+        model = quant.quantize(model, quantize)
+    return model, tokenizer
