@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import ladder_jax as lj
-from ladder_jax.analysis import programs
+from ladder_jax.analysis import overlap, programs
 from ladder_jax.inference import generation
 from ladder_jax.model import transformer
 from tests.conftest import TINY, tiny_model
@@ -142,13 +142,18 @@ def _concatenates(hlo):
 
 
 @pytest.mark.parametrize("phase", ["prefill", "train"])
-def test_h100_programs_hold_the_fused_attention_kernel(phase):
+def test_h100_ladder_programs_hold_the_fused_attention_and_keep_their_overlap(phase):
     hlo = _hlo(phase, residual="ladder")
     kernels = hlo.count('custom_call_target="__gpu$xla.gpu.triton"')
     layers = 4
     # one flash kernel per layer forward; the backward adds two per layer (preprocess, dq/dkv)
     assert kernels == (layers if phase == "prefill" else 3 * layers), kernels
     assert "mha_forward" in hlo
+    rep = overlap.summarize(overlap.read_all_reduces(hlo, WIDE["d_model"]))
+    assert rep["forward"]["total"] == 2 * layers and rep["forward"]["all_but_last_overlapped"]
+    if phase == "train":
+        assert rep["backward"]["total"] == 2 * layers + 1  # the head's, then the modules'
+        assert rep["backward"]["all_but_last_overlapped"]
 
 
 def test_h100_parallel_decode_concatenates_no_weights():

@@ -260,12 +260,13 @@ def attention_kernel(mesh: Mesh, dtype, head_dim: int) -> str:
 
 def attend_causal(q_btnh, k_btkh, v_btkh, kernel: str = "xla"):
     """Causal grouped-query self-attention, query t over keys 0..t, through `kernel`
-    (`attention_kernel`). The Pallas kernel needs T to be a multiple of its 128-query
-    blocks (or T <= 128); other lengths fall back to XLA's implementation."""
+    (`attention_kernel`). The Pallas kernel tiles T in blocks of 128 (Triton blocks are
+    powers of two of at least 16): T must be a multiple of 128 or one of 16, 32, 64; other
+    lengths fall back to XLA's implementation."""
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}: one of {ATTENTION_KERNELS}")
     T, N, H = q_btnh.shape[1:]
-    if kernel == "pallas" and (T <= _PALLAS_BLOCKS.block_q or T % _PALLAS_BLOCKS.block_q == 0):
+    if kernel == "pallas" and (T % _PALLAS_BLOCKS.block_q == 0 or T in (16, 32, 64)):
         G = N // k_btkh.shape[2]  # the kernel wants as many kv heads as query heads
         k_btnh, v_btnh = (jnp.repeat(t, G, axis=2) for t in (k_btkh, v_btkh))
         return pallas_flash(q_btnh, k_btnh, v_btnh, 1.0 / math.sqrt(H))
