@@ -40,6 +40,18 @@ it is a ladder too: the all-reduce of module i's input cotangent overlaps module
 matmuls. Autodiff's reverse-order program would block on every one. Same maths, tested
 against autodiff of an independent reference.
 
+Attention. With default positions (0..T-1: training, and the decoder's prefill, which writes
+the prompt into the KV cache from slot 0) attention is one fused causal kernel over the call's
+own keys (`attend_causal`), chosen when the model is built (`attention_kernel`): cuDNN's flash
+attention on a running NVIDIA GPU (bf16/fp16), jax's Pallas (Triton) flash attention in the
+deviceless GPU programs (`ladder_jax.analysis.programs`: cuDNN cannot be compiled without
+cuDNN) and otherwise on GPUs, XLA's own `dot_product_attention` on CPU. Explicit positions
+(a decode step: one query over the cache) use the reference einsum `attend`.
+
+Parallel decoding. `fuse_parallel_inputs` gives the decoder (`ladder_jax.inference.generation.
+Decoder`) a clone of a parallel model whose five input projections are one matmul over one
+contiguous weight per layer (`FusedInput`), built once; the weight tree is unchanged.
+
 Footguns:
 - `Transformer.__call__` runs through one `shard_map` over the model's mesh; calling it under
   `nnx.jit` compiles one program. On GPUs compile with `ladder_jax.model.sharding.jit` (or use the
@@ -47,6 +59,10 @@ Footguns:
 - Logits come back float32 and sharded over V on `tp`; reductions over V under jit are fine.
 - Parameters are float32 by default (`param_dtype`); matmuls run in `dtype`; norms, softmax
   and logits in float32.
+- The Pallas kernel reaches into jax internals of the pinned jax version (see `pallas_flash`),
+  and tiles T in blocks: other lengths run XLA's attention (`attend_causal`).
+- A parallel `Decoder` holds the fused copy of its model's q/k/v/gate/up beside the model's
+  own weights while the model is alive.
 """
 
 from __future__ import annotations
