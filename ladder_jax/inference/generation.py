@@ -56,7 +56,7 @@ from ladder_jax.inference.sampling import (
 from ladder_jax.interop.tokenizer import ByteTokenizer
 from ladder_jax.model import quant, sharding
 from ladder_jax.model.sharding import DATA
-from ladder_jax.model.transformer import Transformer
+from ladder_jax.model.transformer import Transformer, fuse_parallel_inputs
 
 __all__ = ["GenerationError", "KVCache", "Rows", "Sampling", "sample", "cache_length",
            "Decoder", "generate", "check_generation", "benchmark", "to_device", "to_host"]
@@ -86,14 +86,14 @@ class Decoder:
         mesh = model.mesh
         if mesh.devices.flat[0].platform == "cpu":
             model = quant.dequantize(model)
-        graphdef, self.state = nnx.split(model)
+        # parallel: q/k/v/gate/up fused once here, not concatenated by XLA on every step
+        graphdef, self.state = nnx.split(fuse_parallel_inputs(model))
         replicated = NamedSharding(mesh, P())
 
         def prefill(state, cache, tokens_bt, lengths_b, rows):
             model = nnx.merge(graphdef, state)
-            positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32),
-                                            tokens_bt.shape)
-            logits_btv, layers = model.forward_cached(tokens_bt, positions_bt, cache.layers())
+            # positions None: the prompt from slot 0, attention fused over the prompt itself
+            logits_btv, layers = model.forward_cached(tokens_bt, None, cache.layers())
             last_bv = jnp.take_along_axis(logits_btv, (lengths_b - 1)[:, None, None], axis=1)
             first_b = jnp.zeros(tokens_bt.shape[:1], jnp.int32)
             return sample_rows(last_bv[:, 0], rows, first_b), KVCache.from_layers(layers)

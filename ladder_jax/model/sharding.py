@@ -36,6 +36,7 @@ How each weight is laid out (the `WeightSpecs` table below is the single source 
 | embed (V, D)             | (-, -)            | replicated: the lookup needs no collective |
 | head (D, V)              | (-, tp)           | vocab-parallel logits, returned sharded over V |
 | KV cache (B, S, K', H)   | (data, -, tp, -)  | K' = max(K, tp): see `CACHE_BSKH` |
+| fused input (D, C)       | (-, tp)           | decoding parallel only, not a parameter: rank r's columns are its q, k, v, gate, up (`transformer.FusedInput`) |
 
 Memory costs of the replicated pieces, per rank:
 - embed: V*D values (llama-3-70b: 128256*8192*2 B = 2.1 GB in bf16). The lookup then costs no

@@ -40,6 +40,18 @@ it is a ladder too: the all-reduce of module i's input cotangent overlaps module
 matmuls. Autodiff's reverse-order program would block on every one. Same maths, tested
 against autodiff of an independent reference.
 
+Attention. With default positions (0..T-1: training, and the decoder's prefill, which writes
+the prompt into the KV cache from slot 0) attention is one fused causal kernel over the call's
+own keys (`attend_causal`), chosen when the model is built (`attention_kernel`): cuDNN's flash
+attention on a running NVIDIA GPU (bf16/fp16), jax's Pallas (Triton) flash attention in the
+deviceless GPU programs (`ladder_jax.analysis.programs`: cuDNN cannot be compiled without
+cuDNN) and otherwise on GPUs, XLA's own `dot_product_attention` on CPU. Explicit positions
+(a decode step: one query over the cache) use the reference einsum `attend`.
+
+Parallel decoding. `fuse_parallel_inputs` gives the decoder (`ladder_jax.inference.generation.
+Decoder`) a clone of a parallel model whose five input projections are one matmul over one
+contiguous weight per layer (`FusedInput`), built once; the weight tree is unchanged.
+
 Footguns:
 - `Transformer.__call__` runs through one `shard_map` over the model's mesh; calling it under
   `nnx.jit` compiles one program. On GPUs compile with `ladder_jax.model.sharding.jit` (or use the
@@ -50,6 +62,10 @@ Footguns:
 - `config.quantize="int8"`: every linear weight is int8 values plus a float32 scale per
   output channel (attribute `<name>_scale`, None for float weights), read through
   `ladder_jax.model.quant.einsum`; for decoding only (`ladder_jax.model.quant`).
+- The Pallas kernel reaches into jax internals of the pinned jax version (see `pallas_flash`),
+  and tiles T in blocks: other lengths run XLA's attention (`attend_causal`).
+- A parallel `Decoder` holds the fused copy of its model's q/k/v/gate/up beside the model's
+  own weights while the model is alive.
 """
 
 from __future__ import annotations
@@ -60,7 +76,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax._src import config as jax_config
+from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -163,11 +182,18 @@ class Attention(nnx.Module):
         self.tp = sharding.tp_size(mesh)
         self.kv_replicated = specs.kv_replicated
         self.dtype = config.dtype
+        self.kernel = attention_kernel(mesh, config.dtype, H)
 
     def __call__(self, x_btd, positions_bt, inv_freq, cache=None):
         """This rank's partial sum (B, T, D) of the attention output; with a KV cache
         (k, v), each (B, S, K_local, H), also the cache with this call's keys and values
-        written at `positions_bt` (row b's tokens go to slots positions[b, 0] onwards)."""
+        written at `positions_bt` (row b's tokens go to slots positions[b, 0] onwards).
+
+        `positions_bt=None`: the tokens are at positions 0..T-1 (a training sequence, or a
+        prompt written from slot 0 of the cache: the prefill). Attention then runs as one
+        fused causal kernel over the T keys of the call itself (`attend_causal`): the same
+        result as attending over the cache, whose slots past t no query t may see. With
+        positions given, it runs the reference `attend` over the keys (or cache slots)."""
         dt = self.dtype
         x = x_btd.astype(dt)
         pick = functools.partial(sharding.local_kv_head, n_kv_heads=self.n_kv_heads,
@@ -175,19 +201,32 @@ class Attention(nnx.Module):
         q_btnh = quant.einsum("BTD,DNH->BTNH", x, self.q, self.q_scale, dt)
         k_btkh = quant.einsum("BTD,DKH->BTKH", x, self.k, self.k_scale, dt, pick)
         v_btkh = quant.einsum("BTD,DKH->BTKH", x, self.v, self.v_scale, dt, pick)
+        return self.attend_and_project(q_btnh, k_btkh, v_btkh, positions_bt, inv_freq, cache)
+
+    def attend_and_project(self, q_btnh, k_btkh, v_btkh, positions_bt, inv_freq, cache=None):
+        """Everything after the q/k/v projections (RoPE, cache write, attention, the output
+        projection); `__call__` documents the arguments. The parallel scheme's fused input
+        projection (`FusedInput`) enters here."""
+        B, T = q_btnh.shape[:2]
+        from_start = positions_bt is None
+        if from_start:
+            positions_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         q_btnh = apply_rope(q_btnh, positions_bt, inv_freq)
         k_btkh = apply_rope(k_btkh, positions_bt, inv_freq)
-        if cache is None:
+        if cache is not None:
+            new_cache = tuple(write_cache(c, new, positions_bt[:, 0])
+                              for c, new in zip(cache, (k_btkh, v_btkh)))
+        if from_start:
+            out_btnh = attend_causal(q_btnh, k_btkh, v_btkh, self.kernel)
+        elif cache is None:
             out_btnh = attend(q_btnh, k_btkh, v_btkh, positions_bt, positions_bt)
         else:
-            k_bskh, v_bskh = (write_cache(c, new, positions_bt[:, 0])
-                              for c, new in zip(cache, (k_btkh, v_btkh)))
-            B, S = k_bskh.shape[:2]
+            k_bskh, v_bskh = new_cache
+            S = k_bskh.shape[1]
             slots_bs = jnp.broadcast_to(jnp.arange(S, dtype=positions_bt.dtype), (B, S))
             out_btnh = attend(q_btnh, k_bskh, v_bskh, positions_bt, slots_bs)
-            cache = (k_bskh, v_bskh)
-        y_btd = quant.einsum("BTNH,NHD->BTD", out_btnh, self.o, self.o_scale, dt)
-        return y_btd if cache is None else (y_btd, cache)
+        y_btd = quant.einsum("BTNH,NHD->BTD", out_btnh, self.o, self.o_scale, self.dtype)
+        return y_btd if cache is None else (y_btd, new_cache)
 
 
 def write_cache(cache_bskh, new_btkh, start_b):
@@ -199,7 +238,9 @@ def write_cache(cache_bskh, new_btkh, start_b):
 
 
 def attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs):
-    """Causal grouped-query attention: query t sees key s iff k_pos[s] <= q_pos[t]."""
+    """Causal grouped-query attention: query t sees key s iff k_pos[s] <= q_pos[t]. The
+    reference: it materializes the (T, S) scores. Used with explicit positions (the decode
+    step's one query over the cache, where it is one small matmul-vector pair per head)."""
     B, T, N, H = q_btnh.shape
     K = k_bskh.shape[2]
     q_btkgh = q_btnh.reshape(B, T, K, N // K, H)
@@ -210,6 +251,101 @@ def attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs):
     probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(v_bskh.dtype)
     out_btkgh = jnp.einsum("BKGTS,BSKH->BTKGH", probs_bkgts, v_bskh)
     return out_btkgh.reshape(B, T, N, H)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused attention: softmax(QK^T)V of T queries over their own T keys, causal, grouped-query,
+# without the (T, T) scores in memory where the platform has a kernel for it.
+
+ATTENTION_KERNELS = ("xla", "cudnn", "pallas")
+
+
+def attention_kernel(mesh: Mesh, dtype, head_dim: int) -> str:
+    """The fused-attention kernel for a model on `mesh`, chosen once when the model is built:
+
+    - "cudnn": a running NVIDIA GPU backend, bf16 / fp16 and head_dim a multiple of 8 up to
+      128 (cuDNN's flash attention through `jax.nn.dot_product_attention`).
+    - "pallas": other GPU cases, and every deviceless GPU compile (a GPU mesh on a host whose
+      backend is not a GPU, `ladder_jax.analysis.programs`): jax's Pallas (Triton) flash
+      attention, forward and backward. cuDNN's kernel cannot be compiled deviceless (jax needs
+      cuDNN itself at compile time), so the deviceless programs hold this one instead, as one
+      `__gpu$xla.gpu.triton` custom call per pass.
+    - "xla": CPU (and anything else): `jax.nn.dot_product_attention`'s XLA implementation,
+      the same arithmetic as the reference `attend` (fp32 results agree to ~1e-6).
+    """
+    platform = mesh.devices.flat[0].platform
+    if platform not in ("gpu", "cuda"):
+        return "xla"
+    running = jax.default_backend() in ("gpu", "cuda")
+    if (running and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0
+            and head_dim <= 128):
+        return "cudnn"
+    return "pallas"
+
+
+def attend_causal(q_btnh, k_btkh, v_btkh, kernel: str = "xla"):
+    """Causal grouped-query self-attention, query t over keys 0..t, through `kernel`
+    (`attention_kernel`). The Pallas kernel tiles T in blocks of 128 (Triton blocks are
+    powers of two of at least 16): T must be a multiple of 128 or one of 16, 32, 64; other
+    lengths fall back to XLA's implementation."""
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}: one of {ATTENTION_KERNELS}")
+    T, N, H = q_btnh.shape[1:]
+    if kernel == "pallas" and (T % _PALLAS_BLOCKS.block_q == 0 or T in (16, 32, 64)):
+        G = N // k_btkh.shape[2]  # the kernel wants as many kv heads as query heads
+        k_btnh, v_btnh = (jnp.repeat(t, G, axis=2) for t in (k_btkh, v_btkh))
+        return pallas_flash(q_btnh, k_btnh, v_btnh, 1.0 / math.sqrt(H))
+    return jax.nn.dot_product_attention(q_btnh, k_btkh, v_btkh, is_causal=True,
+                                        implementation="cudnn" if kernel == "cudnn" else "xla")
+
+
+# jax's Pallas flash attention (`jax.experimental.pallas.ops.gpu.attention.mha`), wrapped for
+# use inside the model's shard_map. Footgun: its pallas_calls declare outputs (the softmax
+# statistics, the gradients) without a varying-manual-axes type, which shard_map's
+# `check_vma=True` refuses; so the kernel's own forward and backward run with the check off
+# and their results are cast back to their inputs' types. This reaches into jax internals
+# (`_mha_forward`, `_mha_backward`, `config._check_vma`) of the pinned jax version;
+# tests/test_attention.py compiles it (deviceless) and runs it (interpreted on CPU).
+_PALLAS_BLOCKS = pallas_attention.BlockSizes.get_default()
+_PALLAS_ARGS = dict(block_sizes=_PALLAS_BLOCKS, backward_pass_impl="triton", num_warps=None,
+                    num_stages=2, grid=None, debug=False, return_residuals=False)
+
+
+def _vary_like(x, like):
+    want = jax.typeof(like).manual_axis_type.varying
+    missing = tuple(a for a in want if a not in jax.typeof(x).manual_axis_type.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def pallas_flash(q_btnh, k_btnh, v_btnh, scale: float, interpret: bool = False):
+    """Causal flash attention (Pallas / Triton), equal head counts; `interpret=True` runs the
+    kernel through Pallas's interpreter (any platform, slow: for tests)."""
+    return _pallas_fwd(q_btnh, k_btnh, v_btnh, scale, interpret)[0]
+
+
+def _pallas_fwd(q_btnh, k_btnh, v_btnh, scale, interpret):
+    a = dict(_PALLAS_ARGS, interpret=interpret)
+    with jax_config._check_vma(False):
+        out_btnh, res = pallas_attention._mha_forward(
+            q_btnh, k_btnh, v_btnh, None, scale, True, a["block_sizes"], a["backward_pass_impl"],
+            a["num_warps"], a["num_stages"], a["grid"], a["interpret"], a["debug"],
+            a["return_residuals"])
+    return _vary_like(out_btnh, q_btnh), res
+
+
+def _pallas_bwd(scale, interpret, res, ct_btnh):
+    a = dict(_PALLAS_ARGS, interpret=interpret)
+    q_btnh, k_btnh, v_btnh = res[:3]
+    with jax_config._check_vma(False):
+        ct_q, ct_k, ct_v, _ = pallas_attention._mha_backward(
+            scale, True, a["block_sizes"], a["backward_pass_impl"], a["num_warps"],
+            a["num_stages"], a["grid"], a["interpret"], a["debug"], a["return_residuals"],
+            res, ct_btnh)
+    return _vary_like(ct_q, q_btnh), _vary_like(ct_k, k_btnh), _vary_like(ct_v, v_btnh)
+
+
+pallas_flash.defvjp(_pallas_fwd, _pallas_bwd)
 
 
 class MLP(nnx.Module):
@@ -229,8 +365,13 @@ class MLP(nnx.Module):
         x = x_btd.astype(dt)
         g_btf = quant.einsum("BTD,DF->BTF", x, self.gate, self.gate_scale, dt)
         u_btf = quant.einsum("BTD,DF->BTF", x, self.up, self.up_scale, dt)
+        return self.project_down(g_btf, u_btf)
+
+    def project_down(self, g_btf, u_btf):
+        """silu(gate) * up through the down projection (the parallel scheme's fused input
+        projection enters here)."""
         return quant.einsum("BTF,FD->BTD", jax.nn.silu(g_btf) * u_btf, self.down,
-                            self.down_scale, dt)
+                            self.down_scale, self.dtype)
 
 
 class Layer(nnx.Module):
@@ -280,14 +421,16 @@ class Transformer(nnx.Module):
     # -- the sharded entry point -----------------------------------------------------------
 
     def __call__(self, tokens_bt, positions_bt=None):
-        """Logits (B, T, V) float32 for int tokens (B, T); positions default to 0..T-1."""
+        """Logits (B, T, V) float32 for int tokens (B, T); positions default to 0..T-1, and
+        then attention runs fused (`attend_causal`)."""
         return self._sharded(tokens_bt, positions_bt, None)
 
     def forward_cached(self, tokens_bt, positions_bt, cache):
         """(logits, cache): the forward of `tokens_bt` at `positions_bt` against a KV cache
         (a list of (k, v) per layer: `ladder_jax.inference.cache.KVCache.layers()`), whose
         updated copy is returned. Row b's tokens are written to cache slots positions[b, 0]
-        onwards and see the slots before them."""
+        onwards and see the slots before them. `positions_bt=None`: a prompt from slot 0
+        (positions 0..T-1), attention fused over the prompt itself (the prefill)."""
         return self._sharded(tokens_bt, positions_bt, cache)
 
     def _sharded(self, tokens_bt, positions_bt, cache):
@@ -298,24 +441,25 @@ class Transformer(nnx.Module):
                 f"{tokens_bt.dtype}{list(tokens_bt.shape)}")
         tokens_bt = tokens_bt.astype(jnp.int32)
         sharding.check_batch(tokens_bt.shape[0], self.mesh)
-        if positions_bt is None:
-            positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32),
-                                            tokens_bt.shape)
         graphdef, state = nnx.split(self)
         specs = stored_specs(state)  # the weights enter as stored (FSDP: split over data)
         batch, logits = P(DATA, None), P(DATA, None, TP)
 
-        cache_args = () if cache is None else (cache,)  # the cache travels only if given
+        # the positions travel only if given (None: 0..T-1, fused attention), the cache too
+        pos_args = () if positions_bt is None else (jnp.asarray(positions_bt),)
+        cache_args = () if cache is None else (cache,)
         cache_specs = tuple(jax.tree.map(lambda _: sharding.CACHE_BSKH, c) for c in cache_args)
 
-        def local(state, tokens_bt, positions_bt, *cache):
+        def local(state, tokens_bt, *rest):
+            positions_bt = rest[0] if pos_args else None
             logits_btv, cache = nnx.merge(graphdef, state).forward_local(
-                tokens_bt, positions_bt, *cache)
+                tokens_bt, positions_bt, *rest[len(pos_args):])
             return logits_btv if cache is None else (logits_btv, cache)
 
-        return sharding.shard(local, self.mesh, in_specs=(specs, batch, batch, *cache_specs),
+        in_specs = (specs, batch) + (batch,) * len(pos_args) + cache_specs
+        return sharding.shard(local, self.mesh, in_specs=in_specs,
                               out_specs=(logits, *cache_specs) if cache_specs else logits)(
-            state, tokens_bt, positions_bt, *cache_args)
+            state, tokens_bt, *pos_args, *cache_args)
 
     # -- inside shard_map ------------------------------------------------------------------
 
@@ -359,14 +503,103 @@ class Transformer(nnx.Module):
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer{i}.parallel"):
                 h_btd = layer.attn_norm(x_btd).astype(c.dtype)
-                if caches is None:
-                    y_btd = both(layer.attn, layer.mlp, h_btd)
+                cache = None if caches is None else caches[i]
+                fused = getattr(layer, "fused_in", None)
+                if fused is not None:  # `fuse_parallel_inputs`: one matmul for all five
+                    q, k, v, g_btf, u_btf = self._parallel_inputs(fused, h_btd)
+                    a = layer.attn.attend_and_project(q, k, v, positions_bt, inv_freq, cache)
+                    m_btd = layer.mlp.project_down(g_btf, u_btf)
+                elif caches is None:
+                    a, m_btd = both(layer.attn, layer.mlp, h_btd), None
                 else:
-                    a_btd, cache = layer.attn(h_btd, positions_bt, inv_freq, caches[i])
+                    a, m_btd = layer.attn(h_btd, positions_bt, inv_freq, cache), layer.mlp(h_btd)
+                if cache is not None:
+                    a, cache = a
                     new_caches.append(cache)
-                    y_btd = a_btd + layer.mlp(h_btd)
+                y_btd = a if m_btd is None else a + m_btd
                 x_btd = x_btd + sharding.reduce_tp(y_btd)
         return x_btd, new_caches
+
+    def _parallel_inputs(self, fused, h_btd):
+        """This rank's q (B,T,N',H), k and v (B,T,K',H), gate and up (B,T,F') from the one
+        matmul over its block of a `FusedInput` (layout: `fused_input_columns`)."""
+        c = self.config
+        w_dc = sharding.read_weight(fused, c.dtype)
+        y_btc = jnp.einsum("BTD,DC->BTC", h_btd, w_dc)
+        B, T = h_btd.shape[:2]
+        n, kv, f = fused_input_columns(c, sharding.tp_size(self.mesh))
+        H = c.head_dim
+        q, k, v, g_btf, u_btf = jnp.split(
+            y_btc, np.cumsum([n * H, kv * H, kv * H, f])[:4].tolist(), axis=-1)
+        return (q.reshape(B, T, n, H), k.reshape(B, T, kv, H), v.reshape(B, T, kv, H),
+                g_btf, u_btf)
+
+
+# ---------------------------------------------------------------------------------------------
+# The parallel scheme's input projections, fused for decoding.
+#
+# Parallel feeds one normalized input h to q, k, v (attention) and gate, up (MLP). Left as five
+# weights, XLA:GPU's dot merger turns the five matmuls into one over a *new* buffer, the five
+# weights concatenated, on every step: at decode batch sizes that copy reads and writes the
+# weights again (predict: parallel slower than standard at 70B, tp 8, batch >= 4). Fusing them
+# once, when a model is set up for decoding, gives that one matmul over a weight that is already
+# contiguous. The weight tree itself is unchanged (every tree loads into every scheme and tp
+# size, HF import/export untouched): the fused weight lives only in the decoding clone.
+
+
+class FusedInput(nnx.Variable):
+    """One layer's q, k, v, gate and up weights as one (D, C) matrix, split over `tp` by
+    columns: rank r's block is [q heads | k heads | v heads | gate | up] of rank r, each
+    flattened (`fused_input_columns`). Not a `nnx.Param`: nothing trains or saves it."""
+
+
+def fused_input_columns(config: ModelConfig, tp: int) -> tuple[int, int, int]:
+    """Per rank: query heads N/tp, kv heads (K/tp, or 1 when kv heads are replicated) and
+    MLP hidden F/tp of a `FusedInput` block, whose width is (N' + 2 K') H + 2 F'."""
+    kv = 1 if config.n_kv_heads < tp else config.n_kv_heads // tp
+    return config.n_heads // tp, kv, config.d_ff // tp
+
+
+def fuse_parallel_inputs(model: Transformer) -> Transformer:
+    """For decoding: a clone of a parallel model (sharing every other weight) whose layers read
+    q/k/v/gate/up with one matmul over a `FusedInput` built here, once; the clone drops the
+    five separate weights. Any other scheme: `model` itself. Works on abstract models
+    (`abstract`: weights as ShapeDtypeStructs) too, giving an abstract fused weight.
+
+    Footguns: the fused weights are a copy. While `model` is alive, the five projections
+    (about 2/3 of a Llama layer) are held twice. A quantized (int8) model is not fused: its
+    five int8 projections stay separate matmuls."""
+    c, mesh = model.config, model.mesh
+    if c.residual != "parallel" or c.quantize is not None:  # int8 weights stay unfused
+        return model
+    clone = nnx.merge(*nnx.split(model))
+    tp = sharding.tp_size(mesh)
+    out_spec = P(None, TP)
+    for layer in clone.layers:
+        a, m = layer.attn, layer.mlp
+        weights = (a.q, a.k, a.v, m.gate, m.up)
+
+        def local(q_dnh, k_dkh, v_dkh, gate_df, up_df, kv_replicated=a.kv_replicated):
+            if kv_replicated:
+                k_dkh = sharding.local_kv_head(k_dkh, c.n_kv_heads, tp)
+                v_dkh = sharding.local_kv_head(v_dkh, c.n_kv_heads, tp)
+            D = q_dnh.shape[0]
+            return jnp.concatenate([w.reshape(D, -1) for w in
+                                    (q_dnh, k_dkh, v_dkh, gate_df, up_df)], axis=1)
+
+        fuse = jax.jit(sharding.shard(local, mesh, in_specs=tuple(w.spec for w in weights),
+                                      out_specs=out_spec),
+                       out_shardings=NamedSharding(mesh, out_spec))
+        values = [w.get_value() for w in weights]
+        if any(isinstance(v, jax.ShapeDtypeStruct) for v in values):
+            fused = jax.eval_shape(fuse, *values)
+            fused = jax.ShapeDtypeStruct(fused.shape, fused.dtype,
+                                         sharding=NamedSharding(mesh, out_spec))
+        else:
+            fused = fuse(*values)
+        layer.fused_in = FusedInput(fused, spec=out_spec)
+        a.q = a.k = a.v = m.gate = m.up = None
+    return clone
 
 
 def param_specs(state: nnx.State) -> nnx.State:

@@ -1,0 +1,165 @@
+"""Fused attention and the parallel scheme's fused input projection, against references.
+
+Tolerances: float32 on CPU, fused (XLA's `dot_product_attention`, the Pallas kernel run by
+Pallas's interpreter) vs the reference einsum attention `attend`: 1e-5 absolute on outputs of
+unit-variance inputs, 1e-5 relative to the largest gradient entry.
+"""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import ladder_jax as lj
+from ladder_jax.analysis import overlap, programs
+from ladder_jax.inference import generation
+from ladder_jax.model import transformer
+from tests.conftest import TINY, tiny_model
+
+TOL = 1e-5
+
+
+def _qkv(B=2, T=128, N=8, K=2, H=16, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(keys[0], (B, T, N, H)), jax.random.normal(keys[1], (B, T, K, H)),
+            jax.random.normal(keys[2], (B, T, K, H)))
+
+
+def _reference(q, k, v):
+    B, T = q.shape[:2]
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    return transformer.attend(q, k, v, pos, pos)
+
+
+def _check_against_reference(fused, q, k, v):
+    w = jax.random.normal(jax.random.key(9), q.shape)  # a loss that weighs every output
+    np.testing.assert_allclose(np.asarray(fused(q, k, v)), np.asarray(_reference(q, k, v)),
+                               atol=TOL, rtol=0)
+    got = jax.grad(lambda *a: (fused(*a) * w).sum(), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(lambda *a: (_reference(*a) * w).sum(), argnums=(0, 1, 2))(q, k, v)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=TOL * np.abs(r).max())
+
+
+def test_xla_fused_attention_equals_reference_gqa_forward_and_backward():
+    q, k, v = _qkv(T=40)
+    _check_against_reference(jax.jit(lambda *a: transformer.attend_causal(*a, "xla")), q, k, v)
+
+
+def test_pallas_flash_attention_interpreted_equals_reference():
+    """The kernel the deviceless H100 programs hold, run on CPU by Pallas's interpreter,
+    through the model's own wrapper (GQA by repeated kv heads, custom backward)."""
+    q, k, v = _qkv(B=1, T=128, N=4, K=2, H=16)
+
+    def pallas(q, k, v):
+        G = q.shape[2] // k.shape[2]
+        k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+        return transformer.pallas_flash(q, k, v, 1.0 / np.sqrt(q.shape[-1]), True)
+
+    _check_against_reference(jax.jit(pallas), q, k, v)
+
+
+def test_kernel_choice_by_platform():
+    mesh = lj.make_mesh(tp=1, devices=jax.devices()[:1])
+    assert transformer.attention_kernel(mesh, "bfloat16", 128) == "xla"  # CPU
+    gpu = programs.gpu_mesh("h100", 2)  # deviceless: cuDNN cannot be compiled here
+    assert transformer.attention_kernel(gpu, "bfloat16", 128) == "pallas"
+    with pytest.raises(ValueError, match="unknown attention kernel"):
+        transformer.attend_causal(*_qkv(T=8), "flash")
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_model_with_fused_attention_equals_the_reference_attention(tp):
+    """Default positions (fused attention) vs the same positions given explicitly (the
+    reference `attend`), logits and gradients, GQA (8 query / 4 kv heads), at tp 1 and 4."""
+    model = tiny_model(tp, residual="ladder", ladder_layers=2)
+    tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, TINY.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(24, dtype=jnp.int32), tokens.shape)
+    graphdef, state = nnx.split(model)
+    w = jax.random.normal(jax.random.key(2), (2, 24, TINY.vocab_size))
+
+    @jax.jit
+    def both(state):
+        def loss(state, pos):
+            return (nnx.merge(graphdef, state)(tokens, pos) * w).sum()
+        return jax.value_and_grad(loss)(state, None), jax.value_and_grad(loss)(state, positions)
+
+    (fused, g_fused), (ref, g_ref) = both(state)
+    np.testing.assert_allclose(float(fused), float(ref), rtol=TOL)
+    for a, b in zip(jax.tree.leaves(g_fused), jax.tree.leaves(g_ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=TOL * np.abs(b).max())
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])  # 8: fewer kv heads (4) than ranks, replicated
+def test_parallel_fused_projection_equals_the_five_matmuls(tp):
+    """A decoding clone (`fuse_parallel_inputs`) against the model it came from: the prefill
+    of ragged prompts (positions None) and a decode step against the cache (explicit
+    positions), logits and caches."""
+    model = tiny_model(tp, residual="parallel")
+    fused = transformer.fuse_parallel_inputs(model)
+    assert all(layer.attn.q is None and layer.fused_in is not None for layer in fused.layers)
+    assert model.layers[0].attn.q is not None  # the model itself is untouched
+    tokens = jax.random.randint(jax.random.key(3), (8, 16), 0, TINY.vocab_size)
+
+    @jax.jit
+    def run(m):
+        cache = generation.init_cache(m, 8, 32)
+        logits, cache = m.forward_cached(tokens, None, cache)
+        pos = jnp.full((8, 1), 16, jnp.int32)
+        step, cache = m.forward_cached(tokens[:, :1], pos, cache)
+        return logits, step, cache
+
+    want, got = run(model), run(fused)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
+
+
+def test_other_schemes_are_not_fused():
+    model = tiny_model(1, residual="ladder")
+    assert transformer.fuse_parallel_inputs(model) is model
+
+
+# ---------------------------------------------------------------------------------------------
+# The compiled H100 programs (deviceless).
+
+# tiny at a width where XLA:GPU's dot merger acts on parallel's five input matmuls
+WIDE = dict(d_model=512, n_heads=8, n_kv_heads=8, d_ff=2048)
+
+
+def _hlo(phase, **changes):
+    config = lj.ModelConfig.from_preset("tiny", **{**WIDE, **changes})
+    return programs.compile_program(config, phase=phase, tp=8, batch=8, seq=128,
+                                    new_tokens=64)[0]
+
+
+def _concatenates(hlo):
+    """Shapes of the concatenates in the compiled program, fused ones included."""
+    return re.findall(r"= (\S+\[[\d,]*\])\S* concatenate\(", hlo)
+
+
+@pytest.mark.parametrize("phase", ["prefill", "train"])
+def test_h100_ladder_programs_hold_the_fused_attention_and_keep_their_overlap(phase):
+    hlo = _hlo(phase, residual="ladder")
+    kernels = hlo.count('custom_call_target="__gpu$xla.gpu.triton"')
+    layers = 4
+    # one flash kernel per layer forward; the backward adds two per layer (preprocess, dq/dkv)
+    assert kernels == (layers if phase == "prefill" else 3 * layers), kernels
+    assert "mha_forward" in hlo
+    rep = overlap.summarize(overlap.read_all_reduces(hlo, WIDE["d_model"]))
+    assert rep["forward"]["total"] == 2 * layers and rep["forward"]["all_but_last_overlapped"]
+    if phase == "train":
+        assert rep["backward"]["total"] == 2 * layers + 1  # the head's, then the modules'
+        assert rep["backward"]["all_but_last_overlapped"]
+
+
+def test_h100_parallel_decode_concatenates_no_weights():
+    """The parallel decode step reads one fused weight per layer: no (D, C) concatenate of
+    weights in the program, where the unfused five matmuls had XLA build one every step."""
+    hlo = _hlo("decode", residual="parallel")
+    d = WIDE["d_model"]
+    weights = [s for s in _concatenates(hlo) if re.search(rf"\[{d},\d+\]|\[\d+,{d}\]", s)]
+    assert weights == [], weights
