@@ -37,8 +37,9 @@ Cache. Compiling a 70B-wide program takes seconds to minutes; `compile_program` 
 scheduled HLO text of every program it compiled in a persistent cache (`cache_dir()`:
 `$LADDER_JAX_CACHE`, default `~/.cache/ladder_jax/programs`; `LADDER_JAX_CACHE=off` disables
 it), keyed by everything the program depends on: its arguments, the compiler options, the
-target description, the jax / jaxlib / plugin versions and a hash of this package's source. A
-rerun reads the text back (milliseconds); editing the package invalidates every entry.
+target description, the jax / jaxlib / plugin versions and a hash of this package's source
+(all but the command lines and the code that reads and costs programs). A rerun reads the text
+back (milliseconds); editing what builds programs invalidates every entry.
 """
 
 
@@ -236,17 +237,24 @@ def cache_dir() -> str | None:
     return os.path.join(base, "ladder_jax", "programs")
 
 
+# what reads or costs programs, not what builds them: editing these keeps the cache
+_NOT_PROGRAM = {os.path.join("analysis", n) for n in ("hlo.py", "overlap.py", "perfmodel.py")} | {
+    "api.py", "hardware.py"}  # hardware: the target description itself is in the key
+
+
 @functools.lru_cache(maxsize=1)
 def _source_hash() -> str:
-    """What the package's programs depend on besides their arguments: its own source."""
+    """What the package's programs depend on besides their arguments: its source (all of it
+    but the command lines, the notebook API and the readers / cost model of `analysis`)."""
     h = hashlib.sha256()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for dirpath, dirnames, files in sorted(os.walk(root)):
-        dirnames.sort()
+        dirnames[:] = sorted(d for d in dirnames if d not in ("cli", "__pycache__"))
         for name in sorted(files):
-            if name.endswith(".py"):
+            rel = os.path.relpath(os.path.join(dirpath, name), root)
+            if name.endswith(".py") and rel not in _NOT_PROGRAM:
                 with open(os.path.join(dirpath, name), "rb") as f:
-                    h.update(name.encode() + f.read())
+                    h.update(rel.encode() + f.read())
     versions = [jax.__version__, jaxlib.__version__]
     for dist in ("jax-cuda12-plugin", "jax-cuda12-pjrt"):
         try:

@@ -139,8 +139,10 @@ def main(argv=None) -> int:
 
 
 def _finite(name: str, v, low: float | None = None, *, positive=False):
+    """`v` (a flag's value) when finite and in range, else one line naming the flag."""
     if v is None:
         return None
+    positive = positive or low is None
     if not math.isfinite(v) or (low is not None and v < low) or (positive and v <= 0):
         raise PredictError(f"{name} {v:g}: must be a finite number "
                            f"{'> 0' if positive else f'>= {low:g}'}")
