@@ -7,8 +7,10 @@ collective, memory). The command line is `python -m ladder_jax.overlap`; the per
     python -m ladder_jax.overlap --preset tiny --residual standard --phase train --json
 
 How it works. XLA's CUDA compiler runs on the CPU when given a description of the target chip
-(`ladder_jax.hardware`, H100 / H200) through the CUDA PJRT plugin (`pip install -e ".[test]"` brings
-it; no CUDA libraries, no GPU). The model is built from shapes only (`nnx.eval_shape`), so
+(`ladder_jax.hardware`: H100 / H200, sm_90; A100, sm_80) through the CUDA PJRT plugin
+(`pip install -e ".[test]"` brings it; no CUDA libraries, no GPU; `ladder_jax.analysis.programs`
+builds and caches the programs). `--hosts N` spreads the tp group over N hosts of the
+plugin's multi-host topology. `--dump-hlo FILE` writes the scheduled HLO text that was read. The model is built from shapes only (`nnx.eval_shape`), so
 `llama-3-70b` compiles on a laptop. The compiled module is scheduled: its ENTRY computation
 lists kernels in execution order, and every async all-reduce appears as an
 `all-reduce-start` / `all-reduce-done` pair. An all-reduce is *overlapped* when at least one
@@ -27,12 +29,13 @@ Phases are the programs users run. `prefill` and `decode` are `ladder_jax.infere
 jitted prefill (a `--seq`-token prompt written into the KV cache, then sampling of the first
 new token) and its one-token step (KV cache, attention over all its slots, sampling), with a
 cache sized for `--seq` + `--new-tokens` as `decode` sizes it, and the decode CLI's sampling
-(temperature 0.8, top-k 200). `train` is a full training step (forward, backward, AdamW
-update) on `--seq` tokens.
+(temperature 0.8, top-k 200). `train` is the trainer's training step (`programs.train_program`:
+forward, backward, AdamW update, clipping) on `--seq` tokens, with the default optimizer
+settings.
 
 Training configs (`--config configs/X.yaml [key=value ...] --hosts N`): compiles the training
 step that config runs (`compile_train_config`: its mesh, FSDP, dtypes, accumulation, remat and
-optimizer, through the same `ladder_jax.train.step` functions the trainer uses) for N hosts of
+optimizer, through `programs.train_program`, the builder of every training program) for N hosts of
 `--gpus-per-host` GPUs: the plugin's topology `1 x N x G`, the (data, tp) mesh filled row by
 row so that a tp group is one host. The report adds every other collective (`read_collectives`:
 FSDP's all-gathers and reduce-scatters over `data`, the loss's and gradient norm's
