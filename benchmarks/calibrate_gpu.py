@@ -75,7 +75,10 @@ def calibration_file(m: dict, target: str, dry_run: bool) -> dict:
     from ladder_jax import hardware
 
     chip = hardware.CHIPS[target]
-    clamp = lambda v: min(max(v, 1e-6), 1.0)  # noqa: E731  (a CPU dry run is far below peak)
+
+    def clamp(v):  # a CPU dry run is far below peak
+        return min(max(v, 1e-6), 1.0)
+
     return {
         "target": target,
         "efficiency": {"gemm": clamp(m["gemm_flops_per_s"] / chip.bf16_flops),

@@ -275,7 +275,7 @@ class Calibration:
     contention: Contention
     source: str = "hardware.py (public figures)"
 
-    def replace(self, **sections) -> "Calibration":
+    def replace(self, **sections) -> Calibration:
         """A copy with `chip`, `efficiency`, `inter_host`, `contention` fields replaced (a dict
         each) and `links` (a dict of dicts, per link name; `"*"` for every link)."""
         kw = {}
@@ -295,7 +295,7 @@ class Calibration:
         return dataclasses.replace(self, **kw)
 
     @classmethod
-    def load(cls, path: str, target: str | None = None) -> "Calibration":
+    def load(cls, path: str, target: str | None = None) -> Calibration:
         try:
             with open(path) as f:
                 data = json.load(f)

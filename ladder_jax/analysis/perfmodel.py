@@ -183,8 +183,8 @@ def _plain_cost(module: hlo.Module, op: hlo.Op) -> tuple[float, float]:
 
 def _collective_bytes(module: hlo.Module, op: hlo.Op) -> float:
     """Message size: the larger of what goes in and what comes out."""
-    inputs = sum(hlo.nbytes(o.shape) for o in map(lambda n: module.op("ENTRY", n), op.operands)
-                 if o is not None)
+    entry = [module.op("ENTRY", n) for n in op.operands]
+    inputs = sum(hlo.nbytes(o.shape) for o in entry if o is not None)
     total = hlo.nbytes(op.shape)
     outputs = total - inputs if op.opcode.endswith("-start") and total > inputs else total
     return float(max(inputs, outputs))
