@@ -12,9 +12,10 @@ How it works. XLA's CUDA compiler runs on the CPU when given a description of th
 builds and caches the programs). `--hosts N` spreads the tp group over N hosts of the
 plugin's multi-host topology. `--dump-hlo FILE` writes the scheduled HLO text that was read.
 The model is built from shapes only (`nnx.eval_shape`), so `llama-3-70b` compiles on a laptop.
-The compiled module is scheduled: its ENTRY computation lists kernels in execution order,
-and every async all-reduce appears as an `all-reduce-start` / `all-reduce-done` pair. An all-reduce is *overlapped* when at least one
-matmul kernel is scheduled between its start and done (and XLA did not mark it `is_sync`).
+The compiled module is scheduled: its ENTRY computation lists kernels in execution order, and
+every async all-reduce appears as an `all-reduce-start` / `all-reduce-done` pair. An all-reduce
+is *overlapped* when at least one matmul kernel is scheduled between its start and done (and
+XLA did not mark it `is_sync`).
 
 What counts as a matmul kernel: a cuBLAS custom-call, a Triton GEMM fusion (`gemm_fusion*`:
 deviceless builds are not autotuned), a plain `dot`, or any fusion whose JAX op is a
