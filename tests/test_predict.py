@@ -493,7 +493,7 @@ def test_presets_compile_at_small_depth(preset, tp):
                                  n_layers=1)
     prog = perfmodel.program_kernels(config, phase="prefill", tp=tp, batch=1, prompt_len=16,
                                      new_tokens=16, target="h100", hosts=1 + (tp > 8))
-    assert sum(k.collective == "all-reduce" for k in prog.kernels) >= 2, (preset, tp)
+    assert sum(k.collective == "all-reduce" for k in prog.kernels) >= 2 * (tp > 1), (preset, tp)
     assert sum(k.flops > 0 for k in prog.kernels) >= 4, (preset, tp)
 
 
