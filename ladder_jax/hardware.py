@@ -305,6 +305,9 @@ class Calibration:
             raise ValueError(f"--hardware {path}: not JSON ({e})") from None
         if not isinstance(data, dict):
             raise ValueError(f"--hardware {path}: expected a JSON object")
+        if target and data.get("target") not in (None, target):
+            raise ValueError(f"--hardware {path}: its figures are for {data['target']!r}; pass "
+                             f"--target {data['target']}")
         target = target or data.get("target", "h100")
         try:
             return dataclasses.replace(calibration(target).replace(**{

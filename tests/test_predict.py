@@ -456,6 +456,8 @@ def test_hardware_file_replaces_the_figures_it_names(tmp_path):
     cal = hardware.Calibration.load(str(path))
     assert cal.efficiency.gemm == 0.5 and cal.efficiency.memory == hardware.EFFICIENCY.memory
     assert cal.links["nvlink"].bus_bytes_per_s == 100e9 and cal.source == str(path)
+    with pytest.raises(ValueError, match="its figures are for 'h100'; pass --target h100"):
+        hardware.Calibration.load(str(path), "a100")
     path.write_text(json.dumps({"efficiency": {"gemm": float("nan")}}))
     with pytest.raises(ValueError, match="efficiency.gemm=nan must be a finite number"):
         hardware.Calibration.load(str(path))
