@@ -137,12 +137,13 @@ def predict(preset: str = "llama-3-70b", *, tp=(2, 4, 8), batch=1, prompt_len: i
     """`python -m ladder_jax.predict` as rows: one dict per (tp, batch, scheme, link) with the
     predicted prefill_s, decode_step_s, tokens_per_s, tokens_per_s_per_user, exposed_comm_s
     and vs_standard (tokens/s over standard's). `tp`, `batch`, `links` take one value or a
-    list; `kwargs` go to `ladder_jax.analysis.perfmodel.predict` (efficiency, link_overrides, ...)."""
+    list; `kwargs` go to `ladder_jax.analysis.perfmodel.predict` (hosts, gpus_per_host,
+    calibration, contention, efficiency, link_overrides, ...)."""
 
 
     if not jax.config.jax_platforms:  # compile for the GPU target; nothing runs on a GPU
         jax.config.update("jax_platforms", "cpu")
     rows = perfmodel.predict(ModelConfig.from_preset(preset), tp=tp, batch=batch,
                              prompt_len=prompt_len, new_tokens=new_tokens, links=links,
-                             target=target, residuals=residuals, **kwargs)
+                             target=target, residuals=residuals, name=preset, **kwargs)
     return [{"preset": preset, **r} for r in perfmodel.with_ratios(rows)]

@@ -271,6 +271,12 @@ PRESETS: dict[str, dict] = {  # ModelConfig fields; head_dim is derived unless g
     "llama-3-70b": dict(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64,
                                n_kv_heads=8, d_ff=28672, max_seq_len=8192,
                                rope_theta=500000.0, dtype="bfloat16", param_dtype="bfloat16"),
+    # Llama 2 (Touvron et al. 2023, arXiv 2307.09288; the released config.json files): the
+    # shapes of the A100 tables of gpt-fast-style benchmarks. 70B uses GQA (8 kv heads).
+    "llama-2-7b": dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                       d_ff=11008, max_seq_len=4096, dtype="bfloat16", param_dtype="bfloat16"),
+    "llama-2-70b": dict(vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                        d_ff=28672, max_seq_len=4096, dtype="bfloat16", param_dtype="bfloat16"),
     "llama-3.1-405b": dict(vocab_size=128256, d_model=16384, n_layers=126, n_heads=128,
                                   n_kv_heads=16, d_ff=53248, max_seq_len=131072,
                                   rope_theta=500000.0, rope_scaling=RopeScaling(factor=8.0),

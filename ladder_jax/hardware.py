@@ -1,29 +1,36 @@
 """The GPUs ladder_jax knows, in one table: MFU (training), the memory-bandwidth roofline
-(decoding) and the deviceless compile targets (`ladder_jax.overlap`) all read it.
+(decoding), the deviceless compile targets (`ladder_jax.overlap`, `ladder_jax.predict`) and the
+performance model's calibration all read it.
 
 Figures are the vendors' spec-sheet numbers per device (dense, i.e. without 2:4 sparsity):
-- H100 SXM5 80GB: 989 TFLOP/s bf16, 3.35 TB/s HBM3, 80 GB (NVIDIA H100 Tensor Core GPU
-  datasheet).
+- H100 SXM5 80GB: 989 TFLOP/s bf16, 3.35 TB/s HBM3, 80 GB, 132 SMs (NVIDIA H100 Tensor Core
+  GPU datasheet / Hopper architecture whitepaper).
 - H200 SXM 141GB: 989 TFLOP/s bf16, 4.8 TB/s HBM3e, 141 GB (NVIDIA H200 datasheet; same
   compute die as the H100).
 - H800 SXM: H100 compute and memory with a narrower NVLink (NVIDIA H800 datasheet).
-- A100 SXM4 80GB: 312 TFLOP/s bf16, 2.039 TB/s HBM2e, 80 GB (NVIDIA A100 datasheet).
+- A100 SXM4 80GB: 312 TFLOP/s bf16, 2.039 TB/s HBM2e, 80 GB, 108 SMs (NVIDIA A100 datasheet /
+  Ampere architecture whitepaper).
 - B200 (HGX B200): 2.25 PFLOP/s bf16 dense, 8 TB/s HBM3e, 180 GB (NVIDIA HGX B200 spec).
 - L40S: 362 TFLOP/s bf16 dense, 864 GB/s GDDR6, 48 GB (NVIDIA L40S datasheet).
 
 Deviceless compilation (no GPU on the machine) describes the target chip to XLA's CUDA
-compiler with a `GpuTargetConfig` text proto: `gpu_target_config`. Only the sm_90 chips
-(H100, H200) carry the SM figures it needs.
+compiler with a `GpuTargetConfig` text proto: `gpu_target_config`. The chips with an `arch`
+(sm_90: H100, H200; sm_80: A100) carry the SM figures it needs: `TARGETS`.
 
-The performance model (`ladder_jax.predict`) reads two more tables here, its whole calibration:
-`LINKS` (how long a collective takes on an interconnect) and `EFFICIENCY` (what fraction of the
-spec-sheet rates kernels reach). Every figure names its public source. None is fitted to a
-measured end-to-end throughput of any model.
+The performance model (`ladder_jax.predict`) reads its whole calibration here, per target
+(`calibration(target)`, or a file written by `benchmarks/calibrate_gpu.py` on a real GPU:
+`Calibration.load`): the chip, `EFFICIENCY` (what fraction of the spec-sheet rates kernels
+reach), the intra-host links (`LINKS`: how long a collective takes over NVLink or PCIe), the
+inter-host link (`INTER_HOST`: InfiniBand, one NIC per GPU) and `CONTENTION` (what an
+in-flight collective takes from the kernels beside it). Every figure names its public source.
+None is fitted to a measured end-to-end throughput of any model.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,19 +40,21 @@ class Chip:
     bf16_flops: float  # dense, per device
     hbm_bytes_per_s: float
     memory_bytes: int
-    sm90: bool = False  # deviceless compile target (`gpu_target_config`)
+    arch: str | None = None  # deviceless compile target (`gpu_target_config`): sm90, sm80
+    sms: int = 132  # streaming multiprocessors (what NCCL's channels take a share of)
 
 
 CHIPS = {
-    "h100": Chip("H100", "NVIDIA H100 80GB HBM3", 989e12, 3.35e12, 80 * 1024**3, sm90=True),
-    "h200": Chip("H200", "NVIDIA H200", 989e12, 4.8e12, 141_000_000_000, sm90=True),
+    "h100": Chip("H100", "NVIDIA H100 80GB HBM3", 989e12, 3.35e12, 80 * 1024**3, arch="sm90"),
+    "h200": Chip("H200", "NVIDIA H200", 989e12, 4.8e12, 141_000_000_000, arch="sm90"),
     "h800": Chip("H800", "NVIDIA H800", 989e12, 3.35e12, 80 * 1024**3),
-    "a100": Chip("A100", "NVIDIA A100-SXM4-80GB", 312e12, 2.039e12, 80 * 1024**3),
+    "a100": Chip("A100", "NVIDIA A100-SXM4-80GB", 312e12, 2.039e12, 80 * 1024**3, arch="sm80",
+                 sms=108),
     "b200": Chip("B200", "NVIDIA B200", 2250e12, 8.0e12, 180_000_000_000),
     "l40s": Chip("L40S", "NVIDIA L40S", 362e12, 0.864e12, 48_000_000_000),
 }
 
-TARGETS = tuple(k for k, c in CHIPS.items() if c.sm90)  # deviceless compile targets
+TARGETS = tuple(k for k, c in CHIPS.items() if c.arch)  # deviceless compile targets
 
 
 def chip_of(device) -> Chip | None:
@@ -56,14 +65,26 @@ def chip_of(device) -> Chip | None:
 
 # sm_90 figures (H100 and H200 share them): 132 SMs of 128 FP32 lanes, 228 KiB shared memory
 # per SM (227 KiB opt-in per block), 64 Ki registers, 50 MiB L2, 1.98 GHz boost clock.
-_SM90 = dict(
-    threads_per_block_limit=1024, threads_per_warp=32, shared_memory_per_block=49152,
-    shared_memory_per_core=233472, threads_per_core_limit=2048, core_count=132,
-    fpus_per_core=128, block_dim_limit_x=2147483647, block_dim_limit_y=65535,
-    block_dim_limit_z=65535, l2_cache_size=52428800, clock_rate_ghz=1.98,
-    shared_memory_per_block_optin=232448, registers_per_core_limit=65536,
-    registers_per_block_limit=65536,
-)
+# sm_80 (A100 SXM4): 108 SMs of 64 FP32 lanes, 164 KiB shared memory per SM (163 KiB opt-in per
+# block), 64 Ki registers, 40 MiB L2, 1.41 GHz boost clock (Ampere whitepaper, CUDA
+# programming guide's compute capability 8.0 table).
+_ARCH = {
+    "sm90": dict(
+        threads_per_block_limit=1024, threads_per_warp=32, shared_memory_per_block=49152,
+        shared_memory_per_core=233472, threads_per_core_limit=2048, core_count=132,
+        fpus_per_core=128, block_dim_limit_x=2147483647, block_dim_limit_y=65535,
+        block_dim_limit_z=65535, l2_cache_size=52428800, clock_rate_ghz=1.98,
+        shared_memory_per_block_optin=232448, registers_per_core_limit=65536,
+        registers_per_block_limit=65536),
+    "sm80": dict(
+        threads_per_block_limit=1024, threads_per_warp=32, shared_memory_per_block=49152,
+        shared_memory_per_core=167936, threads_per_core_limit=2048, core_count=108,
+        fpus_per_core=64, block_dim_limit_x=2147483647, block_dim_limit_y=65535,
+        block_dim_limit_z=65535, l2_cache_size=41943040, clock_rate_ghz=1.41,
+        shared_memory_per_block_optin=166912, registers_per_core_limit=65536,
+        registers_per_block_limit=65536),
+}
+_CAPABILITY = {"sm90": (9, 0), "sm80": (8, 0)}
 
 
 def gpu_target_config(target: str) -> str:
@@ -71,10 +92,12 @@ def gpu_target_config(target: str) -> str:
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}")
     chip = CHIPS[target]
-    fields = dict(_SM90, memory_bandwidth=int(chip.hbm_bytes_per_s),
+    fields = dict(_ARCH[chip.arch], memory_bandwidth=int(chip.hbm_bytes_per_s),
                   device_memory_size=chip.memory_bytes)
     info = "".join(f"  {k}: {v}\n" for k, v in fields.items())
-    return (f"gpu_device_info {{\n{info}  cuda_compute_capability {{ major: 9 minor: 0 }}\n}}\n"
+    major, minor = _CAPABILITY[chip.arch]
+    return (f"gpu_device_info {{\n{info}  cuda_compute_capability {{ major: {major} minor: "
+            f"{minor} }}\n}}\n"
             f'platform_name: "CUDA"\ndnn_version_info {{ major: 9 minor: 7 }}\n'
             f'device_description_str: "{chip.device_kind}"\n')
 
@@ -85,12 +108,14 @@ def gpu_target_config(target: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """A tensor-parallel interconnect as NCCL sees it: the time of a ring collective over p
-    ranks moving n bytes is `base_latency_s + steps * hop_latency_s + n * f / bus_bytes_per_s`,
-    with steps = 2(p-1) and f = 2(p-1)/p for an all-reduce, p-1 and (p-1)/p for an all-gather
-    or reduce-scatter (n: the larger of input and output). `bus_bytes_per_s` is what
-    nccl-tests prints as "busbw" for large messages; the latencies are its small-message
-    times. A tree all-reduce takes 2*ceil(log2 p) steps instead of 2(p-1)."""
+    """An interconnect as NCCL sees it: the time of a ring collective over p ranks moving n
+    bytes is `base_latency_s + steps * hop_latency_s + n * f / bus_bytes_per_s`, with
+    steps = 2(p-1) and f = 2(p-1)/p for an all-reduce, p-1 and (p-1)/p for an all-gather or
+    reduce-scatter (n: the larger of input and output). `bus_bytes_per_s` is what nccl-tests
+    prints as "busbw" for large messages; the latencies are its small-message times. A tree
+    all-reduce takes 2*ceil(log2 p) steps instead of 2(p-1). `channels`: how many NCCL
+    channels (one thread block, i.e. one SM, each) a large collective runs on
+    (`Contention`). An inter-host link's figures are per GPU (one NIC each)."""
 
     name: str
     description: str
@@ -98,12 +123,13 @@ class Link:
     hop_latency_s: float
     bus_bytes_per_s: float
     sources: str
+    channels: int = 24
 
 
 LINKS = {
     "nvlink": Link(
         "nvlink", "H100/H200 SXM, NVLink 4 through NVSwitch (DGX/HGX H100, H200), NCCL ring",
-        base_latency_s=6.6e-6, hop_latency_s=0.6e-6, bus_bytes_per_s=360e9,
+        base_latency_s=6.6e-6, hop_latency_s=0.6e-6, bus_bytes_per_s=360e9, channels=24,
         sources="latencies: NCCL's own cost model (src/graph/tuning.cc: ring/LL base latency "
                 "6.6 us, 0.6 us per NVLink step); bus bandwidth: nccl-tests all_reduce_perf on "
                 "8x H100 SXM (DGX H100) with the ring algorithm, ~360 GB/s busbw for large "
@@ -113,7 +139,7 @@ LINKS = {
     "pcie": Link(
         "pcie", "PCIe Gen5 x16, NCCL peer-to-peer disabled (NCCL_P2P_DISABLE=1): every ring "
         "step goes GPU -> pinned host memory -> GPU (NCCL's SHM transport)",
-        base_latency_s=6.6e-6, hop_latency_s=2.0e-6, bus_bytes_per_s=25e9,
+        base_latency_s=6.6e-6, hop_latency_s=2.0e-6, bus_bytes_per_s=25e9, channels=4,
         sources="latencies: NCCL's cost model (src/graph/tuning.cc: ring/LL base 6.6 us, "
                 "1.0 us per PCI step), counted twice per step since each step crosses PCIe "
                 "twice through host memory; bus bandwidth: PCIe 5.0 x16 is 63 GB/s per "
@@ -123,6 +149,73 @@ LINKS = {
                 "order nccl-tests reports for P2P-disabled PCIe servers. Least certain figure "
                 "of the table: measure it (see the README)"),
 }
+# channels: NCCL prints "N coll channels" at start-up; on NVSwitch machines (DGX H100, DGX
+# A100) its ring runs on 24 or more channels, over PCIe / host memory on a few (2-4).
+
+A100_LINKS = {  # the same two interconnects one generation earlier
+    "nvlink": Link(
+        "nvlink", "A100 SXM4, NVLink 3 through NVSwitch (DGX/HGX A100), NCCL ring",
+        base_latency_s=6.6e-6, hop_latency_s=0.6e-6, bus_bytes_per_s=230e9, channels=24,
+        sources="latencies: NCCL's cost model as for H100 (tuning.cc: ring/LL base 6.6 us, "
+                "0.6 us per NVLink step); bus bandwidth: NVLink 3 is 12 links x 25 GB/s = "
+                "300 GB/s per direction per GPU (A100 datasheet: 600 GB/s bidirectional); "
+                "nccl-tests all_reduce_perf on 8x A100 SXM4 (DGX A100) reports ~230 GB/s busbw "
+                "for large messages (NVIDIA's DGX A100 / nccl-tests material)"),
+    "pcie": Link(
+        "pcie", "PCIe Gen4 x16, NCCL peer-to-peer disabled (NCCL_P2P_DISABLE=1): every ring "
+        "step goes GPU -> pinned host memory -> GPU (NCCL's SHM transport)",
+        base_latency_s=6.6e-6, hop_latency_s=2.0e-6, bus_bytes_per_s=12.5e9, channels=4,
+        sources="latencies: as the Gen5 entry (NCCL's cost model, 1.0 us per PCI step, twice "
+                "per step through host memory); bus bandwidth: PCIe 4.0 x16 is 31.5 GB/s per "
+                "direction (PCI-SIG PCIe 4.0 base specification, 16 GT/s x 16 lanes, "
+                "128b/130b), ~40% of it through host memory as for the Gen5 entry"),
+}
+
+INTER_HOST = {  # one NIC per GPU (rail-optimized DGX/HGX clusters); figures per GPU
+    "h100": Link(
+        "ib-ndr", "InfiniBand NDR 400 Gb/s, one ConnectX-7 NIC per GPU (DGX/HGX H100 "
+        "clusters), GPUDirect RDMA",
+        base_latency_s=6.6e-6, hop_latency_s=2.7e-6, bus_bytes_per_s=45e9, channels=16,
+        sources="latency per inter-host step: NCCL's cost model (src/graph/tuning.cc: network "
+                "ring/LL latency 2.7 us per step, base 6.6 us); bandwidth: NDR is 400 Gb/s = "
+                "50 GB/s per direction per NIC (NVIDIA ConnectX-7 datasheet); perftest "
+                "ib_write_bw and nccl-tests across two DGX H100 reach ~90% of it per NIC "
+                "(~45 GB/s); NCCL uses 2 channels per NIC"),
+    "a100": Link(
+        "ib-hdr", "InfiniBand HDR 200 Gb/s, one ConnectX-6 NIC per GPU (DGX/HGX A100 "
+        "clusters), GPUDirect RDMA",
+        base_latency_s=6.6e-6, hop_latency_s=2.7e-6, bus_bytes_per_s=22.5e9, channels=16,
+        sources="latency: NCCL's cost model as above; bandwidth: HDR is 200 Gb/s = 25 GB/s per "
+                "direction per NIC (NVIDIA ConnectX-6 datasheet), ~90% reached per NIC by "
+                "perftest / nccl-tests across DGX A100 nodes (~22.5 GB/s)"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Contention:
+    """What a collective in flight takes from the kernels beside it (the two-stream replay in
+    `ladder_jax.analysis.perfmodel`). NCCL runs each channel as one thread block resident on
+    one SM for the collective's whole duration, so a kernel beside it has
+    `1 - channels / chip.sms` of the SMs: its FLOP rate drops by that share. NCCL picks fewer
+    channels for small messages (it drops channels until each thread has enough bytes): here
+    one channel per `bytes_per_channel` of message, up to the link's `channels`. Its copies
+    also move HBM bytes: `hbm_bytes_per_bus_byte` for each byte it sends, at the rate it
+    sends them, taken from the kernel's HBM bandwidth."""
+
+    bytes_per_channel: float
+    hbm_bytes_per_bus_byte: float
+    sources: str
+
+
+CONTENTION = Contention(
+    bytes_per_channel=64 * 1024, hbm_bytes_per_bus_byte=3.0,
+    sources="one thread block per channel, resident for the whole collective: NCCL's design "
+            "(NCCL documentation, NCCL_MIN/MAX_NCHANNELS: 'each channel uses one CUDA block'); "
+            "fewer channels for small messages: NCCL's enqueue logic (a thread gets at least a "
+            "few hundred bytes of LL/Simple traffic; ~64 KiB per 512-thread channel here); HBM "
+            "traffic: with the Simple protocol a received chunk lands in a FIFO buffer in HBM, "
+            "is read back and combined with a local read before it is sent on: ~3 HBM bytes "
+            "per byte on the link. No end-to-end throughput was used")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,3 +237,104 @@ EFFICIENCY = Efficiency(
             "gap between short graph kernels; ~1 us more for a kernel's first DRAM access and "
             "tail on a 132-SM chip (DRAM latency ~0.6-0.8 us, H100 microbenchmark papers). "
             "Not measured on a GPU by this package")
+
+
+A100_EFFICIENCY = Efficiency(
+    gemm=0.80, memory=0.85, kernel_overhead_s=1.5e-6,
+    sources="gemm: large bf16 cuBLAS GEMMs on A100 SXM4 reach ~250-270 TFLOP/s of the 312 "
+            "dense in published matmul benchmarks (e.g. 'maximum achievable matmul FLOPS' "
+            "tables); memory: BabelStream / STREAM on A100 80GB reach ~1.7-1.8 TB/s of 2.039; "
+            "kernel overhead: as for H100 (CUDA graph launch gap plus DRAM latency). Not "
+            "measured on a GPU by this package")
+
+_GENERATION = {"h100": "h100", "h200": "h100", "a100": "a100"}  # which link tables a chip uses
+
+
+def links(target: str) -> dict[str, Link]:
+    """The intra-host links of `target`'s generation (same names: nvlink, pcie)."""
+    return A100_LINKS if _GENERATION.get(target) == "a100" else LINKS
+
+
+def efficiency(target: str) -> Efficiency:
+    return A100_EFFICIENCY if _GENERATION.get(target) == "a100" else EFFICIENCY
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Everything the performance model costs a program with, for one target: `calibration`
+    gives the public figures above; `Calibration.load` reads a file that
+    `benchmarks/calibrate_gpu.py` wrote on a real GPU (JSON: any of the sections `chip`,
+    `efficiency`, `links`, `inter_host`, `contention`, each a dict of the fields it replaces;
+    other top-level keys, such as `measured`, are kept for the reader and ignored here)."""
+
+    target: str
+    chip: Chip
+    efficiency: Efficiency
+    links: dict
+    inter_host: Link
+    contention: Contention
+    source: str = "hardware.py (public figures)"
+
+    def replace(self, **sections) -> Calibration:
+        """A copy with `chip`, `efficiency`, `inter_host`, `contention` fields replaced (a dict
+        each) and `links` (a dict of dicts, per link name; `"*"` for every link)."""
+        kw = {}
+        for name in ("chip", "efficiency", "inter_host", "contention"):
+            if sections.get(name):
+                kw[name] = _replaced(getattr(self, name), sections[name], name)
+        if sections.get("links"):
+            table = dict(self.links)
+            for lname, fields in sections["links"].items():
+                names = list(table) if lname == "*" else [lname]
+                for n in names:
+                    if n not in table:
+                        raise ValueError(f"links: unknown link {n!r}: choose one of "
+                                         f"{', '.join(table)}")
+                    table[n] = _replaced(table[n], fields, f"links.{n}")
+            kw["links"] = table
+        return dataclasses.replace(self, **kw)
+
+    @classmethod
+    def load(cls, path: str, target: str | None = None) -> Calibration:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except OSError as e:
+            raise ValueError(f"--hardware {path}: cannot read it ({e.strerror})") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--hardware {path}: not JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"--hardware {path}: expected a JSON object")
+        if target and data.get("target") not in (None, target):
+            raise ValueError(f"--hardware {path}: its figures are for {data['target']!r}; pass "
+                             f"--target {data['target']}")
+        target = target or data.get("target", "h100")
+        try:
+            return dataclasses.replace(calibration(target).replace(**{
+                k: data.get(k) for k in ("chip", "efficiency", "links", "inter_host",
+                                         "contention")}), source=path)
+        except ValueError as e:
+            raise ValueError(f"--hardware {path}: {e}") from None
+
+
+def _replaced(obj, fields, where: str):
+    if not isinstance(fields, dict):
+        raise ValueError(f"{where} must be an object of fields")
+    known = {f.name: f for f in dataclasses.fields(obj)}
+    for k, v in fields.items():
+        if k not in known or k in ("name", "device_kind", "arch"):
+            raise ValueError(f"{where}: unknown field {k!r}")
+        if k in ("description", "sources"):
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{where}.{k}={v!r} must be a finite number >= 0")
+    return dataclasses.replace(obj, **fields)
+
+
+def calibration(target: str) -> Calibration:
+    """The public figures of `target` (see the module doc)."""
+    if target not in CHIPS:
+        raise ValueError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}")
+    gen = _GENERATION.get(target, "h100")
+    return Calibration(target, CHIPS[target], efficiency(target), dict(links(target)),
+                       INTER_HOST[gen], CONTENTION)

@@ -28,33 +28,46 @@ import os
 import re
 import sys
 import tempfile
+import threading
 
-_NOISE = re.compile(r"absl::InitializeLog\(\) is called|cudart_stub\.cc.*cuda drivers")
+_NOISE = re.compile(r"absl::InitializeLog\(\) is called|cudart_stub\.cc.*cuda drivers"
+                    r"|Missing deviceless CUB scratch size data")
+_QUIET = {"depth": 0, "saved": None, "tmp": None}
+_QUIET_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
 def quiet():
-    """Filters the CUDA plugin's start-up chatter out of the process's native stderr."""
+    """Filters the CUDA plugin's start-up chatter (and XLA's deviceless-compile warning about
+    CUB scratch sizes) out of the process's native stderr. Nested and concurrent uses (threads
+    compiling at once) share one capture, filtered when the last one ends."""
     try:
         fd = sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):  # captured (pytest, notebooks): leave it
         yield
         return
-    sys.stderr.flush()
-    saved = os.dup(fd)
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), fd)
-        try:
-            yield
-        finally:
+    with _QUIET_LOCK:
+        if _QUIET["depth"] == 0:
             sys.stderr.flush()
-            os.dup2(saved, fd)
-            os.close(saved)
-            tmp.seek(0)
-            for line in tmp.read().decode("utf-8", "replace").splitlines(keepends=True):
-                if not _NOISE.search(line):
-                    sys.stderr.write(line)
-            sys.stderr.flush()
+            _QUIET["saved"], _QUIET["tmp"] = os.dup(fd), tempfile.TemporaryFile()
+            os.dup2(_QUIET["tmp"].fileno(), fd)
+        _QUIET["depth"] += 1
+    try:
+        yield
+    finally:
+        with _QUIET_LOCK:
+            _QUIET["depth"] -= 1
+            if _QUIET["depth"] == 0:
+                sys.stderr.flush()
+                saved, tmp = _QUIET["saved"], _QUIET["tmp"]
+                os.dup2(saved, fd)
+                os.close(saved)
+                tmp.seek(0)
+                for line in tmp.read().decode("utf-8", "replace").splitlines(keepends=True):
+                    if not _NOISE.search(line):
+                        sys.stderr.write(line)
+                tmp.close()
+                sys.stderr.flush()
 
 
 def has_nvidia_gpu() -> bool:

@@ -5,7 +5,6 @@ Pallas's interpreter) vs the reference einsum attention `attend`: 1e-5 absolute 
 unit-variance inputs, 1e-5 relative to the largest gradient entry.
 """
 
-import dataclasses
 import re
 
 import jax

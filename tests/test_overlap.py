@@ -96,3 +96,47 @@ def test_missing_plugin_says_what_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(overlap.OverlapError, match=r"pip install \"jax-cuda12-plugin==0\.10\.2\""):
         programs.gpu_mesh("h100", 8)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch", "0"], "batch=0 must be a positive integer"),
+    (["--tp", "0"], "tp=0 must be a positive integer"),
+    (["--seq", "-3"], "seq=-3 must be a positive integer"),
+    (["--tp", "2", "--hosts", "0"], "hosts=0 must be a positive integer"),
+    (["--tp", "4", "--hosts", "3"], "4 GPUs cannot be spread evenly over 3 hosts"),
+])
+def test_cli_bad_numbers_one_line_exit_2(capsys, args, message):
+    assert overlap_cli.main(["--preset", "tiny", "--phase", "decode", *args]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert captured.out == "" and len(err) == 1 and message in err[0], err
+
+
+def test_dump_hlo_writes_the_program_it_reports_quietly(tmp_path):
+    """`python -m ladder_jax.overlap --dump-hlo FILE` in a fresh process: the file is the
+    scheduled HLO, it parses, and holds the all-reduces the report counts; stderr carries none
+    of the CUDA plugin's start-up lines or XLA's deviceless CUB warning."""
+    import os
+    import subprocess
+    import sys
+
+    from ladder_jax.analysis import hlo
+
+    path = tmp_path / "decode.hlo"
+    env = {**os.environ, "LADDER_JAX_CACHE": str(tmp_path / "cache")}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-m", "ladder_jax.overlap", "--preset", "tiny",
+                           "--tp", "2", "--phase", "decode", "--seq", "16", "--new-tokens", "16",
+                           "--json", "--dump-hlo", str(path)], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr
+    for noise in ("absl::InitializeLog", "cuda drivers", "CUB scratch"):
+        assert noise not in proc.stderr, proc.stderr
+    rep = json.loads(proc.stdout)
+    text = path.read_text()
+    module = hlo.Module(text)  # scheduled
+    ars = [op for ops in module.computations.values() for op in ops
+           if op.opcode in ("all-reduce-start", "all-reduce")]
+    assert len(ars) == rep["total_all_reduces"] > 0
+    assert overlap.read_all_reduces(text, 64) == [
+        {k: v for k, v in r.items()} for r in rep["all_reduces"]]

@@ -7,12 +7,15 @@ collective, memory). The command line is `python -m ladder_jax.overlap`; the per
     python -m ladder_jax.overlap --preset tiny --residual standard --phase train --json
 
 How it works. XLA's CUDA compiler runs on the CPU when given a description of the target chip
-(`ladder_jax.hardware`, H100 / H200) through the CUDA PJRT plugin (`pip install -e ".[test]"` brings
-it; no CUDA libraries, no GPU). The model is built from shapes only (`nnx.eval_shape`), so
-`llama-3-70b` compiles on a laptop. The compiled module is scheduled: its ENTRY computation
-lists kernels in execution order, and every async all-reduce appears as an
-`all-reduce-start` / `all-reduce-done` pair. An all-reduce is *overlapped* when at least one
-matmul kernel is scheduled between its start and done (and XLA did not mark it `is_sync`).
+(`ladder_jax.hardware`: H100 / H200, sm_90; A100, sm_80) through the CUDA PJRT plugin
+(`pip install -e ".[test]"` brings it; no CUDA libraries, no GPU; `ladder_jax.analysis.programs`
+builds and caches the programs). `--hosts N` spreads the tp group over N hosts of the
+plugin's multi-host topology. `--dump-hlo FILE` writes the scheduled HLO text that was read.
+The model is built from shapes only (`nnx.eval_shape`), so `llama-3-70b` compiles on a laptop.
+The compiled module is scheduled: its ENTRY computation lists kernels in execution order, and
+every async all-reduce appears as an `all-reduce-start` / `all-reduce-done` pair. An all-reduce
+is *overlapped* when at least one matmul kernel is scheduled between its start and done (and
+XLA did not mark it `is_sync`).
 
 What counts as a matmul kernel: a cuBLAS custom-call, a Triton GEMM fusion (`gemm_fusion*`:
 deviceless builds are not autotuned), a plain `dot`, or any fusion whose JAX op is a
@@ -27,12 +30,13 @@ Phases are the programs users run. `prefill` and `decode` are `ladder_jax.infere
 jitted prefill (a `--seq`-token prompt written into the KV cache, then sampling of the first
 new token) and its one-token step (KV cache, attention over all its slots, sampling), with a
 cache sized for `--seq` + `--new-tokens` as `decode` sizes it, and the decode CLI's sampling
-(temperature 0.8, top-k 200). `train` is a full training step (forward, backward, AdamW
-update) on `--seq` tokens.
+(temperature 0.8, top-k 200). `train` is the trainer's training step (`programs.train_program`:
+forward, backward, AdamW update, clipping) on `--seq` tokens, with the default optimizer
+settings.
 
 Training configs (`--config configs/X.yaml [key=value ...] --hosts N`): compiles the training
 step that config runs (`compile_train_config`: its mesh, FSDP, dtypes, accumulation, remat and
-optimizer, through the same `ladder_jax.train.step` functions the trainer uses) for N hosts of
+optimizer, through `programs.train_program`, the builder of every training program) for N hosts of
 `--gpus-per-host` GPUs: the plugin's topology `1 x N x G`, the (data, tp) mesh filled row by
 row so that a tp group is one host. The report adds every other collective (`read_collectives`:
 FSDP's all-gathers and reduce-scatters over `data`, the loss's and gradient norm's
@@ -50,13 +54,10 @@ applied here exactly as in training and decoding: the report shows what users ge
 from __future__ import annotations
 
 import dataclasses
-import re
-
-import numpy as np
 
 from ladder_jax import config as config_lib
 from ladder_jax import hardware
-from ladder_jax.analysis.hlo import ARRAY, SCOPE, computations, nbytes
+from ladder_jax.analysis.hlo import SCOPE, HloError, Module, nbytes
 from ladder_jax.analysis.programs import OverlapError, compile_program, compile_train_config
 from ladder_jax.train import step
 
@@ -70,22 +71,19 @@ def read_all_reduces(hlo: str, d_model: int) -> list[dict]:
     `loss` (log-sum-exp and target logit over the vocab-sharded logits) or `optimizer`
     (scalar reductions such as the gradient norm).
     """
-    if "is_scheduled=true" not in hlo.split("\n", 1)[0]:
-        raise OverlapError("the HLO module is not scheduled: pass compiled, not lowered, text")
+    module = _module(hlo)
     found = []
-    for cname, ops in computations(hlo).items():
+    for cname, ops in module.computations.items():
         for i, op in enumerate(ops):
             if op.opcode not in ("all-reduce-start", "all-reduce"):
                 continue
             if op.opcode == "all-reduce":
                 done, between, is_sync = op, [], True
             else:
-                ref = re.compile(rf"%{re.escape(op.name)}\b")
-                j = next(j for j in range(i + 1, len(ops))
-                         if ops[j].opcode == "all-reduce-done" and ref.search(ops[j].text))
-                done, between, is_sync = ops[j], ops[i + 1:j], '"is_sync":true' in op.text
+                j = module.done_of(cname, i)
+                done, between, is_sync = ops[j], ops[i + 1:j], op.is_sync
             scope = SCOPE.search(op.op_name)
-            dims = [int(d) for d in ARRAY.search(done.shape).group(2).split(",") if d]
+            dims = done.dims
             activation = len(dims) == 3 and dims[-1] == d_model
             if "shard_map" not in op.op_name:
                 kind = "loss" if len(dims) > 1 or "jvp(" in op.op_name else "optimizer"
@@ -110,41 +108,11 @@ def read_all_reduces(hlo: str, d_model: int) -> list[dict]:
     return found
 
 
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-to-all", "collective-permute", "all-reduce")
-
-
-def _iota(dims: list[int], perm: list[int] | None):
-    ids = np.arange(int(np.prod(dims))).reshape(dims)
-    return (ids.transpose(perm) if perm else ids).reshape(-1)
-
-
-def _first_group(text: str) -> list[int] | None:
-    """The device ids of the first replica group of a collective, from any of XLA's spellings:
-    `{{0,1},{2,3}}`, `[2,2]<=[4]` (iota, optionally transposed `T(1,0)`), or
-    `mesh['axis_0'=2,'axis_1'=4](, device_ids=(...))? {'axis_0'}` (groups along the named axes of
-    a device mesh)."""
-
-    m = re.search(r"replica_groups=\{\{([\d,]*)\}", text)
-    if m:
-        return [int(x) for x in m.group(1).split(",") if x]
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
-    if m:
-        ids = _iota([int(x) for x in m.group(3).split(",")],
-                    [int(x) for x in m.group(4).split(",")] if m.group(4) else None)
-        return ids.reshape(int(m.group(1)), int(m.group(2)))[0].tolist()
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\]"
-                  r"(?:T\(([\d,]+)\))?\))? \{([^}]*)\}", text)
-    if m:
-        axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
-        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
-        n = int(np.prod(sizes))
-        ids = (_iota([int(x) for x in m.group(2).split(",")],
-                     [int(x) for x in m.group(3).split(",")] if m.group(3) else None)
-               if m.group(2) else np.arange(n)).reshape(sizes)
-        along = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(4))]
-        index = tuple(slice(None) if i in along else 0 for i in range(len(sizes)))
-        return ids[index].reshape(-1).tolist()
-    return None
+def _module(hlo: str) -> Module:
+    try:
+        return Module(hlo)
+    except HloError as e:
+        raise OverlapError(str(e)) from None
 
 
 def _mesh_axis(group: list[int] | None, data: int, tp: int) -> str:
@@ -161,39 +129,33 @@ def _mesh_axis(group: list[int] | None, data: int, tp: int) -> str:
 
 
 def read_collectives(hlo: str, *, data: int, tp: int) -> list[dict]:
-    """Every collective of a scheduled HLO module (all-gather, reduce-scatter, all-to-all,
-    collective-permute, all-reduce), in schedule order, with the mesh axis it runs over (`tp`,
-    `data` or `all` of a (data, tp) mesh), its bytes (the result, per device), where it sits
-    (`loop`: inside a while loop's body, e.g. once per accumulated micro-batch; `step`: once
-    per step) and whether it is overlapped (asynchronous, with a matmul scheduled between its
-    start and done, as in `read_all_reduces`)."""
-    if "is_scheduled=true" not in hlo.split("\n", 1)[0]:
-        raise OverlapError("the HLO module is not scheduled: pass compiled, not lowered, text")
-    comps = computations(hlo)
-    bodies = set()
-    for ops in comps.values():
-        for op in ops:
-            if op.opcode == "while":
-                bodies.update(re.findall(r"body=%?([\w.\-]+)", op.text))
+    """Every collective of a scheduled HLO module (`hlo.COLLECTIVES`), in schedule order, with
+    the mesh axis it runs over (`tp`, `data` or `all` of a (data, tp) mesh), its bytes (the
+    result, per device), where it sits (`loop`: inside a while loop's body, e.g. once per
+    accumulated micro-batch; `step`: once per step) and whether it is overlapped
+    (asynchronous, with a matmul scheduled between its start and done, as in
+    `read_all_reduces`)."""
+    module = _module(hlo)
+    bodies = module.loop_bodies()
     found = []
-    for cname, ops in comps.items():
+    for cname, ops in module.computations.items():
         for i, op in enumerate(ops):
-            base = op.opcode[:-len("-start")] if op.opcode.endswith("-start") else op.opcode
-            if base not in COLLECTIVES:
+            if op.opcode.startswith("async") or op.opcode.endswith("-done"):
+                continue
+            base = module.collective(op)
+            if base is None:
                 continue
             if op.opcode == base:
                 done, between, asynchronous = op, [], False
             else:
-                ref = re.compile(rf"%{re.escape(op.name)}\b")
-                j = next((j for j in range(i + 1, len(ops)) if ops[j].opcode == base + "-done"
-                          and ref.search(ops[j].text)), None)
+                j = module.done_of(cname, i)
                 if j is None:
                     continue
                 done, between = ops[j], ops[i + 1:j]
-                asynchronous = '"is_sync":true' not in op.text
+                asynchronous = not op.is_sync
             gemms = sum(o.is_matmul() for o in between) if asynchronous else 0
             found.append({
-                "collective": base, "axis": _mesh_axis(_first_group(op.text), data, tp),
+                "collective": base, "axis": _mesh_axis(op.replica_group, data, tp),
                 "bytes": nbytes(done.shape), "where": "loop" if cname in bodies else "step",
                 "asynchronous": asynchronous, "gemms_between": gemms, "overlapped": gemms >= 1,
                 "computation": cname, "op_name": op.op_name,
@@ -232,18 +194,30 @@ def summarize(all_reduces: list[dict]) -> dict:
 
 
 def report(config, *, phase: str, tp: int, batch: int, seq: int, target: str = "h100",
-           new_tokens: int = 512) -> dict:
-    """Compile and read: the JSON-able report that `python -m ladder_jax.overlap` prints."""
+           new_tokens: int = 512, hosts: int = 1, hlo_file: str | None = None) -> dict:
+    """Compile and read: the JSON-able report that `python -m ladder_jax.overlap` prints.
+    `hlo_file`: also write the scheduled HLO text there."""
     hlo, seconds = compile_program(config, phase=phase, tp=tp, batch=batch, seq=seq,
-                                   target=target, new_tokens=new_tokens)
+                                   target=target, new_tokens=new_tokens, hosts=hosts)
+    _dump(hlo, hlo_file)
     ars = read_all_reduces(hlo, config.d_model)
     return {"preset_config": dataclasses.asdict(config), "residual": config.residual,
             "ladder_layers": config.ladder_layers, "phase": phase, "tp": tp, "batch": batch,
-            "seq": seq, "target": target,
+            "seq": seq, "target": target, "hosts": hosts,
             "compile_seconds": round(seconds, 2), **summarize(ars), "all_reduces": ars}
 
 
-def report_config(cfg, *, hosts: int = 1, gpus_per_host: int = 8, target: str = "h100") -> dict:
+def _dump(hlo: str, path: str | None) -> None:
+    if path:
+        try:
+            with open(path, "w") as f:
+                f.write(hlo)
+        except OSError as e:
+            raise OverlapError(f"--dump-hlo {path}: cannot write it ({e.strerror})") from None
+
+
+def report_config(cfg, *, hosts: int = 1, gpus_per_host: int = 8, target: str = "h100",
+                  hlo_file: str | None = None) -> dict:
     """Compile the training step of `cfg` (`compile_train_config`) and read it: the module
     all-reduces (`read_all_reduces`), every other collective (`read_collectives`) and the
     per-device memory (`step.memory_use`) against the target's capacity. JSON-able."""
@@ -252,6 +226,7 @@ def report_config(cfg, *, hosts: int = 1, gpus_per_host: int = 8, target: str = 
                                                    gpus_per_host=gpus_per_host, target=target)
     model = config_lib.model_config(cfg)
     hlo = compiled.as_text()
+    _dump(hlo, hlo_file)
     data, tp = mesh.shape["data"], mesh.shape["tp"]
     ars = read_all_reduces(hlo, model.d_model)
     collectives = read_collectives(hlo, data=data, tp=tp)

@@ -1,18 +1,23 @@
-"""Predict what each residual scheme buys: tokens/s of generation on a GPU you do not have,
-from the schedule XLA compiles for it.
+"""Predict what each residual scheme buys: tokens/s of generation on GPUs you do not have,
+from the schedule XLA compiles for them.
 
     python -m ladder_jax.predict --preset llama-3-70b --tp 8 --batch 1 --prompt-len 1024 \\
         --new-tokens 512 --link nvlink --target h100 --residual all
     python -m ladder_jax.predict --preset llama-3-70b --tp 2 4 8 --batch 1 4 16 \\
         --link nvlink pcie --json
+    python -m ladder_jax.predict --preset llama-3.1-405b --tp 16 --hosts 2 --link nvlink pcie
+    python -m ladder_jax.predict --preset llama-2-7b --target a100 --tp 1 2 4 8
 
 How. On a CPU, with no GPU:
-1. Compile, deviceless (as `ladder_jax.analysis.overlap` does for `python -m ladder_jax.overlap`), the programs users run:
-   `ladder_jax.inference.generation.Decoder`'s jitted prefill and one-token step, with the KV cache sized as
-   `decode` sizes it and the decode CLI's sampling (temperature 0.8, top-k 200), for `tp`
-   abstract GPUs of `--target`, with the package's compiler options.
-2. Read the scheduled ENTRY computation: kernels in launch order, and every collective as a
-   `*-start` / `*-done` pair (or one synchronous op).
+1. Compile, deviceless (`ladder_jax.analysis.programs`, as `python -m ladder_jax.overlap`
+   does), the programs users run: `ladder_jax.inference.generation.Decoder`'s jitted prefill
+   and one-token step, with the KV cache sized as `decode` sizes it and the decode CLI's
+   sampling (temperature 0.8, top-k 200), for `tp` abstract GPUs of `--target` (sm_90: H100,
+   H200; sm_80: A100) on `hosts` hosts, with the package's compiler options. Programs are kept
+   in a persistent cache: a rerun of a grid reads them back.
+2. Read the scheduled ENTRY computation (`ladder_jax.analysis.hlo`): kernels in launch order,
+   and every collective as a `*-start` / `*-done` pair (or one synchronous op), with its
+   replica group: how many ranks, on how many hosts.
 3. Cost every kernel as a roofline: max(FLOPs / (dense bf16 rate x gemm efficiency),
    bytes / (HBM bandwidth x memory efficiency)) + a fixed per-kernel overhead. FLOPs are those
    of the kernel's `dot`s (2 x output elements x contracted size; a matmul XLA rewrote as a
@@ -20,21 +25,31 @@ How. On a CPU, with no GPU:
    kernel reads and writes: a fused parameter only sliced inside the kernel counts the slice,
    a buffer updated in place (the KV cache) counts the update, not the buffer.
 4. Cost every collective with the link's ring model (`hardware.Link`): a latency per call
-   and per ring step plus bytes over the bus bandwidth nccl-tests reports.
-5. Simulate two streams, compute and collectives, exactly as scheduled: a `start` issues its
-   collective once the compute stream reaches it and the collective stream is free; a `done`
-   makes the compute stream wait for it; a synchronous collective blocks both. The time the
-   compute stream spends waiting is the *exposed* communication.
+   and per ring step plus bytes over the bus bandwidth nccl-tests reports. A collective whose
+   group spans hosts is hierarchical, as NCCL runs it over rail-connected nodes: within each
+   host over NVLink / PCIe, across hosts over InfiniBand (one NIC per GPU, moving 1/g of the
+   message, g = GPUs of the group per host). Latencies add up (2(g-1) intra-host and 2(h-1)
+   inter-host steps for an all-reduce); NCCL pipelines the levels, so the bandwidth term is
+   the slower level's: max(2n(g-1)/g / intra busbw, 2(n/g)(h-1)/h / inter busbw)
+   (`collective_seconds`).
+5. Replay two streams, compute and collectives, exactly as scheduled (`simulate`): a `start`
+   issues its collective once the compute stream reaches it and the collective stream is
+   free; a `done` makes the compute stream wait for it; a synchronous collective blocks both.
+   While a collective is in flight the kernels beside it are slower (`hardware.Contention`):
+   its NCCL channels hold some of the SMs (FLOP rate x (1 - channels / SMs)) and its copies
+   take HBM bandwidth (the bytes it sends x 3, at its rate); a kernel that outlasts the
+   collective runs its remainder at full speed. The time the compute stream spends waiting is
+   the *exposed* communication.
 6. tokens_per_s = batch * new_tokens / (prefill_s + (new_tokens - 1) * decode_step_s), the
    way the paper's benchmark counts it (the prefill emits the first token).
 
-Training (`--phase train --config configs/X.yaml`): the training step of `ladder_jax.analysis.overlap`
-(forward, backward, AdamW update) for the config's model, micro-batch, sequence length and
-`mesh.tp`, costed the same way; step_s is `data.grad_accum` micro-steps, tokens_per_s is per
-data-parallel replica (`data.batch_size / mesh.data` sequences: the replicas' gradient
-all-reduce is not modelled). Large models trained at full depth can lose overlap that a
-3-4 layer compile keeps (XLA's scheduler stops hiding collectives under memory pressure):
-check with `--layers-compiled 0` when it matters.
+Training (`--phase train --config configs/X.yaml`): the trainer's training step
+(`programs.train_program`: forward, backward, AdamW update) for the config's model,
+micro-batch per data-parallel replica, sequence length and `mesh.tp`, costed the same way;
+step_s is `data.grad_accum` micro-steps, tokens_per_s is per data-parallel replica (the
+replicas' gradient all-reduce is not modelled). Large models trained at full depth can lose
+overlap that a 3-4 layer compile keeps (XLA's scheduler stops hiding collectives under memory
+pressure): check with `--layers-compiled 0` when it matters.
 
 Few layers, extended. A 70B-wide program takes seconds to compile, mostly a fixed cost, so by
 default (`--layers-compiled 4`) the model is compiled with 3 and with 4 layers, and the
@@ -42,20 +57,22 @@ predicted times are extended linearly to the full depth: the difference of the t
 layer in the middle of the stack, past the first layer's and before the last layer's special
 cases (the first layers fuse a little differently, so shallower pairs are off by up to a few
 percent). Tests check the extension against full-depth compiles (within 1%). Hybrid ladders
-(`--ladder-layers`) are compiled at full depth: their layers differ. Programs are compiled
-once per process (links and knobs re-cost the same schedule), `--jobs` at a time.
+(`--ladder-layers`) are compiled at full depth: their layers differ.
 
-The calibration (chip rates in `hardware.CHIPS`; `hardware.LINKS`, `hardware.EFFICIENCY`) is
-public figures with their sources, never fitted to a measured model throughput. Flags override
-each figure; the README says how to set them from nccl-tests output on your own cluster.
+The calibration (`hardware.Calibration`: chip rates, efficiencies, links, inter-host link,
+contention) is public figures with their sources, never fitted to a measured model
+throughput; `--hardware FILE` replaces any of them with what `benchmarks/calibrate_gpu.py`
+measured on a real GPU, and flags override single figures (the README says how to set them
+from nccl-tests output on your own cluster).
 
-What the model leaves out (footguns): NCCL kernels share the GPU's SMs and memory bandwidth
-with the matmuls they overlap (here they are free); kernels run alone (no concurrent kernels);
-host work is assumed hidden (the decode loop queues steps ahead, as `decode` does); the
-deviceless compile is not autotuned, so GEMM tiling may differ from a GPU's; kernel times
-come from rates, not from the kernels' code. It predicts *this package's* programs, e.g. its
-prefill attention materializes the scores (no flash attention) and its decode step attends
-over every cache slot.
+What the model leaves out (footguns): kernels run one at a time on the compute stream (no
+concurrent kernels besides the collectives); collectives run one at a time and are not slowed
+by the kernels beside them; host work is assumed hidden (the decode loop queues steps ahead, as
+`decode` does); the deviceless compile is not autotuned, so GEMM tiling may differ from a
+GPU's (and where XLA's default tiling fails, cuBLAS GEMMs are compiled: the row's `fallback`);
+kernel times come from rates, not from the kernels' code. It predicts *this package's*
+programs, e.g. its prefill attention materializes the scores (no flash attention) and its
+decode step attends over every cache slot.
 """
 
 from __future__ import annotations
@@ -65,6 +82,7 @@ import dataclasses
 import functools
 import math
 import re
+import time
 
 from ladder_jax import hardware
 from ladder_jax.analysis import hlo, programs
@@ -84,7 +102,8 @@ class PredictError(ValueError):
 class Kernel:
     """`kind`: compute (a kernel on the compute stream), start / done (an async collective:
     `name` pairs them), sync (a collective that blocks both streams). `nbytes` is what a
-    compute kernel moves through HBM, or the collective's message size."""
+    compute kernel moves through HBM, or the collective's message size; a collective runs over
+    `ranks` GPUs on `hosts` hosts."""
 
     kind: str
     name: str
@@ -92,128 +111,83 @@ class Kernel:
     nbytes: float = 0.0
     collective: str = ""
     layer: int | None = None
+    ranks: int = 1
+    hosts: int = 1
 
 
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
          "replica-id", "opt-barrier", "after-all", "add-dependency", "domain", "iota"}
-_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
-                "all-to-all", "collective-broadcast", "ragged-all-to-all")
 _SLICES = {"dynamic-slice", "slice", "gather"}
 
 
-def _dims(shape: str) -> list[int]:
-    m = hlo.ARRAY.search(shape)
-    return [int(d) for d in m.group(2).split(",") if d] if m else []
+def _flops(module: hlo.Module, comp: str) -> float:
+    """FLOPs of the dots of `comp` and of the computations its fusions call."""
+    total = 0.0
+    for op in module.computations.get(comp, ()):
+        if op.opcode == "dot":
+            lhs = module.op(comp, op.operands[0]).dims
+            m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", op.text)
+            contracted = math.prod(lhs[int(i)] for i in m.group(1).split(",") if i)
+            total += 2.0 * op.elements * contracted
+        elif op.opcode == "fusion":
+            total += _flops(module, module.called(op))
+    return total
 
 
-def _elements(shape: str) -> int:
-    return math.prod(_dims(shape))
+def _fusion_cost(module: hlo.Module, op: hlo.Op) -> tuple[float, float]:
+    """(FLOPs, HBM bytes) of an ENTRY fusion."""
+    comp = module.called(op)
+    body = module.computations[comp]
+    flops = _flops(module, comp)
+    if not flops and op.op_name.endswith("dot_general"):  # a matmul as multiply-reduce
+        flops = 2.0 * max(o.elements for o in body)
+    users: dict[str, list] = {}
+    for o in body:
+        for pos, name in enumerate(o.operands):
+            users.setdefault(name, []).append((o, pos))
+    params = {int(re.search(r"parameter\((\d+)\)", o.text).group(1)): o
+              for o in body if o.opcode == "parameter"}
+    nbytes = 0.0
+    for k, name in enumerate(op.operands):
+        uses = _through_bitcasts(params[k].name, users)
+        if uses and all(u.opcode in _SLICES and pos == 0 for u, pos in uses):
+            nbytes += sum(hlo.nbytes(u.shape) for u, _ in uses)
+        elif uses and all(u.opcode == "dynamic-update-slice" and pos == 0 for u, pos in uses):
+            pass  # the buffer updated in place: only the update moves (counted as output)
+        else:
+            nbytes += hlo.nbytes(module.op("ENTRY", name).shape)
+    root = next(o for o in body if o.is_root)
+    outs = [module.op(comp, n) for n in root.operands] if root.opcode == "tuple" else [root]
+    for o in outs:
+        while o.opcode == "bitcast":
+            o = module.op(comp, o.operands[0])
+        if o.opcode == "dynamic-update-slice":
+            nbytes += hlo.nbytes(module.op(comp, o.operands[1]).shape)
+        else:
+            nbytes += hlo.nbytes(o.shape)
+    return flops, nbytes
 
 
-def _operands(op) -> list[str]:
-    """Operand names of an instruction, in order (the text between its opcode's parens)."""
-    rest = op.arguments
-    depth, end = 1, len(rest)
-    for i, ch in enumerate(rest):
-        depth += ch == "(" or -(ch == ")")
-        if depth == 0:
-            end = i
-            break
-    return re.findall(r"%([\w.\-]+)", rest[:end])
+def _plain_cost(module: hlo.Module, op: hlo.Op) -> tuple[float, float]:
+    """(FLOPs, bytes) of a non-fusion kernel: operands in, result out."""
+    entry = [module.op("ENTRY", n) for n in op.operands]
+    nbytes = sum(hlo.nbytes(o.shape) for o in entry if o is not None) + hlo.nbytes(op.shape)
+    flops = 0.0
+    if op.opcode == "custom-call" and re.search(r'custom_call_target="__cublas', op.text):
+        lhs = entry[0].dims
+        m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', op.text)
+        idx = [int(i) for i in re.findall(r"\d+", m.group(1))] if m else [len(lhs) - 1]
+        flops = 2.0 * op.elements * math.prod(lhs[i] for i in idx)
+    return flops, nbytes
 
 
-def _attr(op, name: str) -> str | None:
-    m = re.search(rf"\b{name}=%?([\w.\-]+)", op.text)
-    return m.group(1) if m else None
-
-
-def _is_root(op) -> bool:
-    return op.text.lstrip().startswith("ROOT ")
-
-
-class _Program:
-    """The computations of a scheduled HLO module, with name -> instruction tables."""
-
-    def __init__(self, text: str):
-        if "is_scheduled=true" not in text.split("\n", 1)[0]:
-            raise PredictError("the HLO module is not scheduled: pass compiled, not lowered, text")
-        self.comps = hlo.computations(text)
-        self.ops = {c: {op.name: op for op in ops} for c, ops in self.comps.items()}
-
-    def flops(self, comp: str) -> float:
-        """FLOPs of the dots of `comp` and of the computations its fusions call."""
-        total = 0.0
-        for op in self.comps.get(comp, ()):
-            if op.opcode == "dot":
-                lhs = self.ops[comp][_operands(op)[0]].shape
-                m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", op.text)
-                contracted = math.prod(_dims(lhs)[int(i)] for i in m.group(1).split(",") if i)
-                total += 2.0 * _elements(op.shape) * contracted
-            elif op.opcode == "fusion":
-                total += self.flops(_attr(op, "calls"))
-        return total
-
-    def fusion_cost(self, op) -> tuple[float, float]:
-        """(FLOPs, HBM bytes) of an ENTRY fusion."""
-        comp = _attr(op, "calls")
-        body = self.comps[comp]
-        flops = self.flops(comp)
-        if not flops and op.op_name.endswith("dot_general"):  # a matmul as multiply-reduce
-            flops = 2.0 * max(_elements(o.shape) for o in body)
-        users: dict[str, list] = {}
-        for o in body:
-            for pos, name in enumerate(_operands(o)):
-                users.setdefault(name, []).append((o, pos))
-        params = {int(re.search(r"parameter\((\d+)\)", o.text).group(1)): o
-                  for o in body if o.opcode == "parameter"}
-        entry = self.ops["ENTRY"]
-        nbytes = 0.0
-        for k, name in enumerate(_operands(op)):
-            uses = _through_bitcasts(params[k].name, users)
-            if uses and all(u.opcode in _SLICES and pos == 0 for u, pos in uses):
-                nbytes += sum(hlo.nbytes(u.shape) for u, _ in uses)
-            elif uses and all(u.opcode == "dynamic-update-slice" and pos == 0 for u, pos in uses):
-                pass  # the buffer updated in place: only the update moves (counted as output)
-            else:
-                nbytes += hlo.nbytes(entry[name].shape)
-        root = next(o for o in body if _is_root(o))
-        outs = [self.ops[comp][n] for n in _operands(root)] if root.opcode == "tuple" else [root]
-        for o in outs:
-            while o.opcode == "bitcast":
-                o = self.ops[comp][_operands(o)[0]]
-            if o.opcode == "dynamic-update-slice":
-                nbytes += hlo.nbytes(self.ops[comp][_operands(o)[1]].shape)
-            else:
-                nbytes += hlo.nbytes(o.shape)
-        return flops, nbytes
-
-    def plain_cost(self, op) -> tuple[float, float]:
-        """(FLOPs, bytes) of a non-fusion kernel: operands in, result out."""
-        entry = self.ops["ENTRY"]
-        nbytes = sum(hlo.nbytes(entry[n].shape) for n in _operands(op) if n in entry)
-        nbytes += hlo.nbytes(op.shape)
-        flops = 0.0
-        if op.opcode == "custom-call" and re.search(r'custom_call_target="__cublas', op.text):
-            lhs = entry[_operands(op)[0]].shape
-            m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', op.text)
-            idx = [int(i) for i in re.findall(r"\d+", m.group(1))] if m else [len(_dims(lhs)) - 1]
-            flops = 2.0 * _elements(op.shape) * math.prod(_dims(lhs)[i] for i in idx)
-        return flops, nbytes
-
-    def collective_bytes(self, op) -> float:
-        """Message size: the larger of what goes in and what comes out."""
-        entry = self.ops["ENTRY"]
-        inputs = sum(hlo.nbytes(entry[n].shape) for n in _operands(op) if n in entry)
-        total = hlo.nbytes(op.shape)
-        outputs = total - inputs if op.opcode.endswith("-start") and total > inputs else total
-        return float(max(inputs, outputs))
-
-    def collective_kind(self, op) -> str:
-        base = op.opcode.removesuffix("-start")
-        if base == "async":  # a wrapped collective: its computation says which
-            base = next((o.opcode for o in self.comps.get(_attr(op, "calls"), ())
-                         if o.opcode in _COLLECTIVES), "other")
-        return base if base in _COLLECTIVES else "other"
+def _collective_bytes(module: hlo.Module, op: hlo.Op) -> float:
+    """Message size: the larger of what goes in and what comes out."""
+    entry = [module.op("ENTRY", n) for n in op.operands]
+    inputs = sum(hlo.nbytes(o.shape) for o in entry if o is not None)
+    total = hlo.nbytes(op.shape)
+    outputs = total - inputs if op.opcode.endswith("-start") and total > inputs else total
+    return float(max(inputs, outputs))
 
 
 def _through_bitcasts(name, users) -> list:
@@ -223,32 +197,45 @@ def _through_bitcasts(name, users) -> list:
     return out
 
 
-def read_kernels(text: str) -> list[Kernel]:
-    """The ENTRY computation of a scheduled module as Kernels, in schedule order."""
-    prog = _Program(text)
+def read_kernels(text: str, *, devices: int = 1, gpus_per_host: int | None = None
+                 ) -> list[Kernel]:
+    """The ENTRY computation of a scheduled module as Kernels, in schedule order. A
+    collective's ranks and hosts come from its replica group (device ids numbered host by host,
+    `gpus_per_host` each; no group: all `devices`)."""
+    try:
+        module = hlo.Module(text)
+    except hlo.HloError as e:
+        raise PredictError(str(e)) from None
+    per_host = gpus_per_host or max(devices, 1)
     kernels, sync = [], set()
-    for op in prog.comps["ENTRY"]:
-        scope = hlo.SCOPE.search(op.op_name)
-        layer = int(scope.group(1)) if scope else None
+    for op in module.entry:
         code = op.opcode
         if code in _FREE:
             continue
-        if code.endswith("-start") and code != "copy-start":
-            kind = "sync" if '"is_sync":true' in op.text else "start"
+        collective = module.collective(op)
+        if code.endswith("-done") and code != "copy-done":
+            start = op.operands[0]
+            if start not in sync:
+                kernels.append(Kernel("done", start, layer=op.layer))
+            continue
+        if collective and (code.endswith("-start") or code == collective):
+            kind = "sync" if code == collective or op.is_sync else "start"
             if kind == "sync":
                 sync.add(op.name)
-            kernels.append(Kernel(kind, op.name, nbytes=prog.collective_bytes(op),
-                                  collective=prog.collective_kind(op), layer=layer))
-        elif code.endswith("-done") and code != "copy-done":
-            start = _operands(op)[0]
-            if start not in sync:
-                kernels.append(Kernel("done", start, layer=layer))
-        elif code in _COLLECTIVES:
-            kernels.append(Kernel("sync", op.name, nbytes=prog.collective_bytes(op),
-                                  collective=code, layer=layer))
+            group = op.replica_group or list(range(devices))
+            kernels.append(Kernel(kind, op.name, nbytes=_collective_bytes(module, op),
+                                  collective=collective, layer=op.layer, ranks=len(group),
+                                  hosts=len({d // per_host for d in group})))
+        elif code.endswith("-start") and code != "copy-start":  # an async op of no known kind
+            kind = "sync" if op.is_sync else "start"
+            if kind == "sync":
+                sync.add(op.name)
+            kernels.append(Kernel(kind, op.name, nbytes=_collective_bytes(module, op),
+                                  collective="other", layer=op.layer, ranks=devices))
         else:
-            flops, nbytes = prog.fusion_cost(op) if code == "fusion" else prog.plain_cost(op)
-            kernels.append(Kernel("compute", op.name, flops, nbytes, layer=layer))
+            flops, nbytes = (_fusion_cost(module, op) if code == "fusion"
+                             else _plain_cost(module, op))
+            kernels.append(Kernel("compute", op.name, flops, nbytes, layer=op.layer))
     return kernels
 
 
@@ -258,37 +245,94 @@ def read_kernels(text: str) -> list[Kernel]:
 
 def kernel_seconds(k: Kernel, chip: hardware.Chip, eff: hardware.Efficiency) -> float:
     """Roofline of one compute kernel plus the fixed per-kernel overhead."""
-    return max(k.flops / (chip.bf16_flops * eff.gemm),
-               k.nbytes / (chip.hbm_bytes_per_s * eff.memory)) + eff.kernel_overhead_s
+    flops_s, bytes_s = _roofline(k, chip, eff)
+    return max(flops_s, bytes_s) + eff.kernel_overhead_s
+
+
+def _roofline(k: Kernel, chip, eff) -> tuple[float, float]:
+    return k.flops / (chip.bf16_flops * eff.gemm), k.nbytes / (chip.hbm_bytes_per_s * eff.memory)
+
+
+def _ring(collective: str, ranks: int, algorithm: str) -> tuple[int, float]:
+    """(latency steps, bytes on the bus per byte of message) of a one-level collective."""
+    if ranks <= 1:
+        return 0, 0.0
+    if collective == "all-reduce":
+        steps = 2 * math.ceil(math.log2(ranks)) if algorithm == "tree" else 2 * (ranks - 1)
+        return steps, 2 * (ranks - 1) / ranks
+    if collective in ("all-gather", "reduce-scatter"):
+        return ranks - 1, (ranks - 1) / ranks
+    return 1, 1.0
 
 
 def collective_seconds(collective: str, nbytes: float, ranks: int, link: hardware.Link,
-                       algorithm: str = "ring") -> float:
-    """NCCL-style ring (or tree) time of one collective of `nbytes` over `ranks` GPUs."""
+                       algorithm: str = "ring", *, hosts: int = 1,
+                       inter_host: hardware.Link | None = None) -> float:
+    """NCCL-style time of one collective of `nbytes` over `ranks` GPUs: a ring (or tree) on
+    `link` within one host; across `hosts` hosts, hierarchical (module doc, step 4): g =
+    ranks / hosts GPUs per host on `link`, the hosts joined by `inter_host` (per GPU)."""
     if ranks <= 1:
         return 0.0
-    if collective == "all-reduce":
-        steps = 2 * math.ceil(math.log2(ranks)) if algorithm == "tree" else 2 * (ranks - 1)
-        traffic = 2 * (ranks - 1) / ranks
-    elif collective in ("all-gather", "reduce-scatter"):
-        steps, traffic = ranks - 1, (ranks - 1) / ranks
-    else:
-        steps, traffic = 1, 1.0
-    return (link.base_latency_s + steps * link.hop_latency_s
-            + nbytes * traffic / link.bus_bytes_per_s)
+    if hosts <= 1:
+        steps, traffic = _ring(collective, ranks, algorithm)
+        return link.base_latency_s + steps * link.hop_latency_s + nbytes * traffic / (
+            link.bus_bytes_per_s)
+    if inter_host is None:
+        raise PredictError("a collective across hosts needs an inter-host link")
+    g = ranks // hosts
+    intra_steps, intra = _ring(collective, g, algorithm)
+    inter_steps, inter = _ring(collective, hosts, algorithm)
+    return (link.base_latency_s + intra_steps * link.hop_latency_s
+            + inter_steps * inter_host.hop_latency_s
+            + max(nbytes * intra / link.bus_bytes_per_s,
+                  nbytes / g * inter / inter_host.bus_bytes_per_s))
 
 
-def costed(kernels, *, chip, link, efficiency, ranks, algorithm="ring") -> list[tuple]:
-    """(kind, name, seconds, layer) per kernel: what `simulate` runs."""
-    out = []
+def bus_bytes(collective: str, nbytes: float, ranks: int, algorithm: str = "ring") -> float:
+    """Bytes one GPU sends for a collective (what its copies move)."""
+    return nbytes * _ring(collective, ranks, algorithm)[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Timed:
+    """One op of the two-stream replay. compute: `seconds` alone on the GPU, of which
+    `flops_s` / `bytes_s` are the roofline's two terms (the rest is fixed overhead). start /
+    sync: the collective's `seconds`, and the shares of the SMs and of the HBM bandwidth it
+    takes from the kernels beside it. done: waits for the start of the same `name`."""
+
+    kind: str
+    name: str
+    seconds: float
+    layer: int | None = None
+    flops_s: float = 0.0
+    bytes_s: float = 0.0
+    sm_share: float = 0.0
+    hbm_share: float = 0.0
+
+
+def costed(kernels, *, calibration: hardware.Calibration, link: hardware.Link,
+           algorithm: str = "ring", contention: bool = True) -> list[Timed]:
+    """What `simulate` replays: every kernel timed with `calibration` (intra-host `link`)."""
+    cal, out = calibration, []
+    chip, eff, con = cal.chip, cal.efficiency, cal.contention
     for k in kernels:
         if k.kind == "compute":
-            s = kernel_seconds(k, chip, efficiency)
+            flops_s, bytes_s = _roofline(k, chip, eff)
+            out.append(Timed("compute", k.name, max(flops_s, bytes_s) + eff.kernel_overhead_s,
+                             k.layer, flops_s, bytes_s))
         elif k.kind == "done":
-            s = 0.0
+            out.append(Timed("done", k.name, 0.0, k.layer))
         else:
-            s = collective_seconds(k.collective, k.nbytes, ranks, link, algorithm)
-        out.append((k.kind, k.name, s, k.layer))
+            s = collective_seconds(k.collective, k.nbytes, k.ranks, link, algorithm,
+                                   hosts=k.hosts, inter_host=cal.inter_host)
+            sm = hbm = 0.0
+            if contention and s > 0:
+                channels = min(link.channels, max(1, math.ceil(k.nbytes / con.bytes_per_channel)))
+                sm = min(channels / chip.sms, 0.9)
+                rate = bus_bytes(k.collective, k.nbytes, k.ranks, algorithm) / s
+                hbm = min(con.hbm_bytes_per_bus_byte * rate
+                          / (chip.hbm_bytes_per_s * eff.memory), 0.9)
+            out.append(Timed(k.kind, k.name, s, k.layer, sm_share=sm, hbm_share=hbm))
     return out
 
 
@@ -307,31 +351,66 @@ class Timeline:
         return self.seconds - self.compute_s
 
 
-def simulate(steps) -> Timeline:
-    """Runs (kind, name, seconds, layer) steps on a compute and a collective stream.
+def simulate(ops) -> Timeline:
+    """Replays `Timed` ops (or (kind, name, seconds, layer) tuples: no contention) on a compute
+    and a collective stream.
 
-    compute: runs on the compute stream. start: the collective is issued when the compute
-    stream reaches it and runs on the collective stream after the collectives before it.
-    done: the compute stream waits until that collective has finished. sync: a blocking
-    collective (waits for the collective stream, then holds both)."""
+    compute: runs on the compute stream, slowed while a collective is in flight (its work
+    progresses at 1 / max(flops_s / (1 - sm_share), bytes_s / (1 - hbm_share)) of the whole
+    per second then, at 1 / max(flops_s, bytes_s) otherwise; its fixed overhead is not
+    slowed). start: the collective is issued when the compute stream reaches it and runs on
+    the collective stream after the collectives before it. done: the compute stream waits
+    until that collective has finished. sync: a blocking collective (waits for the collective
+    stream, then holds both). `compute_s` counts the slowed kernels' whole time: contention is
+    compute time, not exposed communication."""
     now = free = busy = comm = 0.0
-    ends = {}
-    for kind, name, seconds, _ in steps:
-        if kind == "compute":
-            now += seconds
-            busy += seconds
-        elif kind == "start":
-            free = max(now, free) + seconds
-            ends[name] = free
-            comm += seconds
-        elif kind == "done":
-            now = max(now, ends.pop(name))
-        elif kind == "sync":
-            now = free = max(now, free) + seconds
-            comm += seconds
+    ends, flights = {}, []  # flights: (start, end, sm_share, hbm_share) of issued collectives
+    for op in ops:
+        if not isinstance(op, Timed):
+            op = Timed(*op)
+        if op.kind == "compute":
+            t = _run_kernel(op, now, flights)
+            busy += t - now
+            now = t
+            flights = [f for f in flights if f[1] > now]
+        elif op.kind == "start":
+            begin = max(now, free)
+            free = begin + op.seconds
+            ends[op.name] = free
+            comm += op.seconds
+            if op.seconds > 0 and (op.sm_share or op.hbm_share):
+                flights.append((begin, free, op.sm_share, op.hbm_share))
+        elif op.kind == "done":
+            now = max(now, ends.pop(op.name))
+        elif op.kind == "sync":
+            now = free = max(now, free) + op.seconds
+            comm += op.seconds
         else:
-            raise ValueError(f"unknown step kind {kind!r}")
+            raise ValueError(f"unknown op kind {op.kind!r}")
     return Timeline(max(now, free), busy, comm)
+
+
+def _run_kernel(op: Timed, now: float, flights) -> float:
+    """When a compute kernel started at `now` ends, through the collectives in flight."""
+    work = max(op.flops_s, op.bytes_s)
+    t = now + (op.seconds - work)  # the fixed overhead first
+    left = 1.0  # fraction of the work still to do
+    if work <= 0:
+        return t
+    for begin, end, sm, hbm in flights:
+        if end <= t:
+            continue
+        if begin > t:  # full speed until this collective starts
+            if t + left * work <= begin:
+                return t + left * work
+            left -= (begin - t) / work
+            t = begin
+        slowed = max(op.flops_s / (1 - sm), op.bytes_s / (1 - hbm))
+        if t + left * slowed <= end:
+            return t + left * slowed
+        left -= (end - t) / slowed
+        t = end
+    return t + left * work
 
 
 def extended(shallow: Timeline, deep: Timeline, n_layers: int, deep_layers: int
@@ -347,13 +426,21 @@ def extended(shallow: Timeline, deep: Timeline, n_layers: int, deep_layers: int
 # Programs and predictions.
 
 
+@dataclasses.dataclass(frozen=True)
+class Program:
+    kernels: tuple
+    fallback: str | None = None
+
+
 @functools.lru_cache(maxsize=None)
 def program_kernels(config, *, phase: str, tp: int, batch: int, prompt_len: int,
-                    new_tokens: int, target: str) -> tuple[Kernel, ...]:
-    """The compiled program's kernels (compiled once per process and shape)."""
+                    new_tokens: int, target: str, hosts: int = 1) -> Program:
+    """The compiled program's kernels (compiled once per process and shape; the persistent
+    cache of `ladder_jax.analysis.programs` keeps them across processes)."""
     text, _ = programs.compile_program(config, phase=phase, tp=tp, batch=batch, seq=prompt_len,
-                                     target=target, new_tokens=new_tokens)
-    return tuple(read_kernels(text))
+                                       target=target, new_tokens=new_tokens, hosts=hosts)
+    fallback = programs.LAST["fallback"]
+    return Program(tuple(read_kernels(text, devices=tp, gpus_per_host=tp // hosts)), fallback)
 
 
 def check_layers_compiled(layers_compiled: int) -> None:
@@ -374,14 +461,28 @@ def compiled_depths(config, layers_compiled: int) -> list[int]:
 def compile_all(tasks: list[dict], jobs: int | None = None, progress=None) -> None:
     """Compiles the `program_kernels(**task)` of every task, `jobs` threads at a time
     (default 1: tracing and lowering hold Python's lock, so threads pay off only on idle
-    cores), so that later calls hit the cache."""
+    cores), so that later calls hit the cache. `progress(done, total, eta_s)` is called
+    before the first and after every program (eta_s None until one was compiled)."""
     todo = list({tuple(sorted(t.items())): t for t in tasks}.values())
     jobs = max(1, jobs or 1)
+    t0, compiled = time.perf_counter(), 0
     if progress:
-        progress(f"{len(todo)} programs, {min(jobs, len(todo))} at a time")
+        progress(0, len(todo), None)
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        for f in [pool.submit(lambda t: program_kernels(**t), t) for t in todo]:
-            f.result()
+        futures = [pool.submit(_compile_one, t) for t in todo]
+        for done, f in enumerate(concurrent.futures.as_completed(futures), 1):
+            compiled += f.result()
+            if progress:
+                rate = (time.perf_counter() - t0) / compiled if compiled else None
+                progress(done, len(todo), None if rate is None else rate * (len(todo) - done))
+
+
+def _compile_one(task: dict) -> bool:
+    """program_kernels(**task); True when it was compiled (not found in a cache)."""
+    before = program_kernels.cache_info().hits
+    hits = programs.CACHE_STATS["hits"]
+    program_kernels(**task)
+    return program_kernels.cache_info().hits == before and programs.CACHE_STATS["hits"] == hits
 
 
 def _tasks(config, phases, depths, **shape) -> list[dict]:
@@ -390,132 +491,215 @@ def _tasks(config, phases, depths, **shape) -> list[dict]:
 
 
 def program_time(config, *, phase: str, tp: int, batch: int, prompt_len: int, new_tokens: int,
-                 target: str = "h100", link: hardware.Link, efficiency: hardware.Efficiency,
-                 layers_compiled: int = 4, algorithm: str = "ring") -> dict:
+                 target: str = "h100", link: hardware.Link,
+                 efficiency: hardware.Efficiency | None = None,
+                 calibration: hardware.Calibration | None = None, hosts: int = 1,
+                 layers_compiled: int = 4, algorithm: str = "ring",
+                 contention: bool = True) -> dict:
     """Predicted seconds, compute seconds and exposed communication of one program."""
+    cal = calibration or hardware.calibration(target)
+    if efficiency is not None:
+        cal = dataclasses.replace(cal, efficiency=efficiency)
     depths = compiled_depths(config, layers_compiled)
     full = depths == [config.n_layers]
-    timelines, kernels = [], ()
+    timelines, program = [], Program(())
+    fallbacks = set()
     for depth in depths:
-        kernels = program_kernels(dataclasses.replace(config, n_layers=depth), phase=phase,
+        program = program_kernels(dataclasses.replace(config, n_layers=depth), phase=phase,
                                   tp=tp, batch=batch, prompt_len=prompt_len,
-                                  new_tokens=new_tokens, target=target)
-        timelines.append(simulate(costed(kernels, chip=hardware.CHIPS[target], link=link,
-                                         efficiency=efficiency, ranks=tp, algorithm=algorithm)))
+                                  new_tokens=new_tokens, target=target, hosts=hosts)
+        fallbacks.add(program.fallback)
+        timelines.append(simulate(costed(program.kernels, calibration=cal, link=link,
+                                         algorithm=algorithm, contention=contention)))
     if full:
         seconds, compute = timelines[0].seconds, timelines[0].compute_s
     else:  # the two depths can fuse a kernel differently: keep 0 <= exposed <= seconds
         seconds, compute = extended(*timelines, config.n_layers, layers_compiled)
         compute = min(compute, seconds)
+    fallbacks.discard(None)
     return {"seconds": seconds, "compute_s": compute, "exposed_comm_s": seconds - compute,
-            "kernels": sum(k.kind == "compute" for k in kernels), "layers_compiled": depths}
+            "kernels": sum(k.kind == "compute" for k in program.kernels),
+            "layers_compiled": depths, "fallback": ",".join(sorted(fallbacks)) or None}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    """A grid of predictions and what it is costed with. `tp`, `batch`, `links`, `residuals`
+    are the grid (every combination); `hosts` is how many hosts each tp group spans (None: as
+    few as `gpus_per_host` allows, ceil(tp / gpus_per_host)); `calibration` defaults to the
+    public figures of `target` (`hardware.calibration`)."""
+
+    tp: tuple = (8,)
+    batch: tuple = (1,)
+    prompt_len: int = 1024
+    new_tokens: int = 512
+    links: tuple = ("nvlink",)
+    residuals: tuple = RESIDUALS
+    target: str = "h100"
+    hosts: int | None = None
+    gpus_per_host: int = 8
+    layers_compiled: int = 4
+    algorithm: str = "ring"
+    contention: bool = True
+    calibration: hardware.Calibration | None = None
+
+    def __post_init__(self):
+        for name in ("tp", "batch", "links", "residuals"):
+            object.__setattr__(self, name, _as_tuple(getattr(self, name)))
+        if self.calibration is None and self.target in hardware.CHIPS:
+            object.__setattr__(self, "calibration", hardware.calibration(self.target))
+
+    def hosts_for(self, tp: int) -> int:
+        return self.hosts if self.hosts is not None else max(1, -(-tp // self.gpus_per_host))
+
+    def check(self, config, *, phase: str = "generate") -> None:
+        """Every field, before anything compiles: one line naming the fix."""
+        if self.target not in hardware.TARGETS:
+            raise PredictError(f"unknown target {self.target!r}: choose one of "
+                               f"{', '.join(hardware.TARGETS)}")
+        for name in self.links:
+            if name not in self.calibration.links:
+                raise PredictError(f"unknown link {name!r}: choose one of "
+                                   f"{', '.join(self.calibration.links)}")
+        for r in self.residuals:
+            if r not in RESIDUALS:
+                raise PredictError(f"unknown residual {r!r}: choose one of "
+                                   f"{', '.join(RESIDUALS)} or all")
+        if self.algorithm not in ("ring", "tree"):
+            raise PredictError(f"unknown algorithm {self.algorithm!r}: choose ring or tree")
+        check_layers_compiled(self.layers_compiled)
+        ints = [("prompt_len" if phase == "generate" else "seq_len", self.prompt_len),
+                ("gpus_per_host", self.gpus_per_host)]
+        if phase == "generate":
+            ints.append(("new_tokens", self.new_tokens))
+        ints += [("tp", t) for t in self.tp] + [("batch", b) for b in self.batch]
+        if self.hosts is not None:
+            ints.append(("hosts", self.hosts))
+        for name, v in ints:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise PredictError(f"{name}={v!r} must be a positive integer")
+        for t in self.tp:
+            h = self.hosts_for(t)
+            if t % h or t // h > self.gpus_per_host:
+                raise PredictError(
+                    f"tp={t} cannot span {h} host(s) of {self.gpus_per_host} GPUs evenly: "
+                    f"use --hosts H with tp/H a whole number <= --gpus-per-host")
+            sharding.check_divisible(config, t)
+        check_calibration(self.calibration)
 
 
 def check(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int, link: str,
           target: str, residual: str) -> None:
-    """Every argument, before anything compiles: one line naming the fix."""
+    """Every argument of one prediction, before anything compiles: one line naming the fix."""
+    Sweep(tp=tp, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, links=link,
+          target=target, residuals=residual).check(config)
 
-    if link not in hardware.LINKS:
-        raise PredictError(f"unknown link {link!r}: choose one of {', '.join(hardware.LINKS)}")
-    if target not in hardware.TARGETS:
-        raise PredictError(f"unknown target {target!r}: choose one of "
+
+def _sweep(sweep: Sweep | None, efficiency=None, link_overrides=None, **fields) -> Sweep:
+    """A Sweep from keywords (the older spelling: efficiency=, link_overrides= replace
+    calibration figures)."""
+    sweep = dataclasses.replace(sweep, **fields) if sweep else Sweep(**fields)
+    if sweep.target not in hardware.TARGETS:
+        raise PredictError(f"unknown target {sweep.target!r}: choose one of "
                            f"{', '.join(hardware.TARGETS)}")
-    if residual not in RESIDUALS:
-        raise PredictError(f"unknown residual {residual!r}: choose one of "
-                           f"{', '.join(RESIDUALS)} or all")
-    for name, v in (("tp", tp), ("batch", batch), ("prompt_len", prompt_len),
-                    ("new_tokens", new_tokens)):
-        if not isinstance(v, int) or v < 1:
-            raise PredictError(f"{name}={v!r} must be a positive integer")
-    sharding.check_divisible(config, tp)
+    if sweep.calibration.target != sweep.target:
+        sweep = dataclasses.replace(sweep, calibration=hardware.calibration(sweep.target))
+    if efficiency is not None or link_overrides:
+        cal = sweep.calibration
+        if efficiency is not None:
+            cal = dataclasses.replace(cal, efficiency=efficiency)
+        if link_overrides:
+            cal = _checked(lambda: cal.replace(links={"*": dict(link_overrides)}))
+        sweep = dataclasses.replace(sweep, calibration=cal)
+    return sweep
 
 
-def predict(config, *, tp=(8,), batch=(1,), prompt_len: int = 1024, new_tokens: int = 512,
-            links=("nvlink",), target: str = "h100", residuals=RESIDUALS,
-            efficiency: hardware.Efficiency | None = None, link_overrides: dict | None = None,
-            layers_compiled: int = 4, algorithm: str = "ring", jobs: int | None = None,
-            progress=None, quantize: str | None = None) -> list[dict]:
-    """One row per (tp, batch, residual, link): predicted prefill and decode-step seconds,
-    tokens/s (all users and per user) and exposed communication. `config` is a ModelConfig
-    (its `residual` is replaced by each of `residuals`; `ladder_layers` kept for ladder);
-    `link_overrides` replace fields of every link (e.g. bus_bytes_per_s=300e9);
-    `quantize="int8"`: the int8-weight programs (`ladder_jax.model.quant`)."""
-    if quantize is not None:
-        config = dataclasses.replace(config, quantize=quantize)
-    tps, batches = _as_tuple(tp), _as_tuple(batch)
-    links, residuals = _as_tuple(links), _as_tuple(residuals)
-    if algorithm not in ("ring", "tree"):
-        raise PredictError(f"unknown algorithm {algorithm!r}: choose ring or tree")
-    check_layers_compiled(layers_compiled)
-    for t in tps:
-        for b in batches:
-            for name in links:
-                for r in residuals:
-                    check(config, tp=t, batch=b, prompt_len=prompt_len, new_tokens=new_tokens,
-                          link=name, target=target, residual=r)
+def _checked(fn):
+    try:
+        return fn()
+    except ValueError as e:
+        raise PredictError(str(e)) from None
+
+
+def predict(config, sweep: Sweep | None = None, *, jobs: int | None = None, progress=None,
+            name: str | None = None, efficiency: hardware.Efficiency | None = None,
+            link_overrides: dict | None = None, **fields) -> list[dict]:
+    """One row per (tp, batch, residual, link) of `sweep` (or a Sweep of `fields`): predicted
+    prefill and decode-step seconds, tokens/s (all users and per user) and exposed
+    communication. `config` is a ModelConfig (its `residual` is replaced by each of the
+    sweep's; `ladder_layers` kept for ladder); `name` (the preset) goes into error messages;
+    `efficiency` / `link_overrides` replace calibration figures (e.g.
+    link_overrides=dict(bus_bytes_per_s=300e9) for every link)."""
+    sweep = _sweep(sweep, efficiency, link_overrides, **fields)
+    sweep.check(config)
     programs.check_plugin()
-    efficiency = efficiency or hardware.EFFICIENCY
-    chosen = {n: dataclasses.replace(hardware.LINKS[n], **(link_overrides or {})) for n in links}
     base = dataclasses.replace(config, max_seq_len=max(config.max_seq_len,
-                                                       prompt_len + new_tokens))
+                                                       sweep.prompt_len + sweep.new_tokens))
     cases = [(t, b, dataclasses.replace(base, residual=r, ladder_layers=(
-        base.ladder_layers if r == "ladder" else None))) for t in tps for b in batches
-        for r in residuals]
-    compile_all([task for t, b, cfg in cases for task in _tasks(
-        cfg, ("prefill", "decode"), compiled_depths(cfg, layers_compiled), tp=t, batch=b,
-        prompt_len=prompt_len, new_tokens=new_tokens, target=target)], jobs, progress)
+        base.ladder_layers if r == "ladder" else None))) for t in sweep.tp for b in sweep.batch
+        for r in sweep.residuals]
+    shape = dict(prompt_len=sweep.prompt_len, new_tokens=sweep.new_tokens, target=sweep.target)
+    _compiled(name, lambda: compile_all([task for t, b, cfg in cases for task in _tasks(
+        cfg, ("prefill", "decode"), compiled_depths(cfg, sweep.layers_compiled), tp=t, batch=b,
+        hosts=sweep.hosts_for(t), **shape)], jobs, progress))
     rows = []
     for t, b, cfg in cases:
-        for name, link in chosen.items():
-            kw = dict(tp=t, batch=b, prompt_len=prompt_len, new_tokens=new_tokens,
-                      target=target, link=link, efficiency=efficiency,
-                      layers_compiled=layers_compiled, algorithm=algorithm)
+        for link_name in sweep.links:
+            kw = dict(tp=t, batch=b, **shape, link=sweep.calibration.links[link_name],
+                      calibration=sweep.calibration, hosts=sweep.hosts_for(t),
+                      layers_compiled=sweep.layers_compiled, algorithm=sweep.algorithm,
+                      contention=sweep.contention)
             pre = program_time(cfg, phase="prefill", **kw)
             step = program_time(cfg, phase="decode", **kw)
-            rows.append(_row(cfg, t, b, prompt_len, new_tokens, name, target, pre, step))
+            rows.append(_row(cfg, sweep, t, b, link_name, pre, step))
     return rows
 
 
-def predict_train(config, *, tp=(8,), batch: int, seq_len: int, grad_accum: int = 1,
-                  links=("nvlink",), target: str = "h100", residuals=RESIDUALS,
-                  efficiency: hardware.Efficiency | None = None,
-                  link_overrides: dict | None = None, layers_compiled: int = 4,
-                  algorithm: str = "ring", jobs: int | None = None,
-                  progress=None) -> list[dict]:
+def _compiled(name, fn):
+    """Runs `fn`; a compiler failure becomes one PredictError naming the model."""
+    try:
+        return fn()
+    except programs.CompileError as e:
+        raise PredictError(f"{name or 'the model'}: {e}") from None
+
+
+def predict_train(config, sweep: Sweep | None = None, *, batch: int, seq_len: int,
+                  grad_accum: int = 1, jobs: int | None = None, progress=None,
+                  name: str | None = None, efficiency: hardware.Efficiency | None = None,
+                  link_overrides: dict | None = None, **fields) -> list[dict]:
     """One row per (tp, residual, link) for a training step of `batch` sequences of
     `seq_len` tokens, `grad_accum` times (see the module doc)."""
-    tps, links, residuals = _as_tuple(tp), _as_tuple(links), _as_tuple(residuals)
-    check_layers_compiled(layers_compiled)
-    for t in tps:
-        for name in links:
-            for r in residuals:
-                check(config, tp=t, batch=batch, prompt_len=seq_len, new_tokens=grad_accum,
-                      link=name, target=target, residual=r)
+    sweep = _sweep(sweep, efficiency, link_overrides, batch=(batch,), prompt_len=seq_len,
+                   **fields)
+    sweep.check(config, phase="train")
+    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
+        raise PredictError(f"grad_accum={grad_accum!r} must be a positive integer")
     programs.check_plugin()
-    efficiency = efficiency or hardware.EFFICIENCY
-    chosen = {n: dataclasses.replace(hardware.LINKS[n], **(link_overrides or {})) for n in links}
     cases = [(t, dataclasses.replace(config, residual=r, ladder_layers=(
-        config.ladder_layers if r == "ladder" else None))) for t in tps for r in residuals]
-    compile_all([task for t, cfg in cases for task in _tasks(
-        cfg, ("train",), compiled_depths(cfg, layers_compiled), tp=t, batch=batch,
-        prompt_len=seq_len, new_tokens=1, target=target)], jobs, progress)
+        config.ladder_layers if r == "ladder" else None))) for t in sweep.tp
+        for r in sweep.residuals]
+    shape = dict(batch=batch, prompt_len=seq_len, new_tokens=1, target=sweep.target)
+    _compiled(name, lambda: compile_all([task for t, cfg in cases for task in _tasks(
+        cfg, ("train",), compiled_depths(cfg, sweep.layers_compiled), tp=t,
+        hosts=sweep.hosts_for(t), **shape)], jobs, progress))
     rows = []
     for t, cfg in cases:
-        r = cfg.residual
-        for name, link in chosen.items():
-            step = program_time(cfg, phase="train", tp=t, batch=batch, prompt_len=seq_len,
-                                new_tokens=1, target=target, link=link,
-                                efficiency=efficiency, layers_compiled=layers_compiled,
-                                algorithm=algorithm)
+        for link_name in sweep.links:
+            step = program_time(cfg, phase="train", tp=t, **shape,
+                                link=sweep.calibration.links[link_name],
+                                calibration=sweep.calibration, hosts=sweep.hosts_for(t),
+                                layers_compiled=sweep.layers_compiled,
+                                algorithm=sweep.algorithm, contention=sweep.contention)
             step_s = grad_accum * step["seconds"]
             rows.append({
-                "phase": "train", "residual": r, "ladder_layers": cfg.ladder_layers,
-                "tp": t, "batch": batch, "seq_len": seq_len, "grad_accum": grad_accum,
-                "link": name, "target": target, "step_s": step_s,
-                "tokens_per_s": grad_accum * batch * seq_len / step_s,
+                "phase": "train", "residual": cfg.residual, "ladder_layers": cfg.ladder_layers,
+                "tp": t, "hosts": sweep.hosts_for(t), "batch": batch, "seq_len": seq_len,
+                "grad_accum": grad_accum, "link": link_name, "target": sweep.target,
+                "step_s": step_s, "tokens_per_s": grad_accum * batch * seq_len / step_s,
                 "exposed_comm_s": grad_accum * step["exposed_comm_s"],
                 "compute_s": grad_accum * step["compute_s"],
-                "layers_compiled": step["layers_compiled"], "n_layers": cfg.n_layers})
+                "layers_compiled": step["layers_compiled"], "n_layers": cfg.n_layers,
+                "fallback": step["fallback"]})
     return rows
 
 
@@ -523,13 +707,17 @@ def _as_tuple(v) -> tuple:
     return tuple(v) if isinstance(v, (list, tuple)) else (v,)
 
 
-def _row(cfg, tp, batch, prompt_len, new_tokens, link, target, pre, step) -> dict:
+def _row(cfg, sweep: Sweep, tp, batch, link, pre, step) -> dict:
+    new_tokens = sweep.new_tokens
     total = pre["seconds"] + (new_tokens - 1) * step["seconds"]
     tokens_per_s = batch * new_tokens / total
+    hosts = sweep.hosts_for(tp)
+    fallback = ",".join(sorted({f for f in (pre["fallback"], step["fallback"]) if f})) or None
     return {
         "residual": cfg.residual, "ladder_layers": cfg.ladder_layers, "tp": tp, "batch": batch,
-        "quantize": cfg.quantize,
-        "prompt_len": prompt_len, "new_tokens": new_tokens, "link": link, "target": target,
+        "prompt_len": sweep.prompt_len, "new_tokens": new_tokens, "link": link,
+        "target": sweep.target, "hosts": hosts, "quantize": cfg.quantize,
+        "inter_host": sweep.calibration.inter_host.name if hosts > 1 else None,
         "prefill_s": pre["seconds"], "decode_step_s": step["seconds"],
         "tokens_per_s": tokens_per_s, "tokens_per_s_per_user": tokens_per_s / batch,
         "exposed_comm_s": pre["exposed_comm_s"] + (new_tokens - 1) * step["exposed_comm_s"],
@@ -537,7 +725,8 @@ def _row(cfg, tp, batch, prompt_len, new_tokens, link, target, pre, step) -> dic
         "decode_step_exposed_comm_s": step["exposed_comm_s"],
         "decode_step_compute_s": step["compute_s"],
         "decode_step_kernels": step["kernels"], "layers_compiled": step["layers_compiled"],
-        "n_layers": cfg.n_layers,
+        "n_layers": cfg.n_layers, "contention": sweep.contention, "fallback": fallback,
+        "calibration": sweep.calibration.source,
     }
 
 
@@ -590,12 +779,37 @@ def summary(rows: list[dict]) -> str:
         for (link, tp, b), d in by.items())
 
 
-def check_knobs(eff: hardware.Efficiency, link_overrides: dict) -> None:
+def check_calibration(cal: hardware.Calibration) -> None:
+    """Every figure finite and in range: one line naming the figure."""
+    eff = cal.efficiency
     for name, v in (("gemm efficiency", eff.gemm), ("memory efficiency", eff.memory)):
-        if not 0 < v <= 1:
+        if not (math.isfinite(v) and 0 < v <= 1):
             raise PredictError(f"{name} {v} must be in (0, 1]")
-    if eff.kernel_overhead_s < 0:
-        raise PredictError("--kernel-overhead-us must be >= 0")
+    if not (math.isfinite(eff.kernel_overhead_s) and eff.kernel_overhead_s >= 0):
+        raise PredictError(f"kernel overhead {eff.kernel_overhead_s * 1e6:g} us must be a "
+                           f"finite number >= 0")
+    for link in [*cal.links.values(), cal.inter_host]:
+        for k in ("base_latency_s", "hop_latency_s", "bus_bytes_per_s"):
+            v = getattr(link, k)
+            if not math.isfinite(v) or v < 0 or (k == "bus_bytes_per_s" and v == 0):
+                raise PredictError(f"link {link.name} {k}={v} must be a finite number "
+                                   f"{'> 0' if k == 'bus_bytes_per_s' else '>= 0'}")
+    for k in ("bf16_flops", "hbm_bytes_per_s"):
+        v = getattr(cal.chip, k)
+        if not math.isfinite(v) or v <= 0:
+            raise PredictError(f"chip {k}={v} must be a finite number > 0")
+
+
+def check_knobs(eff: hardware.Efficiency, link_overrides: dict) -> None:
+    """The command line's figures (efficiencies, link overrides): one line naming the flag."""
+    for name, v in (("gemm efficiency", eff.gemm), ("memory efficiency", eff.memory)):
+        if not (math.isfinite(v) and 0 < v <= 1):
+            raise PredictError(f"{name} {v} must be in (0, 1]")
+    if not (math.isfinite(eff.kernel_overhead_s) and eff.kernel_overhead_s >= 0):
+        raise PredictError("--kernel-overhead-us must be a finite number >= 0")
+    flags = {"base_latency_s": "--link-latency-us", "hop_latency_s": "--link-hop-us",
+             "bus_bytes_per_s": "--link-busbw-gbs"}
     for k, v in link_overrides.items():
-        if v < 0 or (k == "bus_bytes_per_s" and v == 0):
-            raise PredictError(f"link {k}={v} must be positive")
+        if not math.isfinite(v) or v < 0 or (k == "bus_bytes_per_s" and v == 0):
+            raise PredictError(f"{flags.get(k, k)} {v:g}: must be a finite number "
+                               f"{'> 0' if k == 'bus_bytes_per_s' else '>= 0'}")

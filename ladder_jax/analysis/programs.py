@@ -6,31 +6,58 @@ XLA's CUDA compiler runs on the CPU when given a description of the target chip
 brings it; no CUDA libraries, no GPU). The model is built from shapes only (`nnx.eval_shape`),
 so `llama-3-70b` compiles on a laptop.
 
+Targets: sm_90 (H100, H200) and sm_80 (A100), `ladder_jax.hardware.TARGETS`. Hosts: a
+program for `tp` GPUs on `hosts` hosts compiles on the plugin's topology `1 x hosts x tp/hosts`
+(device ids numbered host by host), so the collectives of a tp group that spans hosts carry
+replica groups across them, as on a real cluster.
+
 Phases are the programs users run. `prefill` and `decode` are
 `ladder_jax.inference.generation.Decoder`'s jitted prefill (a prompt written into the KV cache,
 then sampling of the first new token) and its one-token step (KV cache, attention over all its
 slots, per-row sampling), with a cache sized for the prompt + new tokens as `decode` sizes it.
-`train` is a full training step (forward,
-backward, AdamW update).
+`train` is the trainer's training step (forward, backward, AdamW update, gradient clipping;
+`train_program`), with the default optimizer settings and one micro-batch.
 
 Training configs: `compile_train_config` compiles the training step a TrainConfig runs (its
-mesh, FSDP, dtypes, accumulation, remat and optimizer, through the same
-`ladder_jax.train.step` functions the trainer uses) for N hosts of G GPUs: the plugin's
+mesh, FSDP, dtypes, accumulation, remat and optimizer) for N hosts of G GPUs: the plugin's
 topology `1 x N x G`, the (data, tp) mesh filled row by row so that a tp group is one host.
+Both go through `train_program`, which builds the step with `ladder_jax.train.step.
+make_train_step`, the function the trainer jits: one builder for every training program.
 
 The options the package compiles with (`ladder_jax.model.sharding.compiler_options("gpu")`) are
-applied here exactly as in training and decoding.
+applied here exactly as in training and decoding, with one deviceless exception: a build that
+is not autotuned uses XLA's default Triton GEMM tiling, which cannot tile some matmuls (the 3b
+preset at tp 8: a 288-wide contraction, "Couldn't find output tile sizes"); such a program is
+compiled again with cuBLAS GEMMs (`xla_gpu_enable_triton_gemm=false`), one of the kernels an
+autotuned GPU build chooses from, and says so (`compile_program`'s `fallback`). Any other
+compiler failure is a `CompileError` naming the phase, tp and target.
+
+Cache. Compiling a 70B-wide program takes seconds to minutes; `compile_program` keeps the
+scheduled HLO text of every program it compiled in a persistent cache (`cache_dir()`:
+`$LADDER_JAX_CACHE`, default `~/.cache/ladder_jax/programs`; `LADDER_JAX_CACHE=off` disables
+it), keyed by everything the program depends on: its arguments, the compiler options, the
+target description, the jax / jaxlib / plugin versions and a hash of this package's source
+(all but the command lines and the code that reads and costs programs). A rerun reads the text
+back (milliseconds); editing what builds programs invalidates every entry.
 """
 
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import gzip
+import hashlib
+import importlib.metadata
 import importlib.util
+import json
+import os
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 from flax import nnx
 from jax.experimental import topologies
@@ -38,7 +65,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ladder_jax import config as config_lib
-from ladder_jax import hardware
+from ladder_jax import hardware, runtime
 from ladder_jax.inference import generation
 from ladder_jax.model import sharding
 from ladder_jax.model.transformer import abstract
@@ -60,13 +87,19 @@ def gpu_devices(target: str, n: int, *, hosts: int = 1) -> list:
     if target not in hardware.TARGETS:
         raise OverlapError(f"unknown target {target!r}: choose one of "
                            f"{', '.join(hardware.TARGETS)}")
-    if hosts <= 0 or n <= 0 or n % hosts:
-        raise OverlapError(f"{n} GPUs cannot be spread evenly over {hosts} hosts")
+    if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1:
+        raise OverlapError(f"hosts={hosts!r} must be a positive integer")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise OverlapError(f"{n!r} GPUs: tp (and data) must be positive integers")
+    if n % hosts:
+        raise OverlapError(f"{n} GPUs cannot be spread evenly over {hosts} hosts: use a GPU "
+                           f"count that {hosts} divides (or other --hosts)")
     check_plugin()
     try:
-        topo = topologies.get_topology_desc(
-            platform="cuda", target_config=hardware.gpu_target_config(target),
-            topology=f"1x{hosts}x{n // hosts}")
+        with runtime.quiet():  # the plugin's start-up lines on a host without a GPU
+            topo = topologies.get_topology_desc(
+                platform="cuda", target_config=hardware.gpu_target_config(target),
+                topology=f"1x{hosts}x{n // hosts}")
     except Exception as e:  # the plugin's errors are plain RuntimeErrors
         raise OverlapError(f"could not describe {hosts} hosts x {n // hosts} {target}: {e}\n"
                            + PLUGIN_HINT.format(v=jax.__version__)) from None
@@ -121,11 +154,19 @@ def lower_decoder(config, mesh, *, phase: str, batch: int, prompt_len: int, new_
     return decoder._decode_step.lower(state, cache, rows, rows, settings, rows)
 
 
+class CompileError(OverlapError):
+    """XLA's GPU compiler failed on a program: one line naming the phase, tp and target."""
+
+
 def compile_program(config, *, phase: str, tp: int, batch: int, seq: int, target: str = "h100",
-                    new_tokens: int = 512, quantize: str | None = None):
-    """Compiles `phase` of `config` for `tp` GPUs of `target`; returns (hlo_text, seconds).
-    `seq` is the prompt (prefill, decode) or training length; `new_tokens` sizes the decode
-    cache; `quantize="int8"`: int8 linear weights (prefill and decode only)."""
+                    new_tokens: int = 512, hosts: int = 1, cache: bool = True,
+                    quantize: str | None = None) -> tuple:
+    """Compiles `phase` of `config` for `tp` GPUs of `target` on `hosts` hosts; returns
+    (scheduled hlo_text, seconds). `seq` is the prompt (prefill, decode) or training length;
+    `new_tokens` sizes the decode cache; `quantize="int8"`: int8 linear weights (prefill and
+    decode only). Read from / written to the persistent cache unless `cache=False` (module
+    doc); `LAST` says whether the last call was a cache hit and which fallback, if any, it
+    compiled with."""
 
     if quantize is not None:
         config = dataclasses.replace(config, quantize=quantize)
@@ -134,37 +175,152 @@ def compile_program(config, *, phase: str, tp: int, batch: int, seq: int, target
                            f"runs float weights")
     if phase not in PHASES:
         raise OverlapError(f"unknown phase {phase!r}: choose one of {', '.join(PHASES)}")
-    mesh = gpu_mesh(target, tp)
+    for name, v in (("tp", tp), ("batch", batch), ("seq", seq), ("new_tokens", new_tokens)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise OverlapError(f"{name}={v!r} must be a positive integer")
+    mesh = gpu_mesh(target, tp, hosts=hosts)
     sharding.check_divisible(config, tp)
     options = sharding.compiler_options("gpu")
     t0 = time.perf_counter()
+    key = program_key(dataclasses.asdict(config), phase=phase, tp=tp, batch=batch, seq=seq,
+                      new_tokens=new_tokens, target=target, hosts=hosts, options=options)
+    path = _cache_path(key) if cache else None
+    if path and os.path.exists(path):
+        with gzip.open(path, "rt") as f:
+            fallback, _, hlo = f.read().partition("\n")
+        LAST.update(hit=True, fallback=fallback or None)
+        CACHE_STATS["hits"] += 1
+        return hlo, time.perf_counter() - t0
     if phase in ("prefill", "decode"):
         lowered = lower_decoder(config, mesh, phase=phase, batch=batch, prompt_len=seq,
                                 new_tokens=new_tokens)
-        hlo = lowered.compile(compiler_options=options).as_text()
-        return hlo, time.perf_counter() - t0
-    graphdef, params = abstract(config, mesh)
-    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=NamedSharding(mesh, P()))
-    optimizer = step.make_optimizer()
-    # moments stored like their params, counters replicated (`jax.eval_shape` drops the
-    # shardings: moments left replicated would put the whole model's AdamW state on every GPU,
-    # and past XLA's memory limit the scheduler stops overlapping collectives)
-    opt_state = jax.eval_shape(optimizer.init, params)
-    opt_state = jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt_state,
-        step.opt_state_shardings(optimizer, opt_state, params, mesh))
-
-    def train(params, opt_state, tokens):
-        return step.train_step(graphdef, params, opt_state, tokens, tokens,
-                               optimizer=optimizer)
-
-    lowered = jax.jit(train, compiler_options=options, donate_argnums=(0, 1)).lower(
-        params, opt_state, tokens)
-    hlo = lowered.compile().as_text()
+    else:
+        lowered = train_program(config, mesh, batch=batch, seq_len=seq)
+    hlo, fallback = _compile_text(lowered, options, what=f"the {phase} program at tp={tp} on "
+                                                        f"{target}")
+    LAST.update(hit=False, fallback=fallback)
+    CACHE_STATS["misses"] += 1
+    if path:
+        _write_cache(path, (fallback or "") + "\n" + hlo)
     return hlo, time.perf_counter() - t0
 
 
 PHASES = ("prefill", "decode", "train")
+LAST: dict = {"hit": False, "fallback": None}
+CACHE_STATS = {"hits": 0, "misses": 0}
+_TILING = "Couldn't find output tile sizes"
+
+
+def _compile_text(lowered, options: dict, *, what: str) -> tuple[str, str | None]:
+    """(scheduled HLO text, fallback or None) of a lowered program (module doc: fallback)."""
+    try:
+        with runtime.quiet():
+            return lowered.compile(compiler_options=options).as_text(), None
+    except Exception as e:  # XLA's errors are JaxRuntimeErrors with the whole message
+        if _TILING not in str(e):
+            raise CompileError(f"XLA's GPU compiler failed on {what}: "
+                               f"{str(e).strip().splitlines()[0][:300]}") from None
+    try:
+        with runtime.quiet():
+            text = lowered.compile(compiler_options={**options,
+                                                     "xla_gpu_enable_triton_gemm": False})
+            return text.as_text(), "cublas-gemm"
+    except Exception as e:
+        raise CompileError(f"XLA's GPU compiler failed on {what}, with Triton GEMMs and with "
+                           f"cuBLAS GEMMs: {str(e).strip().splitlines()[0][:300]}") from None
+
+
+def cache_dir() -> str | None:
+    """Where compiled programs are kept (module doc), or None when the cache is off."""
+    env = os.environ.get("LADDER_JAX_CACHE")
+    if env is not None and env.strip().lower() in ("", "0", "off", "false", "no"):
+        return None
+    if env:
+        return env
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ladder_jax", "programs")
+
+
+# what reads or costs programs, not what builds them: editing these keeps the cache
+_NOT_PROGRAM = {os.path.join("analysis", n) for n in ("hlo.py", "overlap.py", "perfmodel.py")} | {
+    "api.py", "hardware.py"}  # hardware: the target description itself is in the key
+
+
+@functools.lru_cache(maxsize=1)
+def _source_hash() -> str:
+    """What the package's programs depend on besides their arguments: its source (all of it
+    but the command lines, the notebook API and the readers / cost model of `analysis`)."""
+    h = hashlib.sha256()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for dirpath, dirnames, files in sorted(os.walk(root)):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("cli", "__pycache__"))
+        for name in sorted(files):
+            rel = os.path.relpath(os.path.join(dirpath, name), root)
+            if name.endswith(".py") and rel not in _NOT_PROGRAM:
+                with open(os.path.join(dirpath, name), "rb") as f:
+                    h.update(rel.encode() + f.read())
+    versions = [jax.__version__, jaxlib.__version__]
+    for dist in ("jax-cuda12-plugin", "jax-cuda12-pjrt"):
+        try:
+            versions.append(importlib.metadata.version(dist))
+        except importlib.metadata.PackageNotFoundError:
+            versions.append("-")
+    h.update(repr(versions).encode())
+    return h.hexdigest()
+
+
+def program_key(config: dict, **fields) -> str:
+    """The cache key of a program: its arguments, the target's description, the versions and
+    the package source (module doc)."""
+    target = fields.get("target")
+    blob = json.dumps({"config": config, **fields, "source": _source_hash(),
+                       "target_config": hardware.gpu_target_config(target) if target else None},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _cache_path(key: str) -> str | None:
+    d = cache_dir()
+    return os.path.join(d, key + ".hlo.gz") if d else None
+
+
+def _write_cache(path: str, text: str) -> None:
+    """Atomic (a rename); a cache that cannot be written is skipped, never an error."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb",
+                                                       compresslevel=3) as f:
+            f.write(text.encode())
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def train_program(config, mesh, *, batch: int, seq_len: int, grad_accum: int = 1,
+                  optim=None, total_steps: int = 10_000, fsdp: bool = False):
+    """The lowered training step the trainer runs (`ladder_jax.train.step.make_train_step`,
+    jitted with the package's options): weights stored as trained (`fsdp`), AdamW moments
+    stored like their params, a batch of `grad_accum` x `batch` sequences of `seq_len` + 1
+    tokens split over `data`. `optim` is an OptimizerConfig (default: its defaults)."""
+    optim = optim or config_lib.OptimizerConfig()
+    graphdef, params = abstract(config, mesh, fsdp=fsdp)  # stored as trained
+    optimizer = step.make_optimizer(optim, total_steps=total_steps)
+    # moments stored like their params, counters replicated (`jax.eval_shape` drops the
+    # shardings: moments left replicated would put the whole model's AdamW state on every GPU,
+    # and past XLA's memory limit the scheduler stops overlapping collectives)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    opt_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                             opt_state, step.opt_state_shardings(optimizer, opt_state, params,
+                                                                 mesh))
+    tokens = jax.ShapeDtypeStruct((grad_accum, batch, seq_len + 1), jnp.int32,
+                                  sharding=NamedSharding(mesh, P(None, sharding.DATA, None)))
+    train_step = step.make_train_step(
+        graphdef, optimizer=optimizer, grad_clip=optim.grad_clip,
+        param_shardings=[x.sharding for x in jax.tree.leaves(params)],
+        opt_shardings=[x.sharding for x in jax.tree.leaves(opt_state)])
+    return sharding.jit(train_step, platform="gpu", donate_argnums=(0, 1)).lower(
+        params, opt_state, tokens)
 
 
 def compile_train_config(cfg, *, hosts: int = 1, gpus_per_host: int = 8, target: str = "h100"):
@@ -188,20 +344,10 @@ def compile_train_config(cfg, *, hosts: int = 1, gpus_per_host: int = 8, target:
     data = n // tp
     mesh = gpu_mesh(target, tp, data=data, hosts=hosts)
     sharding.check_batch(cfg.data.batch_size, mesh)
-    graphdef, params = abstract(model_config, mesh, fsdp=cfg.mesh.fsdp)  # stored as trained
-    optimizer = step.make_optimizer(cfg.optim, total_steps=cfg.steps)
-    opt_state = jax.eval_shape(optimizer.init, params)
-    opt_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                             opt_state, step.opt_state_shardings(optimizer, opt_state, params,
-                                                                 mesh))
-    batch = jax.ShapeDtypeStruct(
-        (cfg.data.grad_accum, cfg.data.batch_size, cfg.data.seq_len + 1), jnp.int32,
-        sharding=NamedSharding(mesh, P(None, sharding.DATA, None)))
-    train_step = step.make_train_step(
-        graphdef, optimizer=optimizer, grad_clip=cfg.optim.grad_clip,
-        param_shardings=[x.sharding for x in jax.tree.leaves(params)],
-        opt_shardings=[x.sharding for x in jax.tree.leaves(opt_state)])
     t0 = time.perf_counter()
-    compiled = sharding.jit(train_step, platform="gpu", donate_argnums=(0, 1)).lower(
-        params, opt_state, batch).compile()
+    lowered = train_program(model_config, mesh, batch=cfg.data.batch_size,
+                            seq_len=cfg.data.seq_len, grad_accum=cfg.data.grad_accum,
+                            optim=cfg.optim, total_steps=cfg.steps, fsdp=cfg.mesh.fsdp)
+    with runtime.quiet():
+        compiled = lowered.compile()
     return compiled, mesh, time.perf_counter() - t0

@@ -5,6 +5,7 @@ counts: `ladder_jax.analysis.overlap`).
     python -m ladder_jax.overlap --preset llama-3-8b --tp 8 --phase decode
     python -m ladder_jax.overlap --preset tiny --residual standard --phase train --json
     python -m ladder_jax.overlap --config configs/llama-3-70b.yaml --hosts 8
+    python -m ladder_jax.overlap --preset tiny --tp 2 --dump-hlo decode.hlo   # the program
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 
 import jax
 
-from ladder_jax import hardware
+from ladder_jax import hardware, runtime
 from ladder_jax.analysis.overlap import (
     format_collectives,
     format_memory,
@@ -24,39 +25,57 @@ from ladder_jax.analysis.overlap import (
     report_config,
     verdict,
 )
-from ladder_jax.analysis.programs import PHASES, OverlapError
+from ladder_jax.analysis.programs import PHASES, CompileError, OverlapError
 from ladder_jax.cli.common import ArgumentParser
-from ladder_jax.config import (RESIDUALS, ConfigError, ModelConfig, check_quantize, load_config,
-                               parse_ladder_layers)
+from ladder_jax.config import (
+    RESIDUALS,
+    ConfigError,
+    ModelConfig,
+    check_quantize,
+    load_config,
+    parse_ladder_layers,
+)
 from ladder_jax.train import step
 
 
-def main(argv=None) -> int:
-    p = ArgumentParser(prog="python -m ladder_jax.overlap", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="llama-3-8b")
+def parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog="python -m ladder_jax.overlap", description=__doc__)
+    p.add_argument("--preset", default="llama-3-8b", help="model preset (ladder_jax.PRESETS)")
     p.add_argument("--residual", default=None, choices=RESIDUALS,
-                   help="default: ladder (with --config: the config's)")
+                   help="scheme (None: ladder; with --config: the config's)")
     p.add_argument("--ladder-layers", default=None,
                    help="ladder only: N (upper N layers) or a comma list of layer indices")
-    p.add_argument("--tp", type=int, default=8)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--tp", type=int, default=8, help="tensor-parallel size (GPUs per program)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per program")
     p.add_argument("--seq", type=int, default=1024, help="prompt / training length")
     p.add_argument("--new-tokens", type=int, default=512,
-                   help="decode: new tokens the KV cache has room for (default 512)")
-    p.add_argument("--phase", default="decode", choices=PHASES)
-    p.add_argument("--target", default="h100", choices=hardware.TARGETS)
+                   help="decode: new tokens the KV cache has room for")
+    p.add_argument("--phase", default="decode", choices=PHASES,
+                   help="prefill / decode: the decoder's programs; train: a training step")
+    p.add_argument("--target", default="h100", choices=hardware.TARGETS,
+                   help="GPU the program is compiled for (deviceless)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quantize", default=None, metavar="MODE",
                    help="int8: the program with weight-only int8 linear weights")
+    p.add_argument("--dump-hlo", default=None, metavar="FILE",
+                   help="write the scheduled HLO text of the compiled program to FILE")
     p.add_argument("--config", default=None,
                    help="a training config (YAML): compile the training step it runs, with its "
                         "mesh, FSDP, dtypes, accumulation and remat; report memory too")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="with --config: overrides, as for python -m ladder_jax.train")
-    p.add_argument("--hosts", type=int, default=1, help="with --config: hosts (processes)")
-    p.add_argument("--gpus-per-host", type=int, default=8)
-    args = p.parse_args(argv)
+    p.add_argument("--hosts", type=int, default=1,
+                   help="hosts: with --config, the processes of the run; else the hosts the tp "
+                        "group spans (tp / hosts GPUs each)")
+    p.add_argument("--gpus-per-host", type=int, default=8, help="with --config: GPUs per host")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    jax.config.update("jax_platforms", "cpu")  # compile for the GPU target, run nothing
+    with runtime.quiet():  # the CUDA plugin's start-up lines
+        jax.devices()
     if args.config or args.overrides:
         if args.quantize:
             print(f"error: --quantize {args.quantize} is for decoding: drop it with --config "
@@ -65,17 +84,19 @@ def main(argv=None) -> int:
         return _main_config(args)
     args.residual = args.residual or "ladder"
 
-    jax.config.update("jax_platforms", "cpu")  # compile for the GPU target, run nothing
-
     try:
         check_quantize(args.quantize, "--quantize")
         config = ModelConfig.from_preset(args.preset, residual=args.residual,
                                          ladder_layers=parse_ladder_layers(args.ladder_layers),
                                          quantize=args.quantize)
         rep = report(config, phase=args.phase, tp=args.tp, batch=args.batch, seq=args.seq,
-                     target=args.target, new_tokens=args.new_tokens)
+                     target=args.target, new_tokens=args.new_tokens, hosts=args.hosts,
+                     hlo_file=args.dump_hlo)
+    except CompileError as e:
+        print(f"error: --preset {args.preset}: {e}".splitlines()[0], file=sys.stderr)
+        return 2
     except (ConfigError, OverlapError, ValueError) as e:  # ShardingError is a ConfigError
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}".splitlines()[0], file=sys.stderr)
         return 2
     if args.json:
         rep.pop("preset_config")
@@ -89,7 +110,6 @@ def main(argv=None) -> int:
 def _main_config(args) -> int:
     """`--config`: the training step of a config, its memory and its collectives. Exit 2 (one
     line) when the config is invalid or its step does not fit on the target."""
-    jax.config.update("jax_platforms", "cpu")  # compile for the GPU target, run nothing
 
     try:
         if not args.config:
@@ -101,9 +121,9 @@ def _main_config(args) -> int:
             over.append(f"model.ladder_layers={args.ladder_layers}")
         cfg = load_config([args.config, *over])
         rep = report_config(cfg, hosts=args.hosts, gpus_per_host=args.gpus_per_host,
-                            target=args.target)
+                            target=args.target, hlo_file=args.dump_hlo)
     except (ConfigError, OverlapError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}".splitlines()[0], file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(rep))

@@ -1,20 +1,32 @@
-"""`python -m ladder_jax.predict`: the command line of the performance model,
-`ladder_jax.analysis.perfmodel` (its docstring is the method)."""
+"""Predict tokens/s of each residual scheme on GPUs you do not have, from the schedule XLA
+compiles for them (deviceless, on this CPU) and public hardware figures.
+
+    python -m ladder_jax.predict --preset llama-3-70b --tp 2 4 8 --batch 1 4 16 --link nvlink pcie
+    python -m ladder_jax.predict --preset llama-3.1-405b --tp 16 --hosts 2 --batch 1 4
+    python -m ladder_jax.predict --preset llama-2-7b --target a100 --tp 1 2 4 8
+    python -m ladder_jax.predict --phase train --config configs/tiny.yaml --tp 2
+
+The method, its calibration and what it leaves out: `ladder_jax.analysis.perfmodel`'s
+docstring and the README. Compiled programs are cached (LADDER_JAX_CACHE, default
+~/.cache/ladder_jax/programs; LADDER_JAX_CACHE=off to disable).
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 
 import jax
 
-from ladder_jax import hardware
-from ladder_jax.analysis import perfmodel
+from ladder_jax import hardware, runtime
 from ladder_jax.analysis.perfmodel import (
     PredictError,
+    Sweep,
+    check_knobs,
     format_table,
     format_train_table,
     predict,
@@ -36,35 +48,47 @@ from ladder_jax.config import (
 from ladder_jax.model.sharding import ShardingError
 
 
-def main(argv=None) -> int:
-    p = ArgumentParser(prog="python -m ladder_jax.predict", description=perfmodel.__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="llama-3-70b", help="model preset (default llama-3-70b)")
+def parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog="python -m ladder_jax.predict", description=__doc__)
+    p.add_argument("--preset", default="llama-3-70b", help="model preset (ladder_jax.PRESETS)")
     p.add_argument("--residual", nargs="+", default=["all"],
-                   help=f"schemes: {', '.join(RESIDUALS)}, or all (default)")
+                   help=f"schemes: {', '.join(RESIDUALS)}, or all")
     p.add_argument("--ladder-layers", default=None,
                    help="ladder only: N (upper N layers) or a comma list (compiled at full depth)")
     p.add_argument("--phase", default="generate",
-                   help="generate (prefill + decode, default) or train (needs --config)")
+                   help="generate (prefill + decode) or train (needs --config)")
     p.add_argument("--config", default=None, help="train: a training config (YAML)")
     p.add_argument("--tp", type=int, nargs="+", default=None,
-                   help="tensor-parallel sizes (default 8; train: the config's mesh.tp)")
+                   help="tensor-parallel sizes (None: 8; train: the config's mesh.tp)")
     p.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes (generate)")
-    p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--new-tokens", type=int, default=512)
+    p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens (generate)")
+    p.add_argument("--new-tokens", type=int, default=512,
+                   help="generated tokens; the KV cache holds prompt + new tokens")
     p.add_argument("--link", nargs="+", default=["nvlink"],
-                   help=f"interconnects: {', '.join(hardware.LINKS)} (see hardware.LINKS)")
+                   help="intra-host interconnects: nvlink, pcie (P2P disabled); the target's "
+                        "generation (hardware.LINKS / A100_LINKS)")
     p.add_argument("--target", default="h100", help=f"GPU: {', '.join(hardware.TARGETS)}")
+    p.add_argument("--hosts", type=int, default=None,
+                   help="hosts each tp group spans (None: ceil(tp / gpus-per-host)); across "
+                        "hosts collectives are hierarchical over InfiniBand (hardware.INTER_HOST)")
+    p.add_argument("--gpus-per-host", type=int, default=8, help="GPUs per host")
+    p.add_argument("--hardware", default=None, metavar="FILE",
+                   help="calibration file (JSON) written by benchmarks/calibrate_gpu.py on a "
+                        "real GPU; replaces the public figures it names")
+    p.add_argument("--no-contention", action="store_true",
+                   help="collectives in flight take nothing from the kernels beside them")
     p.add_argument("--algorithm", default="ring", help="all-reduce algorithm: ring or tree")
     p.add_argument("--layers-compiled", type=int, default=4,
                    help="compile this many layers and one fewer, extend to full depth "
                         "(0: compile all)")
     p.add_argument("--gemm-efficiency", type=float, default=None,
-                   help=f"fraction of dense bf16 peak (default {hardware.EFFICIENCY.gemm})")
+                   help=f"fraction of dense bf16 peak (None: the target's, h100 "
+                        f"{hardware.EFFICIENCY.gemm})")
     p.add_argument("--memory-efficiency", type=float, default=None,
-                   help=f"fraction of HBM bandwidth (default {hardware.EFFICIENCY.memory})")
+                   help=f"fraction of HBM bandwidth (None: the target's, h100 "
+                        f"{hardware.EFFICIENCY.memory})")
     p.add_argument("--kernel-overhead-us", type=float, default=None,
-                   help=f"fixed cost per kernel (default "
+                   help=f"fixed cost per kernel (None: the target's, h100 "
                         f"{hardware.EFFICIENCY.kernel_overhead_s * 1e6:g})")
     p.add_argument("--link-latency-us", type=float, default=None,
                    help="override the links' base latency per collective")
@@ -73,55 +97,27 @@ def main(argv=None) -> int:
     p.add_argument("--link-busbw-gbs", type=float, default=None,
                    help="override the links' bus bandwidth (nccl-tests busbw, GB/s)")
     p.add_argument("--jobs", type=int, default=None,
-                   help="programs compiled at a time, in threads (default 1)")
+                   help="programs compiled at a time, in threads (None: 1)")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     p.add_argument("--quantize", default=None, metavar="MODE",
                    help="int8: the programs with weight-only int8 linear weights (generate)")
-    args = p.parse_args(argv)
+    return p
 
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     jax.config.update("jax_platforms", "cpu")  # compile for the GPU target, run nothing
-
+    with runtime.quiet():  # the CUDA plugin's start-up lines
+        jax.devices()
+    t0 = time.perf_counter()
+    show = _Progress(args.preset if args.phase != "train" else args.config)
     try:
-        check_quantize(args.quantize, "--quantize")
-        config = ModelConfig.from_preset(args.preset, quantize=args.quantize)
-        if args.ladder_layers is not None:
-            config = dataclasses.replace(config, residual="ladder",
-                                         ladder_layers=parse_ladder_layers(args.ladder_layers))
-        residuals = RESIDUALS if args.residual == ["all"] else tuple(args.residual)
-        eff = hardware.EFFICIENCY
-        eff = dataclasses.replace(eff, **{k: v for k, v in (
-            ("gemm", args.gemm_efficiency), ("memory", args.memory_efficiency),
-            ("kernel_overhead_s", None if args.kernel_overhead_us is None
-             else args.kernel_overhead_us * 1e-6)) if v is not None})
-        overrides = {k: v for k, v in (
-            ("base_latency_s", None if args.link_latency_us is None
-             else args.link_latency_us * 1e-6),
-            ("hop_latency_s", None if args.link_hop_us is None else args.link_hop_us * 1e-6),
-            ("bus_bytes_per_s", None if args.link_busbw_gbs is None
-             else args.link_busbw_gbs * 1e9))
-            if v is not None}
-        perfmodel.check_knobs(eff, overrides)
-        t0 = time.perf_counter()
-        common = dict(links=args.link, target=args.target, residuals=residuals, efficiency=eff,
-                      link_overrides=overrides, layers_compiled=args.layers_compiled,
-                      algorithm=args.algorithm, jobs=args.jobs, progress=lambda s: print(
-                          f"compiling {name} {s}", file=sys.stderr, flush=True))
-        if args.phase == "train":
-            if args.quantize:
-                raise PredictError(f"--quantize {args.quantize} is for decoding: drop it with "
-                                   f"--phase train")
-            config, train_kw = _train_setup(args)
-            name, tp = args.config, train_kw.pop("tp")
-            rows = predict_train(config, tp=args.tp or tp, **train_kw, **common)
-        elif args.phase == "generate":
-            name = args.preset
-            rows = predict(config, tp=args.tp or [8], batch=args.batch,
-                           prompt_len=args.prompt_len, new_tokens=args.new_tokens, **common)
-        else:
-            raise PredictError(f"unknown phase {args.phase!r}: choose generate or train")
+        rows, name = _rows(args, show)
     except (ConfigError, ShardingError, OverlapError, PredictError, ValueError) as e:
+        show.clear()
         print(f"error: {e}".splitlines()[0], file=sys.stderr)
         return 2
+    show.clear()
     if args.json:
         for r in with_ratios(rows):
             print(json.dumps({"preset": name, **r}))
@@ -129,14 +125,107 @@ def main(argv=None) -> int:
         print(f"{name}: training step, predicted in {time.perf_counter() - t0:.0f} s")
         print(format_train_table(rows))
     else:
+        hosts = sorted({r["hosts"] for r in rows})
         print(f"{args.preset}{f', {args.quantize} weights' if args.quantize else ''}, "
               f"prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-              f"{args.target}; predicted in {time.perf_counter() - t0:.0f} s")
+              f"{args.target}, hosts per tp group {'/'.join(map(str, hosts))}"
+              f"{'' if args.no_contention else ', with contention'}; predicted in "
+              f"{time.perf_counter() - t0:.0f} s")
         print(format_table(rows))
         s = summary(rows)
         if s:
             print(s)
     return 0
+
+
+def _finite(name: str, v, low: float | None = None, *, positive=False):
+    """`v` (a flag's value) when finite and in range, else one line naming the flag."""
+    if v is None:
+        return None
+    positive = positive or low is None
+    if not math.isfinite(v) or (low is not None and v < low) or (positive and v <= 0):
+        raise PredictError(f"{name} {v:g}: must be a finite number "
+                           f"{'> 0' if positive else f'>= {low:g}'}")
+    return v
+
+
+def _rows(args, show) -> tuple[list[dict], str]:
+    check_quantize(args.quantize, "--quantize")
+    if args.quantize and args.phase == "train":
+        raise PredictError(f"--quantize {args.quantize} is for decoding: drop it with --phase "
+                           f"train")
+    config = ModelConfig.from_preset(args.preset, quantize=args.quantize)
+    if args.ladder_layers is not None:
+        config = dataclasses.replace(config, residual="ladder",
+                                     ladder_layers=parse_ladder_layers(args.ladder_layers))
+    residuals = RESIDUALS if args.residual == ["all"] else tuple(args.residual)
+    if args.target not in hardware.TARGETS:
+        raise PredictError(f"unknown target {args.target!r}: choose one of "
+                           f"{', '.join(hardware.TARGETS)}")
+    cal = (hardware.Calibration.load(args.hardware, args.target) if args.hardware
+           else hardware.calibration(args.target))
+    eff = dataclasses.replace(cal.efficiency, **{k: v for k, v in (
+        ("gemm", _finite("--gemm-efficiency", args.gemm_efficiency)),
+        ("memory", _finite("--memory-efficiency", args.memory_efficiency)),
+        ("kernel_overhead_s", None if args.kernel_overhead_us is None
+         else _finite("--kernel-overhead-us", args.kernel_overhead_us, 0) * 1e-6))
+        if v is not None})
+    overrides = {k: v for k, v in (
+        ("base_latency_s", None if args.link_latency_us is None
+         else _finite("--link-latency-us", args.link_latency_us, 0) * 1e-6),
+        ("hop_latency_s", None if args.link_hop_us is None
+         else _finite("--link-hop-us", args.link_hop_us, 0) * 1e-6),
+        ("bus_bytes_per_s", None if args.link_busbw_gbs is None
+         else _finite("--link-busbw-gbs", args.link_busbw_gbs, positive=True) * 1e9))
+        if v is not None}
+    check_knobs(eff, overrides)
+    cal = dataclasses.replace(cal, efficiency=eff)
+    if overrides:
+        cal = cal.replace(links={"*": overrides})
+    sweep = Sweep(links=tuple(args.link), target=args.target, residuals=residuals,
+                  hosts=args.hosts, gpus_per_host=args.gpus_per_host,
+                  layers_compiled=args.layers_compiled, algorithm=args.algorithm,
+                  contention=not args.no_contention, calibration=cal)
+    common = dict(jobs=args.jobs, progress=show)
+    if args.phase == "train":
+        config, train_kw = _train_setup(args)
+        tp = train_kw.pop("tp")
+        return predict_train(config, dataclasses.replace(sweep, tp=tuple(args.tp or tp)),
+                             name=args.config, **train_kw, **common), args.config
+    if args.phase == "generate":
+        sweep = dataclasses.replace(sweep, tp=tuple(args.tp or [8]), batch=tuple(args.batch),
+                                    prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+        return predict(config, sweep, name=args.preset, **common), args.preset
+    raise PredictError(f"unknown phase {args.phase!r}: choose generate or train")
+
+
+class _Progress:
+    """Programs compiled n/N and the time left, on stderr: one line rewritten in place on a
+    terminal, else a line at the start and at the end."""
+
+    def __init__(self, name: str):
+        self.name, self.live = name, sys.stderr.isatty()
+        self.width = 0
+
+    def __call__(self, done: int, total: int, eta_s: float | None) -> None:
+        eta = "" if eta_s is None or done == total else f", about {_duration(eta_s)} left"
+        line = f"compiling {self.name}: {done}/{total} programs{eta}"
+        if self.live:
+            sys.stderr.write("\r" + line.ljust(self.width))
+            self.width = len(line)
+            sys.stderr.flush()
+        elif done in (0, total):
+            print(line, file=sys.stderr, flush=True)
+
+    def clear(self) -> None:
+        if self.live and self.width:
+            sys.stderr.write("\r" + " " * self.width + "\r")
+            sys.stderr.flush()
+            self.width = 0
+
+
+def _duration(s: float) -> str:
+    return f"{s:.0f} s" if s < 90 else f"{s / 60:.0f} min"
 
 
 def _train_setup(args) -> tuple:

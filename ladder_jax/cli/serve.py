@@ -23,6 +23,7 @@ import jax
 from flax import nnx
 
 from ladder_jax import runtime
+from ladder_jax.cli.common import ArgumentParser
 from ladder_jax.config import (
     RESIDUALS,
     ConfigError,
@@ -48,7 +49,7 @@ API_KEY_ENV = "LADDER_API_KEY"
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m ladder_jax.serve", description=__doc__.split("\n\n")[0],
         epilog="Multi-host: start one process per host with --coordinator HOST:PORT "
                "--num-processes N --process-id I (or JAX_COORDINATOR_ADDRESS, "

@@ -1,0 +1,100 @@
+"""The predicted tables of `python -m ladder_jax.predict` for the paper's settings, each with the
+command that reproduces it and its wall time (compiles are cached: a rerun takes seconds).
+
+    python benchmarks/predict_tables.py                 # every table, in order
+    python benchmarks/predict_tables.py 70b-grid a100   # some of them
+    python benchmarks/predict_tables.py --list
+
+Tables (prompt 1024, 512 new tokens, all four schemes):
+- 70b-grid: llama-3-70b on H100, TP 2/4/8 x batch 1/4/8/16/32/64 x NVLink / PCIe
+- presets: 1b, 3b, llama-3-8b, llama-3-70b on H100 at TP 8, batch 4, NVLink / PCIe
+- 405b: llama-3.1-405b, TP 16 over 2 hosts (IB NDR), batch 1/4/8/16, NVLink / PCIe (P2P off)
+- a100: llama-2-7b at TP 1/2/4/8 and llama-2-70b at TP 2/4/8 on A100, batch 1, NVLink / PCIe
+Each prints markdown: one row per (link, tp, batch), tokens/s of standard and each scheme's
+ratio to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+TABLES = {
+    "70b-grid": [dict(preset="llama-3-70b", tp=[2, 4, 8], batch=[1, 4, 8, 16, 32, 64])],
+    "presets": [dict(preset=p, tp=[8], batch=[4]) for p in
+                ("1b", "3b", "llama-3-8b", "llama-3-70b")],
+    "405b": [dict(preset="llama-3.1-405b", tp=[16], batch=[1, 4, 8, 16])],
+    "a100": [dict(preset="llama-2-7b", tp=[1, 2, 4, 8], batch=[1], target="a100"),
+             dict(preset="llama-2-70b", tp=[2, 4, 8], batch=[1], target="a100")],
+}
+
+
+def command(spec: dict) -> str:
+    return (f"python -m ladder_jax.predict --preset {spec['preset']} --tp "
+            f"{' '.join(map(str, spec['tp']))} --batch {' '.join(map(str, spec['batch']))} "
+            f"--link nvlink pcie --target {spec.get('target', 'h100')} --json")
+
+
+def markdown(rows: list[dict]) -> str:
+    schemes = [s for s in ("standard", "parallel", "ladder", "upper_bound")
+               if any(r["residual"] == s for r in rows)]
+    head = ("| preset | link | tp | hosts | batch | standard tok/s | "
+            + " | ".join(f"{s}/std" for s in schemes if s != "standard") + " |")
+    out = [head, "|" + "---|" * (5 + len(schemes))]
+    cells = {}
+    for r in rows:
+        cells.setdefault((r["preset"], r["link"], r["tp"], r["hosts"], r["batch"]), {})[
+            r["residual"]] = r
+    for (preset, link, tp, hosts, batch), by in cells.items():
+        std = by.get("standard")
+        ratios = [f"{by[s]['vs_standard']:.3f}" if s in by and by[s]["vs_standard"] else "-"
+                  for s in schemes if s != "standard"]
+        fb = " (cuBLAS GEMMs)" if any(r.get("fallback") for r in by.values()) else ""
+        out.append(f"| {preset}{fb} | {link} | {tp} | {hosts} | {batch} | "
+                   f"{std['tokens_per_s']:.1f} | " + " | ".join(ratios) + " |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("tables", nargs="*", help=f"some of: {', '.join(TABLES)} (default: all)")
+    ap.add_argument("--list", action="store_true", help="print the commands and exit")
+    ap.add_argument("--layers-compiled", type=int, default=4)
+    args = ap.parse_args(argv)
+    names = args.tables or list(TABLES)
+    unknown = [n for n in names if n not in TABLES]
+    if unknown:
+        print(f"error: unknown table {unknown[0]!r}: choose from {', '.join(TABLES)}",
+              file=sys.stderr)
+        return 2
+    if args.list:
+        for n in names:
+            for spec in TABLES[n]:
+                print(f"{n}: {command(spec)}")
+        return 0
+
+    import jax
+
+    import ladder_jax as lj
+
+    jax.config.update("jax_platforms", "cpu")
+    for n in names:
+        rows, t0 = [], time.perf_counter()
+        for spec in TABLES[n]:
+            rows += lj.predict(spec["preset"], tp=spec["tp"], batch=spec["batch"],
+                               links=("nvlink", "pcie"), target=spec.get("target", "h100"),
+                               layers_compiled=args.layers_compiled)
+        wall = time.perf_counter() - t0
+        print(f"\n### {n} ({wall:.0f} s wall, load average "
+              f"{' '.join(f'{x:.1f}' for x in os.getloadavg())})\n")
+        for spec in TABLES[n]:
+            print(f"    {command(spec)}")
+        print()
+        print(markdown(rows), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
