@@ -9,7 +9,8 @@ import ladder_jax
 
 ROOT = pathlib.Path(ladder_jax.__file__).parent
 
-# part -> the parts it may import (itself included)
+# part -> the parts it may import (itself included); `experiments` (runs built on the public
+# API) sits above it
 ALLOWED = {
     "config": {"config"},
     "hardware": {"hardware"},
@@ -22,6 +23,8 @@ ALLOWED = {
                  "runtime"},
     "api": {"api", "analysis", "train", "inference", "model", "interop", "config", "hardware",
             "runtime"},
+    "experiments": {"experiments", "api", "analysis", "train", "inference", "model", "interop",
+                    "config", "hardware", "runtime"},
 }
 LIBRARY = set(ALLOWED)
 
