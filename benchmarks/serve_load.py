@@ -80,6 +80,7 @@ async def level(base: str, clients: int, prompts: list[str], max_tokens: int,
 
     await asyncio.gather(*[worker() for _ in range(clients)])
     wall = time.perf_counter() - t0
+    await client.close()
     pct = lambda xs, q: float(np.percentile(xs, q)) * 1e3 if xs else float("nan")  # noqa: E731
     return {"clients": clients, "requests": done[0], "seconds": wall,
             "requests_per_s": done[0] / wall, "tokens_per_s": tokens[0] / wall,

@@ -126,7 +126,8 @@ def test_32_concurrent_requests_each_equal_their_offline_result(server, model):
         return r.choices[0].text
 
     async def all_of():
-        return await asyncio.gather(*[one(p, m) for p, m in zip(prompts, max_tokens)])
+        async with client:
+            return await asyncio.gather(*[one(p, m) for p, m in zip(prompts, max_tokens)])
 
     got = asyncio.run(all_of())
     assert got == want

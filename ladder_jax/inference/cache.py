@@ -71,11 +71,11 @@ class KVCache:
         return KVCache(tuple(k for k, _ in layers), tuple(v for _, v in layers))
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
 def cache_length(config: ModelConfig, longest_prompt: int, new_tokens: int) -> int:
     """Cache slots for a batch: room for the longest prompt and the new tokens, rounded so
     that nearby requests reuse compiled programs."""
-    return min(_round_up(longest_prompt + new_tokens, 64), config.max_seq_len)
+    return min(round_up(longest_prompt + new_tokens, 64), config.max_seq_len)

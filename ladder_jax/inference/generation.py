@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from ladder_jax import hardware
 from ladder_jax.config import ModelConfig
-from ladder_jax.inference.cache import KVCache, _round_up, cache_length
+from ladder_jax.inference.cache import KVCache, cache_length, round_up
 from ladder_jax.inference.sampling import (
     GenerationError,
     Rows,
@@ -139,7 +139,8 @@ def to_device(array: np.ndarray, mesh, spec=P()) -> jax.Array:
 
 def rows_to_device(rows: Rows, mesh, batch_spec=P(DATA)) -> Rows:
     keys_spec = P(*batch_spec, None)
-    return Rows(to_device(rows.keys, mesh, keys_spec), to_device(rows.temperature, mesh, batch_spec),
+    return Rows(to_device(rows.keys, mesh, keys_spec),
+                to_device(rows.temperature, mesh, batch_spec),
                 to_device(rows.top_k, mesh, batch_spec), to_device(rows.top_p, mesh, batch_spec))
 
 
@@ -197,9 +198,9 @@ def generate(model: Transformer, prompts, *, max_new_tokens: int = 64,
 
     # Shapes are rounded so that nearby requests reuse compiled programs.
     n = len(rows)
-    B = _round_up(n, sharding.data_size(mesh))
+    B = round_up(n, sharding.data_size(mesh))
     lengths = np.array([len(r) for r in rows] + [1] * (B - n), np.int32)
-    T = min(_round_up(int(lengths.max()), 16), c.max_seq_len)
+    T = min(round_up(int(lengths.max()), 16), c.max_seq_len)
     S = cache_length(c, int(lengths.max()), max_new_tokens)
     tokens_bt = np.zeros((B, T), np.int32)
     for b, r in enumerate(rows):
@@ -393,7 +394,7 @@ def benchmark(config: ModelConfig, mesh, *, batch: int, prompt_len: int, new_tok
     # program: a quantized model's float copy on a CPU, see Decoder)
     param_bytes_read = sum(x.addressable_data(0).nbytes * len(x.sharding.device_set)
                            for x in jax.tree.leaves(decoder.state))
-    kv_read = KVCache.abstract(config, mesh, batch, S).nbytes  # each step attends over the whole cache
+    kv_read = KVCache.abstract(config, mesh, batch, S).nbytes  # each step reads all of it
     bandwidth, how = device_bandwidth()
     step_s = decode_s / steps
     return {

@@ -24,6 +24,7 @@ Footguns:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -138,6 +139,7 @@ def sample_rows(logits_bv, rows: Rows, token_b):
     return jax.lax.cond(all_greedy, lambda: greedy_b, sampled)
 
 
+@functools.partial(jax.jit, static_argnames="s")
 def sample(logits_bv, key, s: Sampling):
     """One token per row of float32 logits (B, V) with the settings `s`, row b drawing with
     fold_in(key, b): `sample_rows` for a batch that shares its settings."""
