@@ -286,10 +286,12 @@ def run(setting: Setting, out: str, *, emit=None, log=None, fresh: bool = False,
                 "held_out_tokens": int(len(exp.held_out))}]
     emit(results[0])
     scratch = exp.scratch(setting.seeds[:1])
+    results += scratch
     if adapt:
         results += exp.adapt(next(r for r in scratch if r["residual"] == "standard"))
-    scratch += exp.scratch(setting.seeds[1:])
-    results += scratch
+    rest = exp.scratch(setting.seeds[1:])
+    results += rest
+    scratch += rest
     for row in summarize(scratch):
         emit(row)
         results.append(row)
