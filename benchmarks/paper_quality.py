@@ -54,6 +54,8 @@ def main(argv=None) -> int:
             results = pq.collect(setting, out)
             for r in results:
                 emit(r)
+            with open(os.path.join(out, "results.jsonl"), "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in results)
         else:
             lj.sharding.setup_host(1)
             results = pq.run(setting, out, emit=emit, fresh=args.fresh,
