@@ -30,6 +30,8 @@ def main(argv=None) -> int:
                     help="change a field of the setting (YAML value), e.g. steps=100")
     ap.add_argument("--out", default=None, help="directory (default runs/paper_quality/<setting>)")
     ap.add_argument("--fresh", action="store_true", help="retrain: remove the runs under --out")
+    ap.add_argument("--report", action="store_true",
+                    help="no training: table and plots of the finished runs under --out")
     ap.add_argument("--no-adapt", action="store_true",
                     help="from-scratch runs only (e.g. one process per seed sharing --out)")
     args = ap.parse_args(argv)
@@ -47,9 +49,17 @@ def main(argv=None) -> int:
             changes[key] = yaml.safe_load(value)
         setting = pq.with_changes(pq.SETTINGS["quick" if args.quick else "full"], **changes)
         out = args.out or os.path.join("runs", "paper_quality", setting.name)
-        lj.sharding.setup_host(1)
         emit = lambda r: print(json.dumps(r), flush=True)  # noqa: E731
-        results = pq.run(setting, out, emit=emit, fresh=args.fresh, adapt=not args.no_adapt)
+        if args.report:
+            results = pq.collect(setting, out)
+            for r in results:
+                emit(r)
+            with open(os.path.join(out, "results.jsonl"), "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in results)
+        else:
+            lj.sharding.setup_host(1)
+            results = pq.run(setting, out, emit=emit, fresh=args.fresh,
+                             adapt=not args.no_adapt)
         paths = pq.plots(results, out)
     except lj.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

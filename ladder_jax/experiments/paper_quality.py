@@ -162,7 +162,10 @@ class Experiment:
         self.mesh = lj.make_mesh(tp=1, data=1, devices=jax.devices()[:1])
 
     def model_fields(self) -> dict:
-        s = self.s
+        return self.model_fields_of(self.s)
+
+    @staticmethod
+    def model_fields_of(s: Setting) -> dict:
         return dict(n_layers=s.n_layers, d_model=s.d_model, n_heads=s.n_heads,
                     n_kv_heads=s.n_kv_heads, d_ff=s.d_ff, max_seq_len=max(256, s.seq_len))
 
@@ -186,9 +189,13 @@ class Experiment:
 
     def loss(self, model, run_path: str, tag: str = "") -> float:
         """Held-out loss of `model`, cached in `run_path` (a rerun, or another process
-        sharing `out`, reuses it; the cache is keyed by the evaluation's settings)."""
+        sharing `out`, reuses it; the cache is keyed by the evaluation's settings and the
+        run's latest checkpoint, so a run trained further is evaluated again)."""
         s = self.s
-        key = f"held_out{tag}_{s.corpus}_T{s.seq_len}_n{s.eval_records}.json"
+        ckpts = os.path.join(run_path, "checkpoints")
+        step = max((int(d) for d in os.listdir(ckpts) if d.isdigit()), default=0) if (
+            os.path.isdir(ckpts)) else 0
+        key = f"held_out{tag}_{s.corpus}_T{s.seq_len}_n{s.eval_records}_step{step}.json"
         cache = os.path.join(run_path, key)
         if os.path.isfile(cache):
             with open(cache) as f:
@@ -279,10 +286,12 @@ def run(setting: Setting, out: str, *, emit=None, log=None, fresh: bool = False,
                 "held_out_tokens": int(len(exp.held_out))}]
     emit(results[0])
     scratch = exp.scratch(setting.seeds[:1])
+    results += scratch
     if adapt:
         results += exp.adapt(next(r for r in scratch if r["residual"] == "standard"))
-    scratch += exp.scratch(setting.seeds[1:])
-    results += scratch
+    rest = exp.scratch(setting.seeds[1:])
+    results += rest
+    scratch += rest
     for row in summarize(scratch):
         emit(row)
         results.append(row)
@@ -294,6 +303,65 @@ def run(setting: Setting, out: str, *, emit=None, log=None, fresh: bool = False,
     results.append(done)
     with open(os.path.join(out, "results.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in results)
+    return results
+
+
+def collect(setting: Setting, out: str) -> list[dict]:
+    """The results of the runs under `out` that are finished and evaluated, read from disk
+    (metrics.jsonl, the cached held-out losses): no training, no jax work. For a report while
+    runs are still going, or after they ran in several processes; a scheme may then have fewer
+    seeds (its "summary" says how many)."""
+    s = setting
+    runs = os.path.join(out, "runs")
+
+    def cached(path, tag=""):
+        ckpts = os.path.join(path, "checkpoints")
+        if not os.path.isdir(ckpts):
+            return None
+        step = max((int(d) for d in os.listdir(ckpts) if d.isdigit()), default=0)
+        f = os.path.join(path, f"held_out{tag}_{s.corpus}_T{s.seq_len}_n{s.eval_records}"
+                               f"_step{step}.json")
+        if not os.path.isfile(f):
+            return None
+        with open(f) as fh:
+            return json.load(fh)["loss"]
+
+    def curve(path):
+        return [r["loss"] for r in lj.Run(path, {}).metrics if "loss" in r]
+
+    params = lj.ModelConfig.from_preset("tiny", **Experiment.model_fields_of(s)).num_params()
+    results, scratch = [{"kind": "corpus", "setting": s.name, "corpus": s.corpus,
+                         "setup": dataclasses.asdict(s)}], []
+    for seed in s.seeds:
+        for residual in SCHEMES:
+            path = os.path.join(runs, f"{residual}-seed{seed}")
+            loss = cached(path)
+            if loss is None:
+                continue
+            c = curve(path)
+            scratch.append({"kind": "scratch", "setting": s.name, "corpus": s.corpus,
+                            "residual": residual, "seed": seed, "steps": len(c),
+                            "tokens": len(c) * s.tokens_per_step, "params": params,
+                            "held_out_loss": loss, "held_out_ppl": perplexity(loss),
+                            "train_loss_last": c[-1], "curve": c, "run": path})
+    base = os.path.join(runs, f"standard-seed{s.seeds[0]}")
+    control = cached(os.path.join(runs, "adapt-standard"))
+    for k in s.ladder_counts():
+        path = os.path.join(runs, f"adapt-ladder{k}")
+        zero, tuned, b = cached(base, f"_ladder{k}"), cached(path), cached(base)
+        if None in (zero, tuned, b, control):
+            continue
+        c = curve(path)
+        results.append({"kind": "adapt", "setting": s.name, "corpus": s.corpus,
+                        "seed": s.seeds[0], "ladder_layers": k, "n_layers": s.n_layers,
+                        "base_loss": b, "zero_shot_loss": zero, "finetuned_loss": tuned,
+                        "control_loss": control, "finetune_steps": len(c),
+                        "finetune_tokens": len(c) * s.tokens_per_step,
+                        "pretrain_tokens": s.steps * s.tokens_per_step,
+                        "finetune_share": len(c) / s.steps, "curve": c})
+    results += scratch
+    results += summarize(scratch)
+    results += claims(results)
     return results
 
 
@@ -309,6 +377,8 @@ def summarize(scratch: list[dict]) -> list[dict]:
     rows = []
     for r in SCHEMES:
         losses = list(by[r].values())
+        if not losses:
+            continue
         diffs = [by[r][k] - by["standard"][k] for k in by[r] if k in by["standard"]]
         paper = {size: v[r] for size, v in PAPER["scratch_ppl"].items()}
         rows.append({"kind": "summary", "residual": r, "seeds": len(losses),
@@ -328,6 +398,8 @@ def claims(results: list[dict]) -> list[dict]:
     (same-seed) loss differences, at least 0.005 nats."""
     summ = {r["residual"]: r for r in results if r["kind"] == "summary"}
     adapt = sorted((r for r in results if r["kind"] == "adapt"), key=lambda r: r["ladder_layers"])
+    if set(summ) != set(SCHEMES):
+        return []
     st, pa, la = summ["standard"], summ["parallel"], summ["ladder"]
     margin = max(2 * la["vs_standard_loss_std"], 2 * pa["vs_standard_loss_std"], 0.005)
     out = []
@@ -427,11 +499,14 @@ def plots(results: list[dict], out: str) -> list[str]:
     ax = fig.subplots()
     for residual in SCHEMES:
         curves = np.array([_smooth(r["curve"], k) for r in scratch if r["residual"] == residual])
+        if not len(curves):
+            continue
         x = np.arange(curves.shape[1]) + k
         ax.plot(x, curves.mean(0), label=residual, color=colors[residual])
         ax.fill_between(x, curves.min(0), curves.max(0), color=colors[residual], alpha=0.2)
+    n = sorted({sum(r["residual"] == x for r in scratch) for x in SCHEMES})
     ax.set(xlabel="step", ylabel=f"training loss (nats/byte, mean of {k} steps)",
-           title=f"From scratch: {len(scratch) // len(SCHEMES)} seeds per scheme")
+           title=f"From scratch: {'-'.join(map(str, n))} seeds per scheme")
     lo = min(float(np.min(_smooth(r["curve"], k))) for r in scratch)
     ax.set_ylim(lo - 0.05, lo + 1.0)
     ax.legend()
@@ -442,7 +517,7 @@ def plots(results: list[dict], out: str) -> list[str]:
     fig = Figure(figsize=(10, 4))
     ax1, ax2 = fig.subplots(1, 2)
     for i, residual in enumerate(SCHEMES):
-        ys = [r["held_out_loss"] for r in scratch if r["residual"] == residual]
+        ys = [r["held_out_loss"] for r in scratch if r["residual"] == residual] or [np.nan]
         ax1.bar(i, np.mean(ys), color=colors[residual], alpha=0.5)
         ax1.scatter([i] * len(ys), ys, color="k", s=12, zorder=3)
     ys = [r["held_out_loss"] for r in scratch]
