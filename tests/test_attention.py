@@ -5,7 +5,6 @@ Pallas's interpreter) vs the reference einsum attention `attend`: 1e-5 absolute 
 unit-variance inputs, 1e-5 relative to the largest gradient entry.
 """
 
-import dataclasses
 import re
 
 import jax
@@ -127,7 +126,7 @@ def test_other_schemes_are_not_fused():
 # The compiled H100 programs (deviceless).
 
 # tiny at a width where XLA:GPU's dot merger acts on parallel's five input matmuls
-WIDE = dict(d_model=512, n_heads=8, n_kv_heads=8, d_ff=2048)
+WIDE = {"d_model": 512, "n_heads": 8, "n_kv_heads": 8, "d_ff": 2048}
 
 
 def _hlo(phase, **changes):
