@@ -307,8 +307,9 @@ def attend_causal(q_btnh, k_btkh, v_btkh, kernel: str = "xla"):
 # (`_mha_forward`, `_mha_backward`, `config._check_vma`) of the pinned jax version;
 # tests/test_attention.py compiles it (deviceless) and runs it (interpreted on CPU).
 _PALLAS_BLOCKS = pallas_attention.BlockSizes.get_default()
-_PALLAS_ARGS = dict(block_sizes=_PALLAS_BLOCKS, backward_pass_impl="triton", num_warps=None,
-                    num_stages=2, grid=None, debug=False, return_residuals=False)
+_PALLAS_ARGS = {"block_sizes": _PALLAS_BLOCKS, "backward_pass_impl": "triton",
+                "num_warps": None, "num_stages": 2, "grid": None, "debug": False,
+                "return_residuals": False}
 
 
 def _vary_like(x, like):
