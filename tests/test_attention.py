@@ -17,7 +17,7 @@ import ladder_jax as lj
 from ladder_jax.analysis import overlap, programs
 from ladder_jax.inference import generation
 from ladder_jax.model import transformer
-from tests.conftest import TINY, tiny_model
+from tests.helpers import TINY, tiny_model
 
 TOL = 1e-5
 

@@ -20,7 +20,7 @@ from ladder_jax.experiments import corpora
 from ladder_jax.experiments import paper_quality as pq
 from ladder_jax.interop.tokenizer import make_tokenizer
 from ladder_jax.train import data
-from tests.conftest import logits, mesh
+from tests.helpers import logits, mesh
 
 ROOT = pathlib.Path(__file__).parent.parent
 NOTEBOOK = ROOT / "notebooks" / "paper.ipynb"

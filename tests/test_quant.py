@@ -28,7 +28,7 @@ from ladder_jax.inference import generation
 from ladder_jax.interop.tokenizer import ByteTokenizer
 from ladder_jax.model import quant
 from ladder_jax.train import data, trainer
-from tests.conftest import SCHEMES, TINY, logits, mesh
+from tests.helpers import SCHEMES, TINY, logits, mesh
 
 SEQ, EVAL_FRACTION = 64, 0.05
 TRAIN = ["model.n_layers=2", f"data.seq_len={SEQ}", "data.batch_size=16", "steps=150",
