@@ -614,8 +614,16 @@ def check(cfg: TrainConfig) -> ModelConfig:
             raise ConfigError(f"{key}={v} must be in [{low}, {high}{']' if closed else ')'}")
     for key in ("optim.warmup_steps", "optim.weight_decay", "eval_every", "ckpt_every"):
         v = OmegaConf.select(node, key)
-        if v < 0:
+        if not (v >= 0 and math.isfinite(v)):
             raise ConfigError(f"{key}={v} must be >= 0")
+    if not 0 <= cfg.data.seed < 2**32:
+        raise ConfigError(f"data.seed={cfg.data.seed} must be in [0, 2**32) (the shuffle's seed)")
+    if not -2**63 <= cfg.seed < 2**63:
+        raise ConfigError(f"seed={cfg.seed} does not fit in 64 bits")
+    if cfg.peak_tflops is not None and not (cfg.peak_tflops > 0 and math.isfinite(
+            cfg.peak_tflops)):
+        raise ConfigError(f"peak_tflops={cfg.peak_tflops} must be positive (or null: known "
+                          f"GPUs only)")
     if cfg.mesh.data is not None and cfg.mesh.data <= 0:
         raise ConfigError(f"mesh.data={cfg.mesh.data} must be positive (or null: the devices "
                           f"left over)")

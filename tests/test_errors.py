@@ -587,6 +587,10 @@ def test_init_from_problems_are_one_line(trained, tmp_path, capsys):
     (["name=a/b"], "name='a/b' must be a plain directory name"),
     (["name=.."], "set run_dir="),
     (["model=5"], "config key 'model' is a section, not a value: set its keys (e.g. model."),
+    (["data.seed=-1"], "data.seed=-1 must be in [0, 2**32)"),
+    (["seed=99999999999999999999"], "seed=99999999999999999999 does not fit in 64 bits"),
+    (["optim.weight_decay=nan"], "optim.weight_decay=nan must be >= 0"),
+    (["peak_tflops=-3"], "peak_tflops=-3.0 must be positive"),
 ])
 def test_out_of_range_settings_are_one_line(tmp_path, capsys, args, expect):
     line = one_line(capsys, train_cli.main(SMALL + [f"run_dir={tmp_path}", *args]))

@@ -278,7 +278,7 @@ def test_resume_on_two_processes_reshards_the_data_iterator(trained, tmp_path):
                  "mesh.data=2", f"dist.coordinator_address=127.0.0.1:{port}",
                  "dist.num_processes=2", f"dist.process_id={i}", env=env) for i in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     assert "re-sharded onto 2 process(es)" in outs[0][0], outs[0][0]
     got = rows(two)

@@ -273,8 +273,7 @@ class Checkpointer:
             with open(file) as f:
                 meta = json.load(f)
         except FileNotFoundError:
-            raise DamagedCheckpoint(f"no meta/metadata file: not a complete checkpoint"
-                                    ) from None
+            raise DamagedCheckpoint("no meta/metadata file: not a complete checkpoint") from None
         except (OSError, ValueError) as e:
             raise DamagedCheckpoint(f"meta/metadata is unreadable ({_first_line(e)})") from None
         if (not isinstance(meta, dict) or meta.get("step") != step

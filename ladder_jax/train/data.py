@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import glob as globlib
 import os
+import weakref
 from importlib import resources
 
 import grain
@@ -130,6 +131,7 @@ class TokenFile:
     def __init__(self, file: str, dtype: np.dtype, length: int, offset: int):
         self.file, self.dtype, self.length, self.offset = file, dtype, length, offset
         self.fd = os.open(file, os.O_RDONLY)
+        weakref.finalize(self, os.close, self.fd)
 
     @classmethod
     def open(cls, file: str) -> "TokenFile":
@@ -166,7 +168,10 @@ class TokenFile:
 
     def __getitem__(self, index):
         if not isinstance(index, slice):
-            raise TypeError("TokenFile reads slices")
+            i = int(index) + (self.length if int(index) < 0 else 0)
+            if not 0 <= i < self.length:
+                raise IndexError(index)
+            return self[i:i + 1][0]
         start, stop, step = index.indices(self.length)
         if step != 1:
             raise TypeError("TokenFile reads contiguous slices")
@@ -183,10 +188,6 @@ class TokenFile:
         a = self[0:self.length]
         return a if dtype is None else a.astype(dtype)
 
-    def __del__(self):
-        fd, self.fd = getattr(self, "fd", None), None
-        if fd is not None:
-            os.close(fd)
 
 
 def _load_npy(file: str, vocab_size: int | None) -> TokenFile:

@@ -167,14 +167,14 @@ def check_writable(path: str, what: str) -> None:
                           f"directory or fix its permissions") from None
 
 
-def check_host_memory(model_config, mesh, fsdp: bool) -> None:
+def check_host_memory(config, mesh, fsdp: bool) -> None:
     """CPU backends: a one-line estimate before allocating. Weights, gradients and Adam's two
     moments (4 copies of the parameters, a lower bound) on this process's devices."""
     me = jax.process_index()
     local = sum(1 for d in mesh.devices.flat if d.process_index == me)
     shards = mesh.shape["tp"] * (mesh.shape["data"] if fsdp else 1)
-    n = model_config.num_params()
-    need = 4 * n * np.dtype(model_config.param_dtype).itemsize * local // shards
+    n = config.num_params()
+    need = 4 * n * np.dtype(config.param_dtype).itemsize * local // shards
     runtime.check_host_memory(
         need, f"training the model ({n / 1e9:.2f}B parameters: weights, gradients and optimizer "
               f"state on {local} CPU device(s))",
