@@ -133,7 +133,7 @@ def test_int8_tp4_equals_tp1(scheme):
 def test_store_quantized_then_load_and_generate(run, tmp_path):
     out = str(tmp_path / "int8")
     assert convert_cli.main(["--checkpoint", run, "--out", out, "--quantize", "int8"]) == 0
-    stored, tok = lj.load(out, tp=2)
+    stored, tok = lj.load(out, mesh=mesh(2))
     assert stored.config.quantize == "int8" and stored.layers[0].attn.q.dtype == jnp.int8
     with open(os.path.join(out, "config.yaml")) as f:
         assert "quantize: int8" in f.read()
@@ -141,8 +141,8 @@ def test_store_quantized_then_load_and_generate(run, tmp_path):
     for a, b in zip(jax.tree.leaves(nnx.state(in_memory)), jax.tree.leaves(nnx.state(stored))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # stored, not re-rounded
     # lj.load(quantize=) of the stored model leaves it as it is; of the float run, quantizes
-    again, _ = lj.load(out, tp=1, quantize="int8")
-    loaded_float, _ = lj.load(run, tp=4, quantize="int8")
+    again, _ = lj.load(out, mesh=mesh(1), quantize="int8")
+    loaded_float, _ = lj.load(run, mesh=mesh(4), quantize="int8")
     prompts = ["LOVE, n.", "The "]
     want = lj.generate(in_memory, prompts, tokenizer=tok, max_new_tokens=24)
     assert lj.generate(stored, prompts, tokenizer=tok, max_new_tokens=24) == want

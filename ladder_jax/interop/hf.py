@@ -2,6 +2,7 @@
 
     model, tokenizer = ladder_jax.load_hf("Llama-3.2-1B/", mesh=lj.make_mesh(tp=8))
     model, _ = ladder_jax.load_hf(path, mesh=mesh, residual="ladder", ladder_layers=8)  # hybrid
+    model, _ = ladder_jax.load_hf(path, mesh=mesh, quantize="int8")  # int8 weights, decoding
     ladder_jax.save_hf(model, "out/", tokenizer=tokenizer)
 
 A Hugging Face directory holds `config.json` (model_type "llama", or "llamaLadder": below), the
