@@ -15,7 +15,7 @@ from flax import nnx
 
 import ladder_jax as lj
 from ladder_jax.analysis import overlap, programs
-from ladder_jax.inference import generation
+from ladder_jax.inference.cache import KVCache
 from ladder_jax.model import transformer
 from tests.helpers import TINY, tiny_model
 
@@ -106,7 +106,7 @@ def test_parallel_fused_projection_equals_the_five_matmuls(tp):
 
     @jax.jit
     def run(m):
-        cache = generation.init_cache(m, 8, 32)
+        cache = KVCache.init(m.config, m.mesh, 8, 32).layers()
         logits, cache = m.forward_cached(tokens, None, cache)
         pos = jnp.full((8, 1), 16, jnp.int32)
         step, cache = m.forward_cached(tokens[:, :1], pos, cache)

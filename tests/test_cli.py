@@ -37,7 +37,7 @@ def _exit_line(capsys, main, argv) -> str:
                                        "did you mean 'ladder'?"),
     ("decode", ["--preset", "small", "--checkpoint", "x"], "error: --checkpoint: not allowed "
                                                           "with --preset"),
-    ("overlap", ["--target", "a100"], "error: --target: invalid choice: 'a100'"),
+    ("overlap", ["--target", "b200"], "error: --target: invalid choice: 'b200'"),
     ("convert", ["--out", "x"], "error: one of the arguments --hf --checkpoint is required"),
     ("convert", ["--hf", "x", "--out", "y", "--tp", "two"], "error: --tp: invalid int value "
                                                             "'two'"),
