@@ -31,6 +31,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: {shown})".strip()
 
 
+class EveryDefaultFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                            argparse.RawDescriptionHelpFormatter):
+    """Every flag's default in its help, None included (the flag's text says what None means):
+    overlap's and predict's many optional knobs."""
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors are one line (`error: ...`, exit 2) and whose help shows defaults."""
 

@@ -26,7 +26,7 @@ from ladder_jax.analysis.overlap import (
     verdict,
 )
 from ladder_jax.analysis.programs import PHASES, CompileError, OverlapError
-from ladder_jax.cli.common import ArgumentParser
+from ladder_jax.cli.common import ArgumentParser, EveryDefaultFormatter
 from ladder_jax.config import (
     RESIDUALS,
     ConfigError,
@@ -38,13 +38,9 @@ from ladder_jax.config import (
 from ladder_jax.train import step
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Every flag's default in its help (None: see the flag's text), descriptions as written."""
-
-
 def parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m ladder_jax.overlap", description=__doc__,
-                       formatter_class=_Formatter)
+                       formatter_class=EveryDefaultFormatter)
     p.add_argument("--preset", default="llama-3-8b", help="model preset (ladder_jax.PRESETS)")
     p.add_argument("--residual", default=None, choices=RESIDUALS,
                    help="scheme (None: ladder; with --config: the config's)")

@@ -35,7 +35,7 @@ from ladder_jax.analysis.perfmodel import (
     with_ratios,
 )
 from ladder_jax.analysis.programs import OverlapError
-from ladder_jax.cli.common import ArgumentParser
+from ladder_jax.cli.common import ArgumentParser, EveryDefaultFormatter
 from ladder_jax.config import (
     RESIDUALS,
     ConfigError,
@@ -48,13 +48,9 @@ from ladder_jax.config import (
 from ladder_jax.model.sharding import ShardingError
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Every flag's default in its help (None: see the flag's text), descriptions as written."""
-
-
 def parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m ladder_jax.predict", description=__doc__,
-                       formatter_class=_Formatter)
+                       formatter_class=EveryDefaultFormatter)
     p.add_argument("--preset", default="llama-3-70b", help="model preset (ladder_jax.PRESETS)")
     p.add_argument("--residual", nargs="+", default=["all"],
                    help=f"schemes: {', '.join(RESIDUALS)}, or all")
