@@ -51,6 +51,7 @@ import os
 import re
 import sys
 import threading
+import warnings
 import zlib
 
 import grain
@@ -95,8 +96,9 @@ class _OrbaxFailureFilter(logging.Filter):
 
     def filter(self, record):
         text = record.getMessage()
-        return not ((record.exc_info or "exception" in text) and (
-            "orbax" in record.pathname or "Task exception was never retrieved" in text))
+        if "exception was never retrieved" in text:  # asyncio: Task, Future, _GatheringFuture
+            return not any(w in text for w in ("orbax", "OCDBT", "tensorstore"))
+        return not ((record.exc_info or "exception" in text) and "orbax" in record.pathname)
 
 
 @functools.cache
@@ -113,6 +115,14 @@ def _quiet_background_failures() -> None:
         hook(u)
 
     sys.unraisablehook = unraisable
+
+
+def _abandoned_writes_stay_quiet() -> None:
+    """After a failed save, the write coroutines orbax had not started yet are dropped: Python
+    warns about each ("coroutine ... was never awaited") when they are collected, often at exit.
+    The failure is reported once, as SaveError, so those warnings are turned off."""
+    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited",
+                            category=RuntimeWarning)
 
 
 def _crc32(file: str) -> int:
@@ -260,6 +270,7 @@ class Checkpointer:
         what = f"checkpoint {step}" if step is not None else "a checkpoint"
         reason = re.search(r"(No space left on device|File too large|Disk quota exceeded|"
                            r"Permission denied|Read-only file system)", str(e))
+        _abandoned_writes_stay_quiet()
         return SaveError(f"could not write {what} in {self.directory} "
                          f"({reason.group(1) if reason else _first_line(e)}): "
                          f"{kept}; free disk space (or fix the directory's permissions) and "

@@ -78,7 +78,8 @@ def source_files(path: str | None) -> list[str]:
     return files
 
 
-def load_tokens(path: str | None, tokenizer, vocab_size: int | None = None) -> np.ndarray:
+def load_tokens(path: str | None, tokenizer, vocab_size: int | None = None
+                ) -> "np.ndarray | TokenFile":
     """One flat token stream from `path` (see the module docstring). With `vocab_size`, every
     id must lie in [0, vocab_size): pre-tokenized arrays are checked here, since a -1 would
     index the last embedding row and an id past the vocabulary makes the loss NaN."""
@@ -187,6 +188,9 @@ class TokenFile:
     def __array__(self, dtype=None, copy=None):
         a = self[0:self.length]
         return a if dtype is None else a.astype(dtype)
+
+    def tolist(self) -> list[int]:
+        return np.asarray(self).tolist()
 
 
 

@@ -7,8 +7,8 @@ The lock is `<run>/.lock`, locked with `fcntl.flock` and holding {host, pid, sta
 holder (so a refusal can name it). The kernel drops the lock when its process dies, however it
 dies (kill -9 included): a lock file left behind is then stale, and the next trainer takes it over
 (`stale` says whose it was). On release the file is removed, so a run that only read leaves the
-directory as it found it. `RunLock` creates the run directory if needed and, when it created
-it, removes it again if the run fails before writing anything else.
+directory as it found it. `RunLock` creates the run directory (and its parents) if needed and, when
+it created them, removes them again if the run fails before writing anything else.
 
 Multi-process runs: process 0 alone takes the lock; the others learn from it whether to go on
 (`multihost_utils`), since every process writes its part of each checkpoint.
@@ -42,7 +42,7 @@ class RunLock:
         self.file = os.path.join(self.run_path, LOCK_FILE)
         self.fd = None
         self.stale = None  # the holder {host, pid, started} a dead process left, if any
-        self.created_dir = False
+        self.created = []  # the directories acquire() made, deepest first
 
     def __enter__(self) -> "RunLock":
         self.acquire()
@@ -53,8 +53,12 @@ class RunLock:
 
     def acquire(self) -> None:
         if not os.path.isdir(self.run_path):
+            missing, d = [], self.run_path
+            while not os.path.isdir(d):
+                missing.append(d)
+                d = os.path.dirname(d)
             os.makedirs(self.run_path)
-            self.created_dir = True
+            self.created = missing
         for _ in range(10):  # the file may be removed by its releasing holder under us: retry
             fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -97,13 +101,14 @@ class RunLock:
         self._cleanup_dir()
 
     def _cleanup_dir(self) -> None:
-        """Removes the run directory this lock created, if nothing else was written there."""
-        if self.created_dir:
+        """Removes the directories this lock created (the run's, and any parents such as
+        run_dir itself), as long as nothing else was written there."""
+        while self.created:
             try:
-                os.rmdir(self.run_path)
-                self.created_dir = False
+                os.rmdir(self.created[0])
             except OSError:
-                pass
+                return
+            self.created.pop(0)
 
 
 def _read(fd) -> dict:
