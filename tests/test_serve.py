@@ -291,3 +291,63 @@ def test_two_process_server_answers_like_one_process(tmp_path, model):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+@pytest.mark.parametrize("steps_per_plan", [1, 3])
+def test_engine_in_process_equals_generate_with_multi_step_plans(model, steps_per_plan):
+    """The engine without HTTP: 4 slots, 10 requests (prompt lengths 1..19, max_tokens 1..9,
+    more requests than slots, so rows are reused mid-plan); each request's tokens equal its
+    offline greedy tokens, whether the engine runs one decode step per plan or three."""
+    import threading
+
+    from ladder_jax.inference.batching import Engine, Request
+
+    prompts = [[256] + list(range(40 + i, 40 + 2 * i)) for i in range(10)]
+    max_tokens = [1 + (3 * i) % 9 for i in range(10)]
+    want = generation.generate(model, prompts, max_new_tokens=max(max_tokens))
+    engine = Engine(model, slots=4, max_len=48, steps_per_plan=steps_per_plan)
+    got, reasons, done = [[] for _ in prompts], [None] * 10, threading.Semaphore(0)
+
+    def finish(i, why):
+        reasons[i] = why
+        done.release()
+
+    reqs = [Request(prompt=p, max_tokens=m, on_token=got[i].append,
+                    on_finish=lambda why, i=i: finish(i, why))
+            for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+    engine.start()
+    try:
+        for r in reqs:
+            engine.submit(r)
+        for _ in reqs:
+            assert done.acquire(timeout=120), (reasons, engine.error)
+    finally:
+        engine.drain(5)
+    assert reasons == ["length"] * 10
+    assert got == [w[:m] for w, m in zip(want, max_tokens)]
+    assert engine.steps % steps_per_plan == 0
+
+
+def test_chat_template_sees_the_tokenizers_bos_and_eos(tmp_path):
+    """A Llama-style template writes bos_token itself: the prompt then starts with exactly one
+    BOS id (not an empty string plus an added BOS, nor two BOS); the byte tokenizer, whose
+    specials have no text, gets its BOS added."""
+    import jinja2.sandbox
+    import tokenizers
+
+    from ladder_jax.inference.server import render_chat
+    from ladder_jax.interop.tokenizer import HFTokenizer
+
+    words = ["<unk>", "<s>", "</s>", "user", "hi", "assistant"]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.add_special_tokens(words[:3])
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf_tok = HFTokenizer(str(tmp_path / "tokenizer.json"), bos_id=1, eos_id=2)
+    template = jinja2.sandbox.ImmutableSandboxedEnvironment().from_string(
+        "{{ bos_token }}{% for m in messages %}{{ m.role }} {{ m.content }} {{ eos_token }} "
+        "{% endfor %}assistant")
+    messages = [{"role": "user", "content": "hi"}]
+    assert render_chat(template, messages, hf_tok) == [1, 3, 4, 2, 5]
+    assert render_chat(template, messages, TOK) == [256] + list(b"user hi  assistant")

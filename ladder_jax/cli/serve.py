@@ -85,6 +85,10 @@ def parser() -> argparse.ArgumentParser:
                    help="largest request body (default 1 MiB); more get 413")
     p.add_argument("--prefills-per-step", type=int, default=1,
                    help="new requests prefilled between two decode steps")
+    p.add_argument("--steps-per-plan", type=int, default=4,
+                   help="decode steps run as one program between two scheduling rounds "
+                        "(multi-step scheduling: fewer host round trips per token; a new "
+                        "request waits at most this many steps to start)")
     p.add_argument("--drain-seconds", type=float, default=10.0,
                    help="on SIGTERM, how long running requests may finish")
     p.add_argument("--chat-template", default=None,
@@ -109,6 +113,7 @@ def main(argv=None) -> int:
 def _check(args) -> None:
     for flag, v, low in (("--slots", args.slots, 1), ("--max-queue", args.max_queue, 0),
                          ("--prefills-per-step", args.prefills_per_step, 1),
+                         ("--steps-per-plan", args.steps_per_plan, 1),
                          ("--max-request-bytes", args.max_request_bytes, 1),
                          ("--port", args.port, 0)):
         if v < low:
@@ -162,7 +167,7 @@ def _run(args) -> int:
     template = _chat_template(args)
 
     engine = Engine(model, slots=args.slots, max_len=args.max_len, max_queue=args.max_queue,
-                    prefills_per_step=args.prefills_per_step)
+                    prefills_per_step=args.prefills_per_step, steps_per_plan=args.steps_per_plan)
     if args.max_tokens is not None and not 1 <= args.max_tokens < engine.length:
         raise ConfigError(f"--max-tokens {args.max_tokens}: between 1 and {engine.length - 1} "
                           f"(--max-len)")

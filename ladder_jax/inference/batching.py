@@ -10,8 +10,12 @@ of one KV cache, filled and emptied between decode steps.
 Each iteration of the loop is one *plan*, built on process 0 from the host state alone:
 
     1. one decode step over all slots (if any is busy): busy slot i feeds its last token at
-       position len_i + n_i - 1 and draws its token n_i; free slots compute garbage nobody reads;
-    2. up to `prefills_per_step` waiting requests are prefilled, each into a free slot's row
+       position len_i + n_i - 1 and draws its token n_i; free slots compute garbage nobody reads.
+       With `steps_per_plan=k`, k such steps in one program (multi-step scheduling: one host
+       round trip and one plan per k tokens); a slot that finishes at step j < k ignores the
+       rest, and new requests wait for the plan's end to be admitted;
+    2. up to `prefills_per_step` (times `steps_per_plan`) waiting requests are prefilled, each
+       into a free slot's row
        (`Decoder.prefill_slot`), which gives their first token.
 
 Then every token reaches the host (the loop fetches each step's results, so at most one
@@ -79,7 +83,8 @@ def prompt_bucket(n: int, length: int) -> int:
 
 class Engine:
     def __init__(self, model: Transformer, *, slots: int = 16, max_len: int | None = None,
-                 max_queue: int = 64, prefills_per_step: int = 1, heartbeat_s: float = 1.0):
+                 max_queue: int = 64, prefills_per_step: int = 1, steps_per_plan: int = 1,
+                 heartbeat_s: float = 1.0):
         mesh = model.mesh
         if sharding.data_size(mesh) != 1:
             raise GenerationError(f"the server batches over slots of one cache: use a mesh "
@@ -89,6 +94,10 @@ class Engine:
         self.slots, self.max_queue = slots, max_queue
         self.length = min(max_len or c.max_seq_len, c.max_seq_len)
         self.prefills_per_step, self.heartbeat_s = prefills_per_step, heartbeat_s
+        if steps_per_plan < 1:
+            raise GenerationError(f"steps_per_plan must be >= 1, got {steps_per_plan}")
+        self.steps_per_plan = steps_per_plan
+        self.admit = prefills_per_step * steps_per_plan  # prefills per plan: same rate per step
         self.decoder = Decoder(model)
         self.cache = KVCache.init(c, mesh, slots, self.length)
         self.lead = jax.process_index() == 0
@@ -106,7 +115,7 @@ class Engine:
         self.steps = 0  # decode steps run
         self.error: str | None = None  # why the loop died, if it did
         # plan layout: header, decode block (per slot), prefill blocks
-        self._plan_size = 3 + 9 * slots + prefills_per_step * (7 + self.length)
+        self._plan_size = 3 + 9 * slots + self.admit * (7 + self.length)
 
     # -- process 0: requests in ---------------------------------------------------------------
 
@@ -230,7 +239,7 @@ class Engine:
         plan[3:3 + 9 * B] = block.reshape(-1)
         free = [i for i in range(B) if self.owner[i] is None]
         n = 0
-        while self.queue and free and n < self.prefills_per_step and not self.stopping:
+        while self.queue and free and n < self.admit and not self.stopping:
             req = self.queue.popleft()
             if req.cancelled:
                 req.on_finish("cancelled")
@@ -262,15 +271,22 @@ class Engine:
             rows = Rows(np.ascontiguousarray(block[:, 2:4]).view(np.uint32),
                         np.ascontiguousarray(block[:, 4]).view(np.float32), block[:, 5].copy(),
                         np.ascontiguousarray(block[:, 6]).view(np.float32))
-            tokens_b, self.cache = self.decoder.decode_step(
-                self.cache, to_device(block[:, 0], mesh, rep), to_device(block[:, 1], mesh, rep),
-                rows_to_device(rows, mesh, rep), to_device(block[:, 7], mesh, rep))
-            tokens = to_host(tokens_b)
-            self.steps += 1
+            args = (self.cache, to_device(block[:, 0], mesh, rep),
+                    to_device(block[:, 1], mesh, rep), rows_to_device(rows, mesh, rep),
+                    to_device(block[:, 7], mesh, rep))
+            k = self.steps_per_plan
+            if k == 1:
+                tokens_b, self.cache = self.decoder.decode_step(*args)
+                tokens_kb = to_host(tokens_b)[None]
+            else:
+                tokens_kb, self.cache = self.decoder.decode_steps(*args, k)
+                tokens_kb = to_host(tokens_kb)
+            self.steps += k
             if self.lead:
-                for i in range(B):
-                    if block[i, 8] and self.owner[i] is not None:  # busy when planned
-                        self._deliver(i, int(tokens[i]))
+                for tokens in tokens_kb:  # a slot freed at step j ignores its later tokens
+                    for i in range(B):
+                        if block[i, 8] and self.owner[i] is not None:  # busy when planned
+                            self._deliver(i, int(tokens[i]))
         for n in range(plan[2]):
             o = 3 + 9 * B + n * (7 + self.length)
             slot, length = int(plan[o]), int(plan[o + 1])
@@ -326,6 +342,10 @@ class Engine:
                 to_device(np.ones(1, np.int32), mesh, rep), rows1)
             to_host(first)
         z = to_device(np.zeros(self.slots, np.int32), mesh, rep)
-        tokens, self.cache = self.decoder.decode_step(
-            self.cache, z, z, rows_to_device(Rows.empty(self.slots), mesh, rep), z)
+        rows = rows_to_device(Rows.empty(self.slots), mesh, rep)
+        if self.steps_per_plan == 1:
+            tokens, self.cache = self.decoder.decode_step(self.cache, z, z, rows, z)
+        else:
+            tokens, self.cache = self.decoder.decode_steps(self.cache, z, z, rows, z,
+                                                           self.steps_per_plan)
         to_host(tokens)

@@ -72,6 +72,8 @@ class Decoder:
     `prefill(cache, tokens_bt, lengths_b, rows)` -> (first new tokens (B,), cache)
     `decode_step(cache, tokens_b, positions_b, rows, token_b)` -> (next tokens (B,), cache):
         `token_b` is the index of the token each row produces (its key is fold_in(row key, n))
+    `decode_steps(cache, tokens_b, positions_b, rows, token_b, steps)` -> (tokens (steps, B),
+        cache): `steps` decode steps in one program (the server's multi-step scheduling)
     `prefill_slot(cache, slot, tokens_1t, lengths_1, rows_1)` -> (first token (1,), cache):
         one prompt into row `slot` of the cache (meshes with data = 1)
     The cache argument is donated: use only the returned one. `rows` is `sampling.Rows`.
@@ -104,6 +106,18 @@ class Decoder:
                                                       cache.layers())
             return sample_rows(logits_btv[:, 0], rows, token_b), KVCache.from_layers(layers)
 
+        def decode_steps(state, cache, tokens_b, positions_b, rows, token_b, steps):
+            def one(carry, _):
+                cache, tokens_b, positions_b, token_b = carry
+                nxt_b, cache = decode_step(state, cache, tokens_b, positions_b, rows, token_b)
+                # past the cache's end (a finished row running on): its last slot, discarded
+                positions_b = jnp.minimum(positions_b + 1, cache.length - 1)
+                return (cache, nxt_b, positions_b, token_b + 1), nxt_b
+
+            (cache, *_), tokens_kb = jax.lax.scan(
+                one, (cache, tokens_b, positions_b, token_b), None, length=steps)
+            return tokens_kb, cache
+
         def prefill_slot(state, cache, slot, tokens_1t, lengths_1, rows_1):
             row = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, 0), cache)
             first_1, row = prefill(state, row, tokens_1t, lengths_1, rows_1)
@@ -116,12 +130,19 @@ class Decoder:
         self._prefill = jit(prefill)
         self._decode_step = jit(decode_step)
         self._prefill_slot = jit(prefill_slot)
+        self._decode_steps = jit(decode_steps, static_argnums=(6,))
 
     def prefill(self, cache, tokens_bt, lengths_b, rows):
         return self._prefill(self.state, cache, tokens_bt, lengths_b, rows)
 
     def decode_step(self, cache, tokens_b, positions_b, rows, token_b):
         return self._decode_step(self.state, cache, tokens_b, positions_b, rows, token_b)
+
+    def decode_steps(self, cache, tokens_b, positions_b, rows, token_b, steps: int):
+        """`steps` decode steps in one program, each feeding the tokens the previous drew
+        (positions and token indices + 1 per step) -> (tokens (steps, B), cache)."""
+        return self._decode_steps(self.state, cache, tokens_b, positions_b, rows, token_b,
+                                  steps)
 
     def prefill_slot(self, cache, slot, tokens_1t, lengths_1, rows_1):
         return self._prefill_slot(self.state, cache, slot, tokens_1t, lengths_1, rows_1)

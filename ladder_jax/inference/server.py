@@ -150,6 +150,17 @@ class TextStream:
         return piece
 
 
+def render_chat(template, messages: list[dict], tokenizer) -> list[int]:
+    """The prompt ids of `messages` through a compiled chat template. The template sees the
+    tokenizer's BOS / EOS strings (`bos_token`, `eos_token`, as in transformers'
+    `apply_chat_template`; empty for the byte tokenizer, which has no text for them); a rendered
+    text that starts with the BOS string is encoded without adding another BOS."""
+    bos, eos = (tokenizer.special_text(i) for i in (tokenizer.bos_id, tokenizer.eos_id))
+    text = template.render(messages=messages, add_generation_prompt=True, bos_token=bos,
+                           eos_token=eos)
+    return tokenizer.encode(text, bos=not (bos and text.startswith(bos)))
+
+
 def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | None = None,
                max_request_bytes: int = 1 << 20, max_tokens_limit: int | None = None,
                chat_template: str | None = None) -> Starlette:
@@ -283,12 +294,10 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
             raise BadRequest("messages must be a non-empty list of {role, content} objects "
                              "with string content", "messages")
         try:
-            text = template.render(messages=messages, add_generation_prompt=True,
-                                   bos_token="", eos_token="")
+            return render_chat(template, messages, tokenizer)
         except jinja2.TemplateError as e:
             raise BadRequest(f"the chat template failed on these messages: {e}",
                              "messages") from None
-        return tokenizer.encode(text)
 
     async def generate(request: HTTPRequest, chat: bool):
         endpoint = "chat" if chat else "completions"

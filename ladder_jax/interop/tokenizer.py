@@ -33,6 +33,10 @@ class ByteTokenizer:
         ids = list(text.encode("utf-8"))
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
+    def special_text(self, token_id: int | None) -> str:
+        """A special token's text (what chat templates call bos_token): bytes have none."""
+        return ""
+
     def decode(self, ids) -> str:
         """Bytes back to text; specials are dropped, broken UTF-8 shows as U+FFFD."""
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
@@ -101,6 +105,10 @@ class HFTokenizer:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if bos and self.bos_id is not None else []) + ids + (
             [self.eos_id] if eos and self.eos_id is not None else [])
+
+    def special_text(self, token_id: int | None) -> str:
+        """A special token's text (what chat templates call bos_token), "" if none."""
+        return (self._tok.id_to_token(token_id) or "") if token_id is not None else ""
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
