@@ -93,6 +93,8 @@ def main() -> int:
     p.add_argument("--preset", default="small")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--slots", type=int, default=16)
+    p.add_argument("--steps-per-plan", type=int, default=1,
+                   help="the server's decode steps per scheduling round")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--requests", type=int, default=64, help="requests per level")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -104,7 +106,8 @@ def main() -> int:
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "ladder_jax.serve", "--preset", args.preset, "--tp", str(args.tp),
-         "--slots", str(args.slots), "--max-queue", str(max(args.clients) * 2), "--port",
+         "--slots", str(args.slots), "--steps-per-plan", str(args.steps_per_plan),
+         "--max-queue", str(max(args.clients) * 2), "--port",
          str(port), "--model-name", MODEL, "--max-len", str(128 + args.max_tokens)],
         env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -135,7 +138,8 @@ def main() -> int:
             server.kill()
     base_prompts = prompts_for(args.baseline_requests)
     b = baseline(args, base_prompts)
-    print(f"preset {args.preset}, tp={args.tp}, {args.slots} slots, greedy, max_tokens "
+    print(f"preset {args.preset}, tp={args.tp}, {args.slots} slots, {args.steps_per_plan} "
+          f"steps per plan, greedy, max_tokens "
           f"{args.max_tokens}, loopback; load average {os.getloadavg()[0]:.1f} "
           f"({os.cpu_count()} CPUs)")
     print(f"{'clients':>7} {'reqs':>5} {'req/s':>7} {'tok/s':>8} {'vs 1-by-1':>9} "

@@ -71,8 +71,10 @@ by the kernels beside them; host work is assumed hidden (the decode loop queues 
 `decode` does); the deviceless compile is not autotuned, so GEMM tiling may differ from a
 GPU's (and where XLA's default tiling fails, cuBLAS GEMMs are compiled: the row's `fallback`);
 kernel times come from rates, not from the kernels' code. It predicts *this package's*
-programs, e.g. its prefill attention materializes the scores (no flash attention) and its
-decode step attends over every cache slot.
+programs, e.g. its decode step attends over every cache slot; its prefill and training
+attention is one flash-attention kernel per layer (Pallas / Triton in a deviceless compile),
+costed by the bytes it reads and writes only: its FLOPs (~2% of a 70B prefill's) are not
+counted, so a long-prompt prefill is predicted a little fast.
 """
 
 from __future__ import annotations

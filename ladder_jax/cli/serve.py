@@ -85,7 +85,7 @@ def parser() -> argparse.ArgumentParser:
                    help="largest request body (default 1 MiB); more get 413")
     p.add_argument("--prefills-per-step", type=int, default=1,
                    help="new requests prefilled between two decode steps")
-    p.add_argument("--steps-per-plan", type=int, default=4,
+    p.add_argument("--steps-per-plan", type=int, default=1,
                    help="decode steps run as one program between two scheduling rounds "
                         "(multi-step scheduling: fewer host round trips per token; a new "
                         "request waits at most this many steps to start)")
