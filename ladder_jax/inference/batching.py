@@ -15,8 +15,7 @@ Each iteration of the loop is one *plan*, built on process 0 from the host state
        round trip and one plan per k tokens); a slot that finishes at step j < k ignores the
        rest, and new requests wait for the plan's end to be admitted;
     2. up to `prefills_per_step` (times `steps_per_plan`) waiting requests are prefilled, each
-       into a free slot's row
-       (`Decoder.prefill_slot`), which gives their first token.
+       into a free slot's row (`Decoder.prefill_slot`), which gives their first token.
 
 Then every token reaches the host (the loop fetches each step's results, so at most one
 program is ever queued: the XLA:CPU rule) and finished requests (max_tokens, EOS, cancelled)
@@ -271,17 +270,10 @@ class Engine:
             rows = Rows(np.ascontiguousarray(block[:, 2:4]).view(np.uint32),
                         np.ascontiguousarray(block[:, 4]).view(np.float32), block[:, 5].copy(),
                         np.ascontiguousarray(block[:, 6]).view(np.float32))
-            args = (self.cache, to_device(block[:, 0], mesh, rep),
-                    to_device(block[:, 1], mesh, rep), rows_to_device(rows, mesh, rep),
-                    to_device(block[:, 7], mesh, rep))
-            k = self.steps_per_plan
-            if k == 1:
-                tokens_b, self.cache = self.decoder.decode_step(*args)
-                tokens_kb = to_host(tokens_b)[None]
-            else:
-                tokens_kb, self.cache = self.decoder.decode_steps(*args, k)
-                tokens_kb = to_host(tokens_kb)
-            self.steps += k
+            tokens_kb = self._decode_round(
+                to_device(block[:, 0], mesh, rep), to_device(block[:, 1], mesh, rep),
+                rows_to_device(rows, mesh, rep), to_device(block[:, 7], mesh, rep))
+            self.steps += self.steps_per_plan
             if self.lead:
                 for tokens in tokens_kb:  # a slot freed at step j ignores its later tokens
                     for i in range(B):
@@ -303,6 +295,17 @@ class Engine:
             if self.lead:
                 self._deliver(slot, first)
         return True
+
+    def _decode_round(self, tokens_b, positions_b, rows, token_b) -> np.ndarray:
+        """One round's decode steps on the device (one program) -> their tokens (k, B) on the
+        host; the cache is updated in place."""
+        if self.steps_per_plan == 1:
+            tokens_b, self.cache = self.decoder.decode_step(self.cache, tokens_b, positions_b,
+                                                            rows, token_b)
+            return to_host(tokens_b)[None]
+        tokens_kb, self.cache = self.decoder.decode_steps(self.cache, tokens_b, positions_b,
+                                                          rows, token_b, self.steps_per_plan)
+        return to_host(tokens_kb)
 
     def _deliver(self, i: int, token: int) -> None:
         req = self.owner[i]
@@ -342,10 +345,4 @@ class Engine:
                 to_device(np.ones(1, np.int32), mesh, rep), rows1)
             to_host(first)
         z = to_device(np.zeros(self.slots, np.int32), mesh, rep)
-        rows = rows_to_device(Rows.empty(self.slots), mesh, rep)
-        if self.steps_per_plan == 1:
-            tokens, self.cache = self.decoder.decode_step(self.cache, z, z, rows, z)
-        else:
-            tokens, self.cache = self.decoder.decode_steps(self.cache, z, z, rows, z,
-                                                           self.steps_per_plan)
-        to_host(tokens)
+        self._decode_round(z, z, rows_to_device(Rows.empty(self.slots), mesh, rep), z)
