@@ -436,6 +436,42 @@ def test_persistent_cache_hit_on_a_rerun(tmp_path, monkeypatch):
         programs.compile_program(KV8, **kw)
 
 
+def test_cache_key_follows_what_builds_programs_only():
+    from ladder_jax.analysis import programs
+
+    sources = programs.program_sources()
+    for built_from in ("model/transformer.py", "model/residual.py", "inference/generation.py",
+                       "inference/sampling.py", "train/step.py", "config.py"):
+        assert built_from in sources
+    for not_built_from in ("inference/server.py", "inference/batching.py", "train/trainer.py",
+                           "train/checkpoint.py", "analysis/perfmodel.py", "cli/predict.py"):
+        assert not_built_from not in sources
+    # transitive: imported by generation.py, not by programs.py itself
+    assert "inference/cache.py" in sources and "model/quant.py" in sources
+
+
+def test_kernel_reuse_changes_no_program(monkeypatch):
+    """XLA's kernel cache (reused machine code across the compiles of one process) leaves the
+    scheduled HLO exactly as a compile without it."""
+    from ladder_jax.analysis import programs
+
+    mesh = programs.gpu_mesh("h100", 2)
+    cfg = dataclasses.replace(KV8, residual="ladder", n_layers=2)
+    lowered = programs.lower_decoder(cfg, mesh, phase="decode", batch=2, prompt_len=8,
+                                     new_tokens=8)
+    options = lj.model.sharding.compiler_options("gpu")
+    plain, _ = programs._compile_text(lowered, options, what="test")
+    with programs._kernel_reuse("h100") as first:
+        warm, _ = programs._compile_text(lowered, {**options, **first}, what="test")
+        with programs._kernel_reuse("h100") as second:  # a concurrent compile: its own file
+            assert second != first
+    with programs._kernel_reuse("h100") as again:  # reused, now with kernels in it
+        assert again in (first, second) and pathlib.Path(first["xla_gpu_kernel_cache_file"]
+                                                          ).stat().st_size > 0
+        reused, _ = programs._compile_text(lowered, {**options, **again}, what="test")
+    assert plain == warm == reused
+
+
 def test_cli_hosts_rows_and_bad_knobs(capsys):
     argv = ["--preset", "tiny", "--tp", "4", "--hosts", "2", "--batch", "1", "--prompt-len",
             "16", "--new-tokens", "16", "--residual", "standard", "--layers-compiled", "0",

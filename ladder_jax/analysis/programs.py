@@ -36,14 +36,19 @@ Cache. Compiling a 70B-wide program takes seconds to minutes; `compile_program` 
 scheduled HLO text of every program it compiled in a persistent cache (`cache_dir()`:
 `$LADDER_JAX_CACHE`, default `~/.cache/ladder_jax/programs`; `LADDER_JAX_CACHE=off` disables
 it), keyed by everything the program depends on: its arguments, the compiler options, the
-target description, the jax / jaxlib / plugin versions and a hash of this package's source
-(all but the command lines and the code that reads and costs programs). A rerun reads the text
-back (milliseconds); editing what builds programs invalidates every entry.
+target description, the jax / jaxlib / plugin versions and a hash of the source of the modules
+programs are built from (`program_sources`: this module and the model, decoding and training-
+step modules it imports; not the server, trainer or command lines). A rerun reads the text
+back (milliseconds); editing what builds programs invalidates every entry. Within one process,
+XLA's kernel cache reuses the machine code of kernels already built (`_kernel_reuse`).
 """
 
 
 from __future__ import annotations
 
+import ast
+import atexit
+import contextlib
 import dataclasses
 import functools
 import gzip
@@ -52,7 +57,9 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import shutil
 import tempfile
+import threading
 import time
 
 import jax
@@ -196,8 +203,9 @@ def compile_program(config, *, phase: str, tp: int, batch: int, seq: int, target
                                 new_tokens=new_tokens)
     else:
         lowered = train_program(config, mesh, batch=batch, seq_len=seq)
-    hlo, fallback = _compile_text(lowered, options, what=f"the {phase} program at tp={tp} on "
-                                                        f"{target}")
+    with _kernel_reuse(target) as reuse:
+        hlo, fallback = _compile_text(lowered, {**options, **reuse},
+                                      what=f"the {phase} program at tp={tp} on {target}")
     LAST.update(hit=False, fallback=fallback)
     CACHE_STATS["misses"] += 1
     if path:
@@ -209,6 +217,33 @@ PHASES = ("prefill", "decode", "train")
 LAST: dict = {"hit": False, "fallback": None}
 CACHE_STATS = {"hits": 0, "misses": 0}
 _TILING = "Couldn't find output tile sizes"
+
+
+@contextlib.contextmanager
+def _kernel_reuse(target: str):
+    """Compiler options with XLA's kernel cache: a kernel an earlier compile of this process
+    built (the same fusion at another depth or scheme) is reused rather than compiled to PTX and
+    machine code again (about a quarter of a 70B grid's compile time). It changes no HLO, so
+    the program key leaves it out. Each compile holds a file of its target that no other
+    compile is using (concurrent compiles never write the same file); the folder is removed at
+    exit."""
+    with _KERNEL_LOCK:
+        if not _KERNEL_FILES:
+            d = tempfile.mkdtemp(prefix="ladder_jax_kernels_")
+            atexit.register(shutil.rmtree, d, ignore_errors=True)
+            _KERNEL_FILES["dir"] = d
+        free = _KERNEL_FILES.setdefault(target, [])
+        path = free.pop() if free else os.path.join(
+            _KERNEL_FILES["dir"], f"{target}-{len(os.listdir(_KERNEL_FILES['dir']))}.kernels")
+    try:
+        yield {"xla_gpu_kernel_cache_file": path}
+    finally:
+        with _KERNEL_LOCK:
+            _KERNEL_FILES[target].append(path)
+
+
+_KERNEL_FILES: dict = {}
+_KERNEL_LOCK = threading.Lock()
 
 
 def _compile_text(lowered, options: dict, *, what: str) -> tuple[str, str | None]:
@@ -246,19 +281,46 @@ _NOT_PROGRAM = {os.path.join("analysis", n) for n in ("hlo.py", "overlap.py", "p
     "api.py", "hardware.py"}  # hardware: the target description itself is in the key
 
 
+def program_sources(root: str | None = None) -> list[str]:
+    """The package's modules programs are built from (paths relative to the package):
+    this module and every module of the package it imports, transitively (imports inside
+    functions included), but the readers and cost model (`_NOT_PROGRAM`) and the packages'
+    `__init__` files. The server, trainer, checkpoints and command lines are not among them, so
+    editing those keeps the cache."""
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    todo, seen = [os.path.join("analysis", "programs.py")], set()
+    while todo:
+        rel = todo.pop()
+        if rel in seen or rel in _NOT_PROGRAM:
+            continue
+        seen.add(rel)
+        with open(os.path.join(root, rel), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and (
+                    node.module.split(".")[0] == "ladder_jax"):
+                base = node.module.split(".")[1:]
+                candidates = [base] + [base + [a.name] for a in node.names]
+            elif isinstance(node, ast.Import):
+                candidates = [a.name.split(".")[1:] for a in node.names
+                              if a.name.split(".")[0] == "ladder_jax"]
+            else:
+                continue
+            for parts in candidates:
+                if parts and os.path.isfile(os.path.join(root, *parts) + ".py"):
+                    todo.append(os.path.join(*parts) + ".py")
+    return sorted(seen)
+
+
 @functools.lru_cache(maxsize=1)
 def _source_hash() -> str:
-    """What the package's programs depend on besides their arguments: its source (all of it
-    but the command lines, the notebook API and the readers / cost model of `analysis`)."""
+    """What the package's programs depend on besides their arguments: the source of the
+    modules they are built from (`program_sources`) and the jax / jaxlib / plugin versions."""
     h = hashlib.sha256()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for dirpath, dirnames, files in sorted(os.walk(root)):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("cli", "__pycache__"))
-        for name in sorted(files):
-            rel = os.path.relpath(os.path.join(dirpath, name), root)
-            if name.endswith(".py") and rel not in _NOT_PROGRAM:
-                with open(os.path.join(dirpath, name), "rb") as f:
-                    h.update(rel.encode() + f.read())
+    for rel in program_sources(root):
+        with open(os.path.join(root, rel), "rb") as f:
+            h.update(rel.encode() + f.read())
     versions = [jax.__version__, jaxlib.__version__]
     for dist in ("jax-cuda12-plugin", "jax-cuda12-pjrt"):
         try:

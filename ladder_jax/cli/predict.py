@@ -202,11 +202,11 @@ def _rows(args, show) -> tuple[list[dict], str]:
 
 class _Progress:
     """Programs compiled n/N and the time left, on stderr: one line rewritten in place on a
-    terminal, else a line at the start and at the end."""
+    terminal, else (a log file) a line at the start, at most one a minute, and at the end."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, every_s: float = 60.0):
         self.name, self.live = name, sys.stderr.isatty()
-        self.width = 0
+        self.width, self.every_s, self.last = 0, every_s, 0.0
 
     def __call__(self, done: int, total: int, eta_s: float | None) -> None:
         eta = "" if eta_s is None or done == total else f", about {_duration(eta_s)} left"
@@ -215,7 +215,8 @@ class _Progress:
             sys.stderr.write("\r" + line.ljust(self.width))
             self.width = len(line)
             sys.stderr.flush()
-        elif done in (0, total):
+        elif done in (0, total) or time.monotonic() - self.last >= self.every_s:
+            self.last = time.monotonic()
             print(line, file=sys.stderr, flush=True)
 
     def clear(self) -> None:

@@ -1,0 +1,131 @@
+"""XLA:CPU's options against this machine's training step: which of XLA's CPU kernel paths
+(its own emitters, oneDNN, XNNPACK, YNNPACK), vector widths and math modes makes the `small`
+training step fastest here, with the same work as `benchmarks/hf_train_step.py` (the HF
+transformers peer). Prints the CPU, its vector extensions and jax's version first, so that two
+machines' figures can be compared, then one row per option set: tokens/s (median step) and the
+ratio to XLA's defaults.
+
+    python benchmarks/cpu_flags.py                  # every option set, 8 interleaved rounds
+    python benchmarks/cpu_flags.py --rounds 4 --sets default xnn-dot
+
+Each option set is its own compile of the same lowered step (options passed per program, so
+nothing else in the process changes); the steps are interleaved, one of each in turn, so load
+that drifts slows them alike. An option this jaxlib does not accept is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+# name -> XLA:CPU debug options added to the package's own (ladder_jax.model.sharding)
+SETS = {
+    "default": {},
+    "xnn-dot": {"xla_cpu_experimental_xnn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
+    "xnn-dot-eltwise": {"xla_cpu_experimental_xnn_fusion_type":
+                        "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE"},
+    "xnn-graph": {"xla_cpu_experimental_xnn_graph_fusion_mode": "XNN_GRAPH_FUSION_MODE_GREEDY"},
+    "ynn-dot": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
+    "onednn-dot": {"xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
+    "onednn": {"xla_cpu_use_onednn": True},
+    "vector-512": {"xla_cpu_prefer_vector_width": 512},
+    "fast-math": {"xla_cpu_enable_fast_math": True},
+}
+
+
+def cpu_description() -> str:
+    """Model name, cores and the vector extensions that matter for matmuls."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+    except OSError:
+        pass
+    isa = [x for x in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni",
+                       "amx_bf16", "amx_tile") if x in flags]
+    return f"{model}, {os.cpu_count()} cores, {' '.join(isa) or 'no AVX2/AVX-512 flags seen'}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
+    ap.add_argument("--rounds", type=int, default=8, help="timed rounds after one warm-up")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=128)
+    args = ap.parse_args(argv)
+
+    import jax
+    import jaxlib
+    import numpy as np
+
+    import ladder_jax as lj
+    from ladder_jax import config as config_lib
+    from ladder_jax.model import sharding
+    from ladder_jax.train import step
+    from ladder_jax.train.trainer import Trainer
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    cfg = config_lib.load_config([
+        os.path.join(here, "..", "configs", "tiny.yaml"), "model.preset=small",
+        "model.residual=standard", f"data.seq_len={args.seq}", f"data.batch_size={args.batch}",
+        "mesh.tp=1", "mesh.data=1", "run_dir=" + os.path.join(
+            os.environ.get("TMPDIR", "/tmp"), "ladder_jax_cpu_flags")])
+    lj.runtime.setup(cpu_devices=1)
+    trainer = Trainer(cfg)
+    print(f"cpu: {cpu_description()}")
+    print(f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, python "
+          f"{platform.python_version()}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    print(f"step: small preset (d_model 256, 8 layers), float32, batch {args.batch} x "
+          f"{args.seq} tokens, AdamW, clipping; {args.rounds} interleaved rounds")
+    state = trainer.state
+    train_step = step.make_train_step(
+        trainer.graphdef, optimizer=trainer.optimizer, grad_clip=cfg.optim.grad_clip,
+        param_shardings=[x.sharding for x in jax.tree.leaves(state.params)],
+        opt_shardings=[x.sharding for x in jax.tree.leaves(state.opt_state)])
+    batches = [trainer.global_batch(next(trainer.data_iter)) for _ in range(2)]
+    lowered = jax.jit(train_step, donate_argnums=(0, 1)).lower(state.params, state.opt_state,
+                                                               batches[0])
+    base = sharding.compiler_options("cpu")
+    runs = {}
+    for name in args.sets:
+        try:
+            compiled = lowered.compile(compiler_options={**base, **SETS[name]})
+        except Exception as e:  # an option this jaxlib does not know, or a bad value
+            print(f"  {name:<16} not accepted here: {str(e).strip().splitlines()[0][:120]}")
+            continue
+        copy = jax.tree.map(lambda x: x.copy(), (state.params, state.opt_state))
+        runs[name] = [compiled, copy, []]
+
+    def one(name, i):
+        compiled, (params, opt), times = runs[name]
+        t0 = time.perf_counter()
+        params, opt, metrics = compiled(params, opt, batches[i % 2])
+        float(np.asarray(metrics["loss"]))
+        times.append(time.perf_counter() - t0)
+        runs[name][1] = (params, opt)
+
+    for i in range(args.rounds + 1):
+        for name in runs:
+            one(name, i)
+    tokens = args.batch * args.seq
+    ref = None
+    for name, (_, _, times) in runs.items():
+        dt = float(np.median(times[1:]))
+        ref = ref or (dt if name == "default" else None)
+        ratio = f"{ref / dt:.2f}x" if ref else "-"
+        opts = " ".join(f"--{k}={v}" for k, v in SETS[name].items()) or "(XLA's defaults)"
+        print(f"  {name:<16} {tokens / dt:>8,.0f} tokens/s  {dt * 1e3:>8.1f} ms/step  "
+              f"{ratio:>6}  {opts}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
