@@ -9,6 +9,7 @@ import signal
 import struct
 import subprocess
 import sys
+import textwrap
 
 import jax
 import numpy as np
@@ -715,3 +716,21 @@ def test_cli_start_is_quiet(tmp_path):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and re.match(r"\d+ tokens in [\d.]+ s; first token after", lines[0]), (
         p.stderr)
+
+
+def test_progress_shows_while_other_threads_compile_quietly():
+    """`runtime.write_stderr` (predict's progress line) reaches stderr at once while a compile
+    elsewhere holds `quiet()`'s capture; native output inside the capture comes out when it
+    ends, the plugin's noise dropped."""
+    code = textwrap.dedent("""
+        import os
+        from ladder_jax import runtime
+        with runtime.quiet():
+            os.write(2, b"from the compiler\\n")
+            os.write(2, b"I0000 cudart_stub.cc:31] Could not find cuda drivers on your machine\\n")
+            runtime.write_stderr("progress 1/2\\n")
+        runtime.write_stderr("progress 2/2\\n")
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.splitlines() == ["progress 1/2", "from the compiler", "progress 2/2"], p.stderr

@@ -211,18 +211,16 @@ class _Progress:
     def __call__(self, done: int, total: int, eta_s: float | None) -> None:
         eta = "" if eta_s is None or done == total else f", about {_duration(eta_s)} left"
         line = f"compiling {self.name}: {done}/{total} programs{eta}"
-        if self.live:
-            sys.stderr.write("\r" + line.ljust(self.width))
+        if self.live:  # runtime.write_stderr: shown while other threads compile, too
+            runtime.write_stderr("\r" + line.ljust(self.width))
             self.width = len(line)
-            sys.stderr.flush()
         elif done in (0, total) or time.monotonic() - self.last >= self.every_s:
             self.last = time.monotonic()
-            print(line, file=sys.stderr, flush=True)
+            runtime.write_stderr(line + "\n")
 
     def clear(self) -> None:
         if self.live and self.width:
-            sys.stderr.write("\r" + " " * self.width + "\r")
-            sys.stderr.flush()
+            runtime.write_stderr("\r" + " " * self.width + "\r")
             self.width = 0
 
 
