@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import ladder_jax as lj
-from ladder_jax.analysis import overlap, programs
+from ladder_jax.analysis import overlap, perfmodel, programs
 from ladder_jax.inference.cache import KVCache
 from ladder_jax.model import transformer
 from tests.helpers import TINY, tiny_model
@@ -148,6 +148,15 @@ def test_h100_ladder_programs_hold_the_fused_attention_and_keep_their_overlap(ph
     # one flash kernel per layer forward; the backward adds two per layer (preprocess, dq/dkv)
     assert kernels == (layers if phase == "prefill" else 3 * layers), kernels
     assert "mha_forward" in hlo
+    # the performance model counts the flash kernels' causal matmul FLOPs: per layer and
+    # device (1 of 8 heads, head_dim 64), 2 matmuls forward and 5 backward of 2*B*H*T*S*D over
+    # the causal (T + 1) / 2T of the scores
+    b, h, t, d = 8, 1, 128, WIDE["d_model"] // WIDE["n_heads"]
+    per_matmul = 2.0 * b * h * t * t * d * (t + 1) / (2 * t)
+    flash = sum(k.flops for k in perfmodel.read_kernels(hlo, devices=8)
+                if k.name.startswith("pallas_call"))
+    assert flash == pytest.approx(layers * per_matmul * (2 if phase == "prefill" else 7),
+                                  rel=1e-9), flash
     rep = overlap.summarize(overlap.read_all_reduces(hlo, WIDE["d_model"]))
     assert rep["forward"]["total"] == 2 * layers and rep["forward"]["all_but_last_overlapped"]
     if phase == "train":

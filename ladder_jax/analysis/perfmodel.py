@@ -73,8 +73,7 @@ GPU's (and where XLA's default tiling fails, cuBLAS GEMMs are compiled: the row'
 kernel times come from rates, not from the kernels' code. It predicts *this package's*
 programs, e.g. its decode step attends over every cache slot; its prefill and training
 attention is one flash-attention kernel per layer (Pallas / Triton in a deviceless compile),
-costed by the bytes it reads and writes only: its FLOPs (~2% of a 70B prefill's) are not
-counted, so a long-prompt prefill is predicted a little fast.
+costed by its causal matmul FLOPs and the bytes it reads and writes (`_flash_flops`).
 """
 
 from __future__ import annotations
@@ -180,7 +179,28 @@ def _plain_cost(module: hlo.Module, op: hlo.Op) -> tuple[float, float]:
         m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', op.text)
         idx = [int(i) for i in re.findall(r"\d+", m.group(1))] if m else [len(lhs) - 1]
         flops = 2.0 * op.elements * math.prod(lhs[i] for i in idx)
+    elif op.opcode == "custom-call" and "xla.gpu.triton" in op.text:
+        flops = _flash_flops(op.op_name, entry)
     return flops, nbytes
+
+
+def _flash_flops(op_name: str, operands: list) -> float:
+    """FLOPs of a flash-attention kernel of this package's (jax's Pallas / Triton attention,
+    always causal): q (B, T, H, D) and k (B, S, H, D) are its first two operands; the forward
+    does 2 matmuls of 2·B·H·T·S·D each, the backward 5 (scores recomputed, dV, dP, dQ, dK), both
+    over the causal fraction of the T x S scores (the kernel skips the blocks above the
+    diagonal). Other Triton kernels (the backward's preprocessing) count none."""
+    scope = op_name.rsplit("/", 2)[-2] if "/" in op_name else ""
+    matmuls = (2 if scope == "mha_forward" else
+               5 if scope in ("mha_backward", "jvp(mha_backward)") else 0)
+    if not matmuls or len(operands) < 2 or any(o is None or len(o.dims) != 4
+                                                for o in operands[:2]):
+        return 0.0
+    (b, t, h, d), s = operands[0].dims, operands[1].dims[1]
+    if t > s:
+        return 0.0
+    causal = (t * (s - t) + t * (t + 1) / 2) / (t * s)  # query i sees s - t + i + 1 keys
+    return matmuls * 2.0 * b * h * t * s * d * causal
 
 
 def _collective_bytes(module: hlo.Module, op: hlo.Op) -> float:
