@@ -36,24 +36,6 @@ SETS = {
 }
 
 
-def cpu_description() -> str:
-    """Model name, cores and the vector extensions that matter for matmuls."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-    except OSError:
-        pass
-    isa = [x for x in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni",
-                       "amx_bf16", "amx_tile") if x in flags]
-    return f"{model}, {os.cpu_count()} cores, {' '.join(isa) or 'no AVX2/AVX-512 flags seen'}"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
@@ -80,7 +62,7 @@ def main(argv=None) -> int:
             os.environ.get("TMPDIR", "/tmp"), "ladder_jax_cpu_flags")])
     lj.runtime.setup(cpu_devices=1)
     trainer = Trainer(cfg)
-    print(f"cpu: {cpu_description()}")
+    print(f"cpu: {lj.hardware.cpu_description()}")
     print(f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, python "
           f"{platform.python_version()}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     print(f"step: small preset (d_model 256, 8 layers), float32, batch {args.batch} x "

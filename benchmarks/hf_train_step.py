@@ -63,6 +63,10 @@ def main(argv=None) -> int:
     dt = (time.perf_counter() - t0) / args.steps
     tokens = args.batch * args.seq
     n_params = sum(p.numel() for p in model.parameters())
+    from ladder_jax.hardware import cpu_description
+
+    print(f"cpu: {cpu_description()}; torch uses "
+          f"{torch.backends.cpu.get_cpu_capability()} kernels")
     print(f"hf LlamaForCausalLM ({args.attn}, {args.threads} threads, torch "
           f"{torch.__version__}): {tokens / dt:,.0f} tokens/s  {dt * 1e3:.1f} ms/step  "
           f"(batch {args.batch} x {args.seq}, {n_params / 1e6:.2f}M params, "

@@ -31,6 +31,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import platform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +87,25 @@ _ARCH = {
         registers_per_block_limit=65536),
 }
 _CAPABILITY = {"sm90": (9, 0), "sm80": (8, 0)}
+
+
+def cpu_description() -> str:
+    """This host's CPU as benchmarks print it: model, cores and the vector extensions that
+    decide matmul speed (CPU figures of two machines compare only with these beside them)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+    except OSError:
+        pass
+    isa = [x for x in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni",
+                       "amx_bf16", "amx_tile") if x in flags]
+    return f"{model}, {os.cpu_count()} cores, {' '.join(isa) or 'no AVX2 / AVX-512 flags seen'}"
 
 
 def gpu_target_config(target: str) -> str:

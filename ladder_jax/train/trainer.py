@@ -7,8 +7,9 @@
 
 Data flows one way: config -> mesh -> model -> step -> outputs (`runs/<name>/`: the resolved
 `config.yaml`, `metrics.jsonl`, `checkpoints/<step>/` and, with the `tensorboard` extra
-installed, TensorBoard event files in `tensorboard/`: `tensorboard --logdir runs/`). The config schema and its checks are
-`ladder_jax.config`; the step is `ladder_jax.train.step`; checkpoints are `ladder_jax.train.checkpoint`.
+installed, TensorBoard event files in `tensorboard/`: `tensorboard --logdir runs/`). The config
+schema and its checks are `ladder_jax.config`; the step is `ladder_jax.train.step`; checkpoints
+are `ladder_jax.train.checkpoint`.
 
 Each step: A = `data.grad_accum` micro-batches of `data.batch_size` sequences (global, over all
 processes) of `data.seq_len` tokens; fp32 cross-entropy, gradient mean, global-norm clipping,
@@ -570,7 +571,8 @@ class Trainer:
             self._bar.update(self._task, completed=rec["step"], info=info)
             if "eval_loss" in rec:
                 self._bar.console.print(f"step {rec['step']}: {info}")
-        elif rec["step"] % self.cfg.log_every == 0 or "eval_loss" in rec or rec["step"] == start + 1:
+        elif (rec["step"] % self.cfg.log_every == 0 or "eval_loss" in rec
+              or rec["step"] == start + 1):
             lr, mfu = rec["lr"], rec["mfu"]
             print(f"step {rec['step']}/{self.cfg.steps}  {info}  lr {lr:.2e}  grad "
                   f"{rec['grad_norm']:.3f}" + (f"  mfu {mfu:.1%}" if mfu else ""), flush=True)
@@ -695,6 +697,10 @@ def benchmark(trainer: Trainer) -> list[dict]:
     batches = [trainer.global_batch(next(trainer.data_iter)) for _ in range(2)]
     trainer.log(f"benchmark: {trainer.describe()}; {tokens_per_step} tokens/step, "
                 f"{cfg.bench_steps} interleaved rounds after 1 warm-up step per scheme")
+    if jax.default_backend() == "cpu":  # CPU figures compare only beside the CPU and flags
+        trainer.log(f"  cpu: {hardware.cpu_description()}; XLA_FLAGS="
+                    f"{os.environ.get('XLA_FLAGS', '')!r}; compiler options "
+                    f"{sharding.compiler_options('cpu')}")
     runs, states = {}, {}
     for residual in RESIDUALS:
         mc = dataclasses.replace(trainer.model_config, residual=residual, ladder_layers=None)
