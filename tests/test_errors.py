@@ -719,17 +719,18 @@ def test_cli_start_is_quiet(tmp_path):
 
 
 def test_progress_shows_while_other_threads_compile_quietly():
-    """`runtime.write_stderr` (predict's progress line) reaches stderr at once while a compile
+    """`cli.common.write_stderr` (predict's progress line) reaches stderr at once while a compile
     elsewhere holds `quiet()`'s capture; native output inside the capture comes out when it
     ends, the plugin's noise dropped."""
     code = textwrap.dedent("""
         import os
         from ladder_jax import runtime
+        from ladder_jax.cli.common import write_stderr
         with runtime.quiet():
             os.write(2, b"from the compiler\\n")
             os.write(2, b"I0000 cudart_stub.cc:31] Could not find cuda drivers on your machine\\n")
-            runtime.write_stderr("progress 1/2\\n")
-        runtime.write_stderr("progress 2/2\\n")
+            write_stderr("progress 1/2\\n")
+        write_stderr("progress 2/2\\n")
     """)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr

@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     p.add_argument("--ladder-layers", default=None,
                    help="ladder only: N (the upper N layers) or a comma list of layer indices "
                         "(default: every layer)")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: all devices)")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel size (default: all devices)")
     p.add_argument("--benchmark", action="store_true",
                    help="time prefill and decode with random weights (paper protocol)")
     p.add_argument("--batch", type=int, default=1,

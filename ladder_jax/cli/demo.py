@@ -21,7 +21,8 @@ from ladder_jax.cli.common import ArgumentParser
 def main(argv=None) -> int:
     p = ArgumentParser(prog="python -m ladder_jax.demo", description=__doc__)
     p.add_argument("--preset", default="tiny", help="model preset (random weights, seed 0)")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: all devices)")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel size (default: all devices)")
     p.add_argument("--batch", type=int, default=2, help="sequences of random tokens")
     p.add_argument("--seq", type=int, default=32, help="tokens per sequence")
     p.add_argument("--cpu-devices", type=int, default=8,

@@ -35,7 +35,7 @@ from ladder_jax.analysis.perfmodel import (
     with_ratios,
 )
 from ladder_jax.analysis.programs import OverlapError
-from ladder_jax.cli.common import ArgumentParser, EveryDefaultFormatter
+from ladder_jax.cli.common import ArgumentParser, EveryDefaultFormatter, write_stderr
 from ladder_jax.config import (
     RESIDUALS,
     ConfigError,
@@ -211,16 +211,16 @@ class _Progress:
     def __call__(self, done: int, total: int, eta_s: float | None) -> None:
         eta = "" if eta_s is None or done == total else f", about {_duration(eta_s)} left"
         line = f"compiling {self.name}: {done}/{total} programs{eta}"
-        if self.live:  # runtime.write_stderr: shown while other threads compile, too
-            runtime.write_stderr("\r" + line.ljust(self.width))
+        if self.live:  # write_stderr: shown while other threads compile, too
+            write_stderr("\r" + line.ljust(self.width))
             self.width = len(line)
         elif done in (0, total) or time.monotonic() - self.last >= self.every_s:
             self.last = time.monotonic()
-            runtime.write_stderr(line + "\n")
+            write_stderr(line + "\n")
 
     def clear(self) -> None:
         if self.live and self.width:
-            runtime.write_stderr("\r" + " " * self.width + "\r")
+            write_stderr("\r" + " " * self.width + "\r")
             self.width = 0
 
 
