@@ -450,6 +450,30 @@ def test_cache_key_follows_what_builds_programs_only():
     assert "inference/cache.py" in sources and "model/quant.py" in sources
 
 
+def test_a_compile_failure_stops_the_queue(monkeypatch):
+    """One failing program ends compile_all at once (the error is raised; the programs still
+    queued are not compiled), where the pool used to finish the whole queue first."""
+    import threading
+
+    calls, release = [], threading.Event()
+
+    def one(task):
+        calls.append(task["i"])
+        if task["i"] == 0:
+            raise perfmodel.PredictError("the first program failed")
+        release.wait(1)  # the second is in flight when the first fails
+        return True
+
+    monkeypatch.setattr(perfmodel, "_compile_one", one)
+    monkeypatch.setattr(perfmodel.programs, "_source_hash", lambda: "x")
+    with pytest.raises(perfmodel.PredictError, match="first program failed"):
+        try:
+            perfmodel.compile_all([{"i": i} for i in range(50)], jobs=2)
+        finally:
+            release.set()
+    assert len(calls) <= 4, calls
+
+
 def test_kernel_reuse_changes_no_program(monkeypatch):
     """XLA's kernel cache (reused machine code across the compiles of one process) leaves the
     scheduled HLO exactly as a compile without it."""

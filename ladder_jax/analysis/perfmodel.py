@@ -488,15 +488,21 @@ def compile_all(tasks: list[dict], jobs: int | None = None, progress=None) -> No
     todo = list({tuple(sorted(t.items())): t for t in tasks}.values())
     jobs = max(1, jobs or 1)
     t0, compiled = time.perf_counter(), 0
+    # the cache key's source hash parses the package with `ast`, which CPython 3.11 cannot do
+    # in two threads at once ("AST constructor recursion depth mismatch"): once, here, first
+    programs._source_hash()
     if progress:
         progress(0, len(todo), None)
-    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(jobs)
+    try:
         futures = [pool.submit(_compile_one, t) for t in todo]
         for done, f in enumerate(concurrent.futures.as_completed(futures), 1):
             compiled += f.result()
             if progress:
                 rate = (time.perf_counter() - t0) / compiled if compiled else None
                 progress(done, len(todo), None if rate is None else rate * (len(todo) - done))
+    finally:  # a failure stops at once: the programs still queued are not compiled
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _compile_one(task: dict) -> bool:
