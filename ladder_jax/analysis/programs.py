@@ -55,6 +55,7 @@ import gzip
 import hashlib
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import os
 import shutil
@@ -233,8 +234,8 @@ def _kernel_reuse(target: str):
             atexit.register(shutil.rmtree, d, ignore_errors=True)
             _KERNEL_FILES["dir"] = d
         free = _KERNEL_FILES.setdefault(target, [])
-        path = free.pop() if free else os.path.join(
-            _KERNEL_FILES["dir"], f"{target}-{len(os.listdir(_KERNEL_FILES['dir']))}.kernels")
+        path = free.pop() if free else os.path.join(  # a new name, whether XLA wrote it yet or not
+            _KERNEL_FILES["dir"], f"{target}-{next(_KERNEL_NAMES)}.kernels")
     try:
         yield {"xla_gpu_kernel_cache_file": path}
     finally:
@@ -243,6 +244,7 @@ def _kernel_reuse(target: str):
 
 
 _KERNEL_FILES: dict = {}
+_KERNEL_NAMES = itertools.count()
 _KERNEL_LOCK = threading.Lock()
 
 
