@@ -56,7 +56,6 @@ def main(argv=None) -> int:
     import ladder_jax as lj
     from ladder_jax import config as config_lib
     from ladder_jax.model import sharding
-    from ladder_jax.train import step
     from ladder_jax.train.trainer import Trainer
 
     here = os.path.dirname(os.path.abspath(__file__))
@@ -73,13 +72,9 @@ def main(argv=None) -> int:
     print(f"step: small preset (d_model 256, 8 layers), float32, batch {args.batch} x "
           f"{args.seq} tokens, AdamW, clipping; {args.rounds} interleaved rounds")
     state = trainer.state
-    train_step = step.make_train_step(
-        trainer.graphdef, optimizer=trainer.optimizer, grad_clip=cfg.optim.grad_clip,
-        param_shardings=[x.sharding for x in jax.tree.leaves(state.params)],
-        opt_shardings=[x.sharding for x in jax.tree.leaves(state.opt_state)])
+    train_step = trainer.compiled_step(trainer.graphdef, state)[0]  # the step the trainer jits
     batches = [trainer.global_batch(next(trainer.data_iter)) for _ in range(2)]
-    lowered = jax.jit(train_step, donate_argnums=(0, 1)).lower(state.params, state.opt_state,
-                                                               batches[0])
+    lowered = train_step.lower(state.params, state.opt_state, batches[0])
     base = sharding.compiler_options("cpu")
     runs = {}
     for name in args.sets:

@@ -488,9 +488,6 @@ def compile_all(tasks: list[dict], jobs: int | None = None, progress=None) -> No
     todo = list({tuple(sorted(t.items())): t for t in tasks}.values())
     jobs = max(1, jobs or 1)
     t0, compiled = time.perf_counter(), 0
-    # the cache key's source hash parses the package with `ast`, which CPython 3.11 cannot do
-    # in two threads at once ("AST constructor recursion depth mismatch"): once, here, first
-    programs._source_hash()
     if progress:
         progress(0, len(todo), None)
     pool = concurrent.futures.ThreadPoolExecutor(jobs)

@@ -314,10 +314,20 @@ def program_sources(root: str | None = None) -> list[str]:
     return sorted(seen)
 
 
-@functools.lru_cache(maxsize=1)
 def _source_hash() -> str:
     """What the package's programs depend on besides their arguments: the source of the
-    modules they are built from (`program_sources`) and the jax / jaxlib / plugin versions."""
+    modules they are built from (`program_sources`) and the jax / jaxlib / plugin versions.
+    Computed once, under a lock: compiles run in threads, and CPython 3.11's `ast` cannot
+    parse in two threads at once ("AST constructor recursion depth mismatch")."""
+    with _SOURCE_LOCK:
+        return _source_hash_once()
+
+
+_SOURCE_LOCK = threading.Lock()
+
+
+@functools.lru_cache(maxsize=1)
+def _source_hash_once() -> str:
     h = hashlib.sha256()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for rel in program_sources(root):
