@@ -29,6 +29,13 @@ SETS = {
                         "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE"},
     "xnn-graph": {"xla_cpu_experimental_xnn_graph_fusion_mode": "XNN_GRAPH_FUSION_MODE_GREEDY"},
     "ynn-dot": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
+    # no YNNPACK fusions at all (this jaxlib fuses dots into YNNPACK by default): Eigen's dots
+    "no-ynn": {"xla_cpu_experimental_ynn_fusion_type": ""},
+    # XLA:CPU's scheduler orders the program for running independent ops at once (its
+    # default); off: a memory-minimizing order
+    "sequential": {"xla_cpu_enable_concurrency_optimized_scheduler": False},
+    "ynn-dot+sequential": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+                           "xla_cpu_enable_concurrency_optimized_scheduler": False},
     "onednn-dot": {"xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
     "onednn": {"xla_cpu_use_onednn": True},
     "vector-512": {"xla_cpu_prefer_vector_width": 512},

@@ -95,6 +95,8 @@ def main() -> int:
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--steps-per-plan", type=int, default=1,
                    help="the server's decode steps per scheduling round")
+    p.add_argument("--prefills-per-step", type=int, default=4,
+                   help="the server's admissions per decode step (prefilled together)")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--requests", type=int, default=64, help="requests per level")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -107,6 +109,7 @@ def main() -> int:
     server = subprocess.Popen(
         [sys.executable, "-m", "ladder_jax.serve", "--preset", args.preset, "--tp", str(args.tp),
          "--slots", str(args.slots), "--steps-per-plan", str(args.steps_per_plan),
+         "--prefills-per-step", str(args.prefills_per_step),
          "--max-queue", str(max(args.clients) * 2), "--port",
          str(port), "--model-name", MODEL, "--max-len", str(128 + args.max_tokens)],
         env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
@@ -139,7 +142,7 @@ def main() -> int:
     base_prompts = prompts_for(args.baseline_requests)
     b = baseline(args, base_prompts)
     print(f"preset {args.preset}, tp={args.tp}, {args.slots} slots, {args.steps_per_plan} "
-          f"steps per plan, greedy, max_tokens "
+          f"steps per plan, {args.prefills_per_step} prefills per step, greedy, max_tokens "
           f"{args.max_tokens}, loopback; load average {os.getloadavg()[0]:.1f} "
           f"({os.cpu_count()} CPUs)")
     print(f"{'clients':>7} {'reqs':>5} {'req/s':>7} {'tok/s':>8} {'vs 1-by-1':>9} "

@@ -11,6 +11,7 @@ import sys
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -293,19 +294,30 @@ def test_two_process_server_answers_like_one_process(tmp_path, model):
                 p.wait()
 
 
-@pytest.mark.parametrize("steps_per_plan", [1, 3])
-def test_engine_in_process_equals_generate_with_multi_step_plans(model, steps_per_plan):
+@pytest.mark.parametrize("steps_per_plan,prefills_per_step", [(1, 1), (3, 1), (1, 3)])
+def test_engine_in_process_equals_generate_with_multi_step_plans(model, steps_per_plan,
+                                                                 prefills_per_step):
     """The engine without HTTP: 4 slots, 10 requests (prompt lengths 1..19, max_tokens 1..9,
     more requests than slots, so rows are reused mid-plan); each request's tokens equal its
-    offline greedy tokens, whether the engine runs one decode step per plan or three."""
+    offline greedy tokens, whether the engine runs one decode step per plan or three, and
+    whether it prefills the prompts admitted together one by one or in one program (3 per
+    plan: groups padded to 4 rows; prompt buckets 16 and 32)."""
     import threading
 
     from ladder_jax.inference.batching import Engine, Request
 
-    prompts = [[256] + list(range(40 + i, 40 + 2 * i)) for i in range(10)]
+    prompts = [[256] + list(range(40 + i, 40 + 3 * i)) for i in range(10)]
     max_tokens = [1 + (3 * i) % 9 for i in range(10)]
     want = generation.generate(model, prompts, max_new_tokens=max(max_tokens))
-    engine = Engine(model, slots=4, max_len=48, steps_per_plan=steps_per_plan)
+    engine = Engine(model, slots=4, max_len=48, steps_per_plan=steps_per_plan,
+                    prefills_per_step=prefills_per_step)
+    groups, prefill_slots = [], engine.decoder.prefill_slots
+
+    def counted(cache, slots_n, *rest):
+        groups.append(int((np.asarray(slots_n) < engine.slots).sum()))
+        return prefill_slots(cache, slots_n, *rest)
+
+    engine.decoder.prefill_slots = counted
     got, reasons, done = [[] for _ in prompts], [None] * 10, threading.Semaphore(0)
 
     def finish(i, why):
@@ -315,10 +327,10 @@ def test_engine_in_process_equals_generate_with_multi_step_plans(model, steps_pe
     reqs = [Request(prompt=p, max_tokens=m, on_token=got[i].append,
                     on_finish=lambda why, i=i: finish(i, why))
             for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+    for r in reqs:  # all queued before the loop starts: its first plan admits a full group
+        engine.submit(r)
     engine.start()
     try:
-        for r in reqs:
-            engine.submit(r)
         for _ in reqs:
             assert done.acquire(timeout=120), (reasons, engine.error)
     finally:
@@ -326,6 +338,8 @@ def test_engine_in_process_equals_generate_with_multi_step_plans(model, steps_pe
     assert reasons == ["length"] * 10
     assert got == [w[:m] for w, m in zip(want, max_tokens)]
     assert engine.steps % steps_per_plan == 0
+    # admissions per plan: prefills_per_step x steps_per_plan (1, 3, 3), all of bucket 16 first
+    assert sum(groups) == 10 and max(groups) == prefills_per_step * steps_per_plan
 
 
 def test_chat_template_sees_the_tokenizers_bos_and_eos(tmp_path):

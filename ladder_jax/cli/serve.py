@@ -83,8 +83,9 @@ def parser() -> argparse.ArgumentParser:
                    help="largest max_tokens a request may ask (default: --max-len - 1)")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20,
                    help="largest request body (default 1 MiB); more get 413")
-    p.add_argument("--prefills-per-step", type=int, default=1,
-                   help="new requests prefilled between two decode steps")
+    p.add_argument("--prefills-per-step", type=int, default=4,
+                   help="new requests admitted between two decode steps, prefilled together "
+                        "(those of one prompt-length bucket in one program)")
     p.add_argument("--steps-per-plan", type=int, default=1,
                    help="decode steps run as one program between two scheduling rounds "
                         "(multi-step scheduling: fewer host round trips per token; a new "

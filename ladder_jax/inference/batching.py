@@ -15,7 +15,8 @@ Each iteration of the loop is one *plan*, built on process 0 from the host state
        round trip and one plan per k tokens); a slot that finishes at step j < k ignores the
        rest, and new requests wait for the plan's end to be admitted;
     2. up to `prefills_per_step` (times `steps_per_plan`) waiting requests are prefilled, each
-       into a free slot's row (`Decoder.prefill_slot`), which gives their first token.
+       into a free slot's row, those of one prompt-length bucket together in one program
+       (`Decoder.prefill_slots`), which gives their first tokens.
 
 Then every token reaches the host (the loop fetches each step's results, so at most one
 program is ever queued: the XLA:CPU rule) and finished requests (max_tokens, EOS, cancelled)
@@ -32,8 +33,9 @@ long; a stop plan ends them.
 
 Footguns:
 - Meshes with data > 1 are refused: a slot is one row of a cache split over tp only.
-- Prompt lengths are padded to powers of two (>= 16) so a few prefill programs serve all
-  lengths; the first request of a new length bucket compiles one (`warmup()` compiles all).
+- Prompt lengths are padded to powers of two (>= 16), and the prompts prefilled together to
+  a power-of-two count, so a few prefill programs serve all (buckets x group sizes up to the
+  admissions per plan); the first use of a new one compiles it (`warmup()` compiles all).
 - Callbacks (`on_token`, `on_finish`) run on the scheduling thread: they must be quick and
   never block (the server hands them to its event loop).
 """
@@ -75,6 +77,11 @@ class Request:
     rows: Rows | None = None  # its sampling settings (set by submit)
 
 
+def prefill_group(n: int) -> int:
+    """The rows of a prefill of n admitted prompts: the next power of two >= n."""
+    return 1 << (n - 1).bit_length()
+
+
 def prompt_bucket(n: int, length: int) -> int:
     """The padded prompt length of a prefill: the next power of two >= n (>= 16, <= length)."""
     return min(max(16, 1 << (n - 1).bit_length()), length)
@@ -82,7 +89,7 @@ def prompt_bucket(n: int, length: int) -> int:
 
 class Engine:
     def __init__(self, model: Transformer, *, slots: int = 16, max_len: int | None = None,
-                 max_queue: int = 64, prefills_per_step: int = 1, steps_per_plan: int = 1,
+                 max_queue: int = 64, prefills_per_step: int = 4, steps_per_plan: int = 1,
                  heartbeat_s: float = 1.0):
         mesh = model.mesh
         if sharding.data_size(mesh) != 1:
@@ -279,22 +286,42 @@ class Engine:
                     for i in range(B):
                         if block[i, 8] and self.owner[i] is not None:  # busy when planned
                             self._deliver(i, int(tokens[i]))
-        for n in range(plan[2]):
-            o = 3 + 9 * B + n * (7 + self.length)
-            slot, length = int(plan[o]), int(plan[o + 1])
-            T = prompt_bucket(length, self.length)
-            tokens_1t = np.zeros((1, T), np.int32)
-            tokens_1t[0, :length] = plan[o + 7:o + 7 + length]
-            h = plan[o:o + 7]
-            rows = Rows(h[2:4].copy().view(np.uint32)[None], h[4:5].copy().view(np.float32),
-                        h[5:6].copy(), h[6:7].copy().view(np.float32))
-            first_1, self.cache = self.decoder.prefill_slot(
-                self.cache, to_device(np.int32(slot), mesh, rep), to_device(tokens_1t, mesh, rep),
-                to_device(np.array([length], np.int32), mesh, rep), rows_to_device(rows, mesh, rep))
-            first = int(to_host(first_1)[0])
-            if self.lead:
-                self._deliver(slot, first)
+        if plan[2]:
+            self._prefill(plan, int(plan[2]))
         return True
+
+    def _prefill(self, plan: np.ndarray, n: int) -> None:
+        """The plan's n admitted prompts into their slots, one program per prompt bucket
+        among them (several prompts of a bucket share one; a power-of-two count of rows, the
+        padding rows naming slot `slots`, past the cache: computed, never written), then
+        their first tokens handed out, in the plan's order."""
+        B, mesh, rep = self.slots, self.mesh, P()
+        offsets = [3 + 9 * B + j * (7 + self.length) for j in range(n)]
+        groups: dict[int, list[int]] = {}
+        for o in offsets:
+            groups.setdefault(prompt_bucket(int(plan[o + 1]), self.length), []).append(o)
+        first: dict[int, int] = {}
+        for T, group in groups.items():
+            N = prefill_group(len(group))
+            slots_n = np.full(N, B, np.int32)
+            tokens_nt, lengths_n = np.zeros((N, T), np.int32), np.ones(N, np.int32)
+            rows = Rows.empty(N)
+            for j, o in enumerate(group):
+                h, length = plan[o:o + 7], int(plan[o + 1])
+                slots_n[j], lengths_n[j] = h[0], length
+                tokens_nt[j, :length] = plan[o + 7:o + 7 + length]
+                rows.keys[j] = h[2:4].view(np.uint32)
+                rows.temperature[j] = h[4:5].view(np.float32)[0]
+                rows.top_k[j], rows.top_p[j] = h[5], h[6:7].view(np.float32)[0]
+            first_n, self.cache = self.decoder.prefill_slots(
+                self.cache, to_device(slots_n, mesh, rep), to_device(tokens_nt, mesh, rep),
+                to_device(lengths_n, mesh, rep), rows_to_device(rows, mesh, rep))
+            first_n = to_host(first_n)
+            for j, o in enumerate(group):
+                first[o] = int(first_n[j])
+        if self.lead:
+            for o in offsets:
+                self._deliver(int(plan[o]), first[o])
 
     def _decode_round(self, tokens_b, positions_b, rows, token_b) -> np.ndarray:
         """One round's decode steps on the device (one program) -> their tokens (k, B) on the
@@ -333,16 +360,18 @@ class Engine:
     # -- compile ahead ------------------------------------------------------------------------
 
     def warmup(self) -> None:
-        """Compiles the decode step and every prefill bucket (on every process, before
-        serving): runs them on slot 0 with a one-token prompt."""
+        """Compiles the decode round and every prefill program (each prompt bucket x each
+        admission group size), on every process, before serving: prefills run on padding
+        rows only (nothing is written), the decode round on free slots."""
         rep, mesh = P(), self.mesh
-        rows1 = rows_to_device(Rows.empty(1), mesh, rep)
         buckets = sorted({prompt_bucket(n, self.length) for n in range(1, self.length + 1)})
-        for T in buckets:
-            first, self.cache = self.decoder.prefill_slot(
-                self.cache, to_device(np.int32(0), mesh, rep),
-                to_device(np.zeros((1, T), np.int32), mesh, rep),
-                to_device(np.ones(1, np.int32), mesh, rep), rows1)
-            to_host(first)
+        for N in sorted({prefill_group(n) for n in range(1, self.admit + 1)}):
+            rows = rows_to_device(Rows.empty(N), mesh, rep)
+            for T in buckets:
+                first, self.cache = self.decoder.prefill_slots(
+                    self.cache, to_device(np.full(N, self.slots, np.int32), mesh, rep),
+                    to_device(np.zeros((N, T), np.int32), mesh, rep),
+                    to_device(np.ones(N, np.int32), mesh, rep), rows)
+                to_host(first)
         z = to_device(np.zeros(self.slots, np.int32), mesh, rep)
         self._decode_round(z, z, rows_to_device(Rows.empty(self.slots), mesh, rep), z)

@@ -76,6 +76,9 @@ class Decoder:
         cache): `steps` decode steps in one program (the server's multi-step scheduling)
     `prefill_slot(cache, slot, tokens_1t, lengths_1, rows_1)` -> (first token (1,), cache):
         one prompt into row `slot` of the cache (meshes with data = 1)
+    `prefill_slots(cache, slots_n, tokens_nt, lengths_n, rows_n)` -> (first tokens (n,),
+        cache): n prompts (ragged, padded to T) into rows `slots_n`; slots >= the cache's
+        batch are padding (computed, not written)
     The cache argument is donated: use only the returned one. `rows` is `sampling.Rows`.
 
     A quantized model (`ladder_jax.model.quant`) on a CPU mesh is decoded through its float
@@ -124,12 +127,20 @@ class Decoder:
             return first_1, jax.tree.map(
                 lambda c, r: jax.lax.dynamic_update_slice_in_dim(c, r, slot, 0), cache, row)
 
+        def prefill_slots(state, cache, slots_n, tokens_nt, lengths_n, rows_n):
+            # slots past the cache's end are padding: their row is computed and dropped
+            rows = jax.tree.map(lambda c: jnp.take(c, slots_n, axis=0, mode="clip"), cache)
+            first_n, rows = prefill(state, rows, tokens_nt, lengths_n, rows_n)
+            return first_n, jax.tree.map(
+                lambda c, r: c.at[slots_n].set(r, mode="drop"), cache, rows)
+
         cache_sharding = NamedSharding(mesh, sharding.CACHE_BSKH)
         out = (replicated, cache_sharding)
         jit = functools.partial(sharding.jit, mesh=mesh, donate_argnums=(1,), out_shardings=out)
         self._prefill = jit(prefill)
         self._decode_step = jit(decode_step)
         self._prefill_slot = jit(prefill_slot)
+        self._prefill_slots = jit(prefill_slots)
         self._decode_steps = jit(decode_steps, static_argnums=(6,))
 
     def prefill(self, cache, tokens_bt, lengths_b, rows):
@@ -146,6 +157,11 @@ class Decoder:
 
     def prefill_slot(self, cache, slot, tokens_1t, lengths_1, rows_1):
         return self._prefill_slot(self.state, cache, slot, tokens_1t, lengths_1, rows_1)
+
+    def prefill_slots(self, cache, slots_n, tokens_nt, lengths_n, rows_n):
+        """n prompts into rows `slots_n` of the cache in one program (the server's admissions
+        of one round); a slot >= the cache's batch is padding, computed and never written."""
+        return self._prefill_slots(self.state, cache, slots_n, tokens_nt, lengths_n, rows_n)
 
 
 # ---------------------------------------------------------------------------------------------

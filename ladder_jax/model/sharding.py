@@ -272,12 +272,15 @@ def compiler_options(platform: str) -> dict[str, Any]:
     - `xla_gpu_all_reduce_combine_threshold_bytes=0`: never merge independent all-reduces;
       merging the ladder's psum of module i with module i+1's makes both synchronous. Cost:
       the optimizer's per-weight gradient-norm reductions (a few bytes each) stay separate.
-    - `xla_gpu_experimental_parallel_collective_overlap_limit=4`: let up to four collectives
+    - `xla_gpu_experimental_parallel_collective_overlap_limit=8`: let up to eight collectives
       be in flight at once. In a training step the loss's vocab reduction is scheduled late,
       and with one slot it blocks a backward all-reduce from overlapping; under FSDP each
       module's weight all-gathers (and, in the backward, gradient reduce-scatters) run beside
-      the previous module's all-reduce, and with two slots they push it out of its overlap
-      (llama-3-70b on 8 x 8 GPUs: half of the forward's module all-reduces lost it).
+      the previous module's all-reduce and take slots: with two, half of llama-3-70b's forward
+      module all-reduces (8 x 8 GPUs) lost their overlap; with four, those of layers 76-78
+      (the last layers' weight gathers fill the slots); with eight, all but the last.
+      Decode and prefill programs hold fewer collectives at once and compile the same at 4
+      and 8.
     CPU (XLA:CPU runs collectives synchronously: CPU runs prove numerics, never overlap):
     - `xla_disable_hlo_passes=CPU_KEEP_BARRIERS_PASS`: keep `tie`'s optimization barriers
       through fusion, as XLA:GPU does. See `CPU_KEEP_BARRIERS_PASS` for why the ladder's
@@ -288,7 +291,7 @@ def compiler_options(platform: str) -> dict[str, Any]:
         return {
             "xla_gpu_enable_latency_hiding_scheduler": True,
             "xla_gpu_all_reduce_combine_threshold_bytes": 0,
-            "xla_gpu_experimental_parallel_collective_overlap_limit": 4,
+            "xla_gpu_experimental_parallel_collective_overlap_limit": 8,
         }
     if platform == "cpu":
         return {"xla_disable_hlo_passes": CPU_KEEP_BARRIERS_PASS}
