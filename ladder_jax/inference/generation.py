@@ -6,7 +6,7 @@ sampling `ladder_jax.inference.sampling`; the command line is `python -m ladder_
                      sampling=Sampling(temperature=0.8, top_k=200, seed=0))
 
 `Decoder.prefill` writes a prompt into the cache in one pass; `Decoder.decode_step` appends one
-token per row; `Decoder.prefill_slot` writes one prompt into one row of a larger cache (the
+token per row; `Decoder.prefill_slots` writes prompts into chosen rows of a larger cache (the
 server's continuous batching, `ladder_jax.inference.batching`). All are jitted once per shape
 with the cache donated, so XLA updates it in place; all run the model's own residual scheme
 and sharding, so the ladder's all-reduce overlap applies to every token. Sampling settings are
@@ -74,11 +74,9 @@ class Decoder:
         `token_b` is the index of the token each row produces (its key is fold_in(row key, n))
     `decode_steps(cache, tokens_b, positions_b, rows, token_b, steps)` -> (tokens (steps, B),
         cache): `steps` decode steps in one program (the server's multi-step scheduling)
-    `prefill_slot(cache, slot, tokens_1t, lengths_1, rows_1)` -> (first token (1,), cache):
-        one prompt into row `slot` of the cache (meshes with data = 1)
     `prefill_slots(cache, slots_n, tokens_nt, lengths_n, rows_n)` -> (first tokens (n,),
-        cache): n prompts (ragged, padded to T) into rows `slots_n`; slots >= the cache's
-        batch are padding (computed, not written)
+        cache): n prompts (ragged, padded to T) into rows `slots_n` of the cache (meshes with
+        data = 1); slots >= the cache's batch are padding (computed, not written)
     The cache argument is donated: use only the returned one. `rows` is `sampling.Rows`.
 
     A quantized model (`ladder_jax.model.quant`) on a CPU mesh is decoded through its float
@@ -121,12 +119,6 @@ class Decoder:
                 one, (cache, tokens_b, positions_b, token_b), None, length=steps)
             return tokens_kb, cache
 
-        def prefill_slot(state, cache, slot, tokens_1t, lengths_1, rows_1):
-            row = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, 0), cache)
-            first_1, row = prefill(state, row, tokens_1t, lengths_1, rows_1)
-            return first_1, jax.tree.map(
-                lambda c, r: jax.lax.dynamic_update_slice_in_dim(c, r, slot, 0), cache, row)
-
         def prefill_slots(state, cache, slots_n, tokens_nt, lengths_n, rows_n):
             # slots past the cache's end are padding: their row is computed and dropped
             rows = jax.tree.map(lambda c: jnp.take(c, slots_n, axis=0, mode="clip"), cache)
@@ -139,7 +131,6 @@ class Decoder:
         jit = functools.partial(sharding.jit, mesh=mesh, donate_argnums=(1,), out_shardings=out)
         self._prefill = jit(prefill)
         self._decode_step = jit(decode_step)
-        self._prefill_slot = jit(prefill_slot)
         self._prefill_slots = jit(prefill_slots)
         self._decode_steps = jit(decode_steps, static_argnums=(6,))
 
@@ -154,9 +145,6 @@ class Decoder:
         (positions and token indices + 1 per step) -> (tokens (steps, B), cache)."""
         return self._decode_steps(self.state, cache, tokens_b, positions_b, rows, token_b,
                                   steps)
-
-    def prefill_slot(self, cache, slot, tokens_1t, lengths_1, rows_1):
-        return self._prefill_slot(self.state, cache, slot, tokens_1t, lengths_1, rows_1)
 
     def prefill_slots(self, cache, slots_n, tokens_nt, lengths_n, rows_n):
         """n prompts into rows `slots_n` of the cache in one program (the server's admissions
