@@ -7,6 +7,7 @@ import functools
 import importlib.util
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -495,6 +496,36 @@ def test_kernel_reuse_changes_no_program(monkeypatch):
                                                           ).stat().st_size > 0
         reused, _ = programs._compile_text(lowered, {**options, **again}, what="test")
     assert plain == warm == reused
+
+
+def test_lean_backend_changes_no_program(tmp_path):
+    """The analysis compile's lean backend (LLVM at -O0, a ptxas that assembles nothing) leaves
+    the scheduled HLO of a decode and a prefill program byte for byte as XLA's full backend
+    does, and its ptxas answers --version as the real one and writes an empty file."""
+    from ladder_jax.analysis import programs
+
+    lean = programs._analysis_options()
+    assert lean["xla_backend_optimization_level"] == 0
+    real = shutil.which("ptxas") or shutil.which("ptxas", path="/usr/local/cuda/bin")
+    if real:  # the CUDA toolkit XLA compiles with here: the stand-in must be in use
+        stub = pathlib.Path(lean["xla_gpu_cuda_data_dir"], "bin", "ptxas")
+        assert (stub.parent.parent / "nvvm" / "libdevice").is_dir()
+        version = subprocess.run([str(stub), "--version"], capture_output=True, text=True)
+        assert version.stdout == subprocess.run([real, "--version"], capture_output=True,
+                                                text=True).stdout and "ptxas" in version.stdout
+        out = tmp_path / "k.cubin"
+        subprocess.run([str(stub), str(tmp_path / "k.ptx"), "-o", str(out), "-arch=sm_90a"],
+                       check=True)
+        assert out.exists() and out.stat().st_size == 0
+    mesh = programs.gpu_mesh("h100", 2)
+    cfg = dataclasses.replace(KV8, residual="ladder", n_layers=2)
+    options = lj.model.sharding.compiler_options("gpu")
+    for phase in ("decode", "prefill"):
+        lowered = programs.lower_decoder(cfg, mesh, phase=phase, batch=2, prompt_len=8,
+                                         new_tokens=8)
+        full, _ = programs._compile_text(lowered, options, what="test")
+        fast, _ = programs._compile_text(lowered, {**options, **lean}, what="test")
+        assert fast == full, phase
 
 
 def test_cli_hosts_rows_and_bad_knobs(capsys):
