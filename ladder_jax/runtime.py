@@ -31,7 +31,8 @@ import tempfile
 import threading
 
 _NOISE = re.compile(r"absl::InitializeLog\(\) is called|cudart_stub\.cc.*cuda drivers"
-                    r"|Missing deviceless CUB scratch size data|To avoid this, compile with a GPU present")
+                    r"|Missing deviceless CUB scratch size data"
+                    r"|To avoid this, compile with a GPU present")
 _QUIET = {"depth": 0, "saved": None, "tmp": None}
 _QUIET_LOCK = threading.Lock()
 
