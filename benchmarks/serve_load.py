@@ -93,7 +93,7 @@ def main() -> int:
     p.add_argument("--preset", default="small")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--slots", type=int, default=16)
-    p.add_argument("--steps-per-plan", type=int, default=1,
+    p.add_argument("--steps-per-plan", type=int, default=2,
                    help="the server's decode steps per scheduling round")
     p.add_argument("--prefills-per-step", type=int, default=4,
                    help="the server's admissions per decode step (prefilled together)")

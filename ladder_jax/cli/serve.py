@@ -86,7 +86,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefills-per-step", type=int, default=4,
                    help="new requests admitted between two decode steps, prefilled together "
                         "(those of one prompt-length bucket in one program)")
-    p.add_argument("--steps-per-plan", type=int, default=1,
+    p.add_argument("--steps-per-plan", type=int, default=2,
                    help="decode steps run as one program between two scheduling rounds "
                         "(multi-step scheduling: fewer host round trips per token; a new "
                         "request waits at most this many steps to start)")

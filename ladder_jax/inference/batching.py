@@ -89,7 +89,7 @@ def prompt_bucket(n: int, length: int) -> int:
 
 class Engine:
     def __init__(self, model: Transformer, *, slots: int = 16, max_len: int | None = None,
-                 max_queue: int = 64, prefills_per_step: int = 4, steps_per_plan: int = 1,
+                 max_queue: int = 64, prefills_per_step: int = 4, steps_per_plan: int = 2,
                  heartbeat_s: float = 1.0):
         mesh = model.mesh
         if sharding.data_size(mesh) != 1:
