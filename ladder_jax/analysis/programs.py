@@ -270,6 +270,7 @@ case "$1" in --version) exec '{real}' "$@";; esac
 out=
 while [ $# -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done
 [ -n "$out" ] && : > "$out"
+exit 0
 """
 
 
