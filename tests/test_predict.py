@@ -526,6 +526,13 @@ def test_lean_backend_changes_no_program(tmp_path):
         full, _ = programs._compile_text(lowered, options, what="test")
         fast, _ = programs._compile_text(lowered, {**options, **lean}, what="test")
         assert fast == full, phase
+    # the training step (compile_train_config's program): the same text and memory analysis
+    mesh = programs.gpu_mesh("h100", 2, data=2)
+    lowered = programs.train_program(cfg, mesh, batch=2, seq_len=16)
+    full = lowered.compile()  # the options sharding.jit gave it
+    fast = lowered.compile(compiler_options={**options, **lean})
+    assert fast.as_text() == full.as_text()
+    assert lj.train.step.memory_use(fast) == lj.train.step.memory_use(full)
 
 
 def test_cli_hosts_rows_and_bad_knobs(capsys):

@@ -44,11 +44,11 @@ XLA's kernel cache reuses the machine code of kernels already built (`_kernel_re
 
 Compile time. Nothing compiled here ever runs: only the scheduled HLO (and its buffer sizes)
 is read, and those are fixed before XLA's GPU backend turns each kernel into LLVM IR, PTX and
-machine code, which is most of a compile. So `compile_program` asks LLVM for no optimization
-(`xla_backend_optimization_level=0`) and points XLA at a CUDA folder whose `ptxas` writes an
-empty file instead of assembling the PTX (`_analysis_options`; `--version` and libdevice are
-the real ones): a 70B program compiles about twice as fast, and the scheduled HLO text is
-byte for byte the same (tested). Like the kernel cache, these options are not in the program
+machine code, which is most of a compile. So `compile_program` and `compile_train_config` ask
+LLVM for no optimization (`xla_backend_optimization_level=0`) and point XLA at a CUDA folder
+whose `ptxas` writes an empty file instead of assembling the PTX (`_analysis_options`;
+`--version` and libdevice are the real ones): a 70B program compiles about twice as fast, and
+the scheduled HLO text and the memory analysis are the same (tested). Like the kernel cache, these options are not in the program
 key. Without a `ptxas` and libdevice to find, only the optimization level is lowered.
 """
 
@@ -496,6 +496,7 @@ def compile_train_config(cfg, *, hosts: int = 1, gpus_per_host: int = 8, target:
     lowered = train_program(model_config, mesh, batch=cfg.data.batch_size,
                             seq_len=cfg.data.seq_len, grad_accum=cfg.data.grad_accum,
                             optim=cfg.optim, total_steps=cfg.steps, fsdp=cfg.mesh.fsdp)
-    with runtime.quiet():
-        compiled = lowered.compile()
+    with runtime.quiet():  # the lean backend (module doc: compile time); nothing runs it
+        compiled = lowered.compile(compiler_options={**sharding.compiler_options("gpu"),
+                                                     **_analysis_options()})
     return compiled, mesh, time.perf_counter() - t0
