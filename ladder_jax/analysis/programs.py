@@ -48,8 +48,9 @@ machine code, which is most of a compile. So `compile_program` and `compile_trai
 LLVM for no optimization (`xla_backend_optimization_level=0`) and point XLA at a CUDA folder
 whose `ptxas` writes an empty file instead of assembling the PTX (`_analysis_options`;
 `--version` and libdevice are the real ones): a 70B program compiles about twice as fast, and
-the scheduled HLO text and the memory analysis are the same (tested). Like the kernel cache, these options are not in the program
-key. Without a `ptxas` and libdevice to find, only the optimization level is lowered.
+the scheduled HLO text and the memory analysis are the same (tested). Like the kernel cache,
+these options are not in the program key. Without a `ptxas` and libdevice to find, only the
+optimization level is lowered.
 """
 
 
