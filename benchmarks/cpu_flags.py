@@ -3,7 +3,8 @@
 training step fastest here, with the same work as `benchmarks/hf_train_step.py` (the HF
 transformers peer). Prints the CPU, its vector extensions and jax's version first, so that two
 machines' figures can be compared, then one row per option set: tokens/s (median step) and the
-ratio to XLA's defaults.
+ratio to XLA's defaults (the `default` set: the package's options for every program, without
+the training-step ones, which the `ynn-dot` set holds).
 
     python benchmarks/cpu_flags.py                  # every option set, 8 interleaved rounds
     python benchmarks/cpu_flags.py --rounds 4 --sets default xnn-dot
@@ -28,6 +29,7 @@ SETS = {
     "xnn-dot-eltwise": {"xla_cpu_experimental_xnn_fusion_type":
                         "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE"},
     "xnn-graph": {"xla_cpu_experimental_xnn_graph_fusion_mode": "XNN_GRAPH_FUSION_MODE_GREEDY"},
+    # what the package's training steps use (sharding.CPU_TRAIN_OPTIONS)
     "ynn-dot": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
     # no YNNPACK fusions at all (this jaxlib fuses dots into YNNPACK by default): Eigen's dots
     "no-ynn": {"xla_cpu_experimental_ynn_fusion_type": ""},
@@ -42,6 +44,22 @@ SETS = {
                              "xla_cpu_multi_thread_eigen": False},
     "ynn-dot+1-thread-dots": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
                               "xla_cpu_multi_thread_eigen": False},
+    "ynn-individual-dot": {"xla_cpu_experimental_ynn_fusion_type":
+                           "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"},
+    "ynn-individual-dot+1-thread-dots": {
+        "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+        "xla_cpu_multi_thread_eigen": False},
+    "ynn-dot+fast-runtime": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+                             "xla_cpu_opt_preset": "CPU_OPT_PRESET_FAST_RUNTIME"},
+    "ynn-dot+memory-scheduler": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+                                 "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"},
+    "ynn-dot+1-thread-dots+sequential": {
+        "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+        "xla_cpu_multi_thread_eigen": False,
+        "xla_cpu_enable_concurrency_optimized_scheduler": False},
+    "ynn-dot+1-thread-dots+xla-barriers": {
+        "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+        "xla_cpu_multi_thread_eigen": False, "xla_disable_hlo_passes": ""},
     # how XLA:CPU emits its own fusions (the step's layout-changing elementwise fusions, which
     # feed the weight-gradient matmuls transposed, are among its slowest kernels)
     "loop-emitters": {"xla_cpu_use_fusion_emitters": False},
@@ -66,11 +84,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     args = ap.parse_args(argv)
 
+    import ladder_jax as lj  # first: it imports jax without the CUDA plugin's start-up lines
+
     import jax
     import jaxlib
     import numpy as np
 
-    import ladder_jax as lj
     from ladder_jax import config as config_lib
     from ladder_jax.model import sharding
     from ladder_jax.train.trainer import Trainer
@@ -92,7 +111,7 @@ def main(argv=None) -> int:
     train_step = trainer.compiled_step(trainer.graphdef, state)[0]  # the step the trainer jits
     batches = [trainer.global_batch(next(trainer.data_iter)) for _ in range(2)]
     lowered = train_step.lower(state.params, state.opt_state, batches[0])
-    base = sharding.compiler_options("cpu")
+    base = sharding.compiler_options("cpu")  # without the training options: the sets add them
     runs = {}
     for name in args.sets:
         try:

@@ -8,8 +8,9 @@ Same shapes and protocol as ladder_jax's benchmark (`ladder_jax.inference.genera
 the `small` preset (d_model 256, 8 layers, 8 query / 4 kv heads, SwiGLU hidden 768,
 vocabulary 320, untied head), float32, random weights, batch B of random prompts of P tokens,
 N new tokens greedy with a KV cache; the prefill (which emits the first token) and the N-1
-decode steps are timed apart, best of `--repeats` after one warm-up run; tokens/s counts
-B x (N-1) decode tokens over the decode time. XLA:CPU uses every core of the host, so torch
+decode steps are timed apart, best of `--repeats` after one warm-up run; decode tokens/s
+counts B x (N-1) decode tokens over the decode time, end-to-end tokens/s all B x N new tokens
+over prefill + decode (ladder_jax's `end-to-end`). XLA:CPU uses every core of the host, so torch
 gets as many threads unless told otherwise. Prints the CPU model and torch's threads.
 
     python benchmarks/hf_decode.py [--batch 16] [--prompt-len 128] [--new-tokens 64]
@@ -80,7 +81,8 @@ def main(argv=None) -> int:
     print(f"hf LlamaForCausalLM decode ({args.attn}, {args.threads} threads, torch "
           f"{torch.__version__}, {cpu_model()}): prefill {prefill_s * 1e3:.1f} ms, decode "
           f"{args.batch * steps / decode_s:,.0f} tokens/s ({decode_s / steps * 1e3:.2f} "
-          f"ms/step; batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new)",
+          f"ms/step), end-to-end {args.batch * args.new_tokens / (prefill_s + decode_s):,.0f} "
+          f"tokens/s (batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new)",
           flush=True)
     return 0
 

@@ -8,16 +8,20 @@ program holds ~1.8x standard's fused instructions at 8 layers.
 """
 
 import functools
+import os
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 import ladder_jax as lj
+from ladder_jax import config as config_lib
 from ladder_jax.model import sharding
 from ladder_jax.train import step
+from ladder_jax.train import trainer as trainer_module
 
 
 def fusion_sizes(hlo_text: str) -> list[int]:
@@ -89,3 +93,45 @@ def test_cpu_options_leave_loss_and_gradients_bit_identical(scheme):
     want = jax.tree.leaves(jax.jit(fn)(params, tokens))  # XLA:CPU's defaults
     for g, w in zip(got, want, strict=True):
         assert (jax.device_get(g) == jax.device_get(w)).all()
+
+
+def test_training_steps_compile_with_the_cpu_training_options(monkeypatch, tmp_path):
+    """Training steps on CPU add `sharding.CPU_TRAIN_OPTIONS` (YNNPACK for dots only, the
+    fastest option set measured, `benchmarks/cpu_flags.py`): the option is accepted and
+    really changes the program, loss and gradients agree with XLA's defaults to float32
+    rounding, a user's own XLA_FLAGS setting of it wins, and the trainer asks for it."""
+    assert sharding.compiler_options("cpu", "train") == {
+        **sharding.compiler_options("cpu"), **sharding.CPU_TRAIN_OPTIONS}
+    config = lj.ModelConfig.from_preset("tiny", residual="ladder")
+    mesh = lj.make_mesh(tp=2, data=1, devices=jax.devices()[:2])
+    graphdef, params = nnx.split(lj.Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)))
+    tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, config.vocab_size)
+
+    def fn(p, t):
+        return step.loss_and_grads(graphdef, p, t, jnp.roll(t, -1, axis=1))
+
+    train = sharding.jit(fn, platform="cpu", program="train").lower(params, tokens).compile()
+    other = sharding.jit(fn, platform="cpu").lower(params, tokens).compile()
+    assert train.as_text() != other.as_text()  # an ignored option would change nothing
+    for g, w in zip(jax.tree.leaves(train(params, tokens)),
+                    jax.tree.leaves(other(params, tokens)), strict=True):
+        np.testing.assert_allclose(jax.device_get(g), jax.device_get(w), rtol=1e-4, atol=1e-6)
+
+    (option, _), = sharding.CPU_TRAIN_OPTIONS.items()
+    monkeypatch.setenv("XLA_FLAGS", f"--{option}=")
+    assert sharding.compiler_options("cpu", "train") == sharding.compiler_options("cpu")
+    monkeypatch.delenv("XLA_FLAGS")
+
+    asked = []
+    real_jit = trainer_module.sharding.jit
+
+    def jit(fn, **kw):
+        asked.append(kw.get("program", "any"))
+        return real_jit(fn, **kw)
+
+    monkeypatch.setattr(trainer_module.sharding, "jit", jit)
+    tiny = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml")
+    cfg = config_lib.load_config([tiny, f"run_dir={tmp_path}", "mesh.tp=1", "mesh.data=1"])
+    t = trainer_module.Trainer(cfg)
+    t.compiled_step(t.graphdef, t.state)
+    assert asked == ["train", "any"]  # the step, then the evaluation loss

@@ -1,6 +1,8 @@
 """KV-cached decoding against full forwards, batching, sampling, multi-process, bad input."""
 
+import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -8,6 +10,7 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding
 
 import ladder_jax as lj
@@ -92,9 +95,11 @@ def test_kv_cache_is_a_typed_pytree_with_its_shardings():
     kv_heads = max(c.n_kv_heads, 4)  # K' = max(K, tp)
     assert (cache.batch, cache.length) == (2, 64)
     assert len(jax.tree.leaves(cache)) == 2 * c.n_layers
-    for a, x in zip(jax.tree.leaves(abstract), jax.tree.leaves(cache)):
-        assert a.shape == x.shape == (2, 64, kv_heads, c.head_dim) and a.dtype == x.dtype
-        assert x.sharding == a.sharding == NamedSharding(model.mesh, sharding.CACHE_BSKH)
+    shapes = {"k": (2, kv_heads, c.head_dim, 64), "v": (2, kv_heads, 64, c.head_dim)}
+    for name in ("k", "v"):  # keys (B, K', H, S), values (B, K', S, H)
+        for a, x in zip(getattr(abstract, name), getattr(cache, name)):
+            assert a.shape == x.shape == shapes[name] and a.dtype == x.dtype
+            assert x.sharding == a.sharding == NamedSharding(model.mesh, sharding.CACHE_BKSH)
     want = 2 * c.n_layers * 2 * 64 * kv_heads * c.head_dim * np.dtype(c.dtype).itemsize
     assert abstract.nbytes == cache.nbytes == want
     doubled = jax.jit(lambda kv: jax.tree.map(lambda x: x + 1, kv))(cache)
@@ -197,3 +202,43 @@ def test_two_processes_with_tp_across_them_match_one_process(tmp_path):
     got = json.loads(out.read_text())
     model = _model(1, residual="ladder")
     assert got == generation.generate(model, [[5, 6, 7], [1, 2, 3, 4, 5, 6]], max_new_tokens=10)
+
+
+def _cache_sized(hlo: str, elements: int) -> list:
+    """(name, op) of every instruction in `hlo`, fused or not, whose result holds `elements`
+    values (a whole per-rank cache array)."""
+    found = []
+    for m in re.finditer(r"%(\S+) = \w+\[([\d,]*)\]\S* (\w[\w-]*)\(", hlo):
+        name, dims, op = m.groups()
+        if math.prod(int(d) for d in dims.split(",") if d) == elements:
+            found.append((name, op))
+    return found
+
+
+@pytest.mark.parametrize("target", ["cpu", "h100"])
+def test_decode_step_reads_the_cache_where_it_lies(target):
+    """The decode step's attention reads keys (B, K, H, S) and values (B, K, S, H) in place:
+    no transpose or copy of a whole cache array in the compiled program, on CPU (tp 1: four
+    kv heads on the rank) and in the deviceless H100 program at tp 2 (two per rank). With the
+    cache stored (B, S, K, H), both programs copied every layer's keys and values into head
+    order (and the GPU one back) on every step."""
+    from ladder_jax.analysis import programs
+
+    config = lj.ModelConfig.from_preset("tiny")
+    B, H = 8, config.head_dim
+    if target == "cpu":
+        mesh = lj.make_mesh(tp=1, data=1, devices=jax.devices()[:1])
+        decoder = generation.Decoder(lj.Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)))
+        S, heads = 64, config.n_kv_heads
+        ints = jax.ShapeDtypeStruct((B,), np.int32)
+        rows = generation.rows_to_device(generation.Rows.of([generation.Sampling()] * B), mesh)
+        hlo = decoder._decode_step.lower(decoder.weights, KVCache.abstract(config, mesh, B, S),
+                                         ints, ints, rows, ints).compile().as_text()
+    else:
+        hlo = programs.compile_program(config, phase="decode", tp=2, batch=B, seq=32,
+                                       new_tokens=32, cache=False)[0]
+        S, heads = generation.cache_length(config, 32, 32), config.n_kv_heads // 2
+    sized = _cache_sized(hlo, B * heads * S * H)
+    assert sized  # the cache's own arrays (parameters, its in-place update) are read
+    copies = [(n, op) for n, op in sized if op in ("transpose", "copy") or "transpose" in n]
+    assert copies == []

@@ -440,7 +440,7 @@ def test_decode_benchmark_says_what_it_measures_first(capsys, decode_main, monke
         printed.append(capsys.readouterr().out)
         return {"residual": config.residual, "prefill_ms": 1.0, "decode_ms_per_token": 1.0,
                 "decode_tokens_per_s_per_user": 1.0, "decode_tokens_per_s": 3.0,
-                "roofline_fraction": 0.5, "first_run_s_incl_compile": 1.0,
+                "tokens_per_s": 2.0, "roofline_fraction": 0.5, "first_run_s_incl_compile": 1.0,
                 "bandwidth_bytes_per_s": 1e9, "bandwidth_source": "test"}
 
     monkeypatch.setattr(decode_cli, "benchmark", fake)

@@ -165,7 +165,8 @@ def _run(args, say) -> int:
                 say(f"{scheme:<12} prefill {r['prefill_ms']:8.1f} ms   decode "
                     f"{r['decode_ms_per_token']:7.2f} ms/token   "
                     f"{r['decode_tokens_per_s_per_user']:8.1f} tok/s/user  "
-                    f"{r['decode_tokens_per_s']:9.1f} tok/s total   roofline "
+                    f"{r['decode_tokens_per_s']:9.1f} tok/s total   end-to-end "
+                    f"{r['tokens_per_s']:9.1f} tok/s   roofline "
                     f"{100 * r['roofline_fraction']:5.1f}%   (first run incl. compile "
                     f"{r['first_run_s_incl_compile']:.1f} s)")
         by = {r["residual"]: r["decode_tokens_per_s"] for r in results}

@@ -4,10 +4,11 @@
     shapes = KVCache.abstract(config, mesh, batch=4, length=256)  # ShapeDtypeStructs, no memory
     cache.nbytes, cache.batch, cache.length
 
-Each array is (B, S, K', H) with K' = max(K, tp) kv heads (`sharding.cache_kv_heads`: under
-tp > K every rank holds one copy of its kv head), batch rows on `data` and kv heads on `tp`
-(`sharding.CACHE_BSKH`). The model reads and writes it as a list of (k, v) per layer
-(`layers()` / `from_layers`): `Transformer.forward_cached` writes row b's new entries at slots
+Keys are (B, K', H, S) and values (B, K', S, H), K' = max(K, tp) kv heads
+(`sharding.cache_kv_heads`: under tp > K every rank holds one copy of its kv head), batch rows
+on `data` and kv heads on `tp` (`sharding.CACHE_BKSH`, which says why keys keep their slots
+last). The model reads and writes it as a list of (k, v) per layer (`layers()` /
+`from_layers`): `Transformer.forward_cached` writes row b's new entries at slots
 positions[b, 0] onwards.
 
 Footgun: XLA clamps out-of-range dynamic updates silently, so a row written past `length`
@@ -17,6 +18,7 @@ overwrites its last slot: size it with `cache_length` and check lengths on the h
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,25 +31,26 @@ from ladder_jax.model import sharding
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    k: tuple  # L arrays (B, S, K', H)
-    v: tuple  # L arrays (B, S, K', H)
+    k: tuple  # L arrays (B, K', H, S)
+    v: tuple  # L arrays (B, K', S, H)
 
     @staticmethod
     def abstract(config: ModelConfig, mesh, batch: int, length: int) -> "KVCache":
         """The cache as `jax.ShapeDtypeStruct`s carrying their shardings (nothing allocated)."""
-        shape = (batch, length, sharding.cache_kv_heads(config, sharding.tp_size(mesh)),
-                 config.head_dim)
-        kv = jax.ShapeDtypeStruct(shape, jnp.dtype(config.dtype),
-                                  sharding=NamedSharding(mesh, sharding.CACHE_BSKH))
-        return KVCache((kv,) * config.n_layers, (kv,) * config.n_layers)
+        heads = sharding.cache_kv_heads(config, sharding.tp_size(mesh))
+        H, dtype = config.head_dim, jnp.dtype(config.dtype)
+        spec = NamedSharding(mesh, sharding.CACHE_BKSH)
+        k = jax.ShapeDtypeStruct((batch, heads, H, length), dtype, sharding=spec)
+        v = jax.ShapeDtypeStruct((batch, heads, length, H), dtype, sharding=spec)
+        return KVCache((k,) * config.n_layers, (v,) * config.n_layers)
 
     @staticmethod
     def init(config: ModelConfig, mesh, batch: int, length: int) -> "KVCache":
         """A zeroed cache for `batch` rows of `length` slots, created in its sharding."""
-        kv = KVCache.abstract(config, mesh, batch, length).k[0]
-        make = jax.jit(lambda: jnp.zeros(kv.shape, kv.dtype), out_shardings=kv.sharding)
-        return KVCache(tuple(make() for _ in range(config.n_layers)),
-                       tuple(make() for _ in range(config.n_layers)))
+        shapes = KVCache.abstract(config, mesh, batch, length)
+        k, v = (_zeros(x.shape, x.dtype, x.sharding) for x in (shapes.k[0], shapes.v[0]))
+        return KVCache(tuple(k() for _ in range(config.n_layers)),
+                       tuple(v() for _ in range(config.n_layers)))
 
     @property
     def batch(self) -> int:
@@ -55,7 +58,7 @@ class KVCache:
 
     @property
     def length(self) -> int:
-        return self.k[0].shape[1]
+        return self.v[0].shape[2]
 
     @property
     def nbytes(self) -> int:
@@ -69,6 +72,12 @@ class KVCache:
     @staticmethod
     def from_layers(layers) -> "KVCache":
         return KVCache(tuple(k for k, _ in layers), tuple(v for _, v in layers))
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(shape, dtype, sharding):
+    """A jitted maker of zeros, one per shape and sharding: compiled once, not per cache."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
 def round_up(n: int, multiple: int) -> int:

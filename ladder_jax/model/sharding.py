@@ -35,7 +35,8 @@ How each weight is laid out (the `WeightSpecs` table below is the single source 
 | norm scales (D,)         | (-)               | tiny, replicated |
 | embed (V, D)             | (-, -)            | replicated: the lookup needs no collective |
 | head (D, V)              | (-, tp)           | vocab-parallel logits, returned sharded over V |
-| KV cache (B, S, K', H)   | (data, -, tp, -)  | K' = max(K, tp): see `CACHE_BSKH` |
+| KV cache keys (B, K', H, S) | (data, tp, -, -) | K' = max(K, tp): see `CACHE_BKSH` |
+| KV cache values (B, K', S, H) | (data, tp, -, -) | ... keys with their slots last |
 | fused input (D, C)       | (-, tp)           | decoding parallel only, not a parameter: rank r's columns are its q, k, v, gate, up (`transformer.FusedInput`) |
 
 Memory costs of the replicated pieces, per rank:
@@ -59,6 +60,7 @@ Gradients of replicated weights are summed over `tp` by shard_map itself: we kee
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable
 
 import jax
@@ -172,10 +174,18 @@ class WeightSpecs:
         return P(*entries)
 
 
-# KV cache, per layer k and v of global shape (B, S, max(K, tp), H): batch over `data`, kv heads
-# over `tp`. With K < tp each rank caches the one kv head its query heads use, so ranks that
-# share a head hold identical copies (the cache then costs tp/K times the unsharded size).
-CACHE_BSKH = P(DATA, None, TP, None)
+# KV cache, per layer keys of global shape (B, K', H, S) and values (B, K', S, H), K' = max(K,
+# tp): batch over `data`, kv heads over `tp`. With K < tp each rank caches the one kv head its
+# query heads use, so ranks that share a head hold identical copies (the cache then costs tp/K
+# times the unsharded size). Heads before slots, and keys with slots last: the decode step's
+# two attention products are then plain matmuls batched over (B, K) that read each head's
+# block as it lies: q (G, H) x keys (H, S), probabilities (G, S) x values (S, H). Stored
+# (B, S, K, H), XLA copied the whole cache into that order and back in every layer of every
+# step wherever a rank holds several kv heads (a deviceless H100 compile of llama-3-8b at tp 2:
+# four cache-sized transposes per layer), and XLA:CPU spent ~3 ms of a 5 ms step (`small`,
+# batch 16) in those copies.
+CACHE_BKSH = P(DATA, TP, None, None)
+CACHE_BSKH = CACHE_BKSH  # the name of earlier versions, kept for callers
 
 
 def cache_kv_heads(config, tp: int) -> int:
@@ -263,8 +273,9 @@ def tie(*xs):
     return tuple(_tie_p.bind(*xs))
 
 
-def compiler_options(platform: str) -> dict[str, Any]:
-    """XLA options ladder_jax compiles its programs with, per platform. One place, documented.
+def compiler_options(platform: str, program: str = "any") -> dict[str, Any]:
+    """XLA options ladder_jax compiles its programs with, per platform (and, on CPU, per kind
+    of program: `program="train"` for training steps). One place, documented.
 
     GPU:
     - `xla_gpu_enable_latency_hiding_scheduler`: schedule async collectives early and their
@@ -285,6 +296,9 @@ def compiler_options(platform: str) -> dict[str, Any]:
     - `xla_disable_hlo_passes=CPU_KEEP_BARRIERS_PASS`: keep `tie`'s optimization barriers
       through fusion, as XLA:GPU does. See `CPU_KEEP_BARRIERS_PASS` for why the ladder's
       backward costs quadratically in depth without it.
+    - training steps only (`program="train"`): `CPU_TRAIN_OPTIONS`, XLA:CPU's library path
+      that wins for them on the CPUs measured (see there). A user's own XLA_FLAGS setting of
+      the same option wins over the package's.
     `python -m ladder_jax.overlap` compiles with exactly the GPU ones and shows the schedule.
     """
     if platform in ("gpu", "cuda", "rocm"):
@@ -294,8 +308,22 @@ def compiler_options(platform: str) -> dict[str, Any]:
             "xla_gpu_experimental_parallel_collective_overlap_limit": 8,
         }
     if platform == "cpu":
-        return {"xla_disable_hlo_passes": CPU_KEEP_BARRIERS_PASS}
+        opts = {"xla_disable_hlo_passes": CPU_KEEP_BARRIERS_PASS}
+        if program == "train":
+            flags = os.environ.get("XLA_FLAGS", "")
+            opts.update({k: v for k, v in CPU_TRAIN_OPTIONS.items() if f"--{k}" not in flags})
+        return opts
     return {}
+
+
+# XLA:CPU's options for training steps. This jaxlib hands dots, elementwise ops and reductions
+# to its YNNPACK library fusions by default; restricted to dots, with elementwise work and
+# reductions left to XLA's own fused kernels, the `small` preset's training step (batch 16 x
+# 128, float32, `benchmarks/cpu_flags.py`) ran 1.31-1.42x faster on a 2-core AVX-512 EPYC and
+# 1.10-1.18x on a 2-core AVX2 EPYC, the best of every XLA:CPU option tried on both (the
+# benchmark lists them). Decode and prefill programs keep XLA's defaults: there the prefill
+# ran slower with it (104-108 -> 158-174 ms, batch 16 x 128) and the decode step the same.
+CPU_TRAIN_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
 
 
 # XLA:CPU's pass that strips optimization barriers early in its pipeline, before fusion (its
@@ -320,13 +348,14 @@ CPU_KEEP_BARRIERS_PASS = "cse_barrier_expander"
 
 
 def jit(fn: Callable, *, platform: str | None = None, mesh: Mesh | None = None,
-        **jit_kwargs) -> Callable:
+        program: str = "any", **jit_kwargs) -> Callable:
     """`jax.jit` with ladder_jax's compiler options for `platform`: given, else that of `mesh`'s
-    devices (a deviceless GPU mesh on a CPU host compiles for the GPU), else the backend's."""
+    devices (a deviceless GPU mesh on a CPU host compiles for the GPU), else the backend's;
+    `program="train"` for a training step (`compiler_options`)."""
     if platform is None and mesh is not None:
         platform = mesh.devices.flat[0].platform
     platform = platform or jax.default_backend()
-    opts = compiler_options(platform)
+    opts = compiler_options(platform, program)
     if opts:
         jit_kwargs.setdefault("compiler_options", opts)
     return jax.jit(fn, **jit_kwargs)

@@ -46,7 +46,8 @@ own keys (`attend_causal`), chosen when the model is built (`attention_kernel`):
 attention on a running NVIDIA GPU (bf16/fp16), jax's Pallas (Triton) flash attention in the
 deviceless GPU programs (`ladder_jax.analysis.programs`: cuDNN cannot be compiled without
 cuDNN) and otherwise on GPUs, XLA's own `dot_product_attention` on CPU. Explicit positions
-(a decode step: one query over the cache) use the reference einsum `attend`.
+use the reference einsum `attend`; over the KV cache (a decode step: one query over the
+cache, keys laid out (B, K, H, S) and values (B, K, S, H)) its twin `attend_cache`.
 
 Parallel decoding. `fuse_parallel_inputs` gives the decoder (`ladder_jax.inference.generation.
 Decoder`) a clone of a parallel model whose five input projections are one matmul over one
@@ -186,7 +187,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x_btd, positions_bt, inv_freq, cache=None):
         """This rank's partial sum (B, T, D) of the attention output; with a KV cache
-        (k, v), each (B, S, K_local, H), also the cache with this call's keys and values
+        (k, v), keys (B, K_local, H, S) and values (B, K_local, S, H), also the cache with this call's keys and values
         written at `positions_bt` (row b's tokens go to slots positions[b, 0] onwards).
 
         `positions_bt=None`: the tokens are at positions 0..T-1 (a training sequence, or a
@@ -214,33 +215,57 @@ class Attention(nnx.Module):
         q_btnh = apply_rope(q_btnh, positions_bt, inv_freq)
         k_btkh = apply_rope(k_btkh, positions_bt, inv_freq)
         if cache is not None:
-            new_cache = tuple(write_cache(c, new, positions_bt[:, 0])
-                              for c, new in zip(cache, (k_btkh, v_btkh)))
+            new_cache = (write_cache(cache[0], k_btkh, positions_bt[:, 0], keys=True),
+                         write_cache(cache[1], v_btkh, positions_bt[:, 0], keys=False))
         if from_start:
             out_btnh = attend_causal(q_btnh, k_btkh, v_btkh, self.kernel)
         elif cache is None:
             out_btnh = attend(q_btnh, k_btkh, v_btkh, positions_bt, positions_bt)
         else:
-            k_bskh, v_bskh = new_cache
-            S = k_bskh.shape[1]
+            k_bkhs, v_bksh = new_cache
+            S = v_bksh.shape[2]
             slots_bs = jnp.broadcast_to(jnp.arange(S, dtype=positions_bt.dtype), (B, S))
-            out_btnh = attend(q_btnh, k_bskh, v_bskh, positions_bt, slots_bs)
+            out_btnh = attend_cache(q_btnh, k_bkhs, v_bksh, positions_bt, slots_bs)
         y_btd = quant.einsum("BTNH,NHD->BTD", out_btnh, self.o, self.o_scale, self.dtype)
         return y_btd if cache is None else (y_btd, new_cache)
 
 
-def write_cache(cache_bskh, new_btkh, start_b):
-    """Writes row b's T new entries at slots start[b]... in place (under donation). Like every
-    dynamic update in XLA it clamps out-of-range starts: callers check lengths on the host."""
-    def row(c_skh, n_tkh, start):
-        return jax.lax.dynamic_update_slice_in_dim(c_skh, n_tkh.astype(c_skh.dtype), start, 0)
-    return jax.vmap(row)(cache_bskh, new_btkh, start_b)
+def write_cache(cache, new_btkh, start_b, *, keys: bool):
+    """Writes row b's T new entries at slots start[b]... in place (under donation), into keys
+    laid out (B, K, H, S) or values (B, K, S, H) (`sharding.CACHE_BKSH`). Like every dynamic
+    update in XLA it clamps out-of-range starts: callers check lengths on the host."""
+    def row(c, n_tkh, start):
+        n = n_tkh.transpose(1, 2, 0) if keys else n_tkh.swapaxes(0, 1)  # (K, H, T) / (K, T, H)
+        return jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), start, 2 if keys else 1)
+    return jax.vmap(row)(cache, new_btkh, start_b)
+
+
+def attend_cache(q_btnh, k_bkhs, v_bksh, q_pos_bt, k_pos_bs):
+    """`attend` over a KV cache laid out as `sharding.CACHE_BKSH` says: keys (B, K, H, S),
+    values (B, K, S, H). The same arithmetic, as two matmuls batched over (B, K) that read the
+    cache where it lies, written as `dot_general`s so that the operands keep this order (an
+    einsum is free to swap them, and XLA:CPU then runs a transposed product ~5x slower):
+    queries (G*T, H) x keys (H, S), then probabilities (G*T, S) x values (S, H)."""
+    B, T, N, H = q_btnh.shape
+    K = k_bkhs.shape[1]
+    G = N // K
+    q_bkmh = q_btnh.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+    batch = ((0, 1), (0, 1))
+    scores_bkms = jax.lax.dot_general(q_bkmh, k_bkhs, (((3,), (2,)), batch),
+                                      preferred_element_type=jnp.float32) / math.sqrt(H)
+    visible_bts = k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]
+    visible_bms = jnp.broadcast_to(visible_bts[:, None], (B, G, T, visible_bts.shape[-1]))
+    scores_bkms = jnp.where(visible_bms.reshape(B, 1, G * T, -1), scores_bkms, -1e30)
+    probs_bkms = jax.nn.softmax(scores_bkms, axis=-1).astype(v_bksh.dtype)
+    out_bkmh = jax.lax.dot_general(probs_bkms, v_bksh, (((3,), (2,)), batch))
+    return out_bkmh.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
 
 def attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs):
     """Causal grouped-query attention: query t sees key s iff k_pos[s] <= q_pos[t]. The
-    reference: it materializes the (T, S) scores. Used with explicit positions (the decode
-    step's one query over the cache, where it is one small matmul-vector pair per head)."""
+    reference: it materializes the (T, S) scores. Used with explicit positions and no cache;
+    over a KV cache (the decode step's one query: one small matmul-vector pair per head) its
+    twin `attend_cache` reads the cache's layout (`sharding.CACHE_BKSH`)."""
     B, T, N, H = q_btnh.shape
     K = k_bskh.shape[2]
     q_btkgh = q_btnh.reshape(B, T, K, N // K, H)
@@ -449,7 +474,7 @@ class Transformer(nnx.Module):
         # the positions travel only if given (None: 0..T-1, fused attention), the cache too
         pos_args = () if positions_bt is None else (jnp.asarray(positions_bt),)
         cache_args = () if cache is None else (cache,)
-        cache_specs = tuple(jax.tree.map(lambda _: sharding.CACHE_BSKH, c) for c in cache_args)
+        cache_specs = tuple(jax.tree.map(lambda _: sharding.CACHE_BKSH, c) for c in cache_args)
 
         def local(state, tokens_bt, *rest):
             positions_bt = rest[0] if pos_args else None

@@ -262,7 +262,7 @@ class Trainer:
         def eval_loss(params, batch_bt):
             return step.loss_fn(graphdef, params, batch_bt[:, :-1], batch_bt[:, 1:])
 
-        fns = (sharding.jit(train_step, mesh=self.mesh, donate_argnums=(0, 1)),
+        fns = (sharding.jit(train_step, mesh=self.mesh, program="train", donate_argnums=(0, 1)),
                sharding.jit(eval_loss, mesh=self.mesh))
         self._steps[key] = fns
         return fns
@@ -700,7 +700,7 @@ def benchmark(trainer: Trainer) -> list[dict]:
     if jax.default_backend() == "cpu":  # CPU figures compare only beside the CPU and flags
         trainer.log(f"  cpu: {hardware.cpu_description()}; XLA_FLAGS="
                     f"{os.environ.get('XLA_FLAGS', '')!r}; compiler options "
-                    f"{sharding.compiler_options('cpu')}")
+                    f"{sharding.compiler_options('cpu', 'train')}")
     runs, states = {}, {}
     for residual in RESIDUALS:
         mc = dataclasses.replace(trainer.model_config, residual=residual, ladder_layers=None)
