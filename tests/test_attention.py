@@ -16,7 +16,7 @@ from flax import nnx
 import ladder_jax as lj
 from ladder_jax.analysis import overlap, perfmodel, programs
 from ladder_jax.inference.cache import KVCache
-from ladder_jax.model import transformer
+from ladder_jax.model import quant, transformer
 from tests.helpers import TINY, tiny_model
 
 TOL = 1e-5
@@ -94,13 +94,22 @@ def test_model_with_fused_attention_equals_the_reference_attention(tp):
 
 
 @pytest.mark.parametrize("tp", [1, 4, 8])  # 8: fewer kv heads (4) than ranks, replicated
-def test_parallel_fused_projection_equals_the_five_matmuls(tp):
-    """A decoding clone (`fuse_parallel_inputs`) against the model it came from: the prefill
-    of ragged prompts (positions None) and a decode step against the cache (explicit
+@pytest.mark.parametrize("scheme", [{"residual": "parallel"}, {"residual": "standard"},
+                                    {"residual": "ladder", "ladder_layers": 2}],
+                         ids=["parallel", "standard", "hybrid"])
+def test_fused_projections_equal_the_separate_matmuls(tp, scheme):
+    """A decoding clone (`fuse_inputs`: parallel's five input matmuls as one, every other
+    scheme's q/k/v and gate/up as one each) against the model it came from: the prefill of
+    ragged prompts (positions None) and a decode step against the cache (explicit
     positions), logits and caches."""
-    model = tiny_model(tp, residual="parallel")
-    fused = transformer.fuse_parallel_inputs(model)
-    assert all(layer.attn.q is None and layer.fused_in is not None for layer in fused.layers)
+    model = tiny_model(tp, **scheme)
+    fused = transformer.fuse_inputs(model)
+    for layer in fused.layers:
+        assert layer.attn.q is None and layer.mlp.gate is None
+        if scheme["residual"] == "parallel":
+            assert layer.fused_in is not None
+        else:
+            assert layer.attn.qkv is not None and layer.mlp.gate_up is not None
     assert model.layers[0].attn.q is not None  # the model itself is untouched
     tokens = jax.random.randint(jax.random.key(3), (8, 16), 0, TINY.vocab_size)
 
@@ -117,9 +126,9 @@ def test_parallel_fused_projection_equals_the_five_matmuls(tp):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
 
 
-def test_other_schemes_are_not_fused():
-    model = tiny_model(1, residual="ladder")
-    assert transformer.fuse_parallel_inputs(model) is model
+def test_int8_models_are_not_fused():
+    model = quant.quantize(tiny_model(1, residual="ladder"))
+    assert transformer.fuse_inputs(model) is model
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,9 +35,10 @@ How each weight is laid out (the `WeightSpecs` table below is the single source 
 | norm scales (D,)         | (-)               | tiny, replicated |
 | embed (V, D)             | (-, -)            | replicated: the lookup needs no collective |
 | head (D, V)              | (-, tp)           | vocab-parallel logits, returned sharded over V |
-| KV cache keys (B, K', H, S) | (data, tp, -, -) | K' = max(K, tp): see `CACHE_BKSH` |
-| KV cache values (B, K', S, H) | (data, tp, -, -) | ... keys with their slots last |
-| fused input (D, C)       | (-, tp)           | decoding parallel only, not a parameter: rank r's columns are its q, k, v, gate, up (`transformer.FusedInput`) |
+| cache keys (B, K', H, S) | (data, tp, -, -)  | K' = max(K, tp): see `CACHE_BKSH` |
+| cache values (B,K',S,H)  | (data, tp, -, -)  | (keys keep their slots last) |
+| fused input (D, C)       | (-, tp)           | decoding only (`transformer.FusedInput`): each |
+|                          |                   | rank's columns of q, k, v (+ gate, up) or gate, up |
 
 Memory costs of the replicated pieces, per rank:
 - embed: V*D values (llama-3-70b: 128256*8192*2 B = 2.1 GB in bf16). The lookup then costs no

@@ -49,9 +49,9 @@ cuDNN) and otherwise on GPUs, XLA's own `dot_product_attention` on CPU. Explicit
 use the reference einsum `attend`; over the KV cache (a decode step: one query over the
 cache, keys laid out (B, K, H, S) and values (B, K, S, H)) its twin `attend_cache`.
 
-Parallel decoding. `fuse_parallel_inputs` gives the decoder (`ladder_jax.inference.generation.
-Decoder`) a clone of a parallel model whose five input projections are one matmul over one
-contiguous weight per layer (`FusedInput`), built once; the weight tree is unchanged.
+Decoding clones. `fuse_inputs` gives the decoder (`ladder_jax.inference.generation.Decoder`) a
+clone whose matmuls over one input are one matmul over one contiguous weight (`FusedInput`),
+built once: q/k/v and gate/up (parallel: all five); the weight tree is unchanged.
 
 Footguns:
 - `Transformer.__call__` runs through one `shard_map` over the model's mesh; calling it under
@@ -180,15 +180,18 @@ class Attention(nnx.Module):
         self.o, self.o_scale = _linear(rngs, mesh, "o", (N, H, D), specs.o_nhd, config, std_out,
                                        fs)
         self.n_kv_heads = K
+        self.head_dim = H
         self.tp = sharding.tp_size(mesh)
         self.kv_replicated = specs.kv_replicated
+        self.local_kv_heads = fused_input_columns(config, self.tp)[1]
         self.dtype = config.dtype
         self.kernel = attention_kernel(mesh, config.dtype, H)
 
     def __call__(self, x_btd, positions_bt, inv_freq, cache=None):
         """This rank's partial sum (B, T, D) of the attention output; with a KV cache
-        (k, v), keys (B, K_local, H, S) and values (B, K_local, S, H), also the cache with this call's keys and values
-        written at `positions_bt` (row b's tokens go to slots positions[b, 0] onwards).
+        (k, v), keys (B, K_local, H, S) and values (B, K_local, S, H), also the cache with
+        this call's keys and values written at `positions_bt` (row b's tokens go to slots
+        positions[b, 0] onwards).
 
         `positions_bt=None`: the tokens are at positions 0..T-1 (a training sequence, or a
         prompt written from slot 0 of the cache: the prefill). Attention then runs as one
@@ -197,6 +200,17 @@ class Attention(nnx.Module):
         positions given, it runs the reference `attend` over the keys (or cache slots)."""
         dt = self.dtype
         x = x_btd.astype(dt)
+        qkv = getattr(self, "qkv", None)  # a decoding clone's fused q/k/v (`fuse_inputs`)
+        if qkv is not None:
+            B, T = x.shape[:2]
+            H = self.head_dim
+            y_btc = jnp.einsum("BTD,DC->BTC", x, sharding.read_weight(qkv, dt))
+            n = (y_btc.shape[-1] // H - 2 * self.local_kv_heads) * H
+            q_btnh, k_btkh, v_btkh = (
+                y.reshape(B, T, -1, H) for y in jnp.split(
+                    y_btc, [n, n + self.local_kv_heads * H], axis=-1))
+            return self.attend_and_project(q_btnh, k_btkh, v_btkh, positions_bt, inv_freq,
+                                           cache)
         pick = functools.partial(sharding.local_kv_head, n_kv_heads=self.n_kv_heads,
                                  tp=self.tp) if self.kv_replicated else None
         q_btnh = quant.einsum("BTD,DNH->BTNH", x, self.q, self.q_scale, dt)
@@ -389,6 +403,10 @@ class MLP(nnx.Module):
         """Returns this rank's partial sum (B, T, D) of the SwiGLU output."""
         dt = self.dtype
         x = x_btd.astype(dt)
+        gate_up = getattr(self, "gate_up", None)  # a decoding clone's (`fuse_inputs`)
+        if gate_up is not None:
+            y_btc = jnp.einsum("BTD,DC->BTC", x, sharding.read_weight(gate_up, dt))
+            return self.project_down(*jnp.split(y_btc, 2, axis=-1))
         g_btf = quant.einsum("BTD,DF->BTF", x, self.gate, self.gate_scale, dt)
         u_btf = quant.einsum("BTD,DF->BTF", x, self.up, self.up_scale, dt)
         return self.project_down(g_btf, u_btf)
@@ -562,21 +580,25 @@ class Transformer(nnx.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# The parallel scheme's input projections, fused for decoding.
+# Input projections fused for decoding.
 #
-# Parallel feeds one normalized input h to q, k, v (attention) and gate, up (MLP). Left as five
-# weights, XLA:GPU's dot merger turns the five matmuls into one over a *new* buffer, the five
-# weights concatenated, on every step: at decode batch sizes that copy reads and writes the
-# weights again (predict: parallel slower than standard at 70B, tp 8, batch >= 4). Fusing them
-# once, when a model is set up for decoding, gives that one matmul over a weight that is already
-# contiguous. The weight tree itself is unchanged (every tree loads into every scheme and tp
-# size, HF import/export untouched): the fused weight lives only in the decoding clone.
+# Matmuls that read the same input: q, k, v of every attention module and gate, up of every
+# MLP (parallel: all five, from its one normalized input). Left as separate weights, XLA:GPU's
+# dot merger turns them into one matmul over a *new* buffer, the weights concatenated, on every
+# step: at decode batch sizes that copy reads and writes the weights again (predict: parallel
+# slower than standard at 70B, tp 8, batch >= 4; standard and ladder copy their q/k/v and
+# gate/up the same way). Fusing them once, when a model is set up for decoding, gives that one
+# matmul over a weight that is already contiguous (and XLA:CPU two matmuls per layer fewer).
+# The weight tree itself is unchanged (every tree loads into every scheme and tp size, HF
+# import/export untouched): the fused weights live only in the decoding clone.
 
 
 class FusedInput(nnx.Variable):
-    """One layer's q, k, v, gate and up weights as one (D, C) matrix, split over `tp` by
-    columns: rank r's block is [q heads | k heads | v heads | gate | up] of rank r, each
-    flattened (`fused_input_columns`). Not a `nnx.Param`: nothing trains or saves it."""
+    """Weights that read one input as one (D, C) matrix, split over `tp` by columns: rank r's
+    block holds its columns of each weight in turn, each flattened. A parallel layer's
+    `fused_in`: [q heads | k heads | v heads | gate | up] (`fused_input_columns`); an
+    attention module's `qkv`: [q | k | v]; an MLP's `gate_up`: [gate | up]. Not a `nnx.Param`:
+    nothing trains or saves it."""
 
 
 def fused_input_columns(config: ModelConfig, tp: int) -> tuple[int, int, int]:
@@ -586,44 +608,55 @@ def fused_input_columns(config: ModelConfig, tp: int) -> tuple[int, int, int]:
     return config.n_heads // tp, kv, config.d_ff // tp
 
 
-def fuse_parallel_inputs(model: Transformer) -> Transformer:
-    """For decoding: a clone of a parallel model (sharing every other weight) whose layers read
-    q/k/v/gate/up with one matmul over a `FusedInput` built here, once; the clone drops the
-    five separate weights. Any other scheme: `model` itself. Works on abstract models
-    (`abstract`: weights as ShapeDtypeStructs) too, giving an abstract fused weight.
-
-    Footguns: the fused weights are a copy. While `model` is alive, the five projections
-    (about 2/3 of a Llama layer) are held twice. A quantized (int8) model is not fused: its
-    five int8 projections stay separate matmuls."""
+def _fuse(model: Transformer, weights, kv: tuple) -> FusedInput:
+    """One `FusedInput` of `weights` (each (D, ...) and split over tp on its last-but-one or
+    last axis), rank by rank; `kv[i]`: weight i is a k or v weight (replicated kv heads are
+    narrowed to the rank's own head). Abstract weights give an abstract fused weight."""
     c, mesh = model.config, model.mesh
-    if c.residual != "parallel" or c.quantize is not None:  # int8 weights stay unfused
+    tp = sharding.tp_size(mesh)
+    replicated = c.n_kv_heads < tp
+    out_spec = P(None, TP)
+
+    def local(*ws):
+        D = ws[0].shape[0]
+        ws = [sharding.local_kv_head(w, c.n_kv_heads, tp) if is_kv and replicated else w
+              for w, is_kv in zip(ws, kv)]
+        return jnp.concatenate([w.reshape(D, -1) for w in ws], axis=1)
+
+    fuse = jax.jit(sharding.shard(local, mesh, in_specs=tuple(w.spec for w in weights),
+                                  out_specs=out_spec),
+                   out_shardings=NamedSharding(mesh, out_spec))
+    values = [w.get_value() for w in weights]
+    if any(isinstance(v, jax.ShapeDtypeStruct) for v in values):
+        fused = jax.eval_shape(fuse, *values)
+        fused = jax.ShapeDtypeStruct(fused.shape, fused.dtype,
+                                     sharding=NamedSharding(mesh, out_spec))
+    else:
+        fused = fuse(*values)
+    return FusedInput(fused, spec=out_spec)
+
+
+def fuse_inputs(model: Transformer) -> Transformer:
+    """For decoding: a clone of `model` (sharing every other weight) whose matmuls over one
+    input run as one, over a `FusedInput` built here, once: a parallel layer's q/k/v/gate/up
+    (`fused_in`), every other scheme's attention q/k/v (`attn.qkv`) and MLP gate/up
+    (`mlp.gate_up`). The clone drops the separate weights. Works on abstract models
+    (`abstract`: weights as ShapeDtypeStructs) too, giving abstract fused weights.
+
+    Footguns: the fused weights are a copy. While `model` is alive, the fused projections
+    (about 2/3 of a Llama layer) are held twice. A quantized (int8) model is returned as it is:
+    its int8 projections stay separate matmuls."""
+    if model.config.quantize is not None:  # int8 weights stay unfused
         return model
     clone = nnx.merge(*nnx.split(model))
-    tp = sharding.tp_size(mesh)
-    out_spec = P(None, TP)
     for layer in clone.layers:
         a, m = layer.attn, layer.mlp
-        weights = (a.q, a.k, a.v, m.gate, m.up)
-
-        def local(q_dnh, k_dkh, v_dkh, gate_df, up_df, kv_replicated=a.kv_replicated):
-            if kv_replicated:
-                k_dkh = sharding.local_kv_head(k_dkh, c.n_kv_heads, tp)
-                v_dkh = sharding.local_kv_head(v_dkh, c.n_kv_heads, tp)
-            D = q_dnh.shape[0]
-            return jnp.concatenate([w.reshape(D, -1) for w in
-                                    (q_dnh, k_dkh, v_dkh, gate_df, up_df)], axis=1)
-
-        fuse = jax.jit(sharding.shard(local, mesh, in_specs=tuple(w.spec for w in weights),
-                                      out_specs=out_spec),
-                       out_shardings=NamedSharding(mesh, out_spec))
-        values = [w.get_value() for w in weights]
-        if any(isinstance(v, jax.ShapeDtypeStruct) for v in values):
-            fused = jax.eval_shape(fuse, *values)
-            fused = jax.ShapeDtypeStruct(fused.shape, fused.dtype,
-                                         sharding=NamedSharding(mesh, out_spec))
+        if model.config.residual == "parallel":
+            layer.fused_in = _fuse(model, (a.q, a.k, a.v, m.gate, m.up),
+                                   (False, True, True, False, False))
         else:
-            fused = fuse(*values)
-        layer.fused_in = FusedInput(fused, spec=out_spec)
+            a.qkv = _fuse(model, (a.q, a.k, a.v), (False, True, True))
+            m.gate_up = _fuse(model, (m.gate, m.up), (False, False))
         a.q = a.k = a.v = m.gate = m.up = None
     return clone
 
