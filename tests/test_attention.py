@@ -173,10 +173,13 @@ def test_h100_ladder_programs_hold_the_fused_attention_and_keep_their_overlap(ph
         assert rep["backward"]["all_but_last_overlapped"]
 
 
-def test_h100_parallel_decode_concatenates_no_weights():
-    """The parallel decode step reads one fused weight per layer: no (D, C) concatenate of
-    weights in the program, where the unfused five matmuls had XLA build one every step."""
-    hlo = _hlo("decode", residual="parallel")
+@pytest.mark.parametrize("residual", ["parallel", "standard", "ladder"])
+def test_h100_decode_concatenates_no_weights(residual):
+    """The decode step reads fused weights (parallel: one per layer; the others: q/k/v and
+    gate/up): no (D, C) concatenate of weights in the program, where the separate matmuls
+    had XLA's dot merger build them every step (standard and ladder: a (512, 192) q/k/v and
+    a (512, 512) gate/up per layer at batch 8)."""
+    hlo = _hlo("decode", residual=residual)
     d = WIDE["d_model"]
     weights = [s for s in _concatenates(hlo) if re.search(rf"\[{d},\d+\]|\[\d+,{d}\]", s)]
     assert weights == [], weights
