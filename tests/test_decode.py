@@ -242,3 +242,24 @@ def test_decode_step_reads_the_cache_where_it_lies(target):
     assert sized  # the cache's own arrays (parameters, its in-place update) are read
     copies = [(n, op) for n, op in sized if op in ("transpose", "copy") or "transpose" in n]
     assert copies == []
+
+
+def test_decoder_fuses_its_projections_only_where_the_copy_fits(monkeypatch):
+    """The fused q/k/v and gate/up are a copy beside the model's weights: made when it fits
+    (`generation.fusion_fits`), skipped with one warning where it would take over half the
+    free memory, and the unfused decoder draws the same tokens."""
+    model = _model(2, residual="ladder")
+    fused = generation.Decoder(model)
+    assert fused.fused and fused.state["layers"][0]["attn"]["qkv"] is not None
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    want = generation.generate(model, prompts, max_new_tokens=6, decoder=fused)
+    need = sum(sh.data.nbytes for layer in model.layers
+               for w in (layer.attn.q, layer.attn.k, layer.attn.v, layer.mlp.gate, layer.mlp.up)
+               for sh in w.get_value().addressable_shards)
+    monkeypatch.setattr(generation.runtime, "available_memory", lambda: int(1.9 * need))
+    with pytest.warns(UserWarning, match="decoding without fused input projections"):
+        plain = generation.Decoder(model)
+    assert not plain.fused and "qkv" not in plain.state["layers"][0]["attn"]
+    assert generation.generate(model, prompts, max_new_tokens=6, decoder=plain) == want
+    monkeypatch.setattr(generation.runtime, "available_memory", lambda: int(2.1 * need))
+    assert generation.Decoder(model).fused

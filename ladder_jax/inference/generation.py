@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from typing import Callable, Sequence
 
 import jax
@@ -42,7 +43,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ladder_jax import hardware
+from ladder_jax import hardware, runtime
 from ladder_jax.config import ModelConfig
 from ladder_jax.inference.cache import KVCache, cache_length, round_up
 from ladder_jax.inference.sampling import (
@@ -82,6 +83,10 @@ class Decoder:
     A quantized model (`ladder_jax.model.quant`) on a CPU mesh is decoded through its float
     copy, dequantized once here (XLA:CPU's int8 matmuls are ~10x slower than float32); on GPU
     meshes the programs read the int8 weights.
+
+    The input projections are fused here once (`fuse_inputs`): a copy of about 2/3 of the
+    weights, held while the model is alive too; `fused` says whether it was made
+    (`fusion_fits`: not where it would take over half the free memory).
     """
 
     def __init__(self, model: Transformer):
@@ -90,8 +95,9 @@ class Decoder:
         if mesh.devices.flat[0].platform == "cpu":
             model = quant.dequantize(model)
         # q/k/v and gate/up (parallel: all five) fused once here, not concatenated by XLA on
-        # every step
-        graphdef, self.state = nnx.split(fuse_inputs(model))
+        # every step; unless their copy would crowd the memory the model's devices have left
+        self.fused = fusion_fits(model)
+        graphdef, self.state = nnx.split(fuse_inputs(model) if self.fused else model)
         # the programs take the weights as one flat list, flattened here once: a State would be
         # flattened again, Variable by Variable in Python, on every call (~0.3 ms per step for
         # the `small` preset's 8 layers: a tenth of its batch-16 step, on the same CPU)
@@ -158,6 +164,40 @@ class Decoder:
         """n prompts into rows `slots_n` of the cache in one program (the server's admissions
         of one round); a slot >= the cache's batch is padding, computed and never written."""
         return self._prefill_slots(self.weights, cache, slots_n, tokens_nt, lengths_n, rows_n)
+
+
+def fusion_fits(model: Transformer, share: float = 0.5) -> bool:
+    """Whether the decoder may fuse `model`'s input projections (`fuse_inputs`): their fused
+    copy lives beside the model's own weights while both are alive (about 2/3 of the weights
+    again), so it is made only when it takes at most `share` of the memory still free on the
+    model's devices (each GPU's allocator; the host's for CPU devices, which share it).
+    Otherwise the decoder runs the separate matmuls (XLA may then copy the weights it merges
+    on every step: slower, no more memory) and says so once. Abstract models (the deviceless
+    programs) and int8 models (never fused) need no check."""
+    if model.config.quantize is not None:
+        return True
+    layer = model.layers[0]
+    weights = [w.get_value() for w in (layer.attn.q, layer.attn.k, layer.attn.v,
+                                         layer.mlp.gate, layer.mlp.up)]
+    if any(not isinstance(w, jax.Array) for w in weights):
+        return True
+    device = model.mesh.devices.flat[0]
+    if device.platform == "cpu":
+        free = runtime.available_memory()
+        need = sum(sh.data.nbytes for w in weights for sh in w.addressable_shards)
+    else:
+        stats = (device.memory_stats() or {}) if hasattr(device, "memory_stats") else {}
+        free = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+                if "bytes_limit" in stats else None)
+        need = sum(w.addressable_data(0).nbytes for w in weights)
+    need *= len(model.layers)
+    if free is None or need <= share * free:
+        return True
+    warnings.warn(
+        f"decoding without fused input projections: their copy ({need / 1e9:.1f} GB per "
+        f"{'host' if device.platform == 'cpu' else 'device'}) would take more than "
+        f"{share:.0%} of the {free / 1e9:.1f} GB free", stacklevel=3)
+    return False
 
 
 # ---------------------------------------------------------------------------------------------
