@@ -608,24 +608,29 @@ def fused_input_columns(config: ModelConfig, tp: int) -> tuple[int, int, int]:
     return config.n_heads // tp, kv, config.d_ff // tp
 
 
-def _fuse(model: Transformer, weights, kv: tuple) -> FusedInput:
-    """One `FusedInput` of `weights` (each (D, ...) and split over tp on its last-but-one or
-    last axis), rank by rank; `kv[i]`: weight i is a k or v weight (replicated kv heads are
-    narrowed to the rank's own head). Abstract weights give an abstract fused weight."""
-    c, mesh = model.config, model.mesh
+@functools.lru_cache(maxsize=64)
+def _fuser(mesh: Mesh, specs: tuple, kv: tuple, n_kv_heads: int):
+    """The jitted concatenation `_fuse` runs, one per layout (compiled once, not per model)."""
     tp = sharding.tp_size(mesh)
-    replicated = c.n_kv_heads < tp
     out_spec = P(None, TP)
 
     def local(*ws):
         D = ws[0].shape[0]
-        ws = [sharding.local_kv_head(w, c.n_kv_heads, tp) if is_kv and replicated else w
+        ws = [sharding.local_kv_head(w, n_kv_heads, tp) if is_kv and n_kv_heads < tp else w
               for w, is_kv in zip(ws, kv)]
         return jnp.concatenate([w.reshape(D, -1) for w in ws], axis=1)
 
-    fuse = jax.jit(sharding.shard(local, mesh, in_specs=tuple(w.spec for w in weights),
-                                  out_specs=out_spec),
+    return jax.jit(sharding.shard(local, mesh, in_specs=specs, out_specs=out_spec),
                    out_shardings=NamedSharding(mesh, out_spec))
+
+
+def _fuse(model: Transformer, weights, kv: tuple) -> FusedInput:
+    """One `FusedInput` of `weights` (each (D, ...) and split over tp on its last-but-one or
+    last axis), rank by rank; `kv[i]`: weight i is a k or v weight (replicated kv heads are
+    narrowed to the rank's own head). Abstract weights give an abstract fused weight."""
+    mesh = model.mesh
+    out_spec = P(None, TP)
+    fuse = _fuser(mesh, tuple(w.spec for w in weights), kv, model.config.n_kv_heads)
     values = [w.get_value() for w in weights]
     if any(isinstance(v, jax.ShapeDtypeStruct) for v in values):
         fused = jax.eval_shape(fuse, *values)
