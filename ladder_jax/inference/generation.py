@@ -181,8 +181,9 @@ def fusion_fits(model: Transformer, share: float = 0.5) -> bool:
     model's devices (each GPU's allocator; the host's for CPU devices, which share it).
     Otherwise the decoder runs the separate matmuls (XLA may then copy the weights it merges
     on every step: slower, no more memory) and says so once. Abstract models (the deviceless
-    programs) and int8 models (never fused) need no check."""
-    if model.config.quantize is not None:
+    programs), int8 models (never fused) and runs of several processes (which must all compile
+    the same program, whatever each one's free memory) are fused without a check."""
+    if model.config.quantize is not None or jax.process_count() > 1:
         return True
     layer = model.layers[0]
     weights = [w.get_value() for w in (layer.attn.q, layer.attn.k, layer.attn.v,
@@ -194,7 +195,10 @@ def fusion_fits(model: Transformer, share: float = 0.5) -> bool:
         free = runtime.available_memory()
         need = sum(sh.data.nbytes for w in weights for sh in w.addressable_shards)
     else:
-        stats = (device.memory_stats() or {}) if hasattr(device, "memory_stats") else {}
+        try:
+            stats = device.memory_stats() or {}
+        except Exception:  # a backend that keeps no statistics: no check
+            stats = {}
         free = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)
                 if "bytes_limit" in stats else None)
         need = sum(w.addressable_data(0).nbytes for w in weights)
