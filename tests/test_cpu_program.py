@@ -102,6 +102,8 @@ def test_training_steps_compile_with_the_cpu_training_options(monkeypatch, tmp_p
     rounding, a user's own XLA_FLAGS setting of it wins, and the trainer asks for it."""
     assert sharding.compiler_options("cpu", "train") == {
         **sharding.compiler_options("cpu"), **sharding.CPU_TRAIN_OPTIONS}
+    with pytest.raises(ValueError, match="program='training'"):
+        sharding.compiler_options("cpu", "training")  # a typo is not silently ignored
     config = lj.ModelConfig.from_preset("tiny", residual="ladder")
     mesh = lj.make_mesh(tp=2, data=1, devices=jax.devices()[:2])
     graphdef, params = nnx.split(lj.Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)))

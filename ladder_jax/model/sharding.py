@@ -302,6 +302,8 @@ def compiler_options(platform: str, program: str = "any") -> dict[str, Any]:
       the same option wins over the package's.
     `python -m ladder_jax.overlap` compiles with exactly the GPU ones and shows the schedule.
     """
+    if program not in ("any", "train"):
+        raise ValueError(f"program={program!r}: choose 'any' or 'train'")
     if platform in ("gpu", "cuda", "rocm"):
         return {
             "xla_gpu_enable_latency_hiding_scheduler": True,

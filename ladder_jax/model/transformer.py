@@ -183,7 +183,7 @@ class Attention(nnx.Module):
         self.head_dim = H
         self.tp = sharding.tp_size(mesh)
         self.kv_replicated = specs.kv_replicated
-        self.local_kv_heads = fused_input_columns(config, self.tp)[1]
+        self.local_heads = fused_input_columns(config, self.tp)[:2]  # query, kv heads
         self.dtype = config.dtype
         self.kernel = attention_kernel(mesh, config.dtype, H)
 
@@ -203,12 +203,10 @@ class Attention(nnx.Module):
         qkv = getattr(self, "qkv", None)  # a decoding clone's fused q/k/v (`fuse_inputs`)
         if qkv is not None:
             B, T = x.shape[:2]
-            H = self.head_dim
+            (n, kv), H = self.local_heads, self.head_dim
             y_btc = jnp.einsum("BTD,DC->BTC", x, sharding.read_weight(qkv, dt))
-            n = (y_btc.shape[-1] // H - 2 * self.local_kv_heads) * H
-            q_btnh, k_btkh, v_btkh = (
-                y.reshape(B, T, -1, H) for y in jnp.split(
-                    y_btc, [n, n + self.local_kv_heads * H], axis=-1))
+            q_btnh, k_btkh, v_btkh = (y.reshape(B, T, -1, H) for y in jnp.split(
+                y_btc, [n * H, (n + kv) * H], axis=-1))
             return self.attend_and_project(q_btnh, k_btkh, v_btkh, positions_bt, inv_freq,
                                            cache)
         pick = functools.partial(sharding.local_kv_head, n_kv_heads=self.n_kv_heads,
@@ -277,19 +275,11 @@ def attend_cache(q_btnh, k_bkhs, v_bksh, q_pos_bt, k_pos_bs):
 
 def attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs):
     """Causal grouped-query attention: query t sees key s iff k_pos[s] <= q_pos[t]. The
-    reference: it materializes the (T, S) scores. Used with explicit positions and no cache;
-    over a KV cache (the decode step's one query: one small matmul-vector pair per head) its
-    twin `attend_cache` reads the cache's layout (`sharding.CACHE_BKSH`)."""
-    B, T, N, H = q_btnh.shape
-    K = k_bskh.shape[2]
-    q_btkgh = q_btnh.reshape(B, T, K, N // K, H)
-    scores_bkgts = jnp.einsum("BTKGH,BSKH->BKGTS", q_btkgh, k_bskh,
-                              preferred_element_type=jnp.float32) / math.sqrt(H)
-    visible_bts = k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]
-    scores_bkgts = jnp.where(visible_bts[:, None, None], scores_bkgts, -1e30)
-    probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(v_bskh.dtype)
-    out_btkgh = jnp.einsum("BKGTS,BSKH->BTKGH", probs_bkgts, v_bskh)
-    return out_btkgh.reshape(B, T, N, H)
+    reference: it materializes the (T, S) scores. Used with explicit positions and no cache:
+    the keys and values of the call itself, (B, S, K, H), put in the cache's order and
+    attended by `attend_cache` (the one copy of the arithmetic)."""
+    return attend_cache(q_btnh, k_bskh.transpose(0, 2, 3, 1), v_bskh.transpose(0, 2, 1, 3),
+                        q_pos_bt, k_pos_bs)
 
 
 # ---------------------------------------------------------------------------------------------
