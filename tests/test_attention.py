@@ -49,6 +49,27 @@ def test_xla_fused_attention_equals_reference_gqa_forward_and_backward():
     _check_against_reference(jax.jit(lambda *a: transformer.attend_causal(*a, "xla")), q, k, v)
 
 
+def test_flat_matmuls_equal_the_einsums():
+    """`quant.flat_einsum` (CPU meshes' linear layers) against `jnp.einsum` on every linear
+    spec of the model, values and gradients of both operands; a spec that is not a linear
+    layer's contraction is refused."""
+    keys = jax.random.split(jax.random.key(4), 4)
+    shapes = {"B": 2, "T": 5, "D": 12, "N": 3, "K": 2, "H": 4, "F": 7, "C": 9}
+    for spec in ("BTD,DNH->BTNH", "BTD,DKH->BTKH", "BTNH,NHD->BTD", "BTD,DF->BTF",
+                 "BTF,FD->BTD", "BTD,DC->BTC"):
+        xs, ws = spec.split("->")[0].split(",")
+        x = jax.random.normal(keys[0], [shapes[c] for c in xs])
+        w = jax.random.normal(keys[1], [shapes[c] for c in ws])
+        g = jax.random.normal(keys[2], jnp.einsum(spec, x, w).shape)
+        for a, b in zip(jax.vjp(lambda x, w: quant.flat_einsum(spec, x, w), x, w)[1](g),
+                        jax.vjp(lambda x, w: jnp.einsum(spec, x, w), x, w)[1](g)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(quant.flat_einsum(spec, x, w)),
+                                   np.asarray(jnp.einsum(spec, x, w)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="not a linear layer"):
+        quant.flat_einsum("BTD,BSD->BTS", jnp.ones((1, 2, 3)), jnp.ones((1, 2, 3)))
+
+
 def test_pallas_flash_attention_interpreted_equals_reference():
     """The kernel the deviceless H100 programs hold, run on CPU by Pallas's interpreter,
     through the model's own wrapper (GQA by repeated kv heads, custom backward)."""
@@ -64,18 +85,23 @@ def test_pallas_flash_attention_interpreted_equals_reference():
 
 def test_kernel_choice_by_platform():
     mesh = lj.make_mesh(tp=1, devices=jax.devices()[:1])
-    assert transformer.attention_kernel(mesh, "bfloat16", 128) == "xla"  # CPU
+    assert transformer.attention_kernel(mesh, "bfloat16", 128) == "matmul"  # CPU
     gpu = programs.gpu_mesh("h100", 2)  # deviceless: cuDNN cannot be compiled here
     assert transformer.attention_kernel(gpu, "bfloat16", 128) == "pallas"
     with pytest.raises(ValueError, match="unknown attention kernel"):
         transformer.attend_causal(*_qkv(T=8), "flash")
 
 
+@pytest.mark.parametrize("kernel", ["matmul", "xla"])
 @pytest.mark.parametrize("tp", [1, 4])
-def test_model_with_fused_attention_equals_the_reference_attention(tp):
-    """Default positions (fused attention) vs the same positions given explicitly (the
+def test_model_with_fused_attention_equals_the_reference_attention(tp, kernel):
+    """Default positions (the kernel: CPU's default "matmul", and jax's `dot_product_attention`
+    "xla", an independent implementation) vs the same positions given explicitly (the
     reference `attend`), logits and gradients, GQA (8 query / 4 kv heads), at tp 1 and 4."""
     model = tiny_model(tp, residual="ladder", ladder_layers=2)
+    assert {layer.attn.kernel for layer in model.layers} == {"matmul"}  # CPU's choice
+    for layer in model.layers:
+        layer.attn.kernel = kernel
     tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, TINY.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(24, dtype=jnp.int32), tokens.shape)
     graphdef, state = nnx.split(model)

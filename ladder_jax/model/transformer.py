@@ -45,9 +45,15 @@ the prompt into the KV cache from slot 0) attention is one fused causal kernel o
 own keys (`attend_causal`), chosen when the model is built (`attention_kernel`): cuDNN's flash
 attention on a running NVIDIA GPU (bf16/fp16), jax's Pallas (Triton) flash attention in the
 deviceless GPU programs (`ladder_jax.analysis.programs`: cuDNN cannot be compiled without
-cuDNN) and otherwise on GPUs, XLA's own `dot_product_attention` on CPU. Explicit positions
-use the reference einsum `attend`; over the KV cache (a decode step: one query over the
-cache, keys laid out (B, K, H, S) and values (B, K, S, H)) its twin `attend_cache`.
+cuDNN) and otherwise on GPUs; on CPU the reference arithmetic (`attend_cache`'s two matmuls
+batched over (B, K), the masked softmax between them), which XLA:CPU runs faster than its own
+`dot_product_attention` (kernel "xla", still selectable). Explicit positions use the reference
+`attend`; over the KV cache (a decode step: one query over the cache, keys laid out
+(B, K, H, S) and values (B, K, S, H)) its twin `attend_cache`.
+
+CPU programs. Linear layers on a CPU mesh run as 2-D matmuls (`quant.flat_einsum`, the
+modules' `flat` attribute): XLA:CPU compiles the 3-D einsums' weight gradients as a product of
+two transposed operands, several times slower.
 
 Decoding clones. `fuse_inputs` gives the decoder (`ladder_jax.inference.generation.Decoder`) a
 clone whose matmuls over one input are one matmul over one contiguous weight (`FusedInput`),
@@ -186,6 +192,7 @@ class Attention(nnx.Module):
         self.local_heads = fused_input_columns(config, self.tp)[:2]  # query, kv heads
         self.dtype = config.dtype
         self.kernel = attention_kernel(mesh, config.dtype, H)
+        self.flat = flat_matmuls(mesh)
 
     def __call__(self, x_btd, positions_bt, inv_freq, cache=None):
         """This rank's partial sum (B, T, D) of the attention output; with a KV cache
@@ -211,9 +218,10 @@ class Attention(nnx.Module):
                                            cache)
         pick = functools.partial(sharding.local_kv_head, n_kv_heads=self.n_kv_heads,
                                  tp=self.tp) if self.kv_replicated else None
-        q_btnh = quant.einsum("BTD,DNH->BTNH", x, self.q, self.q_scale, dt)
-        k_btkh = quant.einsum("BTD,DKH->BTKH", x, self.k, self.k_scale, dt, pick)
-        v_btkh = quant.einsum("BTD,DKH->BTKH", x, self.v, self.v_scale, dt, pick)
+        flat = getattr(self, "flat", False)
+        q_btnh = quant.einsum("BTD,DNH->BTNH", x, self.q, self.q_scale, dt, flat=flat)
+        k_btkh = quant.einsum("BTD,DKH->BTKH", x, self.k, self.k_scale, dt, pick, flat=flat)
+        v_btkh = quant.einsum("BTD,DKH->BTKH", x, self.v, self.v_scale, dt, pick, flat=flat)
         return self.attend_and_project(q_btnh, k_btkh, v_btkh, positions_bt, inv_freq, cache)
 
     def attend_and_project(self, q_btnh, k_btkh, v_btkh, positions_bt, inv_freq, cache=None):
@@ -238,7 +246,8 @@ class Attention(nnx.Module):
             S = v_bksh.shape[2]
             slots_bs = jnp.broadcast_to(jnp.arange(S, dtype=positions_bt.dtype), (B, S))
             out_btnh = attend_cache(q_btnh, k_bkhs, v_bksh, positions_bt, slots_bs)
-        y_btd = quant.einsum("BTNH,NHD->BTD", out_btnh, self.o, self.o_scale, self.dtype)
+        y_btd = quant.einsum("BTNH,NHD->BTD", out_btnh, self.o, self.o_scale, self.dtype,
+                             flat=getattr(self, "flat", False))
         return y_btd if cache is None else (y_btd, new_cache)
 
 
@@ -286,7 +295,14 @@ def attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs):
 # Fused attention: softmax(QK^T)V of T queries over their own T keys, causal, grouped-query,
 # without the (T, T) scores in memory where the platform has a kernel for it.
 
-ATTENTION_KERNELS = ("xla", "cudnn", "pallas")
+ATTENTION_KERNELS = ("matmul", "xla", "cudnn", "pallas")
+
+
+def flat_matmuls(mesh: Mesh) -> bool:
+    """Whether the linear layers of a model on `mesh` run as 2-D matmuls (`quant.flat_einsum`):
+    on CPU meshes, where XLA compiles that form's backward several times faster. GPU programs
+    keep the einsums (what the overlap proofs and the performance model were built on)."""
+    return mesh.devices.flat[0].platform == "cpu"
 
 
 def attention_kernel(mesh: Mesh, dtype, head_dim: int) -> str:
@@ -299,12 +315,14 @@ def attention_kernel(mesh: Mesh, dtype, head_dim: int) -> str:
       attention, forward and backward. cuDNN's kernel cannot be compiled deviceless (jax needs
       cuDNN itself at compile time), so the deviceless programs hold this one instead, as one
       `__gpu$xla.gpu.triton` custom call per pass.
-    - "xla": CPU (and anything else): `jax.nn.dot_product_attention`'s XLA implementation,
-      the same arithmetic as the reference `attend` (fp32 results agree to ~1e-6).
+    - "matmul": CPU (and anything else): the reference arithmetic (`attend`, two matmuls
+      batched over (B, K) around the masked softmax). XLA:CPU runs it faster than
+      `jax.nn.dot_product_attention`'s XLA implementation, kernel "xla" (fewer transposes of
+      the (T, T) scores; the same results to ~1e-6 in fp32), which stays selectable.
     """
     platform = mesh.devices.flat[0].platform
     if platform not in ("gpu", "cuda"):
-        return "xla"
+        return "matmul"
     running = jax.default_backend() in ("gpu", "cuda")
     if (running and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0
             and head_dim <= 128):
@@ -319,7 +337,10 @@ def attend_causal(q_btnh, k_btkh, v_btkh, kernel: str = "xla"):
     lengths fall back to XLA's implementation."""
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}: one of {ATTENTION_KERNELS}")
-    T, N, H = q_btnh.shape[1:]
+    B, T, N, H = q_btnh.shape
+    if kernel == "matmul":
+        positions_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        return attend(q_btnh, k_btkh, v_btkh, positions_bt, positions_bt)
     if kernel == "pallas" and (T % _PALLAS_BLOCKS.block_q == 0 or T in (16, 32, 64)):
         G = N // k_btkh.shape[2]  # the kernel wants as many kv heads as query heads
         k_btnh, v_btnh = (jnp.repeat(t, G, axis=2) for t in (k_btkh, v_btkh))
@@ -388,6 +409,7 @@ class MLP(nnx.Module):
         self.down, self.down_scale = _linear(rngs, mesh, "down", (F, D), specs.down_fd, config,
                                              0.02 / math.sqrt(2 * config.n_layers), fs)
         self.dtype = config.dtype
+        self.flat = flat_matmuls(mesh)
 
     def __call__(self, x_btd):
         """Returns this rank's partial sum (B, T, D) of the SwiGLU output."""
@@ -397,15 +419,16 @@ class MLP(nnx.Module):
         if gate_up is not None:
             y_btc = jnp.einsum("BTD,DC->BTC", x, sharding.read_weight(gate_up, dt))
             return self.project_down(*jnp.split(y_btc, 2, axis=-1))
-        g_btf = quant.einsum("BTD,DF->BTF", x, self.gate, self.gate_scale, dt)
-        u_btf = quant.einsum("BTD,DF->BTF", x, self.up, self.up_scale, dt)
+        flat = getattr(self, "flat", False)
+        g_btf = quant.einsum("BTD,DF->BTF", x, self.gate, self.gate_scale, dt, flat=flat)
+        u_btf = quant.einsum("BTD,DF->BTF", x, self.up, self.up_scale, dt, flat=flat)
         return self.project_down(g_btf, u_btf)
 
     def project_down(self, g_btf, u_btf):
         """silu(gate) * up through the down projection (the parallel scheme's fused input
         projection enters here)."""
         return quant.einsum("BTF,FD->BTD", jax.nn.silu(g_btf) * u_btf, self.down,
-                            self.down_scale, self.dtype)
+                            self.down_scale, self.dtype, flat=getattr(self, "flat", False))
 
 
 class Layer(nnx.Module):
