@@ -380,7 +380,8 @@ class DataSection:
 @dataclasses.dataclass
 class MeshSection:
     tp: int = _doc("tensor-parallel size", 1)
-    data: Optional[int] = _doc("data-parallel size (null: the devices left over)", None)
+    data: Optional[int] = _doc("data-parallel size (null: the devices left over; on a CPU host, "
+                               "one fake device per core over tp)", None)
     fsdp: bool = _doc("also shard weights and optimizer state over `data`", False)
     cpu_devices: Optional[int] = _doc("CPU host: fake devices to make (null: what the mesh "
                                       "needs)", None)

@@ -171,26 +171,26 @@ def test_cpu_weight_gradients_contract_untransposed_operands():
 
 def test_cpu_runs_keep_freed_memory(tmp_path):
     """`runtime.setup` on CPU keeps the memory XLA frees (`runtime.keep_freed_memory`): a
-    program whose temporaries take a block of 256 MB runs again without faulting a page of it
-    in, where glibc's defaults (LADDER_JAX_HOST_MALLOC=default) fault in all of it per run
-    (median run of 7: now and then a run still grows the heap)."""
+    program whose temporaries take a block of 256 MB mostly runs again without faulting it in
+    (now and then a run still grows the heap: at most half of 20 runs here), where glibc's
+    defaults (LADDER_JAX_HOST_MALLOC=default) fault all of it in on every run."""
     import subprocess
     import sys
 
     script = tmp_path / "faults.py"
     script.write_text(
-        "import resource, statistics, jax, jax.numpy as jnp\n"
+        "import resource, jax, jax.numpy as jnp\n"
         "import ladder_jax as lj\n"
         "lj.runtime.setup(cpu_devices=1)\n"
         "f = jax.jit(lambda x: (jnp.sin(x) * 2).sum())\n"
         "x = jnp.ones((64, 1024, 1024))\n"
         "for _ in range(3): f(x).block_until_ready()\n"
-        "faults = []\n"
-        "for _ in range(7):\n"
+        "faulting = 0\n"
+        "for _ in range(20):\n"
         "    r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
         "    f(x).block_until_ready()\n"
-        "    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)\n"
-        "print(lj.runtime.keep_freed_memory(), int(statistics.median(faults)))\n")
+        "    faulting += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0 > 1000\n"
+        "print(lj.runtime.keep_freed_memory(), faulting)\n")
     root = os.path.join(os.path.dirname(__file__), "..")
     out = {}
     for mode in ("", "default"):
@@ -201,6 +201,5 @@ def test_cpu_runs_keep_freed_memory(tmp_path):
         assert r.returncode == 0, r.stderr[-2000:]
         kept, faults = r.stdout.split()
         out[mode] = (kept == "True", int(faults))
-    pages = 256 * 2**20 // os.sysconf("SC_PAGE_SIZE")
-    assert out["default"][0] is False and out["default"][1] > pages // 2, out
-    assert out[""][0] is True and out[""][1] < pages // 100, out
+    assert out["default"] == (False, 20), out  # 1000 pages: 4 MB of the 256 MB block
+    assert out[""][0] is True and out[""][1] <= 10, out

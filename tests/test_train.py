@@ -252,3 +252,27 @@ def test_fit_keywords_resolve_like_the_command_line():
     assert trainer.model_config(got).ladder_layers == (1, 3) and got.optim.peak_lr == 1e-3
     with pytest.raises(trainer.ConfigError, match="did you mean 'optim.peak_lr'"):
         api.fit_config("configs/tiny.yaml", optim__peek_lr=1.0)
+
+
+def test_cpu_hosts_split_the_batch_over_one_device_per_core(tmp_path, monkeypatch):
+    """`mesh.data: null` on a CPU host: one fake device per core over tp, lowered to a divisor
+    of the batch (`trainer.cpu_data_parallel`); the trainer's mesh takes that many."""
+    from ladder_jax import config as config_lib
+    from ladder_jax.train import trainer as trainer_module
+
+    tiny = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml")
+
+    def cfg(*over):
+        return config_lib.load_config([tiny, f"run_dir={tmp_path}", *over])
+
+    assert cfg().mesh.data is None  # the embedded default leaves it to the host
+    for cores, over, want in [(2, [], 2), (1, [], 1), (8, ["mesh.tp=2"], 4),
+                              (8, ["mesh.tp=2", "data.batch_size=6"], 3),
+                              (3, ["data.batch_size=16"], 2)]:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert trainer_module.cpu_data_parallel(cfg(*over)) == want, (cores, over)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    t = trainer_module.Trainer(cfg("progress=none"))
+    assert dict(t.mesh.shape) == {"data": 2, "tp": 1}
+    t = trainer_module.Trainer(cfg("progress=none", "mesh.data=1", "name=one"))
+    assert dict(t.mesh.shape) == {"data": 1, "tp": 1}

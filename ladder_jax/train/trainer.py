@@ -15,7 +15,10 @@ Each step: A = `data.grad_accum` micro-batches of `data.batch_size` sequences (g
 processes) of `data.seq_len` tokens; fp32 cross-entropy, gradient mean, global-norm clipping,
 AdamW on warmup + cosine; one jitted program (`sharding.jit`) with donated params and
 optimizer state. Mesh `mesh.data` x `mesh.tp`; `mesh.fsdp=true` also splits every weight and its
-optimizer state over `data` (`sharding.WeightSpecs.fsdp`).
+optimizer state over `data` (`sharding.WeightSpecs.fsdp`). `mesh.data: null` takes the devices
+left over; on a CPU host (one process) it is one fake device per core over `tp`
+(`cpu_data_parallel`): XLA:CPU runs the devices' programs at once, which uses the cores better
+than one program's threads (`small` preset on 2 cores: ~1.1x, `tiny`: ~1.25x).
 
 Memory: on a GPU the trainer compiles the step for its arrays before the first step and stops
 (exit 2, one line naming the fix) if XLA's memory analysis says it will not fit the device
@@ -117,12 +120,34 @@ def peak_flops(cfg: TrainConfig, device) -> float | None:
     return chip.bf16_flops if chip else None
 
 
+def cpu_host(nproc: int = 1) -> bool:
+    """A single-process run on a host jax will run on the CPU (no NVIDIA device, or
+    JAX_PLATFORMS=cpu)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    cpu = platforms == "cpu" or (not platforms and not runtime.has_nvidia_gpu())
+    return cpu and nproc == 1 and int(os.environ.get("SLURM_NTASKS", "1")) == 1
+
+
+def cpu_data_parallel(cfg: TrainConfig) -> int:
+    """`mesh.data` when it is null on a CPU host: the cores this process may run on over
+    `mesh.tp`, lowered to the largest count that divides `data.batch_size` (at least 1)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    n = max(1, cores // max(1, cfg.mesh.tp))
+    while cfg.data.batch_size % n:
+        n -= 1
+    return n
+
+
 def init_runtime(cfg: TrainConfig) -> None:
     """`ladder_jax.runtime.setup` for this config: on a CPU host, as many fake devices as the
-    mesh needs (or `mesh.cpu_devices`)."""
+    mesh needs (or `mesh.cpu_devices`); `mesh.data: null` there is `cpu_data_parallel`."""
     d = cfg.dist
     nproc = d.num_processes or int(os.environ.get("JAX_NUM_PROCESSES") or 1)
-    want = cfg.mesh.tp * (cfg.mesh.data or 1)
+    data = cfg.mesh.data or (cpu_data_parallel(cfg) if cpu_host(nproc) else 1)
+    want = cfg.mesh.tp * data
     runtime.setup(cpu_devices=cfg.mesh.cpu_devices or max(1, -(-want // nproc)),
                   coordinator=d.coordinator_address, num_processes=d.num_processes,
                   process_id=d.process_id)
@@ -210,7 +235,10 @@ class Trainer:
         if devices is None:
             devices = jax.devices()
             if jax.process_count() == 1:
-                want = cfg.mesh.tp * (cfg.mesh.data or len(devices) // cfg.mesh.tp)
+                data = cfg.mesh.data
+                if data is None and jax.default_backend() == "cpu":
+                    data = min(cpu_data_parallel(cfg), max(1, len(devices) // cfg.mesh.tp))
+                want = cfg.mesh.tp * (data or len(devices) // cfg.mesh.tp)
                 devices = devices[:want] if 0 < want <= len(devices) else devices
         mesh = sharding.make_mesh(tp=cfg.mesh.tp, data=cfg.mesh.data, devices=devices)
         sharding.WeightSpecs.for_model(self.model_config, mesh)
