@@ -80,6 +80,13 @@ def has_nvidia_gpu() -> bool:
     return bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
+def cpu_only() -> bool:
+    """Whether jax will run on the CPU here: JAX_PLATFORMS=cpu, or unset on a host without an
+    NVIDIA device (what `setup` picks)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    return platforms == "cpu" or (not platforms and not has_nvidia_gpu())
+
+
 def setup(*, cpu_devices: int | None = None, coordinator: str | None = None,
           num_processes: int | None = None, process_id: int | None = None) -> None:
     """Platform, fake CPU devices and `jax.distributed`, in that order (module docstring)."""

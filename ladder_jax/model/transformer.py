@@ -218,10 +218,11 @@ class Attention(nnx.Module):
                                            cache)
         pick = functools.partial(sharding.local_kv_head, n_kv_heads=self.n_kv_heads,
                                  tp=self.tp) if self.kv_replicated else None
-        flat = getattr(self, "flat", False)
-        q_btnh = quant.einsum("BTD,DNH->BTNH", x, self.q, self.q_scale, dt, flat=flat)
-        k_btkh = quant.einsum("BTD,DKH->BTKH", x, self.k, self.k_scale, dt, pick, flat=flat)
-        v_btkh = quant.einsum("BTD,DKH->BTKH", x, self.v, self.v_scale, dt, pick, flat=flat)
+        q_btnh = quant.einsum("BTD,DNH->BTNH", x, self.q, self.q_scale, dt, flat=self.flat)
+        k_btkh = quant.einsum("BTD,DKH->BTKH", x, self.k, self.k_scale, dt, pick,
+                              flat=self.flat)
+        v_btkh = quant.einsum("BTD,DKH->BTKH", x, self.v, self.v_scale, dt, pick,
+                              flat=self.flat)
         return self.attend_and_project(q_btnh, k_btkh, v_btkh, positions_bt, inv_freq, cache)
 
     def attend_and_project(self, q_btnh, k_btkh, v_btkh, positions_bt, inv_freq, cache=None):
@@ -247,7 +248,7 @@ class Attention(nnx.Module):
             slots_bs = jnp.broadcast_to(jnp.arange(S, dtype=positions_bt.dtype), (B, S))
             out_btnh = attend_cache(q_btnh, k_bkhs, v_bksh, positions_bt, slots_bs)
         y_btd = quant.einsum("BTNH,NHD->BTD", out_btnh, self.o, self.o_scale, self.dtype,
-                             flat=getattr(self, "flat", False))
+                             flat=self.flat)
         return y_btd if cache is None else (y_btd, new_cache)
 
 
@@ -419,16 +420,15 @@ class MLP(nnx.Module):
         if gate_up is not None:
             y_btc = jnp.einsum("BTD,DC->BTC", x, sharding.read_weight(gate_up, dt))
             return self.project_down(*jnp.split(y_btc, 2, axis=-1))
-        flat = getattr(self, "flat", False)
-        g_btf = quant.einsum("BTD,DF->BTF", x, self.gate, self.gate_scale, dt, flat=flat)
-        u_btf = quant.einsum("BTD,DF->BTF", x, self.up, self.up_scale, dt, flat=flat)
+        g_btf = quant.einsum("BTD,DF->BTF", x, self.gate, self.gate_scale, dt, flat=self.flat)
+        u_btf = quant.einsum("BTD,DF->BTF", x, self.up, self.up_scale, dt, flat=self.flat)
         return self.project_down(g_btf, u_btf)
 
     def project_down(self, g_btf, u_btf):
         """silu(gate) * up through the down projection (the parallel scheme's fused input
         projection enters here)."""
         return quant.einsum("BTF,FD->BTD", jax.nn.silu(g_btf) * u_btf, self.down,
-                            self.down_scale, self.dtype, flat=getattr(self, "flat", False))
+                            self.down_scale, self.dtype, flat=self.flat)
 
 
 class Layer(nnx.Module):

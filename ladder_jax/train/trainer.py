@@ -120,14 +120,6 @@ def peak_flops(cfg: TrainConfig, device) -> float | None:
     return chip.bf16_flops if chip else None
 
 
-def cpu_host(nproc: int = 1) -> bool:
-    """A single-process run on a host jax will run on the CPU (no NVIDIA device, or
-    JAX_PLATFORMS=cpu)."""
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    cpu = platforms == "cpu" or (not platforms and not runtime.has_nvidia_gpu())
-    return cpu and nproc == 1 and int(os.environ.get("SLURM_NTASKS", "1")) == 1
-
-
 def cpu_data_parallel(cfg: TrainConfig) -> int:
     """`mesh.data` when it is null on a CPU host: the cores this process may run on over
     `mesh.tp`, lowered to the largest count that divides `data.batch_size` (at least 1)."""
@@ -146,7 +138,9 @@ def init_runtime(cfg: TrainConfig) -> None:
     mesh needs (or `mesh.cpu_devices`); `mesh.data: null` there is `cpu_data_parallel`."""
     d = cfg.dist
     nproc = d.num_processes or int(os.environ.get("JAX_NUM_PROCESSES") or 1)
-    data = cfg.mesh.data or (cpu_data_parallel(cfg) if cpu_host(nproc) else 1)
+    one_cpu_process = (runtime.cpu_only() and nproc == 1
+                       and int(os.environ.get("SLURM_NTASKS", "1")) == 1)
+    data = cfg.mesh.data or (cpu_data_parallel(cfg) if one_cpu_process else 1)
     want = cfg.mesh.tp * data
     runtime.setup(cpu_devices=cfg.mesh.cpu_devices or max(1, -(-want // nproc)),
                   coordinator=d.coordinator_address, num_processes=d.num_processes,
