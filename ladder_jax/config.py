@@ -298,13 +298,18 @@ def parse_ladder_layers(text: str | None):
 
 
 def scheme_overrides(residual: str | None, ladder_layers) -> dict:
-    """ModelConfig overrides for the command-line flags --residual / --ladder-layers: a
-    scheme alone drops any ladder_layers; ladder_layers alone implies residual="ladder"."""
+    """ModelConfig overrides for the command-line flags --residual / --ladder-layers:
+    ladder_layers alone implies residual="ladder"; another scheme alone drops any
+    ladder_layers; "ladder" alone keeps the model's own, so a hybrid checkpoint stays the hybrid
+    it is (as `load_hf` and `with_config` do) and any other model becomes ladder throughout."""
     if ladder_layers is not None:
         if residual not in (None, "ladder"):
             raise ConfigError(f"--ladder-layers applies to --residual ladder, not {residual!r}")
         return {"residual": "ladder", "ladder_layers": ladder_layers}
-    return {} if residual is None else {"residual": residual, "ladder_layers": None}
+    if residual is None:
+        return {}
+    return {"residual": residual} if residual == "ladder" else {"residual": residual,
+                                                                "ladder_layers": None}
 
 
 # ---------------------------------------------------------------------------------------------

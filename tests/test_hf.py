@@ -313,6 +313,29 @@ def test_convert_cli_writes_a_checkpoint_init_from_reads(llamas, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, _weights(again), _weights(imported))
 
 
+def test_residual_ladder_alone_keeps_a_hybrid_runs_ladder_layers(llamas, tmp_path):
+    """`--residual ladder` (decode, serve, convert) on a hybrid run keeps its ladder layers, as
+    load_hf does for a hybrid's config.json; another scheme drops them."""
+    from ladder_jax.config import scheme_overrides
+    from ladder_jax.train import checkpoint
+    path, _ = llamas["gqa_scaled"]
+    out = tmp_path / "hybrid"
+    assert convert.main(["--hf", path, "--out", str(out), "--ladder-layers", "1"]) == 0
+    hybrid, _ = checkpoint.load_run(str(out), mesh=_mesh(1))
+    assert hybrid.config.ladder_layer_set() == {2}
+    kept, _ = checkpoint.load_run(str(out), mesh=_mesh(1), **scheme_overrides("ladder", None))
+    assert kept.config == hybrid.config
+    tokens = _tokens()
+    np.testing.assert_array_equal(np.asarray(kept(tokens)), np.asarray(hybrid(tokens)))
+    whole, _ = checkpoint.load_run(str(out), mesh=_mesh(1), **scheme_overrides("ladder", 3))
+    assert whole.config.ladder_layer_set() == {0, 1, 2}
+    std, _ = checkpoint.load_run(str(out), mesh=_mesh(1), **scheme_overrides("standard", None))
+    assert std.config.residual == "standard" and std.config.ladder_layers is None
+    # a standard source becomes ladder throughout
+    plain, _ = lj.load_hf(path, mesh=_mesh(1), **scheme_overrides("ladder", None))
+    assert plain.config.ladder_layer_set() == {0, 1, 2}
+
+
 def test_convert_reports_what_it_read_and_shows_progress_only_on_a_tty(llamas, tmp_path):
     import pty
     import subprocess
