@@ -7,6 +7,7 @@ so its largest fusion grows with depth (179 instructions at 4 tiny layers, 339 a
 program holds ~1.8x standard's fused instructions at 8 layers.
 """
 
+import dataclasses
 import functools
 import os
 import re
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import ladder_jax as lj
 from ladder_jax import config as config_lib
@@ -203,3 +205,37 @@ def test_cpu_runs_keep_freed_memory(tmp_path):
         out[mode] = (kept == "True", int(faults))
     assert out["default"] == (False, 20), out  # 1000 pages: 4 MB of the 256 MB block
     assert out[""][0] is True and out[""][1] <= 10, out
+
+
+@pytest.mark.parametrize("scheme", ["standard", "parallel", "ladder"])
+def test_tp1_programs_hold_no_all_reduce(scheme):
+    """At tp=1 a module's partial sum is its sum: `sharding.reduce_tp` passes it through
+    (`sum_of_one`), where psum over one device compiled to an all-reduce (a copy and a
+    rendezvous on XLA:CPU) per module, forward and backward. The program at tp=2 keeps its
+    all-reduces (what the count can see), and both give the same loss and gradients."""
+    from tests.helpers import loss_and_grads, mesh
+
+    config = dataclasses.replace(lj.ModelConfig.from_preset("tiny"), residual=scheme)
+    counts = {}
+    for tp in (1, 2):
+        graphdef, params = nnx.split(lj.Transformer(config, mesh=mesh(tp), rngs=nnx.Rngs(0)))
+        tokens = jnp.zeros((2, 17), jnp.int32)
+        fn = jax.jit(lambda p, t: step.loss_and_grads(graphdef, p, t[:, :-1], t[:, 1:]))
+        hlo = fn.lower(params, tokens).compile().as_text()
+        counts[tp] = len(re.findall(r"\ball-reduce(-start)?\(", hlo))
+    assert counts[1] == 0 and counts[2] >= 2 * config.n_layers, counts
+    (l1, g1), (l2, g2) = loss_and_grads(config, 1, 1), loss_and_grads(config, 2, 1)
+    np.testing.assert_allclose(l1, l2, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g1, g2)
+
+
+def test_sum_of_one_refuses_a_real_axis():
+    from tests.helpers import mesh
+
+    def local(x):
+        return sharding.sum_of_one(x, sharding.TP)
+
+    m = mesh(2)
+    f = jax.shard_map(local, mesh=m, in_specs=P(sharding.TP), out_specs=P())
+    with pytest.raises(ValueError, match="size 2"):
+        f(jnp.ones(4))

@@ -117,7 +117,7 @@ def _functions(plan, k, positions_bt, inv_freq):
 def _reduce_and_vary(plan):
     if plan.no_reduce:
         return (lambda y: y), (lambda h: h)
-    return sharding.reduce_tp, (lambda h: jax.lax.pcast(h, TP, to="varying"))
+    return sharding.reduce_tp, sharding.vary_tp
 
 
 def _stream(plan, states, x_btd, positions_bt, inv_freq, *, caches=None, vjps=None):
@@ -199,7 +199,7 @@ def _ladder_bwd(plan, res, ct_x_btd):
         with jax.named_scope(f"layer{slot.layer}.{slot.name}"):
             if plan.remat:
                 vjps[k] = recompute(k, s_btd)
-            ct_y_btd = jax.lax.pcast(s_btd.astype(plan.dtype), TP, to="varying")  # psum^T
+            ct_y_btd = sharding.vary_tp(s_btd.astype(plan.dtype))  # psum^T
             ct_module_state, ct_h_btd = vjps[k][1](ct_y_btd)  # module k's backward matmuls
             ct_states[k] = ct_module_state
             if in_flight is not None:  # module k+1's all-reduce ran during those matmuls
@@ -228,7 +228,7 @@ def lm_head(h_btd, head_dv):
     """Vocab-parallel logits (B, T, V/tp) in float32 from the tp-invariant final hidden state.
     The backward issues the all-reduce of the input cotangent, then computes the head's
     weight gradient while it is in flight."""
-    return jnp.einsum("BTD,DV->BTV", jax.lax.pcast(h_btd, TP, to="varying"), head_dv,
+    return jnp.einsum("BTD,DV->BTV", sharding.vary_tp(h_btd), head_dv,
                       preferred_element_type=jnp.float32)
 
 
@@ -240,7 +240,7 @@ def _lm_head_bwd(res, ct_btv):
     h_btd, head_dv = res
     ct_btv = ct_btv.astype(head_dv.dtype)
     ct_h_btd = sharding.reduce_tp(jnp.einsum("BTV,DV->BTD", ct_btv, head_dv))
-    ct_head_dv = jnp.einsum("BTD,BTV->DV", jax.lax.pcast(h_btd, TP, to="varying"), ct_btv)
+    ct_head_dv = jnp.einsum("BTD,BTV->DV", sharding.vary_tp(h_btd), ct_btv)
     ct_h_btd, ct_head_dv = sharding.tie(ct_h_btd, ct_head_dv)
     # The data-parallel gradient sum comes after the tie: tied in, it would hold the all-reduce
     # above back until it is done too (and XLA then makes that one synchronous). A head

@@ -559,7 +559,8 @@ class Transformer(nnx.Module):
         new_caches = None if caches is None else []
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer{i}.parallel"):
-                h_btd = layer.attn_norm(x_btd).astype(c.dtype)
+                # tp-varying from here: the backward's input all-reduce (none at tp=1)
+                h_btd = sharding.vary_tp(layer.attn_norm(x_btd).astype(c.dtype))
                 cache = None if caches is None else caches[i]
                 fused = getattr(layer, "fused_in", None)
                 if fused is not None:  # `fuse_parallel_inputs`: one matmul for all five
