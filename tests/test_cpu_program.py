@@ -239,3 +239,28 @@ def test_sum_of_one_refuses_a_real_axis():
     f = jax.shard_map(local, mesh=m, in_specs=P(sharding.TP), out_specs=P())
     with pytest.raises(ValueError, match="size 2"):
         f(jnp.ones(4))
+
+
+def test_the_cpu_decode_profile_names_the_kernels_of_both_programs():
+    """benchmarks/cpu_decode_profile.py reads XLA:CPU's trace against the compiled programs:
+    every listed kind must be a kernel of that program, with its root op and shape."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "cpu_decode_profile.py"), "--preset",
+         "tiny", "--batch", "2", "--prompt-len", "16", "--new-tokens", "4", "--top", "3",
+         "--no-threads"], capture_output=True, text=True, timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    sections = re.findall(r"^(decode step|prefill): ([0-9.]+) ms of kernel time per run, "
+                          r"(\d+) kernels\n((?:  .*\n?)+)", out.stdout, re.M)
+    assert [s[0] for s in sections] == ["decode step", "prefill"], out.stdout
+    for _, total, count, rows in sections:
+        assert float(total) > 0 and int(count) > 0
+        kinds = re.findall(r" us each  (.+)$", rows, re.M)
+        assert len(kinds) == 3, rows
+        assert all(re.search(r"[a-z\-]+ [a-z0-9]+\[[0-9,]*\]$", k) or " " not in k
+                   for k in kinds), kinds
+    assert re.search(r"decode step [0-9.]+ ms, prefill [0-9.]+ ms", out.stdout)
