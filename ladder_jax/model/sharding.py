@@ -280,6 +280,8 @@ _vary_of_one_p = jax.extend.core.Primitive("ladder_vary_of_one")
 for _p in (_sum_of_one_p, _vary_of_one_p):
     _p.def_impl(lambda x, *, axes: x)
     mlir.register_lowering(_p, lambda ctx, x, *, axes: [x])
+    batching.primitive_batchers[_p] = (
+        lambda args, dims, *, axes, _p=_p: (_p.bind(args[0], axes=axes), dims[0]))
 _sum_of_one_p.def_effectful_abstract_eval(
     lambda aval, *, axes: _psum_typing(_sum_of_one_p.name, aval, axes=axes))
 _vary_of_one_p.def_abstract_eval(_pvary_typing)
