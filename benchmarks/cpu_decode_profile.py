@@ -79,6 +79,10 @@ def main(argv=None) -> int:
                     help="skip the one-thread comparison (two more processes)")
     ap.add_argument("--times-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    for flag, value, low in (("--batch", args.batch, 1), ("--prompt-len", args.prompt_len, 1),
+                             ("--new-tokens", args.new_tokens, 1), ("--top", args.top, 1)):
+        if value < low:
+            ap.error(f"{flag} {value}: must be at least {low}")
 
     import ladder_jax as lj  # first: it imports jax without the CUDA plugin's start-up lines
 
@@ -138,11 +142,11 @@ def main(argv=None) -> int:
         ("prefill", prefill, decoder._prefill.lower(
             decoder.weights, KVCache.init(config, mesh, B, S), tokens, lengths, rows), 2))
     for name, fn, lowered, runs in programs:
-        rows_ = profile(fn, lowered.compile().as_text(), runs)
-        total = sum(r[0] for r in rows_)
+        kernels = profile(fn, lowered.compile().as_text(), runs)
+        total = sum(k[0] for k in kernels)
         print(f"\n{name}: {total:.2f} ms of kernel time per run, "
-              f"{sum(r[1] for r in rows_):.0f} kernels")
-        for ms, n, kind in rows_[:args.top]:
+              f"{sum(k[1] for k in kernels):.0f} kernels")
+        for ms, n, kind in kernels[:args.top]:
             print(f"  {ms:8.3f} ms {n:5.0f}x  {ms / n * 1e3:7.1f} us each  {kind}")
     if not args.no_threads:
         print()

@@ -251,8 +251,6 @@ def vary_tp(x: jax.Array) -> jax.Array:
     it meets the rank's weights; the transpose of that cast is the all-reduce of the input's
     cotangent (autodiff issues it). At tp=1 the cast is `vary_of_one`, whose transpose adds
     nothing either: no all-reduce in the backward."""
-    if TP in jax.typeof(x).manual_axis_type.varying:
-        return x
     if jax.lax.axis_size(TP) == 1:
         return _vary_of_one_p.bind(x, axes=(TP,))
     return jax.lax.pcast(x, TP, to="varying")
