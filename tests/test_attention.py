@@ -83,6 +83,51 @@ def test_pallas_flash_attention_interpreted_equals_reference():
     _check_against_reference(jax.jit(pallas), q, k, v)
 
 
+def _naive(q, k, v, q_pos, k_pos):
+    """Grouped-query attention written independently of the model's: kv heads repeated to
+    the query heads, one einsum per product, -inf where a query may not see a key."""
+    G = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+    s = jnp.where((k_pos[:, None, :] <= q_pos[:, :, None])[:, None], s, -jnp.inf)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-1), v)
+
+
+def _check_against_naive(got, q, k, v, q_pos, k_pos, tol=TOL):
+    w = jax.random.normal(jax.random.key(7), q.shape)
+    want = lambda *a: _naive(*a, q_pos, k_pos)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(jax.jit(got)(q, k, v)),
+                               np.asarray(want(q, k, v)), atol=tol, rtol=0)
+    gg = jax.jit(jax.grad(lambda *a: (got(*a) * w).sum(), argnums=(0, 1, 2)))(q, k, v)
+    gw = jax.grad(lambda *a: (want(*a) * w).sum(), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(gg, gw):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=tol * np.abs(b).max())
+
+
+@pytest.mark.parametrize("T", [40, 128])
+def test_cpu_causal_kernel_equals_a_naive_reference_forward_and_backward(T):
+    """CPU's kernel "matmul" (softmax normalized after the values' product) against autodiff
+    of `_naive`, GQA (8 query / 2 kv heads)."""
+    q, k, v = _qkv(T=T)
+    pos = jnp.broadcast_to(jnp.arange(T), (2, T))
+    _check_against_naive(lambda *a: transformer.attend_causal(*a, "matmul"), q, k, v, pos, pos)
+
+
+def test_attention_over_given_positions_and_a_cache_equals_a_naive_reference():
+    """`attend` (explicit positions) and `attend_cache` (the decode step's, keys and values
+    in the cache's layout) against `_naive`: ragged rows (row 1 sees half the keys), one query
+    per row over a cache with unwritten slots, values and gradients."""
+    q, k, v = _qkv(T=32)
+    q_pos = jnp.stack([jnp.arange(32), jnp.arange(32) // 2])
+    k_pos = jnp.broadcast_to(jnp.arange(32), (2, 32))
+    _check_against_naive(lambda *a: transformer.attend(*a, q_pos, k_pos), q, k, v, q_pos, k_pos)
+    q1, q1_pos = q[:, :1], jnp.array([[31], [9]])  # a decode step: row 1's cache is shorter
+    _check_against_naive(
+        lambda q, k, v: transformer.attend_cache(q, k.transpose(0, 2, 3, 1),
+                                                 v.transpose(0, 2, 1, 3), q1_pos, k_pos),
+        q1, k, v, q1_pos, k_pos)
+
+
 def test_kernel_choice_by_platform():
     mesh = lj.make_mesh(tp=1, devices=jax.devices()[:1])
     assert transformer.attention_kernel(mesh, "bfloat16", 128) == "matmul"  # CPU
