@@ -225,6 +225,27 @@ def test_lock_names_its_holder_and_a_dead_holder_is_stale(tmp_path):
     assert os.listdir(run) == []
 
 
+def test_a_run_directory_made_by_another_trainer_meanwhile_is_taken_not_a_crash(tmp_path,
+                                                                                 monkeypatch):
+    """Two trainers started at once both find the run directory missing; the one whose mkdir
+    comes second gets the lock (or RunBusy), never FileExistsError, and never removes the
+    directory the other made."""
+    run, parent = tmp_path / "runs" / "new", tmp_path / "runs"
+    real_mkdir = os.mkdir
+
+    def racing_mkdir(path, *args, **kw):
+        if os.fspath(path) == str(run):
+            real_mkdir(path)  # the other trainer, a moment earlier
+        return real_mkdir(path, *args, **kw)
+
+    monkeypatch.setattr(os, "mkdir", racing_mkdir)
+    with RunLock(str(run)) as lock:
+        assert lock.created == [str(parent)]  # its own mkdir only
+        (run / "metrics.jsonl").write_text("")  # the other trainer's output
+    monkeypatch.setattr(os, "mkdir", real_mkdir)
+    assert run.is_dir() and os.listdir(run) == ["metrics.jsonl"]
+
+
 def test_two_trainers_one_runs_and_kill_9_then_rerun_resumes_bit_exact(tmp_path, capsys):
     args = SMALL + ["steps=300", "ckpt_every=100", f"run_dir={tmp_path}", "name=both"]
     procs = [cli(*args), cli(*args)]

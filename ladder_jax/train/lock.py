@@ -57,8 +57,12 @@ class RunLock:
             while not os.path.isdir(d):
                 missing.append(d)
                 d = os.path.dirname(d)
-            os.makedirs(self.run_path)
-            self.created = missing
+            for d in reversed(missing):  # outermost first; only what this process made counts
+                try:
+                    os.mkdir(d)
+                except FileExistsError:  # a trainer started at the same moment made it
+                    continue
+                self.created.insert(0, d)
         for _ in range(10):  # the file may be removed by its releasing holder under us: retry
             fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
             try:
