@@ -242,7 +242,6 @@ def test_a_run_directory_made_by_another_trainer_meanwhile_is_taken_not_a_crash(
     with RunLock(str(run)) as lock:
         assert lock.created == [str(parent)]  # its own mkdir only
         (run / "metrics.jsonl").write_text("")  # the other trainer's output
-    monkeypatch.setattr(os, "mkdir", real_mkdir)
     assert run.is_dir() and os.listdir(run) == ["metrics.jsonl"]
 
 

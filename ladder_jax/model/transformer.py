@@ -274,38 +274,19 @@ def attend_cache(q_btnh, k_bkhs, v_bksh, q_pos_bt, k_pos_bs):
     B, T, N, H = q_btnh.shape
     K = k_bkhs.shape[1]
     G = N // K
-    q_bkmh = _queries_bkmh(q_btnh, K)
-    scores_bkms = _dot(q_bkmh, k_bkhs, 3, 2, jnp.float32) / math.sqrt(H)
+    q_bkmh = q_btnh.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+    batch = ((0, 1), (0, 1))
+    scores_bkms = jax.lax.dot_general(q_bkmh, k_bkhs, (((3,), (2,)), batch),
+                                      preferred_element_type=jnp.float32) / math.sqrt(H)
     visible_bts = k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]
     visible_bms = jnp.broadcast_to(visible_bts[:, None], (B, G, T, visible_bts.shape[-1]))
     scores_bkms = jnp.where(visible_bms.reshape(B, 1, G * T, -1), scores_bkms, -1e30)
     # the max only keeps exp in range: its gradient cancels, so none flows through it
     exp_bkms = jnp.exp(scores_bkms - jax.lax.stop_gradient(scores_bkms.max(-1, keepdims=True)))
-    out_bkmh = _dot(exp_bkms.astype(v_bksh.dtype), v_bksh, 3, 2, jnp.float32)
+    out_bkmh = jax.lax.dot_general(exp_bkms.astype(v_bksh.dtype), v_bksh, (((3,), (2,)), batch),
+                                   preferred_element_type=jnp.float32)
     out_bkmh = (out_bkmh / exp_bkms.sum(-1, keepdims=True)).astype(v_bksh.dtype)
-    return _queries_btnh(out_bkmh, G)
-
-
-_BATCH_BK = ((0, 1), (0, 1))
-
-
-def _dot(a, b, a_contract: int, b_contract: int, out=None):
-    """A matmul batched over the leading (B, K) of both operands."""
-    return jax.lax.dot_general(a, b, (((a_contract,), (b_contract,)), _BATCH_BK),
-                               preferred_element_type=out)
-
-
-def _queries_bkmh(q_btnh, K: int):
-    """(B, T, N, H) queries as (B, K, G*T, H): kv head k's G query heads, each over T."""
-    B, T, N, H = q_btnh.shape
-    return q_btnh.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4).reshape(B, K, -1, H)
-
-
-def _queries_btnh(out_bkmh, G: int):
-    """`_queries_bkmh`'s inverse."""
-    B, K, M, H = out_bkmh.shape
-    T = M // G
-    return out_bkmh.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, H)
+    return out_bkmh.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
 
 def attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs):
