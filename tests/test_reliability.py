@@ -3,6 +3,7 @@ checkpoints never trusted nor deleted, a failed save stops the run, a resume tha
 writes nothing, a resume on another process count. Each case goes through the command line
 (or the API) where it was found; one trained run (checkpoints at steps 2 and 4) is shared."""
 
+import fcntl
 import json
 import os
 import shutil
@@ -243,6 +244,35 @@ def test_a_run_directory_made_by_another_trainer_meanwhile_is_taken_not_a_crash(
         assert lock.created == [str(parent)]  # its own mkdir only
         (run / "metrics.jsonl").write_text("")  # the other trainer's output
     assert run.is_dir() and os.listdir(run) == ["metrics.jsonl"]
+
+
+@pytest.mark.parametrize("before", ["", "dead holder's"])
+def test_a_refused_trainer_names_the_holder_that_has_just_locked(tmp_path, before):
+    """The holder locks first and writes its name a moment later; a trainer refused in that
+    moment reads an empty file or the name of the dead process before it: it waits for the
+    current name rather than saying "another process" or naming the dead one."""
+    import socket
+    import threading
+
+    run = tmp_path / "r"
+    run.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    if before:
+        (run / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid,
+                                               "started": "then"}))
+    fd = os.open(run / ".lock", os.O_RDWR | os.O_CREAT)
+    name = json.dumps({"host": "elsewhere", "pid": 4242, "started": "now"}).encode()
+    timer = threading.Timer(0.3, lambda: (os.pwrite(fd, name, 0), os.ftruncate(fd, len(name))))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the other trainer, not yet named
+        timer.start()
+        with pytest.raises(RunBusy, match=r"\(pid 4242 on host elsewhere, started now\)"):
+            RunLock(str(run)).acquire()
+    finally:
+        timer.cancel()
+        timer.join()
+        os.close(fd)
 
 
 def test_two_trainers_one_runs_and_kill_9_then_rerun_resumes_bit_exact(tmp_path, capsys):

@@ -68,10 +68,11 @@ class RunLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
-                holder = _read(fd)
-                os.close(fd)
                 if e.errno not in (errno.EAGAIN, errno.EACCES):
+                    os.close(fd)
                     raise
+                holder = _holder(fd)
+                os.close(fd)
                 self._cleanup_dir()
                 who = (f"pid {holder.get('pid')} on host {holder.get('host')}, started "
                        f"{holder.get('started')}" if holder else "another process")
@@ -85,10 +86,10 @@ class RunLock:
                 os.close(fd)
                 continue
             self.stale = _read(fd) or None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                      "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-                                     ).encode(), 0)
+            me = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode()
+            os.pwrite(fd, me, 0)  # written over the old holder, then cut: never read empty
+            os.ftruncate(fd, len(me))
             self.fd = fd
             return
         raise RunBusy(f"{self.file}: could not take the lock (it keeps being replaced)")
@@ -113,6 +114,34 @@ class RunLock:
             except OSError:
                 return
             self.created.pop(0)
+
+
+def _holder(fd, wait_s: float = 2.0) -> dict:
+    """The live holder's {host, pid, started}, read from a file someone else has locked. A
+    trainer that has just taken the lock writes its name a moment later, over the name of the
+    one before it: until then the file reads empty, half-written, or names a process of this
+    host that no longer runs. Waits up to `wait_s` for a current name; {} if none comes."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        holder = _read(fd)
+        if holder.get("pid") is not None and not _gone(holder):
+            return holder
+        if time.monotonic() > deadline:
+            return {}
+        time.sleep(0.01)
+
+
+def _gone(holder: dict) -> bool:
+    """Whether `holder` names a process of this host that is no longer running."""
+    if holder.get("host") != socket.gethostname():
+        return False  # another host's process: nothing to check it against
+    try:
+        os.kill(int(holder["pid"]), 0)
+    except (ValueError, TypeError, ProcessLookupError):
+        return True
+    except PermissionError:  # runs, as another user
+        return False
+    return False
 
 
 def _read(fd) -> dict:
