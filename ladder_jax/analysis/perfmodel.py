@@ -42,6 +42,10 @@ How. On a CPU, with no GPU:
    the *exposed* communication.
 6. tokens_per_s = batch * new_tokens / (prefill_s + (new_tokens - 1) * decode_step_s), the
    way the paper's benchmark counts it (the prefill emits the first token).
+7. Memory per GPU (`decode_memory`): weights, KV cache and the decoder's fused copy of the
+   input projections, counted from the same abstract model and cache, against the pool jax's
+   allocator takes (`pool_fraction`); `fits` and `fused` (whether the decoder would fuse: where
+   it would not, the time predicted is still the fused program's).
 
 Training (`--phase train --config configs/X.yaml`): the trainer's training step
 (`programs.train_program`: forward, backward, AdamW update) for the config's model,
@@ -82,6 +86,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import math
+import os
 import re
 import time
 
@@ -657,6 +662,7 @@ def predict(config, sweep: Sweep | None = None, *, jobs: int | None = None, prog
     link_overrides=dict(bus_bytes_per_s=300e9) for every link)."""
     sweep = _sweep(sweep, efficiency, link_overrides, **fields)
     sweep.check(config)
+    pool_fraction()  # a bad XLA_PYTHON_CLIENT_MEM_FRACTION before anything compiles
     programs.check_plugin()
     base = dataclasses.replace(config, max_seq_len=max(config.max_seq_len,
                                                        sweep.prompt_len + sweep.new_tokens))
@@ -676,8 +682,79 @@ def predict(config, sweep: Sweep | None = None, *, jobs: int | None = None, prog
                       contention=sweep.contention)
             pre = program_time(cfg, phase="prefill", **kw)
             step = program_time(cfg, phase="decode", **kw)
-            rows.append(_row(cfg, sweep, t, b, link_name, pre, step))
+            rows.append({**_row(cfg, sweep, t, b, link_name, pre, step), **decode_memory(
+                cfg, tp=t, batch=b, prompt_len=sweep.prompt_len, new_tokens=sweep.new_tokens,
+                target=sweep.target, hosts=sweep.hosts_for(t))})
     return rows
+
+
+JAX_POOL_FRACTION = 0.75  # the share of a GPU's memory jax's allocator takes by default
+
+
+def pool_fraction() -> float:
+    """The share of each GPU's memory the decoding process's allocator may use:
+    XLA_PYTHON_CLIENT_MEM_FRACTION as set in this shell (export it as the GPU processes will
+    have it), else jax's default, 0.75."""
+    v = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    try:
+        f = float(v) if v else JAX_POOL_FRACTION
+    except ValueError:
+        raise PredictError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={v!r}: a number in (0, 1]") from None
+    if not 0 < f <= 1:
+        raise PredictError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={v!r}: a number in (0, 1]")
+    return f
+
+
+def _device_bytes(x) -> int:
+    """Bytes one device holds of a ShapeDtypeStruct carrying its sharding."""
+    return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+
+
+@functools.lru_cache(maxsize=64)
+def _weight_bytes(config, tp: int, target: str, hosts: int) -> tuple[int, int, int]:
+    """(weights, the separate input projections fusion copies, their fused copy) per device:
+    the decoder's view of an abstract model (`abstract`, `fuse_inputs`)."""
+    from flax import nnx
+
+    from ladder_jax.model.transformer import abstract, fuse_inputs
+
+    mesh = programs.gpu_mesh(target, tp, hosts=hosts)
+    graphdef, state = abstract(config, mesh)
+    flat = nnx.to_flat_state(state)
+    weights = sum(_device_bytes(v.get_value()) for _, v in flat)
+    parts = sum(_device_bytes(v.get_value()) for path, v in flat
+                if path[-1] in ("q", "k", "v", "gate", "up") and path[0] == "layers")
+    fused = fuse_inputs(nnx.merge(graphdef, state))
+    copy = sum(_device_bytes(v.get_value()) for path, v in nnx.to_flat_state(nnx.state(fused))
+               if path[-1] in ("qkv", "gate_up", "fused_in"))
+    return weights, (parts if config.quantize is None else 0), copy
+
+
+def decode_memory(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int,
+                  target: str, hosts: int = 1) -> dict:
+    """What decoding `config` holds per GPU of `target` (bytes): its weights, the KV cache
+    `decode` sizes for prompt + new tokens, and the fused input projections' copy where the
+    decoder would make it (`generation.fusion_fits`' rule: at most half the memory left in the
+    allocator's pool once the weights are in; always on several processes; never for int8),
+    against the pool (`pool_fraction` of the chip's memory). The programs' temporaries
+    (activations of the prefill, logits) are not counted. `fused` False: the decoder would run
+    the separate projections, while the prediction costs the fused program (optimistic)."""
+    from ladder_jax.inference import generation
+
+    weights, parts, copy = _weight_bytes(config, tp, target, hosts)
+    cache = generation.KVCache.abstract(config, programs.gpu_mesh(target, tp, hosts=hosts),
+                                        batch, generation.cache_length(config, prompt_len,
+                                                                       new_tokens))
+    kv = sum(_device_bytes(x) for x in (*cache.k, *cache.v))
+    capacity = hardware.CHIPS[target].memory_bytes
+    pool = int(pool_fraction() * capacity)
+    fused = config.quantize is None and (
+        hosts > 1 or parts <= generation.FUSION_SHARE * (pool - weights))
+    total = weights + kv + (copy if fused else 0)
+    return {"weights_bytes": weights, "kv_cache_bytes": kv,
+            "fused_copy_bytes": copy if fused else 0, "fused": fused,
+            "memory_per_gpu_bytes": total, "device_pool_bytes": pool,
+            "device_memory_bytes": capacity, "fits": total <= pool}
 
 
 def _compiled(name, fn):
@@ -776,17 +853,44 @@ def format_train_table(rows: list[dict]) -> str:
 def format_table(rows: list[dict]) -> str:
     lines = [f"{'link':<7} {'tp':>3} {'batch':>5} {'residual':<12} {'prefill ms':>10} "
              f"{'decode ms/tok':>13} {'exposed ms/tok':>14} {'tokens/s':>10} "
-             f"{'tok/s/user':>10} {'vs standard':>11}"]
+             f"{'tok/s/user':>10} {'vs standard':>11} {'GiB/GPU':>7}"]
     order = {name: i for i, name in enumerate(hardware.LINKS)}
     rows = sorted(with_ratios(rows), key=lambda r: (order.get(r["link"], 99), r["tp"], r["batch"]))
     for r in rows:
         ratio = "-" if r["vs_standard"] is None else f"{r['vs_standard']:.3f}x"
+        mem = ("" if "memory_per_gpu_bytes" not in r else
+               f" {r['memory_per_gpu_bytes'] / 2**30:>7.1f}" + _memory_flag(r))
         lines.append(f"{r['link']:<7} {r['tp']:>3} {r['batch']:>5} {r['residual']:<12} "
                      f"{r['prefill_s'] * 1e3:>10.1f} {r['decode_step_s'] * 1e3:>13.3f} "
                      f"{r['decode_step_exposed_comm_s'] * 1e3:>14.3f} "
                      f"{r['tokens_per_s']:>10.1f} {r['tokens_per_s_per_user']:>10.1f} "
-                     f"{ratio:>11}")
+                     f"{ratio:>11}{mem}")
     return "\n".join(lines)
+
+
+def _memory_flag(r: dict) -> str:
+    if not r["fits"]:
+        return " does not fit"
+    return "" if r["fused"] or r["quantize"] is not None else " unfused"
+
+
+def memory_note(rows: list[dict]) -> str:
+    """What the GB/GPU column counts, and what its flags mean when a row has one."""
+    r = next((r for r in rows if "device_pool_bytes" in r), None)
+    if r is None:
+        return ""
+    chip = hardware.CHIPS[r["target"]]
+    note = (f"GiB/GPU: weights + KV cache (+ the fused input projections' copy) per GPU, "
+            f"temporaries not counted; jax's pool on the {chip.name} is "
+            f"{r['device_pool_bytes'] / 2**30:.1f} GiB ({r['device_pool_bytes'] / chip.memory_bytes:.2f} "
+            f"of {chip.memory_bytes / 2**30:.1f} GiB: XLA_PYTHON_CLIENT_MEM_FRACTION)")
+    if any(not r["fits"] for r in rows if "fits" in r):
+        note += "\ndoes not fit: more than the pool; more GPUs (--tp), a shorter cache or int8"
+    if any(_memory_flag(r) == " unfused" for r in rows if "fits" in r):
+        note += ("\nunfused: the decoder would not make the fused projections' copy (more than "
+                 "half the pool left after the weights) and runs the separate matmuls: the "
+                 "figure is the fused program's, optimistic")
+    return note
 
 
 def summary(rows: list[dict]) -> str:

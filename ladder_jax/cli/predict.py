@@ -29,6 +29,7 @@ from ladder_jax.analysis.perfmodel import (
     check_knobs,
     format_table,
     format_train_table,
+    memory_note,
     predict,
     predict_train,
     summary,
@@ -133,9 +134,9 @@ def main(argv=None) -> int:
               f"{'' if args.no_contention else ', with contention'}; predicted in "
               f"{time.perf_counter() - t0:.0f} s")
         print(format_table(rows))
-        s = summary(rows)
-        if s:
-            print(s)
+        for s in (memory_note(rows), summary(rows)):
+            if s:
+                print(s)
     return 0
 
 

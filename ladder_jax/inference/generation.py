@@ -174,7 +174,10 @@ class Decoder:
         return self._prefill_slots(self.weights, cache, slots_n, tokens_nt, lengths_n, rows_n)
 
 
-def fusion_fits(model: Transformer, share: float = 0.5) -> bool:
+FUSION_SHARE = 0.5  # the most of the free device memory the fused projections may take
+
+
+def fusion_fits(model: Transformer, share: float = FUSION_SHARE) -> bool:
     """Whether the decoder may fuse `model`'s input projections (`fuse_inputs`): their fused
     copy lives beside the model's own weights while both are alive (about 2/3 of the weights
     again), so it is made only when it takes at most `share` of the memory still free on the
