@@ -265,6 +265,36 @@ def test_decoder_fuses_its_projections_only_where_the_copy_fits(monkeypatch):
     assert generation.Decoder(model).fused
 
 
+def test_a_consuming_decoder_fuses_in_place_layer_by_layer(monkeypatch):
+    """`Decoder(model, consume=True)` (what `decode` and `serve` use) fuses even where the copy
+    would not fit beside the model, freeing each layer's separate projections before the next
+    layer is fused (the peak is one layer's copy), and draws the tokens of a decoder over an
+    untouched copy of the model."""
+    from ladder_jax.model import transformer
+
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    want = generation.generate(_model(2, residual="ladder"), prompts, max_new_tokens=6)
+    model = _model(2, residual="ladder")
+    monkeypatch.setattr(generation.runtime, "available_memory", lambda: 1)  # no room for a copy
+    real_fuse, seen = transformer._fuse, []
+
+    def fuse(m, weights, kv):
+        seen.append([w.get_value().is_deleted() for layer in model.layers
+                     for w in (layer.attn.q, layer.mlp.up)])
+        return real_fuse(m, weights, kv)
+
+    monkeypatch.setattr(transformer, "_fuse", fuse)
+    decoder = generation.Decoder(model, consume=True)
+    n = model.config.n_layers
+    assert decoder.fused and len(seen) == 2 * n  # qkv and gate_up of every layer
+    for i in range(n):  # before layer i's fusions: layers < i freed, the rest still there
+        assert seen[2 * i] == [j < i for j in range(n) for _ in range(2)]
+    assert all(w.get_value().is_deleted() for layer in model.layers
+               for w in (layer.attn.q, layer.attn.k, layer.attn.v, layer.mlp.gate, layer.mlp.up))
+    assert not model.layers[0].attn.o.get_value().is_deleted()  # shared with the decoder
+    assert generation.generate(model, prompts, max_new_tokens=6, decoder=decoder) == want
+
+
 def test_a_second_generate_compiles_nothing():
     """Every `generate` call builds a Decoder; Decoders of equal models share their jitted
     programs (`generation._programs`) and the fusing concatenations, so a second call, even on

@@ -20,6 +20,7 @@ from ladder_jax import hardware
 from ladder_jax.analysis import perfmodel
 from ladder_jax.cli import overlap as overlap_cli
 from ladder_jax.cli import predict as predict_cli
+from ladder_jax.model import quant
 
 # tiny, and a mid-size model whose weights dominate its decode step
 TINY = lj.ModelConfig.from_preset("tiny")
@@ -221,7 +222,7 @@ def test_cli_json_rows(capsys):
     keys = {"residual", "tp", "batch", "prompt_len", "new_tokens", "link", "target",
             "prefill_s", "decode_step_s", "tokens_per_s", "tokens_per_s_per_user",
             "exposed_comm_s", "vs_standard", "memory_per_gpu_bytes", "weights_bytes",
-            "kv_cache_bytes", "fused_copy_bytes", "fused", "fits", "device_pool_bytes"}
+            "kv_cache_bytes", "fits", "device_pool_bytes"}
     assert all(keys <= set(r) for r in rows)
     assert all(r["tp"] == 2 and r["batch"] == 1 and r["tokens_per_s"] > 0 for r in rows)
     assert predict_cli.main(argv[:-1]) == 0
@@ -241,58 +242,32 @@ def _device0_bytes(arrays) -> int:
 
 
 @pytest.mark.parametrize("residual,tp", [("standard", 1), ("ladder", 2), ("parallel", 4)])
-def test_decode_memory_equals_a_real_model_and_cache_on_a_mesh(residual, tp):
-    """The abstract count on GPUs against the shards a real model, its fused clone and a
-    real KV cache put on the first of `tp` CPU devices."""
+def test_decode_memory_equals_a_consuming_decoder_and_a_real_cache_on_a_mesh(residual, tp):
+    """The abstract count on GPUs against what the first of `tp` CPU devices holds once a
+    real model is handed to a decoder that fuses it in place (as `decode` and `serve` do), and
+    a real KV cache; int8 weights count as stored."""
     from ladder_jax.inference import generation
-    from ladder_jax.model.transformer import fuse_inputs
     from tests.helpers import tiny_model
 
     model = tiny_model(tp, residual=residual)
     cfg = model.config
     mem = perfmodel.decode_memory(cfg, tp=tp, batch=3, prompt_len=100, new_tokens=20,
                                   target="h100")
-    weights = jax.tree.leaves(nnx.state(model))
-    assert mem["weights_bytes"] == _device0_bytes(weights)
-    clone = fuse_inputs(model)
-    fused = [getattr(layer, "fused_in", None) for layer in clone.layers] + [
-        x for layer in clone.layers for x in (getattr(layer.attn, "qkv", None),
-                                              getattr(layer.mlp, "gate_up", None))]
-    copy = [f.get_value() for f in fused if f is not None]
-    assert len(copy) == cfg.n_layers * (1 if residual == "parallel" else 2)
-    assert mem["fused"] and mem["fused_copy_bytes"] == _device0_bytes(copy)
+    held = _device0_bytes(jax.tree.leaves(nnx.state(model)))
+    decoder = generation.Decoder(model, consume=True)
+    live = [x for x in jax.tree.leaves(nnx.state(model)) if not x.is_deleted()]
+    assert len(live) < len(jax.tree.leaves(nnx.state(model)))  # the projections were freed
+    assert mem["weights_bytes"] == _device0_bytes(jax.tree.leaves(decoder.state))
+    assert mem["weights_bytes"] >= held  # the fused copy repeats replicated kv heads, if any
     cache = generation.KVCache.init(cfg, model.mesh, 3, generation.cache_length(cfg, 100, 20))
     assert mem["kv_cache_bytes"] == _device0_bytes([*cache.k, *cache.v])
-    assert mem["memory_per_gpu_bytes"] == (mem["weights_bytes"] + mem["kv_cache_bytes"]
-                                           + mem["fused_copy_bytes"])
+    assert mem["memory_per_gpu_bytes"] == mem["weights_bytes"] + mem["kv_cache_bytes"]
     assert mem["device_pool_bytes"] == int(0.75 * hardware.CHIPS["h100"].memory_bytes)
     assert mem["fits"]
-
-
-def test_decode_memory_fuses_as_the_decoder_would(monkeypatch):
-    """The decoder's rule (`generation.fusion_fits`): the separate q/k/v/gate/up copy at
-    most half the pool left once the weights are in; with a pool set just either side of it,
-    from the real model's projections, the prediction flips; several hosts always fuse, int8
-    never; a pool smaller than the weights does not fit."""
-    from tests.helpers import tiny_model
-
-    model = tiny_model(1)
-    cfg = model.config
-    parts = sum(w.get_value().nbytes for layer in model.layers for w in (
-        layer.attn.q, layer.attn.k, layer.attn.v, layer.mlp.gate, layer.mlp.up))
-    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
-    capacity = hardware.CHIPS["h100"].memory_bytes
-    kw = dict(tp=1, batch=1, prompt_len=16, new_tokens=16, target="h100")
-    for pool, fused in ((weights + 2 * parts + 64, True), (weights + 2 * parts - 64, False)):
-        monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", repr(pool / capacity))
-        mem = perfmodel.decode_memory(cfg, **kw)
-        assert mem["fused"] is fused and (mem["fused_copy_bytes"] > 0) is fused
-    assert perfmodel.decode_memory(cfg, **{**kw, "tp": 2}, hosts=2)["fused"]
-    int8 = perfmodel.decode_memory(dataclasses.replace(cfg, quantize="int8"), **kw)
-    assert not int8["fused"] and int8["fused_copy_bytes"] == 0
-    assert int8["weights_bytes"] < weights
-    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", repr(weights / 2 / capacity))
-    assert not perfmodel.decode_memory(cfg, **kw)["fits"]
+    int8 = perfmodel.decode_memory(dataclasses.replace(cfg, quantize="int8"), tp=tp, batch=3,
+                                   prompt_len=100, new_tokens=20, target="h100")
+    q = quant.quantize(tiny_model(tp, residual=residual))
+    assert int8["weights_bytes"] == _device0_bytes(jax.tree.leaves(nnx.state(q))) < held
 
 
 def test_cli_table_flags_what_does_not_fit_and_a_bad_pool_is_one_line(capsys, monkeypatch):
@@ -301,7 +276,7 @@ def test_cli_table_flags_what_does_not_fit_and_a_bad_pool_is_one_line(capsys, mo
     assert predict_cli.main(argv) == 0
     out = capsys.readouterr().out
     row = next(ln for ln in out.splitlines() if ln.startswith("nvlink"))
-    assert "GiB/GPU" in out and "does not fit" not in out and "unfused" not in row
+    assert "GiB/GPU" in out and "does not fit" not in out
     assert "jax's pool on the H100 is 60.0 GiB (0.75 of 80.0 GiB" in out
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "1e-9")
     assert predict_cli.main(argv) == 0

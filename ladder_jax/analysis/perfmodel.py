@@ -42,10 +42,9 @@ How. On a CPU, with no GPU:
    the *exposed* communication.
 6. tokens_per_s = batch * new_tokens / (prefill_s + (new_tokens - 1) * decode_step_s), the
    way the paper's benchmark counts it (the prefill emits the first token).
-7. Memory per GPU (`decode_memory`): weights, KV cache and the decoder's fused copy of the
-   input projections, counted from the same abstract model and cache, against the pool jax's
-   allocator takes (`pool_fraction`); `fits` and `fused` (whether the decoder would fuse: where
-   it would not, the time predicted is still the fused program's).
+7. Memory per GPU (`decode_memory`): the weights as `decode` and `serve` hold them (input
+   projections fused in place) and the KV cache, counted from the same abstract model and
+   cache, against the pool jax's allocator takes (`pool_fraction`); `fits`.
 
 Training (`--phase train --config configs/X.yaml`): the trainer's training step
 (`programs.train_program`: forward, backward, AdamW update) for the config's model,
@@ -89,6 +88,8 @@ import math
 import os
 import re
 import time
+
+import jax
 
 from ladder_jax import hardware
 from ladder_jax.analysis import hlo, programs
@@ -711,50 +712,38 @@ def _device_bytes(x) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _weight_bytes(config, tp: int, target: str, hosts: int) -> tuple[int, int, int]:
-    """(weights, the separate input projections fusion copies, their fused copy) per device:
-    the decoder's view of an abstract model (`abstract`, `fuse_inputs`)."""
+def _weight_bytes(config, tp: int, target: str, hosts: int) -> int:
+    """Bytes per device of the weights `decode` and `serve` decode with: the model with its
+    input projections fused in place (`fuse_inputs`), from shapes."""
     from flax import nnx
 
     from ladder_jax.model.transformer import abstract, fuse_inputs
 
     mesh = programs.gpu_mesh(target, tp, hosts=hosts)
-    graphdef, state = abstract(config, mesh)
-    flat = nnx.to_flat_state(state)
-    weights = sum(_device_bytes(v.get_value()) for _, v in flat)
-    parts = sum(_device_bytes(v.get_value()) for path, v in flat
-                if path[-1] in ("q", "k", "v", "gate", "up") and path[0] == "layers")
-    fused = fuse_inputs(nnx.merge(graphdef, state))
-    copy = sum(_device_bytes(v.get_value()) for path, v in nnx.to_flat_state(nnx.state(fused))
-               if path[-1] in ("qkv", "gate_up", "fused_in"))
-    return weights, (parts if config.quantize is None else 0), copy
+    fused = fuse_inputs(nnx.merge(*abstract(config, mesh)))
+    return sum(_device_bytes(x) for x in jax.tree.leaves(nnx.state(fused)))
 
 
 def decode_memory(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int,
                   target: str, hosts: int = 1) -> dict:
-    """What decoding `config` holds per GPU of `target` (bytes): its weights, the KV cache
-    `decode` sizes for prompt + new tokens, and the fused input projections' copy where the
-    decoder would make it (`generation.fusion_fits`' rule: at most half the memory left in the
-    allocator's pool once the weights are in; always on several processes; never for int8),
-    against the pool (`pool_fraction` of the chip's memory). The programs' temporaries
-    (activations of the prefill, logits) are not counted. `fused` False: the decoder would run
-    the separate projections, while the prediction costs the fused program (optimistic)."""
+    """What `decode` and `serve` hold per GPU of `target` (bytes): the weights as they decode
+    with them (input projections fused in place; int8 weights as stored) and the KV cache
+    sized for prompt + new tokens, against the pool jax's allocator takes (`pool_fraction` of
+    the chip's memory). The programs' temporaries (prefill activations, logits) are not
+    counted. (`lj.generate(model)` from Python keeps the model too, so it holds the fused
+    copy beside it, or decodes unfused where that copy would crowd the memory.)"""
     from ladder_jax.inference import generation
 
-    weights, parts, copy = _weight_bytes(config, tp, target, hosts)
+    weights = _weight_bytes(config, tp, target, hosts)
     cache = generation.KVCache.abstract(config, programs.gpu_mesh(target, tp, hosts=hosts),
                                         batch, generation.cache_length(config, prompt_len,
                                                                        new_tokens))
     kv = sum(_device_bytes(x) for x in (*cache.k, *cache.v))
     capacity = hardware.CHIPS[target].memory_bytes
     pool = int(pool_fraction() * capacity)
-    fused = config.quantize is None and (
-        hosts > 1 or parts <= generation.FUSION_SHARE * (pool - weights))
-    total = weights + kv + (copy if fused else 0)
-    return {"weights_bytes": weights, "kv_cache_bytes": kv,
-            "fused_copy_bytes": copy if fused else 0, "fused": fused,
-            "memory_per_gpu_bytes": total, "device_pool_bytes": pool,
-            "device_memory_bytes": capacity, "fits": total <= pool}
+    return {"weights_bytes": weights, "kv_cache_bytes": kv, "memory_per_gpu_bytes": weights + kv,
+            "device_pool_bytes": pool, "device_memory_bytes": capacity,
+            "fits": weights + kv <= pool}
 
 
 def _compiled(name, fn):
@@ -869,27 +858,22 @@ def format_table(rows: list[dict]) -> str:
 
 
 def _memory_flag(r: dict) -> str:
-    if not r["fits"]:
-        return " does not fit"
-    return "" if r["fused"] or r["quantize"] is not None else " unfused"
+    return "" if r["fits"] else " does not fit"
 
 
 def memory_note(rows: list[dict]) -> str:
-    """What the GB/GPU column counts, and what its flags mean when a row has one."""
+    """What the GiB/GPU column counts, and what its flag means when a row has it."""
     r = next((r for r in rows if "device_pool_bytes" in r), None)
     if r is None:
         return ""
-    chip = hardware.CHIPS[r["target"]]
-    note = (f"GiB/GPU: weights + KV cache (+ the fused input projections' copy) per GPU, "
-            f"temporaries not counted; jax's pool on the {chip.name} is "
-            f"{r['device_pool_bytes'] / 2**30:.1f} GiB ({r['device_pool_bytes'] / chip.memory_bytes:.2f} "
-            f"of {chip.memory_bytes / 2**30:.1f} GiB: XLA_PYTHON_CLIENT_MEM_FRACTION)")
+    chip, pool = hardware.CHIPS[r["target"]], r["device_pool_bytes"]
+    note = (f"GiB/GPU: weights (input projections fused in place) + KV cache per GPU, "
+            f"temporaries not counted; jax's pool on the {chip.name} is {pool / 2**30:.1f} GiB "
+            f"({pool / chip.memory_bytes:.2f} of {chip.memory_bytes / 2**30:.1f} GiB: "
+            f"XLA_PYTHON_CLIENT_MEM_FRACTION)")
     if any(not r["fits"] for r in rows if "fits" in r):
-        note += "\ndoes not fit: more than the pool; more GPUs (--tp), a shorter cache or int8"
-    if any(_memory_flag(r) == " unfused" for r in rows if "fits" in r):
-        note += ("\nunfused: the decoder would not make the fused projections' copy (more than "
-                 "half the pool left after the weights) and runs the separate matmuls: the "
-                 "figure is the fused program's, optimistic")
+        note += ("\ndoes not fit: more than the pool; more GPUs (--tp), a shorter cache, int8, "
+                 "or a larger XLA_PYTHON_CLIENT_MEM_FRACTION")
     return note
 
 

@@ -32,6 +32,7 @@ from ladder_jax.config import (
     scheme_overrides,
 )
 from ladder_jax.inference.generation import (
+    Decoder,
     GenerationError,
     Sampling,
     benchmark,
@@ -237,7 +238,8 @@ def _run(args, say) -> int:
     t0 = time.perf_counter()
     texts = generate(model, prompts, max_new_tokens=args.max_new_tokens,
                      temperature=sampling.temperature, top_k=sampling.top_k,
-                     top_p=sampling.top_p, seed=args.seed, tokenizer=tokenizer, stream=stream)
+                     top_p=sampling.top_p, seed=args.seed, tokenizer=tokenizer, stream=stream,
+                     decoder=Decoder(model, consume=True))  # fused in place: used once
     if single:
         say(texts[0][len(shown[0]):])
     else:

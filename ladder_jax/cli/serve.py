@@ -168,7 +168,8 @@ def _run(args) -> int:
     template = _chat_template(args)
 
     engine = Engine(model, slots=args.slots, max_len=args.max_len, max_queue=args.max_queue,
-                    prefills_per_step=args.prefills_per_step, steps_per_plan=args.steps_per_plan)
+                    prefills_per_step=args.prefills_per_step, steps_per_plan=args.steps_per_plan,
+                    consume=True)  # fused in place: nothing else uses the model
     if args.max_tokens is not None and not 1 <= args.max_tokens < engine.length:
         raise ConfigError(f"--max-tokens {args.max_tokens}: between 1 and {engine.length - 1} "
                           f"(--max-len)")

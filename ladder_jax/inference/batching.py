@@ -90,7 +90,7 @@ def prompt_bucket(n: int, length: int) -> int:
 class Engine:
     def __init__(self, model: Transformer, *, slots: int = 16, max_len: int | None = None,
                  max_queue: int = 64, prefills_per_step: int = 4, steps_per_plan: int = 2,
-                 heartbeat_s: float = 1.0):
+                 heartbeat_s: float = 1.0, consume: bool = False):
         mesh = model.mesh
         if sharding.data_size(mesh) != 1:
             raise GenerationError(f"the server batches over slots of one cache: use a mesh "
@@ -104,7 +104,7 @@ class Engine:
             raise GenerationError(f"steps_per_plan must be >= 1, got {steps_per_plan}")
         self.steps_per_plan = steps_per_plan
         self.admit = prefills_per_step * steps_per_plan  # prefills per plan: same rate per step
-        self.decoder = Decoder(model)
+        self.decoder = Decoder(model, consume=consume)  # consume: the engine owns model
         self.cache = KVCache.init(c, mesh, slots, self.length)
         self.lead = jax.process_index() == 0
         self.many = jax.process_count() > 1

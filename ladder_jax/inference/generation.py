@@ -137,18 +137,21 @@ class Decoder:
 
     The input projections are fused here once (`fuse_inputs`): a copy of about 2/3 of the
     weights, held while the model is alive too; `fused` says whether it was made
-    (`fusion_fits`: not where it would take over half the free memory).
+    (`fusion_fits`: not where it would take over half the free memory). `consume=True`: the
+    decoder owns `model` and fuses in place, freeing the separate projections layer by layer
+    (always fused, no copy held; `model` must not be used again): `decode` and `serve` do.
     """
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, *, consume: bool = False):
         self.model = model
         mesh = model.mesh
         if mesh.devices.flat[0].platform == "cpu":
             model = quant.dequantize(model)
         # q/k/v and gate/up (parallel: all five) fused once here, not concatenated by XLA on
         # every step; unless their copy would crowd the memory the model's devices have left
-        self.fused = fusion_fits(model)
-        graphdef, self.state = nnx.split(fuse_inputs(model) if self.fused else model)
+        self.fused = consume or fusion_fits(model)
+        graphdef, self.state = nnx.split(fuse_inputs(model, in_place=consume) if self.fused
+                                         else model)
         # the programs take the weights as one flat list, flattened here once: a State would be
         # flattened again, Variable by Variable in Python, on every call (~0.3 ms per step for
         # the `small` preset's 8 layers: a tenth of its batch-16 step, on the same CPU)
@@ -174,10 +177,7 @@ class Decoder:
         return self._prefill_slots(self.weights, cache, slots_n, tokens_nt, lengths_n, rows_n)
 
 
-FUSION_SHARE = 0.5  # the most of the free device memory the fused projections may take
-
-
-def fusion_fits(model: Transformer, share: float = FUSION_SHARE) -> bool:
+def fusion_fits(model: Transformer, share: float = 0.5) -> bool:
     """Whether the decoder may fuse `model`'s input projections (`fuse_inputs`): their fused
     copy lives beside the model's own weights while both are alive (about 2/3 of the weights
     again), so it is made only when it takes at most `share` of the memory still free on the
@@ -445,7 +445,7 @@ def benchmark(config: ModelConfig, mesh, *, batch: int, prompt_len: int, new_tok
     sharding.check_batch(batch, mesh)  # rows are split over the data axis as they are
     check_generation(config, [[0] * prompt_len], new_tokens)
     model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(seed))
-    decoder = Decoder(model)
+    decoder = Decoder(model, consume=True)
     settings = rows_to_device(Rows.of([Sampling()] * batch), mesh)
     S = cache_length(config, prompt_len, new_tokens)
     rng = np.random.default_rng(seed)

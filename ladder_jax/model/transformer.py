@@ -661,27 +661,39 @@ def _fuse(model: Transformer, weights, kv: tuple) -> FusedInput:
     return FusedInput(fused, spec=out_spec)
 
 
-def fuse_inputs(model: Transformer) -> Transformer:
+def fuse_inputs(model: Transformer, *, in_place: bool = False) -> Transformer:
     """For decoding: a clone of `model` (sharing every other weight) whose matmuls over one
     input run as one, over a `FusedInput` built here, once: a parallel layer's q/k/v/gate/up
     (`fused_in`), every other scheme's attention q/k/v (`attn.qkv`) and MLP gate/up
     (`mlp.gate_up`). The clone drops the separate weights. Works on abstract models
     (`abstract`: weights as ShapeDtypeStructs) too, giving abstract fused weights.
 
+    `in_place=True` frees each layer's separate projections (their device buffers) as soon as
+    its fused copy is made, so the peak is one layer's copy more than the model: `model` must
+    not be used again (its q/k/v/gate/up are deleted; the clone is the model now). What
+    `decode` and `serve` do: nothing else holds their model.
+
     Footguns: the fused weights are a copy. While `model` is alive, the fused projections
-    (about 2/3 of a Llama layer) are held twice. A quantized (int8) model is returned as it is:
-    its int8 projections stay separate matmuls."""
+    (about 2/3 of a Llama layer) are held twice (unless `in_place`). A quantized (int8) model
+    is returned as it is: its int8 projections stay separate matmuls."""
     if model.config.quantize is not None:  # int8 weights stay unfused
         return model
     clone = nnx.merge(*nnx.split(model))
     for layer in clone.layers:
         a, m = layer.attn, layer.mlp
+        parts = (a.q, a.k, a.v, m.gate, m.up)
         if model.config.residual == "parallel":
-            layer.fused_in = _fuse(model, (a.q, a.k, a.v, m.gate, m.up),
-                                   (False, True, True, False, False))
+            layer.fused_in = _fuse(model, parts, (False, True, True, False, False))
+            made = [layer.fused_in]
         else:
-            a.qkv = _fuse(model, (a.q, a.k, a.v), (False, True, True))
-            m.gate_up = _fuse(model, (m.gate, m.up), (False, False))
+            a.qkv = _fuse(model, parts[:3], (False, True, True))
+            m.gate_up = _fuse(model, parts[3:], (False, False))
+            made = [a.qkv, m.gate_up]
+        if in_place:
+            jax.block_until_ready([f.get_value() for f in made])
+            for w in parts:
+                if isinstance(w.get_value(), jax.Array):
+                    w.get_value().delete()
         a.q = a.k = a.v = m.gate = m.up = None
     return clone
 
