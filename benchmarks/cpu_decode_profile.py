@@ -7,10 +7,10 @@ pool at one thread (`PJRT_NPROC=1`, a separate process) beside the default (ever
         [--new-tokens 64] [--top 20] [--no-threads]
 
 What it showed on a 2-core Intel Xeon (AVX-512, AMX), `small` preset, batch 16: a decode step
-of ~7 ms is 212 kernels, and its 84 YNNPACK ones take 80-240 us each whatever their FLOPs (the
-gate/up matmul [16,256]x[256,1536] ~240 us; the 1.5 MFLOP of attention matmuls per layer ~270
-us); one intra-op thread ran the step as fast as two or faster (6.0-7.3 vs 6.9-7.4 ms in three
-runs) while prefill needed both (280 vs 165 ms).
+of 4.6-4.7 ms is 212 kernels (5.3 ms of kernel time), the YNNPACK matmuls 60-160 us each
+whatever their FLOPs (gate/up [16,256]x[256,1536] 159 us; the attention matmuls per layer
+~195 us); one intra-op thread runs the step about as fast (4.8 ms) while prefill needs both
+(222 vs 122-128 ms; its gate/up matmul 5.5 ms per layer, 44 of its 142 ms of kernel time).
 The rows are kernel time, not wall time: kernels XLA runs at once both count.
 """
 
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     mesh = sharding.make_mesh(tp=1, data=1)
     B, T = args.batch, args.prompt_len
     gen.check_generation(config, [[0] * T], args.new_tokens)
-    decoder = gen.Decoder(lj.Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)))
+    decoder = gen.Decoder(lj.Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)), consume=True)
     S = cache_length(config, T, args.new_tokens)
     rows = gen.rows_to_device(gen.Rows.of([gen.Sampling()] * B), mesh)
     tokens = gen.to_device(np.random.default_rng(0).integers(
