@@ -700,7 +700,7 @@ def pool_fraction() -> float:
     try:
         f = float(v) if v else JAX_POOL_FRACTION
     except ValueError:
-        raise PredictError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={v!r}: a number in (0, 1]") from None
+        f = math.nan  # refused below with the out-of-range values
     if not 0 < f <= 1:
         raise PredictError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={v!r}: a number in (0, 1]")
     return f
@@ -848,7 +848,8 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         ratio = "-" if r["vs_standard"] is None else f"{r['vs_standard']:.3f}x"
         mem = ("" if "memory_per_gpu_bytes" not in r else
-               f" {r['memory_per_gpu_bytes'] / 2**30:>7.1f}" + _memory_flag(r))
+               f" {r['memory_per_gpu_bytes'] / 2**30:>7.1f}" + ("" if r["fits"] else
+                                                                " does not fit"))
         lines.append(f"{r['link']:<7} {r['tp']:>3} {r['batch']:>5} {r['residual']:<12} "
                      f"{r['prefill_s'] * 1e3:>10.1f} {r['decode_step_s'] * 1e3:>13.3f} "
                      f"{r['decode_step_exposed_comm_s'] * 1e3:>14.3f} "
@@ -857,16 +858,12 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _memory_flag(r: dict) -> str:
-    return "" if r["fits"] else " does not fit"
-
-
 def memory_note(rows: list[dict]) -> str:
     """What the GiB/GPU column counts, and what its flag means when a row has it."""
-    r = next((r for r in rows if "device_pool_bytes" in r), None)
-    if r is None:
+    first = next((r for r in rows if "device_pool_bytes" in r), None)
+    if first is None:
         return ""
-    chip, pool = hardware.CHIPS[r["target"]], r["device_pool_bytes"]
+    chip, pool = hardware.CHIPS[first["target"]], first["device_pool_bytes"]
     note = (f"GiB/GPU: weights (input projections fused in place) + KV cache per GPU, "
             f"temporaries not counted; jax's pool on the {chip.name} is {pool / 2**30:.1f} GiB "
             f"({pool / chip.memory_bytes:.2f} of {chip.memory_bytes / 2**30:.1f} GiB: "
