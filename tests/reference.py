@@ -63,8 +63,17 @@ def _mlp(w, x):
     return (g / (1 + jnp.exp(-g)) * (x @ w["up"])) @ w["down"]
 
 
+def _plain(tree):
+    """The state with each linear layer's {"weight": w} read as w (a `Linear` holds it)."""
+    if isinstance(tree, dict):
+        return tree["weight"] if set(tree) == {"weight"} else {
+            k: _plain(v) for k, v in tree.items()}
+    return [_plain(v) for v in tree] if isinstance(tree, list) else tree
+
+
 def forward(weights, cfg, tokens):
     """Logits (B, T, V) for `tokens` under cfg.residual / cfg.ladder_layers."""
+    weights = _plain(weights)
     eps = cfg.norm_eps
     inv_freq = _inv_freq(cfg)
     x = weights["embed"][tokens]

@@ -17,6 +17,7 @@ import ladder_jax as lj
 from ladder_jax.analysis import overlap, perfmodel, programs
 from ladder_jax.inference.cache import KVCache
 from ladder_jax.model import quant, transformer
+from ladder_jax.model.linear import flat_einsum
 from tests.helpers import TINY, tiny_model
 
 TOL = 1e-5
@@ -50,7 +51,7 @@ def test_xla_fused_attention_equals_reference_gqa_forward_and_backward():
 
 
 def test_flat_matmuls_equal_the_einsums():
-    """`quant.flat_einsum` (CPU meshes' linear layers) against `jnp.einsum` on every linear
+    """`linear.flat_einsum` (CPU meshes' linear layers) against `jnp.einsum` on every linear
     spec of the model, values and gradients of both operands; a spec that is not a linear
     layer's contraction is refused."""
     keys = jax.random.split(jax.random.key(4), 4)
@@ -61,13 +62,13 @@ def test_flat_matmuls_equal_the_einsums():
         x = jax.random.normal(keys[0], [shapes[c] for c in xs])
         w = jax.random.normal(keys[1], [shapes[c] for c in ws])
         g = jax.random.normal(keys[2], jnp.einsum(spec, x, w).shape)
-        for a, b in zip(jax.vjp(lambda x, w: quant.flat_einsum(spec, x, w), x, w)[1](g),
+        for a, b in zip(jax.vjp(lambda x, w: flat_einsum(spec, x, w), x, w)[1](g),
                         jax.vjp(lambda x, w: jnp.einsum(spec, x, w), x, w)[1](g)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(np.asarray(quant.flat_einsum(spec, x, w)),
+        np.testing.assert_allclose(np.asarray(flat_einsum(spec, x, w)),
                                    np.asarray(jnp.einsum(spec, x, w)), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="not a linear layer"):
-        quant.flat_einsum("BTD,BSD->BTS", jnp.ones((1, 2, 3)), jnp.ones((1, 2, 3)))
+        flat_einsum("BTD,BSD->BTS", jnp.ones((1, 2, 3)), jnp.ones((1, 2, 3)))
 
 
 def test_pallas_flash_attention_interpreted_equals_reference():

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import ladder_jax as lj
 from ladder_jax import config as config_lib
-from ladder_jax.model import sharding
+from ladder_jax.model import quant, sharding
 from ladder_jax.train import step
 from ladder_jax.train import trainer as trainer_module
 
@@ -147,9 +147,9 @@ def _slow_weight_gradients(flat: bool) -> int:
     config = lj.ModelConfig.from_preset("tiny", residual="standard", n_layers=2)
     mesh = lj.make_mesh(tp=1, data=1, devices=jax.devices()[:1])
     model = lj.Transformer(config, mesh=mesh, rngs=nnx.Rngs(0))
-    for layer in model.layers:
-        assert layer.attn.flat and layer.mlp.flat  # a CPU mesh
-        layer.attn.flat = layer.mlp.flat = flat
+    for linear in quant.linears(model):
+        assert linear is model.head or linear.flat  # a CPU mesh (the head is read whole)
+        linear.flat = flat
     graphdef, params = nnx.split(model)
     fn = sharding.jit(lambda p, t: step.loss_and_grads(graphdef, p, t, t), platform="cpu",
                       program="train")
@@ -159,7 +159,7 @@ def _slow_weight_gradients(flat: bool) -> int:
 
 
 def test_cpu_weight_gradients_contract_untransposed_operands():
-    """Linear layers on a CPU mesh run as 2-D matmuls (`quant.flat_einsum`): XLA:CPU compiles
+    """Linear layers on a CPU mesh run as 2-D matmuls (`linear.flat_einsum`): XLA:CPU compiles
     their weight gradients as (in, rows) x (rows, out) products of the activations as they
     lie. The 3-D einsums' backward held a transposed copy of one operand and a product of two
     transposed operands per MLP weight (~3x slower on the `small` preset); that form is shown

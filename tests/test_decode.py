@@ -255,7 +255,7 @@ def test_decoder_fuses_its_projections_only_where_the_copy_fits(monkeypatch):
     want = generation.generate(model, prompts, max_new_tokens=6, decoder=fused)
     need = sum(sh.data.nbytes for layer in model.layers
                for w in (layer.attn.q, layer.attn.k, layer.attn.v, layer.mlp.gate, layer.mlp.up)
-               for sh in w.get_value().addressable_shards)
+               for sh in w.weight.get_value().addressable_shards)
     monkeypatch.setattr(generation.runtime, "available_memory", lambda: int(1.9 * need))
     with pytest.warns(UserWarning, match="decoding without fused input projections"):
         plain = generation.Decoder(model)
@@ -279,7 +279,7 @@ def test_a_consuming_decoder_fuses_in_place_layer_by_layer(monkeypatch):
     real_fuse, seen = transformer._fuse, []
 
     def fuse(m, weights, kv):
-        seen.append([w.get_value().is_deleted() for layer in model.layers
+        seen.append([w.weight.get_value().is_deleted() for layer in model.layers
                      for w in (layer.attn.q, layer.mlp.up)])
         return real_fuse(m, weights, kv)
 
@@ -289,9 +289,9 @@ def test_a_consuming_decoder_fuses_in_place_layer_by_layer(monkeypatch):
     assert decoder.fused and len(seen) == 2 * n  # qkv and gate_up of every layer
     for i in range(n):  # before layer i's fusions: layers < i freed, the rest still there
         assert seen[2 * i] == [j < i for j in range(n) for _ in range(2)]
-    assert all(w.get_value().is_deleted() for layer in model.layers
+    assert all(w.weight.get_value().is_deleted() for layer in model.layers
                for w in (layer.attn.q, layer.attn.k, layer.attn.v, layer.mlp.gate, layer.mlp.up))
-    assert not model.layers[0].attn.o.get_value().is_deleted()  # shared with the decoder
+    assert not model.layers[0].attn.o.weight.get_value().is_deleted()  # shared with the decoder
     assert generation.generate(model, prompts, max_new_tokens=6, decoder=decoder) == want
 
 

@@ -94,7 +94,7 @@ def test_load_hf_quantize_int8(llamas, which):
     path, tm = llamas[which]
     q, _ = lj.load_hf(path, mesh=_mesh(4), quantize="int8")
     want = quant.quantize(lj.load_hf(path, mesh=_mesh(1))[0])
-    assert q.config.quantize == "int8" and q.layers[0].mlp.down.dtype == np.int8
+    assert q.config.quantize == "int8" and q.layers[0].mlp.down.weight.dtype == np.int8
     assert (q.head is None) == (which == "tied") and q.embed.dtype == np.float32
     for a, b in zip(jax.tree.leaves(nnx.state(q)), jax.tree.leaves(nnx.state(want))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -80,7 +80,7 @@ def test_int8_tracks_float_on_a_trained_model(run, held_out):
     assert rel.mean() > 1e-4
     crude = nnx.merge(*nnx.split(qmodel))
     for layer in crude.layers:
-        layer.mlp.down_scale[...] = layer.mlp.down_scale[...] * 1.5
+        layer.mlp.down.scale[...] = layer.mlp.down.scale[...] * 1.5
     worse = np.asarray(logits(crude, tokens))
     assert (np.linalg.norm(worse - f, axis=-1) / np.linalg.norm(f, axis=-1)).max() > \
         REL_ERROR_PER_POSITION
@@ -90,28 +90,29 @@ def test_quantized_weights_are_int8_with_scales_sharded_like_them():
     model = lj.Transformer(TINY, mesh=mesh(4), rngs=nnx.Rngs(0))
     qmodel = quant.quantize(model)
     attn, mlp = qmodel.layers[0].attn, qmodel.layers[0].mlp
-    assert attn.q.dtype == jnp.int8 and attn.q_scale.shape == (1, 8, 8)
-    assert attn.o_scale.shape == (1, 1, 64) and mlp.down_scale.shape == (1, 64)
+    assert attn.q.weight.dtype == jnp.int8 and attn.q.scale.shape == (1, 8, 8)
+    assert attn.o.scale.shape == (1, 1, 64) and mlp.down.scale.shape == (1, 64)
     m = qmodel.mesh
 
     def laid_out(x, *spec):
         return x.sharding.is_equivalent_to(NamedSharding(m, P(*spec)), x.ndim)
 
-    assert laid_out(attn.q, None, "tp", None) and laid_out(attn.q_scale, None, "tp", None)
-    assert laid_out(attn.o, "tp", None, None) and laid_out(attn.o_scale)  # output D: replicated
-    assert laid_out(mlp.gate_scale, None, "tp") and laid_out(mlp.down_scale)
-    assert laid_out(qmodel.head_scale, None, "tp")
-    assert qmodel.head.dtype == jnp.int8 and qmodel.embed.dtype == jnp.float32
+    assert laid_out(attn.q.weight, None, "tp", None) and laid_out(attn.q.scale, None, "tp", None)
+    assert laid_out(attn.o.weight, "tp", None, None) and laid_out(attn.o.scale)  # output D
+    assert laid_out(mlp.gate.scale, None, "tp") and laid_out(mlp.down.scale)
+    assert laid_out(qmodel.head.scale, None, "tp")
+    assert qmodel.head.weight.dtype == jnp.int8 and qmodel.embed.dtype == jnp.float32
     # independent reference: numpy's per-output-channel rounding of the float weight
-    w = np.asarray(model.layers[0].attn.o[...])
+    w = np.asarray(model.layers[0].attn.o.weight[...])
     scale = np.abs(w).max(axis=(0, 1), keepdims=True) / 127
-    np.testing.assert_array_equal(np.asarray(attn.o[...]), np.round(w / scale).astype(np.int8))
-    np.testing.assert_allclose(np.asarray(attn.o_scale[...]), scale, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(attn.o.weight[...]),
+                                  np.round(w / scale).astype(np.int8))
+    np.testing.assert_allclose(np.asarray(attn.o.scale[...]), scale, rtol=1e-6)
     # a quantized preset draws the same weights and quantizes them
     direct = lj.Transformer(dataclasses.replace(TINY, quantize="int8"),
                             mesh=mesh(4), rngs=nnx.Rngs(0))
-    np.testing.assert_array_equal(np.asarray(direct.layers[1].mlp.up[...]),
-                                  np.asarray(qmodel.layers[1].mlp.up[...]))
+    np.testing.assert_array_equal(np.asarray(direct.layers[1].mlp.up.weight[...]),
+                                  np.asarray(qmodel.layers[1].mlp.up.weight[...]))
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
@@ -134,7 +135,7 @@ def test_store_quantized_then_load_and_generate(run, tmp_path):
     out = str(tmp_path / "int8")
     assert convert_cli.main(["--checkpoint", run, "--out", out, "--quantize", "int8"]) == 0
     stored, tok = lj.load(out, mesh=mesh(2))
-    assert stored.config.quantize == "int8" and stored.layers[0].attn.q.dtype == jnp.int8
+    assert stored.config.quantize == "int8" and stored.layers[0].attn.q.weight.dtype == jnp.int8
     with open(os.path.join(out, "config.yaml")) as f:
         assert "quantize: int8" in f.read()
     in_memory = quant.quantize(lj.load(run, tp=1)[0])

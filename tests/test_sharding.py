@@ -70,13 +70,14 @@ def test_gradients_are_not_trivially_zero(by_layout):
 def test_weights_are_stored_sharded():
     model = lj.Transformer(TINY, mesh=_mesh(4, 1), rngs=nnx.Rngs(0))
     layer = model.layers[0]
-    assert layer.attn.q[...].sharding.shard_shape(layer.attn.q[...].shape) == (64, 2, 8)
-    assert layer.mlp.down[...].sharding.shard_shape(layer.mlp.down[...].shape) == (32, 64)
-    assert layer.attn.k[...].sharding.shard_shape((64, 4, 8)) == (64, 1, 8)
-    assert model.head[...].sharding.shard_shape((64, 320)) == (64, 80)
+    q, down = layer.attn.q.weight[...], layer.mlp.down.weight[...]
+    assert q.sharding.shard_shape(q.shape) == (64, 2, 8)
+    assert down.sharding.shard_shape(down.shape) == (32, 64)
+    assert layer.attn.k.weight[...].sharding.shard_shape((64, 4, 8)) == (64, 1, 8)
+    assert model.head.weight[...].sharding.shard_shape((64, 320)) == (64, 80)
     # n_kv_heads=4 < tp=8: kv weights are replicated, query heads still split
     model8 = lj.Transformer(TINY, mesh=_mesh(8, 1), rngs=nnx.Rngs(0))
-    assert model8.layers[0].attn.k[...].sharding.shard_shape((64, 4, 8)) == (64, 4, 8)
+    assert model8.layers[0].attn.k.weight[...].sharding.shard_shape((64, 4, 8)) == (64, 4, 8)
     assert model8.layers[0].attn.kv_replicated
 
 

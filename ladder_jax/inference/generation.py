@@ -189,8 +189,7 @@ def fusion_fits(model: Transformer, share: float = 0.5) -> bool:
     if model.config.quantize is not None or jax.process_count() > 1:
         return True
     layer = model.layers[0]
-    weights = [w.get_value() for w in (layer.attn.q, layer.attn.k, layer.attn.v,
-                                         layer.mlp.gate, layer.mlp.up)]
+    weights = [lin.weight.get_value() for lin in layer.input_linears()]
     if any(not isinstance(w, jax.Array) for w in weights):
         return True
     device = model.mesh.devices.flat[0]

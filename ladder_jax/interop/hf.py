@@ -331,26 +331,27 @@ def _table(c: ModelConfig) -> list[_Entry]:
     rows = [_Entry(("embed",), "model.embed_tokens.weight", (V, D), same, same)]
     for i in range(c.n_layers):
         p = f"model.layers.{i}."
+        attn, mlp = ("layers", i, "attn"), ("layers", i, "mlp")  # a `Linear`'s path: + weight
         rows += [
             _Entry(("layers", i, "attn_norm", "scale"), p + "input_layernorm.weight", (D,),
                    same, same),
-            _Entry(("layers", i, "attn", "q"), p + "self_attn.q_proj.weight", (N * H, D),
+            _Entry((*attn, "q", "weight"), p + "self_attn.q_proj.weight", (N * H, D),
                    *proj(N)),
-            _Entry(("layers", i, "attn", "k"), p + "self_attn.k_proj.weight", (K * H, D),
+            _Entry((*attn, "k", "weight"), p + "self_attn.k_proj.weight", (K * H, D),
                    *proj(K)),
-            _Entry(("layers", i, "attn", "v"), p + "self_attn.v_proj.weight", (K * H, D),
+            _Entry((*attn, "v", "weight"), p + "self_attn.v_proj.weight", (K * H, D),
                    *proj(K)),
-            _Entry(("layers", i, "attn", "o"), p + "self_attn.o_proj.weight", (D, N * H),
+            _Entry((*attn, "o", "weight"), p + "self_attn.o_proj.weight", (D, N * H),
                    *out_in),
             _Entry(("layers", i, "mlp_norm", "scale"), p + "post_attention_layernorm.weight",
                    (D,), same, same),
-            _Entry(("layers", i, "mlp", "gate"), p + "mlp.gate_proj.weight", (F, D), T, T),
-            _Entry(("layers", i, "mlp", "up"), p + "mlp.up_proj.weight", (F, D), T, T),
-            _Entry(("layers", i, "mlp", "down"), p + "mlp.down_proj.weight", (D, F), T, T),
+            _Entry((*mlp, "gate", "weight"), p + "mlp.gate_proj.weight", (F, D), T, T),
+            _Entry((*mlp, "up", "weight"), p + "mlp.up_proj.weight", (F, D), T, T),
+            _Entry((*mlp, "down", "weight"), p + "mlp.down_proj.weight", (D, F), T, T),
         ]
     rows.append(_Entry(("final_norm", "scale"), "model.norm.weight", (D,), same, same))
     if not c.tie_embeddings:
-        rows.append(_Entry(("head",), "lm_head.weight", (V, D), T, T))
+        rows.append(_Entry(("head", "weight"), "lm_head.weight", (V, D), T, T))
     return rows
 
 

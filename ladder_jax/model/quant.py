@@ -5,9 +5,9 @@
     python -m ladder_jax.decode --checkpoint runs/tiny --quantize int8
     python -m ladder_jax.convert --checkpoint runs/tiny --out runs/tiny-int8 --quantize int8
 
-The representation (`ModelConfig.quantize="int8"`). Every linear weight w -- q, k, v, o, gate,
-up, down and the untied LM head -- is stored as int8 values `w` and a float32 attribute
-`w_scale`, symmetric and per output channel: scale = max |w| over the weight's contracted
+The representation (`ModelConfig.quantize="int8"`). Every linear weight -- q, k, v, o, gate,
+up, down and the untied LM head, each a `Linear` -- is stored as int8 values `weight` and a
+float32 `scale`, symmetric and per output channel: scale = max |w| over the weight's contracted
 (input) axes / 127, values = round(w / scale) in [-127, 127]. The scale keeps the weight's
 rank with size 1 on the contracted axes (q (D, N, H) -> (1, N, H); o (N, H, D) -> (1, 1, D)),
 so it is sharded exactly like its weight with the contracted axes unsplit: column-parallel
@@ -18,7 +18,7 @@ Not quantized: the embedding table (a lookup reads B rows, not the table), a *ti
 decoding (`check` refuses `model.quantize` in a training config, and a float path that meets
 a quantized checkpoint says so).
 
-The matmul (`einsum`): y = (x @ values.astype(dtype)) * scale, the scale applied to the output
+The matmul (`Linear`): y = (x @ values.astype(dtype)) * scale, the scale applied to the output
 channels after the contraction (exact: it is constant along the contracted axes; in float32,
 then cast to the compute dtype). Applied after, not before: XLA:GPU then fuses the int8 ->
 bf16 conversion into the GEMM (a Triton GEMM fusion whose operand is the s8 parameter), so the
@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -65,14 +64,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ladder_jax.config import QUANTIZE, ConfigError, check_quantize
-from ladder_jax.model import sharding
+from ladder_jax.model.linear import Linear
 
-# The contracted (input) axes of every linear weight, by attribute name; the others are its
-# output channels, one scale each.
-CONTRACTED = {"q": (0,), "k": (0,), "v": (0,), "o": (0, 1), "gate": (0,), "up": (0,),
-              "down": (0,), "head": (0,)}
-SCALE = "_scale"  # the scale of weight `w` is the attribute `w_scale`
-_MODULES = {"attn": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down")}
+SCALE = "scale"  # the `Linear` attribute (and state path entry) of an int8 weight's scale
 
 
 def scale_spec(spec: P, ndim: int, contracted) -> P:
@@ -104,73 +98,33 @@ def _dequantize_placed(values, scale, *, dtype, sharding):
     return jax.lax.with_sharding_constraint(w, sharding)
 
 
-def quantized_param(weight: nnx.Param, name: str, mesh) -> tuple[nnx.Param, nnx.Param]:
-    """(values, scale) Params of the float Param `weight` (the linear weight `name`), placed in
-    its tp layout (`weight.spec`) and the scale's (`scale_spec`)."""
+def quantize_linear(linear: Linear, mesh) -> None:
+    """Quantizes the float `linear` in place: int8 values placed in its tp layout and its
+    scale (`scale_spec`)."""
+    weight = linear.weight
     if getattr(weight, "stored", weight.spec) != weight.spec:
         raise ConfigError("quantized weights are for decoding: FSDP (mesh.fsdp, training) "
                           "keeps float weights")
-    contracted = CONTRACTED[name]
-    ndim = len(weight.shape)
-    sspec = scale_spec(weight.spec, ndim, contracted)
+    contracted = linear.contracted
+    sspec = scale_spec(weight.spec, len(weight.shape), contracted)
     values, scale = _quantize_placed(weight[...], contracted=contracted, shardings=(
         NamedSharding(mesh, weight.spec), NamedSharding(mesh, sspec)))
-    return (nnx.Param(values, spec=weight.spec, stored=weight.spec),
-            nnx.Param(scale, spec=sspec, stored=sspec))
+    linear.weight = nnx.Param(values, spec=weight.spec, stored=weight.spec)
+    linear.scale = nnx.data(nnx.Param(scale, spec=sspec, stored=sspec))  # was None: static
 
 
-def rescale(y, spec: str, scale):
-    """`y`, the result of `jnp.einsum(spec, x, values)`, times the weight's scale (None: a
-    float weight, `y` unchanged). The scale's output axes must end `y`, in the weight's order
-    (true of every einsum of the model)."""
-    if scale is None:
-        return y
-    ins, out = spec.replace(" ", "").split("->")
-    w_letters = ins.split(",")[1]
-    kept = "".join(c for c in w_letters if c in out)
-    assert out.endswith(kept), f"{spec}: the weight's output axes must end the result"
-    s = scale.reshape([n for n, c in zip(scale.shape, w_letters) if c in out])
-    return (y.astype(jnp.float32) * s).astype(y.dtype)
+def dequantize_linear(linear: Linear, mesh, dtype) -> None:
+    """The int8 `linear` made float in place: values * scale in `dtype`, in its sharding."""
+    values = linear.weight
+    w = _dequantize_placed(values[...], linear.scale[...], dtype=dtype,
+                           sharding=NamedSharding(mesh, values.spec))
+    linear.weight = nnx.Param(w, spec=values.spec, stored=values.spec)
+    linear.scale = nnx.static(None)
 
 
-def einsum(spec: str, x, weight, scale, dtype, pick=None, *, flat: bool = False):
-    """Inside shard_map: `jnp.einsum(spec, x, w)` for the linear weight `weight` (an nnx Param,
-    float or int8 values) read in `dtype` (`sharding.read_weight`), times `scale` (its scale
-    Param, or None for a float weight) after the contraction. `pick(array)` selects from the
-    weight and its scale alike (a rank's kv head). `flat`: the same product as one 2-D matmul
-    (`flat_einsum`), the form XLA:CPU runs fastest."""
-    w = sharding.read_weight(weight, dtype)
-    s = None if scale is None else sharding.read_weight(scale, jnp.float32)
-    if pick is not None:
-        w = pick(w)
-        s = None if s is None else pick(s)
-    return rescale(flat_einsum(spec, x, w) if flat else jnp.einsum(spec, x, w), spec, s)
-
-
-def flat_einsum(spec: str, x, w):
-    """`jnp.einsum(spec, x, w)` for a linear layer's spec (x's trailing axes contracted with
-    w's leading ones, the result x's other axes then w's: "BTD,DNH->BTNH", "BTNH,NHD->BTD")
-    as one (rows, in) x (in, out) matmul between reshapes. On XLA:CPU this form's backward
-    differs where it counts: the weight gradient of a 3-D einsum was compiled as a product of
-    two transposed operands (one copied transposed first), ~3x slower than the (in, rows) x
-    (rows, out) product of the 2-D form (the `small` training step: ~10% faster)."""
-    ins, out = spec.replace(" ", "").split("->")
-    xs, ws = ins.split(",")
-    n = sum(1 for c in xs if c in ws)  # contracted axes
-    if not (xs[len(xs) - n:] == ws[:n] and out == xs[:len(xs) - n] + ws[n:]):
-        raise ValueError(f"flat_einsum: {spec!r} is not a linear layer's contraction")
-    rows, cols = x.shape[:x.ndim - n], w.shape[n:]
-    k = math.prod(x.shape[x.ndim - n:])
-    y = x.reshape(-1, k) @ w.reshape(k, -1)
-    return y.reshape(*rows, *cols)
-
-
-def _linear_modules(model):
-    """(module, weight names) of every quantizable linear weight of a Transformer."""
-    out = [(getattr(layer, m), names) for layer in model.layers for m, names in _MODULES.items()]
-    if model.head is not None:
-        out.append((model, ("head",)))
-    return out
+def linears(model) -> list[Linear]:
+    """Every `Linear` of a Transformer: its quantizable weights."""
+    return [node for _, node in nnx.iter_graph(model) if isinstance(node, Linear)]
 
 
 def quantize(model, mode: str = "int8"):
@@ -183,11 +137,8 @@ def quantize(model, mode: str = "int8"):
         raise ConfigError(f"the model is quantized already ({model.config.quantize}): "
                           f"quantize its float model")
     clone = nnx.merge(*nnx.split(model))
-    for module, names in _linear_modules(clone):
-        for name in names:
-            values, scale = quantized_param(getattr(module, name), name, clone.mesh)
-            setattr(module, name, values)
-            setattr(module, name + SCALE, nnx.data(scale))  # was None: a static attribute
+    for linear in linears(clone):
+        quantize_linear(linear, clone.mesh)
     clone.config = dataclasses.replace(model.config, quantize=mode)
     return clone
 
@@ -199,13 +150,8 @@ def dequantize(model):
         return model
     clone = nnx.merge(*nnx.split(model))
     dtype = jnp.dtype(model.config.param_dtype)
-    for module, names in _linear_modules(clone):
-        for name in names:
-            values, scale = getattr(module, name), getattr(module, name + SCALE)
-            w = _dequantize_placed(values[...], scale[...], dtype=dtype,
-                                   sharding=NamedSharding(clone.mesh, values.spec))
-            setattr(module, name, nnx.Param(w, spec=values.spec, stored=values.spec))
-            setattr(module, name + SCALE, nnx.static(None))
+    for linear in linears(clone):
+        dequantize_linear(linear, clone.mesh, dtype)
     clone.config = dataclasses.replace(model.config, quantize=None)
     return clone
 

@@ -51,12 +51,13 @@ batched over (B, K), the masked softmax between them), which XLA:CPU runs faster
 `attend`; over the KV cache (a decode step: one query over the cache, keys laid out
 (B, K, H, S) and values (B, K, S, H)) its twin `attend_cache`.
 
-CPU programs. Linear layers on a CPU mesh run as 2-D matmuls (`quant.flat_einsum`, the
-modules' `flat` attribute): XLA:CPU compiles the 3-D einsums' weight gradients as a product of
+Linear layers. Every weight matmul goes through a `ladder_jax.model.linear.Linear` (weight, int8
+scale, einsum equation). On a CPU mesh they run as 2-D matmuls (`linear.flat_einsum`, the
+`Linear.flat` attribute): XLA:CPU compiles the 3-D einsums' weight gradients as a product of
 two transposed operands, several times slower.
 
 Decoding clones. `fuse_inputs` gives the decoder (`ladder_jax.inference.generation.Decoder`) a
-clone whose matmuls over one input are one matmul over one contiguous weight (`FusedInput`),
+clone whose matmuls over one input are one matmul over one contiguous weight (`FusedLinear`),
 built once: q/k/v and gate/up (parallel: all five); the weight tree is unchanged.
 
 Footguns:
@@ -67,8 +68,8 @@ Footguns:
 - Parameters are float32 by default (`param_dtype`); matmuls run in `dtype`; norms, softmax
   and logits in float32.
 - `config.quantize="int8"`: every linear weight is int8 values plus a float32 scale per
-  output channel (attribute `<name>_scale`, None for float weights), read through
-  `ladder_jax.model.quant.einsum`; for decoding only (`ladder_jax.model.quant`).
+  output channel (`Linear.scale`, None for float weights), applied after the matmul; for
+  decoding only (`ladder_jax.model.quant`).
 - The Pallas kernel reaches into jax internals of the pinned jax version (see `pallas_flash`),
   and tiles T in blocks: other lengths run XLA's attention (`attend_causal`).
 - A parallel `Decoder` holds the fused copy of its model's q/k/v/gate/up beside the model's
@@ -83,7 +84,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax._src import config as jax_config
 from jax.experimental.pallas.ops.gpu import attention as pallas_attention
@@ -92,6 +92,7 @@ from jax.sharding import PartitionSpec as P
 
 from ladder_jax.config import PRESETS, RESIDUALS, ConfigError, ModelConfig, RopeScaling  # noqa: F401
 from ladder_jax.model import quant, residual, sharding
+from ladder_jax.model.linear import FusedInput, FusedLinear, FusesInputs, Linear
 from ladder_jax.model.sharding import DATA, TP, WeightSpecs
 
 # ---------------------------------------------------------------------------------------------
@@ -123,12 +124,15 @@ def _weight(rngs: nnx.Rngs, mesh: Mesh, shape, spec: P, dtype, std: float,
     return nnx.Param(value, spec=spec, stored=stored)
 
 
-def _linear(rngs: nnx.Rngs, mesh: Mesh, name: str, shape, spec: P, config: ModelConfig,
-            std: float, fsdp_data: int = 1) -> tuple[nnx.Param, nnx.Param | None]:
-    """A linear weight `name` and its scale: None for float weights; with `config.quantize`
-    the same draw, quantized in place (`ladder_jax.model.quant`)."""
+def _linear(rngs: nnx.Rngs, mesh: Mesh, equation: str, shape, spec: P, config: ModelConfig,
+            std: float, fsdp_data: int = 1, *, kv_heads=None, flat: bool = True) -> Linear:
+    """A `Linear` of a weight drawn in place (`_weight`); with `config.quantize` the same draw,
+    quantized in place (`ladder_jax.model.quant`). `flat`: on CPU meshes (`flat_matmuls`)."""
     w = _weight(rngs, mesh, shape, spec, config.param_dtype, std, fsdp_data)
-    return (w, None) if config.quantize is None else quant.quantized_param(w, name, mesh)
+    linear = Linear(w, equation, flat=flat and flat_matmuls(mesh), kv_heads=kv_heads)
+    if config.quantize is not None:
+        quant.quantize_linear(linear, mesh)
+    return linear
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,24 +179,28 @@ def apply_rope(x_btnh, positions_bt, inv_freq):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_btnh.dtype)
 
 
-class Attention(nnx.Module):
+class Attention(FusesInputs):
+    INPUTS, FUSED = ("q", "k", "v"), "qkv"
+
     def __init__(self, config: ModelConfig, *, mesh: Mesh, specs: WeightSpecs, rngs: nnx.Rngs):
         D, N, K, H = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
         std_out = 0.02 / math.sqrt(2 * config.n_layers)
         fs = specs.fsdp_data
-        self.q, self.q_scale = _linear(rngs, mesh, "q", (D, N, H), specs.q_dnh, config, 0.02, fs)
-        self.k, self.k_scale = _linear(rngs, mesh, "k", (D, K, H), specs.kv_dkh, config, 0.02, fs)
-        self.v, self.v_scale = _linear(rngs, mesh, "v", (D, K, H), specs.kv_dkh, config, 0.02, fs)
-        self.o, self.o_scale = _linear(rngs, mesh, "o", (N, H, D), specs.o_nhd, config, std_out,
-                                       fs)
+        self.tp = sharding.tp_size(mesh)
+        kv = (K, self.tp) if specs.kv_replicated else None  # each rank reads its kv head
+        self.q = _linear(rngs, mesh, "BTD,DNH->BTNH", (D, N, H), specs.q_dnh, config, 0.02, fs)
+        self.k = _linear(rngs, mesh, "BTD,DKH->BTKH", (D, K, H), specs.kv_dkh, config, 0.02, fs,
+                         kv_heads=kv)
+        self.v = _linear(rngs, mesh, "BTD,DKH->BTKH", (D, K, H), specs.kv_dkh, config, 0.02, fs,
+                         kv_heads=kv)
+        self.o = _linear(rngs, mesh, "BTNH,NHD->BTD", (N, H, D), specs.o_nhd, config, std_out,
+                         fs)
+        self.qkv = None  # decoding: their `FusedLinear` (`install_fused`)
         self.n_kv_heads = K
         self.head_dim = H
-        self.tp = sharding.tp_size(mesh)
         self.kv_replicated = specs.kv_replicated
-        self.local_heads = fused_input_columns(config, self.tp)[:2]  # query, kv heads
         self.dtype = config.dtype
         self.kernel = attention_kernel(mesh, config.dtype, H)
-        self.flat = flat_matmuls(mesh)
 
     def __call__(self, x_btd, positions_bt, inv_freq, cache=None):
         """This rank's partial sum (B, T, D) of the attention output; with a KV cache
@@ -205,30 +213,13 @@ class Attention(nnx.Module):
         fused causal kernel over the T keys of the call itself (`attend_causal`): the same
         result as attending over the cache, whose slots past t no query t may see. With
         positions given, it runs the reference `attend` over the keys (or cache slots)."""
-        dt = self.dtype
-        x = x_btd.astype(dt)
-        qkv = getattr(self, "qkv", None)  # a decoding clone's fused q/k/v (`fuse_inputs`)
-        if qkv is not None:
-            B, T = x.shape[:2]
-            (n, kv), H = self.local_heads, self.head_dim
-            y_btc = jnp.einsum("BTD,DC->BTC", x, sharding.read_weight(qkv, dt))
-            q_btnh, k_btkh, v_btkh = (y.reshape(B, T, -1, H) for y in jnp.split(
-                y_btc, [n * H, (n + kv) * H], axis=-1))
-            return self.attend_and_project(q_btnh, k_btkh, v_btkh, positions_bt, inv_freq,
-                                           cache)
-        pick = functools.partial(sharding.local_kv_head, n_kv_heads=self.n_kv_heads,
-                                 tp=self.tp) if self.kv_replicated else None
-        q_btnh = quant.einsum("BTD,DNH->BTNH", x, self.q, self.q_scale, dt, flat=self.flat)
-        k_btkh = quant.einsum("BTD,DKH->BTKH", x, self.k, self.k_scale, dt, pick,
-                              flat=self.flat)
-        v_btkh = quant.einsum("BTD,DKH->BTKH", x, self.v, self.v_scale, dt, pick,
-                              flat=self.flat)
+        q_btnh, k_btkh, v_btkh = self.project_inputs(x_btd.astype(self.dtype), self.dtype)
         return self.attend_and_project(q_btnh, k_btkh, v_btkh, positions_bt, inv_freq, cache)
 
     def attend_and_project(self, q_btnh, k_btkh, v_btkh, positions_bt, inv_freq, cache=None):
         """Everything after the q/k/v projections (RoPE, cache write, attention, the output
         projection); `__call__` documents the arguments. The parallel scheme's fused input
-        projection (`FusedInput`) enters here."""
+        projection (`Layer.fused_in`) enters here."""
         B, T = q_btnh.shape[:2]
         from_start = positions_bt is None
         if from_start:
@@ -247,8 +238,7 @@ class Attention(nnx.Module):
             S = v_bksh.shape[2]
             slots_bs = jnp.broadcast_to(jnp.arange(S, dtype=positions_bt.dtype), (B, S))
             out_btnh = attend_cache(q_btnh, k_bkhs, v_bksh, positions_bt, slots_bs)
-        y_btd = quant.einsum("BTNH,NHD->BTD", out_btnh, self.o, self.o_scale, self.dtype,
-                             flat=self.flat)
+        y_btd = self.o(out_btnh, self.dtype)
         return y_btd if cache is None else (y_btd, new_cache)
 
 
@@ -306,7 +296,7 @@ ATTENTION_KERNELS = ("matmul", "xla", "cudnn", "pallas")
 
 
 def flat_matmuls(mesh: Mesh) -> bool:
-    """Whether the linear layers of a model on `mesh` run as 2-D matmuls (`quant.flat_einsum`):
+    """Whether the linear layers of a model on `mesh` run as 2-D matmuls (`linear.flat_einsum`):
     on CPU meshes, where XLA compiles that form's backward several times faster. GPU programs
     keep the einsums (what the overlap proofs and the performance model were built on)."""
     return mesh.devices.flat[0].platform == "cpu"
@@ -406,44 +396,42 @@ def _pallas_bwd(scale, interpret, res, ct_btnh):
 pallas_flash.defvjp(_pallas_fwd, _pallas_bwd)
 
 
-class MLP(nnx.Module):
+class MLP(FusesInputs):
+    INPUTS, FUSED = ("gate", "up"), "gate_up"
+
     def __init__(self, config: ModelConfig, *, mesh: Mesh, specs: WeightSpecs, rngs: nnx.Rngs):
         D, F = config.d_model, config.d_ff
         fs = specs.fsdp_data
-        self.gate, self.gate_scale = _linear(rngs, mesh, "gate", (D, F), specs.up_df, config,
-                                             0.02, fs)
-        self.up, self.up_scale = _linear(rngs, mesh, "up", (D, F), specs.up_df, config, 0.02, fs)
-        self.down, self.down_scale = _linear(rngs, mesh, "down", (F, D), specs.down_fd, config,
-                                             0.02 / math.sqrt(2 * config.n_layers), fs)
+        self.gate = _linear(rngs, mesh, "BTD,DF->BTF", (D, F), specs.up_df, config, 0.02, fs)
+        self.up = _linear(rngs, mesh, "BTD,DF->BTF", (D, F), specs.up_df, config, 0.02, fs)
+        self.down = _linear(rngs, mesh, "BTF,FD->BTD", (F, D), specs.down_fd, config,
+                            0.02 / math.sqrt(2 * config.n_layers), fs)
+        self.gate_up = None  # decoding: their `FusedLinear` (`install_fused`)
         self.dtype = config.dtype
-        self.flat = flat_matmuls(mesh)
 
     def __call__(self, x_btd):
         """Returns this rank's partial sum (B, T, D) of the SwiGLU output."""
-        dt = self.dtype
-        x = x_btd.astype(dt)
-        gate_up = getattr(self, "gate_up", None)  # a decoding clone's (`fuse_inputs`)
-        if gate_up is not None:
-            y_btc = jnp.einsum("BTD,DC->BTC", x, sharding.read_weight(gate_up, dt))
-            return self.project_down(*jnp.split(y_btc, 2, axis=-1))
-        g_btf = quant.einsum("BTD,DF->BTF", x, self.gate, self.gate_scale, dt, flat=self.flat)
-        u_btf = quant.einsum("BTD,DF->BTF", x, self.up, self.up_scale, dt, flat=self.flat)
-        return self.project_down(g_btf, u_btf)
+        return self.project_down(*self.project_inputs(x_btd.astype(self.dtype), self.dtype))
 
     def project_down(self, g_btf, u_btf):
         """silu(gate) * up through the down projection (the parallel scheme's fused input
         projection enters here)."""
-        return quant.einsum("BTF,FD->BTD", jax.nn.silu(g_btf) * u_btf, self.down,
-                            self.down_scale, self.dtype, flat=self.flat)
+        return self.down(jax.nn.silu(g_btf) * u_btf, self.dtype)
 
 
-class Layer(nnx.Module):
+class Layer(FusesInputs):
+    """Attention and MLP, each behind its norm. Decoding a parallel model fuses all five input
+    projections, which read one normalized input, into `fused_in` (`install_fused`)."""
+
+    INPUTS, FUSED = ("attn.q", "attn.k", "attn.v", "mlp.gate", "mlp.up"), "fused_in"
+
     def __init__(self, config: ModelConfig, *, mesh: Mesh, specs: WeightSpecs, rngs: nnx.Rngs):
         kw = dict(mesh=mesh, specs=specs, param_dtype=config.param_dtype)
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps, **kw)
         self.attn = Attention(config, mesh=mesh, specs=specs, rngs=rngs)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, **kw)
         self.mlp = MLP(config, mesh=mesh, specs=specs, rngs=rngs)
+        self.fused_in = None
 
 
 class Transformer(nnx.Module):
@@ -465,8 +453,9 @@ class Transformer(nnx.Module):
         self.layers = nnx.List(
             [Layer(config, mesh=mesh, specs=specs, rngs=rngs) for _ in range(config.n_layers)])
         self.final_norm = RMSNorm(D, config.norm_eps, mesh=mesh, specs=specs, param_dtype=pd)
-        self.head, self.head_scale = (None, None) if config.tie_embeddings else _linear(
-            rngs, mesh, "head", (D, V), specs.head_dv, config, 0.02, specs.fsdp_data)
+        self.head = None if config.tie_embeddings else _linear(
+            rngs, mesh, "BTD,DV->BTV", (D, V), specs.head_dv, config, 0.02, specs.fsdp_data,
+            flat=False)
 
     def __repr__(self):
         c = self.config
@@ -537,15 +526,15 @@ class Transformer(nnx.Module):
             head_dv = sharding.local_vocab_rows(sharding.read_weight(self.embed),
                                                 self.mesh.shape[TP]).T.astype(c.dtype)
         else:
-            head_dv = sharding.read_weight(self.head, c.dtype)
+            head_dv = self.head.read(c.dtype)
         with jax.named_scope("head"):
             if c.residual == "upper_bound":  # the stream is tp-varying already
                 logits_btv = jnp.einsum("BTD,DV->BTV", h_btd, head_dv,
                                         preferred_element_type=jnp.float32)
             else:
                 logits_btv = residual.lm_head(h_btd, head_dv)
-            logits_btv = quant.rescale(logits_btv, "BTD,DV->BTV", None if self.head_scale is None
-                                       else sharding.read_weight(self.head_scale, jnp.float32))
+            if self.head is not None:
+                logits_btv = self.head.rescale(logits_btv)
         return logits_btv, caches
 
     def layer_loop(self, x_btd, positions_bt, caches=None):
@@ -568,9 +557,8 @@ class Transformer(nnx.Module):
                 # tp-varying from here: the backward's input all-reduce (none at tp=1)
                 h_btd = sharding.vary_tp(layer.attn_norm(x_btd).astype(c.dtype))
                 cache = None if caches is None else caches[i]
-                fused = getattr(layer, "fused_in", None)
-                if fused is not None:  # `fuse_parallel_inputs`: one matmul for all five
-                    q, k, v, g_btf, u_btf = self._parallel_inputs(fused, h_btd)
+                if layer.fused_in is not None:  # decoding: one matmul for all five
+                    q, k, v, g_btf, u_btf = layer.project_inputs(h_btd, c.dtype)
                     a = layer.attn.attend_and_project(q, k, v, positions_bt, inv_freq, cache)
                     m_btd = layer.mlp.project_down(g_btf, u_btf)
                 elif caches is None:
@@ -583,20 +571,6 @@ class Transformer(nnx.Module):
                 y_btd = a if m_btd is None else a + m_btd
                 x_btd = x_btd + sharding.reduce_tp(y_btd)
         return x_btd, new_caches
-
-    def _parallel_inputs(self, fused, h_btd):
-        """This rank's q (B,T,N',H), k and v (B,T,K',H), gate and up (B,T,F') from the one
-        matmul over its block of a `FusedInput` (layout: `fused_input_columns`)."""
-        c = self.config
-        w_dc = sharding.read_weight(fused, c.dtype)
-        y_btc = jnp.einsum("BTD,DC->BTC", h_btd, w_dc)
-        B, T = h_btd.shape[:2]
-        n, kv, f = fused_input_columns(c, sharding.tp_size(self.mesh))
-        H = c.head_dim
-        q, k, v, g_btf, u_btf = jnp.split(
-            y_btc, np.cumsum([n * H, kv * H, kv * H, f])[:4].tolist(), axis=-1)
-        return (q.reshape(B, T, n, H), k.reshape(B, T, kv, H), v.reshape(B, T, kv, H),
-                g_btf, u_btf)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -611,14 +585,6 @@ class Transformer(nnx.Module):
 # matmul over a weight that is already contiguous (and XLA:CPU two matmuls per layer fewer).
 # The weight tree itself is unchanged (every tree loads into every scheme and tp size, HF
 # import/export untouched): the fused weights live only in the decoding clone.
-
-
-class FusedInput(nnx.Variable):
-    """Weights that read one input as one (D, C) matrix, split over `tp` by columns: rank r's
-    block holds its columns of each weight in turn, each flattened. A parallel layer's
-    `fused_in`: [q heads | k heads | v heads | gate | up] (`fused_input_columns`); an
-    attention module's `qkv`: [q | k | v]; an MLP's `gate_up`: [gate | up]. Not a `nnx.Param`:
-    nothing trains or saves it."""
 
 
 def fused_input_columns(config: ModelConfig, tp: int) -> tuple[int, int, int]:
@@ -663,10 +629,11 @@ def _fuse(model: Transformer, weights, kv: tuple) -> FusedInput:
 
 def fuse_inputs(model: Transformer, *, in_place: bool = False) -> Transformer:
     """For decoding: a clone of `model` (sharing every other weight) whose matmuls over one
-    input run as one, over a `FusedInput` built here, once: a parallel layer's q/k/v/gate/up
-    (`fused_in`), every other scheme's attention q/k/v (`attn.qkv`) and MLP gate/up
-    (`mlp.gate_up`). The clone drops the separate weights. Works on abstract models
-    (`abstract`: weights as ShapeDtypeStructs) too, giving abstract fused weights.
+    input run as one, over a `FusedLinear` built here, once and installed with
+    `FusesInputs.install_fused`: a parallel layer's q/k/v/gate/up (`fused_in`), every other
+    scheme's attention q/k/v (`attn.qkv`) and MLP gate/up (`mlp.gate_up`). The clone drops the
+    separate weights. Works on abstract models (`abstract`: weights as ShapeDtypeStructs) too,
+    giving abstract fused weights.
 
     `in_place=True` frees each layer's separate projections (their device buffers) as soon as
     its fused copy is made, so the peak is one layer's copy more than the model: `model` must
@@ -678,23 +645,22 @@ def fuse_inputs(model: Transformer, *, in_place: bool = False) -> Transformer:
     is returned as it is: its int8 projections stay separate matmuls."""
     if model.config.quantize is not None:  # int8 weights stay unfused
         return model
+    n, kv, f = fused_input_columns(model.config, sharding.tp_size(model.mesh))
+    H = model.config.head_dim
+    parts = {"q": (n, H), "k": (kv, H), "v": (kv, H), "gate": (f,), "up": (f,)}
     clone = nnx.merge(*nnx.split(model))
     for layer in clone.layers:
-        a, m = layer.attn, layer.mlp
-        parts = (a.q, a.k, a.v, m.gate, m.up)
-        if model.config.residual == "parallel":
-            layer.fused_in = _fuse(model, parts, (False, True, True, False, False))
-            made = [layer.fused_in]
-        else:
-            a.qkv = _fuse(model, parts[:3], (False, True, True))
-            m.gate_up = _fuse(model, parts[3:], (False, False))
-            made = [a.qkv, m.gate_up]
-        if in_place:
-            jax.block_until_ready([f.get_value() for f in made])
-            for w in parts:
-                if isinstance(w.get_value(), jax.Array):
-                    w.get_value().delete()
-        a.q = a.k = a.v = m.gate = m.up = None
+        for owner in [layer] if model.config.residual == "parallel" else [layer.attn, layer.mlp]:
+            linears = owner.input_linears()
+            names = [p.rpartition(".")[2] for p in owner.INPUTS]
+            weight = _fuse(model, [lin.weight for lin in linears],
+                           tuple(name in ("k", "v") for name in names))
+            if in_place:
+                jax.block_until_ready(weight.get_value())
+                for lin in linears:
+                    if isinstance(lin.weight.get_value(), jax.Array):
+                        lin.weight.get_value().delete()
+            owner.install_fused(FusedLinear(weight, tuple(parts[name] for name in names)))
     return clone
 
 

@@ -418,7 +418,7 @@ def check_shapes(directory: str, params: nnx.State, what: str) -> None:
     have, want = flat(saved), flat(nnx.to_pure_dict(params))
     if not have:
         return
-    scales = sorted(k for k in set(have) - set(want) if k.endswith(quant.SCALE))
+    scales = sorted(k for k in set(have) - set(want) if k.rsplit("/", 1)[-1] == quant.SCALE)
     if scales:
         raise ConfigError(f"{what} is quantized (int8 weights with scales such as {scales[0]}, "
                           f"made by convert --quantize): it loads for decoding only (decode "

@@ -1,0 +1,154 @@
+"""`Linear`: one linear layer's weight, its int8 scale, its layout, and the matmul that reads it.
+
+    y_btnh = attn.q(x_btd, "bfloat16")        # inside shard_map: this rank's block
+
+Every matmul over a weight of the model (attention q/k/v/o, MLP gate/up/down, the untied LM
+head, and the decoder's fused input projections) goes through a `Linear`. Invariant: the
+weight is held in the layout its einsum `equation` names, with its partition spec (how the
+model reads it) on the `nnx.Param`; an int8 weight's scale has one value per output channel
+and is applied after the contraction (`ladder_jax.model.quant`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ladder_jax.model import sharding
+
+
+class Linear(nnx.Module):
+    """`linear(x, dtype)` inside shard_map: `jnp.einsum(equation, x, w)` over this rank's block
+    of `weight` read in `dtype` (`sharding.read_weight`), times `scale` (None for a float
+    weight) after the contraction.
+
+    `flat`: the product runs as one 2-D matmul (`flat_einsum`), the form XLA:CPU compiles
+    fastest (CPU meshes). `kv_heads=(n_kv_heads, tp)`: the weight holds every kv head
+    (replicated, n_kv_heads < tp) and each rank reads the one its query heads use, from the
+    weight and its scale alike."""
+
+    def __init__(self, weight: nnx.Param, equation: str, *, flat: bool = False,
+                 kv_heads: tuple[int, int] | None = None):
+        self.weight = weight
+        self.scale = None  # int8 weights: a float32 Param (`quant.quantize_linear`)
+        self.equation = equation
+        self.flat = flat
+        self.kv_heads = kv_heads
+
+    @property
+    def spec(self):
+        """The weight's partition spec: how the model reads it, split over tp."""
+        return self.weight.spec
+
+    @property
+    def contracted(self) -> tuple[int, ...]:
+        """The weight's contracted (input) axes; the others are its output channels."""
+        ins, out = self.equation.replace(" ", "").split("->")
+        return tuple(i for i, c in enumerate(ins.split(",")[1]) if c not in out)
+
+    def read(self, dtype=None):
+        """This rank's block of the weight (its kv head: `kv_heads`), cast to `dtype`."""
+        w = sharding.read_weight(self.weight, dtype)
+        return w if self.kv_heads is None else sharding.local_kv_head(w, *self.kv_heads)
+
+    def rescale(self, y):
+        """`y`, the einsum over this weight's values, times its scale (float weights: `y`)."""
+        if self.scale is None:
+            return y
+        s = sharding.read_weight(self.scale, jnp.float32)
+        if self.kv_heads is not None:
+            s = sharding.local_kv_head(s, *self.kv_heads)
+        return rescale(y, self.equation, s)
+
+    def __call__(self, x, dtype):
+        w = self.read(dtype)
+        y = flat_einsum(self.equation, x, w) if self.flat else jnp.einsum(self.equation, x, w)
+        return self.rescale(y)
+
+
+class FusedLinear(Linear):
+    """Several linear layers that read one input, as one (D, C) weight split over `tp` by
+    columns (`transformer.fuse_inputs`, for decoding): `fused(x, dtype)` returns each part's
+    output, part i shaped (..., *parts[i]). Its weight is a `FusedInput`."""
+
+    def __init__(self, weight: nnx.Variable, parts: tuple[tuple[int, ...], ...]):
+        super().__init__(weight, "BTD,DC->BTC")
+        self.parts = parts
+
+    def __call__(self, x, dtype):
+        y = super().__call__(x, dtype)
+        ends = np.cumsum([math.prod(p) for p in self.parts])[:-1].tolist()
+        return tuple(y.reshape(*y.shape[:-1], *p)
+                     for y, p in zip(jnp.split(y, ends, axis=-1), self.parts))
+
+
+class FusedInput(nnx.Variable):
+    """The weight of a `FusedLinear`: rank r's block holds its columns of each part in turn,
+    each flattened. Not a `nnx.Param`: nothing trains or saves it."""
+
+
+class FusesInputs(nnx.Module):
+    """A module whose input projections decoding may fuse into one matmul (`install_fused`).
+    `INPUTS`: the dotted attribute paths of those `Linear`s, in the fused weight's column
+    order; `FUSED`: the attribute that then holds their `FusedLinear` (else None)."""
+
+    INPUTS: tuple[str, ...] = ()
+    FUSED: str = ""
+
+    def input_linears(self) -> list[Linear]:
+        return [_get(self, p) for p in self.INPUTS]
+
+    def install_fused(self, fused: FusedLinear) -> None:
+        """Decoding: `fused` (the `input_linears` concatenated, `transformer.fuse_inputs`)
+        replaces the separate projections, which become None; the outputs are the same."""
+        setattr(self, self.FUSED, nnx.data(fused))
+        for p in self.INPUTS:
+            owner, _, name = p.rpartition(".")
+            setattr(_get(self, owner) if owner else self, name, None)
+
+    def project_inputs(self, x, dtype) -> tuple:
+        """The input projections' outputs, from the fused matmul where one is installed."""
+        fused = getattr(self, self.FUSED)
+        if fused is not None:
+            return fused(x, dtype)
+        return tuple(linear(x, dtype) for linear in self.input_linears())
+
+
+def _get(obj, dotted: str):
+    for name in dotted.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def rescale(y, equation: str, scale):
+    """`y`, the result of `jnp.einsum(equation, x, values)`, times the weight's scale (None:
+    `y` unchanged). The scale's output axes must end `y`, in the weight's order (true of every
+    einsum of the model)."""
+    if scale is None:
+        return y
+    ins, out = equation.replace(" ", "").split("->")
+    w_letters = ins.split(",")[1]
+    kept = "".join(c for c in w_letters if c in out)
+    assert out.endswith(kept), f"{equation}: the weight's output axes must end the result"
+    s = scale.reshape([n for n, c in zip(scale.shape, w_letters) if c in out])
+    return (y.astype(jnp.float32) * s).astype(y.dtype)
+
+
+def flat_einsum(equation: str, x, w):
+    """`jnp.einsum(equation, x, w)` for a linear layer's equation (x's trailing axes contracted
+    with w's leading ones, the result x's other axes then w's: "BTD,DNH->BTNH",
+    "BTNH,NHD->BTD") as one (rows, in) x (in, out) matmul between reshapes. XLA:CPU compiles
+    a 3-D einsum's weight gradient as a product of two transposed operands; this form's is
+    one (in, rows) x (rows, out) product."""
+    ins, out = equation.replace(" ", "").split("->")
+    xs, ws = ins.split(",")
+    n = sum(1 for c in xs if c in ws)  # contracted axes
+    if not (xs[len(xs) - n:] == ws[:n] and out == xs[:len(xs) - n] + ws[n:]):
+        raise ValueError(f"flat_einsum: {equation!r} is not a linear layer's contraction")
+    rows, cols = x.shape[:x.ndim - n], w.shape[n:]
+    k = math.prod(x.shape[x.ndim - n:])
+    y = x.reshape(-1, k) @ w.reshape(k, -1)
+    return y.reshape(*rows, *cols)
