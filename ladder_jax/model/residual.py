@@ -1,9 +1,11 @@
-"""The residual stream of the standard, ladder, hybrid and upper_bound schemes: one wiring,
-the forward that follows it, and the ladder's hand-written backward that walks it in reverse.
+"""The residual stream of every scheme: `run` wires the layers. For standard, ladder, hybrid and
+upper_bound one wiring, the forward that follows it, and the ladder's hand-written backward
+that walks it in reverse; parallel (`_parallel`), whose two modules share one input and one
+all-reduce, beside them.
 
 The wiring (`wiring(config)`, one `Slot` per module) is computed once per config and decides
-how these four schemes connect their modules (`parallel`, whose two modules share one input and
-one all-reduce, is spelled out in `Transformer.layer_loop`). Modules run in order (layer 0 attention, layer 0 MLP, layer 1 attention, ...); each
+how the four other schemes connect their modules. Modules run in order (layer 0 attention,
+layer 0 MLP, layer 1 attention, ...); each
 ends in a row-parallel matmul whose partial sum is all-reduced over `tp`. Exactly one reduced
 output is ever pending (not yet added to the stream x) when a module starts: the previous
 module's. A module is either
@@ -35,8 +37,9 @@ cotangent and of every later module's input contribution c_m = norm_vjp_m(psum(c
 Same maths as autodiff (tested against autodiff of an independent reference), a ladder
 wiring for the backward too. Under `remat="module"` the forward keeps only each module's
 input x (the stream it read); the backward recomputes module k's norm and module from it just
-before module k's backward matmuls, beside the same in-flight all-reduce. The LM head (`lm_head`) has a hand-written backward as well:
-its input-cotangent all-reduce overlaps its weight-gradient matmul.
+before module k's backward matmuls, beside the same in-flight all-reduce. The LM head
+(`lm_head`) has a hand-written backward as well: its input-cotangent all-reduce overlaps its
+weight-gradient matmul.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ladder_jax.model import sharding
-from ladder_jax.model.sharding import DATA, TP
+from ladder_jax.model.sharding import DATA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +71,14 @@ def wiring(config) -> tuple[Slot, ...]:
                  for i in range(config.n_layers) for name in ("attn", "mlp"))
 
 
-def run(config, modules, x_btd, positions_bt, inv_freq, caches=None):
-    """The stream through `modules` ((norm, module) nnx pairs, in wiring order) inside
-    shard_map. With `caches` (a (k, v) per layer) the attention modules read and write them.
-    Returns (x, updated caches or None)."""
+def run(config, layers, x_btd, positions_bt, inv_freq, caches=None):
+    """The stream through `layers` (the model's `Layer`s) inside shard_map, wired by
+    `config.residual`. With `caches` (a (k, v) per layer) the attention modules read and write
+    them. Returns (x, updated caches or None)."""
+    if config.residual == "parallel":
+        return _parallel(config, layers, x_btd, positions_bt, inv_freq, caches)
+    modules = [pair for layer in layers
+               for pair in ((layer.attn_norm, layer.attn), (layer.mlp_norm, layer.mlp))]
     slots = wiring(config)
     graphdefs, states = [], []
     for norm, module in modules:
@@ -83,6 +90,37 @@ def run(config, modules, x_btd, positions_bt, inv_freq, caches=None):
     if caches is None and any(s.deferred for s in slots):
         return _ladder_stream(plan, states, x_btd, positions_bt, inv_freq), None
     return _stream(plan, states, x_btd, positions_bt, inv_freq, caches=caches)
+
+
+def _parallel(config, layers, x_btd, positions_bt, inv_freq, caches=None):
+    """parallel: h = attn_norm(x); x = x + psum(A(h) + M(h)), one all-reduce per layer (the
+    MLP's norm is unused). A decoding clone's layers (`Layer.fused_in`) compute all five input
+    projections as one matmul."""
+    def both(attn, mlp, h_btd):  # one partial sum for the pair: one all-reduce
+        return attn(h_btd, positions_bt, inv_freq) + mlp(h_btd)
+
+    if config.remat == "module":
+        both = nnx.remat(both)
+    new_caches = None if caches is None else []
+    for i, layer in enumerate(layers):
+        with jax.named_scope(f"layer{i}.parallel"):
+            # tp-varying from here: the backward's input all-reduce (none at tp=1)
+            h_btd = sharding.vary_tp(layer.attn_norm(x_btd).astype(config.dtype))
+            cache = None if caches is None else caches[i]
+            if layer.fused_in is not None:  # decoding: one matmul for all five
+                q, k, v, g_btf, u_btf = layer.project_inputs(h_btd, config.dtype)
+                a = layer.attn.attend_and_project(q, k, v, positions_bt, inv_freq, cache)
+                m_btd = layer.mlp.project_down(g_btf, u_btf)
+            elif caches is None:
+                a, m_btd = both(layer.attn, layer.mlp, h_btd), None
+            else:
+                a, m_btd = layer.attn(h_btd, positions_bt, inv_freq, cache), layer.mlp(h_btd)
+            if cache is not None:
+                a, cache = a
+                new_caches.append(cache)
+            y_btd = a if m_btd is None else a + m_btd
+            x_btd = x_btd + sharding.reduce_tp(y_btd)
+    return x_btd, new_caches
 
 
 @dataclasses.dataclass(frozen=True)

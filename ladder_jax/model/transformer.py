@@ -538,39 +538,10 @@ class Transformer(nnx.Module):
         return logits_btv, caches
 
     def layer_loop(self, x_btd, positions_bt, caches=None):
-        """THE layer loop. Parallel is spelled out here; standard, ladder, hybrid and
-        upper_bound follow the wiring of `ladder_jax.model.residual`. Returns (x, caches)."""
-        c = self.config
-        inv_freq = rope_frequencies(c)
-        if c.residual != "parallel":
-            modules = [pair for layer in self.layers
-                       for pair in ((layer.attn_norm, layer.attn), (layer.mlp_norm, layer.mlp))]
-            return residual.run(c, modules, x_btd, positions_bt, inv_freq, caches)
-        def both(attn, mlp, h_btd):  # one partial sum for the pair: one all-reduce
-            return attn(h_btd, positions_bt, inv_freq) + mlp(h_btd)
-
-        if c.remat == "module":
-            both = nnx.remat(both)
-        new_caches = None if caches is None else []
-        for i, layer in enumerate(self.layers):
-            with jax.named_scope(f"layer{i}.parallel"):
-                # tp-varying from here: the backward's input all-reduce (none at tp=1)
-                h_btd = sharding.vary_tp(layer.attn_norm(x_btd).astype(c.dtype))
-                cache = None if caches is None else caches[i]
-                if layer.fused_in is not None:  # decoding: one matmul for all five
-                    q, k, v, g_btf, u_btf = layer.project_inputs(h_btd, c.dtype)
-                    a = layer.attn.attend_and_project(q, k, v, positions_bt, inv_freq, cache)
-                    m_btd = layer.mlp.project_down(g_btf, u_btf)
-                elif caches is None:
-                    a, m_btd = both(layer.attn, layer.mlp, h_btd), None
-                else:
-                    a, m_btd = layer.attn(h_btd, positions_bt, inv_freq, cache), layer.mlp(h_btd)
-                if cache is not None:
-                    a, cache = a
-                    new_caches.append(cache)
-                y_btd = a if m_btd is None else a + m_btd
-                x_btd = x_btd + sharding.reduce_tp(y_btd)
-        return x_btd, new_caches
+        """THE layer loop: the layers wired by the config's residual scheme
+        (`ladder_jax.model.residual.run`, every scheme). Returns (x, caches)."""
+        return residual.run(self.config, self.layers, x_btd, positions_bt,
+                            rope_frequencies(self.config), caches)
 
 
 # ---------------------------------------------------------------------------------------------
