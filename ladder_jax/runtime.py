@@ -128,6 +128,14 @@ _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 _KEPT = {"done": None}
 
 
+
+def setup_host(cpu_devices: int = 8) -> None:
+    """For notebooks and scripts, before any jax work: on a host with no NVIDIA device use the
+    CPU, split into `cpu_devices` fake devices so that tensor parallelism runs for real, only
+    slower (`setup`, which the command-line tools call)."""
+    setup(cpu_devices=cpu_devices)
+
+
 def keep_freed_memory() -> bool:
     """Tells glibc's allocator to keep freed memory for reuse instead of returning it to the
     kernel: one arena for every thread (XLA's worker threads allocate the temporaries; a

@@ -18,6 +18,7 @@ from ladder_jax.analysis import overlap, programs
 from ladder_jax.cli import overlap as overlap_cli
 from ladder_jax.cli import train as train_cli
 from ladder_jax.config import load_config
+from ladder_jax.model import compilation
 from ladder_jax.train import step, trainer
 from tests.helpers import SCHEMES, TINY, loss_and_grads
 
@@ -108,7 +109,7 @@ def test_trainer_checks_memory_before_its_first_step(tmp_path, monkeypatch, caps
     tiny_gpu = lj.hardware.Chip("TinyGPU", "TinyGPU", 1e12, 1e12, 1_000_000)
     monkeypatch.setattr(trainer.hardware, "chip_of", lambda device: tiny_gpu)
     monkeypatch.setattr(trainer.jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(trainer.sharding, "compiler_options", lambda platform, program="any": {})
+    monkeypatch.setattr(compilation, "compiler_options", lambda platform, program="any": {})
     run_dir = tmp_path / "runs"
     code = train_cli.main(["configs/tiny.yaml", f"run_dir={run_dir}", "steps=2", "progress=none",
                        "mesh.tp=2", "mesh.data=2"])

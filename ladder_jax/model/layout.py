@@ -1,0 +1,163 @@
+"""Mesh and layout: the (data, tp) mesh, every weight's partition spec (`WeightSpecs`, FSDP's
+stored layout), the KV cache's layout (`CACHE_BKSH`), and the divisibility checks.
+
+    mesh = make_mesh(tp=4, data=2); specs = WeightSpecs.for_model(config, mesh)
+
+Invariant: a weight's `spec` is how the model reads it (split over tp); its `stored` spec
+(FSDP) only adds `data`. The table of specs is in `ladder_jax.model.sharding`'s docstring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
+
+from ladder_jax.config import ConfigError
+
+DATA = "data"
+TP = "tp"
+
+
+class ShardingError(ConfigError):
+    """A model/mesh combination that cannot be sharded; the message says how to fix it."""
+
+
+def make_mesh(tp: int | None = None, data: int | None = None, *, devices=None) -> Mesh:
+    """A (data, tp) mesh over `devices` (default: all of them, on every process).
+
+    With neither size given, all devices go to `tp`. With one given, the other takes the rest.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    if tp is None and data is None:
+        tp, data = n, 1
+    elif tp is None:
+        if data <= 0 or n % data:
+            raise ShardingError(f"data={data} does not divide the {n} available devices")
+        tp = n // data
+    elif data is None:
+        if tp <= 0 or n % tp:
+            raise ShardingError(
+                f"tp={tp} does not divide the {n} available devices: use a divisor of {n}")
+        data = n // tp
+    if tp <= 0 or data <= 0 or tp * data != n:
+        raise ShardingError(
+            f"data={data} x tp={tp} = {data * tp} devices, but {n} are available: "
+            f"choose sizes whose product is {n}")
+    grid = np.array(devices, dtype=object).reshape(data, tp)
+    return Mesh(grid, (DATA, TP), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def tp_size(mesh: Mesh) -> int:
+    return mesh.shape[TP]
+
+
+def data_size(mesh: Mesh) -> int:
+    return mesh.shape[DATA]
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpecs:
+    """Partition spec of every weight, by einsum shape (see the module docstring)."""
+
+    embed_vd: P
+    head_dv: P
+    q_dnh: P
+    kv_dkh: P
+    o_nhd: P
+    up_df: P  # gate and up
+    down_fd: P
+    norm_d: P
+    kv_replicated: bool  # True when n_kv_heads < tp: each rank picks its head locally
+    fsdp_data: int = 1  # FSDP: weights stored split over `data` too (its size; 1 = off)
+
+    @classmethod
+    def for_model(cls, config, mesh: Mesh, *, fsdp: bool = False) -> "WeightSpecs":
+        """Validates that `config` can be split `tp` ways and returns its layout."""
+        tp = tp_size(mesh)
+        check_divisible(config, tp)
+        kv_replicated = config.n_kv_heads < tp
+        return cls(
+            fsdp_data=data_size(mesh) if fsdp else 1,
+            embed_vd=P(None, None),
+            head_dv=P(None, TP),
+            q_dnh=P(None, TP, None),
+            kv_dkh=P(None, None, None) if kv_replicated else P(None, TP, None),
+            o_nhd=P(TP, None, None),
+            up_df=P(None, TP),
+            down_fd=P(TP, None),
+            norm_d=P(None),
+            kv_replicated=kv_replicated,
+        )
+
+
+    @staticmethod
+    def fsdp(spec: P, shape, n_data: int) -> P:
+        """Where a weight is *stored* under FSDP (`mesh.fsdp`): its tp spec with the largest
+        still-unsplit dimension that `n_data` divides also split over `data` (unchanged when
+        none is). Its Adam moments follow it. The model's shard_map takes each weight in this
+        layout and all-gathers it over `data` where a module reads it (`read_weight`), so only
+        the weights of the module at work (and of the ones whose gathers are in flight) are
+        whole on a rank; the gradient of the gather reduce-scatters the weight's gradient."""
+        entries = list(spec) + [None] * (len(shape) - len(spec))
+        free = [i for i, e in enumerate(entries) if e is None and shape[i] % n_data == 0]
+        if n_data == 1 or not free:
+            return spec
+        entries[max(free, key=lambda i: shape[i])] = DATA
+        return P(*entries)
+
+
+# KV cache, per layer keys of global shape (B, K', H, S) and values (B, K', S, H), K' = max(K,
+# tp): batch over `data`, kv heads over `tp`. With K < tp each rank caches the one kv head its
+# query heads use, so ranks that share a head hold identical copies (the cache then costs tp/K
+# times the unsharded size). Heads before slots, and keys with slots last: the decode step's
+# two attention products are then plain matmuls batched over (B, K) that read each head's
+# block as it lies: q (G, H) x keys (H, S), probabilities (G, S) x values (S, H). Stored
+# (B, S, K, H), XLA copied the whole cache into that order and back in every layer of every
+# step wherever a rank holds several kv heads (a deviceless H100 compile of llama-3-8b at tp 2:
+# four cache-sized transposes per layer), and XLA:CPU spent ~3 ms of a 5 ms step (`small`,
+# batch 16) in those copies.
+CACHE_BKSH = P(DATA, TP, None, None)
+
+
+def cache_kv_heads(config, tp: int) -> int:
+    return max(config.n_kv_heads, tp)
+
+
+def check_divisible(config, tp: int) -> None:
+    """Every count split over `tp` must divide evenly; fail early, naming numbers and fixes."""
+    if config.n_heads % tp:
+        raise ShardingError(
+            f"n_heads={config.n_heads} is not divisible by tp={tp}: use a tp that divides "
+            f"{config.n_heads}")
+    k = config.n_kv_heads
+    if k >= tp and k % tp:
+        raise ShardingError(
+            f"n_kv_heads={k} is not divisible by tp={tp}: use a tp that divides {k}, or a "
+            f"multiple of {k} (kv heads are then replicated)")
+    if k < tp and tp % k:
+        fits = sorted(d for d in range(1, config.n_heads + 1)
+                      if config.n_heads % d == 0 and (d % k == 0 or k % d == 0))
+        raise ShardingError(
+            f"n_kv_heads={k} < tp={tp} and {k} does not divide {tp}: kv heads can only be "
+            f"replicated when tp is a multiple of n_kv_heads; use tp in "
+            f"{fits}")
+    if config.d_ff % tp:
+        raise ShardingError(
+            f"d_ff={config.d_ff} is not divisible by tp={tp}: use a tp that divides {config.d_ff}")
+    if config.vocab_size % tp:
+        pad = -(-config.vocab_size // tp) * tp
+        raise ShardingError(
+            f"vocab_size={config.vocab_size} is not divisible by tp={tp} (the LM head is split "
+            f"over the vocabulary): pad vocab_size to {pad}")
+
+
+def check_batch(batch: int, mesh: Mesh) -> None:
+    d = data_size(mesh)
+    if batch % d:
+        raise ShardingError(
+            f"batch size {batch} is not divisible by the data axis ({d}): use a multiple of {d}")
