@@ -304,11 +304,14 @@ class Checkpointer:
         for item in ("params", "opt_state", "data"):
             if not os.path.isdir(os.path.join(where, item)):
                 raise DamagedCheckpoint(f"its {item}/ directory is missing")
-        check_shapes(os.path.join(where, "params"), state.params,
-                     f"checkpoint {self.directory}/{step}")
+        legacy = check_shapes(os.path.join(where, "params"), state.params,
+                              f"checkpoint {self.directory}/{step}")
         data_state = _data_position(os.path.join(where, "data"))
         params_target = jax.tree.map(_abstract, nnx.to_pure_dict(state.params))
         opt_target = jax.tree.map(_abstract, _opt_dict(state.opt_state))
+        if legacy:
+            params_target = _to_legacy(params_target)
+            opt_target = {_legacy_key(k): v for k, v in opt_target.items()}
         items = dict(params=ocp.args.StandardRestore(params_target),
                      opt_state=ocp.args.StandardRestore(opt_target),
                      meta=ocp.args.JsonRestore())
@@ -320,10 +323,12 @@ class Checkpointer:
                 data_iter.set_state(data_state)
         except Exception as e:  # noqa: BLE001 (tensorstore, zstd, orbax, grain, json)
             raise DamagedCheckpoint(f"it does not restore: {_first_line(e)}") from None
-        params = _replace(state.params, out["params"])
+        params = _replace(state.params, _from_legacy(out["params"]) if legacy
+                          else out["params"])
         treedef = jax.tree.structure(state.opt_state)
-        opt_state = jax.tree.unflatten(treedef, [out["opt_state"][k]
-                                                 for k in _opt_dict(state.opt_state)])
+        opt_state = jax.tree.unflatten(treedef, [
+            out["opt_state"][_legacy_key(k) if legacy else k]
+            for k in _opt_dict(state.opt_state)])
         meta = dict(out["meta"])
         if data_state is not None:
             meta["resharded"] = data_state
@@ -395,9 +400,46 @@ def _replace(state: nnx.State, pure: dict) -> nnx.State:
     return state
 
 
-def check_shapes(directory: str, params: nnx.State, what: str) -> None:
+# Checkpoints written before each linear weight was a `Linear` hold it at the module's name
+# (layers/0/attn/q, its int8 scale at q_scale) where the model now has q/weight and q/scale.
+_LINEARS = ("q", "k", "v", "o", "gate", "up", "down", "head")
+_LEGACY_KEY = re.compile(r"(^|/)(attn/[qkvo]|mlp/(gate|up|down)|head)$")
+
+
+def _to_legacy(pure: dict) -> dict:
+    """A params tree in that earlier layout."""
+    out = {}
+    for k, v in pure.items():
+        if k in _LINEARS and isinstance(v, dict) and "weight" in v:
+            out[k] = v["weight"]
+            if "scale" in v:
+                out[f"{k}_scale"] = v["scale"]
+        else:
+            out[k] = _to_legacy(v) if isinstance(v, dict) else v
+    return out
+
+
+def _from_legacy(pure: dict) -> dict:
+    """`_to_legacy`'s inverse."""
+    out = {}
+    for k, v in pure.items():
+        if k in _LINEARS and not isinstance(v, dict):
+            out[k] = {"weight": v, **({"scale": pure[f"{k}_scale"]}
+                                      if f"{k}_scale" in pure else {})}
+        elif not (isinstance(k, str) and k.endswith("_scale") and k[:-6] in _LINEARS):
+            out[k] = _from_legacy(v) if isinstance(v, dict) else v
+    return out
+
+
+def _legacy_key(key: str) -> str:
+    """An optimizer-state key (`_opt_dict`) in that earlier layout."""
+    return re.sub(r"\['(" + "|".join(_LINEARS) + r")'\]\['weight'\]", r"['\1']", key)
+
+
+def check_shapes(directory: str, params: nnx.State, what: str) -> bool:
     """Refuses, naming the first weight that differs, a checkpoint whose weights do not have
-    the shapes of `params` (a changed model): orbax would fail deep inside with a traceback."""
+    the shapes of `params` (a changed model): orbax would fail deep inside with a traceback.
+    Returns whether the checkpoint holds the layout before `Linear` (`_to_legacy`)."""
 
     level = absl_logging.get_verbosity()
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax warns about optional files
@@ -405,7 +447,7 @@ def check_shapes(directory: str, params: nnx.State, what: str) -> None:
         with ocp.StandardCheckpointer() as ckptr:
             saved = ckptr.metadata(directory)
     except Exception:  # unreadable metadata: let the restore itself report it
-        return
+        return False
     finally:
         absl_logging.set_verbosity(level)
     saved = getattr(saved, "item_metadata", saved)
@@ -415,10 +457,13 @@ def check_shapes(directory: str, params: nnx.State, what: str) -> None:
                 tuple(getattr(v, "shape", ()))
                 for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
-    have, want = flat(saved), flat(nnx.to_pure_dict(params))
+    have = flat(saved)
+    legacy = any(_LEGACY_KEY.search(k) for k in have)
+    want = flat(_to_legacy(nnx.to_pure_dict(params)) if legacy else nnx.to_pure_dict(params))
     if not have:
-        return
-    scales = sorted(k for k in set(have) - set(want) if k.rsplit("/", 1)[-1] == quant.SCALE)
+        return False
+    scales = sorted(k for k in set(have) - set(want)
+                    if k.rsplit("/", 1)[-1] in (quant.SCALE, *(f"{n}_scale" for n in _LINEARS)))
     if scales:
         raise ConfigError(f"{what} is quantized (int8 weights with scales such as {scales[0]}, "
                           f"made by convert --quantize): it loads for decoding only (decode "
@@ -436,6 +481,7 @@ def check_shapes(directory: str, params: nnx.State, what: str) -> None:
     if extra:
         raise ConfigError(f"{what} holds weights this model does not have ({extra[0]}, ...): "
                           f"it was saved from another model; {fix}")
+    return legacy
 
 
 def find_checkpoint(path: str, what: str) -> str:
@@ -466,11 +512,11 @@ def load_params(path: str, params: nnx.State, *, what: str = "init_from") -> nnx
     """Weights only (`init_from=`, `--checkpoint`) from `find_checkpoint(path)`, into the
     shapes, dtypes and shardings of `params`. `what` names the source in error messages."""
     directory = find_checkpoint(path, what)
-    check_shapes(directory, params, f"{what} {path!r}")
+    legacy = check_shapes(directory, params, f"{what} {path!r}")
     target = jax.tree.map(_abstract, nnx.to_pure_dict(params))
     with ocp.StandardCheckpointer() as ckptr:
-        pure = ckptr.restore(directory, target)
-    return _replace(params, pure)
+        pure = ckptr.restore(directory, _to_legacy(target) if legacy else target)
+    return _replace(params, _from_legacy(pure) if legacy else pure)
 
 
 def _run_root(path: str) -> str:
