@@ -137,10 +137,10 @@ def main(argv=None) -> int:
     print(f"cpu: {lj.hardware.cpu_description()}; jax {jax.__version__}; preset "
           f"{args.preset}, batch {B}, prompt {T}, cache {S} slots, float32")
     programs = (
-        ("decode step", step, decoder._decode_step.lower(
-            decoder.weights, state["cache"], state["tok"], position, rows, index), 8),
-        ("prefill", prefill, decoder._prefill.lower(
-            decoder.weights, KVCache.init(config, mesh, B, S), tokens, lengths, rows), 2))
+        ("decode step", step, decoder.lower_decode(
+            state["cache"], state["tok"], position, rows, index), 8),
+        ("prefill", prefill, decoder.lower_prefill(
+            KVCache.init(config, mesh, B, S), tokens, lengths, rows), 2))
     for name, fn, lowered, runs in programs:
         kernels = profile(fn, lowered.compile().as_text(), runs)
         total = sum(k[0] for k in kernels)

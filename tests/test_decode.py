@@ -232,8 +232,8 @@ def test_decode_step_reads_the_cache_where_it_lies(target):
         S, heads = 64, config.n_kv_heads
         ints = jax.ShapeDtypeStruct((B,), np.int32)
         rows = generation.rows_to_device(generation.Rows.of([generation.Sampling()] * B), mesh)
-        hlo = decoder._decode_step.lower(decoder.weights, KVCache.abstract(config, mesh, B, S),
-                                         ints, ints, rows, ints).compile().as_text()
+        hlo = decoder.lower_decode(KVCache.abstract(config, mesh, B, S),
+                                   ints, ints, rows, ints).compile().as_text()
     else:
         hlo = programs.compile_program(config, phase="decode", tp=2, batch=B, seq=32,
                                        new_tokens=32, cache=False)[0]

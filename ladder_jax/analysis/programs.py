@@ -153,8 +153,7 @@ def lower_decoder(config, mesh, *, phase: str, batch: int, prompt_len: int, new_
     `quantize="int8"`: int8 linear weights (`ladder_jax.model.quant`)."""
     if quantize is not None:
         config = dataclasses.replace(config, quantize=quantize)
-    decoder = generation.Decoder(nnx.merge(*abstract(config, mesh)))
-    weights = decoder.weights  # ShapeDtypeStructs in their shardings
+    decoder = generation.Decoder(nnx.merge(*abstract(config, mesh)))  # weights: shapes
     S = generation.cache_length(config, prompt_len, new_tokens)
     cache = generation.KVCache.abstract(config, mesh, batch, S)
 
@@ -168,8 +167,8 @@ def lower_decoder(config, mesh, *, phase: str, batch: int, prompt_len: int, new_
     if phase == "prefill":
         tokens = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32,
                                       sharding=NamedSharding(mesh, P("data", None)))
-        return decoder._prefill.lower(weights, cache, tokens, rows, settings)
-    return decoder._decode_step.lower(weights, cache, rows, rows, settings, rows)
+        return decoder.lower_prefill(cache, tokens, rows, settings)
+    return decoder.lower_decode(cache, rows, rows, settings, rows)
 
 
 class CompileError(OverlapError):

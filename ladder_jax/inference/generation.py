@@ -165,6 +165,16 @@ class Decoder:
     def decode_step(self, cache, tokens_b, positions_b, rows, token_b):
         return self._decode_step(self.weights, cache, tokens_b, positions_b, rows, token_b)
 
+    def lower_prefill(self, cache, tokens_bt, lengths_b, rows):
+        """The prefill program lowered for these arguments (arrays or ShapeDtypeStructs), for
+        reading its HLO (`ladder_jax.analysis.programs`)."""
+        return self._prefill.lower(self.weights, cache, tokens_bt, lengths_b, rows)
+
+    def lower_decode(self, cache, tokens_b, positions_b, rows, token_b):
+        """The decode step program lowered for these arguments, as `lower_prefill`."""
+        return self._decode_step.lower(self.weights, cache, tokens_b, positions_b, rows,
+                                       token_b)
+
     def decode_steps(self, cache, tokens_b, positions_b, rows, token_b, steps: int):
         """`steps` decode steps in one program, each feeding the tokens the previous drew
         (positions and token indices + 1 per step) -> (tokens (steps, B), cache)."""

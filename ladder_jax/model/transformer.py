@@ -90,7 +90,7 @@ from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ladder_jax.config import PRESETS, RESIDUALS, ConfigError, ModelConfig, RopeScaling  # noqa: F401
+from ladder_jax.config import ConfigError, ModelConfig
 from ladder_jax.model import quant, residual, sharding
 from ladder_jax.model.linear import FusedInput, FusedLinear, FusesInputs, Linear
 from ladder_jax.model.sharding import DATA, TP, WeightSpecs
@@ -186,8 +186,7 @@ class Attention(FusesInputs):
         D, N, K, H = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
         std_out = 0.02 / math.sqrt(2 * config.n_layers)
         fs = specs.fsdp_data
-        self.tp = sharding.tp_size(mesh)
-        kv = (K, self.tp) if specs.kv_replicated else None  # each rank reads its kv head
+        kv = (K, sharding.tp_size(mesh)) if specs.kv_replicated else None  # its kv head
         self.q = _linear(rngs, mesh, "BTD,DNH->BTNH", (D, N, H), specs.q_dnh, config, 0.02, fs)
         self.k = _linear(rngs, mesh, "BTD,DKH->BTKH", (D, K, H), specs.kv_dkh, config, 0.02, fs,
                          kv_heads=kv)
@@ -196,8 +195,6 @@ class Attention(FusesInputs):
         self.o = _linear(rngs, mesh, "BTNH,NHD->BTD", (N, H, D), specs.o_nhd, config, std_out,
                          fs)
         self.qkv = None  # decoding: their `FusedLinear` (`install_fused`)
-        self.n_kv_heads = K
-        self.head_dim = H
         self.kv_replicated = specs.kv_replicated
         self.dtype = config.dtype
         self.kernel = attention_kernel(mesh, config.dtype, H)
