@@ -47,8 +47,9 @@ RESIDUALS = ("standard", "parallel", "ladder", "upper_bound")
 # stored (every module's intermediate activations). "module": each module (attention, MLP;
 # a parallel layer's pair) stores only its input and recomputes its internals (its norm
 # included) in the backward: about one extra forward of compute for activation memory that
-# no longer grows with d_ff or the number of heads (one stream-sized array per module). The ladder's backward still overlaps its all-reduces
-# (the recomputation is more matmul work beside them).
+# no longer grows with d_ff or the number of heads (one stream-sized array per module). The
+# ladder's backward still overlaps its all-reduces (the recomputation is more matmul work
+# beside them).
 REMAT = ("none", "module")
 
 # Weight-only quantization for decoding (`ladder_jax.model.quant`): None keeps float weights.

@@ -436,7 +436,8 @@ def claims(results: list[dict]) -> list[dict]:
               f"{a['retrain_tokens']} tokens (3% of pretraining): back to ~{a['16/32 retrained']}"
               f" (original {a['original']})",
               f"after {half['finetune_share']:.0%} of the tokens: {half['finetuned_loss']:.4f} "
-              f"vs original {half['base_loss']:.4f} ({half['finetuned_loss'] - half['base_loss']:+.4f});"
+              f"vs original {half['base_loss']:.4f} "
+              f"({half['finetuned_loss'] - half['base_loss']:+.4f});"
               f" standard fine-tuned alike: {half['control_loss']:.4f}",
               half["finetuned_loss"] - half["base_loss"] <= margin)
     if len(adapt) > 1:

@@ -319,8 +319,11 @@ class _Entry:
 def _table(c: ModelConfig) -> list[_Entry]:
     D, F, V, H = c.d_model, c.d_ff, c.vocab_size, c.head_dim
     N, K = c.n_heads, c.n_kv_heads
-    same = lambda w: w
-    T = lambda w: w.T
+    def same(w):
+        return w
+
+    def T(w):
+        return w.T
 
     def proj(heads):  # (heads*H, D) <-> (D, heads, H)
         return (lambda w: w.reshape(heads, H, D).transpose(2, 0, 1),

@@ -490,11 +490,12 @@ def load_run(path: str, *, mesh, what: str = "--checkpoint", quantize: str | Non
              **overrides):
     """(model, tokenizer) from a training run or a `python -m ladder_jax.convert` output (a
     directory with config.yaml and checkpoints/), or a Hugging Face Llama directory
-    (config.json, see `ladder_jax.interop.hf.load_hf`). The model is built from shapes and its weights
-    restored straight into their shardings on `mesh`; no random weights are made. `overrides`
-    change the model config, e.g. residual="ladder", ladder_layers=2 (any scheme reads any
-    weights). `quantize="int8"` quantizes float weights once loaded (`ladder_jax.model.quant`);
-    a checkpoint stored quantized (`convert --quantize`) loads as it is, with or without it."""
+    (config.json, see `ladder_jax.interop.hf.load_hf`). The model is built from shapes and its
+    weights restored straight into their shardings on `mesh`; no random weights are made.
+    `overrides` change the model config, e.g. residual="ladder", ladder_layers=2 (any scheme
+    reads any weights). `quantize="int8"` quantizes float weights once loaded
+    (`ladder_jax.model.quant`); a checkpoint stored quantized (`convert --quantize`) loads as it
+    is, with or without it."""
 
     config_lib.check_quantize(quantize)
     path = os.fspath(path)
