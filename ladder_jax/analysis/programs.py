@@ -91,7 +91,7 @@ from ladder_jax.train import step
 
 PLUGIN_HINT = ('deviceless GPU compilation needs the CUDA PJRT plugin at the jax version in use: '
                'pip install "jax-cuda12-plugin=={v}" "jax-cuda12-pjrt=={v}"  '
-               '(or: pip install -e ".[test]"); no GPU or CUDA libraries are needed')
+               '(or: pip install -e ".[analysis]"); no GPU or CUDA libraries are needed')
 
 
 class OverlapError(RuntimeError):
