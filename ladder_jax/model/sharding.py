@@ -1,61 +1,15 @@
-"""Mesh, weight partition specs, the shard_map boundary, and the overlap-preserving reduce.
+"""Mesh, weight partition specs, the shard_map boundary, the collectives and compile options.
 
-Tensor parallelism here is Megatron-style and spelled out by hand: every module (attention,
-MLP) starts with column-parallel matmuls (heads N / kv heads K / MLP hidden F split over the
-`tp` mesh axis) and ends with one row-parallel matmul whose result is a *partial sum* on each
-rank. `reduce_tp` is the only place a module output is all-reduced; `tie` is how the ladder
-keeps an all-reduce in flight across the next module's matmuls. Nothing is hidden in hooks.
+    mesh = make_mesh(tp=4, data=2)              # axes data x tp, both AxisType.Auto
+    forward = jit(fn, mesh=mesh)                # jax.jit with the package's XLA options
 
-Making the ladder's overlap real (measured on the compiled GPU schedule, see
-`ladder_jax.overlap`): writing the psum of module i before module i+1 is not enough. XLA's
-all-reduce combiner merges the two now-independent psums into one synchronous all-reduce, and
-fusion pulls `x + psum_i` forward. Two things fix it, and both are applied by the package:
-1. the model ties (`tie`) the in-flight result to the next module's output before adding it to
-   the stream, so its only consumer comes after that module's matmuls (and the ladder's
-   hand-written backward does the same with cotangents, see `ladder_jax.model.residual`);
-2. `compiler_options("gpu")`, applied wherever the package compiles (`jit` below), turns the
-   combiner off. If you jit the model yourself on GPUs, use `ladder_jax.model.sharding.jit`.
-On CPU, `compiler_options("cpu")` keeps those ties through XLA:CPU's fusion, without which the
-ladder's backward costs quadratically in depth (see `CPU_KEEP_BARRIERS_PASS`); training and
-decoding compile with it, through `jit` below.
-
-Mesh axes: `data` (batch) x `tp` (tensor parallel). Both are `AxisType.Auto`, so arrays need
-not carry shardings before they enter the model; jit moves them.
-
-How each weight is laid out (the `WeightSpecs` table below is the single source of truth):
-
-| weight (einsum shape)    | spec              | why |
-|--------------------------|-------------------|-----|
-| q (D, N, H)              | (-, tp, -)        | column parallel over query heads |
-| k, v (D, K, H)           | (-, tp, -)        | column parallel over kv heads ... |
-|                          | (-, -, -) if K<tp | ... or replicated when there are fewer kv heads than ranks |
-| o (N, H, D)              | (tp, -, -)        | row parallel: partial sums, one psum |
-| gate, up (D, F)          | (-, tp)           | column parallel over the MLP hidden |
-| down (F, D)              | (tp, -)           | row parallel |
-| norm scales (D,)         | (-)               | tiny, replicated |
-| embed (V, D)             | (-, -)            | replicated: the lookup needs no collective |
-| head (D, V)              | (-, tp)           | vocab-parallel logits, returned sharded over V |
-| cache keys (B, K', H, S) | (data, tp, -, -)  | K' = max(K, tp): see `CACHE_BKSH` |
-| cache values (B,K',S,H)  | (data, tp, -, -)  | (keys keep their slots last) |
-| fused input (D, C)       | (-, tp)           | decoding only (`transformer.FusedInput`): each |
-|                          |                   | rank's columns of q, k, v (+ gate, up) or gate, up |
-
-Memory costs of the replicated pieces, per rank:
-- embed: V*D values (llama-3-70b: 128256*8192*2 B = 2.1 GB in bf16). The lookup then costs no
-  communication and the first all-reduce of the network is a module's, which keeps the ladder's
-  overlap pattern intact. With tied embeddings the head reads a V/tp slice of this same table.
-- kv heads when K < tp: every rank holds all K heads of k and v (2*D*K*H values per layer,
-  llama-3-70b at tp=16: 32 MB/layer in bf16) and uses the one its query heads belong to. Each
-  kv head is computed by tp/K ranks; its gradient is summed over them by shard_map.
-
-FSDP (`mesh.fsdp=true`, `Transformer(..., fsdp=True)`): every weight is also *stored* split over
-`data` (`WeightSpecs.fsdp`), with its AdamW moments, and enters the shard_map that way; a module
-all-gathers its weights over `data` where it reads them (`read_weight`), so a rank holds whole
-only the weights of the modules at work, and each gradient leaves the backward reduce-scattered
-over `data`. Without FSDP, weights are replicated over `data` and their gradients all-reduced.
-
-Gradients of replicated weights are summed over `tp` by shard_map itself: we keep
-`check_vma=True` everywhere so that this bookkeeping is done by JAX, not by hand.
+Megatron-style tensor parallelism spelled out by hand: column-parallel inputs (N, K, F split
+over `tp`), one row-parallel output per module whose partial sum `reduce_tp` all-reduces;
+`tie` keeps an all-reduce in flight across the next module's matmuls. `WeightSpecs` is the
+single source of truth for where each weight lives (tp specs; FSDP adds `data` to the stored
+ones) and `CACHE_BKSH` for the KV cache. `check_vma=True` everywhere: jax sums replicated
+weights' gradients. The table, the cache layout, why the compile options are needed and the
+jax internals used here (pinned jax): docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -182,13 +136,10 @@ class WeightSpecs:
 # query heads use, so ranks that share a head hold identical copies (the cache then costs tp/K
 # times the unsharded size). Heads before slots, and keys with slots last: the decode step's
 # two attention products are then plain matmuls batched over (B, K) that read each head's
-# block as it lies: q (G, H) x keys (H, S), probabilities (G, S) x values (S, H). Stored
-# (B, S, K, H), XLA copied the whole cache into that order and back in every layer of every
-# step wherever a rank holds several kv heads (a deviceless H100 compile of llama-3-8b at tp 2:
-# four cache-sized transposes per layer), and XLA:CPU spent ~3 ms of a 5 ms step (`small`,
-# batch 16) in those copies.
+# block as it lies: q (G, H) x keys (H, S), probabilities (G, S) x values (S, H). Any other
+# order makes XLA copy the whole cache into this one and back, in every layer of every step,
+# wherever a rank holds several kv heads.
 CACHE_BKSH = P(DATA, TP, None, None)
-CACHE_BSKH = CACHE_BKSH  # the name of earlier versions, kept for callers
 
 
 def cache_kv_heads(config, tp: int) -> int:
@@ -239,8 +190,8 @@ def reduce_tp(partial_sum: jax.Array) -> jax.Array:
 
     A tp axis of one device has nothing to add: the partial sum is the sum, so it passes
     through unchanged (typed tp-invariant, as psum's result is: `sum_of_one`). XLA keeps a
-    psum over one device as an all-reduce, which XLA:CPU runs as a copy and a rendezvous: 33 of
-    them (2 MB each) in the `small` preset's training step at tp=1."""
+    psum over one device as an all-reduce, which XLA:CPU runs as a copy and a rendezvous, one
+    per module per step."""
     if jax.lax.axis_size(TP) == 1:
         return sum_of_one(partial_sum, TP)
     return jax.lax.psum(partial_sum, TP)
@@ -347,17 +298,15 @@ def compiler_options(platform: str, program: str = "any") -> dict[str, Any]:
       be in flight at once. In a training step the loss's vocab reduction is scheduled late,
       and with one slot it blocks a backward all-reduce from overlapping; under FSDP each
       module's weight all-gathers (and, in the backward, gradient reduce-scatters) run beside
-      the previous module's all-reduce and take slots: with two, half of llama-3-70b's forward
-      module all-reduces (8 x 8 GPUs) lost their overlap; with four, those of layers 76-78
-      (the last layers' weight gathers fill the slots); with eight, all but the last.
-      Decode and prefill programs hold fewer collectives at once and compile the same at 4
-      and 8.
+      the previous module's all-reduce and take slots, so the limit must cover them or the
+      module all-reduces lose their overlap (`overlap --config` shows it; the 70B figures are
+      in docs/results.md).
     CPU (XLA:CPU runs collectives synchronously: CPU runs prove numerics, never overlap):
     - `xla_disable_hlo_passes=CPU_KEEP_BARRIERS_PASS`: keep `tie`'s optimization barriers
       through fusion, as XLA:GPU does. See `CPU_KEEP_BARRIERS_PASS` for why the ladder's
       backward costs quadratically in depth without it.
     - training steps only (`program="train"`): `CPU_TRAIN_OPTIONS`, XLA:CPU's library path
-      that wins for them on the CPUs measured (see there). A user's own XLA_FLAGS setting of
+      that wins for them (see there). A user's own XLA_FLAGS setting of
       the same option wins over the package's.
     `python -m ladder_jax.overlap` compiles with exactly the GPU ones and shows the schedule.
     """
@@ -379,12 +328,10 @@ def compiler_options(platform: str, program: str = "any") -> dict[str, Any]:
 
 
 # XLA:CPU's options for training steps. This jaxlib hands dots, elementwise ops and reductions
-# to its YNNPACK library fusions by default; restricted to dots, with elementwise work and
-# reductions left to XLA's own fused kernels, the `small` preset's training step (batch 16 x
-# 128, float32, `benchmarks/cpu_flags.py`) ran 1.31-1.42x faster on a 2-core AVX-512 EPYC and
-# 1.10-1.18x on a 2-core AVX2 EPYC, the best of every XLA:CPU option tried on both (the
-# benchmark lists them). Decode and prefill programs keep XLA's defaults: there the prefill
-# ran slower with it (104-108 -> 158-174 ms, batch 16 x 128) and the decode step the same.
+# to its YNNPACK library fusions by default; training steps restrict it to dots, leaving
+# elementwise work and reductions to XLA's own fused kernels, the fastest of the XLA:CPU
+# options `benchmarks/cpu_flags.py` tries. Decode and prefill programs keep XLA's defaults,
+# which are faster for them. Timings: docs/results.md.
 CPU_TRAIN_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
 
 
@@ -399,13 +346,13 @@ CPU_TRAIN_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYP
 # consumers whenever it can fuse it into every one of them along every path; the additions and
 # the bitcasts/transposes feeding the next matmuls all fuse, so no c is materialized and every
 # consumer fusion recomputes the whole chain above it, RMSNorm backwards included: quadratic in
-# depth, 2-2.7x standard's step time at 8 layers. (In standard, n_k comes from c_{k+1} through
+# depth. (In standard, n_k comes from c_{k+1} through
 # matmuls, which fusion cannot cross, so each c is computed once.) The ladder's backward already
 # has such a path: it ties module k+1's in-flight cotangent to module k's matmul output (which
 # comes from c_{k+2}) before n_{k+1} joins the sum. XLA:GPU keeps that barrier through fusion;
 # XLA:CPU strips it first, and the path with it. Keeping it restores the path, and each c is
 # materialized once. Exact: barriers are identities and the arithmetic is unchanged, only
-# fusion boundaries move (gradients came out bit-identical at tp 1 and 2).
+# fusion boundaries move (tests/test_cpu_program.py checks the gradients are bit-identical).
 CPU_KEEP_BARRIERS_PASS = "cse_barrier_expander"
 
 
