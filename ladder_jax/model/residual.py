@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ladder_jax.model import sharding
-from ladder_jax.model.sharding import DATA, TP
+from ladder_jax.model.sharding import DATA
 
 
 @dataclasses.dataclass(frozen=True)

@@ -158,10 +158,11 @@ def check_divisible(config, tp: int) -> None:
             f"n_kv_heads={k} is not divisible by tp={tp}: use a tp that divides {k}, or a "
             f"multiple of {k} (kv heads are then replicated)")
     if k < tp and tp % k:
+        fits = sorted(d for d in range(1, config.n_heads + 1)
+                      if config.n_heads % d == 0 and (d % k == 0 or k % d == 0))
         raise ShardingError(
             f"n_kv_heads={k} < tp={tp} and {k} does not divide {tp}: kv heads can only be "
-            f"replicated when tp is a multiple of n_kv_heads; use tp in "
-            f"{sorted({d for d in range(1, config.n_heads + 1) if config.n_heads % d == 0 and (d % k == 0 or k % d == 0)})}")
+            f"replicated when tp is a multiple of n_kv_heads; use tp in {fits}")
     if config.d_ff % tp:
         raise ShardingError(
             f"d_ff={config.d_ff} is not divisible by tp={tp}: use a tp that divides {config.d_ff}")
