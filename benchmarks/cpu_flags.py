@@ -84,12 +84,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     args = ap.parse_args(argv)
 
-    import ladder_jax as lj  # first: it imports jax without the CUDA plugin's start-up lines
-
     import jax
     import jaxlib
     import numpy as np
 
+    import ladder_jax as lj  # first: it imports jax without the CUDA plugin's start-up lines
     from ladder_jax import config as config_lib
     from ladder_jax.model import sharding
     from ladder_jax.train.trainer import Trainer

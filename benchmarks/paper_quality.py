@@ -4,7 +4,7 @@ one JSON line per result on stdout (the trainer's lines go to stderr), then the 
 (stderr), and writes results.jsonl, curves.png and held_out.png under --out.
 
     python benchmarks/paper_quality.py --quick        # embedded corpus, 2 seeds: a few minutes
-    python benchmarks/paper_quality.py                # King James Bible, 3 seeds (pip install -e ".[paper]")
+    python benchmarks/paper_quality.py                # King James Bible, 3 seeds (the paper extra)
     python benchmarks/paper_quality.py --quick --set steps=100 --set seeds=[0,1,2]
     python benchmarks/paper_quality.py --set seeds=[1] --no-adapt &    # seeds in parallel,
     python benchmarks/paper_quality.py                                 # then the rest
@@ -37,7 +37,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import ladder_jax as lj  # after argparse: --help needs no jax
-
     from ladder_jax.experiments import paper_quality as pq
 
     try:

@@ -1,21 +1,14 @@
-"""Every configuration in one place: the model's (`ModelConfig`, named presets) and a training
-run's (`TrainConfig`, the schema of `python -m ladder_jax.train`), their checks, and the one
-`ConfigError` that every command-line tool turns into a one-line message and exit code 2.
+"""Every configuration in one place: `ModelConfig` and its presets, a training run's `TrainConfig`
+(the schema of `python -m ladder_jax.train`), their checks, and `ConfigError`, which every
+command-line tool turns into one line and exit code 2.
 
     config = ModelConfig.from_preset("llama-3-8b", residual="ladder", ladder_layers=16)
     cfg = load_config(["configs/tiny.yaml", "model.residual=ladder"])   # a TrainConfig
-    check(cfg); model_config(cfg)                                         # a ModelConfig
 
-Training configs are OmegaConf structured configs: YAML files merge left to right, then dotted
-`key=value` overrides. An unknown key, a value of the wrong type or out of range, or a YAML
-syntax error is a `ConfigError` naming the key (and the closest valid one) or the file and line.
-The schema has one source per idea: its model section (`ModelSection`) is made from
-`ModelConfig`'s own fields, each null (= the preset's value); every field carries its help text
-in its metadata (`help_rows()`, which `train --help` prints); choices (`Residual`, `Remat`,
-`Progress`) are enums that OmegaConf checks, whose members equal and print as plain strings.
-
-Nothing here imports jax's backends or the rest of the package: every other module may import
-this one.
+YAML files merge left to right, then `key=value` overrides (OmegaConf structured configs); an
+error names the key (and the closest valid one) or the file and line. The model section is
+derived from `ModelConfig`'s own fields; every field carries its help text (`train --help`).
+Nothing here imports jax's backends or the rest of the package.
 """
 
 from __future__ import annotations
@@ -47,8 +40,9 @@ RESIDUALS = ("standard", "parallel", "ladder", "upper_bound")
 # stored (every module's intermediate activations). "module": each module (attention, MLP;
 # a parallel layer's pair) stores only its input and recomputes its internals (its norm
 # included) in the backward: about one extra forward of compute for activation memory that
-# no longer grows with d_ff or the number of heads (one stream-sized array per module). The ladder's backward still overlaps its all-reduces
-# (the recomputation is more matmul work beside them).
+# no longer grows with d_ff or the number of heads (one stream-sized array per module). The
+# ladder's backward still overlaps its all-reduces (the recomputation is more matmul work
+# beside them).
 REMAT = ("none", "module")
 
 # Weight-only quantization for decoding (`ladder_jax.model.quant`): None keeps float weights.
@@ -345,9 +339,9 @@ class OptimizerConfig:
 
 
 # The model section of a training config is ModelConfig's fields, each null (= the preset's
-# value) unless set, plus the preset's name. Two keep a value of their own, so that a config
-# reads the same as before the schema was derived: residual (every preset is standard) and
-# param_dtype (training keeps float32 master weights even for the bfloat16 presets).
+# value) unless set, plus the preset's name. Two keep a training default of their own:
+# residual (every preset is standard) and param_dtype (training keeps float32 master weights
+# even for the bfloat16 presets).
 _SECTION_DEFAULTS = {"residual": Residual.standard, "param_dtype": "float32"}
 _CHOICES = {"residual": Residual, "remat": Remat}
 _PLAIN = {"int": int, "float": float, "bool": bool, "str": str}

@@ -1,29 +1,13 @@
 """The GPUs ladder_jax knows, in one table: MFU (training), the memory-bandwidth roofline
-(decoding), the deviceless compile targets (`ladder_jax.overlap`, `ladder_jax.predict`) and the
-performance model's calibration all read it.
+(decoding), the deviceless compile targets and the performance model's calibration read it.
 
-Figures are the vendors' spec-sheet numbers per device (dense, i.e. without 2:4 sparsity):
-- H100 SXM5 80GB: 989 TFLOP/s bf16, 3.35 TB/s HBM3, 80 GB, 132 SMs (NVIDIA H100 Tensor Core
-  GPU datasheet / Hopper architecture whitepaper).
-- H200 SXM 141GB: 989 TFLOP/s bf16, 4.8 TB/s HBM3e, 141 GB (NVIDIA H200 datasheet; same
-  compute die as the H100).
-- H800 SXM: H100 compute and memory with a narrower NVLink (NVIDIA H800 datasheet).
-- A100 SXM4 80GB: 312 TFLOP/s bf16, 2.039 TB/s HBM2e, 80 GB, 108 SMs (NVIDIA A100 datasheet /
-  Ampere architecture whitepaper).
-- B200 (HGX B200): 2.25 PFLOP/s bf16 dense, 8 TB/s HBM3e, 180 GB (NVIDIA HGX B200 spec).
-- L40S: 362 TFLOP/s bf16 dense, 864 GB/s GDDR6, 48 GB (NVIDIA L40S datasheet).
+    cal = calibration("h100")          # or Calibration.load("gpu.json") from calibrate_gpu.py
 
-Deviceless compilation (no GPU on the machine) describes the target chip to XLA's CUDA
-compiler with a `GpuTargetConfig` text proto: `gpu_target_config`. The chips with an `arch`
-(sm_90: H100, H200; sm_80: A100) carry the SM figures it needs: `TARGETS`.
-
-The performance model (`ladder_jax.predict`) reads its whole calibration here, per target
-(`calibration(target)`, or a file written by `benchmarks/calibrate_gpu.py` on a real GPU:
-`Calibration.load`): the chip, `EFFICIENCY` (what fraction of the spec-sheet rates kernels
-reach), the intra-host links (`LINKS`: how long a collective takes over NVLink or PCIe), the
-inter-host link (`INTER_HOST`: InfiniBand, one NIC per GPU) and `CONTENTION` (what an
-in-flight collective takes from the kernels beside it). Every figure names its public source.
-None is fitted to a measured end-to-end throughput of any model.
+Chip figures are the vendors' dense spec-sheet numbers (H100 / H800 / H200 / A100 / B200 /
+L40S datasheets and the Hopper and Ampere whitepapers); `TARGETS` are the chips with an `arch`
+for `gpu_target_config`. `EFFICIENCY`, `LINKS` (NVLink, PCIe), `INTER_HOST` (InfiniBand) and
+`CONTENTION` each name their public source. None is fitted to a measured end-to-end
+throughput of any model. How to set them for a cluster: docs/analysis.md#calibration.
 """
 
 from __future__ import annotations
@@ -168,7 +152,7 @@ LINKS = {
                 "128b/130b); through host memory each byte is written to and read back from "
                 "DRAM shared by all GPUs, taken as ~40% of the link rate (25 GB/s busbw), the "
                 "order nccl-tests reports for P2P-disabled PCIe servers. Least certain figure "
-                "of the table: measure it (see the README)"),
+                "of the table: measure it (see docs/analysis.md)"),
 }
 # channels: NCCL prints "N coll channels" at start-up; on NVSwitch machines (DGX H100, DGX
 # A100) its ring runs on 24 or more channels, over PCIe / host memory on a few (2-4).

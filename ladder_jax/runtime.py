@@ -3,26 +3,11 @@
     runtime.setup(cpu_devices=2)                      # one process
     runtime.setup(coordinator="host0:1234", num_processes=8, process_id=3)
 
-- Platform: on a host with no NVIDIA device (and `JAX_PLATFORMS` unset) jax is told to use the
-  CPU, so it does not probe for GPUs that are not there.
-- CPU hosts are split into `cpu_devices` fake devices (XLA's host-platform devices), so that
-  tensor parallelism runs for real on a laptop, only slower. Tools ask for what their mesh
-  needs; more devices than that only cost speed.
-- Many processes: `jax.distributed.initialize` from the arguments, else from the environment
-  variables JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, else under SLURM
-  (several tasks) from SLURM's own variables.
-- CPU hosts keep the memory XLA frees (`keep_freed_memory`): XLA:CPU allocates each run of a
-  program's temporaries as one block (hundreds of MB for a training step) and frees it after;
-  glibc hands such blocks back to the kernel at once, so every step page-faulted all of it in
-  again (~15% of a small training step's time on 2 cores). Set LADDER_JAX_HOST_MALLOC=default
-  to leave glibc's allocator as it is.
-- Quiet start: with the CUDA PJRT plugin installed on a host without a GPU (the test extra),
-  the plugin's native start-up logs a few lines ("Could not find cuda drivers ...") on every
-  import of jax. `quiet()` drops exactly those lines and passes everything else on; the
-  package's `__init__` imports jax under it, and `setup` starts the backend under it.
-
-Nothing here imports jax or the rest of the package at import time: the package's `__init__`
-imports this module first.
+CPU when no NVIDIA device is present; CPU hosts split into fake devices so tensor parallelism
+runs for real; `jax.distributed` from the arguments, the JAX_* variables or SLURM; on CPU,
+glibc keeps the memory XLA frees between steps (`keep_freed_memory`,
+LADDER_JAX_HOST_MALLOC=default turns it off); `quiet()` drops the CUDA plugin's start-up lines
+on a GPU-less host. Nothing here imports jax at import time: `__init__` imports this first.
 """
 
 from __future__ import annotations
@@ -143,11 +128,9 @@ def keep_freed_memory() -> bool:
     the heap rather than their own mappings (which `free` unmaps), and no trimming of the
     heap's free top below 2 GiB. The process then holds its peak memory (which it needed
     anyway) instead of faulting it in again on every program run, plus what fragmentation
-    leaves between freed blocks (the `small` training step: a steady 1.8 GB against 1.1-1.3
-    GB between steps with glibc's defaults; a toy program with a 0.9 GB peak settled at
-    2.2 GB). Takes effect only before the backend's threads start (`setup` calls it first);
-    True where it was applied (Linux with glibc, LADDER_JAX_HOST_MALLOC not `default`), once
-    per process."""
+    leaves between freed blocks (docs/results.md). Takes effect only before the backend's
+    threads start (`setup` calls it first); True where it was applied (Linux with glibc,
+    LADDER_JAX_HOST_MALLOC not `default`), once per process."""
     if _KEPT["done"] is not None:
         return _KEPT["done"]
     _KEPT["done"] = False

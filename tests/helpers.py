@@ -36,6 +36,16 @@ def logits(model, tokens):
     return model(tokens)
 
 
+def one_line(capsys, rc, code=2) -> str:
+    """The single `error: ...` line of a command that must have exited with `code`."""
+    out, err = capsys.readouterr()
+    assert rc == code, (rc, out, err)
+    assert "Traceback" not in out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

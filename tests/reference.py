@@ -2,7 +2,8 @@
 
 Written from the spec (the dataflow in ladder_jax.model's docstring), not from its code: RoPE
 through complex numbers, grouped-query attention by repeating kv heads, the residual schemes as
-explicit pending variables. It reads weights as the nested dict `nnx.to_pure_dict(nnx.state(model))` gives.
+explicit pending variables. It reads weights as the nested dict
+`nnx.to_pure_dict(nnx.state(model))` gives.
 """
 
 import jax.numpy as jnp

@@ -18,6 +18,7 @@ from ladder_jax.analysis import overlap, perfmodel, programs
 from ladder_jax.inference.cache import KVCache
 from ladder_jax.model import quant, transformer
 from ladder_jax.model.linear import flat_einsum
+from tests import helpers
 from tests.helpers import TINY, tiny_model
 
 TOL = 1e-5
@@ -130,7 +131,7 @@ def test_attention_over_given_positions_and_a_cache_equals_a_naive_reference():
 
 
 def test_kernel_choice_by_platform():
-    mesh = lj.make_mesh(tp=1, devices=jax.devices()[:1])
+    mesh = helpers.mesh(1)
     assert transformer.attention_kernel(mesh, "bfloat16", 128) == "matmul"  # CPU
     gpu = programs.gpu_mesh("h100", 2)  # deviceless: cuDNN cannot be compiled here
     assert transformer.attention_kernel(gpu, "bfloat16", 128) == "pallas"

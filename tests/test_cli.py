@@ -12,6 +12,7 @@ import ladder_jax as lj
 from ladder_jax import config as config_lib
 from ladder_jax.cli import common, convert, decode, demo, overlap, predict
 from ladder_jax.cli import train as train_cli
+from tests.helpers import one_line
 
 pytestmark = pytest.mark.quick
 CONFIGS = sorted((pathlib.Path(__file__).parent.parent / "configs").glob("*.yaml"))
@@ -22,11 +23,7 @@ MAINS = {"decode": decode.main, "convert": convert.main, "demo": demo.main,
 def _exit_line(capsys, main, argv) -> str:
     with pytest.raises(SystemExit) as e:
         main(argv)
-    out, err = capsys.readouterr()
-    assert e.value.code == 2, (out, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "usage:" not in err, err
-    return lines[0]
+    return one_line(capsys, e.value.code)
 
 
 @pytest.mark.parametrize("name, argv, expect", [

@@ -24,6 +24,7 @@ from ladder_jax import config as config_lib
 from ladder_jax.model import quant, sharding
 from ladder_jax.train import step
 from ladder_jax.train import trainer as trainer_module
+from tests import helpers
 
 
 def fusion_sizes(hlo_text: str) -> list[int]:
@@ -46,7 +47,7 @@ def _sizes(residual: str, n_layers: int, tp: int = 1) -> tuple[int, int]:
     """(largest fusion, total fused instructions) of the loss-and-gradients program, compiled
     for the CPU the way the package compiles its training step (`sharding.jit`)."""
     config = lj.ModelConfig.from_preset("tiny", residual=residual, n_layers=n_layers)
-    mesh = lj.make_mesh(tp=tp, data=1, devices=jax.devices()[:tp])
+    mesh = helpers.mesh(tp)
     graphdef, params = nnx.split(lj.Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)))
     tokens = jnp.zeros((2, 64), jnp.int32)
     fn = sharding.jit(lambda p, t: step.loss_and_grads(graphdef, p, t, t), platform="cpu")

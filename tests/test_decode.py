@@ -17,6 +17,7 @@ import ladder_jax as lj
 from ladder_jax.inference import generation
 from ladder_jax.inference.cache import KVCache
 from ladder_jax.model import sharding
+from tests import helpers
 from tests.helpers import SCHEMES, free_port
 from tests.helpers import logits as _logits
 from tests.helpers import tiny_model as _model
@@ -109,7 +110,8 @@ def test_kv_cache_is_a_typed_pytree_with_its_shardings():
 def test_top_p_keeps_the_smallest_set_reaching_p():
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))
     keys = [jax.random.key(i) for i in range(200)]
-    seen = {int(generation.sample(logits, k, generation.Sampling(1.0, None, 0.75))[0]) for k in keys}
+    top_p = generation.Sampling(1.0, None, 0.75)
+    seen = {int(generation.sample(logits, k, top_p)[0]) for k in keys}
     assert seen == {0, 1}  # 0.5 < 0.75 <= 0.8: the first two tokens
     seen = {int(generation.sample(logits, k, generation.Sampling(1.0, None, 0.5))[0]) for k in keys}
     assert seen == {0}
@@ -227,7 +229,7 @@ def test_decode_step_reads_the_cache_where_it_lies(target):
     config = lj.ModelConfig.from_preset("tiny")
     B, H = 8, config.head_dim
     if target == "cpu":
-        mesh = lj.make_mesh(tp=1, data=1, devices=jax.devices()[:1])
+        mesh = helpers.mesh(1)
         decoder = generation.Decoder(lj.Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)))
         S, heads = 64, config.n_kv_heads
         ints = jax.ShapeDtypeStruct((B,), np.int32)

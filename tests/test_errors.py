@@ -23,21 +23,12 @@ from ladder_jax.cli import train as train_cli
 from ladder_jax.inference import generation
 from ladder_jax.interop import hf
 from ladder_jax.interop.tokenizer import ByteTokenizer
-from ladder_jax.model import sharding
 from ladder_jax.train import data
+from tests import helpers
+from tests.helpers import one_line
 
 SMALL = ["model.n_layers=2", "data.seq_len=32", "data.batch_size=8", "eval_batches=2",
          "progress=none", "log_every=1000", "mesh.data=1", "steps=1", "eval_every=0"]
-
-
-def one_line(capsys, rc) -> str:
-    """The single `error:` line of a CLI that must have exited with code 2."""
-    out, err = capsys.readouterr()
-    assert rc == 2, (rc, out, err)
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,7 +127,7 @@ def test_data_checks_pass_what_is_good(tmp_path):
 def hf_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf") / "llama"
     config = lj.ModelConfig.from_preset("tiny", n_layers=1)
-    mesh = sharding.make_mesh(tp=1, devices=jax.devices()[:1])
+    mesh = helpers.mesh(1)
     lj.save_hf(lj.Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)), path)
     return path
 
@@ -297,7 +288,7 @@ def test_nan_weights_are_refused_naming_the_tensor(hf_dir, tmp_path, capsys):
     d = _copy(hf_dir, tmp_path / "nan")
     _nan(d)
     with pytest.raises(hf.HFError, match=rf"tensor '{re.escape(UP)}' has 1 NaN/inf values"):
-        lj.load_hf(d, mesh=sharding.make_mesh(tp=1, devices=jax.devices()[:1]))
+        lj.load_hf(d, mesh=helpers.mesh(1))
     line = one_line(capsys, convert.main(["--hf", str(d), "--out", str(tmp_path / "out")]))
     assert str(d / hf.SINGLE) in line and UP in line
     assert not (tmp_path / "out").exists()
@@ -309,7 +300,7 @@ def test_nan_weights_are_refused_naming_the_tensor(hf_dir, tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def model():
-    mesh = sharding.make_mesh(tp=1, devices=jax.devices()[:1])
+    mesh = helpers.mesh(1)
     return lj.Transformer(lj.ModelConfig.from_preset("tiny", n_layers=1), mesh=mesh,
                           rngs=nnx.Rngs(0))
 
@@ -648,7 +639,7 @@ def test_decode_memory_estimate_before_allocating(capsys):
 
 
 def test_a_checkpoint_directory_loads_like_its_run(trained, hf_dir, tmp_path, capsys):
-    mesh = sharding.make_mesh(tp=1, devices=jax.devices()[:1])
+    mesh = helpers.mesh(1)
     whole, _ = lj.load(str(trained / "run"), mesh=mesh)
     for sub in ("checkpoints", "checkpoints/2"):
         part, _ = lj.load(str(trained / "run" / sub), mesh=mesh)

@@ -66,8 +66,8 @@ def test_extension_adds_one_middle_layer_per_missing_layer():
         return steps + [("compute", "head", 0.25, None)]
 
     full = perfmodel.simulate(layers(7))
-    seconds, compute = perfmodel.extended(perfmodel.simulate(layers(3)), perfmodel.simulate(layers(4)),
-                                        7, 4)
+    seconds, compute = perfmodel.extended(perfmodel.simulate(layers(3)),
+                                          perfmodel.simulate(layers(4)), 7, 4)
     assert (seconds, compute) == (full.seconds, full.compute_s) == (2 + 6 * 2.5 + 0.25, 8.25)
 
 
@@ -123,7 +123,7 @@ ENTRY %main (a: bf16[4,1024], b: bf16[4,1], e: bf16[1000,64], i: s32[], x: bf16[
   %ags = (f32[64,256]{1,0}, f32[128,256]{1,0}) all-gather-start(%ard), channel_id=2, dimensions={0}, backend_config={"collective_backend_config":{"is_sync":true}}
   ROOT %agd = f32[128,256]{1,0} all-gather-done(%ags)
 }
-"""
+"""  # noqa: E501 (HLO text as XLA prints it)
 
 
 def test_read_kernels_counts_slices_updates_and_matmuls():

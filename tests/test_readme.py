@@ -1,7 +1,8 @@
-"""README's commands as a newcomer runs them: every block marked `<!-- cpu -->` (the line before
-its ```bash fence), in README's order, in one fresh directory, through bash. Only the sizes
-shrink (fewer steps and layers, shorter sequences, a free port, no `pip install`), never the
-names, meshes or flags, so every example must get what it promises after the ones before it.
+"""The documentation's commands as a newcomer runs them: every block marked `<!-- cpu -->` (the
+line before its ```bash fence) of README.md, then of docs/*.md (the order of DOCS, then the
+rest by name), in one fresh directory, through bash. Only the sizes shrink (fewer steps and
+layers, shorter sequences, a free port, no `pip install`), never the names, meshes or flags, so
+every example must get what it promises after the ones before it.
 """
 
 import json
@@ -17,6 +18,8 @@ from tests.helpers import free_port
 
 ROOT = pathlib.Path(__file__).parent.parent
 README = ROOT / "README.md"
+# docs/ pages in reading order (their examples continue from README's); others follow by name
+DOCS = ("training.md", "inference.md", "analysis.md", "architecture.md", "results.md")
 # Appended to each train command, before README's own overrides (so those win).
 TRAIN = ("steps=2 log_every=1 eval_every=0 eval_batches=1 ckpt_every=0 model.n_layers=1 "
          "data.seq_len=16 data.batch_size=4 bench_steps=1 progress=lines")
@@ -24,6 +27,13 @@ TRAIN = ("steps=2 log_every=1 eval_every=0 eval_batches=1 ckpt_every=0 model.n_l
 DECODE = "--max-new-tokens 4"
 DECODE_BENCH = "--preset tiny --batch 2 --prompt-len 8 --max-new-tokens 3"  # if one is marked
 
+
+
+def pages() -> list[pathlib.Path]:
+    """README.md, then docs/*.md in reading order."""
+    docs = sorted((ROOT / "docs").glob("*.md"), key=lambda p: (
+        DOCS.index(p.name) if p.name in DOCS else len(DOCS), p.name))
+    return [README, *docs]
 
 
 def cpu_blocks(text: str) -> list[str]:
@@ -56,8 +66,8 @@ def shrink(cmd: str, port: int) -> str:
 
 
 @pytest.mark.quick
-def test_every_train_example_in_readme_has_a_name_of_its_own():
-    text = README.read_text()
+def test_every_train_example_in_the_docs_has_a_name_of_its_own():
+    text = "\n".join(p.read_text() for p in pages())
     names = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for cmd in commands(block):
@@ -68,10 +78,11 @@ def test_every_train_example_in_readme_has_a_name_of_its_own():
     assert len(set(names)) == len(names), names  # one run directory per example
 
 
-def test_readme_cpu_commands_run_in_order(tmp_path):
-    text = README.read_text()
-    blocks = cpu_blocks(text)
-    assert len(blocks) >= 5, "the <!-- cpu --> markers are gone"
+def test_docs_cpu_commands_run_in_order(tmp_path):
+    by_page = {p.name: cpu_blocks(p.read_text()) for p in pages()}
+    assert len(by_page["README.md"]) >= 2 and len(by_page["training.md"]) >= 2, (
+        "the <!-- cpu --> markers are gone")
+    blocks = [b for p in pages() for b in by_page[p.name]]
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

@@ -20,7 +20,7 @@ from ladder_jax.train import checkpoint, trainer
 from ladder_jax.train.checkpoint import Checkpointer, DamagedCheckpoint
 from ladder_jax.train.lock import RunBusy, RunLock
 from ladder_jax.train.step import TrainState
-from tests.helpers import free_port
+from tests.helpers import free_port, one_line
 
 SMALL = ["model.n_layers=2", "data.seq_len=32", "data.batch_size=8", "eval_batches=2",
          "progress=none", "log_every=1000", "mesh.data=1", "eval_every=0", "ckpt_every=2",
@@ -40,15 +40,6 @@ def snapshot(path):
 def rows(run):
     with open(os.path.join(run, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
-
-
-def one_line(capsys, rc, code=2) -> str:
-    out, err = capsys.readouterr()
-    assert rc == code, (rc, out, err)
-    assert "Traceback" not in out + err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
 
 
 def cli(*args, env=None, **kw):

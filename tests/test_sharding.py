@@ -1,4 +1,5 @@
-"""Tensor parallelism changes nothing but speed: TP=1 vs 2 vs 4 vs 8, with and without a data axis."""
+"""Tensor parallelism changes nothing but speed: TP=1 vs 2 vs 4 vs 8, with and without a data
+axis."""
 
 import dataclasses
 
@@ -27,11 +28,11 @@ def _loss_and_grads(config, tp, data, tokens, targets):
             logits = nnx.merge(graphdef, state)(tokens)
             logp = jax.nn.log_softmax(logits, -1)
             return -jnp.take_along_axis(logp, targets[..., None], -1).mean(), logits
-        (l, logits), g = jax.value_and_grad(loss, has_aux=True)(state)
-        return l, logits, g
+        (value, logits), g = jax.value_and_grad(loss, has_aux=True)(state)
+        return value, logits, g
 
-    l, logits, g = run(state)
-    return (np.asarray(l), np.asarray(logits), jax.tree.map(np.asarray, nnx.to_pure_dict(g)),
+    value, logits, g = run(state)
+    return (np.asarray(value), np.asarray(logits), jax.tree.map(np.asarray, nnx.to_pure_dict(g)),
             jax.tree.map(np.asarray, nnx.to_pure_dict(state)))
 
 
@@ -44,7 +45,7 @@ def by_layout(request):
     return {layout: _loss_and_grads(config, *layout, tokens, targets) for layout in LAYOUTS}
 
 
-@pytest.mark.parametrize("layout", LAYOUTS[1:], ids=lambda l: f"tp{l[0]}-data{l[1]}")
+@pytest.mark.parametrize("layout", LAYOUTS[1:], ids=lambda t: f"tp{t[0]}-data{t[1]}")
 def test_same_weights_logits_and_grads(by_layout, layout):
     loss0, logits0, grads0, weights0 = by_layout[(1, 1)]
     loss, logits, grads, weights = by_layout[layout]

@@ -16,9 +16,9 @@ from flax import nnx
 
 from ladder_jax.config import ModelConfig
 from ladder_jax.interop.tokenizer import ByteTokenizer
-from ladder_jax.model.sharding import make_mesh
 from ladder_jax.model.transformer import Transformer
 from ladder_jax.train import checkpoint, data, step, trainer
+from tests import helpers
 from tests.helpers import free_port
 
 SMALL = ["model.n_layers=2", "data.seq_len=32", "data.batch_size=8", "eval_batches=2",
@@ -119,7 +119,7 @@ def test_resume_on_another_mesh_and_init_from(tmp_path):
 
 
 def test_nonfinite_gradient_is_skipped_and_params_unchanged():
-    mesh = make_mesh(tp=2, data=1, devices=jax.devices()[:2])
+    mesh = helpers.mesh(2)
     cfg = ModelConfig.from_preset("tiny", n_layers=2)
     graphdef, params = nnx.split(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
     optimizer = step.make_optimizer()

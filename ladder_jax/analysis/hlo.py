@@ -1,27 +1,12 @@
 """THE reader of compiled HLO text: a scheduled module as computations of typed instructions.
 
-`Module(text)` is a scheduled module: `computations` maps each computation's name (the
-scheduled entry is "ENTRY") to its instructions in schedule order, `op(comp, name)` finds one,
-`called(op)` is the computation a fusion / async op / call runs, `collective(op)` says which
-collective an instruction is (or starts). `computations(text)` is the same map without the
-scheduled check. An `Op` has its result `name`, `shape` text, `opcode` and full `text`, and
-reads everything else from them: `operands` (names, in order), `attribute(name)`, `dims` and
-`elements` of an array result, `is_root`, `is_sync` (an async collective XLA made blocking),
-`replica_group` (the device ids of its first replica group, from any of XLA's spellings), the
-JAX op that made it (`op_name`, from the metadata), `layer` (the model's `layer{i}.{module}`
-scope) and whether it is a matmul kernel. `nbytes(shape)` is the bytes of an array or tuple
-shape. The overlap report (`ladder_jax.analysis.overlap`) and the performance model
-(`ladder_jax.analysis.perfmodel`) read programs only through this module.
+    module = Module(text); [(op.opcode, op.layer, module.collective(op)) for op in module.entry]
 
-What counts as a matmul kernel: a cuBLAS custom-call, a Triton GEMM fusion (`gemm_fusion*`:
-deviceless builds are not autotuned), a plain `dot`, or any fusion whose JAX op is a
-`dot_general` (at one token per row XLA rewrites small matmuls into multiply-reduce fusions,
-which are still the module's matmul work).
-
-Why text: jaxlib's `compiled.runtime_executable().hlo_modules()` does expose instructions
-(opcode, operands, users), but not their shapes, attributes, replica groups or metadata (only
-`to_string()`, this same text), and the persistent program cache
-(`ladder_jax.analysis.programs`) stores text; so the text is what is read, once, here.
+An `Op` reads everything from its text: operands, attributes, shape, replica group, the JAX op
+and model layer that made it, whether it is a matmul kernel (a cuBLAS call, a Triton GEMM
+fusion, a `dot`, or a fusion of a `dot_general`). The overlap report and the performance model
+read programs only through this module. Text, because jaxlib's HLO objects do not expose
+shapes, attributes or metadata, and the program cache stores text.
 """
 
 from __future__ import annotations

@@ -1,54 +1,15 @@
-"""Deviceless GPU programs and their schedules: compile a model program for an NVIDIA GPU target
-on a machine with no GPU, then read the scheduled HLO (every all-reduce, every other
-collective, memory). The command line is `python -m ladder_jax.overlap`; the performance model
-(`ladder_jax.analysis.perfmodel`) reads the same schedules.
+"""Deviceless GPU programs and their schedules: every all-reduce, every other collective and the
+memory per device of a program compiled for an NVIDIA GPU target on a machine with no GPU.
 
     python -m ladder_jax.overlap --preset llama-3-8b --tp 8 --phase decode
-    python -m ladder_jax.overlap --preset tiny --residual standard --phase train --json
-
-How it works. XLA's CUDA compiler runs on the CPU when given a description of the target chip
-(`ladder_jax.hardware`: H100 / H200, sm_90; A100, sm_80) through the CUDA PJRT plugin
-(`pip install -e ".[test]"` brings it; no CUDA libraries, no GPU; `ladder_jax.analysis.programs`
-builds and caches the programs). `--hosts N` spreads the tp group over N hosts of the
-plugin's multi-host topology. `--dump-hlo FILE` writes the scheduled HLO text that was read.
-The model is built from shapes only (`nnx.eval_shape`), so `llama-3-70b` compiles on a laptop.
-The compiled module is scheduled: its ENTRY computation lists kernels in execution order, and
-every async all-reduce appears as an `all-reduce-start` / `all-reduce-done` pair. An all-reduce
-is *overlapped* when at least one matmul kernel is scheduled between its start and done (and
-XLA did not mark it `is_sync`).
-
-What counts as a matmul kernel: a cuBLAS custom-call, a Triton GEMM fusion (`gemm_fusion*`:
-deviceless builds are not autotuned), a plain `dot`, or any fusion whose JAX op is a
-`dot_general` (at one token per row XLA rewrites small matmuls into multiply-reduce fusions,
-which are still the module's matmul work).
-
-Attribution: the model runs each module under `jax.named_scope("layer{i}.{attn|mlp}")`, which
-survives in the HLO metadata; ops of the backward pass carry `transpose(` in their name stack.
-The all-reduce of module i is issued in module i's scope.
-
-Phases are the programs users run. `prefill` and `decode` are `ladder_jax.inference.generation.Decoder`'s
-jitted prefill (a `--seq`-token prompt written into the KV cache, then sampling of the first
-new token) and its one-token step (KV cache, attention over all its slots, sampling), with a
-cache sized for `--seq` + `--new-tokens` as `decode` sizes it, and the decode CLI's sampling
-(temperature 0.8, top-k 200). `train` is the trainer's training step (`programs.train_program`:
-forward, backward, AdamW update, clipping) on `--seq` tokens, with the default optimizer
-settings.
-
-Training configs (`--config configs/X.yaml [key=value ...] --hosts N`): compiles the training
-step that config runs (`compile_train_config`: its mesh, FSDP, dtypes, accumulation, remat and
-optimizer, through `programs.train_program`, the builder of every training program) for N hosts of
-`--gpus-per-host` GPUs: the plugin's topology `1 x N x G`, the (data, tp) mesh filled row by
-row so that a tp group is one host. The report adds every other collective (`read_collectives`:
-FSDP's all-gathers and reduce-scatters over `data`, the loss's and gradient norm's
-all-reduces; counted per mesh axis and per place, inside the accumulation loop or once per
-step) and the memory per device (`ladder_jax.train.step.memory_use`) against the chip's capacity; a
-step that does not fit exits 2 with the fix (`ladder_jax.train.step.check_memory`, the check the
-trainer makes on a GPU).
-
     python -m ladder_jax.overlap --config configs/llama-3-70b.yaml --hosts 8
 
-The options the package compiles with (`ladder_jax.model.sharding.compiler_options("gpu")`) are
-applied here exactly as in training and decoding: the report shows what users get.
+An all-reduce is *overlapped* when a matmul kernel is scheduled between its start and done (and
+XLA did not mark it `is_sync`). Module all-reduces are attributed through the model's
+`layer{i}.{attn|mlp}` named scopes; backward ones carry `transpose(`. `--config` compiles the
+training step a config runs and checks it fits (`step.check_memory`, the trainer's check on a
+GPU). Programs come from `ladder_jax.analysis.programs`, read by `ladder_jax.analysis.hlo`.
+See docs/analysis.md.
 """
 
 from __future__ import annotations

@@ -1,82 +1,15 @@
-"""Predict what each residual scheme buys: tokens/s of generation on GPUs you do not have,
-from the schedule XLA compiles for them.
+"""Predict tokens/s of each residual scheme on GPUs you do not have, from the schedule XLA
+compiles for them.
 
-    python -m ladder_jax.predict --preset llama-3-70b --tp 8 --batch 1 --prompt-len 1024 \\
-        --new-tokens 512 --link nvlink --target h100 --residual all
-    python -m ladder_jax.predict --preset llama-3-70b --tp 2 4 8 --batch 1 4 16 \\
-        --link nvlink pcie --json
-    python -m ladder_jax.predict --preset llama-3.1-405b --tp 16 --hosts 2 --link nvlink pcie
-    python -m ladder_jax.predict --preset llama-2-7b --target a100 --tp 1 2 4 8
+    python -m ladder_jax.predict --preset llama-3-70b --tp 8 --batch 1 --link nvlink pcie
+    rows = lj.predict("llama-3-70b", tp=[2, 4, 8])
 
-How. On a CPU, with no GPU:
-1. Compile, deviceless (`ladder_jax.analysis.programs`, as `python -m ladder_jax.overlap`
-   does), the programs users run: `ladder_jax.inference.generation.Decoder`'s jitted prefill
-   and one-token step, with the KV cache sized as `decode` sizes it and the decode CLI's
-   sampling (temperature 0.8, top-k 200), for `tp` abstract GPUs of `--target` (sm_90: H100,
-   H200; sm_80: A100) on `hosts` hosts, with the package's compiler options. Programs are kept
-   in a persistent cache: a rerun of a grid reads them back.
-2. Read the scheduled ENTRY computation (`ladder_jax.analysis.hlo`): kernels in launch order,
-   and every collective as a `*-start` / `*-done` pair (or one synchronous op), with its
-   replica group: how many ranks, on how many hosts.
-3. Cost every kernel as a roofline: max(FLOPs / (dense bf16 rate x gemm efficiency),
-   bytes / (HBM bandwidth x memory efficiency)) + a fixed per-kernel overhead. FLOPs are those
-   of the kernel's `dot`s (2 x output elements x contracted size; a matmul XLA rewrote as a
-   multiply-reduce counts 2 per element of its largest intermediate). Bytes are what the
-   kernel reads and writes: a fused parameter only sliced inside the kernel counts the slice,
-   a buffer updated in place (the KV cache) counts the update, not the buffer.
-4. Cost every collective with the link's ring model (`hardware.Link`): a latency per call
-   and per ring step plus bytes over the bus bandwidth nccl-tests reports. A collective whose
-   group spans hosts is hierarchical, as NCCL runs it over rail-connected nodes: within each
-   host over NVLink / PCIe, across hosts over InfiniBand (one NIC per GPU, moving 1/g of the
-   message, g = GPUs of the group per host). Latencies add up (2(g-1) intra-host and 2(h-1)
-   inter-host steps for an all-reduce); NCCL pipelines the levels, so the bandwidth term is
-   the slower level's: max(2n(g-1)/g / intra busbw, 2(n/g)(h-1)/h / inter busbw)
-   (`collective_seconds`).
-5. Replay two streams, compute and collectives, exactly as scheduled (`simulate`): a `start`
-   issues its collective once the compute stream reaches it and the collective stream is
-   free; a `done` makes the compute stream wait for it; a synchronous collective blocks both.
-   While a collective is in flight the kernels beside it are slower (`hardware.Contention`):
-   its NCCL channels hold some of the SMs (FLOP rate x (1 - channels / SMs)) and its copies
-   take HBM bandwidth (the bytes it sends x 3, at its rate); a kernel that outlasts the
-   collective runs its remainder at full speed. The time the compute stream spends waiting is
-   the *exposed* communication.
-6. tokens_per_s = batch * new_tokens / (prefill_s + (new_tokens - 1) * decode_step_s), the
-   way the paper's benchmark counts it (the prefill emits the first token).
-7. Memory per GPU (`decode_memory`): the weights as `decode` and `serve` hold them (input
-   projections fused in place) and the KV cache, counted from the same abstract model and
-   cache, against the pool jax's allocator takes (`pool_fraction`); `fits`.
-
-Training (`--phase train --config configs/X.yaml`): the trainer's training step
-(`programs.train_program`: forward, backward, AdamW update) for the config's model,
-micro-batch per data-parallel replica, sequence length and `mesh.tp`, costed the same way;
-step_s is `data.grad_accum` micro-steps, tokens_per_s is per data-parallel replica (the
-replicas' gradient all-reduce is not modelled). Large models trained at full depth can lose
-overlap that a 3-4 layer compile keeps (XLA's scheduler stops hiding collectives under memory
-pressure): check with `--layers-compiled 0` when it matters.
-
-Few layers, extended. A 70B-wide program takes seconds to compile, mostly a fixed cost, so by
-default (`--layers-compiled 4`) the model is compiled with 3 and with 4 layers, and the
-predicted times are extended linearly to the full depth: the difference of the two is one more
-layer in the middle of the stack, past the first layer's and before the last layer's special
-cases (the first layers fuse a little differently, so shallower pairs are off by up to a few
-percent). Tests check the extension against full-depth compiles (within 1%). Hybrid ladders
-(`--ladder-layers`) are compiled at full depth: their layers differ.
-
-The calibration (`hardware.Calibration`: chip rates, efficiencies, links, inter-host link,
-contention) is public figures with their sources, never fitted to a measured model
-throughput; `--hardware FILE` replaces any of them with what `benchmarks/calibrate_gpu.py`
-measured on a real GPU, and flags override single figures (the README says how to set them
-from nccl-tests output on your own cluster).
-
-What the model leaves out (footguns): kernels run one at a time on the compute stream (no
-concurrent kernels besides the collectives); collectives run one at a time and are not slowed
-by the kernels beside them; host work is assumed hidden (the decode loop queues steps ahead, as
-`decode` does); the deviceless compile is not autotuned, so GEMM tiling may differ from a
-GPU's (and where XLA's default tiling fails, cuBLAS GEMMs are compiled: the row's `fallback`);
-kernel times come from rates, not from the kernels' code. It predicts *this package's*
-programs, e.g. its decode step attends over every cache slot; its prefill and training
-attention is one flash-attention kernel per layer (Pallas / Triton in a deviceless compile),
-costed by its causal matmul FLOPs and the bytes it reads and writes (`_flash_flops`).
+Compile the decoder's prefill and one-token step deviceless (`programs`), read the scheduled
+ENTRY computation (`hlo`), cost each kernel as a roofline plus a fixed overhead and each
+collective with the link's ring model (hierarchical across hosts), then replay the compute and
+collective streams exactly as scheduled (`simulate`), with contention. 3- and 4-layer compiles
+are extended linearly to full depth. The calibration is `ladder_jax.hardware`, never fitted to
+a measured model throughput. Method, flags and what it leaves out: docs/analysis.md.
 """
 
 from __future__ import annotations

@@ -1,56 +1,15 @@
 """What gets compiled: the model programs users run, built from shapes alone for an NVIDIA GPU
-target on a machine with no GPU.
+target on a machine with no GPU (the CUDA PJRT plugin, the `analysis` extra).
 
-XLA's CUDA compiler runs on the CPU when given a description of the target chip
-(`ladder_jax.hardware`, H100 / H200) through the CUDA PJRT plugin (`pip install -e ".[test]"`
-brings it; no CUDA libraries, no GPU). The model is built from shapes only (`nnx.eval_shape`),
-so `llama-3-70b` compiles on a laptop.
+    hlo_text, seconds = compile_program(config, phase="decode", tp=8, batch=1, seq=1024)
 
-Targets: sm_90 (H100, H200) and sm_80 (A100), `ladder_jax.hardware.TARGETS`. Hosts: a
-program for `tp` GPUs on `hosts` hosts compiles on the plugin's topology `1 x hosts x tp/hosts`
-(device ids numbered host by host), so the collectives of a tp group that spans hosts carry
-replica groups across them, as on a real cluster.
-
-Phases are the programs users run. `prefill` and `decode` are
-`ladder_jax.inference.generation.Decoder`'s jitted prefill (a prompt written into the KV cache,
-then sampling of the first new token) and its one-token step (KV cache, attention over all its
-slots, per-row sampling), with a cache sized for the prompt + new tokens as `decode` sizes it.
-`train` is the trainer's training step (forward, backward, AdamW update, gradient clipping;
-`train_program`), with the default optimizer settings and one micro-batch.
-
-Training configs: `compile_train_config` compiles the training step a TrainConfig runs (its
-mesh, FSDP, dtypes, accumulation, remat and optimizer) for N hosts of G GPUs: the plugin's
-topology `1 x N x G`, the (data, tp) mesh filled row by row so that a tp group is one host.
-Both go through `train_program`, which builds the step with `ladder_jax.train.step.
-make_train_step`, the function the trainer jits: one builder for every training program.
-
-The options the package compiles with (`ladder_jax.model.sharding.compiler_options("gpu")`) are
-applied here exactly as in training and decoding, with one deviceless exception: a build that
-is not autotuned uses XLA's default Triton GEMM tiling, which cannot tile some matmuls (the 3b
-preset at tp 8: a 288-wide contraction, "Couldn't find output tile sizes"); such a program is
-compiled again with cuBLAS GEMMs (`xla_gpu_enable_triton_gemm=false`), one of the kernels an
-autotuned GPU build chooses from, and says so (`compile_program`'s `fallback`). Any other
-compiler failure is a `CompileError` naming the phase, tp and target.
-
-Cache. Compiling a 70B-wide program takes seconds to minutes; `compile_program` keeps the
-scheduled HLO text of every program it compiled in a persistent cache (`cache_dir()`:
-`$LADDER_JAX_CACHE`, default `~/.cache/ladder_jax/programs`; `LADDER_JAX_CACHE=off` disables
-it), keyed by everything the program depends on: its arguments, the compiler options, the
-target description, the jax / jaxlib / plugin versions and a hash of the source of the modules
-programs are built from (`program_sources`: this module and the model, decoding and training-
-step modules it imports; not the server, trainer or command lines). A rerun reads the text
-back (milliseconds); editing what builds programs invalidates every entry. Within one process,
-XLA's kernel cache reuses the machine code of kernels already built (`_kernel_reuse`).
-
-Compile time. Nothing compiled here ever runs: only the scheduled HLO (and its buffer sizes)
-is read, and those are fixed before XLA's GPU backend turns each kernel into LLVM IR, PTX and
-machine code, which is most of a compile. So `compile_program` and `compile_train_config` ask
-LLVM for no optimization (`xla_backend_optimization_level=0`) and point XLA at a CUDA folder
-whose `ptxas` writes an empty file instead of assembling the PTX (`_analysis_options`;
-`--version` and libdevice are the real ones): a 70B program compiles about twice as fast, and
-the scheduled HLO text and the memory analysis are the same (tested). Like the kernel cache,
-these options are not in the program key. Without a `ptxas` and libdevice to find, only the
-optimization level is lowered.
+Phases are the programs users run: `Decoder`'s prefill and one-token step, and the trainer's
+step (`train_program`, the one builder of every training program; `compile_train_config` for a
+whole TrainConfig on N hosts of G GPUs). Options are `sharding.compiler_options("gpu")`, with
+cuBLAS GEMMs as the fallback where untuned Triton tiling fails. The scheduled HLO is cached on
+disk (`cache_dir()`, `LADDER_JAX_CACHE`), keyed on everything the program depends on; the
+backend runs lean (no LLVM optimization, no machine code), which leaves the schedule unchanged
+(tested). See docs/analysis.md.
 """
 
 
@@ -91,7 +50,7 @@ from ladder_jax.train import step
 
 PLUGIN_HINT = ('deviceless GPU compilation needs the CUDA PJRT plugin at the jax version in use: '
                'pip install "jax-cuda12-plugin=={v}" "jax-cuda12-pjrt=={v}"  '
-               '(or: pip install -e ".[test]"); no GPU or CUDA libraries are needed')
+               '(or: pip install -e ".[analysis]"); no GPU or CUDA libraries are needed')
 
 
 class OverlapError(RuntimeError):

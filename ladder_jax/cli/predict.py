@@ -7,7 +7,7 @@ compiles for them (deviceless, on this CPU) and public hardware figures.
     python -m ladder_jax.predict --phase train --config configs/tiny.yaml --tp 2
 
 The method, its calibration and what it leaves out: `ladder_jax.analysis.perfmodel`'s
-docstring and the README. Compiled programs are cached (LADDER_JAX_CACHE, default
+docstring and docs/analysis.md. Compiled programs are cached (LADDER_JAX_CACHE, default
 ~/.cache/ladder_jax/programs; LADDER_JAX_CACHE=off to disable).
 """
 

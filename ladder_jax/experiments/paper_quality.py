@@ -1,33 +1,16 @@
-"""The paper's quality claims in miniature (arXiv 2501.06589, sections 4.1 and 4.3), as an
-experiment anyone can rerun on a CPU: `python benchmarks/paper_quality.py [--quick]`.
+"""The paper's quality claims in miniature (arXiv 2501.06589, sections 4.1 and 4.3), rerunnable
+on a CPU: `python benchmarks/paper_quality.py [--quick]`.
 
     results = run(SETTINGS["quick"], "runs/paper_quality/quick")   # JSON-able dicts
     print(table(results)); plots(results, "runs/paper_quality/quick")
 
-1. From scratch: standard, parallel and ladder, same preset, tokens, data order (per seed) and
-   optimizer, for each seed (the seed sets both the weight init and the data order, so the
-   schemes of one seed are a paired comparison): held-out loss and perplexity, their mean and
-   spread over seeds, the training-loss curves.
-2. Adaptation: the first seed's standard model has its upper layers made ladder layers
-   (`ladder_layers`, the upper half and `adapt_layers` fractions of the layers, as the paper's
-   16-of-32 and 20-of-32 Llama-3.1-8B conversions); held-out loss zero-shot
-   (`with_config`: the same weights, rewired); then fine-tuned for `finetune_fraction` of the
-   pretraining tokens (`init_from`, a fresh optimizer); loss after, beside the original's and
-   beside a control: the standard model fine-tuned on the same extra tokens (extra training
-   alone lowers the loss of a model this small).
-3. `claims(results)`: each of the paper's claims beside the measured figure, and whether it
-   reproduces at this scale.
-
-Every training run is `ladder_jax.fit` (the trainer, checkpoints and metrics.jsonl of
-`python -m ladder_jax.train`), every model `ladder_jax.load`, every loss
-`ladder_jax.train.evaluate.held_out_loss` over documents kept out of training
-(`ladder_jax.experiments.corpora`). Runs go to `<out>/runs/<name>`: rerunning the same setting
-reuses finished runs (the trainer resumes or finds them done); `fresh=True` removes them first.
-
-Footguns: perplexity here is per byte (byte-level tokenizer), not the paper's per word-piece,
-so compare ratios and signs, not values. XLA:CPU is slow per step for tiny models (dispatch
-bound), so the settings trade width for batch. The models train on one device (tp=1): the
-residual wiring, not the parallelism, decides the function and so the loss.
+From scratch: standard, parallel and ladder per seed (the seed sets init and data order, so one
+seed's schemes are paired). Adaptation: the first seed's standard model with its upper layers
+made ladder, zero-shot then fine-tuned, beside a standard model fine-tuned alike (the control).
+`claims(results)` sets each claim beside the measured figure. Every run is `ladder_jax.fit`,
+every loss `evaluate.held_out_loss` on held-out documents; rerunning reuses finished runs.
+Perplexity here is per byte: compare signs and gaps with the paper, not values. Last results:
+docs/results.md.
 """
 
 from __future__ import annotations
@@ -104,7 +87,7 @@ SETTINGS = {
     "quick": Setting("quick", corpus="devils", d_model=32, n_heads=4, n_kv_heads=2, d_ff=64,
                      seq_len=64, batch_size=16, steps=60, seeds=(0, 1), warmup_steps=6,
                      finetune_fraction=0.1, eval_records=256),
-    # The README's table: the King James Bible, 3 seeds, ~10 minutes on a quiet 2-core CPU
+    # docs/results.md's table: the King James Bible, 3 seeds, ~10 minutes on a quiet 2-core CPU
     # (9 runs of 100 steps, 3 fine-tunes of 10). `--set steps=300` for a longer look.
     "full": Setting("full", corpus="kjv", d_model=64, seq_len=128, batch_size=16, steps=100,
                     seeds=(0, 1, 2), warmup_steps=10, finetune_fraction=0.1,
@@ -436,7 +419,8 @@ def claims(results: list[dict]) -> list[dict]:
               f"{a['retrain_tokens']} tokens (3% of pretraining): back to ~{a['16/32 retrained']}"
               f" (original {a['original']})",
               f"after {half['finetune_share']:.0%} of the tokens: {half['finetuned_loss']:.4f} "
-              f"vs original {half['base_loss']:.4f} ({half['finetuned_loss'] - half['base_loss']:+.4f});"
+              f"vs original {half['base_loss']:.4f} "
+              f"({half['finetuned_loss'] - half['base_loss']:+.4f});"
               f" standard fine-tuned alike: {half['control_loss']:.4f}",
               half["finetuned_loss"] - half["base_loss"] <= margin)
     if len(adapt) > 1:

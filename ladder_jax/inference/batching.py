@@ -1,43 +1,15 @@
 """Continuous batching over the jitted decode step: a fixed number of slots, each owning one row
 of one KV cache, filled and emptied between decode steps.
 
-    engine = Engine(model, slots=16, max_queue=64)
-    engine.start()                                  # the scheduling thread (process 0)
-    req = Request(prompt=[1, 2, 3], max_tokens=32, sampling=Sampling(), eos_id=257,
-                  on_token=..., on_finish=...)
-    engine.submit(req)                              # EngineFull when the queue is full
+    engine = Engine(model, slots=16, max_queue=64); engine.start(); engine.submit(request)
 
-Each iteration of the loop is one *plan*, built on process 0 from the host state alone:
-
-    1. one decode step over all slots (if any is busy): busy slot i feeds its last token at
-       position len_i + n_i - 1 and draws its token n_i; free slots compute garbage nobody reads.
-       With `steps_per_plan=k`, k such steps in one program (multi-step scheduling: one host
-       round trip and one plan per k tokens); a slot that finishes at step j < k ignores the
-       rest, and new requests wait for the plan's end to be admitted;
-    2. up to `prefills_per_step` (times `steps_per_plan`) waiting requests are prefilled, each
-       into a free slot's row, those of one prompt-length bucket together in one program
-       (`Decoder.prefill_slots`), which gives their first tokens.
-
-Then every token reaches the host (the loop fetches each step's results, so at most one
-program is ever queued: the XLA:CPU rule) and finished requests (max_tokens, EOS, cancelled)
-free their slot at once. A slot's tokens depend only on its own prompt, settings and key (the
-row positions, the causal mask over its own row and `sampling.Rows` are per row), so a
-response does not depend on who else is in the batch: greedy, it equals `generate` of that
-prompt alone.
-
-Many processes (`jax.distributed`): every process holds its part of the model and cache and
-runs the same programs; process 0 schedules and broadcasts each plan (a fixed-size int32
-vector, `multihost_utils.broadcast_one_to_all`), the others `follow()`. When idle, process 0
-still broadcasts an empty plan every `heartbeat_s`, so the followers' collective never waits
-long; a stop plan ends them.
-
-Footguns:
-- Meshes with data > 1 are refused: a slot is one row of a cache split over tp only.
-- Prompt lengths are padded to powers of two (>= 16), and the prompts prefilled together to
-  a power-of-two count, so a few prefill programs serve all (buckets x group sizes up to the
-  admissions per plan); the first use of a new one compiles it (`warmup()` compiles all).
-- Callbacks (`on_token`, `on_finish`) run on the scheduling thread: they must be quick and
-  never block (the server hands them to its event loop).
+Each round is one *plan*, built on process 0 from host state: `steps_per_plan` decode steps
+over all slots, then up to `prefills_per_step` waiting requests prefilled into free rows, one
+program per prompt-length bucket. Every token reaches the host each round (at most one program
+queued); finished requests free their slot at once. Invariant: a slot's tokens depend only on
+its own prompt, settings and key, so greedy it equals `generate` of that prompt alone. Many
+processes: process 0 broadcasts each plan, the others `follow()`. Meshes with data > 1 are
+refused; callbacks run on the scheduling thread and must not block.
 """
 
 from __future__ import annotations

@@ -1,32 +1,14 @@
-"""KV-cached generation: the jitted prefill and one-token step (`Decoder`), batched
-`generate` and the paper's decode benchmark. The cache is `ladder_jax.inference.cache.KVCache`,
-sampling `ladder_jax.inference.sampling`; the command line is `python -m ladder_jax.decode`.
+"""KV-cached generation: the jitted prefill and one-token step (`Decoder`), batched `generate`
+and the paper's decode benchmark; the command line is `python -m ladder_jax.decode`.
 
     texts = generate(model, ["Once upon a time"], max_new_tokens=64,
                      sampling=Sampling(temperature=0.8, top_k=200, seed=0))
 
-`Decoder.prefill` writes a prompt into the cache in one pass; `Decoder.decode_step` appends one
-token per row; `Decoder.prefill_slots` writes prompts into chosen rows of a larger cache (the
-server's continuous batching, `ladder_jax.inference.batching`). All are jitted once per shape
-with the cache donated, so XLA updates it in place; all run the model's own residual scheme
-and sharding, so the ladder's all-reduce overlap applies to every token. Sampling settings are
-per-row arrays (`sampling.Rows`), so one compiled program serves every mix of settings.
-
-Batches of prompts of different lengths are right-padded: row b's prompt occupies cache slots
-0..len_b-1 and its n-th new token slot len_b+n, so every row has its own positions and its own
-causal mask (a query at position p sees slots <= p); the padding slots are overwritten before
-anything can see them. A row's tokens depend on nothing but its prompt, its settings and its
-key: a prompt gives the same tokens alone or in any batch (greedy; sampled with the same
-seed and row).
-
-Footguns, handled here on the host before any device work:
-- XLA clamps out-of-range dynamic updates silently: a prompt plus new tokens longer than the
-  cache would overwrite its last slot. `generate` refuses such input with the numbers.
-- `int()` turns 1.5, "7" and True into token ids without a word: `generate` refuses any token
-  that is not an integer, naming the prompt and the value.
-- Fake CPU devices deadlock when too many collective-bearing programs are queued without
-  waiting (XLA:CPU's rendezvous times out after ~100): the generation loop keeps at most one
-  step in flight beyond the one it is reading, the benchmark waits every 8 steps.
+Programs are jitted once per shape with the cache donated and run the model's own scheme and
+sharding. Rows are right-padded, each with its own positions and causal mask, so a prompt gives
+the same tokens alone or in any batch. Checked on the host first: prompt + new tokens must fit
+the cache (XLA clamps out-of-range updates silently) and token ids must be integers. At most one
+step is in flight beyond the one being read (fake CPU devices deadlock otherwise).
 """
 
 from __future__ import annotations
@@ -132,7 +114,7 @@ class Decoder:
     The cache argument is donated: use only the returned one. `rows` is `sampling.Rows`.
 
     A quantized model (`ladder_jax.model.quant`) on a CPU mesh is decoded through its float
-    copy, dequantized once here (XLA:CPU's int8 matmuls are ~10x slower than float32); on GPU
+    copy, dequantized once here (XLA:CPU's int8 matmuls are much slower than float32); on GPU
     meshes the programs read the int8 weights.
 
     The input projections are fused here once (`fuse_inputs`): a copy of about 2/3 of the
@@ -153,8 +135,7 @@ class Decoder:
         graphdef, self.state = nnx.split(fuse_inputs(model, in_place=consume) if self.fused
                                          else model)
         # the programs take the weights as one flat list, flattened here once: a State would be
-        # flattened again, Variable by Variable in Python, on every call (~0.3 ms per step for
-        # the `small` preset's 8 layers: a tenth of its batch-16 step, on the same CPU)
+        # flattened again, Variable by Variable in Python, on every call of every step
         self.weights, treedef = jax.tree.flatten(self.state)
         self._prefill, self._decode_step, self._prefill_slots, self._decode_steps = (
             _programs(graphdef, treedef, mesh))

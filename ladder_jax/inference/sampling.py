@@ -2,23 +2,12 @@
 
     Sampling(temperature=0.8, top_k=200, top_p=0.95, seed=7).check(vocab_size)
 
-Every row of a batch samples with its own settings and its own key, all of them *arrays*
-(`Rows`: keys (B, 2) uint32 key data, temperature (B,), top_k (B,), top_p (B,)), so one compiled
-program serves any mix of greedy and sampled rows, and a row's tokens never depend on the other
-rows of its batch: token n of a row draws with `fold_in(row key, n)`, the row key being
-`fold_in(key(seed), r)` for row r of a `generate` batch (r = 0 for a prompt alone, and for every
-request of the server). So `generate([p], seed=s)` and a server request (p, seed s) draw the
-same tokens.
-
-temperature 0 (or top_k 1) is greedy: argmax of the logits. Otherwise the logits are divided by
-the temperature, cut to the top_k most likely (0: off), then to the smallest set whose mass
-reaches top_p (1: off), and sampled.
-
-Footguns:
-- Seeds are uint32 (jax keys without x64 keep 32 bits: 2**32 + 5 would silently be 5): `check`
-  refuses anything else, and `int()` is never applied to bools, floats or strings.
-- A batch with any sampled row sorts the vocabulary of every row (the top-k / top-p cut);
-  an all-greedy batch skips it (`lax.cond`).
+Every row samples with its own settings and key, all arrays (`Rows`), so one program serves any
+mix of greedy and sampled rows. Token n of a row draws with `fold_in(row key, n)`, the row key
+`fold_in(key(seed), r)`: `generate([p], seed=s)` and a server request (p, seed s) draw the same
+tokens. Temperature 0 (or top_k 1) is greedy; otherwise temperature, then top_k (0: off), then
+top_p (1: off). Seeds are uint32 and `check` refuses anything else (no `int()` of bools, floats
+or strings). An all-greedy batch skips the vocabulary sort (`lax.cond`).
 """
 
 from __future__ import annotations

@@ -1,32 +1,14 @@
-"""The OpenAI-compatible HTTP API over the continuous-batching engine (an ASGI app: Starlette,
-served by uvicorn from `python -m ladder_jax.serve`; both in the `serve` extra).
+"""The OpenAI-compatible HTTP API over the continuous-batching engine (Starlette on uvicorn,
+from `python -m ladder_jax.serve`; the `serve` extra).
 
-    POST /v1/completions        prompt (text or token ids), max_tokens, temperature, top_p,
-                                top_k, seed, stop, n=1, stream (server-sent events), usage
-    POST /v1/chat/completions   messages, rendered with the model's chat template (if it has one)
-    GET  /v1/models             the one model
-    GET  /health                ok / draining / failed (no key needed: for load balancers)
-    GET  /metrics               Prometheus text: requests, tokens, queue depth, slots busy,
-                                time to first token
+    app = create_app(engine, tokenizer, model_name="tiny", api_key="secret")
 
-Starlette rather than FastAPI: the request schema here is the OpenAI one, checked by hand so
-every refusal is one OpenAI-shaped error that names the field (FastAPI's validation errors
-have another shape), and it is the small, well-kept core FastAPI itself is built on.
-
-Every error is `{"error": {"message", "type", "param", "code"}}` with its status: 400 (bad
-field, named in `param`; malformed JSON; unknown fields; prompt + max_tokens longer than a
-slot), 401 (missing or wrong API key), 404 (unknown route or model), 413 (body over
-`max_request_bytes`), 503 (queue full, or draining). One bad request never stops the server.
-
-Footguns:
-- The engine calls back on its own thread: tokens reach each request's asyncio queue through
-  `loop.call_soon_threadsafe` and nothing else.
-- A client that disconnects (mid-stream, or while waiting for a whole completion) cancels its
-  request: its slot is free before the next decode step.
-- Streamed text holds back what could still become a stop string, and a trailing U+FFFD
-  (a multi-byte character cut between tokens), so the pieces add up to the final text.
-- OpenAI's default temperature is 1 (sampled); pass temperature=0 for greedy. Without a `seed`
-  a sampled request draws a fresh one.
+Endpoints: /v1/completions, /v1/chat/completions (with a chat template), /v1/models, /health,
+/metrics. Every error is OpenAI's `{"error": {message, type, param, code}}` with its status,
+naming the field; one bad request never stops the server. The engine calls back on its own
+thread: tokens reach a request only through `loop.call_soon_threadsafe`. A disconnect cancels
+its request. Streamed pieces hold back a possible stop string or a cut character, so they add
+up to the final text. Starlette, not FastAPI: errors keep OpenAI's shape. See docs/inference.md.
 """
 
 from __future__ import annotations

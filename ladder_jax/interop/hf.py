@@ -1,63 +1,14 @@
 """Hugging Face Llama checkpoints in and out: `load_hf` / `save_hf`. Local files only.
 
     model, tokenizer = ladder_jax.load_hf("Llama-3.2-1B/", mesh=lj.make_mesh(tp=8))
-    model, _ = ladder_jax.load_hf(path, mesh=mesh, residual="ladder", ladder_layers=8)  # hybrid
-    model, _ = ladder_jax.load_hf(path, mesh=mesh, quantize="int8")  # int8 weights, decoding
     ladder_jax.save_hf(model, "out/", tokenizer=tokenizer)
 
-A Hugging Face directory holds `config.json` (model_type "llama", or "llamaLadder": below), the
-weights as `model.safetensors` or as shards listed in `model.safetensors.index.json`, and
-usually `tokenizer.json`. Config mapping (HF -> `ModelConfig`): vocab_size, hidden_size -> d_model,
-num_hidden_layers -> n_layers, num_attention_heads -> n_heads, num_key_value_heads ->
-n_kv_heads, intermediate_size -> d_ff, head_dim, max_position_embeddings -> max_seq_len,
-rope_theta, rope scaling of type "llama3" -> `RopeScaling` (transformers 4.x `rope_scaling` or
-5.x `rope_parameters`; any other type is refused), rms_norm_eps -> norm_eps,
-tie_word_embeddings. Biases, other activations than SiLU and non-Llama models are refused.
-
-Weight mapping (HF stores nn.Linear weights as (out, in); ours are in einsum shape): q_proj
-(N*H, D) -> q (D, N, H); k_proj / v_proj (K*H, D) -> (D, K, H); o_proj (D, N*H) -> o (N, H, D);
-gate_proj / up_proj (F, D) -> (D, F); down_proj (D, F) -> (F, D); lm_head (V, D) -> head (D, V).
-Our RoPE rotates the two halves of each head like HF's `rotate_half`, so no permutation of the
-q / k rows is needed.
-
-Loading streams: config.json, the index and every file's header are checked first (a damaged
-header, a byte range past the end of a truncated file, a missing shard, missing tensors, shape
-mismatches and dtypes that cannot be imported fail before any tensor is read, naming the file
-and tensor); then one tensor at a time is memory-mapped, converted, refused if it holds NaN or
-inf, and placed straight into its sharding with `jax.make_array_from_callback` (each device
-copies only its slice), then dropped. The model is built from shapes (`nnx.eval_shape`), so
-no random weights are ever materialized. Files are written with the `safetensors` package
-(`safetensors.numpy.save_file`). They are read here directly (an 8-byte header length, a JSON
-header, raw little-endian data, memory-mapped): `safetensors.safe_open(framework="np")` was
-tried and reads bfloat16 fine, but reports a damaged header as one generic message without the
-tensor or byte range at fault, which this reader names before anything is read.
-
-Residual scheme, in config.json: the Ladder Residual authors publish their hybrids as
-`"model_type": "llamaLadder"` (architecture `LlamaLadderForCausalLM`, their own modeling code)
-with `"ladder_layers"`: N (the upper N layers), a list of layer indices, or null / [] (none).
-`load_hf` reads that as the hybrid it describes; this package's own keys "ladder_residual" /
-"ladder_layers" on a plain "llama" config likewise. `save_hf` writes a ladder or hybrid model
-in the authors' form (plus "ladder_residual"), which their LlamaLadderForCausalLM loads as the
-same hybrid, and any other scheme as a plain LlamaForCausalLM with "ladder_residual" recorded.
-Arguments: none -> the model the file describes. `residual="ladder"` alone -> the file's
-ladder layers (every layer only when the file names none: converting a standard Llama).
-`ladder_layers=` -> implies "ladder"; when the file names its ladder layers and these are
-other layers, it is an error (the file's own always win: anything else is another model).
-Another scheme by name (`residual="standard"`, ...) loads the same weights as that scheme. Any
-scheme loads any Llama weights. A byte-level export has no tokenizer.json: config.json says
-"ladder_tokenizer": "byte" and `load_hf` returns the byte tokenizer.
-
-Footguns:
-- transformers' LlamaForCausalLM ignores the ladder keys: forced onto a llamaLadder or
-  ladder_residual export it runs a *standard* Llama, a different function of the same weights.
-  Use the authors' LlamaLadderForCausalLM, or load it back with `load_hf`.
-- vocab_size must be divisible by tp (the LM head is split over the vocabulary). Padding is not
-  done for you: zero rows would produce logits of exactly 0 that greedy decoding could pick.
-  Use a tp that divides the vocabulary.
-- Parameters load as float32 unless `param_dtype="bfloat16"` (halves memory; the HF file's
-  dtype is not used), matmuls run in `dtype`.
-- Multi-host: every process calls `load_hf` (each reads only the slices its devices hold, from
-  the same files) and `save_hf` (a collective gather of each weight; process 0 writes).
+config.json, the safetensors index and every file's header are checked before any tensor is
+read (naming file and tensor); then one tensor at a time is mapped, checked for NaN / inf and
+placed straight into its sharding. The model is built from shapes: no random weights. Ladder
+layers follow the authors' `llamaLadder` format; the file's own always win. The name and shape
+mapping, the ladder keys and the footguns (transformers' LlamaForCausalLM runs such a file as a
+standard Llama; the vocabulary must divide by tp): docs/architecture.md#hugging-face-checkpoints.
 """
 
 from __future__ import annotations
@@ -319,8 +270,11 @@ class _Entry:
 def _table(c: ModelConfig) -> list[_Entry]:
     D, F, V, H = c.d_model, c.d_ff, c.vocab_size, c.head_dim
     N, K = c.n_heads, c.n_kv_heads
-    same = lambda w: w
-    T = lambda w: w.T
+    def same(w):
+        return w
+
+    def T(w):
+        return w.T
 
     def proj(heads):  # (heads*H, D) <-> (D, heads, H)
         return (lambda w: w.reshape(heads, H, D).transpose(2, 0, 1),
@@ -375,7 +329,8 @@ _MAX_HEADER = 100 * 2**20  # the format's own limit on the JSON header
 
 class _SafetensorsFile:
     """A safetensors file's header, checked whole on open (every entry's dtype, shape and byte
-    range against the file's size), so that damage shows before any tensor is read."""
+    range against the file's size), so that damage shows before any tensor is read, naming the
+    tensor and byte range at fault (`safetensors.safe_open` reports one generic message)."""
 
     def __init__(self, file: str):
         self.file = file

@@ -1,55 +1,15 @@
 """Weight-only int8 quantization for decoding: half the weight bytes of bf16 per token.
 
     qmodel = quantize(model)                      # or ModelConfig(..., quantize="int8")
-    lj.load("runs/tiny", quantize="int8")         # lj.load_hf(..., quantize="int8") too
     python -m ladder_jax.decode --checkpoint runs/tiny --quantize int8
-    python -m ladder_jax.convert --checkpoint runs/tiny --out runs/tiny-int8 --quantize int8
 
-The representation (`ModelConfig.quantize="int8"`). Every linear weight -- q, k, v, o, gate,
-up, down and the untied LM head, each a `Linear` -- is stored as int8 values `weight` and a
-float32 `scale`, symmetric and per output channel: scale = max |w| over the weight's contracted
-(input) axes / 127, values = round(w / scale) in [-127, 127]. The scale keeps the weight's
-rank with size 1 on the contracted axes (q (D, N, H) -> (1, N, H); o (N, H, D) -> (1, 1, D)),
-so it is sharded exactly like its weight with the contracted axes unsplit: column-parallel
-scales are split over `tp` with their output axis, row-parallel scales (o, down: output D) are
-replicated, and a rank picking its kv head (K < tp) picks the scale's with the same slice.
-Not quantized: the embedding table (a lookup reads B rows, not the table), a *tied* LM head
-(it reads that float table), the norms. Training stays float: a quantized model is for
-decoding (`check` refuses `model.quantize` in a training config, and a float path that meets
-a quantized checkpoint says so).
-
-The matmul (`Linear`): y = (x @ values.astype(dtype)) * scale, the scale applied to the output
-channels after the contraction (exact: it is constant along the contracted axes; in float32,
-then cast to the compute dtype). Applied after, not before: XLA:GPU then fuses the int8 ->
-bf16 conversion into the GEMM (a Triton GEMM fusion whose operand is the s8 parameter), so the
-program reads 1 byte per weight from HBM; scaling the weight first (values * scale, then the
-matmul) makes it materialize a bf16 copy of every weight per step (measured in the deviceless
-H100 HLO: a `loop_multiply_fusion` of the weight's shape feeding the GEMM). Under tensor
-parallelism a row-parallel module's scale multiplies its partial sum before the all-reduce
-(psum(y) * s = psum(y * s)), so the ladder's wiring and overlap are unchanged.
-
-CPU: XLA:CPU runs a matmul whose operand is converted from int8 (or bf16) as a generic loop,
-not through its float32 GEMM: on this project's CPU an 8 x (4096 x 4096) matvec chain took
-80 ms in float32 and 870 ms with int8 weights converted inside the jit (825 ms with the
-converted weight materialized behind an optimization barrier; 1700 ms as a bf16 dot).
-So on a CPU mesh the `Decoder` (`ladder_jax.inference.generation`) decodes a quantized model
-through its dequantized float copy (`dequantize`: values * scale in `param_dtype`), made once
-when the Decoder is built: the same numbers as the int8 program up to float rounding, at
-float32 speed, with the float weights' memory. GPU meshes (and the deviceless programs of
-`ladder_jax.analysis`) run the int8 program. `model(tokens)` always runs the int8 matmuls.
-
-Footguns:
-- At one token per row XLA rewrites some matvecs as a multiply fusion that writes the product
-  x * w (weight-sized, bf16) and a reduce that reads it back; the bf16 program does the same
-  there, and int8 then saves only the weight's read (1 of 6 bytes per element, not half).
-  Deviceless H100 decode step, llama-3-8b compiled with 2 layers, kernel bytes per GPU:
-  2094 MB bf16 -> 1133 MB int8 at tp=1, 394 -> 274 MB at tp=8 (where the MLP's gate / up
-  products are materialized).
-- `quantize` rounds every weight once; quantizing a quantized model is refused, and
-  `dequantize(quantize(m))` is not `m` (the rounding stays).
-- `ladder_jax.interop.hf.save_hf` writes float Llama weights only: it refuses a quantized
-  model (store it with `convert --quantize int8`, or export the float model).
-- FSDP (training) never holds quantized weights: `Transformer(..., fsdp=True)` refuses them.
+Every `Linear` (q, k, v, o, gate, up, down, an untied head) holds int8 values `weight` plus a
+float32 `scale` per output channel, shaped like the weight with size 1 on the contracted axes,
+so it is sharded like its weight. `Linear` applies the scale after the contraction (XLA:GPU then
+reads 1 byte per weight); a row-parallel scale multiplies the partial sum before the psum, so
+the wiring is unchanged. On CPU meshes the decoder runs a dequantized float copy. Training,
+FSDP and `save_hf` refuse quantized weights; `dequantize(quantize(m))` is not `m`.
+Details: docs/architecture.md#weight-only-int8.
 """
 
 from __future__ import annotations

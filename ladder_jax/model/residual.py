@@ -3,43 +3,16 @@ upper_bound one wiring, the forward that follows it, and the ladder's hand-writt
 that walks it in reverse; parallel (`_parallel`), whose two modules share one input and one
 all-reduce, beside them.
 
-The wiring (`wiring(config)`, one `Slot` per module) is computed once per config and decides
-how the four other schemes connect their modules. Modules run in order (layer 0 attention,
-layer 0 MLP, layer 1 attention, ...); each
-ends in a row-parallel matmul whose partial sum is all-reduced over `tp`. Exactly one reduced
-output is ever pending (not yet added to the stream x) when a module starts: the previous
-module's. A module is either
+    slots = wiring(config)        # one Slot per module: immediate or deferred
 
-    immediate   x = x + pending;  y = module(norm(x))        (standard layers)
-    deferred    y = module(norm(x));  x = x + pending        (ladder layers but module 0)
-
-and then `pending = psum(y)`; after the last module x = x + pending. A deferred module reads
-the stream *without* the previous module's output, so that output's all-reduce is in flight
-while the module computes; it is tied to the module's output (`sharding.tie`) so that XLA can
-neither merge the two all-reduces nor add it to the stream any earlier. Hybrid ladder layers
-follow from the same rule: the first ladder layer's attention is deferred, so it reads the
-stream without the previous standard layer's MLP output.
-
-Backward (`_ladder_stream`, for configs with any deferred module). Autodiff transposes the
-forward in reverse program order, and there the all-reduce of module k's input cotangent is
-consumed by its norm's backward right after it is issued: every backward all-reduce blocks.
-Walking the wiring in reverse instead, with S the stream cotangent (the sum of the final
-cotangent and of every later module's input contribution c_m = norm_vjp_m(psum(ct_h_m))):
-
-    the cotangent of module k's output is S;
-    module k's backward matmuls give its input cotangent ct_h_k;
-    if module k+1 was deferred, its all-reduce has been in flight during those matmuls:
-        now S = S + c_{k+1};
-    psum(ct_h_k) is issued; if module k is deferred it stays in flight (module k-1's output
-    was added after module k read, so module k-1's cotangent does not include c_k);
-    otherwise S = S + c_k at once.
-
-Same maths as autodiff (tested against autodiff of an independent reference), a ladder
-wiring for the backward too. Under `remat="module"` the forward keeps only each module's
-input x (the stream it read); the backward recomputes module k's norm and module from it just
-before module k's backward matmuls, beside the same in-flight all-reduce. The LM head
-(`lm_head`) has a hand-written backward as well: its input-cotangent all-reduce overlaps its
-weight-gradient matmul.
+A module is *immediate* (x = x + pending; y = module(norm(x))) or *deferred* (y =
+module(norm(x)); x = x + pending), then pending = psum(y): a deferred module reads the stream
+without the previous module's output, whose all-reduce is in flight meanwhile. Exactly one
+reduced output is pending when a module starts. The backward (`_ladder_stream`) walks the same
+wiring in reverse so that its all-reduces overlap too; it equals autodiff (tested against an
+independent reference). `parallel` (`_parallel`) shares one input and one all-reduce per
+layer. The derivation:
+docs/architecture.md#the-residual-wiring.
 """
 
 from __future__ import annotations

@@ -1,79 +1,15 @@
 """The Ladder Transformer: a Llama-style decoder with four residual schemes, in Flax NNX.
 
-Dimension letters, used in every einsum and name of the package:
-    B batch, T query length, S key/cache length, D model width, F MLP hidden, N query heads,
-    K kv heads, G = N/K query heads per kv head, H head dim, V vocabulary, L layers.
+    model = Transformer(ModelConfig.from_preset("tiny", residual="ladder"), mesh=mesh,
+                        rngs=nnx.Rngs(0))
+    logits = nnx.jit(lambda m, t: m(t))(model, tokens)   # (B, T, V) float32, V split on tp
 
-Architecture: token embedding (V, D) -> L layers -> RMSNorm -> LM head (D, V), tied to the
-embedding or not. Each layer has two *modules*: attention A (grouped-query, causal, RoPE with
-optional llama-3 frequency scaling, weights q (D,N,H), k/v (D,K,H), o (N,H,D)) and a SwiGLU MLP
-M (gate/up (D,F), down (F,D)), each behind its own RMSNorm. No biases.
-
-Under tensor parallelism every module ends in a row-parallel matmul, so its output is a partial
-sum that must be all-reduced (`psum`) over `tp` before it is added to the residual stream x.
-The residual scheme decides *what each module reads*:
-
-    standard     x = x + psum(A(norm(x)));  x = x + psum(M(norm(x)))     2 blocking psums/layer
-    parallel     h = norm(x);  x = x + psum(A(h) + M(h))                   1 psum/layer; uses
-                                                                          attn_norm only
-    ladder       each module reads the stream *without* the previous module's output, whose
-                 psum is still in flight; it is added just before the module after next reads:
-                     x = x + pending_A;  a = A(norm(x));  pending_A = psum(a)
-                     x = x + pending_M;  m = M(norm(x));  pending_M = psum(m)
-                 and after the last layer x = x + pending_A + pending_M. The psum of module i
-                 overlaps module i+1's matmuls. The stream still accumulates every output.
-    upper_bound  standard wiring with every psum dropped: ranks' streams diverge. NOT a valid
-                 model, a speed ceiling for benchmarks only (equals standard at tp=1).
-
-Hybrid ladder (`residual="ladder"`, `ladder_layers=N` or a list of layer indices): only those
-layers are ladder layers, the others standard. The one rule that covers every case, boundaries
-included, is the wiring of `ladder_jax.model.residual`: a module of a ladder layer (but the very
-first module) reads the stream before the previous module's output is added; a module of a
-standard layer reads it after. So the first ladder layer's attention reads the stream without
-the previous standard layer's MLP output. `ladder_layers=0` runs exactly the standard
-program, bit for bit.
-
-All schemes share one weight tree, so any weights load into any scheme and any tp size.
-
-Training: for ladder layers the backward pass is hand-written (`ladder_jax.model.residual`) so that
-it is a ladder too: the all-reduce of module i's input cotangent overlaps module i-1's backward
-matmuls. Autodiff's reverse-order program would block on every one. Same maths, tested
-against autodiff of an independent reference.
-
-Attention. With default positions (0..T-1: training, and the decoder's prefill, which writes
-the prompt into the KV cache from slot 0) attention is one fused causal kernel over the call's
-own keys (`attend_causal`), chosen when the model is built (`attention_kernel`): cuDNN's flash
-attention on a running NVIDIA GPU (bf16/fp16), jax's Pallas (Triton) flash attention in the
-deviceless GPU programs (`ladder_jax.analysis.programs`: cuDNN cannot be compiled without
-cuDNN) and otherwise on GPUs; on CPU the reference arithmetic (`attend_cache`'s two matmuls
-batched over (B, K), the masked softmax between them), which XLA:CPU runs faster than its own
-`dot_product_attention` (kernel "xla", still selectable). Explicit positions use the reference
-`attend`; over the KV cache (a decode step: one query over the cache, keys laid out
-(B, K, H, S) and values (B, K, S, H)) its twin `attend_cache`.
-
-Linear layers. Every weight matmul goes through a `ladder_jax.model.linear.Linear` (weight, int8
-scale, einsum equation). On a CPU mesh they run as 2-D matmuls (`linear.flat_einsum`, the
-`Linear.flat` attribute): XLA:CPU compiles the 3-D einsums' weight gradients as a product of
-two transposed operands, several times slower.
-
-Decoding clones. `fuse_inputs` gives the decoder (`ladder_jax.inference.generation.Decoder`) a
-clone whose matmuls over one input are one matmul over one contiguous weight (`FusedLinear`),
-built once: q/k/v and gate/up (parallel: all five); the weight tree is unchanged.
-
-Footguns:
-- `Transformer.__call__` runs through one `shard_map` over the model's mesh; calling it under
-  `nnx.jit` compiles one program. On GPUs compile with `ladder_jax.model.sharding.jit` (or use the
-  package's entry points): it adds the XLA options the ladder's overlap needs.
-- Logits come back float32 and sharded over V on `tp`; reductions over V under jit are fine.
-- Parameters are float32 by default (`param_dtype`); matmuls run in `dtype`; norms, softmax
-  and logits in float32.
-- `config.quantize="int8"`: every linear weight is int8 values plus a float32 scale per
-  output channel (`Linear.scale`, None for float weights), applied after the matmul; for
-  decoding only (`ladder_jax.model.quant`).
-- The Pallas kernel reaches into jax internals of the pinned jax version (see `pallas_flash`),
-  and tiles T in blocks: other lengths run XLA's attention (`attend_causal`).
-- A parallel `Decoder` holds the fused copy of its model's q/k/v/gate/up beside the model's
-  own weights while the model is alive.
+Embedding -> L layers of attention and SwiGLU MLP, each behind an RMSNorm -> RMSNorm -> head.
+`__call__` is one `shard_map` over the model's mesh; the wiring of each scheme is
+`ladder_jax.model.residual`, weight specs `ladder_jax.model.sharding`. Invariants: every scheme
+shares one weight tree; tp N equals tp 1; `ladder_layers=0` is the standard program bit for
+bit. Dimension letters, the layer diagram, the cache layout and the jax internals the Pallas
+kernel relies on: docs/architecture.md. On GPUs compile with `sharding.jit`.
 """
 
 from __future__ import annotations
@@ -253,11 +189,10 @@ def attend_cache(q_btnh, k_bkhs, v_bksh, q_pos_bt, k_pos_bs):
     """`attend` over a KV cache laid out as `sharding.CACHE_BKSH` says: keys (B, K, H, S),
     values (B, K, S, H). The same arithmetic, as two matmuls batched over (B, K) that read the
     cache where it lies, written as `dot_general`s so that the operands keep this order (an
-    einsum is free to swap them, and XLA:CPU then runs a transposed product ~5x slower):
+    einsum is free to swap them into a transposed product, which XLA:CPU runs much slower):
     queries (G*T, H) x keys (H, S), then the unnormalized exponentials (G*T, S) x values
-    (S, H), divided by their row sums afterwards (G*T x H divisions, not G*T x S: XLA:CPU's
-    prefill attention forward ran ~30% faster so, 3.4 -> 2.4 ms at batch 16 x 128 tokens of
-    the small preset; its backward, by autodiff, the same)."""
+    (S, H), divided by their row sums afterwards: G*T x H divisions rather than G*T x S, the
+    cheaper side whenever S > H (docs/results.md has the timings)."""
     B, T, N, H = q_btnh.shape
     K = k_bkhs.shape[1]
     G = N // K

@@ -1,43 +1,14 @@
-"""Checkpoints with orbax: weights, optimizer state, step, data-iterator state and config; and
-the one way to load a trained (or converted, or Hugging Face) model.
+"""Checkpoints with orbax (weights, optimizer state, step, data-iterator state, config) and the
+one way to load a trained, converted or Hugging Face model.
 
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=3)
-    ckpt.save(state, data_iter, meta)                           # asynchronous; state a TrainState
-    for step in ckpt.steps(): ...                               # newest first
-    state, meta = ckpt.restore(step, state_like, data_iter)     # or raises DamagedCheckpoint
+    ckpt.save(state, data_iter, meta); state, meta = ckpt.restore(step, state_like, data_iter)
     model, tokenizer = load_run("runs/tiny", mesh=mesh)        # decode, convert, lj.load
 
-Layout of one checkpoint (`checkpoints/<step>/`): `params` (the model's weights as a nested dict
-named like the model's attributes), `opt_state` (the optimizer's arrays keyed by their tree
-path), `data` (grain iterator state, one file per process), `meta` (JSON: step, config, mesh).
-
-Guarantees, from orbax: a checkpoint is written to a temporary directory and renamed into place
-only once complete (and, with many processes, once every process has finished), so a crash or
-kill mid-save leaves the previous checkpoints intact and the partial one is ignored. Saves are
-asynchronous: arrays are copied off the devices, then written in a background thread while
-training continues. `keep` bounds how many are kept. A save that fails in the background (a
-full disk) is reported by the next `save`, `check` or `wait` as `SaveError`: the checkpoints
-already written stay intact.
-
-Checksums: once a save is complete, process 0 records the size and CRC-32 of every file of the
-checkpoint in `<step>/checksums.json` (in a background thread; it reads the checkpoint once),
-and `restore` verifies them before reading anything. A checkpoint without that file (killed
-before it was written, or from an older version) is restored on orbax's own checks alone.
-
-Damage (a file removed, truncated, bit-flipped, metadata garbled, a stray empty `<step>`
-directory): `restore` raises `DamagedCheckpoint` saying what is wrong, never a traceback, and
-deletes nothing; the trainer then tries the next older checkpoint (`move_aside` renames a
-damaged one to `<step>.damaged` once a run goes on past it, so that orbax's bookkeeping of the
-latest step and of `keep` never counts it).
-
-Restoring onto another mesh (e.g. trained at tp=2, resumed at tp=4): the restore targets carry
-concrete `NamedSharding`s of the *new* mesh (built from the model's partition specs by the
-caller), and orbax reads each shard straight into place. Abstract shardings from
-`nnx.eval_shape` under `jax.set_mesh` won't do: orbax needs concrete devices. Restoring with
-another process count: the data iterator's files are per process; every process's position is
-the number of batches taken (the global batch is fixed by the config), so the position is
-carried over to the new process count ("re-sharded"): the batches are those an uninterrupted run
-with the new count would have read.
+A checkpoint appears only once complete (orbax's rename); saves are asynchronous and a failed
+one surfaces as `SaveError` at the next call. Process 0 records every file's size and CRC-32;
+`restore` verifies them first and raises `DamagedCheckpoint` (deleting nothing). Restores go
+onto any mesh (targets carry the new mesh's concrete shardings) and any process count (the
+data position is re-sharded). See docs/training.md#resume-one-writer-faults.
 """
 
 from __future__ import annotations
@@ -536,11 +507,12 @@ def load_run(path: str, *, mesh, what: str = "--checkpoint", quantize: str | Non
              **overrides):
     """(model, tokenizer) from a training run or a `python -m ladder_jax.convert` output (a
     directory with config.yaml and checkpoints/), or a Hugging Face Llama directory
-    (config.json, see `ladder_jax.interop.hf.load_hf`). The model is built from shapes and its weights
-    restored straight into their shardings on `mesh`; no random weights are made. `overrides`
-    change the model config, e.g. residual="ladder", ladder_layers=2 (any scheme reads any
-    weights). `quantize="int8"` quantizes float weights once loaded (`ladder_jax.model.quant`);
-    a checkpoint stored quantized (`convert --quantize`) loads as it is, with or without it."""
+    (config.json, see `ladder_jax.interop.hf.load_hf`). The model is built from shapes and its
+    weights restored straight into their shardings on `mesh`; no random weights are made.
+    `overrides` change the model config, e.g. residual="ladder", ladder_layers=2 (any scheme
+    reads any weights). `quantize="int8"` quantizes float weights once loaded
+    (`ladder_jax.model.quant`); a checkpoint stored quantized (`convert --quantize`) loads as it
+    is, with or without it."""
 
     config_lib.check_quantize(quantize)
     path = os.fspath(path)

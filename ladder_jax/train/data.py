@@ -1,41 +1,13 @@
 """Training data: text or token files -> packed (seq_len + 1)-token records -> grain pipeline.
 
     tokens = load_tokens(path, tokenizer)             # one flat int32 stream, documents joined
-    train, held_out = split(tokens, seq_len, eval_fraction)
     it = train_iterator(train, seq_len=..., batch=..., seed=..., shard=(i, n))
 
-Sources (`path`):
-- unset: the embedded corpus, `ladder_jax/corpus/devils_dictionary.txt` (public domain, see
-  NOTICE.md there), so training needs no download;
-- a text file, a glob (`books/*.txt`) or a directory (every file below it, sorted): each file
-  is one document, tokenized when the run starts and framed as BOS ... EOS;
-- `.npy` files: pre-tokenized 1-D integer arrays, read in place (`TokenFile`: each record is
-  one positioned read, never a memory map, so a file cut short while the run reads it is a
-  one-line error, not a SIGBUS that kills the process without a word); the header is checked
-  against the file's size, and every id against the model's vocabulary when the run starts, in
-  one streaming pass over each file (a -1 or an id past the vocabulary is refused, naming the
-  file).
-
-Only regular files are read: in a directory, FIFOs, sockets and devices are skipped (reading a
-FIFO would wait forever for a writer); named directly, they are refused.
-
-Text must be UTF-8: a file with NUL bytes or with more than 1% of its bytes not UTF-8 is refused
-as binary; a few stray invalid bytes become U+FFFD. Empty sources are refused.
-
-Packing is concatenate-and-chunk: the stream is cut into consecutive records of seq_len + 1
-tokens (inputs are the first seq_len, targets the last seq_len), so no token is padding and
-documents run into each other across BOS/EOS. The last `eval_fraction` of records is the
-held-out split (never shuffled into training). Training records are shuffled with a seed
-(grain reshuffles every epoch), each process reads only its shard `[shard::num_shards]`, and
-the iterator's state (`get_state`/`set_state`, or orbax through `grain.checkpoint`) resumes
-exactly where it stopped.
-
-Tokenizer (`ladder_jax.interop.tokenizer`): byte-level by default (bytes 0-255 plus BOS, EOS, PAD;
-fits the 320-token vocabulary of the `tiny` and `small` presets), or a local Hugging Face
-`tokenizer.json` (nothing is downloaded).
-
-Footgun: text is tokenized in the main process when the run starts. For corpora beyond a few
-hundred MB, tokenize once and train on the `.npy` arrays.
+Sources: the embedded corpus (unset), text files / globs / directories (UTF-8; binary refused),
+or pre-tokenized `.npy` arrays (positioned reads, every id checked against the vocabulary).
+Packing is concatenate-and-chunk: no padding; the last `eval_fraction` of records is held out,
+never shuffled in. Each process reads only its shard, and the iterator's state resumes exactly.
+Text is tokenized when the run starts: pre-tokenize large corpora to `.npy`.
 """
 
 from __future__ import annotations

@@ -3,19 +3,11 @@
     with RunLock("runs/tiny") as lock:      # RunBusy (a ConfigError) if another trainer holds it
         ...                                  # lock.stale: the holder a killed process left, or None
 
-The lock is `<run>/.lock`, locked with `fcntl.flock` and holding {host, pid, started} of its
-holder (so a refusal can name it). The kernel drops the lock when its process dies, however it
-dies (kill -9 included): a lock file left behind is then stale, and the next trainer takes it over
-(`stale` says whose it was). On release the file is removed, so a run that only read leaves the
-directory as it found it. `RunLock` creates the run directory (and its parents) if needed and, when
-it created them, removes them again if the run fails before writing anything else.
-
-Multi-process runs: process 0 alone takes the lock; the others learn from it whether to go on
-(`multihost_utils`), since every process writes its part of each checkpoint.
-
-Footguns: `flock` on a network file system is only as good as the server's lock support (NFSv4
-and Lustre with `flock` mounts honour it; some FUSE file systems do not). Removing the file while
-a trainer holds it unlocks nothing for that trainer but lets a second one in: don't.
+`<run>/.lock` is locked with `fcntl.flock` and names its holder (host, pid, started). The kernel
+drops the lock when its process dies, however it dies, so a file left behind is stale and taken
+over. Released, the file is removed; a directory the lock created is removed again if the run
+fails before writing anything. Multi-process: process 0 alone locks and tells the others.
+`flock` on a network file system is only as good as the server's lock support.
 """
 
 from __future__ import annotations

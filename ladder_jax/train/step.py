@@ -1,29 +1,14 @@
-"""The training step as pure functions: loss, optimizer, one update. Used by the overlap tool
-(phase `train`) and by training.
+"""The training step as pure functions: loss, optimizer, one update.
 
     params, opt_state, metrics = train_step(graphdef, params, opt_state, tokens, targets,
                                             optimizer=optimizer)
 
-`params` is the model's `nnx.State` of weights; the step runs the model's shard_map forward,
-the backward through it, global-norm clipping and AdamW (the paper's defaults).
-
-Gradient accumulation: tokens/targets of shape (A, B, T) are A micro-batches, scanned; the
-update uses the mean of their gradients (the same as one (A*B, T) batch, up to rounding).
-
-Non-finite guard: when the loss or the gradient norm is not finite, the update is not applied:
-params and optimizer state come back unchanged (the schedule does not advance either) and
-`metrics["skipped"]` is 1. The caller counts and stops after too many in a row.
-
-The trainer and the deviceless overlap / memory report (`ladder_jax.overlap --config`) build
-the step from the same pieces, so the report is about the program a run executes:
-`opt_state_shardings` (Adam's moments live where their weights do: tp, plus `data` under FSDP,
-as `Transformer(..., fsdp=True)` creates them),
-`make_train_step` (the function that is jitted, with its sharding constraints) and
-`memory_use` / `check_memory` (does the compiled step fit on the device?).
-
-`TrainState(params, opt_state, step)` is what a run carries from step to step (and what a
-checkpoint holds): the weights, the optimizer state stored like them, and the number of steps
-taken (skipped non-finite steps included; the data iterator has advanced that many batches).
+Tokens of shape (A, B, T) are A accumulated micro-batches (the mean of their gradients). A
+non-finite loss or gradient norm leaves params and optimizer state unchanged
+(`metrics["skipped"]`). The trainer and the deviceless report (`overlap --config`) build the
+step from the same pieces (`make_train_step`, `opt_state_shardings`, `memory_use` /
+`check_memory`), so the report is about the program a run executes. `TrainState(params,
+opt_state, step)` is what a run and a checkpoint carry.
 """
 
 from __future__ import annotations

@@ -1,61 +1,14 @@
 """Train a Ladder Transformer: `python -m ladder_jax.train [config.yaml ...] [key=value ...]`.
 
-    python -m ladder_jax.train configs/tiny.yaml                      # CPU, embedded corpus
-    python -m ladder_jax.train configs/tiny.yaml model.residual=ladder steps=500
-    python -m ladder_jax.train configs/tiny.yaml benchmark=true       # tokens/s per scheme
-    python -m ladder_jax.train --help                                 # every key, its default
+    python -m ladder_jax.train configs/tiny.yaml model.residual=ladder name=tiny-ladder
 
-Data flows one way: config -> mesh -> model -> step -> outputs (`runs/<name>/`: the resolved
-`config.yaml`, `metrics.jsonl`, `checkpoints/<step>/` and, with the `tensorboard` extra
-installed, TensorBoard event files in `tensorboard/`: `tensorboard --logdir runs/`). The config
-schema and its checks are `ladder_jax.config`; the step is `ladder_jax.train.step`; checkpoints
-are `ladder_jax.train.checkpoint`.
-
-Each step: A = `data.grad_accum` micro-batches of `data.batch_size` sequences (global, over all
-processes) of `data.seq_len` tokens; fp32 cross-entropy, gradient mean, global-norm clipping,
-AdamW on warmup + cosine; one jitted program (`sharding.jit`) with donated params and
-optimizer state. Mesh `mesh.data` x `mesh.tp`; `mesh.fsdp=true` also splits every weight and its
-optimizer state over `data` (`sharding.WeightSpecs.fsdp`). `mesh.data: null` takes the devices
-left over; on a CPU host (one process) it is one fake device per core over `tp`
-(`cpu_data_parallel`): XLA:CPU runs the devices' programs at once, which uses the cores better
-than one program's threads (`small` preset on 2 cores: ~1.1x, `tiny`: ~1.25x).
-
-Memory: on a GPU the trainer compiles the step for its arrays before the first step and stops
-(exit 2, one line naming the fix) if XLA's memory analysis says it will not fit the device
-(`ladder_jax.train.step.check_memory`; `python -m ladder_jax.overlap --config` shows the same
-numbers without a GPU).
-
-One writer: a trainer holds `<run>/.lock` (`ladder_jax.train.lock`) while it runs; a second
-one on the same run directory refuses (exit 2, naming the holder's host and pid). A lock left by
-a killed process is stale and taken over, so kill -9 then re-running still resumes.
-
-Resume: re-running the same command continues from the latest checkpoint that verifies and
-produces exactly the losses an uninterrupted run would. A damaged checkpoint (a file missing,
-truncated or corrupt, metadata garbled, a stray empty directory) is skipped with a line saying
-why and, once the run goes on past it, renamed `<step>.damaged` (never deleted); when none
-restores, the run stops (exit 2) naming them. A run whose model, data or optimizer keys changed
-since its checkpoint is refused (naming the keys) unless `accept_changes=true`, which records
-the change in `changes.jsonl`; the run directory is not touched before these checks pass, and a
-resume with nothing left to do (`steps` at or below the checkpoint) writes nothing at all. The
-mesh may change (a checkpoint restores onto any mesh), and so may the number of processes (the
-data iterator's position is re-sharded, `ladder_jax.train.checkpoint`).
-
-Faults and exit codes: SIGTERM or Ctrl-C saves a checkpoint and exits 0 (a second Ctrl-C
-aborts). A step whose loss or gradient is not finite is skipped (params unchanged) and logged;
-after `max_bad_steps` in a row the run stops with exit code 3, the last checkpoint intact. A
-checkpoint or log that cannot be written (disk full) stops the run at once: one line, exit code
-1, the last complete checkpoint intact. Bad configuration or data, a run directory that is
-not writable, a model too big for this host's memory (CPU): one line, exit code 2, before data
-is loaded or anything is compiled or written.
-
-Multi-host: with `dist.coordinator_address`/`dist.num_processes`/`dist.process_id` (or the
-environment variables JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID; or under
-SLURM) every process runs the same command (`ladder_jax.runtime`); each reads only its shard of
-the data; process 0 alone logs and writes files other than checkpoints (which every process
-writes its part of).
-
-Footgun (XLA:CPU with fake devices): queueing ~100 collective-bearing steps without waiting
-deadlocks; this loop fetches the loss every step, so it never runs ahead.
+config -> mesh -> model -> step -> `runs/<name>/` (config.yaml, metrics.jsonl, checkpoints/).
+Invariants: a resumed run's losses equal an uninterrupted run's, bit for bit; one writer per run
+directory (`ladder_jax.train.lock`); bad input is one line and exit 2 before anything is
+written; a non-finite step is skipped; a signal saves and exits 0. The loop fetches the loss
+every step, so it never queues work ahead (XLA:CPU's fake devices deadlock otherwise). The
+schema is `ladder_jax.config`, the step `ladder_jax.train.step`, checkpoints
+`ladder_jax.train.checkpoint`. Resume, faults, exit codes, many hosts: docs/training.md.
 """
 
 from __future__ import annotations
