@@ -160,6 +160,14 @@ def keep_freed_memory() -> bool:
     return _KEPT["done"]
 
 
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, else the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def add_arguments(parser, *, cpu_devices_help: str) -> None:
     """The start-up flags of the command-line tools (argparse)."""
     g = parser.add_argument_group("processes and devices")

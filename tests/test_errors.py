@@ -445,7 +445,7 @@ def test_decode_benchmark_says_what_it_measures_first(capsys, decode_main, monke
 
     monkeypatch.setattr(decode_cli, "benchmark", fake)
     args = ["--benchmark", "--batch", "3", "--prompt-len", "5", "--max-new-tokens", "7"]
-    assert decode_main(args + ["--residual", "all"]) == 0
+    assert decode_main(args + ["--residual", "all", "--tp", "8"]) == 0
     header = printed[0]
     assert header.count("\n") == 1 and printed[1].startswith("standard "), printed
     for part in ("decode benchmark, random weights of preset tiny",

@@ -159,6 +159,8 @@ def test_too_many_nonfinite_steps_stop_with_last_checkpoint_intact(tmp_path):
     (["steps=many"], "config key 'steps' must be int, got 'many'"),
     (["mesh.tp=1", "mesh.data=2", "data.batch_size=3"], "batch size 3 is not divisible by the "
                                                          "data axis (2)"),
+    (["mesh.tp=3", "mesh.data=1"], "n_heads=8 is not divisible by tp=3: use a tp that divides 8 "
+                                   "(set by mesh.tp; e.g. mesh.tp=2)"),
 ])
 def test_bad_config_is_a_clear_error(args, message):
     proc = cli(*args, "steps=1")

@@ -28,7 +28,7 @@ How each weight is laid out (the `WeightSpecs` table below is the single source 
 |--------------------------|-------------------|-----|
 | q (D, N, H)              | (-, tp, -)        | column parallel over query heads |
 | k, v (D, K, H)           | (-, tp, -)        | column parallel over kv heads ... |
-|                          | (-, -, -) if K<tp | ... or replicated when there are fewer kv heads than ranks |
+|                          | (-, -, -) if K<tp | ... or replicated when fewer kv heads than ranks |
 | o (N, H, D)              | (tp, -, -)        | row parallel: partial sums, one psum |
 | gate, up (D, F)          | (-, tp)           | column parallel over the MLP hidden |
 | down (F, D)              | (tp, -)           | row parallel |
@@ -38,7 +38,7 @@ How each weight is laid out (the `WeightSpecs` table below is the single source 
 | cache keys (B, K', H, S) | (data, tp, -, -)  | K' = max(K, tp): see `CACHE_BKSH` |
 | cache values (B,K',S,H)  | (data, tp, -, -)  | (keys keep their slots last) |
 | fused input (D, C)       | (-, tp)           | decoding only (`transformer.FusedInput`): each |
-|                          |                   | rank's columns of q, k, v (+ gate, up) or gate, up |
+|                          |                   | rank's columns of q, k, v (+ gate, up) or gate,up |
 
 Memory costs of the replicated pieces, per rank:
 - embed: V*D values (llama-3-70b: 128256*8192*2 B = 2.1 GB in bf16). The lookup then costs no
@@ -195,13 +195,59 @@ def cache_kv_heads(config, tp: int) -> int:
     return max(config.n_kv_heads, tp)
 
 
-def check_divisible(config, tp: int) -> None:
-    """Every count split over `tp` must divide evenly; fail early, naming numbers and fixes."""
+def check_divisible(config, tp: int, flag: str | None = None) -> None:
+    """Every count split over `tp` must divide evenly; fail early, naming numbers and fixes.
+    `flag` is what sets tp where the caller reads it (`--tp`, `mesh.tp`): the message then
+    names it, with the largest tp below this one that fits."""
+    try:
+        _check_divisible(config, tp)
+    except ShardingError as e:
+        if flag is None:
+            raise
+        fit = largest_tp(config, tp)
+        use = f"{flag} {fit}" if flag.startswith("-") else f"{flag}={fit}"
+        raise ShardingError(f"{e} (set by {flag}; e.g. {use})") from None
+
+
+def fits(config, tp: int) -> bool:
+    """Whether `config` splits evenly over `tp` (`check_divisible` passes)."""
+    try:
+        _check_divisible(config, tp)
+    except ShardingError:
+        return False
+    return True
+
+
+def largest_tp(config, limit: int) -> int:
+    """The largest tp <= `limit` that `config` splits over evenly; 1 always does."""
+    return max(t for t in range(1, max(1, limit) + 1) if fits(config, t))
+
+
+def default_tp(config, devices: int, *, backend: str | None = None,
+               cores: int | None = None, flag: str = "--tp") -> tuple[int, str]:
+    """(tp, why) when the user named none: the largest tp that `config` splits over and that
+    does not exceed `devices`, nor on a CPU backend half this host's cores (fake devices share
+    the cores, and XLA:CPU runs each device's matmuls on several threads: a tp of all the
+    cores only adds collectives). `why` is one line for stderr.
+
+        tp, why = default_tp(config, len(jax.devices()))   # 1 on a 2-core host"""
+    backend = backend or jax.default_backend()
+    limit, over = devices, f"the {devices} device(s)"
+    if backend == "cpu":
+        cores = runtime.cpu_cores() if cores is None else cores
+        if max(1, cores // 2) <= devices:
+            limit, over = max(1, cores // 2), f"half this host's {cores} CPU core(s)"
+    tp = largest_tp(config, limit)
+    return tp, (f"tp={tp}: the largest that splits the model's {config.n_heads} heads "
+                f"({config.n_kv_heads} kv heads) and fits {over} ({flag} to choose)")
+
+
+def _check_divisible(config, tp: int) -> None:
     if config.n_heads % tp:
         raise ShardingError(
             f"n_heads={config.n_heads} is not divisible by tp={tp}: use a tp that divides "
             f"{config.n_heads}")
-    k = config.n_kv_heads
+    n, k = config.n_heads, config.n_kv_heads
     if k >= tp and k % tp:
         raise ShardingError(
             f"n_kv_heads={k} is not divisible by tp={tp}: use a tp that divides {k}, or a "
@@ -210,7 +256,7 @@ def check_divisible(config, tp: int) -> None:
         raise ShardingError(
             f"n_kv_heads={k} < tp={tp} and {k} does not divide {tp}: kv heads can only be "
             f"replicated when tp is a multiple of n_kv_heads; use tp in "
-            f"{sorted({d for d in range(1, config.n_heads + 1) if config.n_heads % d == 0 and (d % k == 0 or k % d == 0)})}")
+            f"{[d for d in range(1, n + 1) if n % d == 0 and (d % k == 0 or k % d == 0)]}")
     if config.d_ff % tp:
         raise ShardingError(
             f"d_ff={config.d_ff} is not divisible by tp={tp}: use a tp that divides {config.d_ff}")
