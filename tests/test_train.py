@@ -19,7 +19,7 @@ from ladder_jax.interop.tokenizer import ByteTokenizer
 from ladder_jax.model.sharding import make_mesh
 from ladder_jax.model.transformer import Transformer
 from ladder_jax.train import checkpoint, data, step, trainer
-from tests.helpers import free_port
+from tests.helpers import free_port, last_step
 
 SMALL = ["model.n_layers=2", "data.seq_len=32", "data.batch_size=8", "eval_batches=2",
          "progress=lines", "log_every=1000", "optim.warmup_steps=5", "optim.peak_lr=3e-3",
@@ -78,14 +78,13 @@ def test_grad_accumulation_equals_big_batch(tmp_path):
 def test_sigterm_then_rerun_equals_uninterrupted(tmp_path):
     args = SMALL + ["steps=300", "ckpt_every=100", "eval_every=0", f"run_dir={tmp_path}"]
     proc = cli(*args, "name=cut")
-    path = tmp_path / "cut" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline:  # wait until it is mid-run
-        if path.exists() and len(path.read_text().splitlines()) >= 120:
-            break
+    deadline = time.time() + 900
+    while last_step(tmp_path / "cut") < 120:  # the state it needs: mid-run, past step 120
+        assert time.time() < deadline, "step 120 not reached in 900 s"
+        assert proc.poll() is None, proc.communicate()
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
     cut = metrics(tmp_path, "cut")[-1]["step"]
     assert 120 <= cut < 300, "the run should have been interrupted mid-way"
