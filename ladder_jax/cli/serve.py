@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import jax
 from flax import nnx
@@ -194,12 +195,35 @@ def _run(args) -> int:
     if why and jax.process_index() == 0:  # once the input is checked: a bad flag is one line
         print(f"note: {why}", file=sys.stderr, flush=True)
     if not args.no_warmup:
-        engine.warmup()
+        _warmup(engine)
     if jax.process_index() != 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # process 0's stop plan ends us
         engine.follow()
         return 0
     return _serve(args, engine, tokenizer, name, api_key, template)
+
+
+def _warmup(engine) -> None:
+    """`engine.warmup()` with its progress on stderr (process 0): what it will compile before
+    the first program starts, then each program's k/N as it is done."""
+    programs = engine.warmup_programs()
+    prefills = [p for p in programs if p[1]]
+    groups = sorted({n for n, _ in prefills})
+    buckets = sorted({t for _, t in prefills})
+    _note(f"warm-up: compiling {len(programs)} programs before serving (--no-warmup: compile "
+          f"each on first use instead): prefill of {'/'.join(map(str, groups))} prompt(s) x "
+          f"{len(buckets)} prompt lengths ({buckets[0]}..{buckets[-1]} tokens), then the "
+          f"decode round ({engine.slots} slots, {engine.steps_per_plan} step(s))",
+          file=sys.stderr)
+    start = time.perf_counter()
+
+    def progress(k, n):
+        N, T = programs[k - 1]
+        what = f"prefill {N} x {T} tokens" if T else "decode round"
+        _note(f"warm-up {k}/{n}: {what} ({time.perf_counter() - start:.1f} s)",
+              file=sys.stderr)
+
+    engine.warmup(progress)
 
 
 def _serve(args, engine, tokenizer, name, api_key, template) -> int:
