@@ -592,6 +592,9 @@ def test_init_from_problems_are_one_line(trained, tmp_path, capsys):
     (["seed=99999999999999999999"], "seed=99999999999999999999 does not fit in 64 bits"),
     (["optim.weight_decay=nan"], "optim.weight_decay=nan must be >= 0"),
     (["peak_tflops=-3"], "peak_tflops=-3.0 must be positive"),
+    (["data.path=..."], "override data.path='...': the value is not valid YAML (did not find "
+                        "expected node content) (a placeholder: put the real value there)"),
+    (["data.path=a: b: c"], "override data.path='a: b: c': the value is not valid YAML"),
 ])
 def test_out_of_range_settings_are_one_line(tmp_path, capsys, args, expect):
     line = one_line(capsys, train_cli.main(SMALL + [f"run_dir={tmp_path}", *args]))
