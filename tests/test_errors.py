@@ -452,7 +452,12 @@ def test_decode_benchmark_says_what_it_measures_first(capsys, decode_main, monke
                  "residual standard, parallel, ladder, upper_bound", "tp=8 on 8 cpu device(s)",
                  "batch 3", "prompt 5 tokens", "7 new tokens"):
         assert part in header, header
-    capsys.readouterr()
+    out = capsys.readouterr().out.splitlines()  # the ratios, then the word that on CPU
+    at = next(i for i, line in enumerate(out) if line.startswith("decode speed vs standard"))
+    assert out[at + 1].startswith("note: XLA:CPU runs all-reduces synchronously") and (
+        "these ratios are noise" in out[at + 1]), out
+    assert decode_main(args + ["--residual", "all", "--tp", "1"]) == 0
+    assert "note: tp=1 has no all-reduce to overlap" in capsys.readouterr().out
     assert decode_main(args + ["--json"]) == 0  # JSON lines only
     assert all(json.loads(line) for line in capsys.readouterr().out.splitlines())
 

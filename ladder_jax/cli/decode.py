@@ -189,6 +189,13 @@ def _run(args, shape, say) -> int:
         if not args.json and "standard" in by and len(by) > 1:
             say("decode speed vs standard: " + ", ".join(
                 f"{k} {v / by['standard']:.2f}x" for k, v in by.items() if k != "standard"))
+            if sharding.tp_size(mesh) == 1:
+                say("note: tp=1 has no all-reduce to overlap: every scheme computes what "
+                    "standard does, so these ratios are run-to-run noise; use --tp > 1 on GPUs")
+            elif jax.default_backend() == "cpu":
+                say("note: XLA:CPU runs all-reduces synchronously, so nothing overlaps on CPU: "
+                    "these ratios are noise, not the ladder's speed-up (that needs GPUs; "
+                    "`python -m ladder_jax.predict` models it without one)")
             say(f"bandwidth: {results[0]['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
                 f"({results[0]['bandwidth_source']})")
         return 0
