@@ -1,10 +1,10 @@
 """The paper's quality claims in miniature: from-scratch standard / parallel / ladder over seeds,
 and a standard model's upper layers converted to ladder (zero-shot, then fine-tuned). Prints
-one JSON line per result on stdout (the trainer's lines go to stderr), then the Markdown table
-(stderr), and writes results.jsonl, curves.png and held_out.png under --out.
+the Markdown tables on stdout (progress and the trainer's lines go to stderr; --json: one JSON
+line per result instead), and writes results.jsonl, curves.png and held_out.png under --out.
 
     python benchmarks/paper_quality.py --quick        # embedded corpus, 2 seeds: a few minutes
-    python benchmarks/paper_quality.py                # King James Bible, 3 seeds (the paper extra)
+    python benchmarks/paper_quality.py                # King James Bible, 3 seeds (".[paper]")
     python benchmarks/paper_quality.py --quick --set steps=100 --set seeds=[0,1,2]
     python benchmarks/paper_quality.py --set seeds=[1] --no-adapt &    # seeds in parallel,
     python benchmarks/paper_quality.py                                 # then the rest
@@ -32,6 +32,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh", action="store_true", help="retrain: remove the runs under --out")
     ap.add_argument("--report", action="store_true",
                     help="no training: table and plots of the finished runs under --out")
+    ap.add_argument("--json", action="store_true",
+                    help="stdout: one JSON line per result, as results.jsonl holds them, "
+                         "instead of the tables")
     ap.add_argument("--no-adapt", action="store_true",
                     help="from-scratch runs only (e.g. one process per seed sharing --out)")
     args = ap.parse_args(argv)
@@ -48,11 +51,13 @@ def main(argv=None) -> int:
             changes[key] = yaml.safe_load(value)
         setting = pq.with_changes(pq.SETTINGS["quick" if args.quick else "full"], **changes)
         out = args.out or os.path.join("runs", "paper_quality", setting.name)
-        emit = lambda r: print(json.dumps(r), flush=True)  # noqa: E731
+        emit = ((lambda r: print(json.dumps(r), flush=True)) if args.json  # noqa: E731
+                else None)
         if args.report:
             results = pq.collect(setting, out)
             for r in results:
-                emit(r)
+                if emit:
+                    emit(r)
             with open(os.path.join(out, "results.jsonl"), "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in results)
         else:
@@ -67,7 +72,8 @@ def main(argv=None) -> int:
         print(f"stopped ({e or 'interrupted'}): run the same command again to resume",
               file=sys.stderr)
         return 130
-    print(pq.table(results), file=sys.stderr)
+    if not args.json:
+        print(pq.table(results), flush=True)
     print(f"wrote {os.path.join(out, 'results.jsonl')}, {', '.join(paths)}", file=sys.stderr)
     return 0
 

@@ -26,7 +26,7 @@ from ladder_jax.config import RESIDUALS, ModelConfig, load_config
 from ladder_jax.inference import generation
 from ladder_jax.model import sharding
 from ladder_jax.train import trainer
-from ladder_jax.train.checkpoint import load_run
+from ladder_jax.train.checkpoint import load_run, run_model_config
 
 
 @dataclasses.dataclass
@@ -77,10 +77,14 @@ def load(path: str, *, tp: int | None = None, mesh=None, quantize: str | None = 
     """(model, tokenizer) from a training run / `convert` output (config.yaml) or a Hugging
     Face Llama directory (config.json): `ladder_jax.train.checkpoint.load_run`. `overrides` change
     the model config, e.g. residual="ladder", ladder_layers=2. `quantize="int8"`: int8 weights
-    for decoding (`ladder_jax.model.quant`)."""
+    for decoding (`ladder_jax.model.quant`). `tp` (without `mesh`): by default the largest that
+    divides the model's heads and the devices, on a CPU backend also the host's cores."""
 
 
-    mesh = mesh or sharding.make_mesh(tp=tp or len(jax.devices()))
+    if mesh is None and tp is None:
+        tp = sharding.default_tp(run_model_config(path, what="load"), len(jax.devices()))[0]
+        mesh = sharding.make_mesh(tp=tp, data=1, devices=jax.devices()[:tp])
+    mesh = mesh or sharding.make_mesh(tp=tp)
     return load_run(path, mesh=mesh, what="load", quantize=quantize, **overrides)
 
 

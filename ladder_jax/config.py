@@ -469,7 +469,7 @@ def load_config(args: list[str], overrides: dict | None = None) -> TrainConfig:
                 key, value = a.split("=", 1)
                 if not key or key.startswith("-"):
                     raise ConfigError(f"bad override {a!r}: write key=value, e.g. steps=100")
-                cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([a]))
+                cfg = OmegaConf.merge(cfg, _parse_override(a, key, value))
             else:
                 cfg = OmegaConf.merge(cfg, _read_yaml(a))
         return OmegaConf.to_object(cfg)
@@ -498,6 +498,19 @@ def load_config(args: list[str], overrides: dict | None = None) -> TrainConfig:
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(f"cannot read the config: {str(e).splitlines()[0]}") from None
+
+
+def _parse_override(arg: str, key: str, value: str):
+    """`key=value` as OmegaConf reads it (the value is YAML); a value YAML cannot read (a
+    pasted `...` placeholder is YAML's document end) is a ConfigError naming key and value."""
+    try:
+        return OmegaConf.from_dotlist([arg])
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        hint = (" (a placeholder: put the real value there)" if value.strip() in ("...", "…")
+                else "; quote it if it is text, e.g. key='a: b'")
+        raise ConfigError(f"override {key}={value!r}: the value is not valid YAML "
+                          f"({problem}){hint}") from None
 
 
 def _read_yaml(path: str):

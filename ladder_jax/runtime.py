@@ -24,6 +24,9 @@ _NOISE = re.compile(r"absl::InitializeLog\(\) is called|cudart_stub\.cc.*cuda dr
                     r"|Missing deviceless CUB scratch size data"
                     r"|To avoid this, compile with a GPU present")
 _QUIET = {"depth": 0, "saved": None, "tmp": None}
+# Gloo (XLA:CPU's collectives across processes) prints one line per connection to stdout
+_GLOO = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number "
+                   rb"of connected peer ranks is : \d+\n?")
 _QUIET_LOCK = threading.Lock()
 
 
@@ -59,6 +62,60 @@ def quiet():
                         sys.stderr.write(line)
                 tmp.close()
                 sys.stderr.flush()
+
+
+_HOLD = 200  # bytes of a line that may still become a dropped one
+
+
+def _could_start(pattern: re.Pattern, tail: bytes) -> bool:
+    """Whether `tail` is the beginning of a match of `pattern` (its literal head)."""
+    head = pattern.pattern.split(b"\\d")[0].replace(b"\\", b"")
+    return head.startswith(tail[:len(head)]) and (len(tail) <= len(head) or (
+        tail.startswith(head) and b"\n" not in tail))
+
+
+def drop_stdout_lines(pattern: re.Pattern) -> None:
+    """From now on, whole lines matching `pattern` (bytes) are dropped from the process's
+    native stdout (fd 1, what C++ libraries print to as well as Python); everything else
+    passes at once, partial lines included. A thread copies a pipe to the real stdout; at
+    exit the pipe is closed and drained, so nothing printed is lost.
+
+        drop_stdout_lines(_GLOO)   # several CPU processes: Gloo's connection lines"""
+    import atexit
+
+    sys.stdout.flush()
+    real = os.dup(1)
+    read, write = os.pipe()
+    os.dup2(write, 1)
+    os.close(write)
+
+    def pump():
+        held = b""  # the tail that may be the start of a line to drop
+        while chunk := os.read(read, 1 << 16):
+            data = pattern.sub(b"", held + chunk)
+            cut = len(data)
+            for k in range(1, min(len(data), _HOLD) + 1):  # a possible start held back
+                if _could_start(pattern, data[-k:]):
+                    cut = len(data) - k
+            data, held = data[:cut], data[cut:]
+            while data:
+                data = data[os.write(real, data):]
+        if held:
+            os.write(real, held)
+        os.close(read)
+
+    thread = threading.Thread(target=pump, name="stdout-filter", daemon=True)
+    thread.start()
+
+    def finish():
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        os.dup2(real, 1)  # the pipe's last write end closes: the thread drains it and ends
+        thread.join(timeout=10)
+
+    atexit.register(finish)
 
 
 def has_nvidia_gpu() -> bool:
@@ -100,8 +157,12 @@ def setup(*, cpu_devices: int | None = None, coordinator: str | None = None,
         if not 0 <= pid < nproc:
             raise ConfigError(f"process id {pid} must be in [0, {nproc})")
         jax.distributed.initialize(addr, nproc, pid)
+        if cpu:
+            drop_stdout_lines(_GLOO)
     elif int(os.environ.get("SLURM_NTASKS", "1")) > 1:
         jax.distributed.initialize()  # SLURM: everything comes from its environment
+        if cpu:
+            drop_stdout_lines(_GLOO)
     if cpu:
         keep_freed_memory()
     with quiet():
@@ -149,6 +210,14 @@ def keep_freed_memory() -> bool:
         return False
     _KEPT["done"] = bool(ok)
     return _KEPT["done"]
+
+
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, else the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def add_arguments(parser, *, cpu_devices_help: str) -> None:

@@ -1,8 +1,6 @@
 """`python -m ladder_jax.serve`: see `ladder_jax.cli.serve`."""
 
-import sys
-
-from ladder_jax.cli.serve import main
+from ladder_jax.cli.serve import exit_now, main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -2,6 +2,7 @@
 already made the 8 fake CPU devices when these are imported."""
 
 import dataclasses
+import json
 import socket
 
 import jax
@@ -10,6 +11,7 @@ from flax import nnx
 
 import ladder_jax as lj
 from ladder_jax.train import step
+from ladder_jax.train.checkpoint import CHECKSUMS
 
 TINY = lj.ModelConfig.from_preset("tiny")
 SCHEMES = {  # every valid scheme, hybrid included
@@ -61,3 +63,24 @@ def loss_and_grads(config, tp, data, fsdp=False, T=32):
     fn = jax.jit(lambda p, t: step.loss_and_grads(graphdef, p, t[:, :-1], t[:, 1:]))
     loss, grads = fn(params, tokens)
     return float(loss), jax.tree.map(np.asarray, nnx.to_pure_dict(grads))
+
+
+def committed(run, step) -> bool:
+    """Checkpoint `step` of `run` is complete: orbax renamed it into place and the trainer then
+    recorded its checksums (`checkpoint.Checkpointer` writes them once a save is finalized)."""
+    return (run / "checkpoints" / str(step) / CHECKSUMS).is_file()
+
+
+def last_step(run) -> int:
+    """The last step `run`'s metrics record (0 before any); a line being written is skipped."""
+    try:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    steps = [0]
+    for line in lines:
+        try:
+            steps.append(json.loads(line)["step"])
+        except (ValueError, KeyError):
+            pass
+    return max(steps)

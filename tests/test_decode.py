@@ -315,3 +315,61 @@ def test_a_second_generate_compiles_nothing():
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == [] and again == first
+
+
+# ---------------------------------------------------------------------------------------------
+# The tp decode and serve choose when not told, and the flag their refusals name.
+
+
+def _save_hf(path, **shape):
+    config = lj.ModelConfig.from_preset("tiny", n_layers=1, **shape)
+    mesh = sharding.make_mesh(tp=1, devices=jax.devices()[:1])
+    lj.save_hf(lj.Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)), path)
+    return str(path)
+
+
+_SHAPES = {  # heads the 8 fake devices do not divide; by hand, the largest tp that fits
+    "4 heads": (dict(n_heads=4, n_kv_heads=2), {2: 1, 8: 4, 16: 4}),
+    "9 heads": (dict(n_heads=9, n_kv_heads=9, d_model=72, d_ff=144, vocab_size=300),
+                {2: 1, 8: 3, 16: 3}),
+}
+
+
+@pytest.mark.parametrize("cores", [2, 8])
+@pytest.mark.parametrize("shape", list(_SHAPES))
+def test_decode_without_tp_picks_the_largest_that_fits_heads_and_cores(
+        tmp_path, capsys, monkeypatch, shape, cores):
+    """A model whose heads the devices' count does not divide decodes without --tp, at the
+    largest tp that divides its heads within half the host's cores, said in one stderr line;
+    its greedy text is --tp 1's."""
+    from ladder_jax import runtime
+    from ladder_jax.cli import decode as decode_cli
+
+    fields, want = _SHAPES[shape]
+    path = _save_hf(tmp_path / "hf", **fields)
+    monkeypatch.setattr(runtime, "cpu_cores", lambda: cores)
+    argv = ["--checkpoint", path, "--max-new-tokens", "6", "--temperature", "0"]
+    assert decode_cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    tp = want[cores]
+    notes = [ln for ln in err.splitlines() if ln.startswith("note: tp=")]
+    assert len(notes) == 1 and notes[0].startswith(f"note: tp={tp}: "), err
+    assert f"half this host's {cores} CPU core(s)" in notes[0] and "--tp" in notes[0], notes
+    assert f"x tp:{tp})" in out, out
+    assert decode_cli.main(argv + ["--tp", "1"]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == out.splitlines()[1:]
+
+
+def test_a_tp_the_heads_do_not_divide_names_the_flag(tmp_path, capsys):
+    from ladder_jax.cli import decode as decode_cli
+    from ladder_jax.cli import serve as serve_cli
+
+    path = _save_hf(tmp_path / "hf", n_heads=4, n_kv_heads=2)
+    for main in (decode_cli.main, serve_cli.main):
+        rc = main(["--checkpoint", path, "--tp", "8"])
+        out, err = capsys.readouterr()
+        assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert err.startswith("error: n_heads=4 is not divisible by tp=8") and (
+            "(set by --tp; e.g. --tp 4)" in err), err
+    with pytest.raises(lj.ShardingError, match=r"tp=3: .*set by mesh\.tp; e\.g\. mesh\.tp=2"):
+        sharding.check_divisible(lj.ModelConfig.from_preset("tiny"), 3, flag="mesh.tp")

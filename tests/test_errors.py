@@ -436,14 +436,19 @@ def test_decode_benchmark_says_what_it_measures_first(capsys, decode_main, monke
 
     monkeypatch.setattr(decode_cli, "benchmark", fake)
     args = ["--benchmark", "--batch", "3", "--prompt-len", "5", "--max-new-tokens", "7"]
-    assert decode_main(args + ["--residual", "all"]) == 0
+    assert decode_main(args + ["--residual", "all", "--tp", "8"]) == 0
     header = printed[0]
     assert header.count("\n") == 1 and printed[1].startswith("standard "), printed
     for part in ("decode benchmark, random weights of preset tiny",
                  "residual standard, parallel, ladder, upper_bound", "tp=8 on 8 cpu device(s)",
                  "batch 3", "prompt 5 tokens", "7 new tokens"):
         assert part in header, header
-    capsys.readouterr()
+    out = capsys.readouterr().out.splitlines()  # the ratios, then the word that on CPU
+    at = next(i for i, line in enumerate(out) if line.startswith("decode speed vs standard"))
+    assert out[at + 1].startswith("note: XLA:CPU runs all-reduces synchronously") and (
+        "these ratios are noise" in out[at + 1]), out
+    assert decode_main(args + ["--residual", "all", "--tp", "1"]) == 0
+    assert "note: tp=1 has no all-reduce to overlap" in capsys.readouterr().out
     assert decode_main(args + ["--json"]) == 0  # JSON lines only
     assert all(json.loads(line) for line in capsys.readouterr().out.splitlines())
 
@@ -583,6 +588,9 @@ def test_init_from_problems_are_one_line(trained, tmp_path, capsys):
     (["seed=99999999999999999999"], "seed=99999999999999999999 does not fit in 64 bits"),
     (["optim.weight_decay=nan"], "optim.weight_decay=nan must be >= 0"),
     (["peak_tflops=-3"], "peak_tflops=-3.0 must be positive"),
+    (["data.path=..."], "override data.path='...': the value is not valid YAML (did not find "
+                        "expected node content) (a placeholder: put the real value there)"),
+    (["data.path=a: b: c"], "override data.path='a: b: c': the value is not valid YAML"),
 ])
 def test_out_of_range_settings_are_one_line(tmp_path, capsys, args, expect):
     line = one_line(capsys, train_cli.main(SMALL + [f"run_dir={tmp_path}", *args]))

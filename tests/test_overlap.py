@@ -122,14 +122,19 @@ def test_dump_hlo_writes_the_program_it_reports_quietly(tmp_path):
 
     from ladder_jax.analysis import hlo
 
-    path = tmp_path / "decode.hlo"
-    env = {**os.environ, "LADDER_JAX_CACHE": str(tmp_path / "cache")}
+    here = tmp_path / "elsewhere"  # a relative FILE is where the command ran
+    here.mkdir()
+    path = here / "decode.hlo"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "LADDER_JAX_CACHE": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run([sys.executable, "-m", "ladder_jax.overlap", "--preset", "tiny",
                            "--tp", "2", "--phase", "decode", "--seq", "16", "--new-tokens", "16",
-                           "--json", "--dump-hlo", str(path)], capture_output=True, text=True,
-                          timeout=600, env=env)
+                           "--json", "--dump-hlo", "decode.hlo"], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=here)
     assert proc.returncode == 0, proc.stderr
+    assert f"scheduled HLO written to {path}" in proc.stderr, proc.stderr
     for noise in ("absl::InitializeLog", "cuda drivers", "CUB scratch"):
         assert noise not in proc.stderr, proc.stderr
     rep = json.loads(proc.stdout)

@@ -181,3 +181,35 @@ def test_paper_notebook_executes(monkeypatch):
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
               if "image/png" in o.get("data", {})]
     assert len(images) == 2
+
+
+@pytest.mark.parametrize("difference, margin, within, want", [
+    (0.0004, 0.008, None, "inconclusive"),  # the spread covers it: never "yes"
+    (0.02, 0.008, None, "yes"),
+    (-0.02, 0.008, None, "no"),
+    (0.0004, 0.008, 0.0296, "yes"),  # a match: the whole interval inside +-3%
+    (0.025, 0.008, 0.0296, "inconclusive"),  # the interval straddles the band's edge
+    (0.05, 0.008, 0.0296, "no"),
+])
+def test_verdict_is_inconclusive_within_the_spread(difference, margin, within, want):
+    assert pq.verdict(difference, margin, within=within) == want
+
+
+def _summary(residual, mean, diff, diff_std):
+    return {"kind": "summary", "residual": residual, "seeds": 3, "loss_mean": mean,
+            "loss_std": 0.01, "vs_standard_loss": diff, "vs_standard_loss_std": diff_std,
+            "ppl_mean": math.exp(mean), "paper_wikitext_ppl": {"1.2B": 0, "3.5B": 0}}
+
+
+def test_a_claim_within_the_seed_spread_is_inconclusive():
+    """parallel 0.0004 nats above standard with paired spreads 0.004 and 0.015 (margin 0.03):
+    not a reproduction, whatever its sign; 0.05 nats above both is."""
+    base = [_summary("standard", 2.0, 0.0, 0.0), _summary("ladder", 1.999, -0.001, 0.004)]
+    close = pq.claims(base + [_summary("parallel", 2.0004, 0.0004, 0.015)])
+    got = {c["claim"]: c["reproduces"] for c in close}
+    assert got["parallel is worse than both"] == "inconclusive", close
+    assert "margin 0.0300" in close[1]["measured"]
+    far = pq.claims(base + [_summary("parallel", 2.05, 0.05, 0.015)])
+    assert far[1]["reproduces"] == "yes"
+    assert "| parallel is worse than both |" in pq.table(base + close)
+    assert pq.table(base + close).splitlines()[-1].endswith("| inconclusive |")

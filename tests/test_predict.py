@@ -217,7 +217,15 @@ def test_cli_json_rows(capsys):
             "--new-tokens", "64", "--link", "nvlink", "pcie", "--residual", "standard",
             "ladder", "--json"]
     assert predict_cli.main(argv) == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    # progress through both waits: the compiles, then reading and costing each row's programs
+    lines = err.splitlines()
+    costing = [ln for ln in lines if ln.startswith("costing tiny: ")]
+    assert costing[0].startswith("costing tiny: 0/4 rows") and costing[-1].startswith(
+        "costing tiny: 4/4 rows"), err
+    assert lines.index(costing[0]) > max(i for i, ln in enumerate(lines)
+                                         if ln.startswith("compiling tiny: ")), err
     assert len(rows) == 4 and {r["residual"] for r in rows} == {"standard", "ladder"}
     keys = {"residual", "tp", "batch", "prompt_len", "new_tokens", "link", "target",
             "prefill_s", "decode_step_s", "tokens_per_s", "tokens_per_s_per_user",

@@ -20,7 +20,7 @@ from ladder_jax.train import checkpoint, trainer
 from ladder_jax.train.checkpoint import Checkpointer, DamagedCheckpoint
 from ladder_jax.train.lock import RunBusy, RunLock
 from ladder_jax.train.step import TrainState
-from tests.helpers import free_port, one_line
+from tests.helpers import committed, free_port, last_step, one_line
 
 SMALL = ["model.n_layers=2", "data.seq_len=32", "data.batch_size=8", "eval_batches=2",
          "progress=none", "log_every=1000", "mesh.data=1", "eval_every=0", "ckpt_every=2",
@@ -269,16 +269,16 @@ def test_a_refused_trainer_names_the_holder_that_has_just_locked(tmp_path, befor
 def test_two_trainers_one_runs_and_kill_9_then_rerun_resumes_bit_exact(tmp_path, capsys):
     args = SMALL + ["steps=300", "ckpt_every=100", f"run_dir={tmp_path}", "name=both"]
     procs = [cli(*args), cli(*args)]
-    metrics = tmp_path / "both" / "metrics.jsonl"
-    deadline, loser = time.time() + 400, None
-    while time.time() < deadline:
+    run = tmp_path / "both"
+    deadline, loser = time.time() + 900, None
+    # the state the rerun needs: checkpoint 100 committed, and steps after it that it replays
+    while not (loser is not None and committed(run, 100) and last_step(run) >= 120):
+        assert time.time() < deadline, "no committed checkpoint 100 and step 120 in 900 s"
         done = [p for p in procs if p.poll() is not None]
+        assert len(done) < 2, [p.communicate() for p in procs]
         if done and loser is None:
             loser = done[0]
-        if loser is not None and metrics.exists() and len(metrics.read_text().splitlines()) >= 120:
-            break
         time.sleep(0.02)
-    assert loser is not None, "both trainers ran at once"
     winner = procs[1 - procs.index(loser)]
     assert winner.poll() is None, winner.communicate()
     winner.send_signal(signal.SIGKILL)  # mid-run, after checkpoint 100

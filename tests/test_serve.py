@@ -365,3 +365,33 @@ def test_chat_template_sees_the_tokenizers_bos_and_eos(tmp_path):
     messages = [{"role": "user", "content": "hi"}]
     assert render_chat(template, messages, hf_tok) == [1, 3, 4, 2, 5]
     assert render_chat(template, messages, TOK) == [256] + list(b"user hi  assistant")
+
+
+def test_warmup_says_what_it_compiles_and_sigterm_ends_an_idle_server_at_once(tmp_path):
+    """Before the first compile, one line of what warm-up will compile (and --no-warmup); then
+    k/N per program; N by hand: --max-len 16, one prompt per step and one step per plan is
+    one prompt bucket (16) x one group (1) prefill, plus the decode round. An idle server
+    exits 0 within seconds of SIGTERM (the interpreter's teardown is skipped)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ladder_jax.serve", "--preset", "tiny", "--max-len", "16",
+         "--slots", "2", "--prefills-per-step", "1", "--steps-per-plan", "1", "--tp", "1",
+         "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+    try:
+        err = []
+        for line in proc.stderr:  # the warm-up's lines come before the server's first
+            err.append(line.rstrip("\n"))
+            if line.startswith("warm-up 2/"):
+                break
+        assert err[0].startswith("warm-up: compiling 2 programs before serving (--no-warmup"), err
+        assert err[1].startswith("warm-up 1/2: prefill 1 x 16 tokens"), err
+        assert err[2].startswith("warm-up 2/2: decode round"), err
+        assert proc.stdout.readline().startswith(f"serving 'tiny' on http://127.0.0.1:{port}")
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert time.monotonic() - start < 5, "an idle server took over 5 s to exit"
+    finally:
+        _stop(proc)

@@ -593,7 +593,8 @@ def predict(config, sweep: Sweep | None = None, *, jobs: int | None = None, prog
     communication. `config` is a ModelConfig (its `residual` is replaced by each of the
     sweep's; `ladder_layers` kept for ladder); `name` (the preset) goes into error messages;
     `efficiency` / `link_overrides` replace calibration figures (e.g.
-    link_overrides=dict(bus_bytes_per_s=300e9) for every link)."""
+    link_overrides=dict(bus_bytes_per_s=300e9) for every link). `progress(done, total,
+    eta_s[, stage])`: compiling (`compile_all`), then stage "costing" per row."""
     sweep = _sweep(sweep, efficiency, link_overrides, **fields)
     sweep.check(config)
     pool_fraction()  # a bad XLA_PYTHON_CLIENT_MEM_FRACTION before anything compiles
@@ -607,9 +608,13 @@ def predict(config, sweep: Sweep | None = None, *, jobs: int | None = None, prog
     _compiled(name, lambda: compile_all([task for t, b, cfg in cases for task in _tasks(
         cfg, ("prefill", "decode"), compiled_depths(cfg, sweep.layers_compiled), tp=t, batch=b,
         hosts=sweep.hosts_for(t), **shape)], jobs, progress))
-    rows = []
+    rows, n, t0 = [], len(cases) * len(sweep.links), time.perf_counter()
     for t, b, cfg in cases:
         for link_name in sweep.links:
+            if progress:  # reading and costing each compiled program takes a while too
+                k = len(rows)
+                eta = (time.perf_counter() - t0) / k * (n - k) if k else None
+                progress(k, n, eta, "costing")
             kw = dict(tp=t, batch=b, **shape, link=sweep.calibration.links[link_name],
                       calibration=sweep.calibration, hosts=sweep.hosts_for(t),
                       layers_compiled=sweep.layers_compiled, algorithm=sweep.algorithm,
@@ -619,6 +624,8 @@ def predict(config, sweep: Sweep | None = None, *, jobs: int | None = None, prog
             rows.append({**_row(cfg, sweep, t, b, link_name, pre, step), **decode_memory(
                 cfg, tp=t, batch=b, prompt_len=sweep.prompt_len, new_tokens=sweep.new_tokens,
                 target=sweep.target, hosts=sweep.hosts_for(t))})
+    if progress:
+        progress(n, n, None, "costing")
     return rows
 
 

@@ -81,7 +81,8 @@ def main(argv=None) -> int:
                    help="ladder only: N (the upper N layers) or a comma list of layer indices "
                         "(default: every layer)")
     p.add_argument("--tp", type=int, default=None,
-                   help="tensor-parallel size (default: all devices)")
+                   help="tensor-parallel size (default: the largest that divides the model's "
+                        "heads and the devices, on a CPU host also its cores; said on stderr)")
     p.add_argument("--benchmark", action="store_true",
                    help="time prefill and decode with random weights (paper protocol)")
     p.add_argument("--batch", type=int, default=1,
@@ -92,11 +93,14 @@ def main(argv=None) -> int:
     p.add_argument("--quantize", default=None, metavar="MODE",
                    help="int8: weight-only int8 linear weights (ladder_jax.model.quant)")
     runtime.add_arguments(p, cpu_devices_help="on a CPU host, fake devices to split it into "
-                                              "(default: --tp, else 8)")
+                                              "(default: --tp, else the default tp)")
     args = p.parse_args(argv)
 
     try:
-        runtime.setup(cpu_devices=args.cpu_devices or args.tp or 8,
+        shape = (checkpoint.run_model_config(args.checkpoint) if args.checkpoint
+                 else ModelConfig.from_preset(args.preset))  # what splits over tp
+        runtime.setup(cpu_devices=args.cpu_devices or args.tp or sharding.default_tp(
+                          shape, runtime.cpu_cores(), backend="cpu")[0],
                       coordinator=args.coordinator, num_processes=args.num_processes,
                       process_id=args.process_id)
         lead = jax.process_index() == 0
@@ -105,20 +109,31 @@ def main(argv=None) -> int:
             if lead:
                 print(*a, **kw, flush=True)
 
-        return _run(args, say)
+        return _run(args, shape, say)
     except ConfigError as e:  # GenerationError and ShardingError included
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
-def _run(args, say) -> int:
-    tp = len(jax.devices()) if args.tp is None else args.tp
-    if tp <= 0 or tp > len(jax.devices()):
-        raise ConfigError(f"--tp {tp}: between 1 and the {len(jax.devices())} devices")
+def _run(args, shape, say) -> int:
+    n = len(jax.devices())
+    if args.tp is not None or jax.process_count() > 1:  # several: the model spans them all
+        tp, why = (n if args.tp is None else args.tp), None
+    else:
+        tp, why = sharding.default_tp(shape, n)
+    if tp <= 0 or tp > n:
+        raise ConfigError(f"--tp {tp}: between 1 and the {n} devices")
     if not -2**63 <= args.seed < 2**63:
         raise ConfigError(f"--seed {args.seed} does not fit in 64 bits: give an integer between "
                           f"-2**63 and 2**63 - 1")
-    mesh = sharding.make_mesh(tp=tp)
+    mesh = (sharding.make_mesh(tp=tp) if why is None  # the default: those tp devices alone
+            else sharding.make_mesh(tp=tp, data=1, devices=jax.devices()[:tp]))
+    sharding.check_divisible(shape, tp, flag="--tp")
+
+    def chosen():  # once the input is checked: a bad flag stays one line
+        if why:
+            say(f"note: {why}", file=sys.stderr)
+
     check_quantize(args.quantize, "--quantize")
     overrides = scheme_overrides(None if args.residual == "all" else args.residual,
                                  parse_ladder_layers(args.ladder_layers))
@@ -131,7 +146,7 @@ def _run(args, say) -> int:
                                                quantize=args.quantize, **overrides)
         config = model.config
         if tokenizer is None:
-            tokenizer = _without_tokenizer_json(args.checkpoint, config, say)
+            tokenizer = without_tokenizer_json(args.checkpoint, config, say)
     else:
         config = ModelConfig.from_preset(args.preset, quantize=args.quantize, **overrides)
         runtime.check_host_memory(  # random weights, before allocating them (CPU hosts)
@@ -152,7 +167,7 @@ def _run(args, say) -> int:
                 f"residual {', '.join(schemes)}; tp={sharding.tp_size(mesh)} on {mesh.size} "
                 f"{jax.default_backend()} device(s) ({kind}); batch {args.batch}, prompt "
                 f"{args.prompt_len} tokens, {args.max_new_tokens} new tokens; per scheme a "
-                f"first run that compiles, then the best of 3")
+                f"first run that compiles, then the best of 3" + (f"; {why}" if why else ""))
         results = []
         for scheme in schemes:
             cfg = dataclasses.replace(config, residual=scheme, ladder_layers=(
@@ -174,6 +189,13 @@ def _run(args, say) -> int:
         if not args.json and "standard" in by and len(by) > 1:
             say("decode speed vs standard: " + ", ".join(
                 f"{k} {v / by['standard']:.2f}x" for k, v in by.items() if k != "standard"))
+            if sharding.tp_size(mesh) == 1:
+                say("note: tp=1 has no all-reduce to overlap: every scheme computes what "
+                    "standard does, so these ratios are run-to-run noise; use --tp > 1 on GPUs")
+            elif jax.default_backend() == "cpu":
+                say("note: XLA:CPU runs all-reduces synchronously, so nothing overlaps on CPU: "
+                    "these ratios are noise, not the ladder's speed-up (that needs GPUs; "
+                    "`python -m ladder_jax.predict` models it without one)")
             say(f"bandwidth: {results[0]['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
                 f"({results[0]['bandwidth_source']})")
         return 0
@@ -211,6 +233,7 @@ def _run(args, say) -> int:
     top_k = min(200, config.vocab_size) if args.top_k is None else args.top_k
     sampling = Sampling(args.temperature, top_k, args.top_p).check(config.vocab_size)
     check_generation(config, [tokenizer.encode(q) for q in prompts], args.max_new_tokens)
+    chosen()
     if model is None:
         model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(args.seed))
     say(f"{model}\n(random weights: expect noise)" if not args.checkpoint else str(model))
@@ -263,7 +286,7 @@ def _speed(t0: float, times: list[float], generated: int, batch: int) -> str:
     return line
 
 
-def _without_tokenizer_json(path: str, config, say):
+def without_tokenizer_json(path: str, config, say):
     """A Hugging Face directory without tokenizer.json: the byte tokenizer when the vocabulary
     is byte-level (said on stderr), else a ConfigError (decoding text with the wrong
     tokenizer would print garbage)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import jax
@@ -105,7 +106,13 @@ def main(argv=None) -> int:
     else:
         print(format_table(rep))
         print(verdict(rep))
+    _dumped(args.dump_hlo)
     return 0
+
+
+def _dumped(path) -> None:
+    if path:  # relative to where the command ran; say where that is
+        print(f"scheduled HLO written to {os.path.abspath(path)}", file=sys.stderr)
 
 
 def _main_config(args) -> int:
@@ -143,6 +150,7 @@ def _main_config(args) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    _dumped(args.dump_hlo)
     return 0
 
 

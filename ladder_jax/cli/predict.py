@@ -202,16 +202,19 @@ def _rows(args, show) -> tuple[list[dict], str]:
 
 
 class _Progress:
-    """Programs compiled n/N and the time left, on stderr: one line rewritten in place on a
-    terminal, else (a log file) a line at the start, at most one a minute, and at the end."""
+    """Programs compiled n/N (then rows costed n/N) and the time left, on stderr: one line
+    rewritten in place on a terminal, else (a log file) a line at the start, at most one a
+    minute, and at the end of each stage."""
 
     def __init__(self, name: str, every_s: float = 60.0):
         self.name, self.live = name, sys.stderr.isatty()
         self.width, self.every_s, self.last = 0, every_s, 0.0
 
-    def __call__(self, done: int, total: int, eta_s: float | None) -> None:
+    def __call__(self, done: int, total: int, eta_s: float | None,
+                 stage: str = "compiling") -> None:
         eta = "" if eta_s is None or done == total else f", about {_duration(eta_s)} left"
-        line = f"compiling {self.name}: {done}/{total} programs{eta}"
+        what = "programs" if stage == "compiling" else "rows (reading the compiled programs)"
+        line = f"{stage} {self.name}: {done}/{total} {what}{eta}"
         if self.live:  # write_stderr: shown while other threads compile, too
             write_stderr("\r" + line.ljust(self.width))
             self.width = len(line)

@@ -18,12 +18,14 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import jax
 from flax import nnx
 
 from ladder_jax import runtime
 from ladder_jax.cli.common import ArgumentParser
+from ladder_jax.cli.decode import without_tokenizer_json
 from ladder_jax.config import (
     RESIDUALS,
     ConfigError,
@@ -48,6 +50,20 @@ except ImportError as e:
 API_KEY_ENV = "LADDER_API_KEY"
 
 
+def exit_now(code: int) -> None:
+    """Ends the process with `code` once its output is flushed, skipping the interpreter's
+    teardown (XLA's client and the model's buffers take seconds to tear down, and a server
+    told to stop should be gone at once). One process only: with several, jax's exit hook
+    says goodbye to the coordinator, so they exit the ordinary way.
+
+        exit_now(main())   # python -m ladder_jax.serve"""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if "jax" in sys.modules and jax.process_count() > 1:
+        sys.exit(code)
+    os._exit(code)
+
+
 def parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="python -m ladder_jax.serve", description=__doc__.split("\n\n")[0],
@@ -64,7 +80,8 @@ def parser() -> argparse.ArgumentParser:
                    help="residual scheme (default: the preset's / checkpoint's)")
     p.add_argument("--ladder-layers", default=None, help="ladder only: N or a comma list")
     p.add_argument("--tp", type=int, default=None,
-                   help="tensor-parallel size (default: all devices)")
+                   help="tensor-parallel size (default: the largest that divides the model's "
+                        "heads and the devices, on a CPU host also its cores; said on stderr)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
@@ -98,7 +115,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-warmup", action="store_true",
                    help="compile programs on first use instead of before serving")
     runtime.add_arguments(p, cpu_devices_help="on a CPU host, fake devices to split it into "
-                                              "(default: --tp, else 1)")
+                                              "(default: --tp, else the default tp)")
     return p
 
 
@@ -109,6 +126,11 @@ def main(argv=None) -> int:
     except ConfigError as e:  # GenerationError and ShardingError included
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _note(*a, **kw) -> None:
+    if jax.process_index() == 0:
+        print(*a, **kw, flush=True)
 
 
 def _check(args) -> None:
@@ -143,23 +165,34 @@ def _chat_template(args) -> str | None:
 def _run(args) -> int:
     _check(args)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    runtime.setup(cpu_devices=args.cpu_devices or args.tp or 1, coordinator=args.coordinator,
-                  num_processes=args.num_processes, process_id=args.process_id)
+    shape = (checkpoint.run_model_config(args.checkpoint) if args.checkpoint
+             else ModelConfig.from_preset(args.preset))  # what splits over tp
+    runtime.setup(cpu_devices=args.cpu_devices or args.tp or sharding.default_tp(
+                      shape, runtime.cpu_cores(), backend="cpu")[0],
+                  coordinator=args.coordinator, num_processes=args.num_processes,
+                  process_id=args.process_id)
     n = jax.device_count()
-    tp = n if args.tp is None else args.tp
+    if args.tp is not None:
+        tp, why = args.tp, None
+    elif jax.process_count() > 1:  # the model spans every process's devices
+        tp, why = n, None
+    else:
+        tp, why = sharding.default_tp(shape, n)
     if not 1 <= tp <= n:
         raise ConfigError(f"--tp {tp}: between 1 and the {n} devices")
     if jax.process_count() > 1 and tp != n:
         raise ConfigError(f"--tp {tp}: with {jax.process_count()} processes the model must "
                           f"span all {n} devices (--tp {n})")
+    sharding.check_divisible(shape, tp, flag="--tp")
     mesh = sharding.make_mesh(tp=tp, data=1, devices=jax.devices()[:tp])
     overrides = scheme_overrides(args.residual, parse_ladder_layers(args.ladder_layers))
     if args.checkpoint:
         model, tokenizer = checkpoint.load_run(args.checkpoint, mesh=mesh, **overrides)
+        if tokenizer is None:  # a Hugging Face directory without tokenizer.json
+            tokenizer = without_tokenizer_json(args.checkpoint, model.config, _note)
         name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
     else:
         config = ModelConfig.from_preset(args.preset, **overrides)
-        sharding.check_divisible(config, tp)
         model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(args.seed))
         tokenizer, name = ByteTokenizer(), args.model_name or args.preset
     if model.config.vocab_size < tokenizer.vocab_size:
@@ -173,13 +206,38 @@ def _run(args) -> int:
     if args.max_tokens is not None and not 1 <= args.max_tokens < engine.length:
         raise ConfigError(f"--max-tokens {args.max_tokens}: between 1 and {engine.length - 1} "
                           f"(--max-len)")
+    if why and jax.process_index() == 0:  # once the input is checked: a bad flag is one line
+        print(f"note: {why}", file=sys.stderr, flush=True)
     if not args.no_warmup:
-        engine.warmup()
+        _warmup(engine)
     if jax.process_index() != 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # process 0's stop plan ends us
         engine.follow()
         return 0
     return _serve(args, engine, tokenizer, name, api_key, template)
+
+
+def _warmup(engine) -> None:
+    """`engine.warmup()` with its progress on stderr (process 0): what it will compile before
+    the first program starts, then each program's k/N as it is done."""
+    programs = engine.warmup_programs()
+    prefills = [p for p in programs if p[1]]
+    groups = sorted({n for n, _ in prefills})
+    buckets = sorted({t for _, t in prefills})
+    _note(f"warm-up: compiling {len(programs)} programs before serving (--no-warmup: compile "
+          f"each on first use instead): prefill of {'/'.join(map(str, groups))} prompt(s) x "
+          f"{len(buckets)} prompt lengths ({buckets[0]}..{buckets[-1]} tokens), then the "
+          f"decode round ({engine.slots} slots, {engine.steps_per_plan} step(s))",
+          file=sys.stderr)
+    start = time.perf_counter()
+
+    def progress(k, n):
+        N, T = programs[k - 1]
+        what = f"prefill {N} x {T} tokens" if T else "decode round"
+        _note(f"warm-up {k}/{n}: {what} ({time.perf_counter() - start:.1f} s)",
+              file=sys.stderr)
+
+    engine.warmup(progress)
 
 
 def _serve(args, engine, tokenizer, name, api_key, template) -> int:

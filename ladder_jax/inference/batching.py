@@ -331,19 +331,30 @@ class Engine:
 
     # -- compile ahead ------------------------------------------------------------------------
 
-    def warmup(self) -> None:
-        """Compiles the decode round and every prefill program (each prompt bucket x each
-        admission group size), on every process, before serving: prefills run on padding
-        rows only (nothing is written), the decode round on free slots."""
-        rep, mesh = P(), self.mesh
+    def warmup_programs(self) -> list[tuple[int, int]]:
+        """What `warmup` compiles, in order: (rows, prompt tokens) of each prefill program, then
+        (slots, 0) for the decode round."""
         buckets = sorted({prompt_bucket(n, self.length) for n in range(1, self.length + 1)})
-        for N in sorted({prefill_group(n) for n in range(1, self.admit + 1)}):
-            rows = rows_to_device(Rows.empty(N), mesh, rep)
-            for T in buckets:
+        groups = sorted({prefill_group(n) for n in range(1, self.admit + 1)})
+        return [(N, T) for N in groups for T in buckets] + [(self.slots, 0)]
+
+    def warmup(self, progress=None) -> None:
+        """Compiles the decode round and every prefill program (each prompt bucket x each
+        admission group size, `warmup_programs`), on every process, before serving: prefills
+        run on padding rows only (nothing is written), the decode round on free slots.
+        `progress(k, n)` is called after the k-th of the n programs has compiled."""
+        rep, mesh = P(), self.mesh
+        programs = self.warmup_programs()
+        for k, (N, T) in enumerate(programs, 1):
+            if T:
+                rows = rows_to_device(Rows.empty(N), mesh, rep)
                 first, self.cache = self.decoder.prefill_slots(
                     self.cache, to_device(np.full(N, self.slots, np.int32), mesh, rep),
                     to_device(np.zeros((N, T), np.int32), mesh, rep),
                     to_device(np.ones(N, np.int32), mesh, rep), rows)
                 to_host(first)
-        z = to_device(np.zeros(self.slots, np.int32), mesh, rep)
-        self._decode_round(z, z, rows_to_device(Rows.empty(self.slots), mesh, rep), z)
+            else:
+                z = to_device(np.zeros(self.slots, np.int32), mesh, rep)
+                self._decode_round(z, z, rows_to_device(Rows.empty(self.slots), mesh, rep), z)
+            if progress is not None:
+                progress(k, len(programs))

@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
+from ladder_jax import runtime
 from ladder_jax.config import ConfigError
 
 DATA = "data"
@@ -128,8 +129,54 @@ def cache_kv_heads(config, tp: int) -> int:
     return max(config.n_kv_heads, tp)
 
 
-def check_divisible(config, tp: int) -> None:
-    """Every count split over `tp` must divide evenly; fail early, naming numbers and fixes."""
+def check_divisible(config, tp: int, flag: str | None = None) -> None:
+    """Every count split over `tp` must divide evenly; fail early, naming numbers and fixes.
+    `flag` is what sets tp where the caller reads it (`--tp`, `mesh.tp`): the message then
+    names it, with the largest tp below this one that fits."""
+    try:
+        _check_divisible(config, tp)
+    except ShardingError as e:
+        if flag is None:
+            raise
+        fit = largest_tp(config, tp)
+        use = f"{flag} {fit}" if flag.startswith("-") else f"{flag}={fit}"
+        raise ShardingError(f"{e} (set by {flag}; e.g. {use})") from None
+
+
+def fits(config, tp: int) -> bool:
+    """Whether `config` splits evenly over `tp` (`check_divisible` passes)."""
+    try:
+        _check_divisible(config, tp)
+    except ShardingError:
+        return False
+    return True
+
+
+def largest_tp(config, limit: int) -> int:
+    """The largest tp <= `limit` that `config` splits over evenly; 1 always does."""
+    return max(t for t in range(1, max(1, limit) + 1) if fits(config, t))
+
+
+def default_tp(config, devices: int, *, backend: str | None = None,
+               cores: int | None = None, flag: str = "--tp") -> tuple[int, str]:
+    """(tp, why) when the user named none: the largest tp that `config` splits over and that
+    does not exceed `devices`, nor on a CPU backend half this host's cores (fake devices share
+    the cores, and XLA:CPU runs each device's matmuls on several threads: a tp of all the
+    cores only adds collectives). `why` is one line for stderr.
+
+        tp, why = default_tp(config, len(jax.devices()))   # 1 on a 2-core host"""
+    backend = backend or jax.default_backend()
+    limit, over = devices, f"the {devices} device(s)"
+    if backend == "cpu":
+        cores = runtime.cpu_cores() if cores is None else cores
+        if max(1, cores // 2) <= devices:
+            limit, over = max(1, cores // 2), f"half this host's {cores} CPU core(s)"
+    tp = largest_tp(config, limit)
+    return tp, (f"tp={tp}: the largest that splits the model's {config.n_heads} heads "
+                f"({config.n_kv_heads} kv heads) and fits {over} ({flag} to choose)")
+
+
+def _check_divisible(config, tp: int) -> None:
     if config.n_heads % tp:
         raise ShardingError(
             f"n_heads={config.n_heads} is not divisible by tp={tp}: use a tp that divides "

@@ -46,6 +46,9 @@ from ladder_jax.model.layout import (  # noqa: F401
     check_batch,
     check_divisible,
     data_size,
+    default_tp,
+    fits,
+    largest_tp,
     make_mesh,
     tp_size,
 )

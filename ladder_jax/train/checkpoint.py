@@ -33,7 +33,7 @@ from flax import nnx
 
 from ladder_jax import config as config_lib
 from ladder_jax.config import ConfigError
-from ladder_jax.interop.hf import load_hf
+from ladder_jax.interop.hf import config_from_hf, load_hf, read_config
 from ladder_jax.interop.tokenizer import make_tokenizer
 from ladder_jax.model import quant
 from ladder_jax.model.transformer import abstract
@@ -503,6 +503,38 @@ def _run_root(path: str) -> str:
     return path
 
 
+def _config_file(path: str, what: str) -> str | None:
+    """The config.yaml of the run or `convert` output at `path`, or None for a Hugging Face
+    directory (config.json); a ConfigError for anything else."""
+    if not os.path.exists(path):
+        raise ConfigError(f"{what} {path!r} does not exist: give a training run directory "
+                          f"(runs/NAME), the output of ladder_jax.convert, or a Hugging Face "
+                          f"model directory")
+    cfg_file = os.path.join(_run_root(path), "config.yaml")
+    if os.path.isfile(cfg_file):
+        return cfg_file
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    raise ConfigError(f"{what} {path!r}: no config.yaml there: give a training run directory "
+                      f"(runs/NAME), the output of ladder_jax.convert, or a Hugging Face model "
+                      f"directory")
+
+
+def run_model_config(path: str, *, what: str = "--checkpoint") -> config_lib.ModelConfig:
+    """The model config of what `load_run` would load from `path` (as stored: no overrides),
+    read without touching the weights: what a caller needs to choose a mesh first.
+
+        config = run_model_config("runs/tiny")"""
+    path = os.fspath(path)
+    cfg_file = _config_file(path, what)
+    if cfg_file is None:
+        return config_from_hf(read_config(path))
+    try:
+        return config_lib.model_config(config_lib.load_config([cfg_file]))
+    except (ConfigError, TypeError) as e:
+        raise ConfigError(f"{what} {path!r}: {e}") from None
+
+
 def load_run(path: str, *, mesh, what: str = "--checkpoint", quantize: str | None = None,
              **overrides):
     """(model, tokenizer) from a training run or a `python -m ladder_jax.convert` output (a
@@ -516,17 +548,9 @@ def load_run(path: str, *, mesh, what: str = "--checkpoint", quantize: str | Non
 
     config_lib.check_quantize(quantize)
     path = os.fspath(path)
-    if not os.path.exists(path):
-        raise ConfigError(f"{what} {path!r} does not exist: give a training run directory "
-                          f"(runs/NAME), the output of ladder_jax.convert, or a Hugging Face "
-                          f"model directory")
-    cfg_file = os.path.join(_run_root(path), "config.yaml")
-    if not os.path.isfile(cfg_file):
-        if os.path.isfile(os.path.join(path, "config.json")):
-            return load_hf(path, mesh=mesh, quantize=quantize, **overrides)
-        raise ConfigError(f"{what} {path!r}: no config.yaml there: give a training run "
-                          f"directory (runs/NAME), the output of ladder_jax.convert, or a Hugging "
-                          f"Face model directory")
+    cfg_file = _config_file(path, what)
+    if cfg_file is None:
+        return load_hf(path, mesh=mesh, quantize=quantize, **overrides)
     try:
         run = config_lib.load_config([cfg_file])
         model_config = dataclasses.replace(config_lib.model_config(run), **overrides)

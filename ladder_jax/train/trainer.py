@@ -76,11 +76,7 @@ def peak_flops(cfg: TrainConfig, device) -> float | None:
 def cpu_data_parallel(cfg: TrainConfig) -> int:
     """`mesh.data` when it is null on a CPU host: the cores this process may run on over
     `mesh.tp`, lowered to the largest count that divides `data.batch_size` (at least 1)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    n = max(1, cores // max(1, cfg.mesh.tp))
+    n = max(1, runtime.cpu_cores() // max(1, cfg.mesh.tp))
     while cfg.data.batch_size % n:
         n -= 1
     return n
@@ -188,6 +184,7 @@ class Trainer:
                 want = cfg.mesh.tp * (data or len(devices) // cfg.mesh.tp)
                 devices = devices[:want] if 0 < want <= len(devices) else devices
         mesh = sharding.make_mesh(tp=cfg.mesh.tp, data=cfg.mesh.data, devices=devices)
+        sharding.check_divisible(self.model_config, cfg.mesh.tp, flag="mesh.tp")
         sharding.WeightSpecs.for_model(self.model_config, mesh)
         sharding.check_batch(cfg.data.batch_size, mesh)
         return mesh
