@@ -10,6 +10,10 @@ rows of its batch: token n of a row draws with `fold_in(row key, n)`, the row ke
 request of the server). So `generate([p], seed=s)` and a server request (p, seed s) draw the
 same tokens.
 
+A row whose logits hold a NaN or +inf (broken weights: a diverged run's checkpoint) gets the
+token `NONFINITE` (-1) instead of one drawn from garbage; `generate` and the serving engine
+refuse it with `NonFiniteLogits`.
+
 temperature 0 (or top_k 1) is greedy: argmax of the logits. Otherwise the logits are divided by
 the temperature, cut to the top_k most likely (0: off), then to the smallest set whose mass
 reaches top_p (1: off), and sampled.
@@ -33,9 +37,15 @@ import numpy as np
 
 from ladder_jax.config import ConfigError
 
+NONFINITE = -1  # the token of a row whose logits are not finite
+
 
 class GenerationError(ConfigError):
     """Input generation cannot run on; the message gives the numbers."""
+
+
+class NonFiniteLogits(GenerationError):
+    """The model's logits are NaN or infinite: its weights are broken, no output is given."""
 
 
 def is_int(x) -> bool:
@@ -111,7 +121,8 @@ def row_key(seed: int, row: int) -> np.ndarray:
 
 def sample_rows(logits_bv, rows: Rows, token_b):
     """Token `token_b` (the index of the new token in its row's output, 0 = the first) of
-    every row, from float32 logits (B, V), with each row's own settings and key."""
+    every row, from float32 logits (B, V), with each row's own settings and key; `NONFINITE`
+    for a row whose logits hold a NaN or +inf."""
     greedy_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
 
     def one(logits_v, key_data, n, t, k, p):
@@ -136,7 +147,8 @@ def sample_rows(logits_bv, rows: Rows, token_b):
         return jnp.where((rows.temperature == 0) | (rows.top_k == 1), greedy_b, drawn_b)
 
     all_greedy = jnp.all((rows.temperature == 0) | (rows.top_k == 1))
-    return jax.lax.cond(all_greedy, lambda: greedy_b, sampled)
+    bad_b = jnp.any(jnp.isnan(logits_bv) | (logits_bv == jnp.inf), axis=-1)
+    return jnp.where(bad_b, NONFINITE, jax.lax.cond(all_greedy, lambda: greedy_b, sampled))
 
 
 @functools.partial(jax.jit, static_argnames="s")

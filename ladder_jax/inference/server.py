@@ -16,7 +16,9 @@ have another shape), and it is the small, well-kept core FastAPI itself is built
 Every error is `{"error": {"message", "type", "param", "code"}}` with its status: 400 (bad
 field, named in `param`; malformed JSON; unknown fields; prompt + max_tokens longer than a
 slot), 401 (missing or wrong API key), 404 (unknown route or model), 413 (body over
-`max_request_bytes`), 503 (queue full, or draining). One bad request never stops the server.
+`max_request_bytes`), 500 (the model's logits are NaN or infinite: broken weights; streamed,
+an error event ends the stream), 503 (queue full, or draining). One bad request never stops
+the server.
 
 Footguns:
 - The engine calls back on its own thread: tokens reach each request's asyncio queue through
@@ -47,6 +49,8 @@ from starlette.routing import Route
 from ladder_jax.inference.batching import Engine, EngineFull, Request
 from ladder_jax.inference.sampling import GenerationError, Sampling, is_int, is_number
 
+NONFINITE_MESSAGE = ("the model's logits are NaN or infinite: its weights are broken (a "
+                     "checkpoint of a run that diverged?); no tokens are drawn from them")
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 # fields accepted as OpenAI sends them; the `only` ones must keep their neutral value
@@ -388,6 +392,9 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
             metrics.request(endpoint, 499)
             return Response(status_code=499)
         out, reason = result.result()
+        if reason == "nonfinite":
+            metrics.request(endpoint, 500)
+            return error(500, NONFINITE_MESSAGE)
         if reason in ("cancelled", "error"):
             metrics.request(endpoint, 503)
             return error(503, "the server is shutting down" if reason == "cancelled" else
@@ -417,6 +424,11 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
             if chat:
                 yield chunk("", None, role=True)
             async for piece, reason in pieces:
+                if reason == "nonfinite":  # OpenAI's way to fail mid-stream: an error event
+                    yield event({"error": {"message": NONFINITE_MESSAGE, "type": "server_error",
+                                           "param": None, "code": None}})
+                    metrics.request(endpoint, 500)
+                    return
                 if reason in ("cancelled", "error"):
                     reason = "abort"  # as vLLM says it: drained or failed mid-stream
                 if piece or reason:

@@ -24,6 +24,11 @@ checkpoint in `<step>/checksums.json` (in a background thread; it reads the chec
 and `restore` verifies them before reading anything. A checkpoint without that file (killed
 before it was written, or from an older version) is restored on orbax's own checks alone.
 
+Numbers: a checkpoint whose weights are not finite is never restored (`restore` checks them
+and raises DamagedCheckpoint), and the trainer writes none; one whose weights gave
+non-finite losses (a run stopped with exit 3) is marked `<step>/unsound.json` and then skipped
+like a damaged one.
+
 Damage (a file removed, truncated, bit-flipped, metadata garbled, a stray empty `<step>`
 directory): `restore` raises `DamagedCheckpoint` saying what is wrong, never a traceback, and
 deletes nothing; the trainer then tries the next older checkpoint (`move_aside` renames a
@@ -56,6 +61,8 @@ import zlib
 
 import grain
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 from flax import nnx
@@ -78,6 +85,34 @@ class SaveError(RuntimeError):
 
 
 CHECKSUMS = "checksums.json"
+UNSOUND = "unsound.json"  # {"why": ...}: weights that gave non-finite losses (see mark_unsound)
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+              if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def params_finite(params) -> bool:
+    """Whether every floating-point weight of `params` (an nnx.State or a pure dict of global
+    arrays) is finite; every process gets the same answer."""
+    if isinstance(params, nnx.State):
+        params = nnx.to_pure_dict(params)
+    return bool(np.asarray(_all_finite(params).addressable_data(0)))
+
+
+def unsound_reason(directory: str) -> str | None:
+    """Why checkpoint `directory` was marked unsound by `Checkpointer.mark_unsound`, or None."""
+    try:
+        with open(os.path.join(directory, UNSOUND)) as f:
+            why = json.load(f).get("why")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError):
+        why = None
+    return str(why or f"it is marked unsound ({UNSOUND})")
 
 
 def _first_line(e: BaseException) -> str:
@@ -280,6 +315,9 @@ class Checkpointer:
         """The JSON metadata saved with `step` (step, config, mesh), read without restoring.
         Raises DamagedCheckpoint when it is missing or not what a save writes."""
         file = os.path.join(self.directory, str(step), "meta", "metadata")
+        unsound = unsound_reason(os.path.join(self.directory, str(step)))
+        if unsound:
+            raise DamagedCheckpoint(unsound)
         try:
             with open(file) as f:
                 meta = json.load(f)
@@ -320,6 +358,8 @@ class Checkpointer:
                 data_iter.set_state(data_state)
         except Exception as e:  # noqa: BLE001 (tensorstore, zstd, orbax, grain, json)
             raise DamagedCheckpoint(f"it does not restore: {_first_line(e)}") from None
+        if not params_finite(out["params"]):
+            raise DamagedCheckpoint("its weights are not finite (NaN or infinite)")
         params = _replace(state.params, out["params"])
         treedef = jax.tree.structure(state.opt_state)
         opt_state = jax.tree.unflatten(treedef, [out["opt_state"][k]
@@ -328,6 +368,14 @@ class Checkpointer:
         if data_state is not None:
             meta["resharded"] = data_state
         return TrainState(params, opt_state, step), meta
+
+    def mark_unsound(self, step: int, why: str) -> None:
+        """Marks checkpoint `step` (complete, on disk) as not to be resumed from: `meta` and
+        `restore` then raise DamagedCheckpoint(why), and `find_checkpoint` passes it over.
+        Process 0 writes; the files of the checkpoint are left as they are."""
+        if jax.process_index() == 0:
+            with open(os.path.join(self.directory, str(step), UNSOUND), "w") as f:
+                json.dump({"why": why}, f)
 
     def move_aside(self, step: int) -> str:
         """Renames damaged checkpoint `step` to `<step>.damaged` (never deletes it); returns the
@@ -440,7 +488,7 @@ def check_shapes(directory: str, params: nnx.State, what: str) -> None:
 
 def find_checkpoint(path: str, what: str) -> str:
     """The `params` directory of a run directory, its `checkpoints/` directory, or one
-    checkpoint `checkpoints/<step>`: the latest step unless one is named."""
+    checkpoint `checkpoints/<step>`: the latest step not marked unsound unless one is named."""
     path = os.path.abspath(path)
     if not os.path.exists(path):
         raise ConfigError(f"{what}: {path} does not exist")
@@ -454,6 +502,11 @@ def find_checkpoint(path: str, what: str) -> str:
     if os.path.isdir(os.path.join(path, "params")):
         return os.path.join(path, "params")
     steps = [int(d) for d in os.listdir(path) if d.isdigit()] if os.path.isdir(path) else []
+    sound = [s for s in steps if not unsound_reason(os.path.join(path, str(s)))]
+    if steps and not sound:
+        raise ConfigError(f"{what}: every checkpoint in {path} is marked unsound "
+                          f"({unsound_reason(os.path.join(path, str(max(steps))))})")
+    steps = sound
     if not steps:
         if not os.path.exists(path):
             raise ConfigError(f"{what}: {path} does not exist")
@@ -490,11 +543,12 @@ def load_run(path: str, *, mesh, what: str = "--checkpoint", quantize: str | Non
              **overrides):
     """(model, tokenizer) from a training run or a `python -m ladder_jax.convert` output (a
     directory with config.yaml and checkpoints/), or a Hugging Face Llama directory
-    (config.json, see `ladder_jax.interop.hf.load_hf`). The model is built from shapes and its weights
-    restored straight into their shardings on `mesh`; no random weights are made. `overrides`
-    change the model config, e.g. residual="ladder", ladder_layers=2 (any scheme reads any
-    weights). `quantize="int8"` quantizes float weights once loaded (`ladder_jax.model.quant`);
-    a checkpoint stored quantized (`convert --quantize`) loads as it is, with or without it."""
+    (config.json, see `ladder_jax.interop.hf.load_hf`). The model is built from shapes and its
+    weights restored straight into their shardings on `mesh`; no random weights are made.
+    `overrides` change the model config, e.g. residual="ladder", ladder_layers=2 (any scheme
+    reads any weights). `quantize="int8"` quantizes float weights once loaded
+    (`ladder_jax.model.quant`); a checkpoint stored quantized (`convert --quantize`) loads as
+    it is, with or without it."""
 
     config_lib.check_quantize(quantize)
     path = os.fspath(path)

@@ -42,11 +42,12 @@ data iterator's position is re-sharded, `ladder_jax.train.checkpoint`).
 
 Faults and exit codes: SIGTERM or Ctrl-C saves a checkpoint and exits 0 (a second Ctrl-C
 aborts). A step whose loss or gradient is not finite is skipped (params unchanged) and logged;
-after `max_bad_steps` in a row the run stops with exit code 3, the last checkpoint intact. A
-checkpoint or log that cannot be written (disk full) stops the run at once: one line, exit code
-1, the last complete checkpoint intact. Bad configuration or data, a run directory that is
-not writable, a model too big for this host's memory (CPU): one line, exit code 2, before data
-is loaded or anything is compiled or written.
+after `max_bad_steps` in a row the run stops with exit code 3; the checkpoints holding the
+weights that gave them are marked unsound (resume skips them, as damaged ones) and weights
+that are not finite are never saved. A checkpoint or log that cannot be written (disk full)
+stops the run at once: one line, exit code 1, the last complete checkpoint intact. Bad
+configuration or data, a run directory that is not writable, a model too big for this host's
+memory (CPU): one line, exit code 2, before data is loaded or anything is compiled or written.
 
 Multi-host: with `dist.coordinator_address`/`dist.num_processes`/`dist.process_id` (or the
 environment variables JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID; or under
@@ -95,7 +96,13 @@ from ladder_jax.interop.tokenizer import make_tokenizer
 from ladder_jax.model import sharding
 from ladder_jax.model.transformer import Transformer
 from ladder_jax.train import data, step
-from ladder_jax.train.checkpoint import Checkpointer, DamagedCheckpoint, SaveError, load_params
+from ladder_jax.train.checkpoint import (
+    Checkpointer,
+    DamagedCheckpoint,
+    SaveError,
+    load_params,
+    params_finite,
+)
 from ladder_jax.train.lock import RunBusy, RunLock
 from ladder_jax.train.step import TrainState
 
@@ -513,13 +520,11 @@ class Trainer:
                              f"{skipped} in all)")
                     if bad_in_row >= cfg.max_bad_steps:
                         metrics.write(rec)
-                        last = ckpt.latest_step()
-                        kept = (f"the last checkpoint, step {last}, is intact" if last else
-                                "no checkpoint had been saved yet")
                         raise NonFiniteError(
                             f"stopping at step {s}: {bad_in_row} non-finite steps in a row "
-                            f"(max_bad_steps={cfg.max_bad_steps}); {kept}. Lower optim.peak_lr "
-                            f"or check the data.")
+                            f"(max_bad_steps={cfg.max_bad_steps}); "
+                            f"{self._mark_unsound(ckpt, s - bad_in_row)}. Lower "
+                            f"optim.peak_lr or check the data.")
                 else:
                     bad_in_row = 0
                     result["losses"][s] = m["loss"]
@@ -531,14 +536,17 @@ class Trainer:
                 self._report(rec, start)
                 ckpt.check()  # a background save that failed stops the run here
                 if self._stop_requested(stop):
-                    ckpt.save(self.state, self.data_iter, meta(s))
+                    self._save(ckpt, meta(s))
                     ckpt.wait()
                     self.log(f"{stop['signal'] or 'stop'}: checkpoint saved at step {s}; run "
                              f"the same command again to resume")
                     result["exit"] = "interrupted"
                     break
-                if s == cfg.steps or (cfg.ckpt_every and s % cfg.ckpt_every == 0):
-                    ckpt.save(self.state, self.data_iter, meta(s))
+                # none in a run of non-finite steps: its weights are the last finite step's,
+                # saved or not, and would push good checkpoints out of `keep`
+                if s == cfg.steps or (not bad_in_row and cfg.ckpt_every
+                                      and s % cfg.ckpt_every == 0):
+                    self._save(ckpt, meta(s))
             ckpt.wait()  # the last save, before saying "done"
         result["step"] = s
         result["skipped"] = skipped
@@ -549,6 +557,37 @@ class Trainer:
                      f"loss {result['eval_loss']:.4f} (perplexity "
                      f"{_perplexity(result['eval_loss']):.2f}); metrics {metrics.path}")
         return result
+
+    def _save(self, ckpt, meta: dict) -> None:
+        """Saves the state as checkpoint `meta["step"]`, only if its weights are finite
+        (NonFiniteError otherwise: a checkpoint is always one a run can resume from)."""
+        s = meta["step"]
+        if not params_finite(self.state.params):
+            raise NonFiniteError(
+                f"stopping at step {s}: the weights are NaN or infinite after its update, so "
+                f"they were not saved; {self._mark_unsound(ckpt, s)}. Lower optim.peak_lr or "
+                f"check the data.")
+        ckpt.save(self.state, self.data_iter, meta)
+
+    def _mark_unsound(self, ckpt, last_good: int) -> str:
+        """After non-finite steps from `last_good + 1` on: marks unsound every checkpoint
+        holding the weights that gave them (step `last_good` and later: a skipped step leaves
+        the weights as they were), so that resume passes them over; says which checkpoint a
+        resume would start from."""
+        ckpt.wait()
+        why = (f"its weights gave non-finite losses from step {last_good + 1} on (the run "
+               f"stopped with exit 3)")
+        marked = [c for c in ckpt.steps() if c >= last_good]
+        for c in marked:
+            ckpt.mark_unsound(c, why)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("unsound checkpoints marked")
+        before = [c for c in ckpt.steps() if c < last_good]
+        said = (f"checkpoint(s) {', '.join(map(str, sorted(marked)))} marked unsound "
+                f"(resume skips them); " if marked else "")
+        return said + (f"a resume starts from checkpoint {before[0]}, the last before the "
+                       f"weights went bad" if before else "none was saved before the weights "
+                       "went bad: start again under a new name=")
 
     def _stop_requested(self, stop) -> bool:
         flag = stop["signal"] is not None

@@ -1,0 +1,141 @@
+"""Robustness cases found by outside probes: numbers that are not numbers (checkpoints of a
+diverged run, NaN logits), loaders that must keep what a file says, a server facing careless
+or hostile clients, and processes of one job that must agree or stop. Every case goes through
+the command line or API where it was found; every wait is bounded."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from ladder_jax.inference import generation
+from ladder_jax.inference.sampling import NonFiniteLogits
+from ladder_jax.interop.tokenizer import ByteTokenizer
+from ladder_jax.train import checkpoint, trainer
+from ladder_jax.train.step import TrainState
+from tests.helpers import tiny_model
+
+TOK = ByteTokenizer()
+SMALL = ["model.n_layers=2", "data.seq_len=32", "data.batch_size=8", "eval_batches=2",
+         "progress=lines", "log_every=1000", "optim.warmup_steps=1", "mesh.data=1",
+         "tensorboard=false", "eval_every=0"]
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+
+
+def _module(name, *args, timeout=300):
+    return subprocess.run([sys.executable, "-m", f"ladder_jax.{name}", *args],
+                          capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def _one_line_error(r, code=2):
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert lines and lines[-1].startswith("error: "), r.stderr
+    return lines[-1]
+
+
+# -- numbers that are not numbers ------------------------------------------------------------
+
+
+def test_exit_3_marks_the_poisoned_checkpoint_and_resume_skips_it(tmp_path):
+    # lr 0 at step 1 (warm-up), then 1e30: step 2's update ruins the weights (finite, but
+    # every later gradient is NaN). Checkpoint 2 holds them; checkpoint 1 the sound ones.
+    run = ["steps=20", "ckpt_every=1", "max_bad_steps=3", f"run_dir={tmp_path}", "name=run"]
+    r = _module("train", *SMALL, *run, "optim.peak_lr=1e30")
+    line = _one_line_error(r, code=3)
+    assert "checkpoint(s) 2 marked unsound" in line, line
+    assert "a resume starts from checkpoint 1" in line, line
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert sorted(os.listdir(ckpts)) == ["1", "2"]  # none written during the non-finite steps
+    assert (ckpts / "2" / checkpoint.UNSOUND).exists()
+    assert not (ckpts / "1" / checkpoint.UNSOUND).exists()
+    # decode and init_from pass the unsound checkpoint over too
+    assert checkpoint.find_checkpoint(str(tmp_path / "run"), "x") == str(ckpts / "1" / "params")
+
+    r = _module("train", *SMALL, *run, "optim.peak_lr=3e-3", "steps=4", "accept_changes=true")
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert f"skipped damaged checkpoint {ckpts}/2: its weights gave non-finite losses" in (
+        r.stdout), r.stdout
+    assert f"resumed from {ckpts}/1" in r.stdout
+    rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [x["step"] for x in rows] == [1, 2, 3, 4]
+    assert all(np.isfinite(x["loss"]) and not x.get("skipped") for x in rows[1:])
+
+
+def test_a_checkpoint_with_nan_weights_is_skipped_on_resume(tmp_path):
+    cfg = trainer.load_config(SMALL + [f"run_dir={tmp_path}", "name=run", "steps=1",
+                                       "optim.peak_lr=3e-3"])
+    trainer.run(cfg)
+    t = trainer.Trainer(trainer.load_config(SMALL + [f"run_dir={tmp_path}", "name=run",
+                                                     "steps=3", "optim.peak_lr=3e-3"]))
+    ckpt = checkpoint.Checkpointer(str(tmp_path / "run" / "checkpoints"))
+    state, meta = ckpt.restore(1, t.state, t.data_iter)
+    nan = jax.tree.map(lambda x: x * jnp.nan, state.params)
+    assert not checkpoint.params_finite(nan) and checkpoint.params_finite(state.params)
+    ckpt.save(TrainState(nan, state.opt_state, 2), t.data_iter, {**meta, "step": 2})
+    ckpt.close()
+    with pytest.raises(checkpoint.DamagedCheckpoint, match="not finite"):
+        checkpoint.Checkpointer(str(tmp_path / "run" / "checkpoints")).restore(
+            2, t.state, t.data_iter)
+    out = t.train()
+    assert out["exit"] == "done" and sorted(out["losses"]) == [1, 2, 3]
+    assert os.path.isdir(tmp_path / "run" / "checkpoints" / "2.damaged")
+
+
+def _nan_model(tp=1):
+    model = tiny_model(tp)
+    model.final_norm.scale[...] = model.final_norm.scale[...] * jnp.nan
+    return model
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_k": 20, "seed": 3}])
+def test_generate_refuses_nan_logits(sampling):
+    with pytest.raises(NonFiniteLogits, match="logits are NaN or infinite"):
+        generation.generate(_nan_model(), ["Once"], max_new_tokens=4, **sampling)
+
+
+def test_decode_cli_refuses_nan_weights_in_one_line(tmp_path):
+    from ladder_jax.cli.convert import _save_checkpoint, train_config
+
+    model = _nan_model()
+    with open(tmp_path / "config.yaml", "w") as f:
+        f.write(OmegaConf.to_yaml(OmegaConf.create(train_config(model.config, None))))
+    _save_checkpoint(model, str(tmp_path), {"step": 0})
+    r = _module("decode", "--checkpoint", str(tmp_path), "--prompt", "Once", "--tp", "1",
+                "--max-new-tokens", "4", "--temperature", "0")
+    line = _one_line_error(r)
+    assert "logits are NaN or infinite" in line
+    assert "\x00" not in r.stdout
+
+
+def test_server_answers_nan_logits_with_an_error():
+    from starlette.testclient import TestClient
+
+    from ladder_jax.inference.batching import Engine
+    from ladder_jax.inference.server import create_app
+
+    engine = Engine(_nan_model(), slots=2, max_len=48)
+    engine.start()
+    try:
+        app = create_app(engine, TOK, model_name="m")
+        with TestClient(app) as client:
+            r = client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4})
+            assert r.status_code == 500, r.text
+            assert "logits are NaN" in r.json()["error"]["message"]
+            r = client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4,
+                                                     "stream": True})
+            events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+            assert events and "logits are NaN" in events[-1]["error"]["message"], r.text
+            assert "[DONE]" not in r.text
+            metrics = client.get("/metrics").text
+            assert 'ladder_requests_total{endpoint="completions",status="500"} 2' in metrics
+        assert engine.busy == 0 and engine.error is None
+    finally:
+        engine.drain(5)
