@@ -139,3 +139,61 @@ def test_server_answers_nan_logits_with_an_error():
         assert engine.busy == 0 and engine.error is None
     finally:
         engine.drain(5)
+
+
+# -- loaders ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A 3-layer transformers Llama saved as a Hugging Face directory."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("llama")
+    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=256)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def _with_config(tmp_path, llama_dir, name, **changes):
+    from ladder_jax.interop import hf
+
+    d = tmp_path / name
+    d.mkdir()
+    cfg = json.loads((llama_dir / hf.CONFIG).read_text())
+    cfg.update(changes)
+    (d / hf.CONFIG).write_text(json.dumps(cfg))
+    os.symlink(llama_dir / hf.SINGLE, d / hf.SINGLE)
+    return d
+
+
+def test_load_hf_residual_ladder_keeps_a_llama_configs_ladder_layers(tmp_path, llama_dir):
+    import ladder_jax as lj
+
+    mesh = lj.make_mesh(tp=1, devices=jax.devices()[:1])
+    plain = _with_config(tmp_path, llama_dir, "plain", ladder_layers=2)
+    authors = _with_config(tmp_path, llama_dir, "authors", ladder_layers=2,
+                           model_type="llamaLadder")
+    want = lj.load_hf(authors, mesh=mesh)[0].config  # the authors' convention: upper 2 layers
+    assert want.ladder_layer_set() == {1, 2}
+    got = lj.load_hf(plain, mesh=mesh, residual="ladder")[0].config
+    assert got.ladder_layer_set() == {1, 2} and got == want
+
+
+@pytest.mark.parametrize("changes", [
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+     "rope_scaling": {"type": "linear", "factor": 4.0}},
+    {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+     "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+])
+def test_rope_scaling_beside_default_rope_parameters_is_refused(tmp_path, llama_dir, changes):
+    d = _with_config(tmp_path, llama_dir, "rope", **changes)
+    r = _module("convert", "--hf", str(d), "--out", str(tmp_path / "out"))
+    line = _one_line_error(r)
+    assert "rope" in line and ("'linear'" in line or "'dynamic'" in line), line
+    assert not (tmp_path / "out").exists()
