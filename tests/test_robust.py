@@ -197,3 +197,195 @@ def test_rope_scaling_beside_default_rope_parameters_is_refused(tmp_path, llama_
     line = _one_line_error(r)
     assert "rope" in line and ("'linear'" in line or "'dynamic'" in line), line
     assert not (tmp_path / "out").exists()
+
+
+# -- the server and careless or hostile clients ----------------------------------------------
+
+RAISING = ("{% if messages[0].role != 'user' %}{{ raise_exception('Conversations must start "
+           "with a user message') }}{% endif %}{% for m in messages %}{{ m.content }}"
+           "{% endfor %}")
+
+
+@pytest.fixture(scope="module")
+def app_client():
+    from starlette.testclient import TestClient
+
+    from ladder_jax.inference.batching import Engine
+    from ladder_jax.inference.server import create_app
+
+    engine = Engine(tiny_model(1), slots=2, max_len=48)
+    engine.start()
+    try:
+        with TestClient(create_app(engine, TOK, model_name="m", api_key="k",
+                                   chat_template=RAISING)) as client:
+            client.headers["Authorization"] = "Bearer k"
+            yield client
+    finally:
+        engine.drain(5)
+
+
+def _requests_total(client) -> dict:
+    rows = [x for x in client.get("/metrics").text.splitlines()
+            if x.startswith("ladder_requests_total{")]
+    return {x.split(" ")[0]: int(x.split(" ")[1]) for x in rows}
+
+
+def _openai_error(r, status):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    return err["message"]
+
+
+def test_bearer_scheme_is_case_insensitive(app_client):
+    body = {"prompt": "Once", "max_tokens": 2, "temperature": 0}
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        r = app_client.post("/v1/completions", json=body,
+                            headers={"Authorization": f"{scheme} k"})
+        assert r.status_code == 200, (scheme, r.text)
+    assert _openai_error(app_client.post("/v1/completions", json=body, headers={
+        "Authorization": "bearer kk"}), 401)
+
+
+@pytest.mark.parametrize("body, match", [
+    ("[" * 200_000 + "]" * 200_000, "nests too deeply"),
+    ('{"prompt": "Once", "max_tokens": ' + "9" * 5000 + "}", "digits"),
+    ('{"prompt": "Once", "seed": -' + "1" * 5000 + "}", "digits"),
+], ids=["200000-deep", "5000-digit-int", "5000-digit-negative-int"])
+def test_pathological_json_is_a_counted_400(app_client, body, match):
+    before = _requests_total(app_client)
+    r = app_client.post("/v1/completions", content=body,
+                        headers={"Content-Type": "application/json"})
+    assert match in _openai_error(r, 400)
+    after = _requests_total(app_client)
+    key = 'ladder_requests_total{endpoint="completions",status="400"}'
+    assert after.get(key, 0) == before.get(key, 0) + 1
+
+
+def test_a_long_chat_without_max_tokens_is_told_the_prompt_is_too_long(app_client):
+    r = app_client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x" * 60}]})
+    message = _openai_error(r, 400)
+    assert "max_tokens" not in message and "61 tokens" in message, message
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_template_raise_exception_is_the_templates_message(app_client):
+    r = app_client.post("/v1/chat/completions", json={
+        "messages": [{"role": "system", "content": "hi"}], "max_tokens": 2})
+    assert "Conversations must start with a user message" in _openai_error(r, 400)
+    r = app_client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_default_max_len_fits_the_free_memory(monkeypatch, capsys):
+    from ladder_jax import runtime
+    from ladder_jax.cli import serve
+
+    model = tiny_model(2)  # 2 CPU devices: the cache's two halves share the host's memory
+    c = model.config
+    per_position = 2 * c.n_layers * 16 * c.n_kv_heads * c.head_dim * 4  # k and v, 16 slots
+    monkeypatch.setattr(runtime, "available_memory", lambda: per_position * c.max_seq_len * 4)
+    assert serve._default_max_len(model, 16) is None  # fits in half: the model's length
+    monkeypatch.setattr(runtime, "available_memory", lambda: per_position * 200)
+    assert serve._default_max_len(model, 16) == 64  # 100 positions fit: 64, a multiple of 64
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--max-len" in err[0] and "64 positions" in err[0], err
+    monkeypatch.setattr(runtime, "available_memory", lambda: per_position * 100)
+    with pytest.raises(serve.ConfigError, match="lower --slots"):
+        serve._default_max_len(model, 16)
+
+
+def _serve_args(tmp_path, llama_dir):
+    bad_jinja = tmp_path / "bad.jinja"
+    bad_jinja.write_text("{% for m in messages %}{{ m.content }")
+    binary = tmp_path / "binary.jinja"
+    binary.write_bytes(bytes(range(256)) * 4)
+    garbage = _with_config(tmp_path, llama_dir, "garbage")
+    (garbage / "tokenizer_config.json").write_text('{"chat_template": "{{ x }}", ')
+    return [
+        (["--api-key", ""], {}, "--api-key is empty"),
+        ([], {"LADDER_API_KEY": ""}, "LADDER_API_KEY is empty"),
+        (["--api-key", "secret\n"], {}, "--api-key holds '\\n'"),
+        (["--api-key", "s ecret"], {}, "--api-key holds ' '"),
+        (["--api-key", "sécret"], {}, "--api-key holds 'é'"),
+        (["--max-len", "-5"], {}, "--max-len -5: must be >= 2"),
+        (["--chat-template", str(bad_jinja)], {}, "the chat template is not valid Jinja"),
+        (["--chat-template", str(binary)], {}, "is not UTF-8"),
+        (["--checkpoint", str(garbage)], {}, "tokenizer_config.json is not valid JSON"),
+    ]
+
+
+def test_serve_start_up_errors_are_one_line(tmp_path, llama_dir):
+    for args, env, match in _serve_args(tmp_path, llama_dir):
+        r = subprocess.run([sys.executable, "-m", "ladder_jax.serve", "--no-warmup", *args],
+                           capture_output=True, text=True, timeout=300, env={**ENV, **env})
+        line = _one_line_error(r)
+        assert match in line, (args, line)
+
+
+def test_partial_requests_time_out_and_a_real_one_gets_through(tmp_path):
+    """One loopback client holds 300 connections open mid-request (half with a partial head,
+    half with a partial body) against a server limited to 256 open files: each is closed
+    after --request-timeout, so a legitimate request (retried while the server has no file
+    left for it) gets through; the cut-off uploads are counted, never logged as exceptions."""
+    import socket
+    import time
+
+    import httpx
+
+    from tests.helpers import free_port
+
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+
+    proc = subprocess.Popen(  # the shell sets the limit, then becomes the server (exec)
+        ["sh", "-c", 'ulimit -n 256 && exec "$@"', "sh", sys.executable, "-m",
+         "ladder_jax.serve", "--preset", "tiny", "--max-len", "64", "--slots", "2",
+         "--no-warmup", "--port", str(port), "--request-timeout", "3"],
+        stdout=log, stderr=subprocess.STDOUT, env=ENV)
+    url = f"http://127.0.0.1:{port}"
+    held = []
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()
+            assert time.monotonic() < deadline, "not healthy in time"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        for i in range(300):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" if i % 2 else
+                      b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+            held.append(s)
+        # while the files last, libuv accepts and drops new connections: a client retries
+        deadline, r = time.monotonic() + 30, None
+        while r is None and time.monotonic() < deadline:
+            try:
+                r = httpx.post(f"{url}/v1/completions", timeout=60,
+                               json={"prompt": "Once", "max_tokens": 3, "temperature": 0})
+            except httpx.TransportError:
+                time.sleep(0.5)
+        assert r is not None and r.status_code == 200, r and r.text
+        # every held connection was closed by the server (EOF, or a reset)
+        for s in held:
+            s.settimeout(30)
+            try:
+                assert s.recv(1) == b""
+            except ConnectionResetError:
+                pass
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        cut = [x for x in metrics.splitlines() if 'status="499"' in x]
+        assert cut and int(cut[0].split()[-1]) >= 1, metrics
+    finally:
+        for s in held:
+            s.close()
+        proc.terminate()
+        proc.wait(60)
+    text = (tmp_path / "server.log").read_text()
+    assert "Traceback" not in text and "Exception in ASGI" not in text, text
