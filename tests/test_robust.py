@@ -389,3 +389,99 @@ def test_partial_requests_time_out_and_a_real_one_gets_through(tmp_path):
         proc.wait(60)
     text = (tmp_path / "server.log").read_text()
     assert "Traceback" not in text and "Exception in ASGI" not in text, text
+
+
+# -- many processes that agree or stop -------------------------------------------------------
+
+TWO = SMALL + ["mesh.tp=2", "mesh.data=2", "mesh.cpu_devices=2", "dist.num_processes=2"]
+
+
+def _train_procs(tmp_path, per_process, env=None):
+    from tests.helpers import free_port
+
+    port = free_port()
+    return [subprocess.Popen(
+        [sys.executable, "-m", "ladder_jax.train", *TWO, f"run_dir={tmp_path}", "name=run",
+         f"dist.coordinator_address=127.0.0.1:{port}", f"dist.process_id={i}", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**ENV, **(env or {})})
+        for i, extra in enumerate(per_process)]
+
+
+def _finish(procs, timeout):
+    out = []
+    for p in procs:
+        try:
+            o, e = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, o, e))
+    return out
+
+
+def test_two_trainers_with_another_learning_rate_refuse_to_start(tmp_path):
+    procs = _train_procs(tmp_path, [["steps=3", "optim.peak_lr=3e-3"],
+                                    ["steps=3", "optim.peak_lr=1e-3"]])
+    lead, follower = _finish(procs, 180)
+    line = _one_line_error(follower)
+    assert "process 1 was started with another training config than process 0" in line
+    assert "optim.peak_lr is 0.003 there, 0.001 here" in line, line
+    assert "process(es) 1 were started with another" in _one_line_error(lead)
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_two_servers_with_other_slots_refuse_to_start(tmp_path):
+    from tests.helpers import free_port
+
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "ladder_jax.serve", "--preset", "tiny", "--max-len", "64",
+         "--no-warmup", "--cpu-devices", "1", "--coordinator", f"127.0.0.1:{port}",
+         "--num-processes", "2", "--process-id", str(i), "--slots", slots,
+         "--port", str(free_port())],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        for i, slots in enumerate(["4", "8"])]
+    lead, follower = _finish(procs, 180)
+    assert "flags.slots is 4 there, 8 here" in _one_line_error(follower)
+    _one_line_error(lead)
+
+
+def test_a_process_started_alone_gives_up_in_one_line(tmp_path):
+    import time
+
+    t0 = time.monotonic()
+    (r,) = _finish(_train_procs(tmp_path, [["steps=3"]], env={"LADDER_PEER_TIMEOUT": "5"}),
+                   120)
+    line = _one_line_error(r)
+    assert "did not all meet at the coordinator" in line and "within 5 s" in line, line
+    assert time.monotonic() - t0 < 90
+
+
+def test_sigterm_ends_a_trainer_blocked_in_a_collective(tmp_path):
+    import signal
+    import time
+
+    procs = _train_procs(tmp_path, [["steps=100000", "ckpt_every=0"]] * 2,
+                         env={"LADDER_STOP_GRACE": "5"})
+    try:
+        metrics_file = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics_file.exists() and metrics_file.read_text().count("\n") >= 2):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.5)
+        procs[1].send_signal(signal.SIGSTOP)  # the peer stops answering: process 0 blocks
+        time.sleep(1)
+        t0 = time.monotonic()
+        procs[0].send_signal(signal.SIGTERM)
+        try:
+            _, err = procs[0].communicate(timeout=40)
+        except subprocess.TimeoutExpired:
+            pytest.fail("process 0 did not stop within 40 s of SIGTERM")
+        assert procs[0].returncode == 1 and "Traceback" not in err, err[-2000:]
+        assert "error: training stopped by SIGTERM" in err.strip().splitlines()[-1], err
+        assert time.monotonic() - t0 < 40
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -179,6 +179,20 @@ def _read_text(path: str, what: str) -> str:
     return text
 
 
+_PER_PROCESS = {"coordinator", "num_processes", "process_id", "cpu_devices", "host", "port",
+                "api_key", "model_name", "max_request_bytes", "request_timeout",
+                "drain_seconds", "chat_template", "max_tokens"}  # process 0's (HTTP) or
+# this host's own
+
+
+def _run_settings(args) -> dict:
+    """What every process of a multi-process server must agree on: the flags that shape the
+    model, the cache and the batching, and which weights files were found."""
+    flags = {k: v for k, v in vars(args).items() if k not in _PER_PROCESS}
+    return {"flags": flags, "weights": checkpoint.weights_identity(args.checkpoint)
+            if args.checkpoint else None}
+
+
 def _default_max_len(model, slots: int) -> int | None:
     """--max-len when none is given: None (the model's max_seq_len) when a cache that long fits
     in half the memory left, else the positions that do (a multiple of 64), said in one line
@@ -235,6 +249,7 @@ def _run(args) -> int:
     api_key, template = _api_key(args), _chat_template(args)  # before anything loads
     runtime.setup(cpu_devices=args.cpu_devices or args.tp or 1, coordinator=args.coordinator,
                   num_processes=args.num_processes, process_id=args.process_id)
+    runtime.agree(_run_settings(args), "model or serving flags")  # many processes
     n = jax.device_count()
     tp = n if args.tp is None else args.tp
     if not 1 <= tp <= n:

@@ -515,6 +515,23 @@ def find_checkpoint(path: str, what: str) -> str:
     return os.path.join(path, str(max(steps)), "params")
 
 
+def weights_identity(path: str) -> dict:
+    """Which weights files `path` resolves to (a run's latest sound checkpoint, a Hugging Face
+    directory): their paths and sizes and the recorded checksums, without reading the weights;
+    two processes that would load different weights get different identities."""
+    try:
+        found = (path if os.path.isfile(os.path.join(path, "config.json"))
+                 and not os.path.isdir(os.path.join(path, "checkpoints"))
+                 else os.path.dirname(find_checkpoint(path, "--checkpoint")))
+    except ConfigError as e:
+        return {"error": str(e)}
+    files = {f: os.path.getsize(os.path.join(found, f)) for f in _files(found)
+             if not f.startswith(("data", UNSOUND))}
+    sums = os.path.join(found, CHECKSUMS)
+    return {"directory": os.path.basename(os.path.normpath(found)), "files": files,
+            CHECKSUMS: _crc32(sums) if os.path.isfile(sums) else None}
+
+
 def load_params(path: str, params: nnx.State, *, what: str = "init_from") -> nnx.State:
     """Weights only (`init_from=`, `--checkpoint`) from `find_checkpoint(path)`, into the
     shapes, dtypes and shardings of `params`. `what` names the source in error messages."""

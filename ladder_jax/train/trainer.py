@@ -213,6 +213,8 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, *, devices=None):
         self.cfg = cfg
+        runtime.agree({k: v for k, v in self._config_dict().items() if k != "dist"},
+                      "training config")  # many processes: all alike, or exit 2
         self.model_config = check(cfg)
         check_writable(self.run_path, f"run_dir={cfg.run_dir!r}")
         self.tokenizer = make_tokenizer(cfg.data.tokenizer)
@@ -730,7 +732,8 @@ def _read_metrics(path: str, upto: int, log) -> list[dict]:
 @contextlib.contextmanager
 def _stop_signals():
     """SIGTERM / Ctrl-C set `stop["signal"]`; the loop saves and exits. A second Ctrl-C
-    aborts at once."""
+    aborts at once; a process that cannot reach its loop (blocked in a collective) is ended by
+    `runtime.stop_watchdog`."""
     stop = {"signal": None}
 
     def on_signal(signum, _frame):
@@ -740,7 +743,8 @@ def _stop_signals():
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        yield stop
+        with runtime.stop_watchdog("training"):  # a process blocked in a collective
+            yield stop
     finally:
         for sig, h in old.items():
             signal.signal(sig, h)
