@@ -7,18 +7,23 @@ CPU when no NVIDIA device is present; CPU hosts split into fake devices so tenso
 runs for real; `jax.distributed` from the arguments, the JAX_* variables or SLURM; on CPU,
 glibc keeps the memory XLA frees between steps (`keep_freed_memory`,
 LADDER_JAX_HOST_MALLOC=default turns it off); `quiet()` drops the CUDA plugin's start-up lines
-on a GPU-less host. Nothing here imports jax at import time: `__init__` imports this first.
+on a GPU-less host. Every process waits at most LADDER_PEER_TIMEOUT seconds (default 60) for
+its peers; `agree` checks that all were started alike (exit 2 naming the difference). Nothing
+here imports jax at import time: `__init__` imports this first.
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
+import json
 import os
 import re
 import sys
 import tempfile
 import threading
+import time
 
 _NOISE = re.compile(r"absl::InitializeLog\(\) is called|cudart_stub\.cc.*cuda drivers"
                     r"|Missing deviceless CUB scratch size data"
@@ -156,7 +161,7 @@ def setup(*, cpu_devices: int | None = None, coordinator: str | None = None,
                 "JAX_PROCESS_ID)")
         if not 0 <= pid < nproc:
             raise ConfigError(f"process id {pid} must be in [0, {nproc})")
-        jax.distributed.initialize(addr, nproc, pid)
+        _initialize(jax, addr, nproc, pid)
         if cpu:
             drop_stdout_lines(_GLOO)
     elif int(os.environ.get("SLURM_NTASKS", "1")) > 1:
@@ -167,6 +172,146 @@ def setup(*, cpu_devices: int | None = None, coordinator: str | None = None,
         keep_freed_memory()
     with quiet():
         jax.devices()
+
+
+def peer_timeout() -> int:
+    """Seconds a process waits for its peers (LADDER_PEER_TIMEOUT, default 60)."""
+    from ladder_jax.config import ConfigError
+
+    t = _env_int("LADDER_PEER_TIMEOUT")
+    if t is not None and t <= 0:
+        raise ConfigError(f"LADDER_PEER_TIMEOUT={t} must be a positive number of seconds")
+    return t or 60
+
+
+def _initialize(jax, addr: str, nproc: int, pid: int) -> None:
+    """jax.distributed.initialize with bounded waits; one ConfigError when the job's other
+    processes do not all connect in time (none started, a wrong --num-processes, a process id
+    given twice)."""
+    from ladder_jax.config import ConfigError
+
+    t = peer_timeout()
+
+    def message(why: str) -> str:
+        return (f"process {pid} of {nproc}: the job's processes did not all meet at the "
+                f"coordinator {addr} within {t} s ({why}): start every process with the same "
+                f"--coordinator and --num-processes and its own --process-id from 0 to "
+                f"{nproc - 1} (LADDER_PEER_TIMEOUT sets the wait)")
+
+    def give_up():  # jaxlib's own timeout ends the process from C++ (a stack, SIGABRT)
+        print(f"error: {message('none came, or too few')}", file=sys.stderr, flush=True)
+        os._exit(2)
+
+    timer = threading.Timer(t, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        jax.distributed.initialize(addr, nproc, pid, initialization_timeout=t + 30,
+                                   heartbeat_timeout_seconds=t)
+    except Exception as e:  # noqa: BLE001 (jaxlib's errors have no public classes)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(message(first[:200])) from None
+    finally:
+        timer.cancel()
+
+
+def _first_difference(lead, mine, path=""):
+    """(key path, process 0's value, this process's value) of the first difference, or None."""
+    if isinstance(lead, dict) and isinstance(mine, dict):
+        for k in sorted(set(lead) | set(mine)):
+            found = _first_difference(lead.get(k), mine.get(k), f"{path}.{k}" if path else k)
+            if found:
+                return found
+        return None
+    return None if lead == mine else (path or "(all)", lead, mine)
+
+
+def agree(settings: dict, what: str) -> None:
+    """Many processes: a ConfigError unless `settings` (JSON-able: what this process loaded and
+    how it was asked to run) equal process 0's; the message names the first difference (on
+    process 0: which processes differ). Every process must call it at the same point. One
+    process: nothing."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from ladder_jax.config import ConfigError
+
+    if jax.process_count() == 1:
+        return
+    text = json.dumps(settings, sort_keys=True, default=str).encode()
+    digest = np.frombuffer(hashlib.sha256(text).digest(), np.uint8)
+    digests = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1, 32)
+    differ = [p for p in range(len(digests)) if not np.array_equal(digests[p], digests[0])]
+    if not differ:
+        return
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(text))))
+    buf = np.zeros(n, np.uint8)
+    if jax.process_index() == 0:
+        buf[:] = np.frombuffer(text, np.uint8)
+    lead = json.loads(bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf))).decode())
+    fix = "start every process of the job with the same flags and files"
+    if jax.process_index() == 0:
+        raise ConfigError(f"process(es) {', '.join(map(str, differ))} were started with another "
+                          f"{what} than this one, process 0 (each names the difference): {fix}")
+    key, a, b = _first_difference(lead, json.loads(text)) or ("(all)", "?", "?")
+    raise ConfigError(f"process {jax.process_index()} was started with another {what} than "
+                      f"process 0: {key} is {a!r} there, {b!r} here: {fix}")
+
+
+@contextlib.contextmanager
+def stop_watchdog(what: str):
+    """While active (main thread), SIGTERM / SIGINT also reach a watchdog thread (through
+    `signal.set_wakeup_fd`, so even while the main thread is blocked in native code, e.g. a
+    collective whose peer is gone): a second signal, or the block still active
+    LADDER_STOP_GRACE seconds (default 60) after the first, ends the process with one line on
+    stderr and exit code 1. The Python handlers, which must be installed, act as before."""
+    import select
+    import signal
+
+    from ladder_jax.config import ConfigError
+
+    grace = _env_int("LADDER_STOP_GRACE")
+    if grace is not None and grace <= 0:
+        raise ConfigError(f"LADDER_STOP_GRACE={grace} must be a positive number of seconds")
+    grace = grace or 60
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    done = threading.Event()
+    wanted = {int(signal.SIGTERM), int(signal.SIGINT)}
+
+    def signals(timeout):
+        if select.select([r], [], [], timeout)[0]:
+            return [b for b in os.read(r, 64) if b in wanted]
+        return []
+
+    def watch():
+        while not done.is_set():
+            got = signals(0.5)
+            if not got:
+                continue
+            deadline = time.monotonic() + grace
+            while len(got) < 2 and not done.is_set() and time.monotonic() < deadline:
+                got += signals(min(0.5, max(0.0, deadline - time.monotonic())))
+            if done.is_set():
+                return
+            why = "a second signal" if len(got) >= 2 else f"still running {grace} s after it"
+            print(f"error: {what} stopped by {signal.Signals(got[0]).name} ({why}; blocked, "
+                  f"e.g. in a collective whose peer stopped): no checkpoint was saved by this "
+                  f"stop; the last one is kept", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    thread = threading.Thread(target=watch, name="stop-watchdog", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        signal.set_wakeup_fd(old)
+        thread.join(2)
+        os.close(r)
+        os.close(w)
 
 
 # glibc's mallopt parameters (malloc.h)

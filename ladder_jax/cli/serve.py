@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -34,20 +35,23 @@ from ladder_jax.config import (
     scheme_overrides,
 )
 from ladder_jax.inference.batching import Engine
+from ladder_jax.inference.cache import KVCache
 from ladder_jax.interop.tokenizer import ByteTokenizer
 from ladder_jax.model import sharding
 from ladder_jax.model.transformer import Transformer
 from ladder_jax.train import checkpoint
 
 try:  # the serve extra; its absence is one line at start-up, not a traceback
+    import jinja2
     import uvicorn
 
-    from ladder_jax.inference.server import create_app
+    from ladder_jax.inference.server import compile_chat_template, create_app, deadline_protocol
     _MISSING = None
 except ImportError as e:
     _MISSING = e.name
 
 API_KEY_ENV = "LADDER_API_KEY"
+MAX_HEADER_BYTES = 16 * 1024  # a request's line and headers (h11's incomplete-event limit)
 
 
 def exit_now(code: int) -> None:
@@ -95,11 +99,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a slot; more get 503")
     p.add_argument("--max-len", type=int, default=None,
-                   help="positions per request, prompt + max_tokens (default: max_seq_len)")
+                   help="positions per request, prompt + max_tokens (default: max_seq_len, "
+                        "or what fits in half the free memory)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="largest max_tokens a request may ask (default: --max-len - 1)")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20,
                    help="largest request body (default 1 MiB); more get 413")
+    p.add_argument("--request-timeout", type=float, default=30.0,
+                   help="seconds a connection has to send a whole request (line, headers, "
+                        "body) once open or after its previous response; then it is closed")
     p.add_argument("--prefills-per-step", type=int, default=4,
                    help="new requests admitted between two decode steps, prefilled together "
                         "(those of one prompt-length bucket in one program)")
@@ -141,6 +149,11 @@ def _check(args) -> None:
                          ("--port", args.port, 0)):
         if v < low:
             raise ConfigError(f"{flag} {v}: must be >= {low}")
+    if args.max_len is not None and args.max_len < 2:
+        raise ConfigError(f"--max-len {args.max_len}: must be >= 2 (a prompt token and a new "
+                          f"one)")
+    if not args.request_timeout > 0:
+        raise ConfigError(f"--request-timeout {args.request_timeout}: must be > 0 seconds")
     if args.drain_seconds < 0:
         raise ConfigError(f"--drain-seconds {args.drain_seconds}: must be >= 0")
     if args.chat_template and not os.path.isfile(args.chat_template):
@@ -150,27 +163,119 @@ def _check(args) -> None:
 
 
 def _chat_template(args) -> str | None:
+    """The chat template's source (--chat-template, else the checkpoint's
+    tokenizer_config.json), checked to compile; ConfigError naming the file otherwise."""
     if args.chat_template:
-        with open(args.chat_template, encoding="utf-8") as f:
-            return f.read()
-    if args.checkpoint:
-        path = os.path.join(args.checkpoint, "tokenizer_config.json")
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                template = json.load(f).get("chat_template")
-            return template if isinstance(template, str) else None
+        path = args.chat_template
+        template = _read_text(path, "--chat-template")
+    elif args.checkpoint and os.path.isfile(
+            path := os.path.join(args.checkpoint, "tokenizer_config.json")):
+        try:
+            doc = json.loads(_read_text(path, "the checkpoint's"))
+        except ValueError as e:
+            raise ConfigError(f"{path} is not valid JSON ({e}): fix or remove it") from None
+        template = doc.get("chat_template") if isinstance(doc, dict) else None
+        if not isinstance(template, str):
+            return None
+    else:
+        return None
+    try:
+        compile_chat_template(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"{path}: the chat template is not valid Jinja (line {e.lineno}: "
+                          f"{e.message})") from None
+    return template
+
+
+def _read_text(path: str, what: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {path}: byte {e.start} is not UTF-8: a chat template is "
+                          f"a text file") from None
+    except OSError as e:
+        raise ConfigError(f"{what} {path}: cannot read it ({e.strerror or e})") from None
+    if "\x00" in text:
+        raise ConfigError(f"{what} {path} holds NUL bytes: a chat template is a text file")
+    return text
+
+
+_PER_PROCESS = {"coordinator", "num_processes", "process_id", "cpu_devices", "host", "port",
+                "api_key", "model_name", "max_request_bytes", "request_timeout",
+                "drain_seconds", "chat_template", "max_tokens"}  # process 0's (HTTP) or
+# this host's own
+
+
+def _run_settings(args) -> dict:
+    """What every process of a multi-process server must agree on: the flags that shape the
+    model, the cache and the batching, and which weights files were found."""
+    flags = {k: v for k, v in vars(args).items() if k not in _PER_PROCESS}
+    return {"flags": flags, "weights": checkpoint.weights_identity(args.checkpoint)
+            if args.checkpoint else None}
+
+
+def _default_max_len(model, slots: int) -> int | None:
+    """--max-len when none is given: None (the model's max_seq_len) when a cache that long fits
+    in half the memory left, else the positions that do (a multiple of 64), said in one line
+    on stderr naming --max-len; a ConfigError when not even 64 fit."""
+    c, mesh = model.config, model.mesh
+    sample = KVCache.abstract(c, mesh, slots, 64)
+    per_device = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                     for x in (*sample.k, *sample.v)) / 64
+    device = mesh.devices.flat[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        what, per_position = "on each device", per_device
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    else:  # CPU devices share the host's memory
+        local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+        what, per_position, free = "of host memory", per_device * local, (
+            runtime.available_memory())
+    if free is None or per_position * c.max_seq_len <= free / 2:
+        return None
+    fit = int(free / 2 // per_position) // 64 * 64
+    need = f"{per_position * c.max_seq_len / 2**30:,.1f} GiB {what}, {free / 2**30:.1f} GiB free"
+    if fit < 64:
+        raise ConfigError(f"a KV cache of {slots} slots has no room: even 64 positions per "
+                          f"request need more than half the free memory ({need} for the "
+                          f"model's {c.max_seq_len}); lower --slots or use a smaller model")
+    if fit < c.max_seq_len:
+        print(f"note: {fit} positions per request (--max-len), not the model's max_seq_len="
+              f"{c.max_seq_len}: a cache of {slots} slots that long needs {need}; give "
+              f"--max-len to choose", file=sys.stderr, flush=True)
+        return fit
+    return None
+
+
+def _api_key(args) -> str | None:
+    """--api-key, else $LADDER_API_KEY; one given but empty, or that no client could send
+    (whitespace, control or non-ASCII characters), is a ConfigError, never "no key"."""
+    for what, key in (("--api-key", args.api_key), (API_KEY_ENV, os.environ.get(API_KEY_ENV))):
+        if key is None:
+            continue
+        if not key:
+            raise ConfigError(f"{what} is empty (an unset variable?): give a key, or leave "
+                              f"{what} out to serve without one")
+        bad = next((c for c in key if not (c.isascii() and c.isprintable()) or c.isspace()),
+                   None)
+        if bad is not None:
+            raise ConfigError(f"{what} holds {bad!r}: a key is printable ASCII without spaces "
+                              f"(what an Authorization header can carry)")
+        return key
     return None
 
 
 def _run(args) -> int:
     _check(args)
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key, template = _api_key(args), _chat_template(args)  # before anything loads
     shape = (checkpoint.run_model_config(args.checkpoint) if args.checkpoint
              else ModelConfig.from_preset(args.preset))  # what splits over tp
     runtime.setup(cpu_devices=args.cpu_devices or args.tp or sharding.default_tp(
                       shape, runtime.cpu_cores(), backend="cpu")[0],
                   coordinator=args.coordinator, num_processes=args.num_processes,
                   process_id=args.process_id)
+    runtime.agree(_run_settings(args), "model or serving flags")  # many processes
     n = jax.device_count()
     if args.tp is not None:
         tp, why = args.tp, None
@@ -198,9 +303,9 @@ def _run(args) -> int:
     if model.config.vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"the model has vocab_size={model.config.vocab_size}, too small for "
                           f"its tokenizer ({tokenizer.vocab_size} tokens)")
-    template = _chat_template(args)
 
-    engine = Engine(model, slots=args.slots, max_len=args.max_len, max_queue=args.max_queue,
+    max_len = args.max_len or _default_max_len(model, args.slots)
+    engine = Engine(model, slots=args.slots, max_len=max_len, max_queue=args.max_queue,
                     prefills_per_step=args.prefills_per_step, steps_per_plan=args.steps_per_plan,
                     consume=True)  # fused in place: nothing else uses the model
     if args.max_tokens is not None and not 1 <= args.max_tokens < engine.length:
@@ -244,8 +349,10 @@ def _serve(args, engine, tokenizer, name, api_key, template) -> int:
     app = create_app(engine, tokenizer, model_name=name, api_key=api_key,
                      max_request_bytes=args.max_request_bytes, max_tokens_limit=args.max_tokens,
                      chat_template=template)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level="warning", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5,
+        http=deadline_protocol(args.request_timeout),  # partial requests: closed in time
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES))  # a longer head: 400
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

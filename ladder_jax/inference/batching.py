@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from ladder_jax.inference.cache import KVCache
 from ladder_jax.inference.generation import Decoder, rows_to_device, to_device, to_host
-from ladder_jax.inference.sampling import GenerationError, Rows, Sampling
+from ladder_jax.inference.sampling import NONFINITE, GenerationError, Rows, Sampling
 from ladder_jax.model import sharding
 from ladder_jax.model.transformer import Transformer
 
@@ -44,6 +44,7 @@ class Request:
     eos_id: int | None = None
     on_token: Callable[[int], None] = lambda token: None
     on_finish: Callable[[str], None] = lambda reason: None  # length stop cancelled error
+    # nonfinite (the model's logits were NaN or infinite)
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
     cancelled: bool = False
     rows: Rows | None = None  # its sampling settings (set by submit)
@@ -311,6 +312,10 @@ class Engine:
         if req.cancelled:
             with self.lock:
                 self._free(i, "cancelled")
+            return
+        if token == NONFINITE:  # broken weights: no token drawn from NaN logits is given
+            with self.lock:
+                self._free(i, "nonfinite")
             return
         self.count_b[i] += 1
         self.last[i] = token

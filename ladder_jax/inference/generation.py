@@ -29,7 +29,9 @@ from ladder_jax import hardware, runtime
 from ladder_jax.config import ModelConfig
 from ladder_jax.inference.cache import KVCache, cache_length, round_up
 from ladder_jax.inference.sampling import (
+    NONFINITE,
     GenerationError,
+    NonFiniteLogits,
     Rows,
     Sampling,
     is_int,
@@ -252,7 +254,8 @@ def generate(model: Transformer, prompts, *, max_new_tokens: int = 64,
     (`ladder_jax.inference.sampling`). A row stops at `eos_id` (default: the tokenizer's EOS,
     if there is a tokenizer); the others go on to `max_new_tokens`. `stream(step, tokens)` is
     called with each step's new token per row, as soon as it reaches the host. Returns the new
-    tokens (EOS excluded) per row, or texts when the prompts were strings.
+    tokens (EOS excluded) per row, or texts when the prompts were strings. Logits that are NaN
+    or infinite raise `NonFiniteLogits` (a `GenerationError`).
     """
     c = model.config
     keywords = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p,
@@ -300,6 +303,7 @@ def generate(model: Transformer, prompts, *, max_new_tokens: int = 64,
             token_b = to_device(np.full(B, t + 1, np.int32), mesh, batch)
             nxt, cache = decoder.decode_step(cache, pending, positions_b, settings, token_b)
         step_tokens = to_host(pending)[:n]
+        _check_finite(step_tokens, done, t)
         for b in range(n):
             if not done[b]:
                 if step_tokens[b] == eos_id:
@@ -312,6 +316,16 @@ def generate(model: Transformer, prompts, *, max_new_tokens: int = 64,
             break
         pending = nxt
     return [tokenizer.decode(o) for o in out] if texts else out
+
+
+def _check_finite(step_tokens: np.ndarray, done: np.ndarray, t: int) -> None:
+    """Raises NonFiniteLogits when a live row's token is `NONFINITE`."""
+    bad = [b for b in range(len(done)) if not done[b] and step_tokens[b] == NONFINITE]
+    if bad:
+        raise NonFiniteLogits(
+            f"the model's logits are NaN or infinite (new token {t} of prompt {bad[0]}): its "
+            f"weights are broken (a checkpoint of a run that diverged?); nothing was generated "
+            f"from them")
 
 
 def _prompt_rows(prompts) -> tuple[bool, list]:

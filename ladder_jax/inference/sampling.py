@@ -8,6 +8,8 @@ mix of greedy and sampled rows. Token n of a row draws with `fold_in(row key, n)
 tokens. Temperature 0 (or top_k 1) is greedy; otherwise temperature, then top_k (0: off), then
 top_p (1: off). Seeds are uint32 and `check` refuses anything else (no `int()` of bools, floats
 or strings). An all-greedy batch skips the vocabulary sort (`lax.cond`).
+A row whose logits hold a NaN or +inf (broken weights) gets the token `NONFINITE` (-1);
+`generate` and the serving engine refuse it with `NonFiniteLogits`.
 """
 
 from __future__ import annotations
@@ -22,9 +24,15 @@ import numpy as np
 
 from ladder_jax.config import ConfigError
 
+NONFINITE = -1  # the token of a row whose logits are not finite
+
 
 class GenerationError(ConfigError):
     """Input generation cannot run on; the message gives the numbers."""
+
+
+class NonFiniteLogits(GenerationError):
+    """The model's logits are NaN or infinite: its weights are broken, no output is given."""
 
 
 def is_int(x) -> bool:
@@ -100,7 +108,8 @@ def row_key(seed: int, row: int) -> np.ndarray:
 
 def sample_rows(logits_bv, rows: Rows, token_b):
     """Token `token_b` (the index of the new token in its row's output, 0 = the first) of
-    every row, from float32 logits (B, V), with each row's own settings and key."""
+    every row, from float32 logits (B, V), with each row's own settings and key; `NONFINITE`
+    for a row whose logits hold a NaN or +inf."""
     greedy_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
 
     def one(logits_v, key_data, n, t, k, p):
@@ -125,7 +134,8 @@ def sample_rows(logits_bv, rows: Rows, token_b):
         return jnp.where((rows.temperature == 0) | (rows.top_k == 1), greedy_b, drawn_b)
 
     all_greedy = jnp.all((rows.temperature == 0) | (rows.top_k == 1))
-    return jax.lax.cond(all_greedy, lambda: greedy_b, sampled)
+    bad_b = jnp.any(jnp.isnan(logits_bv) | (logits_bv == jnp.inf), axis=-1)
+    return jnp.where(bad_b, NONFINITE, jax.lax.cond(all_greedy, lambda: greedy_b, sampled))
 
 
 @functools.partial(jax.jit, static_argnames="s")

@@ -5,9 +5,10 @@ from `python -m ladder_jax.serve`; the `serve` extra).
 
 Endpoints: /v1/completions, /v1/chat/completions (with a chat template), /v1/models, /health,
 /metrics. Every error is OpenAI's `{"error": {message, type, param, code}}` with its status,
-naming the field; one bad request never stops the server. The engine calls back on its own
-thread: tokens reach a request only through `loop.call_soon_threadsafe`. A disconnect cancels
-its request. Streamed pieces hold back a possible stop string or a cut character, so they add
+naming the field; one bad request never stops the server (NaN logits from broken weights: a
+500; streamed, an error event ends the stream). The engine calls back on its own thread:
+tokens reach a request only through `loop.call_soon_threadsafe`. A disconnect cancels its
+request. Streamed pieces hold back a possible stop string or a cut character, so they add
 up to the final text. Starlette, not FastAPI: errors keep OpenAI's shape. See docs/inference.md.
 """
 
@@ -16,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import secrets
 import time
 
 import jinja2.sandbox
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -29,6 +32,9 @@ from starlette.routing import Route
 from ladder_jax.inference.batching import Engine, EngineFull, Request
 from ladder_jax.inference.sampling import GenerationError, Sampling, is_int, is_number
 
+NONFINITE_MESSAGE = ("the model's logits are NaN or infinite: its weights are broken (a "
+                     "checkpoint of a run that diverged?); no tokens are drawn from them")
+_log = logging.getLogger("ladder_jax.serve")
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 # fields accepted as OpenAI sends them; the `only` ones must keep their neutral value
@@ -143,6 +149,22 @@ def render_chat(template, messages: list[dict], tokenizer) -> list[int]:
     return tokenizer.encode(text, bos=not (bos and text.startswith(bos)))
 
 
+class TemplateRaised(jinja2.TemplateError):
+    """A chat template's own `raise_exception(message)`: the message is for the client."""
+
+
+def _raise_exception(message):
+    raise TemplateRaised(str(message))
+
+
+def compile_chat_template(source: str):
+    """A chat template compiled as transformers does (sandboxed, trim/lstrip blocks,
+    `raise_exception` defined); jinja2.TemplateSyntaxError when it does not parse."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(source)
+
+
 def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | None = None,
                max_request_bytes: int = 1 << 20, max_tokens_limit: int | None = None,
                chat_template: str | None = None) -> Starlette:
@@ -150,15 +172,15 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
     metrics = Metrics()
     state = {"draining": False}
     max_tokens_limit = max_tokens_limit or engine.length - 1
-    template = None if chat_template is None else jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True).from_string(chat_template)
+    template = None if chat_template is None else compile_chat_template(chat_template)
     created = int(time.time())
 
     def authorized(request: HTTPRequest) -> bool:
         if api_key is None:
             return True
-        given = request.headers.get("authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            given.strip().encode("utf-8", "replace"), api_key.encode())
 
     async def read_json(request: HTTPRequest) -> dict:
         declared = request.headers.get("content-length")
@@ -166,15 +188,26 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
             raise BadRequest(f"the request body has {declared} bytes, more than the "
                              f"server's limit of {max_request_bytes}", status=413)
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > max_request_bytes:
-                raise BadRequest(f"the request body is more than the server's limit of "
-                                 f"{max_request_bytes} bytes", status=413)
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > max_request_bytes:
+                    raise BadRequest(f"the request body is more than the server's limit of "
+                                     f"{max_request_bytes} bytes", status=413)
+        except ClientDisconnect:
+            raise BadRequest("the client went away before sending the whole body",
+                             status=499) from None
+        return parse_json(body)
+
+    def parse_json(body: bytes) -> dict:
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BadRequest(f"the body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise BadRequest("the body is not valid JSON here: it nests too deeply") from None
+        except ValueError as e:  # an integer of more digits than Python converts
+            raise BadRequest(f"the body is not valid JSON here: {e}") from None
         if not isinstance(data, dict):
             raise BadRequest("the body must be a JSON object")
         return data
@@ -202,8 +235,13 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
             key = "max_tokens"
         max_tokens = data.get(key)
         if max_tokens is None:
-            max_tokens = min(16, max_tokens_limit) if not chat else min(
-                max_tokens_limit, engine.length - len(prompt))
+            if len(prompt) >= engine.length:  # no room left for even one token
+                raise BadRequest(f"the prompt has {len(prompt)} tokens, as many as this "
+                                 f"server's {engine.length} positions per request or more: "
+                                 f"shorten it", "prompt" if not chat else "messages",
+                                 code="context_length_exceeded")
+            max_tokens = min(16 if not chat else max_tokens_limit, max_tokens_limit,
+                             engine.length - len(prompt))
         if not (is_int(max_tokens) and 1 <= max_tokens <= max_tokens_limit):
             raise BadRequest(f"{key}={max_tokens!r} must be an integer from 1 to "
                              f"{max_tokens_limit}", key)
@@ -277,6 +315,9 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
                              "with string content", "messages")
         try:
             return render_chat(template, messages, tokenizer)
+        except TemplateRaised as e:
+            raise BadRequest(f"the chat template refused these messages: {e}",
+                             "messages") from None
         except jinja2.TemplateError as e:
             raise BadRequest(f"the chat template failed on these messages: {e}",
                              "messages") from None
@@ -295,6 +336,8 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
                 data, _CHAT if chat else _COMPLETION, chat)
         except BadRequest as e:
             metrics.request(endpoint, e.status)
+            if e.status == 499:
+                return Response(status_code=499)
             return error(e.status, str(e), e.param, e.code)
 
         loop = asyncio.get_running_loop()
@@ -370,6 +413,9 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
             metrics.request(endpoint, 499)
             return Response(status_code=499)
         out, reason = result.result()
+        if reason == "nonfinite":
+            metrics.request(endpoint, 500)
+            return error(500, NONFINITE_MESSAGE)
         if reason in ("cancelled", "error"):
             metrics.request(endpoint, 503)
             return error(503, "the server is shutting down" if reason == "cancelled" else
@@ -395,10 +441,17 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
             return event({"id": rid, "object": kind, "created": int(time.time()),
                           "model": model_name, "choices": [choice]})
 
+        done = False
         try:
             if chat:
                 yield chunk("", None, role=True)
             async for piece, reason in pieces:
+                if reason == "nonfinite":  # OpenAI's way to fail mid-stream: an error event
+                    yield event({"error": {"message": NONFINITE_MESSAGE, "type": "server_error",
+                                           "param": None, "code": None}})
+                    metrics.request(endpoint, 500)
+                    done = True
+                    return
                 if reason in ("cancelled", "error"):
                     reason = "abort"  # as vLLM says it: drained or failed mid-stream
                 if piece or reason:
@@ -408,8 +461,11 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
                              "model": model_name, "choices": [], "usage": counts()})
             yield "data: [DONE]\n\n"
             metrics.request(endpoint, 200)
+            done = True
         finally:  # also when the client disconnects (the generator is closed)
             engine.cancel(req)
+            if not done:
+                metrics.request(endpoint, 499)  # a dropped stream
 
     def event(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
@@ -420,11 +476,20 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
             if message["type"] == "http.disconnect":
                 return
 
+    async def answered(request, chat: bool):
+        """`generate`, with anything it did not foresee one counted 500 and one log line."""
+        try:
+            return await generate(request, chat)
+        except Exception as e:  # noqa: BLE001 (the server must stay up and say what failed)
+            metrics.request("chat" if chat else "completions", 500)
+            _log.error("%s %s: %s: %s", request.method, request.url.path, type(e).__name__, e)
+            return error(500, f"the server failed on this request ({type(e).__name__})")
+
     async def completions(request):
-        return await generate(request, chat=False)
+        return await answered(request, chat=False)
 
     async def chat_completions(request):
-        return await generate(request, chat=True)
+        return await answered(request, chat=True)
 
     async def models(request):
         if not authorized(request):
@@ -463,3 +528,51 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
     app.state.drain = lambda: state.update(draining=True)
     app.state.metrics = metrics
     return app
+
+
+def deadline_protocol(seconds: float):
+    """uvicorn's h11 protocol class with a deadline: a connection must deliver one whole
+    request (head and body) within `seconds` of opening or of its previous response, else it
+    is closed (a body cut short reaches the app as a disconnect). uvicorn has no such timeout of
+    its own (its keep-alive timeout starts only after a response), so partial requests held
+    open would pin file descriptors forever.
+    Use: `uvicorn.Config(app, http=deadline_protocol(30))`."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class DeadlineH11Protocol(H11Protocol):
+        _deadline = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE and self.conn.their_state is not (
+                    h11.SEND_BODY):
+                self._disarm()  # the whole request is in: the response may take its time
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(seconds, self._expired)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expired(self) -> None:
+            self._deadline = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return DeadlineH11Protocol

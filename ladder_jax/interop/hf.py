@@ -59,7 +59,7 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
     if type(theta) not in (int, float) or not theta > 0:
         raise HFError(f"config.json: rope_theta={theta!r} must be a positive number: fix it in "
                       f"config.json")
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    kind = _rope_kind(params, legacy)
     if kind in (None, "default"):
         return float(theta), None
     if kind != "llama3":
@@ -75,6 +75,20 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
     except (TypeError, ValueError) as e:
         raise HFError(f"config.json: llama3 rope scaling has a value that is not a number "
                       f"({e})") from None
+
+
+def _rope_kind(params: dict, legacy: dict):
+    """The rope scaling type of config.json: one that is not "default" in either key wins (a
+    default `rope_parameters` beside a `rope_scaling` must not hide it); two that differ are
+    refused."""
+    kinds = {k: d.get("rope_type", d.get("type", "default")) for k, d in (
+        ("rope_parameters", params), ("rope_scaling", legacy))}
+    named = {k: v for k, v in kinds.items() if v not in (None, "default")}
+    if len(set(map(str, named.values()))) > 1:
+        raise HFError(f"config.json: rope_parameters says rope type {kinds['rope_parameters']!r}"
+                      f" and rope_scaling {kinds['rope_scaling']!r}: keep the one the model was "
+                      f"trained with")
+    return next(iter(named.values()), "default")
 
 
 def _check_types(hf: dict, need: tuple) -> None:
@@ -114,8 +128,9 @@ def _recorded_scheme(hf: dict) -> tuple[str, Any, bool]:
     n = hf["num_hidden_layers"]
     if hf.get("model_type") != LADDER_TYPE:
         residual = hf.get("ladder_residual", "standard")
-        ll = hf.get("ladder_layers")
-        return residual, tuple(ll) if isinstance(ll, list) else ll, residual == "ladder"
+        ll = hf.get("ladder_layers")  # named layers are the file's, whatever residual says
+        return (residual, tuple(ll) if isinstance(ll, list) else ll,
+                residual == "ladder" or ll is not None)
     ll = hf.get("ladder_layers")
     ll = [] if ll is None else ll
     ok = (type(ll) is int and 0 <= ll <= n) or (

@@ -8,7 +8,9 @@ A checkpoint appears only once complete (orbax's rename); saves are asynchronous
 one surfaces as `SaveError` at the next call. Process 0 records every file's size and CRC-32;
 `restore` verifies them first and raises `DamagedCheckpoint` (deleting nothing). Restores go
 onto any mesh (targets carry the new mesh's concrete shardings) and any process count (the
-data position is re-sharded). See docs/training.md#resume-one-writer-faults.
+data position is re-sharded). Weights that are not finite are never restored, and a
+checkpoint marked `<step>/unsound.json` (its weights gave non-finite losses) is skipped.
+See docs/training.md#resume-one-writer-faults.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import zlib
 
 import grain
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 from flax import nnx
@@ -49,6 +53,34 @@ class SaveError(RuntimeError):
 
 
 CHECKSUMS = "checksums.json"
+UNSOUND = "unsound.json"  # {"why": ...}: weights that gave non-finite losses (see mark_unsound)
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+              if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def params_finite(params) -> bool:
+    """Whether every floating-point weight of `params` (an nnx.State or a pure dict of global
+    arrays) is finite; every process gets the same answer."""
+    if isinstance(params, nnx.State):
+        params = nnx.to_pure_dict(params)
+    return bool(np.asarray(_all_finite(params).addressable_data(0)))
+
+
+def unsound_reason(directory: str) -> str | None:
+    """Why checkpoint `directory` was marked unsound by `Checkpointer.mark_unsound`, or None."""
+    try:
+        with open(os.path.join(directory, UNSOUND)) as f:
+            why = json.load(f).get("why")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError):
+        why = None
+    return str(why or f"it is marked unsound ({UNSOUND})")
 
 
 def _first_line(e: BaseException) -> str:
@@ -251,6 +283,9 @@ class Checkpointer:
         """The JSON metadata saved with `step` (step, config, mesh), read without restoring.
         Raises DamagedCheckpoint when it is missing or not what a save writes."""
         file = os.path.join(self.directory, str(step), "meta", "metadata")
+        unsound = unsound_reason(os.path.join(self.directory, str(step)))
+        if unsound:
+            raise DamagedCheckpoint(unsound)
         try:
             with open(file) as f:
                 meta = json.load(f)
@@ -294,6 +329,8 @@ class Checkpointer:
                 data_iter.set_state(data_state)
         except Exception as e:  # noqa: BLE001 (tensorstore, zstd, orbax, grain, json)
             raise DamagedCheckpoint(f"it does not restore: {_first_line(e)}") from None
+        if not params_finite(out["params"]):
+            raise DamagedCheckpoint("its weights are not finite (NaN or infinite)")
         params = _replace(state.params, _from_legacy(out["params"]) if legacy
                           else out["params"])
         treedef = jax.tree.structure(state.opt_state)
@@ -304,6 +341,14 @@ class Checkpointer:
         if data_state is not None:
             meta["resharded"] = data_state
         return TrainState(params, opt_state, step), meta
+
+    def mark_unsound(self, step: int, why: str) -> None:
+        """Marks checkpoint `step` (complete, on disk) as not to be resumed from: `meta` and
+        `restore` then raise DamagedCheckpoint(why), and `find_checkpoint` passes it over.
+        Process 0 writes; the files of the checkpoint are left as they are."""
+        if jax.process_index() == 0:
+            with open(os.path.join(self.directory, str(step), UNSOUND), "w") as f:
+                json.dump({"why": why}, f)
 
     def move_aside(self, step: int) -> str:
         """Renames damaged checkpoint `step` to `<step>.damaged` (never deletes it); returns the
@@ -457,7 +502,7 @@ def check_shapes(directory: str, params: nnx.State, what: str) -> bool:
 
 def find_checkpoint(path: str, what: str) -> str:
     """The `params` directory of a run directory, its `checkpoints/` directory, or one
-    checkpoint `checkpoints/<step>`: the latest step unless one is named."""
+    checkpoint `checkpoints/<step>`: the latest step not marked unsound unless one is named."""
     path = os.path.abspath(path)
     if not os.path.exists(path):
         raise ConfigError(f"{what}: {path} does not exist")
@@ -471,12 +516,34 @@ def find_checkpoint(path: str, what: str) -> str:
     if os.path.isdir(os.path.join(path, "params")):
         return os.path.join(path, "params")
     steps = [int(d) for d in os.listdir(path) if d.isdigit()] if os.path.isdir(path) else []
+    sound = [s for s in steps if not unsound_reason(os.path.join(path, str(s)))]
+    if steps and not sound:
+        raise ConfigError(f"{what}: every checkpoint in {path} is marked unsound "
+                          f"({unsound_reason(os.path.join(path, str(max(steps))))})")
+    steps = sound
     if not steps:
         if not os.path.exists(path):
             raise ConfigError(f"{what}: {path} does not exist")
         raise ConfigError(f"{what}: no checkpoint in {path} (give a run directory, its "
                           f"checkpoints/ directory or one checkpoints/<step>)")
     return os.path.join(path, str(max(steps)), "params")
+
+
+def weights_identity(path: str) -> dict:
+    """Which weights files `path` resolves to (a run's latest sound checkpoint, a Hugging Face
+    directory): their paths and sizes and the recorded checksums, without reading the weights;
+    two processes that would load different weights get different identities."""
+    try:
+        found = (path if os.path.isfile(os.path.join(path, "config.json"))
+                 and not os.path.isdir(os.path.join(path, "checkpoints"))
+                 else os.path.dirname(find_checkpoint(path, "--checkpoint")))
+    except ConfigError as e:
+        return {"error": str(e)}
+    files = {f: os.path.getsize(os.path.join(found, f)) for f in _files(found)
+             if not f.startswith(("data", UNSOUND))}
+    sums = os.path.join(found, CHECKSUMS)
+    return {"directory": os.path.basename(os.path.normpath(found)), "files": files,
+            CHECKSUMS: _crc32(sums) if os.path.isfile(sums) else None}
 
 
 def load_params(path: str, params: nnx.State, *, what: str = "init_from") -> nnx.State:

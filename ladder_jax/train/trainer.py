@@ -5,7 +5,8 @@
 config -> mesh -> model -> step -> `runs/<name>/` (config.yaml, metrics.jsonl, checkpoints/).
 Invariants: a resumed run's losses equal an uninterrupted run's, bit for bit; one writer per run
 directory (`ladder_jax.train.lock`); bad input is one line and exit 2 before anything is
-written; a non-finite step is skipped; a signal saves and exits 0. The loop fetches the loss
+written; a non-finite step is skipped (after `max_bad_steps` in a row: exit 3, the checkpoints
+holding those weights marked unsound); a signal saves and exits 0. The loop fetches the loss
 every step, so it never queues work ahead (XLA:CPU's fake devices deadlock otherwise). The
 schema is `ladder_jax.config`, the step `ladder_jax.train.step`, checkpoints
 `ladder_jax.train.checkpoint`. Resume, faults, exit codes, many hosts: docs/training.md.
@@ -48,7 +49,13 @@ from ladder_jax.interop.tokenizer import make_tokenizer
 from ladder_jax.model import sharding
 from ladder_jax.model.transformer import Transformer
 from ladder_jax.train import data, step
-from ladder_jax.train.checkpoint import Checkpointer, DamagedCheckpoint, SaveError, load_params
+from ladder_jax.train.checkpoint import (
+    Checkpointer,
+    DamagedCheckpoint,
+    SaveError,
+    load_params,
+    params_finite,
+)
 from ladder_jax.train.lock import RunBusy, RunLock
 from ladder_jax.train.step import TrainState
 
@@ -155,6 +162,8 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, *, devices=None):
         self.cfg = cfg
+        runtime.agree({k: v for k, v in self._config_dict().items() if k != "dist"},
+                      "training config")  # many processes: all alike, or exit 2
         self.model_config = check(cfg)
         check_writable(self.run_path, f"run_dir={cfg.run_dir!r}")
         self.tokenizer = make_tokenizer(cfg.data.tokenizer)
@@ -463,13 +472,11 @@ class Trainer:
                              f"{skipped} in all)")
                     if bad_in_row >= cfg.max_bad_steps:
                         metrics.write(rec)
-                        last = ckpt.latest_step()
-                        kept = (f"the last checkpoint, step {last}, is intact" if last else
-                                "no checkpoint had been saved yet")
                         raise NonFiniteError(
                             f"stopping at step {s}: {bad_in_row} non-finite steps in a row "
-                            f"(max_bad_steps={cfg.max_bad_steps}); {kept}. Lower optim.peak_lr "
-                            f"or check the data.")
+                            f"(max_bad_steps={cfg.max_bad_steps}); "
+                            f"{self._mark_unsound(ckpt, s - bad_in_row)}. Lower "
+                            f"optim.peak_lr or check the data.")
                 else:
                     bad_in_row = 0
                     result["losses"][s] = m["loss"]
@@ -481,14 +488,17 @@ class Trainer:
                 self._report(rec, start)
                 ckpt.check()  # a background save that failed stops the run here
                 if self._stop_requested(stop):
-                    ckpt.save(self.state, self.data_iter, meta(s))
+                    self._save(ckpt, meta(s))
                     ckpt.wait()
                     self.log(f"{stop['signal'] or 'stop'}: checkpoint saved at step {s}; run "
                              f"the same command again to resume")
                     result["exit"] = "interrupted"
                     break
-                if s == cfg.steps or (cfg.ckpt_every and s % cfg.ckpt_every == 0):
-                    ckpt.save(self.state, self.data_iter, meta(s))
+                # none in a run of non-finite steps: its weights are the last finite step's,
+                # saved or not, and would push good checkpoints out of `keep`
+                if s == cfg.steps or (not bad_in_row and cfg.ckpt_every
+                                      and s % cfg.ckpt_every == 0):
+                    self._save(ckpt, meta(s))
             ckpt.wait()  # the last save, before saying "done"
         result["step"] = s
         result["skipped"] = skipped
@@ -499,6 +509,37 @@ class Trainer:
                      f"loss {result['eval_loss']:.4f} (perplexity "
                      f"{_perplexity(result['eval_loss']):.2f}); metrics {metrics.path}")
         return result
+
+    def _save(self, ckpt, meta: dict) -> None:
+        """Saves the state as checkpoint `meta["step"]`, only if its weights are finite
+        (NonFiniteError otherwise: a checkpoint is always one a run can resume from)."""
+        s = meta["step"]
+        if not params_finite(self.state.params):
+            raise NonFiniteError(
+                f"stopping at step {s}: the weights are NaN or infinite after its update, so "
+                f"they were not saved; {self._mark_unsound(ckpt, s)}. Lower optim.peak_lr or "
+                f"check the data.")
+        ckpt.save(self.state, self.data_iter, meta)
+
+    def _mark_unsound(self, ckpt, last_good: int) -> str:
+        """After non-finite steps from `last_good + 1` on: marks unsound every checkpoint
+        holding the weights that gave them (step `last_good` and later: a skipped step leaves
+        the weights as they were), so that resume passes them over; says which checkpoint a
+        resume would start from."""
+        ckpt.wait()
+        why = (f"its weights gave non-finite losses from step {last_good + 1} on (the run "
+               f"stopped with exit 3)")
+        marked = [c for c in ckpt.steps() if c >= last_good]
+        for c in marked:
+            ckpt.mark_unsound(c, why)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("unsound checkpoints marked")
+        before = [c for c in ckpt.steps() if c < last_good]
+        said = (f"checkpoint(s) {', '.join(map(str, sorted(marked)))} marked unsound "
+                f"(resume skips them); " if marked else "")
+        return said + (f"a resume starts from checkpoint {before[0]}, the last before the "
+                       f"weights went bad" if before else "none was saved before the weights "
+                       "went bad: start again under a new name=")
 
     def _stop_requested(self, stop) -> bool:
         flag = stop["signal"] is not None
@@ -641,7 +682,8 @@ def _read_metrics(path: str, upto: int, log) -> list[dict]:
 @contextlib.contextmanager
 def _stop_signals():
     """SIGTERM / Ctrl-C set `stop["signal"]`; the loop saves and exits. A second Ctrl-C
-    aborts at once."""
+    aborts at once; a process that cannot reach its loop (blocked in a collective) is ended by
+    `runtime.stop_watchdog`."""
     stop = {"signal": None}
 
     def on_signal(signum, _frame):
@@ -651,7 +693,8 @@ def _stop_signals():
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        yield stop
+        with runtime.stop_watchdog("training"):  # a process blocked in a collective
+            yield stop
     finally:
         for sig, h in old.items():
             signal.signal(sig, h)
