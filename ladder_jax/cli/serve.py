@@ -94,7 +94,7 @@ def parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, how long running requests may finish")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (default: the checkpoint's "
-                        "tokenizer_config.json chat_template, if any)")
+                        "tokenizer_config.json chat_template or a GGUF file's, if any)")
     p.add_argument("--no-warmup", action="store_true",
                    help="compile programs on first use instead of before serving")
     runtime.add_arguments(p, cpu_devices_help="on a CPU host, fake devices to split it into "
@@ -127,17 +127,19 @@ def _check(args) -> None:
         raise ConfigError(f"the server needs {_MISSING}: pip install -e \".[serve]\"")
 
 
-def _chat_template(args) -> str | None:
+def _chat_template(args, tokenizer) -> str | None:
+    """--chat-template's file, else the tokenizer's (tokenizer_config.json's chat_template or
+    chat_template.jinja beside tokenizer.json, a GGUF file's tokenizer.chat_template)."""
     if args.chat_template:
         with open(args.chat_template, encoding="utf-8") as f:
             return f.read()
-    if args.checkpoint:
+    template = getattr(tokenizer, "chat_template", None)
+    if template is None and args.checkpoint and os.path.isdir(args.checkpoint):
         path = os.path.join(args.checkpoint, "tokenizer_config.json")
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
                 template = json.load(f).get("chat_template")
-            return template if isinstance(template, str) else None
-    return None
+    return template if isinstance(template, str) else None
 
 
 def _run(args) -> int:
@@ -165,7 +167,7 @@ def _run(args) -> int:
     if model.config.vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"the model has vocab_size={model.config.vocab_size}, too small for "
                           f"its tokenizer ({tokenizer.vocab_size} tokens)")
-    template = _chat_template(args)
+    template = _chat_template(args, tokenizer)
 
     engine = Engine(model, slots=args.slots, max_len=args.max_len, max_queue=args.max_queue,
                     prefills_per_step=args.prefills_per_step, steps_per_plan=args.steps_per_plan,

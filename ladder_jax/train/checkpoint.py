@@ -62,6 +62,7 @@ from flax import nnx
 
 from ladder_jax import config as config_lib
 from ladder_jax.config import ConfigError
+from ladder_jax.interop.gguf import load_gguf
 from ladder_jax.interop.hf import load_hf
 from ladder_jax.interop.tokenizer import make_tokenizer
 from ladder_jax.model import quant
@@ -489,8 +490,9 @@ def _run_root(path: str) -> str:
 def load_run(path: str, *, mesh, what: str = "--checkpoint", quantize: str | None = None,
              **overrides):
     """(model, tokenizer) from a training run or a `python -m ladder_jax.convert` output (a
-    directory with config.yaml and checkpoints/), or a Hugging Face Llama directory
-    (config.json, see `ladder_jax.interop.hf.load_hf`). The model is built from shapes and its weights
+    directory with config.yaml and checkpoints/), a Hugging Face Llama directory
+    (config.json, see `ladder_jax.interop.hf.load_hf`) or a GGUF file (`.gguf`, see
+    `ladder_jax.interop.gguf.load_gguf`). The model is built from shapes and its weights
     restored straight into their shardings on `mesh`; no random weights are made. `overrides`
     change the model config, e.g. residual="ladder", ladder_layers=2 (any scheme reads any
     weights). `quantize="int8"` quantizes float weights once loaded (`ladder_jax.model.quant`);
@@ -500,8 +502,10 @@ def load_run(path: str, *, mesh, what: str = "--checkpoint", quantize: str | Non
     path = os.fspath(path)
     if not os.path.exists(path):
         raise ConfigError(f"{what} {path!r} does not exist: give a training run directory "
-                          f"(runs/NAME), the output of ladder_jax.convert, or a Hugging Face "
-                          f"model directory")
+                          f"(runs/NAME), the output of ladder_jax.convert, a Hugging Face "
+                          f"model directory or a .gguf file")
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return load_gguf(path, mesh=mesh, quantize=quantize, **overrides)
     cfg_file = os.path.join(_run_root(path), "config.yaml")
     if not os.path.isfile(cfg_file):
         if os.path.isfile(os.path.join(path, "config.json")):
