@@ -244,8 +244,15 @@ _CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 def gguf_tokenizer(path: str, reader=None) -> HFTokenizer:
     """The tokenizer in a GGUF file's metadata as an `HFTokenizer` (chat template included),
     encoding as transformers' `AutoTokenizer.from_pretrained(dir, gguf_file=name)` does."""
-    from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers,
-                            processors)
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
 
     reader = reader if reader is not None else _open(path)
     keys = ("model", "pre", "tokens", "merges", "token_type", "bos_token_id", "eos_token_id",
