@@ -451,3 +451,29 @@ def test_unsupported_tensor_type_and_tokenizer_are_one_line(llamas, tmp_path, ca
                                           str(tmp_path / "o")]))
     assert "tokenizer.ggml.model" in line, line
     assert not (tmp_path / "o").exists()
+
+
+def test_decode_chat_on_a_gguf_file(llamas, tmp_path, capsys):
+    """decode --checkpoint X.gguf --chat: the prompt through the file's chat template, with the
+    tokenizer's BOS convention; greedy output == lj.generate on those ids."""
+    import jinja2.sandbox
+
+    from ladder_jax.cli import decode
+    from ladder_jax.inference.server import render_chat
+
+    _, _, state = llamas["tied"]
+    file = write_gguf(tmp_path / "m.gguf", state)
+    model, tok = lj.load_gguf(file, mesh=_mesh(1))
+    template = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True).from_string(tok.chat_template)
+    ids = render_chat(template, [{"role": "user", "content": "the ladder"}], tok)
+    want = tok.decode(lj.generate(model, [ids], max_new_tokens=5, eos_id=tok.eos_id)[0])
+    capsys.readouterr()
+    assert decode.main(["--checkpoint", file, "--tp", "1", "--chat", "--temperature", "0",
+                        "--max-new-tokens", "5", "--prompt", "the ladder"]) == 0
+    assert capsys.readouterr().out.endswith(f"the ladder\n{want}\n")
+    d = _word_tokenizer(tmp_path / "plain")  # a tokenizer without a chat template
+    assert HFTokenizer.from_dir(d).chat_template is None
+    line = one_line(capsys, decode.main(["--preset", "tiny", "--tp", "1", "--chat",
+                                         "--prompt", "x"]))
+    assert "--chat" in line and "chat template" in line
