@@ -59,8 +59,9 @@ def main(argv=None) -> int:
                "process 0 prints.")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", default="tiny", help="model preset, random weights")
-    src.add_argument("--checkpoint", help="a training run, `convert` output or Hugging Face "
-                                           "directory (its weights and tokenizer)")
+    src.add_argument("--checkpoint", help="a training run, `convert` output, Hugging Face "
+                                           "directory or .gguf file (its weights and "
+                                           "tokenizer)")
     p.add_argument("--prompt", action="append",
                    help="a prompt (repeat for a batch; default: \"Once upon a time\")")
     p.add_argument("--prompt-file", help="a file with one prompt per line")

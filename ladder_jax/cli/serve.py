@@ -58,7 +58,8 @@ def parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", default="tiny",
                      help="model preset with random weights, for benchmarks (default: tiny)")
-    src.add_argument("--checkpoint", help="a training run, checkpoint or Hugging Face directory")
+    src.add_argument("--checkpoint", help="a training run, checkpoint or Hugging Face directory, "
+                                           "or a .gguf file")
     p.add_argument("--seed", type=int, default=0, help="--preset: the weights' seed")
     p.add_argument("--residual", default=None, choices=list(RESIDUALS),
                    help="residual scheme (default: the preset's / checkpoint's)")
