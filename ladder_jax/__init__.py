@@ -17,6 +17,7 @@ with _runtime.quiet():  # the CUDA plugin's start-up chatter on hosts without a 
 from ladder_jax import hardware  # noqa: E402
 from ladder_jax.api import Run, fit, generate, load, overlap_table, predict
 from ladder_jax.config import PRESETS, RESIDUALS, ConfigError, ModelConfig, RopeScaling
+from ladder_jax.interop.gguf import load_gguf
 from ladder_jax.interop.hf import load_hf, save_hf
 from ladder_jax.model import sharding  # noqa: E402
 from ladder_jax.model.sharding import ShardingError, compiler_options, make_mesh
@@ -39,6 +40,7 @@ __all__ = [
     "ShardingError",
     "Transformer",
     "compiler_options",
+    "load_gguf",
     "load_hf",
     "make_mesh",
     "param_specs",

@@ -74,11 +74,12 @@ def fit_config(config: str | None = None, **overrides):
 
 def load(path: str, *, tp: int | None = None, mesh=None, quantize: str | None = None,
          **overrides):
-    """(model, tokenizer) from a training run / `convert` output (config.yaml) or a Hugging
-    Face Llama directory (config.json): `ladder_jax.train.checkpoint.load_run`. `overrides` change
-    the model config, e.g. residual="ladder", ladder_layers=2. `quantize="int8"`: int8 weights
-    for decoding (`ladder_jax.model.quant`). `tp` (without `mesh`): by default the largest that
-    divides the model's heads and the devices, on a CPU backend also the host's cores."""
+    """(model, tokenizer) from a training run / `convert` output (config.yaml), a Hugging Face
+    Llama directory (config.json) or a GGUF file (.gguf): `ladder_jax.train.checkpoint.load_run`.
+    `overrides` change the model config, e.g. residual="ladder", ladder_layers=2.
+    `quantize="int8"`: int8 weights for decoding (`ladder_jax.model.quant`). `tp` (without
+    `mesh`): by default the largest that divides the model's heads and the devices, on a CPU
+    backend also the host's cores."""
 
 
     if mesh is None and tp is None:

@@ -35,7 +35,7 @@ def _exit_line(capsys, main, argv) -> str:
     ("decode", ["--preset", "small", "--checkpoint", "x"], "error: --checkpoint: not allowed "
                                                           "with --preset"),
     ("overlap", ["--target", "b200"], "error: --target: invalid choice: 'b200'"),
-    ("convert", ["--out", "x"], "error: one of the arguments --hf --checkpoint is required"),
+    ("convert", ["--out", "x"], "error: one of the arguments --hf --gguf --checkpoint is required"),
     ("convert", ["--hf", "x", "--out", "y", "--tp", "two"], "error: --tp: invalid int value "
                                                             "'two'"),
     ("demo", ["--batch", "x"], "error: --batch: invalid int value 'x'"),

@@ -284,7 +284,8 @@ def test_tokenizer_from_tokenizer_json(llamas, tmp_path):
     model, tokenizer = lj.load_hf(d, mesh=_mesh(1))
     assert (tokenizer.bos_id, tokenizer.eos_id) == (1, 2)  # from config.json
     ids = tokenizer.encode("the ladder overlaps")
-    assert ids == [1, 3, 4, 5]
+    assert tokenizer.add_bos is False  # no post-processor adds BOS: transformers adds none
+    assert ids == [3, 4, 5] and tokenizer.encode("the ladder overlaps", bos=True)[0] == 1
     assert tokenizer.decode(ids) == "the ladder overlaps"
     out = tmp_path / "export"
     lj.save_hf(model, out, tokenizer=tokenizer)

@@ -8,14 +8,18 @@
     python -m ladder_jax.convert --checkpoint runs/tiny --out exported/ --to-hf
     # int8 weights for decoding, stored quantized (loaded without re-quantizing)
     python -m ladder_jax.convert --checkpoint runs/tiny --out runs/tiny-int8 --quantize int8
+    # a llama.cpp GGUF file (quantized blocks dequantized; its tokenizer and chat template)
+    python -m ladder_jax.convert --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out runs/smollm2
 
-Sources: `--hf` a local Hugging Face Llama directory (see `ladder_jax.interop.hf`); `--checkpoint` a
-training run (its `config.yaml` and `checkpoints/<step>/params`, latest step).
+Sources: `--hf` a local Hugging Face Llama directory (see `ladder_jax.interop.hf`); `--gguf` a
+GGUF Llama file (see `ladder_jax.interop.gguf`); `--checkpoint` a training run (its
+`config.yaml` and `checkpoints/<step>/params`, latest step).
 
 Output without `--to-hf`: a directory laid out like a training run, which `train`'s
 `init_from=` reads (weights only):
     DIR/config.yaml             the model section of a train config (+ data.tokenizer)
     DIR/tokenizer.json          the source's tokenizer, when it has one
+    DIR/tokenizer_config.json   its BOS convention (add_bos_token), specials, chat template
     DIR/checkpoints/0/params    the weights (orbax, the layout of `ladder_jax.train.checkpoint`)
     DIR/checkpoints/0/meta      {"step": 0, "config": ..., "model_config": ..., "source": ...}
 With `--to-hf`: config.json + safetensors (+ index when over --max-shard-bytes) +
@@ -31,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import shutil
 import sys
 
 import jax
@@ -59,8 +62,8 @@ from ladder_jax.config import (
     parse_ladder_layers,
     scheme_overrides,
 )
-from ladder_jax.interop import hf
-from ladder_jax.interop.tokenizer import ByteTokenizer
+from ladder_jax.interop import gguf, hf
+from ladder_jax.interop.tokenizer import ByteTokenizer, HFTokenizer
 from ladder_jax.model import sharding
 from ladder_jax.train.checkpoint import load_run
 from ladder_jax.train.trainer import check_writable
@@ -131,6 +134,8 @@ def main(argv=None) -> int:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf", help="a local Hugging Face Llama directory (config.json + "
                                   "safetensors; the authors' llamaLadder hybrids too)")
+    src.add_argument("--gguf", help="a local GGUF Llama file (llama.cpp's format, quantized "
+                                    "or not; its tokenizer and chat template too)")
     src.add_argument("--checkpoint", help="a training run directory (its latest checkpoint)")
     p.add_argument("--out", required=True, help="output directory (new or empty)")
     p.add_argument("--to-hf", action="store_true",
@@ -169,12 +174,14 @@ def main(argv=None) -> int:
                               f"layout holds float Llama weights; drop one of them")
         mesh = sharding.make_mesh(tp=args.tp, devices=jax.devices()[:args.tp])
         ladder_layers = parse_ladder_layers(args.ladder_layers)
-        if args.hf:
+        if args.hf or args.gguf:
             kw = {} if ladder_layers is None else {"ladder_layers": ladder_layers}
+            load, source = (hf.load_hf, args.hf) if args.hf else (gguf.load_gguf, args.gguf)
+            transfer.kind = "safetensors" if args.hf else "GGUF"
             with _progress_bar(transfer, "reading"):
-                model, tokenizer = hf.load_hf(args.hf, mesh=mesh, residual=args.residual,
-                                              param_dtype=args.param_dtype, transfer=transfer,
-                                              quantize=args.quantize, **kw)
+                model, tokenizer = load(source, mesh=mesh, residual=args.residual,
+                                        param_dtype=args.param_dtype, transfer=transfer,
+                                        quantize=args.quantize, **kw)
             print(transfer.summary("read"), file=sys.stderr)
         else:
             model, tokenizer = load_run(args.checkpoint, mesh=mesh, what="--checkpoint",
@@ -198,15 +205,15 @@ def main(argv=None) -> int:
                       f"bytes, BOS {tokenizer.bos_id}, EOS {tokenizer.eos_id})", file=sys.stderr)
         else:
             tok_path = None
-            if isinstance(getattr(tokenizer, "file", None), str):  # the byte one has no file
+            if isinstance(tokenizer, HFTokenizer):  # the byte one has no file
                 tok_path = os.path.abspath(os.path.join(args.out, hf.TOKENIZER))
-                shutil.copyfile(tokenizer.file, tok_path)
+                tokenizer.save(args.out)  # + tokenizer_config.json: BOS, chat template
             doc = train_config(model.config, tok_path)
             with open(os.path.join(args.out, "config.yaml"), "w") as f:
                 f.write(OmegaConf.to_yaml(OmegaConf.create(doc)))
             _save_checkpoint(model, args.out, {
                 "step": 0, "config": doc, "model_config": dataclasses.asdict(model.config),
-                "source": os.path.abspath(args.hf or args.checkpoint)})
+                "source": os.path.abspath(args.hf or args.gguf or args.checkpoint)})
     except ConfigError as e:  # HFError and ShardingError included
         print(f"error: {e}", file=sys.stderr)
         return 2

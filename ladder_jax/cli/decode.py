@@ -4,6 +4,8 @@
     python -m ladder_jax.decode --checkpoint runs/tiny --prompt "LOVE, n." --temperature 0.7
     python -m ladder_jax.decode --preset small --benchmark --residual all --batch 16
     python -m ladder_jax.decode --checkpoint runs/tiny --quantize int8 --prompt "LOVE, n."
+    python -m ladder_jax.decode --checkpoint runs/smollm2 --chat --temperature 0 \
+        --prompt "What is the capital of France?"
 
 The library behind it (KV cache, prefill and one-token step, sampling, `generate`, the
 benchmark) is `ladder_jax.inference.generation`. Bad input is one
@@ -57,8 +59,9 @@ def main(argv=None) -> int:
                "process 0 prints.")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", default="tiny", help="model preset, random weights")
-    src.add_argument("--checkpoint", help="a training run, `convert` output or Hugging Face "
-                                           "directory (its weights and tokenizer)")
+    src.add_argument("--checkpoint", help="a training run, `convert` output, Hugging Face "
+                                           "directory or .gguf file (its weights and "
+                                           "tokenizer)")
     p.add_argument("--prompt", action="append",
                    help="a prompt (repeat for a batch; default: \"Once upon a time\")")
     p.add_argument("--prompt-file", help="a file with one prompt per line")
@@ -92,6 +95,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="benchmark: print JSON lines")
     p.add_argument("--quantize", default=None, metavar="MODE",
                    help="int8: weight-only int8 linear weights (ladder_jax.model.quant)")
+    p.add_argument("--chat", action="store_true",
+                   help="each prompt is a user message, rendered with the checkpoint's chat "
+                        "template (as the server's /v1/chat/completions does)")
     runtime.add_arguments(p, cpu_devices_help="on a CPU host, fake devices to split it into "
                                               "(default: --tp, else the default tp)")
     args = p.parse_args(argv)
@@ -232,7 +238,9 @@ def _run(args, shape, say) -> int:
                           f"tokenizer ({tokenizer.vocab_size} tokens)")
     top_k = min(200, config.vocab_size) if args.top_k is None else args.top_k
     sampling = Sampling(args.temperature, top_k, args.top_p).check(config.vocab_size)
-    check_generation(config, [tokenizer.encode(q) for q in prompts], args.max_new_tokens)
+    rows = _chat_rows(tokenizer, prompts) if args.chat else [tokenizer.encode(q)
+                                                             for q in prompts]
+    check_generation(config, rows, args.max_new_tokens)
     chosen()
     if model is None:
         model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(args.seed))
@@ -257,19 +265,39 @@ def _run(args, shape, say) -> int:
             shown[0] = text
 
     if single:
-        say(prompts[0], end="")
+        say(prompts[0], end="\n" if args.chat else "")
     t0 = time.perf_counter()
-    texts = generate(model, prompts, max_new_tokens=args.max_new_tokens,
+    texts = generate(model, rows, max_new_tokens=args.max_new_tokens,
                      temperature=sampling.temperature, top_k=sampling.top_k,
                      top_p=sampling.top_p, seed=args.seed, tokenizer=tokenizer, stream=stream,
                      decoder=Decoder(model, consume=True))  # fused in place: used once
+    texts = [tokenizer.decode(t) for t in texts]  # the new tokens, EOS excluded
     if single:
         say(texts[0][len(shown[0]):])
     else:
         for prompt, text in zip(prompts, texts):
-            say(f"--- {prompt!r}\n{prompt}{text}")
+            say(f"--- {prompt!r}\n{prompt}{chr(10) if args.chat else ''}{text}")
     say(_speed(t0, times, sum(map(len, pieces)), len(prompts)), file=sys.stderr)
     return 0
+
+
+def _chat_rows(tokenizer, prompts: list[str]) -> list[list[int]]:
+    """--chat: each prompt as one user message through the tokenizer's chat template."""
+    template = getattr(tokenizer, "chat_template", None)
+    if template is None:
+        raise ConfigError("--chat: the checkpoint has no chat template (tokenizer_config.json's "
+                          "chat_template, chat_template.jinja or a GGUF file's "
+                          "tokenizer.chat_template); drop --chat")
+    try:
+        import jinja2.sandbox
+
+        from ladder_jax.inference.server import render_chat
+    except ImportError:
+        raise ConfigError("--chat needs jinja2 and the server's packages: "
+                          "pip install -e \".[serve]\"") from None
+    compiled = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True).from_string(template)
+    return [render_chat(compiled, [{"role": "user", "content": p}], tokenizer) for p in prompts]
 
 
 def _speed(t0: float, times: list[float], generated: int, batch: int) -> str:

@@ -78,7 +78,8 @@ def parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", default="tiny",
                      help="model preset with random weights, for benchmarks (default: tiny)")
-    src.add_argument("--checkpoint", help="a training run, checkpoint or Hugging Face directory")
+    src.add_argument("--checkpoint", help="a training run, checkpoint or Hugging Face directory, "
+                                           "or a .gguf file")
     p.add_argument("--seed", type=int, default=0, help="--preset: the weights' seed")
     p.add_argument("--residual", default=None, choices=list(RESIDUALS),
                    help="residual scheme (default: the preset's / checkpoint's)")
@@ -119,7 +120,7 @@ def parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, how long running requests may finish")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (default: the checkpoint's "
-                        "tokenizer_config.json chat_template, if any)")
+                        "tokenizer_config.json chat_template or a GGUF file's, if any)")
     p.add_argument("--no-warmup", action="store_true",
                    help="compile programs on first use instead of before serving")
     runtime.add_arguments(p, cpu_devices_help="on a CPU host, fake devices to split it into "
@@ -164,7 +165,8 @@ def _check(args) -> None:
 
 def _chat_template(args) -> str | None:
     """The chat template's source (--chat-template, else the checkpoint's
-    tokenizer_config.json), checked to compile; ConfigError naming the file otherwise."""
+    tokenizer_config.json), checked to compile; ConfigError naming the file otherwise. A GGUF
+    file's or chat_template.jinja's comes with the tokenizer (`_tokenizer_template`)."""
     if args.chat_template:
         path = args.chat_template
         template = _read_text(path, "--chat-template")
@@ -266,6 +268,20 @@ def _api_key(args) -> str | None:
     return None
 
 
+def _tokenizer_template(tokenizer) -> str | None:
+    """The template the loaded tokenizer carries (a GGUF file's tokenizer.chat_template, a
+    chat_template.jinja beside tokenizer.json), checked to compile."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return None
+    try:
+        compile_chat_template(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"the checkpoint's chat template is not valid Jinja (line {e.lineno}: "
+                          f"{e.message}): give --chat-template") from None
+    return template
+
+
 def _run(args) -> int:
     _check(args)
     api_key, template = _api_key(args), _chat_template(args)  # before anything loads
@@ -303,6 +319,7 @@ def _run(args) -> int:
     if model.config.vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"the model has vocab_size={model.config.vocab_size}, too small for "
                           f"its tokenizer ({tokenizer.vocab_size} tokens)")
+    template = template or _tokenizer_template(tokenizer)
 
     max_len = args.max_len or _default_max_len(model, args.slots)
     engine = Engine(model, slots=args.slots, max_len=max_len, max_queue=args.max_queue,

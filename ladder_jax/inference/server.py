@@ -141,12 +141,13 @@ class TextStream:
 def render_chat(template, messages: list[dict], tokenizer) -> list[int]:
     """The prompt ids of `messages` through a compiled chat template. The template sees the
     tokenizer's BOS / EOS strings (`bos_token`, `eos_token`, as in transformers'
-    `apply_chat_template`; empty for the byte tokenizer, which has no text for them); a rendered
-    text that starts with the BOS string is encoded without adding another BOS."""
+    `apply_chat_template`; empty for the byte tokenizer, which has no text for them). The text
+    gets the tokenizer's own BOS convention (`add_bos`; none for SmolLM2's), except that a text
+    that starts with the BOS string gets no second BOS."""
     bos, eos = (tokenizer.special_text(i) for i in (tokenizer.bos_id, tokenizer.eos_id))
     text = template.render(messages=messages, add_generation_prompt=True, bos_token=bos,
                            eos_token=eos)
-    return tokenizer.encode(text, bos=not (bos and text.startswith(bos)))
+    return tokenizer.encode(text, bos=False if bos and text.startswith(bos) else None)
 
 
 class TemplateRaised(jinja2.TemplateError):

@@ -1,2 +1,2 @@
-"""Interoperability: Hugging Face Llama checkpoints in and out (`hf`) and tokenizers
-(`tokenizer`)."""
+"""Interoperability: Hugging Face Llama checkpoints in and out (`hf`), GGUF files in (`gguf`)
+and tokenizers (`tokenizer`)."""

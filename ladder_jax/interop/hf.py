@@ -479,6 +479,7 @@ class Transfer:
     bar, say) is called after each one. `summary()` is the line `convert` prints."""
 
     on_tensor: Any = None
+    kind: str = "safetensors"  # the files' format, for the summary
     files: set = dataclasses.field(default_factory=set)
     dtypes: set = dataclasses.field(default_factory=set)
     tensors: int = 0
@@ -496,7 +497,7 @@ class Transfer:
             self.on_tensor(self)
 
     def summary(self, verb: str) -> str:
-        return (f"{verb} {len(self.files)} safetensors file(s), {self.tensors} tensors "
+        return (f"{verb} {len(self.files)} {self.kind} file(s), {self.tensors} tensors "
                 f"({', '.join(sorted(self.dtypes))}), {self.bytes / 1e6:,.1f} MB in "
                 f"{time.perf_counter() - self.started:.1f} s")
 

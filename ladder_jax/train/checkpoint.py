@@ -37,6 +37,7 @@ from flax import nnx
 
 from ladder_jax import config as config_lib
 from ladder_jax.config import ConfigError
+from ladder_jax.interop.gguf import gguf_config, load_gguf
 from ladder_jax.interop.hf import config_from_hf, load_hf, read_config
 from ladder_jax.interop.tokenizer import make_tokenizer
 from ladder_jax.model import quant
@@ -575,16 +576,20 @@ def _config_file(path: str, what: str) -> str | None:
     directory (config.json); a ConfigError for anything else."""
     if not os.path.exists(path):
         raise ConfigError(f"{what} {path!r} does not exist: give a training run directory "
-                          f"(runs/NAME), the output of ladder_jax.convert, or a Hugging Face "
-                          f"model directory")
+                          f"(runs/NAME), the output of ladder_jax.convert, a Hugging Face "
+                          f"model directory or a .gguf file")
     cfg_file = os.path.join(_run_root(path), "config.yaml")
     if os.path.isfile(cfg_file):
         return cfg_file
     if os.path.isfile(os.path.join(path, "config.json")):
         return None
     raise ConfigError(f"{what} {path!r}: no config.yaml there: give a training run directory "
-                      f"(runs/NAME), the output of ladder_jax.convert, or a Hugging Face model "
-                      f"directory")
+                      f"(runs/NAME), the output of ladder_jax.convert, a Hugging Face model "
+                      f"directory or a .gguf file")
+
+
+def _is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".gguf")
 
 
 def run_model_config(path: str, *, what: str = "--checkpoint") -> config_lib.ModelConfig:
@@ -593,6 +598,8 @@ def run_model_config(path: str, *, what: str = "--checkpoint") -> config_lib.Mod
 
         config = run_model_config("runs/tiny")"""
     path = os.fspath(path)
+    if _is_gguf(path):
+        return gguf_config(path)
     cfg_file = _config_file(path, what)
     if cfg_file is None:
         return config_from_hf(read_config(path))
@@ -605,9 +612,10 @@ def run_model_config(path: str, *, what: str = "--checkpoint") -> config_lib.Mod
 def load_run(path: str, *, mesh, what: str = "--checkpoint", quantize: str | None = None,
              **overrides):
     """(model, tokenizer) from a training run or a `python -m ladder_jax.convert` output (a
-    directory with config.yaml and checkpoints/), or a Hugging Face Llama directory
-    (config.json, see `ladder_jax.interop.hf.load_hf`). The model is built from shapes and its
-    weights restored straight into their shardings on `mesh`; no random weights are made.
+    directory with config.yaml and checkpoints/), a Hugging Face Llama directory
+    (config.json, see `ladder_jax.interop.hf.load_hf`) or a GGUF file (`.gguf`,
+    `ladder_jax.interop.gguf.load_gguf`). The model is built from shapes and its weights
+    restored straight into their shardings on `mesh`; no random weights are made.
     `overrides` change the model config, e.g. residual="ladder", ladder_layers=2 (any scheme
     reads any weights). `quantize="int8"` quantizes float weights once loaded
     (`ladder_jax.model.quant`); a checkpoint stored quantized (`convert --quantize`) loads as it
@@ -615,6 +623,8 @@ def load_run(path: str, *, mesh, what: str = "--checkpoint", quantize: str | Non
 
     config_lib.check_quantize(quantize)
     path = os.fspath(path)
+    if _is_gguf(path):
+        return load_gguf(path, mesh=mesh, quantize=quantize, **overrides)
     cfg_file = _config_file(path, what)
     if cfg_file is None:
         return load_hf(path, mesh=mesh, quantize=quantize, **overrides)

@@ -1,0 +1,413 @@
+"""GGUF (llama.cpp) Llama checkpoints in: `load_gguf`, `gguf_tokenizer`. Local files only.
+
+    model, tokenizer = lj.load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", mesh=lj.make_mesh(tp=1))
+    model, _ = lj.load_gguf(path, mesh=mesh, residual="ladder", ladder_layers=8)  # hybrid
+    model, _ = lj.load_gguf(path, mesh=mesh, quantize="int8")  # int8 weights, decoding
+
+Read with the `gguf` package (`pip install "ladder_jax[gguf]"`): `GGUFReader` for the metadata
+and the tensors (memory-mapped), `gguf.quants.dequantize` for their blocks, so every type that
+package dequantizes loads (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K-Q6_K,
+the IQ and TQ types); the weights become float (`param_dtype`), then int8 where asked.
+
+Config: the `llama.*` metadata (block_count, embedding_length, feed_forward_length,
+attention.head_count / head_count_kv / key_length, context_length, rope.freq_base,
+attention.layer_norm_rms_epsilon) becomes a Hugging Face config dict checked by
+`ladder_jax.interop.hf.config_from_hf`; the embedding's rows are the vocabulary; no
+`output.weight` means tied embeddings. Tensors: GGUF names map to Hugging Face names
+(`blk.{i}.attn_q.weight` -> `model.layers.{i}.self_attn.q_proj.weight`, ...) and from there to
+the model through the same table as `load_hf`. llama.cpp's converter reorders the rows of
+each q and k head for its RoPE (the two halves of a head interleaved: row 2j+s of the file is
+row s*H/2+j of the head); `load_gguf` undoes it, so our half-split RoPE reads them.
+
+Tokenizer: `tokenizer.ggml.model` "gpt2" (byte-level BPE: tokens, merges, token_type, the
+special ids, `add_bos_token`, `tokenizer.chat_template`) becomes a `tokenizers` tokenizer built
+as transformers builds its GGUF tokenizer (`AutoTokenizer.from_pretrained(dir, gguf_file=)`),
+wrapped as an `HFTokenizer`: control tokens are special, user-defined ones added whole, BOS
+only where the file says `add_bos_token` (SmolLM2's does not). Other tokenizer models are
+refused.
+
+Everything is checked before a weight is placed (metadata keys and their types, tensor names,
+shapes and types); each tensor is refused if it dequantizes to NaN or inf. A file that is not
+GGUF, is cut short, or holds anything unsupported raises `GGUFError` (an `HFError`, so the
+command lines print one line and exit 2) naming the key or tensor. Not supported: other
+architectures than "llama", mixtures of experts, rope scaling (`rope_freqs.weight`,
+`llama.rope.scaling.type`), partial RoPE.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from ladder_jax.config import check_quantize
+from ladder_jax.interop import hf
+from ladder_jax.interop.tokenizer import HFTokenizer
+from ladder_jax.model import quant
+from ladder_jax.model.transformer import abstract
+
+
+class GGUFError(hf.HFError):
+    """A GGUF file that cannot be imported; the message names the file and key / tensor."""
+
+
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
+           "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+          "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+          "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def hf_name(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor name, None when it is no Llama weight."""
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    parts = name.split(".")
+    if (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "weight"
+            and parts[2] in _BLOCK):
+        return f"model.layers.{int(parts[1])}.{_BLOCK[parts[2]]}.weight"
+    return None
+
+
+def gguf_name(name: str) -> str:
+    """The GGUF name of a Hugging Face Llama tensor name (the inverse of `hf_name`)."""
+    for g, h in _GLOBAL.items():
+        if h == name:
+            return g
+    parts = name.split(".")
+    sub = ".".join(parts[3:-1])
+    return f"blk.{parts[2]}.{next(g for g, h in _BLOCK.items() if h == sub)}.weight"
+
+
+def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Rows of q / k from llama.cpp's RoPE order (a head's halves interleaved) back to the
+    Hugging Face order (first half, then second half): w (heads*H, D) -> (heads*H, D)."""
+    rows = w.shape[0]
+    return (w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2)
+            .reshape(w.shape))
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise GGUFError("reading GGUF files needs the gguf package: pip install "
+                        "\"ladder_jax[gguf]\" (or pip install gguf)") from None
+    return gguf
+
+
+def _open(path: str):
+    """The file's `GGUFReader`, or GGUFError naming what is wrong."""
+    gguf = _gguf()
+    if not os.path.isfile(path):
+        raise GGUFError(f"{path!r} is not a file (expected a .gguf file)")
+    try:
+        return gguf.GGUFReader(path)
+    except OSError as e:
+        raise GGUFError(f"{path}: cannot read it ({e.strerror or e})") from None
+    except Exception as e:  # the reader raises ValueError / KeyError / struct errors alike
+        why = (str(e).splitlines() or [""])[0] or type(e).__name__
+        raise GGUFError(f"{path} is not a valid GGUF file ({why}): the download or copy is "
+                        f"damaged, or it is another format") from None
+
+
+def _metadata(reader, path: str, keys) -> dict:
+    """The values of `keys` the file has (missing ones are absent), decoded."""
+    out = {}
+    for key in keys:
+        field = reader.fields.get(key)
+        if field is None:
+            continue
+        try:
+            out[key] = field.contents()
+        except (UnicodeDecodeError, ValueError, IndexError) as e:
+            raise GGUFError(f"{path}: metadata key {key!r} cannot be read ({e})") from None
+    return out
+
+
+_LLAMA = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
+          "attention.head_count_kv", "attention.key_length", "attention.value_length",
+          "context_length", "rope.freq_base", "rope.dimension_count",
+          "attention.layer_norm_rms_epsilon", "vocab_size", "expert_count", "rope.scaling.type")
+
+
+def _hf_config(reader, path: str) -> dict:
+    """The Hugging Face config dict the file's llama.* metadata describes."""
+    meta = _metadata(reader, path, ["general.architecture"] + [f"llama.{k}" for k in _LLAMA])
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise GGUFError(f"{path}: general.architecture={arch!r} is not supported (only "
+                        f"'llama', the Llama architecture)")
+
+    def get(key, kind="int", default=None):
+        full = f"llama.{key}"
+        v = meta.get(full, default)
+        if v is None:
+            if default is None and kind == "int!":
+                raise GGUFError(f"{path}: metadata key {full!r} is missing")
+            return None
+        ok = (type(v) is int and v > 0) if kind.startswith("int") else (
+            type(v) in (int, float) and v > 0)
+        if not ok:
+            raise GGUFError(f"{path}: metadata key {full!r} is {v!r}, not a positive "
+                            f"{'integer' if kind.startswith('int') else 'number'}")
+        return v
+
+    d, heads = get("embedding_length", "int!"), get("attention.head_count", "int!")
+    kv = get("attention.head_count_kv") or heads
+    head_dim = get("attention.key_length") or (d // heads)
+    if get("attention.value_length") not in (None, head_dim):
+        raise GGUFError(f"{path}: metadata key 'llama.attention.value_length' is "
+                        f"{meta['llama.attention.value_length']}, not the key length "
+                        f"{head_dim}: not supported")
+    if get("rope.dimension_count") not in (None, head_dim):
+        raise GGUFError(f"{path}: metadata key 'llama.rope.dimension_count' is "
+                        f"{meta['llama.rope.dimension_count']}, less than the head dim "
+                        f"{head_dim}: partial RoPE is not supported")
+    if meta.get("llama.expert_count", 0) not in (0, None):
+        raise GGUFError(f"{path}: metadata key 'llama.expert_count' is "
+                        f"{meta['llama.expert_count']}: mixtures of experts are not supported")
+    if meta.get("llama.rope.scaling.type") not in (None, "none"):
+        raise GGUFError(f"{path}: metadata key 'llama.rope.scaling.type' is "
+                        f"{meta['llama.rope.scaling.type']!r}: rope scaling is not supported")
+    names = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise GGUFError(f"{path}: tensor 'rope_freqs.weight' (llama-3 rope scaling factors) is "
+                        f"not supported")
+    embed = names.get("token_embd.weight")
+    if embed is None:
+        raise GGUFError(f"{path}: tensor 'token_embd.weight' is missing")
+    vocab = int(embed.shape[-1])
+    if get("vocab_size") not in (None, vocab):
+        raise GGUFError(f"{path}: metadata key 'llama.vocab_size' is "
+                        f"{meta['llama.vocab_size']}, but tensor 'token_embd.weight' has "
+                        f"{vocab} rows")
+    return {
+        "model_type": "llama", "vocab_size": vocab, "hidden_size": d,
+        "num_hidden_layers": get("block_count", "int!"),
+        "intermediate_size": get("feed_forward_length", "int!"), "num_attention_heads": heads,
+        "num_key_value_heads": kv, "head_dim": head_dim,
+        "max_position_embeddings": get("context_length") or 2048,
+        "rope_theta": float(get("rope.freq_base", "float") or 10000.0),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", "float") or 1e-6),
+        "tie_word_embeddings": "output.weight" not in names,
+    }
+
+
+def _supported(gguf, qtype) -> bool:
+    Q = gguf.GGMLQuantizationType
+    return qtype in (Q.F32, Q.F16, Q.F64) or qtype in gguf.quants._type_traits
+
+
+def _dequantize(gguf, t) -> np.ndarray:
+    """The tensor as float32 in its numpy shape (the reverse of GGUF's dimension order)."""
+    Q = gguf.GGMLQuantizationType
+    data = np.asarray(t.data)
+    if t.tensor_type == Q.F64:
+        w = data.view(np.float64).astype(np.float32)
+    else:
+        w = gguf.quants.dequantize(data, t.tensor_type)
+    return np.asarray(w, np.float32).reshape(tuple(int(n) for n in reversed(t.shape)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer.
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> character spelling: printable Latin-1 bytes stand for themselves, the
+    others for the characters from U+0100 on, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+# Pre-tokenizer splits by `tokenizer.ggml.pre` (others: GPT-2's own, as transformers does).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {name: _LLAMA3_SPLIT for name in ("llama3", "llama-v3", "llama-bpe", "smaug-bpe",
+                                            "dbrx", "falcon3")}
+_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
+
+
+def gguf_tokenizer(path: str, reader=None) -> HFTokenizer:
+    """The tokenizer in a GGUF file's metadata as an `HFTokenizer` (chat template included),
+    encoding as transformers' `AutoTokenizer.from_pretrained(dir, gguf_file=name)` does."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
+
+    reader = reader if reader is not None else _open(path)
+    keys = ("model", "pre", "tokens", "merges", "token_type", "bos_token_id", "eos_token_id",
+            "padding_token_id", "unknown_token_id", "add_bos_token")
+    meta = _metadata(reader, path, [f"tokenizer.ggml.{k}" for k in keys]
+                     + ["tokenizer.chat_template"])
+    g = {k: meta.get(f"tokenizer.ggml.{k}") for k in keys}
+    if g["model"] != "gpt2":
+        raise GGUFError(f"{path}: metadata key 'tokenizer.ggml.model' is {g['model']!r}: only "
+                        f"'gpt2' (byte-level BPE) tokenizers are supported")
+    tokens, merges, types = g["tokens"], g["merges"], g["token_type"]
+    for key, v in (("tokens", tokens), ("merges", merges)):
+        if not (isinstance(v, list) and all(isinstance(s, str) for s in v)):
+            raise GGUFError(f"{path}: metadata key 'tokenizer.ggml.{key}' is missing or not a "
+                            f"list of strings")
+    if types is not None and not (isinstance(types, list) and len(types) == len(tokens)):
+        raise GGUFError(f"{path}: metadata key 'tokenizer.ggml.token_type' does not list one "
+                        f"type per token ({len(tokens)})")
+    pairs = [m.split(" ") for m in merges]
+    bad = next((m for m, p in zip(merges, pairs) if len(p) != 2), None)
+    if bad is not None:
+        raise GGUFError(f"{path}: metadata key 'tokenizer.ggml.merges' holds {bad!r}, not two "
+                        f"tokens separated by a space")
+    ids = {}
+    for key in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id"):
+        v = g[key]
+        if v is not None and not (type(v) is int and 0 <= v < len(tokens)):
+            raise GGUFError(f"{path}: metadata key 'tokenizer.ggml.{key}' is {v!r}, not a "
+                            f"token id below {len(tokens)}")
+        ids[key] = v
+    add_bos = g["add_bos_token"]
+    if add_bos is not None and type(add_bos) is not bool:
+        raise GGUFError(f"{path}: metadata key 'tokenizer.ggml.add_bos_token' is {add_bos!r}, "
+                        f"not true or false")
+    template = meta.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise GGUFError(f"{path}: metadata key 'tokenizer.chat_template' is not a string")
+
+    spell = _byte_chars()
+    alphabet = set(spell.values())
+
+    def spelled(token: str) -> str:  # a token in the byte alphabet, as the merges spell it
+        return token if set(token) <= alphabet else "".join(
+            spell[b] for b in token.encode("utf-8"))
+
+    vocab = {spelled(t): i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(p) for p in pairs], dropout=None,
+                               continuing_subword_prefix="", end_of_word_suffix="",
+                               fuse_unk=False))
+    split = _SPLITS.get(meta.get("tokenizer.ggml.pre"))
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    types = types or [0] * len(tokens)
+    special = [t for t, k in zip(tokens, types) if k == _CONTROL and set(t) <= alphabet]
+    special += [tokens[v] for v in ids.values() if v is not None
+                and tokens[v] in vocab and tokens[v] not in special]
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False)
+                    for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab])
+    bos = ids["bos_token_id"]
+    if add_bos and bos is not None:  # a saved tokenizer.json says so too (transformers reads it)
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]}:0 $A:0", pair=f"{tokens[bos]}:0 $A:0 {tokens[bos]}:1 $B:1",
+            special_tokens=[(tokens[bos], bos)])
+    return HFTokenizer(tokenizer=tok, bos_id=ids["bos_token_id"], eos_id=ids["eos_token_id"],
+                       pad_id=ids["padding_token_id"], add_bos=bool(add_bos),
+                       chat_template=template)
+
+
+# ---------------------------------------------------------------------------------------------
+# Import.
+
+
+def gguf_config(path: str):
+    """The `ModelConfig` a GGUF file describes (standard residual), read from its metadata
+    without its tensors: what a caller needs to choose a mesh first."""
+    return hf.config_from_hf(_hf_config(_open(os.fspath(path)), os.fspath(path)))
+
+
+def load_gguf(path: str, *, mesh, residual: str | None = None, ladder_layers=hf._KEEP,
+              dtype: str = "float32", param_dtype: str = "float32",
+              transfer: hf.Transfer | None = None, quantize: str | None = None):
+    """(model, tokenizer) from a local GGUF Llama file; tokenizer an `HFTokenizer` from the
+    file's metadata (chat template included).
+
+    As `ladder_jax.interop.hf.load_hf`: residual / ladder_layers any scheme (default standard;
+    `ladder_layers` alone implies "ladder"), dtype the matmuls', param_dtype the weights' on the
+    devices, `transfer` counts what is read, `quantize="int8"` quantizes once loaded."""
+    check_quantize(quantize)
+    path = os.fspath(path)
+    gguf = _gguf()
+    transfer = transfer if transfer is not None else hf.Transfer(kind="GGUF")
+    reader = _open(path)
+    config_dict = _hf_config(reader, path)
+    try:
+        config = hf.config_from_hf(config_dict, residual=residual, ladder_layers=ladder_layers,
+                                   dtype=dtype, param_dtype=param_dtype)
+    except hf.HFError as e:
+        raise GGUFError(f"{path}: {str(e).removeprefix('config.json: ')}") from None
+    graphdef, state = abstract(config, mesh)  # raises ShardingError if config does not fit
+    table = hf._table(config)
+
+    # Check everything before reading anything.
+    tensors = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None or (name == "lm_head.weight" and config.tie_embeddings):
+            raise GGUFError(f"{path}: tensor {t.name!r} is not a weight of a Llama model "
+                            f"with this metadata")
+        tensors[name] = t
+    missing = [gguf_name(e.name) for e in table if e.name not in tensors]
+    if missing:
+        raise GGUFError(f"{path}: tensor {missing[0]!r} is missing ({len(missing)} missing)")
+    for e in table:
+        t = tensors[e.name]
+        if not _supported(gguf, t.tensor_type):
+            raise GGUFError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which "
+                            f"the gguf package cannot dequantize")
+        shape = tuple(int(n) for n in reversed(t.shape))
+        if shape != e.hf_shape:
+            raise GGUFError(f"{path}: tensor {t.name!r} has shape {tuple(map(int, t.shape))} "
+                            f"(GGUF order), but the metadata implies "
+                            f"{tuple(reversed(e.hf_shape))}")
+    tokenizer = gguf_tokenizer(path, reader)  # a bad tokenizer fails before the reads
+    if tokenizer.vocab_size > config.vocab_size:
+        raise GGUFError(f"{path}: metadata key 'tokenizer.ggml.tokens' lists "
+                        f"{tokenizer.vocab_size} tokens, more than the {config.vocab_size} "
+                        f"rows of 'token_embd.weight'")
+
+    transfer.total_tensors = len(table)
+    transfer.total_bytes = sum(int(tensors[e.name].n_bytes) for e in table)
+    heads = {"self_attn.q_proj": config.n_heads, "self_attn.k_proj": config.n_kv_heads}
+    pure = nnx.to_pure_dict(state)
+    for e in table:
+        t = tensors[e.name]
+        var = hf._leaf(state, e.path)
+        w = _dequantize(gguf, t)
+        n = heads.get(".".join(e.name.split(".")[-3:-1]))
+        if n is not None:
+            w = unpermute(w, n)
+        host = np.asarray(e.to_ours(w), dtype=var.dtype)
+        if not np.isfinite(host).all():
+            raise GGUFError(f"{path}: tensor {t.name!r} has "
+                            f"{np.count_nonzero(~np.isfinite(host))} NaN/inf values: the file "
+                            f"is damaged")
+        parent = hf._leaf(pure, e.path[:-1])
+        parent[e.path[-1]] = jax.make_array_from_callback(
+            host.shape, NamedSharding(mesh, var.spec), lambda idx, host=host: host[idx])
+        del host, w
+        transfer.add(path, t.tensor_type.name, int(t.n_bytes))
+    nnx.replace_by_pure_dict(state, pure)
+    model = nnx.merge(graphdef, state)
+    return (model if quantize is None else quant.quantize(model, quantize)), tokenizer
