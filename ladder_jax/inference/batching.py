@@ -10,6 +10,8 @@ queued); finished requests free their slot at once. Invariant: a slot's tokens d
 its own prompt, settings and key, so greedy it equals `generate` of that prompt alone. Many
 processes: process 0 broadcasts each plan, the others `follow()`. Meshes with data > 1 are
 refused; callbacks run on the scheduling thread and must not block.
+Requests with `logprobs` run the scored variants of both programs (`Decoder.*_scored`,
+compiled on first use); the others keep the plain programs.
 """
 
 from __future__ import annotations
@@ -26,10 +28,18 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 from ladder_jax.inference.cache import KVCache
-from ladder_jax.inference.generation import Decoder, rows_to_device, to_device, to_host
+from ladder_jax.inference.generation import (
+    TOP_LOGPROBS,
+    Decoder,
+    rows_to_device,
+    to_device,
+    to_host,
+)
 from ladder_jax.inference.sampling import NONFINITE, GenerationError, Rows, Sampling
 from ladder_jax.model import sharding
 from ladder_jax.model.transformer import Transformer
+
+_HEAD = 8  # a prefill block's header: slot, length, key (2), temperature, top_k, top_p, scored
 
 
 class EngineFull(GenerationError):
@@ -48,6 +58,13 @@ class Request:
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
     cancelled: bool = False
     rows: Rows | None = None  # its sampling settings (set by submit)
+    # scoring: logprobs=N (0..TOP_LOGPROBS) records, before each on_token, (log p, the top N
+    # ids, their log p) in `scores`; with echo too, `prompt_scores` holds the same for the
+    # prompt's tokens 1.. (set before the first token). max_tokens=0: prefill only, no token
+    logprobs: int | None = None
+    echo: bool = False
+    scores: list = dataclasses.field(default_factory=list)
+    prompt_scores: list | None = None
 
 
 def prefill_group(n: int) -> int:
@@ -94,7 +111,7 @@ class Engine:
         self.steps = 0  # decode steps run
         self.error: str | None = None  # why the loop died, if it did
         # plan layout: header, decode block (per slot), prefill blocks
-        self._plan_size = 3 + 9 * slots + self.admit * (7 + self.length)
+        self._plan_size = 3 + 9 * slots + self.admit * (_HEAD + self.length)
 
     # -- process 0: requests in ---------------------------------------------------------------
 
@@ -107,6 +124,11 @@ class Engine:
         if bad:
             raise GenerationError(f"the prompt has token ids outside [0, {c.vocab_size}): "
                                   f"{bad[:5]}")
+        if req.logprobs is not None and not (0 <= req.logprobs <= TOP_LOGPROBS):
+            raise GenerationError(f"logprobs={req.logprobs} must be from 0 to {TOP_LOGPROBS}")
+        if req.max_tokens < 0 or (req.max_tokens == 0 and not req.echo):
+            raise GenerationError(f"max_tokens={req.max_tokens} must be >= 1 (0: with echo, "
+                                  f"to score the prompt only)")
         if n + req.max_tokens > self.length:
             raise GenerationError(
                 f"the prompt has {n} tokens; with max_tokens={req.max_tokens} that is "
@@ -210,6 +232,8 @@ class Engine:
         plan[0] = 0 if self.stopping else 1
         busy_b = np.array([o is not None for o in self.owner])
         plan[1] = int(busy_b.any()) and not self.stopping
+        if plan[1] and any(o is not None and o.logprobs is not None for o in self.owner):
+            plan[1] = 2  # the scored decode round
         positions_b = np.where(busy_b, self.length_b + self.count_b - 1, 0)
         s = self.settings
         block = np.stack([self.last, positions_b, s.keys[:, 0].view(np.int32),
@@ -229,11 +253,12 @@ class Engine:
             self.settings.keys[i], self.settings.temperature[i] = r.keys[0], r.temperature[0]
             self.settings.top_k[i], self.settings.top_p[i] = r.top_k[0], r.top_p[0]
             self.length_b[i], self.count_b[i] = len(req.prompt), 0
-            o = 3 + 9 * B + n * (7 + self.length)
-            plan[o:o + 7] = [i, len(req.prompt), r.keys[0, 0].view(np.int32),
-                             r.keys[0, 1].view(np.int32), r.temperature[0:1].view(np.int32)[0],
-                             r.top_k[0], r.top_p[0:1].view(np.int32)[0]]
-            plan[o + 7:o + 7 + len(req.prompt)] = req.prompt
+            o = 3 + 9 * B + n * (_HEAD + self.length)
+            plan[o:o + _HEAD] = [i, len(req.prompt), r.keys[0, 0].view(np.int32),
+                                 r.keys[0, 1].view(np.int32),
+                                 r.temperature[0:1].view(np.int32)[0], r.top_k[0],
+                                 r.top_p[0:1].view(np.int32)[0], req.logprobs is not None]
+            plan[o + _HEAD:o + _HEAD + len(req.prompt)] = req.prompt
             n += 1
         plan[2] = n
         return plan
@@ -250,15 +275,21 @@ class Engine:
             rows = Rows(np.ascontiguousarray(block[:, 2:4]).view(np.uint32),
                         np.ascontiguousarray(block[:, 4]).view(np.float32), block[:, 5].copy(),
                         np.ascontiguousarray(block[:, 6]).view(np.float32))
-            tokens_kb = self._decode_round(
-                to_device(block[:, 0], mesh, rep), to_device(block[:, 1], mesh, rep),
-                rows_to_device(rows, mesh, rep), to_device(block[:, 7], mesh, rep))
+            args = (to_device(block[:, 0], mesh, rep), to_device(block[:, 1], mesh, rep),
+                    rows_to_device(rows, mesh, rep), to_device(block[:, 7], mesh, rep))
+            if plan[1] == 2:
+                scored, self.cache = self.decoder.decode_steps_scored(
+                    self.cache, *args, self.steps_per_plan)
+                tokens_kb, *scored = map(to_host, scored)
+            else:
+                tokens_kb, scored = self._decode_round(*args), None
             self.steps += self.steps_per_plan
             if self.lead:
-                for tokens in tokens_kb:  # a slot freed at step j ignores its later tokens
-                    for i in range(B):
+                for k, tokens in enumerate(tokens_kb):  # a slot freed at step j ignores the
+                    for i in range(B):                   # rest of its tokens
                         if block[i, 8] and self.owner[i] is not None:  # busy when planned
-                            self._deliver(i, int(tokens[i]))
+                            self._deliver(i, int(tokens[i]), None if scored is None else
+                                          tuple(x[k, i] for x in scored))
         if plan[2]:
             self._prefill(plan, int(plan[2]))
         return True
@@ -269,32 +300,39 @@ class Engine:
         padding rows naming slot `slots`, past the cache: computed, never written), then
         their first tokens handed out, in the plan's order."""
         B, mesh, rep = self.slots, self.mesh, P()
-        offsets = [3 + 9 * B + j * (7 + self.length) for j in range(n)]
+        offsets = [3 + 9 * B + j * (_HEAD + self.length) for j in range(n)]
         groups: dict[int, list[int]] = {}
         for o in offsets:
             groups.setdefault(prompt_bucket(int(plan[o + 1]), self.length), []).append(o)
-        first: dict[int, int] = {}
+        first: dict[int, tuple] = {}  # offset -> (first token, its scores or None)
         for T, group in groups.items():
             N = prefill_group(len(group))
             slots_n = np.full(N, B, np.int32)
             tokens_nt, lengths_n = np.zeros((N, T), np.int32), np.ones(N, np.int32)
             rows = Rows.empty(N)
             for j, o in enumerate(group):
-                h, length = plan[o:o + 7], int(plan[o + 1])
+                h, length = plan[o:o + _HEAD], int(plan[o + 1])
                 slots_n[j], lengths_n[j] = h[0], length
-                tokens_nt[j, :length] = plan[o + 7:o + 7 + length]
+                tokens_nt[j, :length] = plan[o + _HEAD:o + _HEAD + length]
                 rows.keys[j] = h[2:4].view(np.uint32)
                 rows.temperature[j] = h[4:5].view(np.float32)[0]
                 rows.top_k[j], rows.top_p[j] = h[5], h[6:7].view(np.float32)[0]
-            first_n, self.cache = self.decoder.prefill_slots(
-                self.cache, to_device(slots_n, mesh, rep), to_device(tokens_nt, mesh, rep),
-                to_device(lengths_n, mesh, rep), rows_to_device(rows, mesh, rep))
-            first_n = to_host(first_n)
+            args = (self.cache, to_device(slots_n, mesh, rep), to_device(tokens_nt, mesh, rep),
+                    to_device(lengths_n, mesh, rep), rows_to_device(rows, mesh, rep))
+            if any(plan[o + 7] for o in group):  # some request wants logprobs
+                scored, self.cache = self.decoder.prefill_slots_scored(*args)
+                first_n, *scored = map(to_host, scored)
+            else:
+                first_n, self.cache = self.decoder.prefill_slots(*args)
+                first_n, scored = to_host(first_n), None
             for j, o in enumerate(group):
-                first[o] = int(first_n[j])
+                first[o] = int(first_n[j]), None
+                if scored is not None and self.lead:
+                    first[o] = int(first_n[j]), self._score_prompt(
+                        int(plan[o]), int(plan[o + 1]), *(x[j] for x in scored))
         if self.lead:
             for o in offsets:
-                self._deliver(int(plan[o]), first[o])
+                self._deliver(int(plan[o]), *first[o])
 
     def _decode_round(self, tokens_b, positions_b, rows, token_b) -> np.ndarray:
         """One round's decode steps on the device (one program) -> their tokens (k, B) on the
@@ -307,7 +345,7 @@ class Engine:
                                                           rows, token_b, self.steps_per_plan)
         return to_host(tokens_kb)
 
-    def _deliver(self, i: int, token: int) -> None:
+    def _deliver(self, i: int, token: int, scored=None) -> None:
         req = self.owner[i]
         if req.cancelled:
             with self.lock:
@@ -317,6 +355,14 @@ class Engine:
             with self.lock:
                 self._free(i, "nonfinite")
             return
+        if req.max_tokens == 0:  # scored the prompt only
+            with self.lock:
+                self._free(i, "length")
+            return
+        if req.logprobs is not None and scored is not None:
+            lp, ids, lps = scored
+            n = req.logprobs
+            req.scores.append((float(lp), ids[:n].tolist(), lps[:n].tolist()))
         self.count_b[i] += 1
         self.last[i] = token
         if token == req.eos_id and req.eos_id is not None:
@@ -327,6 +373,16 @@ class Engine:
         if self.count_b[i] >= req.max_tokens:
             with self.lock:
                 self._free(i, "length")
+
+    def _score_prompt(self, i: int, length: int, lp_t, ids_tk, lps_tk):
+        """Sets an echo request's `prompt_scores` (tokens 1..length-1, from positions
+        0..length-2) from one row of a scored prefill; returns its first token's scores."""
+        req = self.owner[i]
+        if req is not None and req.echo and req.logprobs is not None:
+            n = req.logprobs
+            req.prompt_scores = [(float(lp_t[t]), ids_tk[t, :n].tolist(),
+                                  lps_tk[t, :n].tolist()) for t in range(length - 1)]
+        return lp_t[length - 1], ids_tk[length - 1], lps_tk[length - 1]
 
     def _free(self, i: int, reason: str) -> None:
         req, self.owner[i] = self.owner[i], None

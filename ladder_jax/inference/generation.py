@@ -44,7 +44,8 @@ from ladder_jax.model.sharding import DATA
 from ladder_jax.model.transformer import Transformer, fuse_inputs
 
 __all__ = ["GenerationError", "KVCache", "Rows", "Sampling", "sample", "cache_length",
-           "Decoder", "generate", "check_generation", "benchmark", "to_device", "to_host"]
+           "Decoder", "TOP_LOGPROBS", "generate", "check_generation", "benchmark", "to_device",
+           "to_host"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,6 +103,64 @@ def _programs(graphdef, treedef, mesh):
             jit(decode_steps, static_argnums=(6,)))
 
 
+TOP_LOGPROBS = 20  # the most alternatives per token the scored programs return
+
+
+@functools.lru_cache(maxsize=16)
+def _scored_programs(graphdef, treedef, mesh, top: int):
+    """The jitted (prefill_slots, decode_steps) of `_programs` that also score: each returns
+    the log-probabilities (log-softmax of the raw logits, before temperature or any cut) of
+    the tokens it reads or draws and the `top` most likely tokens with theirs. Compiled on
+    first use, apart from the plain programs, which they leave as they are."""
+    replicated = NamedSharding(mesh, P())
+
+    def merged(weights):
+        return nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
+
+    def scores(logits_xv, chosen_x):
+        """(log p of chosen_x, top ids, their log p) from logits (..., V)."""
+        logits_xv = logits_xv.astype(jnp.float32)
+        lse_x = jax.nn.logsumexp(logits_xv, axis=-1)
+        chosen = jnp.take_along_axis(logits_xv, chosen_x[..., None], axis=-1)[..., 0] - lse_x
+        top_lp, top_id = jax.lax.top_k(logits_xv, top)
+        return chosen, top_id.astype(jnp.int32), top_lp - lse_x[..., None]
+
+    def prefill_slots(weights, cache, slots_n, tokens_nt, lengths_n, rows_n):
+        # as _programs' prefill_slots; position t is scored against the token at t + 1 (the
+        # prompt's next token, the drawn first token at the prompt's last position)
+        rows = jax.tree.map(lambda c: jnp.take(c, slots_n, axis=0, mode="clip"), cache)
+        logits_ntv, layers = merged(weights).forward_cached(tokens_nt, None, rows.layers())
+        last_nv = jnp.take_along_axis(logits_ntv, (lengths_n - 1)[:, None, None], axis=1)[:, 0]
+        first_n = sample_rows(last_nv, rows_n, jnp.zeros(tokens_nt.shape[:1], jnp.int32))
+        T = tokens_nt.shape[1]
+        next_nt = jnp.concatenate([tokens_nt[:, 1:], tokens_nt[:, :1]], axis=1)
+        next_nt = jnp.where(jnp.arange(T)[None] == (lengths_n - 1)[:, None], first_n[:, None],
+                            next_nt)
+        scored = scores(logits_ntv, next_nt)
+        new = KVCache.from_layers(layers)
+        return (first_n, *scored), jax.tree.map(
+            lambda c, r: c.at[slots_n].set(r, mode="drop"), cache, new)
+
+    def decode_steps(weights, cache, tokens_b, positions_b, rows, token_b, steps):
+        def one(carry, _):
+            cache, tokens_b, positions_b, token_b = carry
+            logits_btv, layers = merged(weights).forward_cached(
+                tokens_b[:, None], positions_b[:, None], cache.layers())
+            nxt_b = sample_rows(logits_btv[:, 0], rows, token_b)
+            cache = KVCache.from_layers(layers)
+            positions_b = jnp.minimum(positions_b + 1, cache.length - 1)
+            return (cache, nxt_b, positions_b, token_b + 1), (
+                nxt_b, *scores(logits_btv[:, 0], nxt_b))
+
+        (cache, *_), out = jax.lax.scan(
+            one, (cache, tokens_b, positions_b, token_b), None, length=steps)
+        return out, cache
+
+    out = (replicated, NamedSharding(mesh, sharding.CACHE_BKSH))
+    jit = functools.partial(sharding.jit, mesh=mesh, donate_argnums=(1,), out_shardings=out)
+    return jit(prefill_slots), jit(decode_steps, static_argnums=(6,))
+
+
 class Decoder:
     """The jitted prefill and decode step of one model (compiled once per shape).
 
@@ -113,6 +172,8 @@ class Decoder:
     `prefill_slots(cache, slots_n, tokens_nt, lengths_n, rows_n)` -> (first tokens (n,),
         cache): n prompts (ragged, padded to T) into rows `slots_n` of the cache (meshes with
         data = 1); slots >= the cache's batch are padding (computed, not written)
+    `prefill_slots_scored`, `decode_steps_scored`: the same, also returning log-probabilities
+        (the server's logprobs and echo; compiled on first use)
     The cache argument is donated: use only the returned one. `rows` is `sampling.Rows`.
 
     A quantized model (`ladder_jax.model.quant`) on a CPU mesh is decoded through its float
@@ -139,6 +200,7 @@ class Decoder:
         # the programs take the weights as one flat list, flattened here once: a State would be
         # flattened again, Variable by Variable in Python, on every call of every step
         self.weights, treedef = jax.tree.flatten(self.state)
+        self._graphdef, self._treedef = graphdef, treedef
         self._prefill, self._decode_step, self._prefill_slots, self._decode_steps = (
             _programs(graphdef, treedef, mesh))
 
@@ -168,6 +230,23 @@ class Decoder:
         """n prompts into rows `slots_n` of the cache in one program (the server's admissions
         of one round); a slot >= the cache's batch is padding, computed and never written."""
         return self._prefill_slots(self.weights, cache, slots_n, tokens_nt, lengths_n, rows_n)
+
+    def _scored(self):
+        top = min(TOP_LOGPROBS, self.model.config.vocab_size)
+        return _scored_programs(self._graphdef, self._treedef, self.model.mesh, top)
+
+    def prefill_slots_scored(self, cache, slots_n, tokens_nt, lengths_n, rows_n):
+        """`prefill_slots`, scored -> ((first tokens (n,), log p (n, T), top ids (n, T, K),
+        top log p (n, T, K)), cache): position t scores the prompt's token t + 1, the last
+        prompt position the first token; K = min(TOP_LOGPROBS, vocab). Log-probabilities are
+        the log-softmax of the raw logits (before temperature, top-k, top-p)."""
+        return self._scored()[0](self.weights, cache, slots_n, tokens_nt, lengths_n, rows_n)
+
+    def decode_steps_scored(self, cache, tokens_b, positions_b, rows, token_b, steps: int):
+        """`decode_steps`, scored -> ((tokens, log p (steps, B), top ids, top log p (steps, B,
+        K)), cache): each drawn token's log-probability from the logits it was drawn from."""
+        return self._scored()[1](self.weights, cache, tokens_b, positions_b, rows, token_b,
+                                 steps)
 
 
 def fusion_fits(model: Transformer, share: float = 0.5) -> bool:

@@ -9,7 +9,9 @@ naming the field; one bad request never stops the server (NaN logits from broken
 500; streamed, an error event ends the stream). The engine calls back on its own thread:
 tokens reach a request only through `loop.call_soon_threadsafe`. A disconnect cancels its
 request. Streamed pieces hold back a possible stop string or a cut character, so they add
-up to the final text. Starlette, not FastAPI: errors keep OpenAI's shape. See docs/inference.md.
+up to the final text. Starlette, not FastAPI: errors keep OpenAI's shape. See docs/inference.md;
+logprobs, echo and max_tokens=0 on /v1/completions: docs/logprobs.md (the log-softmax of the
+raw logits, before temperature, top_k and top_p).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import secrets
 import time
 
@@ -30,6 +33,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from ladder_jax.inference.batching import Engine, EngineFull, Request
+from ladder_jax.inference.generation import TOP_LOGPROBS
 from ladder_jax.inference.sampling import GenerationError, Sampling, is_int, is_number
 
 NONFINITE_MESSAGE = ("the model's logits are NaN or infinite: its weights are broken (a "
@@ -46,6 +50,7 @@ _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 _NEUTRAL = {"n": (1,), "logprobs": (None, False, 0), "echo": (False,), "best_of": (1,),
             "suffix": (None, ""), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
             "logit_bias": (None, {}), "top_logprobs": (None, 0)}
+_NEUTRAL_COMPLETION = {k: v for k, v in _NEUTRAL.items() if k not in ("logprobs", "echo")}
 
 
 class BadRequest(Exception):
@@ -166,6 +171,83 @@ def compile_chat_template(source: str):
     return env.from_string(source)
 
 
+def scored(data: dict) -> bool:
+    """Whether a /v1/completions body takes the scoring path (`scored_completions`):
+    logprobs, echo, or a batch of prompts."""
+    lp, echo = data.get("logprobs"), data.get("echo")
+    return (lp is not None and lp is not False) or (echo is not None and echo is not False) or (
+        is_batch(data.get("prompt")))
+
+
+def is_batch(prompt) -> bool:
+    """Whether a completion's prompt is a batch: a list of strings or of token-id lists."""
+    return isinstance(prompt, list) and len(prompt) > 1 and all(
+        isinstance(p, (str, list)) for p in prompt)
+
+
+def scoring(data: dict) -> tuple[int | None, bool]:
+    """(logprobs: alternatives per token or None, echo) of a completions body, checked."""
+    lp, echo = data.get("logprobs"), data.get("echo")
+    lp = None if lp is False else lp
+    if lp is not None and not (is_int(lp) and 0 <= lp <= TOP_LOGPROBS):
+        raise BadRequest(f"logprobs={lp!r} must be an integer from 0 to {TOP_LOGPROBS} "
+                         f"(or null)", "logprobs")
+    if echo is not None and not isinstance(echo, bool):
+        raise BadRequest(f"echo={echo!r} must be true or false", "echo")
+    return lp, bool(echo)
+
+
+class Logprobs:
+    """OpenAI's legacy completions `logprobs` object, built with one tokenizer:
+    {"tokens", "token_logprobs", "top_logprobs", "text_offset"}, one entry per token.
+
+    A token's text is its own decode (a special token's text if that is empty); top_logprobs
+    maps the texts of the N most likely tokens, then the token itself, to their log p (two ids
+    of one text keep the first, the likelier); a score of None (the first echoed token, which
+    nothing predicts) gives null for both. text_offset: where each token starts in the text,
+    `base` plus the characters completed before it (a cut multi-byte character counts once
+    it is whole)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.texts: dict[int, str] = {}
+
+    def text(self, token: int) -> str:
+        if token not in self.texts:
+            self.texts[token] = (self.tokenizer.decode([token])
+                                 or self.tokenizer.special_text(token))
+        return self.texts[token]
+
+    def of(self, ids: list[int], scores: list, base: int, start: int = 0) -> dict:
+        """The object of ids[start:], scores[i] = (log p, top ids, top log p) of ids[i] or None;
+        offsets count from the start of `ids` (text at `base`)."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for i in range(start, len(ids)):
+            out["tokens"].append(self.text(ids[i]))
+            out["text_offset"].append(
+                base + len(self.tokenizer.decode(ids[:i]).rstrip("\ufffd")) if i else base)
+            if scores[i] is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            lp, top_ids, top_lps = scores[i]
+            top: dict[str, float] = {}
+            for t, v in zip((*top_ids, ids[i]), (*top_lps, lp)):
+                top.setdefault(self.text(t), finite(v))
+            out["token_logprobs"].append(finite(lp))
+            out["top_logprobs"].append(top)
+        return out
+
+    @staticmethod
+    def join(a: dict, b: dict) -> dict:
+        return {k: a[k] + b[k] for k in a}
+
+
+def finite(x: float) -> float:
+    """A log-probability JSON can carry: -inf (and NaN) as -9999.0, as vLLM writes it."""
+    return x if math.isfinite(x) else -9999.0
+
+
 def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | None = None,
                max_request_bytes: int = 1 << 20, max_tokens_limit: int | None = None,
                chat_template: str | None = None) -> Starlette:
@@ -217,7 +299,7 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
         unknown = sorted(set(data) - allowed)
         if unknown:
             raise BadRequest(f"unknown field {unknown[0]!r}", unknown[0])
-        for field, ok in _NEUTRAL.items():
+        for field, ok in (_NEUTRAL if chat else _NEUTRAL_COMPLETION).items():
             if field in data and not any(data[field] == v and type(data[field]) is type(v)
                                          for v in ok if v is not None) and not (
                     data[field] is None and None in ok):
@@ -243,9 +325,11 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
                                  code="context_length_exceeded")
             max_tokens = min(16 if not chat else max_tokens_limit, max_tokens_limit,
                              engine.length - len(prompt))
-        if not (is_int(max_tokens) and 1 <= max_tokens <= max_tokens_limit):
-            raise BadRequest(f"{key}={max_tokens!r} must be an integer from 1 to "
-                             f"{max_tokens_limit}", key)
+        low = 0 if not chat and data.get("echo") is True else 1  # 0: score the prompt only
+        if not (is_int(max_tokens) and low <= max_tokens <= max_tokens_limit):
+            raise BadRequest(f"{key}={max_tokens!r} must be an integer from {low} to "
+                             f"{max_tokens_limit}" + (" (0 only with echo=true)" if max_tokens
+                                                      == 0 and not chat else ""), key)
         if len(prompt) + max_tokens > engine.length:
             raise BadRequest(f"the prompt has {len(prompt)} tokens; with {key}={max_tokens} "
                              f"that is {len(prompt) + max_tokens}, more than this server's "
@@ -333,6 +417,8 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
                 raise BadRequest("the server is shutting down" if state["draining"] else
                                  f"the engine failed: {engine.error}", status=503)
             data = await read_json(request)
+            if not chat and scored(data):
+                return await scored_completions(request, data)
             prompt, max_tokens, sampling, stops, stream, usage = parse(
                 data, _CHAT if chat else _COMPLETION, chat)
         except BadRequest as e:
@@ -485,6 +571,175 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
             metrics.request("chat" if chat else "completions", 500)
             _log.error("%s %s: %s: %s", request.method, request.url.path, type(e).__name__, e)
             return error(500, f"the server failed on this request ({type(e).__name__})")
+
+    # -- /v1/completions with logprobs, echo or a batch of prompts -------------------------
+
+    async def scored_completions(request: HTTPRequest, data: dict):
+        """Every prompt checked (as `parse` does one) before any is submitted; then one engine
+        request per prompt, a choice each (index = the prompt's place), with OpenAI's legacy
+        `logprobs` object if asked. Streamed: one prompt only."""
+        top, echo = scoring(data)
+        raw = data.get("prompt")
+        prompts = raw if is_batch(raw) else [raw]
+        parsed = []
+        for i, p in enumerate(prompts):
+            try:
+                parsed.append(parse({**data, "prompt": p}, _COMPLETION, False))
+            except BadRequest as e:
+                if len(prompts) > 1 and e.param == "prompt":
+                    e.args = (f"prompt {i}: {e}",)
+                raise
+        stream, usage = parsed[0][4], parsed[0][5]
+        if stream and len(prompts) > 1:
+            raise BadRequest(f"stream=true takes one prompt, got {len(prompts)}", "stream")
+        loop = asyncio.get_running_loop()
+        runs = []
+        for prompt, max_tokens, sampling, stops, *_ in parsed:
+            events: asyncio.Queue = asyncio.Queue()
+
+            def put(item, events=events):
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, item)
+                except RuntimeError:  # the loop is closed: nobody is listening
+                    pass
+
+            req = Request(prompt=prompt, max_tokens=max_tokens, sampling=sampling,
+                          eos_id=tokenizer.eos_id, on_token=lambda t, put=put: put(("token", t)),
+                          on_finish=lambda r, put=put: put(("finish", r)), logprobs=top,
+                          echo=echo)
+            runs.append((req, events, TextStream(tokenizer, stops)))
+        try:
+            for req, _, _ in runs:
+                engine.submit(req)
+        except GenerationError as e:
+            for req, _, _ in runs:
+                engine.cancel(req)
+            full = isinstance(e, EngineFull)
+            metrics.request("completions", 503 if full else 400)
+            return error(503, str(e)) if full else error(400, str(e), "prompt")
+        metrics.prompt_tokens += sum(len(r.prompt) for r, _, _ in runs)
+        echoed = [(p if isinstance(p, str) else tokenizer.decode(r.prompt)) if echo else ""
+                  for p, (r, _, _) in zip(prompts, runs)]
+        scores = Logprobs(tokenizer)
+        rid = "cmpl-" + secrets.token_hex(12)
+
+        def prompt_logprobs(req, text):
+            if not echo or req.prompt_scores is None:  # None: cancelled before its prefill
+                return None
+            return scores.of(req.prompt, [None, *req.prompt_scores], 0)
+
+        def new_logprobs(req, text, base, start):
+            return scores.of(text.tokens, req.scores, base, start)
+
+        async def steps(req, events, text):
+            """(text piece, finish reason or None) per engine event, as `generate` reads."""
+            first = True
+            while True:
+                kind, value = await events.get()
+                if kind == "token":
+                    if first:
+                        metrics.first_token(time.perf_counter() - req.arrived)
+                        first = False
+                    metrics.generated_tokens += 1
+                    piece = text.add(value)
+                    if text.stopped:
+                        engine.cancel(req)
+                        yield piece, "stop"
+                        return
+                    yield piece, None
+                else:
+                    yield text.flush(), value
+                    return
+
+        def counts():
+            p = sum(len(r.prompt) for r, _, _ in runs)
+            n = sum(len(t.tokens) for _, _, t in runs)
+            return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+
+        if stream:
+            return StreamingResponse(
+                scored_stream(runs[0], echoed[0], top, rid, usage, counts, steps,
+                              prompt_logprobs, new_logprobs),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+        async def collect(req, events, text):
+            out, reason = [], None
+            async for piece, reason in steps(req, events, text):
+                out.append(piece)
+            return "".join(out), reason
+
+        watcher = asyncio.ensure_future(disconnected(request))
+        result = asyncio.ensure_future(asyncio.gather(*(collect(*r) for r in runs)))
+        try:
+            await asyncio.wait({watcher, result}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if not result.done():  # the client went away
+            result.cancel()
+            for req, _, _ in runs:
+                engine.cancel(req)
+            metrics.request("completions", 499)
+            return Response(status_code=499)
+        outs = result.result()
+        if any(reason == "nonfinite" for _, reason in outs):
+            metrics.request("completions", 500)
+            return error(500, NONFINITE_MESSAGE)
+        if any(reason in ("cancelled", "error") for _, reason in outs):
+            for req, _, _ in runs:
+                engine.cancel(req)
+            metrics.request("completions", 503)
+            return error(503, "the server is shutting down" if engine.error is None else
+                         f"the engine failed: {engine.error}")
+        choices = []
+        for i, ((req, _, text), (out, reason), pre) in enumerate(zip(runs, outs, echoed)):
+            lp = None
+            if top is not None:
+                lp = new_logprobs(req, text, len(pre), 0)
+                if echo:
+                    lp = Logprobs.join(prompt_logprobs(req, text), lp)
+            choices.append({"index": i, "text": pre + out, "logprobs": lp,
+                            "finish_reason": reason})
+        metrics.request("completions", 200)
+        return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
+                             "model": model_name, "choices": choices, "usage": counts()})
+
+    async def scored_stream(run, echoed, top, rid, usage, counts, steps, prompt_logprobs,
+                            new_logprobs):
+        """The SSE chunks of one scored prompt: the echoed prompt first (with its logprobs),
+        then each text piece with the logprobs of the tokens read since the last chunk."""
+        req, events, text = run
+
+        def chunk(piece, lp, reason):
+            return event({"id": rid, "object": "text_completion", "created": int(time.time()),
+                          "model": model_name, "choices": [
+                              {"index": 0, "text": piece, "logprobs": lp,
+                               "finish_reason": reason}]})
+
+        try:
+            sent, first = 0, True
+            async for piece, reason in steps(req, events, text):
+                if first and echoed:
+                    yield chunk(echoed, None if top is None else prompt_logprobs(req, text),
+                                None)
+                first = False
+                if reason == "nonfinite":  # an error event ends the stream, as unscored ones
+                    yield event({"error": {"message": NONFINITE_MESSAGE, "type": "server_error",
+                                           "param": None, "code": None}})
+                    metrics.request("completions", 500)
+                    return
+                if reason in ("cancelled", "error"):
+                    reason = "abort"
+                if piece or reason:
+                    lp = None if top is None else new_logprobs(req, text, len(echoed), sent)
+                    sent = len(text.tokens)
+                    yield chunk(piece, lp, reason)
+            if usage:
+                yield event({"id": rid, "object": "text_completion", "created": int(time.time()),
+                             "model": model_name, "choices": [], "usage": counts()})
+            yield "data: [DONE]\n\n"
+            metrics.request("completions", 200)
+        finally:
+            engine.cancel(req)
 
     async def completions(request):
         return await answered(request, chat=False)
