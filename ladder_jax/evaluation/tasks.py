@@ -137,6 +137,9 @@ def load_task(name: str, regime: str = DEFAULT_REGIME, tasks_dir: str | None = N
     if primary not in METRICS:
         raise TaskError(f"{cfg_file}: primary_metric {primary!r} is not a multiple-choice "
                         f"accuracy ({', '.join(METRICS)})")
+    if primary == "acc_uncond" and offset is None:
+        raise TaskError(f"{cfg_file}: primary_metric acc_uncond needs "
+                        f"metric_kwargs.uncond_docid_offset (where the unconditional requests are)")
     file, lines = _read_lines(path)
     by_doc: dict[int, dict[int, tuple[str, str]]] = {}
     gold: dict[int, int] = {}
