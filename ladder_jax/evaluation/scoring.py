@@ -1,0 +1,188 @@
+"""Loglikelihoods of (context, continuation) token pairs, each context computed once.
+
+    pairs = [encode_pair(tokenizer, context, continuation), ...]
+    scores = Scorer(model).score(pairs, batch_size=32)    # [Score(logprob, tokens, greedy)]
+
+`Score.logprob` is sum_j log p(cont_j | ctx, cont_<j), the sum over the continuation's tokens
+of the model's log-softmax; `greedy` says whether each of them was also the argmax.
+
+How the prefix is shared: the pairs are grouped by context tokens (a multiple-choice question's
+choices share one; OLMES' unconditional requests share the one bare "Answer:" across every
+doc). A batch of contexts is prefilled once into a KV cache (`ladder_jax.inference.cache`),
+all but each context's last token; then the continuation rows (up to `batch_size` at a time)
+each take their context's cache row and run [last context token] + continuation[:-1] at its
+positions, so that every logit a continuation needs comes from that one short pass. This
+costs one context pass per distinct context plus short continuation passes, where a padded
+forward of context + continuation per choice would repeat the context once per choice
+(4x for ARC and HellaSwag). Each row sees only its own cache row (a query at position p sees
+slots <= p), so a pair's score is the same alone or in any batch.
+
+Shapes are bucketed to powers of two (contexts per batch, context, continuation and cache
+lengths), so a task compiles a handful of programs. A pair longer than the model's
+max_seq_len loses tokens from the left of its context, as lm-evaluation-harness does.
+
+Tokenization (`encode_pair`): the context with the tokenizer's own BOS convention
+(`tokenizer.add_bos` where it says, else a BOS); the continuation's tokens are those the
+whole text has past the context's (a token merging across the boundary belongs to the
+continuation), trailing spaces of the context moved to the continuation first; an empty
+context is the BOS (else EOS) token alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ladder_jax.config import ConfigError
+from ladder_jax.inference.cache import KVCache
+from ladder_jax.inference.generation import to_device, to_host
+from ladder_jax.model import quant, sharding
+from ladder_jax.model.sharding import DATA
+
+
+@dataclasses.dataclass(frozen=True)
+class Score:
+    logprob: float  # summed over the continuation's tokens
+    tokens: int
+    greedy: bool  # every continuation token was the model's argmax
+
+
+def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """(context ids, continuation ids) of one request (module docstring)."""
+    n = len(context) - len(context.rstrip())
+    if n:
+        context, continuation = context[:-n], context[-n:] + continuation
+    if not context:
+        prefix = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
+        if prefix is None:
+            raise ConfigError("an empty context needs a BOS or EOS token to start from, and "
+                              "this tokenizer has neither")
+        return [prefix], list(tokenizer.encode(continuation, bos=False))
+    bos = getattr(tokenizer, "add_bos", True)
+    ctx = list(tokenizer.encode(context, bos=bos))
+    cont = list(tokenizer.encode(context + continuation, bos=bos))[len(ctx):]
+    if not cont:
+        cont = list(tokenizer.encode(continuation, bos=False))
+    if not cont:
+        raise ConfigError(f"the continuation {continuation!r} encodes to no tokens")
+    if not ctx:
+        raise ConfigError(f"the context {context[:40]!r} encodes to no tokens and this "
+                          f"tokenizer adds no BOS")
+    return ctx, cont
+
+
+def _bucket(n: int, least: int) -> int:
+    return max(least, 1 << max(0, n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=8)
+def _programs(graphdef, treedef, mesh):
+    """The jitted (prefill, score) of a model graph on `mesh` (shared by equal graphs)."""
+
+    def merged(weights):
+        return nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
+
+    def prefill(weights, cache, tokens_bt):
+        # positions None: from slot 0, fused causal attention; the logits are dropped, so XLA
+        # drops the head's matmul
+        _, layers = merged(weights).forward_cached(tokens_bt, None, cache.layers())
+        return KVCache.from_layers(layers)
+
+    def score(weights, cache, rows_n, tokens_nt, positions_nt, targets_nt):
+        rows = jax.tree.map(lambda c: jnp.take(c, rows_n, axis=0), cache)
+        logits_ntv, _ = merged(weights).forward_cached(tokens_nt, positions_nt, rows.layers())
+        logp_ntv = jax.nn.log_softmax(logits_ntv.astype(jnp.float32), axis=-1)
+        lp_nt = jnp.take_along_axis(logp_ntv, targets_nt[..., None], axis=-1)[..., 0]
+        return lp_nt, jnp.argmax(logits_ntv, axis=-1) == targets_nt
+
+    replicated = NamedSharding(mesh, P())
+    return (sharding.jit(prefill, mesh=mesh, donate_argnums=(1,),
+                         out_shardings=NamedSharding(mesh, sharding.CACHE_BKSH)),
+            sharding.jit(score, mesh=mesh, out_shardings=(replicated, replicated)))
+
+
+class Scorer:
+    """One model's jitted context prefill and continuation scoring (module docstring). A
+    quantized model on a CPU mesh is scored through its float copy, as decoding does."""
+
+    def __init__(self, model):
+        self.config, self.mesh = model.config, model.mesh
+        if self.mesh.devices.flat[0].platform == "cpu":
+            model = quant.dequantize(model)
+        graphdef, state = nnx.split(model)
+        self.weights, treedef = jax.tree.flatten(state)
+        self._prefill, self._score = _programs(graphdef, treedef, self.mesh)
+
+    def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+              batch_size: int = 32, progress: Callable[[int], None] | None = None
+              ) -> list[Score]:
+        """One `Score` per (context ids, continuation ids) pair, in order; `progress(n)` is
+        called with the number of pairs each continuation pass finished."""
+        if batch_size < 1:
+            raise ConfigError(f"batch size {batch_size}: give at least 1")
+        pairs = [self._fit(ctx, cont) for ctx, cont in pairs]
+        by_ctx: dict[tuple, list[int]] = {}
+        for i, (ctx, _) in enumerate(pairs):
+            by_ctx.setdefault(ctx, []).append(i)
+        longest = {c: max(len(pairs[i][1]) for i in ids) for c, ids in by_ctx.items()}
+        order = sorted(by_ctx, key=lambda c: (-len(c), -longest[c]))
+        out: list[Score | None] = [None] * len(pairs)
+        batch: list[tuple] = []
+        for n, ctx in enumerate(order):
+            batch.append(ctx)
+            if (n + 1 == len(order) or len(batch) == batch_size
+                    or sum(len(by_ctx[c]) for c in batch) >= batch_size):
+                self._run(batch, by_ctx, pairs, out, batch_size, progress)
+                batch = []
+        return out
+
+    def _fit(self, ctx, cont) -> tuple[tuple, tuple]:
+        limit = self.config.max_seq_len
+        if len(cont) >= limit:
+            raise ConfigError(f"a continuation of {len(cont)} tokens does not fit the model's "
+                              f"max_seq_len {limit} with any context")
+        keep = limit - len(cont) + 1  # the scored sequence is ctx + cont[:-1]
+        return tuple(ctx[-keep:]), tuple(cont)
+
+    def _run(self, contexts, by_ctx, pairs, out, batch_size, progress) -> None:
+        data = self.mesh.shape[DATA]
+        B = -(-_bucket(len(contexts), 1) // data) * data
+        T = _bucket(max(len(c) - 1 for c in contexts), 16)
+        tokens_bt = np.zeros((B, T), np.int32)
+        for b, c in enumerate(contexts):
+            tokens_bt[b, :len(c) - 1] = c[:-1]
+        rows = [(b, i) for b, c in enumerate(contexts) for i in by_ctx[c]]
+        C = _bucket(max(len(pairs[i][1]) for _, i in rows), 8)
+        S = _bucket(max(T, max(len(c) for c in contexts) - 1 + C), 64)
+        cache = KVCache.init(self.config, self.mesh, B, S)
+        cache = self._prefill(self.weights, cache, to_device(tokens_bt, self.mesh))
+        N = -(-min(batch_size, _bucket(len(rows), 1)) // data) * data
+        for start in range(0, len(rows), N):
+            chunk = rows[start:start + N]
+            rows_n = np.zeros(N, np.int32)
+            tokens_nt, targets_nt = np.zeros((N, C), np.int32), np.zeros((N, C), np.int32)
+            positions_nt = np.broadcast_to(np.arange(C, dtype=np.int32), (N, C)).copy()
+            for n, (b, i) in enumerate(chunk):
+                ctx, cont = pairs[i]
+                rows_n[n] = b
+                tokens_nt[n, :len(cont)] = (ctx[-1],) + cont[:-1]
+                targets_nt[n, :len(cont)] = cont
+                positions_nt[n] += len(ctx) - 1
+            lp_nt, greedy_nt = self._score(
+                self.weights, cache, *(to_device(a, self.mesh)
+                                       for a in (rows_n, tokens_nt, positions_nt, targets_nt)))
+            lp_nt, greedy_nt = to_host(lp_nt), to_host(greedy_nt)
+            for n, (_, i) in enumerate(chunk):
+                k = len(pairs[i][1])
+                out[i] = Score(float(lp_nt[n, :k].astype(np.float64).sum()), k,
+                               bool(greedy_nt[n, :k].all()))
+            if progress is not None:
+                progress(len(chunk))
