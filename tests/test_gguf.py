@@ -484,17 +484,20 @@ def test_serve_takes_the_chat_template_from_the_tokenizer(llamas, tmp_path):
     tokenizer.json (transformers 5 writes it there), --chat-template over both."""
     from ladder_jax.cli import serve
 
+    def template(args, tokenizer):  # as serve's _run: the flag or file first, the tokenizer's
+        return serve._chat_template(args) or serve._tokenizer_template(tokenizer)
+
     _, _, state = llamas["tied"]
     file = write_gguf(tmp_path / "m.gguf", state)
     tok = gguf_tokenizer(file)
-    assert serve._chat_template(serve.parser().parse_args(["--checkpoint", file]), tok) == (
+    assert template(serve.parser().parse_args(["--checkpoint", file]), tok) == (
         tok.chat_template) and "<|im_start|>" in tok.chat_template
     d = _word_tokenizer(tmp_path / "hf")
     (tmp_path / "hf" / "chat_template.jinja").write_text("{{ messages[0].content }}")
     hf_tok = HFTokenizer.from_dir(d)
-    assert serve._chat_template(serve.parser().parse_args(["--checkpoint", d]), hf_tok) == (
+    assert template(serve.parser().parse_args(["--checkpoint", d]), hf_tok) == (
         "{{ messages[0].content }}")
     (tmp_path / "t.jinja").write_text("mine")
     args = serve.parser().parse_args(["--checkpoint", d, "--chat-template",
                                       str(tmp_path / "t.jinja")])
-    assert serve._chat_template(args, hf_tok) == "mine"
+    assert template(args, hf_tok) == "mine"

@@ -21,9 +21,11 @@ ALLOWED = {
     "train": {"train", "model", "interop", "config", "hardware", "runtime"},
     "analysis": {"analysis", "train", "inference", "model", "interop", "config", "hardware",
                  "runtime"},
-    "api": {"api", "analysis", "train", "inference", "model", "interop", "config", "hardware",
+    "evaluation": {"evaluation", "train", "inference", "model", "interop", "config", "hardware",
+                   "runtime"},
+    "api": {"api", "analysis", "evaluation", "train", "inference", "model", "interop", "config", "hardware",
             "runtime"},
-    "experiments": {"experiments", "api", "analysis", "train", "inference", "model", "interop",
+    "experiments": {"experiments", "api", "analysis", "evaluation", "train", "inference", "model", "interop",
                     "config", "hardware", "runtime"},
 }
 LIBRARY = set(ALLOWED)
@@ -58,7 +60,8 @@ def library_modules():
 
 def test_every_library_module_belongs_to_a_part():
     parts = {part(p) for p in ROOT.rglob("*.py")}
-    shims = {"__init__", "decode", "convert", "overlap", "predict", "demo", "serve", "cli"}
+    shims = {"__init__", "decode", "convert", "overlap", "predict", "demo", "serve", "eval",
+             "cli"}
     assert parts - shims <= LIBRARY, parts - shims - LIBRARY
 
 
@@ -71,13 +74,13 @@ def test_nothing_low_imports_anything_high():
 
 
 def test_the_library_never_imports_a_command_line():
-    shims = {"decode", "convert", "overlap", "predict", "demo", "serve"}
+    shims = {"decode", "convert", "overlap", "predict", "demo", "serve", "eval"}
     bad = [str(p.relative_to(ROOT)) for p in library_modules()
            if imported_parts(p) & ({"cli"} | shims)]
     assert not bad, bad
 
 
 def test_entry_point_shims_only_call_their_command_line():
-    for name in ("decode", "convert", "overlap", "predict", "demo"):
+    for name in ("decode", "convert", "overlap", "predict", "demo", "eval"):
         assert imported_parts(ROOT / f"{name}.py") == {"cli"}, name
     assert imported_parts(ROOT / "train" / "__main__.py") == {"cli"}

@@ -54,6 +54,13 @@ API_KEY_ENV = "LADDER_API_KEY"
 MAX_HEADER_BYTES = 16 * 1024  # a request's line and headers (h11's incomplete-event limit)
 
 
+def _distributed() -> bool:
+    """Whether this process joined a `jax.distributed` job (without starting a backend)."""
+    from jax._src import distributed
+
+    return distributed.global_state.client is not None
+
+
 def exit_now(code: int) -> None:
     """Ends the process with `code` once its output is flushed, skipping the interpreter's
     teardown (XLA's client and the model's buffers take seconds to tear down, and a server
@@ -63,7 +70,7 @@ def exit_now(code: int) -> None:
         exit_now(main())   # python -m ladder_jax.serve"""
     sys.stdout.flush()
     sys.stderr.flush()
-    if "jax" in sys.modules and jax.process_count() > 1:
+    if _distributed():  # never asks jax for devices: a start-up error exits before any backend
         sys.exit(code)
     os._exit(code)
 
