@@ -23,10 +23,10 @@ ALLOWED = {
                  "runtime"},
     "evaluation": {"evaluation", "train", "inference", "model", "interop", "config", "hardware",
                    "runtime"},
-    "api": {"api", "analysis", "evaluation", "train", "inference", "model", "interop", "config", "hardware",
-            "runtime"},
-    "experiments": {"experiments", "api", "analysis", "evaluation", "train", "inference", "model", "interop",
-                    "config", "hardware", "runtime"},
+    "api": {"api", "analysis", "evaluation", "train", "inference", "model", "interop", "config",
+            "hardware", "runtime"},
+    "experiments": {"experiments", "api", "analysis", "evaluation", "train", "inference",
+                    "model", "interop", "config", "hardware", "runtime"},
 }
 LIBRARY = set(ALLOWED)
 
