@@ -188,10 +188,15 @@ def _chat_template(args) -> str | None:
             return None
     else:
         return None
+    return _compiled(template, path)
+
+
+def _compiled(template: str, where: str) -> str:
+    """`template` once it compiles; a ConfigError naming `where` and the line otherwise."""
     try:
         compile_chat_template(template)
     except jinja2.TemplateSyntaxError as e:
-        raise ConfigError(f"{path}: the chat template is not valid Jinja (line {e.lineno}: "
+        raise ConfigError(f"{where}: the chat template is not valid Jinja (line {e.lineno}: "
                           f"{e.message})") from None
     return template
 
@@ -281,12 +286,7 @@ def _tokenizer_template(tokenizer) -> str | None:
     template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str):
         return None
-    try:
-        compile_chat_template(template)
-    except jinja2.TemplateSyntaxError as e:
-        raise ConfigError(f"the checkpoint's chat template is not valid Jinja (line {e.lineno}: "
-                          f"{e.message}): give --chat-template") from None
-    return template
+    return _compiled(template, "the checkpoint's tokenizer (give --chat-template)")
 
 
 def _run(args) -> int:
