@@ -117,6 +117,12 @@ def drop_stdout_lines(pattern: re.Pattern) -> None:
             sys.stdout.flush()
         except (OSError, ValueError):
             pass
+        try:  # C and C++ libraries' buffered stdout goes through the filter too
+            import ctypes
+
+            ctypes.CDLL(None).fflush(None)
+        except (OSError, AttributeError):
+            pass
         os.dup2(real, 1)  # the pipe's last write end closes: the thread drains it and ends
         thread.join(timeout=10)
 
@@ -161,13 +167,13 @@ def setup(*, cpu_devices: int | None = None, coordinator: str | None = None,
                 "JAX_PROCESS_ID)")
         if not 0 <= pid < nproc:
             raise ConfigError(f"process id {pid} must be in [0, {nproc})")
+        if cpu:  # first, so that jax's own exit work (registered later, run earlier) is filtered
+            drop_stdout_lines(_GLOO)
         _initialize(jax, addr, nproc, pid)
-        if cpu:
-            drop_stdout_lines(_GLOO)
     elif int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-        jax.distributed.initialize()  # SLURM: everything comes from its environment
         if cpu:
             drop_stdout_lines(_GLOO)
+        jax.distributed.initialize()  # SLURM: everything comes from its environment
     if cpu:
         keep_freed_memory()
     with quiet():
