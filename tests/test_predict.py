@@ -689,3 +689,57 @@ def test_3b_at_tp8_compiles_with_cublas_gemms_where_triton_cannot_tile():
     # fallback; where it does, the program says so)
     assert prog.fallback in (None, "cublas-gemm"), prog.fallback
     assert sum(k.flops > 0 for k in prog.kernels) >= 4
+
+
+# ---------------------------------------------------------------------------------------------
+# A scheme above upper_bound (issue: parallel at 1.70x standard on A100s at tp 8, above
+# upper_bound's 1.35x).
+
+
+def _work_row(residual, tokens_per_s, hbm, flops=1e9, kernels=100):
+    return {"residual": residual, "link": "nvlink", "tp": 8, "batch": 1, "new_tokens": 4,
+            "tokens_per_s": tokens_per_s, "prefill_hbm_bytes": 4 * hbm, "prefill_flops": flops,
+            "decode_step_hbm_bytes": hbm, "decode_step_flops": flops,
+            "decode_step_kernels_full": kernels, "weights_bytes": 1e9}
+
+
+def test_above_upper_bound_is_explained_by_less_work_or_called_a_defect():
+    ub = _work_row("upper_bound", 100.0, 2e9)
+    rows = perfmodel.mark_above_upper_bound([
+        _work_row("standard", 80.0, 2e9), ub, _work_row("parallel", 120.0, 1e9, kernels=90),
+        _work_row("ladder", 110.0, 2e9)])
+    notes = {r["residual"]: r.get("above_upper_bound") for r in rows}
+    assert notes["standard"] is None and notes["upper_bound"] is None
+    # (4 x 1e9 + 3 x 1e9) / 4 tokens = 1.75 GB per token against 3.5 GB; 90 against 100 kernels
+    assert "predicted 1.20x upper_bound" in notes["parallel"]
+    assert "HBM 1.75 vs 3.5 GB" in notes["parallel"] and "90 vs 100 kernels" in notes["parallel"]
+    assert "GFLOP" not in notes["parallel"]  # the same FLOPs: not listed as less
+    assert "no less work: a costing defect" in notes["ladder"]
+
+
+def test_a100_no_scheme_above_upper_bound_unless_its_program_does_less_work():
+    """llama-2-7b's widths at tp 8 on A100s, two layers compiled whole. Standard-shaped layers
+    (upper_bound's) project q/k/v with a [4096, 1536] weight per GPU, which XLA lowers as a
+    multiply and a reduction (too small to rewrite as a GEMM) that writes a weight-sized
+    product; parallel's single input projection is one GEMM. Whatever XLA does, a row above
+    upper_bound must say so, with less HBM traffic than upper_bound in its programs, and no
+    decode step moves less than its layers' and head's weight shards (from the shapes)."""
+    cfg = dataclasses.replace(lj.ModelConfig.from_preset("llama-2-7b"), n_layers=2,
+                              vocab_size=4096)
+    rows = perfmodel.predict(cfg, tp=8, batch=1, links=("nvlink",), target="a100",
+                             residuals=("parallel", "upper_bound"), prompt_len=16,
+                             new_tokens=16, layers_compiled=0)
+    by = {r["residual"]: r for r in rows}
+    ub, par = by["upper_bound"], by["parallel"]
+    d, f, hd = cfg.d_model, cfg.d_ff, cfg.d_model // cfg.n_heads
+    layer = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * f  # q, o, k, v; MLP
+    least = 2 * (cfg.n_layers * layer + d * cfg.vocab_size) / 8  # bf16, layers and head
+    for r in (ub, par):
+        assert r["decode_step_hbm_bytes"] >= least, (r["residual"], least)
+    if par["tokens_per_s"] <= ub["tokens_per_s"]:
+        assert "above_upper_bound" not in par
+    else:
+        assert "costing defect" not in par["above_upper_bound"]
+        assert par["decode_step_hbm_bytes"] < ub["decode_step_hbm_bytes"]
+        assert "HBM" in par["above_upper_bound"], par["above_upper_bound"]
+    assert "above_upper_bound" not in ub

@@ -134,7 +134,8 @@ def main(argv=None) -> int:
               f"{'' if args.no_contention else ', with contention'}; predicted in "
               f"{time.perf_counter() - t0:.0f} s")
         print(format_table(rows))
-        for s in (memory_note(rows), summary(rows)):
+        for s in (memory_note(rows), summary(rows), *sorted({r["above_upper_bound"] for r in rows
+                                                            if r.get("above_upper_bound")})):
             if s:
                 print(s)
     return 0
