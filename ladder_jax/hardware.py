@@ -120,7 +120,8 @@ class Link:
     prints as "busbw" for large messages; the latencies are its small-message times. A tree
     all-reduce takes 2*ceil(log2 p) steps instead of 2(p-1). `channels`: how many NCCL
     channels (one thread block, i.e. one SM, each) a large collective runs on
-    (`Contention`). An inter-host link's figures are per GPU (one NIC each)."""
+    (`Contention`). An inter-host link's figures are per GPU (one NIC each). `hw`: the class
+    of link in NCCL's tables (`NcclTuning`)."""
 
     name: str
     description: str
@@ -129,6 +130,7 @@ class Link:
     bus_bytes_per_s: float
     sources: str
     channels: int = 24
+    hw: str = "nvlink"  # NCCL's class of the link: nvlink, pci (P2P off: through host memory), net
 
 
 LINKS = {
@@ -144,7 +146,7 @@ LINKS = {
     "pcie": Link(
         "pcie", "PCIe Gen5 x16, NCCL peer-to-peer disabled (NCCL_P2P_DISABLE=1): every ring "
         "step goes GPU -> pinned host memory -> GPU (NCCL's SHM transport)",
-        base_latency_s=6.6e-6, hop_latency_s=2.0e-6, bus_bytes_per_s=25e9, channels=4,
+        base_latency_s=6.6e-6, hop_latency_s=2.0e-6, bus_bytes_per_s=25e9, channels=4, hw="pci",
         sources="latencies: NCCL's cost model (src/graph/tuning.cc: ring/LL base 6.6 us, "
                 "1.0 us per PCI step), counted twice per step since each step crosses PCIe "
                 "twice through host memory; bus bandwidth: PCIe 5.0 x16 is 63 GB/s per "
@@ -170,6 +172,7 @@ A100_LINKS = {  # the same two interconnects one generation earlier
         "pcie", "PCIe Gen4 x16, NCCL peer-to-peer disabled (NCCL_P2P_DISABLE=1): every ring "
         "step goes GPU -> pinned host memory -> GPU (NCCL's SHM transport)",
         base_latency_s=6.6e-6, hop_latency_s=2.0e-6, bus_bytes_per_s=12.5e9, channels=4,
+        hw="pci",
         sources="latencies: as the Gen5 entry (NCCL's cost model, 1.0 us per PCI step, twice "
                 "per step through host memory); bus bandwidth: PCIe 4.0 x16 is 31.5 GB/s per "
                 "direction (PCI-SIG PCIe 4.0 base specification, 16 GT/s x 16 lanes, "
@@ -181,6 +184,7 @@ INTER_HOST = {  # one NIC per GPU (rail-optimized DGX/HGX clusters); figures per
         "ib-ndr", "InfiniBand NDR 400 Gb/s, one ConnectX-7 NIC per GPU (DGX/HGX H100 "
         "clusters), GPUDirect RDMA",
         base_latency_s=6.6e-6, hop_latency_s=2.7e-6, bus_bytes_per_s=45e9, channels=16,
+        hw="net",
         sources="latency per inter-host step: NCCL's cost model (src/graph/tuning.cc: network "
                 "ring/LL latency 2.7 us per step, base 6.6 us); bandwidth: NDR is 400 Gb/s = "
                 "50 GB/s per direction per NIC (NVIDIA ConnectX-7 datasheet); perftest "
@@ -190,10 +194,60 @@ INTER_HOST = {  # one NIC per GPU (rail-optimized DGX/HGX clusters); figures per
         "ib-hdr", "InfiniBand HDR 200 Gb/s, one ConnectX-6 NIC per GPU (DGX/HGX A100 "
         "clusters), GPUDirect RDMA",
         base_latency_s=6.6e-6, hop_latency_s=2.7e-6, bus_bytes_per_s=22.5e9, channels=16,
+        hw="net",
         sources="latency: NCCL's cost model as above; bandwidth: HDR is 200 Gb/s = 25 GB/s per "
                 "direction per NIC (NVIDIA ConnectX-6 datasheet), ~90% reached per NIC by "
                 "perftest / nccl-tests across DGX A100 nodes (~22.5 GB/s)"),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class NcclTuning:
+    """NCCL's own cost model, with which it picks an algorithm (ring, tree) and a protocol
+    (LL, LL128, Simple) for each collective by message size and topology: every pair's time
+    is `latency + bytes / bandwidth` and the fastest runs. `perfmodel.nccl_seconds` applies it
+    to tp groups that span hosts (`--algorithm nccl`, the default). Latencies are NCCL's
+    figures for its reference hardware; a link's own `hop_latency_s` (its ring/LL step)
+    rescales those of its class, so a calibrated link moves all three protocols."""
+
+    base_latency_s: dict  # (algorithm, protocol) -> seconds per collective
+    step_latency_s: dict  # (link class, algorithm, protocol) -> seconds per step
+    net_overhead_s: float  # the proxy's post per ring step across hosts (three for Simple)
+    ll_bus_bytes_per_s: dict  # hosts (2, or 3 for more) -> LL's bus bandwidth cap
+    protocol_share: dict  # (algorithm, protocol) -> share of the link's bus bandwidth
+    ring_plateau: float  # Simple ring latency factor across hosts beyond 64 B per channel-rank
+    sources: str
+
+
+_PROTOCOLS = ("LL", "LL128", "Simple")
+
+
+def _table(**rows) -> dict:
+    return {(*k.split("_"), p): v * 1e-6 for k, vs in rows.items() for p, v in zip(_PROTOCOLS, vs)}
+
+
+NCCL = NcclTuning(
+    base_latency_s=_table(tree=(6.8, 14.0, 8.4), ring=(6.6, 14.0, 8.4)),
+    step_latency_s=_table(nvlink_tree=(0.6, 1.25, 4.0), nvlink_ring=(0.6, 1.9, 3.4),
+                          pci_tree=(1.0, 1.9, 4.0), pci_ring=(1.0, 2.5, 5.7),
+                          net_tree=(5.0, 8.5, 14.0), net_ring=(2.7, 4.0, 14.0)),
+    net_overhead_s=1.0e-6, ll_bus_bytes_per_s={2: 39.0e9, 3: 20.4e9},
+    protocol_share={("ring", "LL"): 0.5, ("ring", "LL128"): 0.92, ("ring", "Simple"): 1.0,
+                    ("tree", "LL"): 0.92 / 3.8, ("tree", "LL128"): 0.92 * 120 / 128,
+                    ("tree", "Simple"): 0.92},
+    ring_plateau=1.4,
+    sources="NCCL's tuning model, src/graph/tuning.cc of NVIDIA/nccl (master, 2026): base "
+            "latencies (tree 6.8 / 14.0 / 8.4 us, ring 6.6 / 14.0 / 8.4 us for LL / LL128 / "
+            "Simple), per-step hardware latencies (NVLink tree 0.6 / 1.25 / 4.0, ring 0.6 / "
+            "1.9 / 3.4; PCI tree 1.0 / 1.9 / 4.0, ring 1.0 / 2.5 / 5.7; network tree 5.0 / 8.5 / "
+            "14, ring 2.7 / 4.0 / 14 us), the network overhead per inter-host ring step (1 us "
+            "on Intel hosts, x3 for Simple), LL's bandwidth cap across hosts (llMaxBws, Intel: "
+            "39.0 GB/s on 2 nodes, 20.4 on more), the protocol shares (ring LL x0.5, LL128 "
+            "x0.92; tree x0.92, LL /3.8, LL128 x120/128 across nodes), the tree's "
+            "2((g-1) intra + log2(hosts) inter) latency and its 0.5 algorithm-bandwidth ratio, "
+            "and the Simple ring's 1.4x latency plateau across nodes (sm80 and later). Left "
+            "out: the tree's size correction table, NVLS/CollNet (need NVLink SHARP / "
+            "in-network reduction), per-channel caps. No end-to-end throughput was used")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,6 +333,7 @@ class Calibration:
     inter_host: Link
     contention: Contention
     source: str = "hardware.py (public figures)"
+    nccl: NcclTuning = NCCL
 
     def replace(self, **sections) -> Calibration:
         """A copy with `chip`, `efficiency`, `inter_host`, `contention` fields replaced (a dict
@@ -327,7 +382,7 @@ def _replaced(obj, fields, where: str):
         raise ValueError(f"{where} must be an object of fields")
     known = {f.name: f for f in dataclasses.fields(obj)}
     for k, v in fields.items():
-        if k not in known or k in ("name", "device_kind", "arch"):
+        if k not in known or k in ("name", "device_kind", "arch", "hw"):
             raise ValueError(f"{where}: unknown field {k!r}")
         if k in ("description", "sources"):
             continue

@@ -743,3 +743,84 @@ def test_a100_no_scheme_above_upper_bound_unless_its_program_does_less_work():
         assert par["decode_step_hbm_bytes"] < ub["decode_step_hbm_bytes"]
         assert "HBM" in par["above_upper_bound"], par["above_upper_bound"]
     assert "above_upper_bound" not in ub
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives across hosts as NCCL times and picks them (hardware.NCCL, perfmodel.nccl_seconds).
+
+NV = hardware.Link("nv", "", base_latency_s=0, hop_latency_s=0.6e-6, bus_bytes_per_s=400e9,
+                   sources="")
+NET = hardware.Link("ib", "", base_latency_s=0, hop_latency_s=2.7e-6, bus_bytes_per_s=50e9,
+                    sources="", channels=16, hw="net")
+
+
+def test_nccl_picks_the_tree_for_tiny_messages_across_hosts():
+    # 16 ranks on 2 hosts, nothing to move: every (algorithm, protocol) by NCCL's figures, us
+    ring = {"LL": 6.6 + 28 * max(0.6, 1.0) + 2 * 2.7,  # an intra step waits the net overhead
+            "LL128": 14.0 + 28 * 1.9 + 2 * 4.0, "Simple": 8.4 + 28 * 3.4 + 2 * 14.0}
+    tree = {"LL": 6.8 + 2 * (7 * 0.6 + 1 * 5.0), "LL128": 14.0 + 2 * (7 * 1.25 + 8.5),
+            "Simple": 8.4 + 2 * (7 * 4.0 + 14.0)}
+    assert min([*ring.values(), *tree.values()]) == tree["LL"] == pytest.approx(25.2)
+    s, how = perfmodel.nccl_seconds("all-reduce", 0, 16, NV, hosts=2, inter_host=NET)
+    assert (s, how) == (pytest.approx(25.2e-6, rel=1e-12), "tree/LL")
+    # an all-gather has no tree: the ring's LL
+    s, how = perfmodel.nccl_seconds("all-gather", 0, 16, NV, hosts=2, inter_host=NET)
+    assert (s, how) == (pytest.approx((6.6 + 14 * 1.0 + 1 * 2.7) * 1e-6, rel=1e-12), "ring/LL")
+    # one GPU per host: the ring's network steps take the tree's network latency (NCCL, ppn 1)
+    s, how = perfmodel.nccl_seconds("all-reduce", 0, 4, NV, hosts=4, inter_host=NET)
+    assert min(6.6 + 6 * 5.0, 6.8 + 2 * 2 * 5.0) == 26.8
+    assert (s, how) == (pytest.approx(26.8e-6, rel=1e-12), "tree/LL")
+
+
+def test_nccl_large_messages_pay_the_protocol_share_of_the_hierarchy_bandwidth():
+    n = 64e6  # 16 ranks on 2 hosts: the NVLink level bounds (280 us against 160 us on IB)
+    bw = max(2 * n * 7 / 8 / 400e9, 2 * (n / 8) / 2 / 50e9)
+    assert bw == pytest.approx(280e-6)
+    want = {"ring/Simple": (8.4 + 28 * 3.4 + 2 * 14.0) * 1.4e-6 + bw,  # the ring's plateau
+            "ring/LL128": (14.0 + 28 * 1.9 + 2 * 4.0) * 1e-6 + bw / 0.92,
+            "tree/LL128": (14.0 + 2 * (7 * 1.25 + 8.5)) * 1e-6 + bw * (2 / 1.875) / (
+                0.92 * 120 / 128),
+            "tree/Simple": (8.4 + 2 * (7 * 4.0 + 14.0)) * 1e-6 + bw * (2 / 1.875) / 0.92,
+            "ring/LL": (6.6 + 28 + 5.4) * 1e-6 + n * 1.875 / 39e9}  # LL's cap across hosts
+    best = min(want, key=want.get)
+    s, how = perfmodel.nccl_seconds("all-reduce", n, 16, NV, hosts=2, inter_host=NET)
+    assert (s, how) == (pytest.approx(want[best], rel=1e-12), best) and best == "ring/LL128"
+    # a PCIe (P2P off) host: NCCL's PCI step latencies, scaled by the link's own ring/LL step
+    pci = dataclasses.replace(NV, hop_latency_s=2.0e-6, hw="pci", bus_bytes_per_s=25e9)
+    s, how = perfmodel.nccl_seconds("all-reduce", 0, 16, pci, hosts=2, inter_host=NET)
+    assert (s, how) == (pytest.approx((6.8 + 2 * (7 * 2.0 + 5.0)) * 1e-6, rel=1e-12), "tree/LL")
+
+
+def test_nccl_collectives_never_faster_with_more_bytes_hosts_or_slower_links():
+    cal = hardware.calibration("h100")
+    sizes = [0, 1e3, 16e3, 64e3, 256e3, 1e6, 4e6, 32e6, 256e6, 1e9]
+    for coll in ("all-reduce", "all-gather", "reduce-scatter"):
+        for link in cal.links.values():
+            last_hosts = None
+            # 16 ranks, 16 / hosts GPUs on each (one host: within it, the link's ring)
+            for hosts in (2, 4, 8, 16):
+                times = []
+                for n in sizes:
+                    k = perfmodel.Kernel("start", "x", nbytes=n, collective=coll, ranks=16,
+                                         hosts=hosts)
+                    [t] = perfmodel.costed([k], calibration=cal, link=link, contention=False)
+                    times.append(t.seconds)
+                assert times == sorted(times), (coll, link.name, hosts, times)
+                if last_hosts and link.name == "nvlink":  # (P2P off, a host's own PCIe path
+                    # is slower than the network: spreading over more hosts may then help)
+                    assert all(a >= b for a, b in zip(times, last_hosts)), (coll, link.name,
+                                                                             hosts)
+                last_hosts = times
+            for n in sizes:  # a slower link (either level) never makes it faster
+                base = perfmodel.nccl_seconds(coll, n, 16, link, hosts=2,
+                                              inter_host=cal.inter_host)[0]
+                for scale in (0.5, 0.1):
+                    slow = dataclasses.replace(link, bus_bytes_per_s=link.bus_bytes_per_s * scale,
+                                               hop_latency_s=link.hop_latency_s / scale)
+                    slow_net = dataclasses.replace(
+                        cal.inter_host, bus_bytes_per_s=cal.inter_host.bus_bytes_per_s * scale,
+                        hop_latency_s=cal.inter_host.hop_latency_s / scale)
+                    assert perfmodel.nccl_seconds(coll, n, 16, slow, hosts=2,
+                                                  inter_host=cal.inter_host)[0] >= base
+                    assert perfmodel.nccl_seconds(coll, n, 16, link, hosts=2,
+                                                  inter_host=slow_net)[0] >= base

@@ -29,6 +29,8 @@ from ladder_jax.analysis import hlo, programs
 from ladder_jax.config import RESIDUALS
 from ladder_jax.model import sharding
 
+ALGORITHMS = ("nccl", "ring", "tree")  # how collectives are timed (`costed`)
+
 
 class PredictError(ValueError):
     """Arguments the model cannot run with; the message says what to use instead."""
@@ -249,6 +251,55 @@ def collective_seconds(collective: str, nbytes: float, ranks: int, link: hardwar
                   nbytes / g * inter / inter_host.bus_bytes_per_s))
 
 
+def nccl_seconds(collective: str, nbytes: float, ranks: int, link: hardware.Link, *,
+                 hosts: int, inter_host: hardware.Link,
+                 tuning: hardware.NcclTuning = hardware.NCCL) -> tuple[float, str]:
+    """(seconds, "algorithm/protocol") of one collective over `ranks` GPUs on `hosts` > 1 hosts
+    as NCCL's cost model (`hardware.NcclTuning`) times and picks it: ring or (all-reduce) tree,
+    each in LL, LL128 and Simple; the fastest. The bandwidth term is the hierarchy's
+    (`collective_seconds`) divided by the protocol's share of the bus; a tree moves 2n bytes
+    per rank. Step latencies are NCCL's for the link's class, rescaled by the link's own
+    ring/LL step (`hop_latency_s`); a ring step within a host waits at least the network
+    overhead, since every step of a ring that crosses hosts goes through the proxy."""
+    g = ranks // hosts
+    ring_bw = collective_seconds(collective, nbytes, ranks,
+                                 dataclasses.replace(link, base_latency_s=0, hop_latency_s=0),
+                                 hosts=hosts, inter_host=dataclasses.replace(
+                                     inter_host, base_latency_s=0, hop_latency_s=0))
+    steps, traffic = _ring(collective, ranks, "ring")
+    inter_steps = _ring(collective, hosts, "ring")[0]
+    base, step, share = tuning.base_latency_s, tuning.step_latency_s, tuning.protocol_share
+
+    def lat(which: hardware.Link, algo: str, proto: str) -> float:
+        ll = step[(which.hw, "ring", "LL")]
+        return step[(which.hw, algo, proto)] * (which.hop_latency_s / ll if ll else 1.0)
+
+    ll_cap = tuning.ll_bus_bytes_per_s[min(hosts, 3)]
+    options = []
+    for proto in ("LL", "LL128", "Simple"):
+        intra = max(lat(link, "ring", proto),
+                    tuning.net_overhead_s * (3 if proto == "Simple" else 1))
+        inter = lat(inter_host, "tree" if g == 1 else "ring", proto)
+        latency = (base[("ring", proto)] + (steps - inter_steps) * intra
+                   + inter_steps * inter)
+        if (proto == "Simple" and collective == "all-reduce"
+                and nbytes / (inter_host.channels * ranks) >= 64):
+            latency *= tuning.ring_plateau
+        moved = ring_bw / share[("ring", proto)]
+        if proto == "LL":
+            moved = max(moved, nbytes * traffic / ll_cap)
+        options.append((latency + moved, f"ring/{proto}"))
+        if collective == "all-reduce":
+            latency = base[("tree", proto)] + 2 * (
+                (g - 1) * lat(link, "tree", proto)
+                + math.ceil(math.log2(hosts)) * lat(inter_host, "tree", proto))
+            moved = ring_bw * (2 / traffic) / share[("tree", proto)]
+            if proto == "LL":
+                moved = max(moved, 2 * nbytes / ll_cap)
+            options.append((latency + moved, f"tree/{proto}"))
+    return min(options)
+
+
 def bus_bytes(collective: str, nbytes: float, ranks: int, algorithm: str = "ring") -> float:
     """Bytes one GPU sends for a collective (what its copies move)."""
     return nbytes * _ring(collective, ranks, algorithm)[1]
@@ -272,8 +323,11 @@ class Timed:
 
 
 def costed(kernels, *, calibration: hardware.Calibration, link: hardware.Link,
-           algorithm: str = "ring", contention: bool = True) -> list[Timed]:
-    """What `simulate` replays: every kernel timed with `calibration` (intra-host `link`)."""
+           algorithm: str = "nccl", contention: bool = True) -> list[Timed]:
+    """What `simulate` replays: every kernel timed with `calibration` (intra-host `link`).
+    `algorithm`: "nccl" times a collective whose group spans hosts as NCCL picks it
+    (`nccl_seconds`) and one within a host as a ring; "ring" / "tree": that everywhere
+    (`collective_seconds`)."""
     cal, out = calibration, []
     chip, eff, con = cal.chip, cal.efficiency, cal.contention
     for k in kernels:
@@ -284,8 +338,14 @@ def costed(kernels, *, calibration: hardware.Calibration, link: hardware.Link,
         elif k.kind == "done":
             out.append(Timed("done", k.name, 0.0, k.layer))
         else:
-            s = collective_seconds(k.collective, k.nbytes, k.ranks, link, algorithm,
-                                   hosts=k.hosts, inter_host=cal.inter_host)
+            if algorithm == "nccl" and k.hosts > 1 and k.collective in (
+                    "all-reduce", "all-gather", "reduce-scatter"):
+                s = nccl_seconds(k.collective, k.nbytes, k.ranks, link, hosts=k.hosts,
+                                 inter_host=cal.inter_host, tuning=cal.nccl)[0]
+            else:
+                s = collective_seconds(k.collective, k.nbytes, k.ranks, link,
+                                       "ring" if algorithm == "nccl" else algorithm,
+                                       hosts=k.hosts, inter_host=cal.inter_host)
             sm = hbm = 0.0
             if contention and s > 0:
                 channels = min(link.channels, max(1, math.ceil(k.nbytes / con.bytes_per_channel)))
@@ -458,7 +518,7 @@ def program_time(config, *, phase: str, tp: int, batch: int, prompt_len: int, ne
                  target: str = "h100", link: hardware.Link,
                  efficiency: hardware.Efficiency | None = None,
                  calibration: hardware.Calibration | None = None, hosts: int = 1,
-                 layers_compiled: int = 4, algorithm: str = "ring",
+                 layers_compiled: int = 4, algorithm: str = "nccl",
                  contention: bool = True) -> dict:
     """Predicted seconds, compute seconds and exposed communication of one program."""
     cal = calibration or hardware.calibration(target)
@@ -515,7 +575,7 @@ class Sweep:
     hosts: int | None = None
     gpus_per_host: int = 8
     layers_compiled: int = 4
-    algorithm: str = "ring"
+    algorithm: str = "nccl"
     contention: bool = True
     calibration: hardware.Calibration | None = None
 
@@ -541,8 +601,9 @@ class Sweep:
             if r not in RESIDUALS:
                 raise PredictError(f"unknown residual {r!r}: choose one of "
                                    f"{', '.join(RESIDUALS)} or all")
-        if self.algorithm not in ("ring", "tree"):
-            raise PredictError(f"unknown algorithm {self.algorithm!r}: choose ring or tree")
+        if self.algorithm not in ALGORITHMS:
+            raise PredictError(f"unknown algorithm {self.algorithm!r}: choose one of "
+                               f"{', '.join(ALGORITHMS)}")
         check_layers_compiled(self.layers_compiled)
         ints = [("prompt_len" if phase == "generate" else "seq_len", self.prompt_len),
                 ("gpus_per_host", self.gpus_per_host)]

@@ -79,7 +79,9 @@ def parser() -> argparse.ArgumentParser:
                         "real GPU; replaces the public figures it names")
     p.add_argument("--no-contention", action="store_true",
                    help="collectives in flight take nothing from the kernels beside them")
-    p.add_argument("--algorithm", default="ring", help="all-reduce algorithm: ring or tree")
+    p.add_argument("--algorithm", default="nccl",
+                   help="collectives: nccl (across hosts NCCL's own choice of ring or tree and "
+                        "protocol, hardware.NCCL; one host: ring), or ring or tree everywhere")
     p.add_argument("--layers-compiled", type=int, default=4,
                    help="compile this many layers and one fewer, extend to full depth "
                         "(0: compile all)")
