@@ -5,9 +5,10 @@
 
 Chip figures are the vendors' dense spec-sheet numbers (H100 / H800 / H200 / A100 / B200 /
 L40S datasheets and the Hopper and Ampere whitepapers); `TARGETS` are the chips with an `arch`
-for `gpu_target_config`. `EFFICIENCY`, `LINKS` (NVLink, PCIe), `INTER_HOST` (InfiniBand) and
-`CONTENTION` each name their public source. None is fitted to a measured end-to-end
-throughput of any model. How to set them for a cluster: docs/analysis.md#calibration.
+for `gpu_target_config`. `EFFICIENCY`, `LINKS` (NVLink, PCIe), `INTER_HOST` (InfiniBand),
+`NCCL` (NCCL's tuning model) and `CONTENTION` each name their public source. None is fitted
+to a measured end-to-end throughput of any model. How to set them for a cluster:
+docs/analysis.md#calibration.
 """
 
 from __future__ import annotations

@@ -6,10 +6,11 @@ compiles for them.
 
 Compile the decoder's prefill and one-token step deviceless (`programs`), read the scheduled
 ENTRY computation (`hlo`), cost each kernel as a roofline plus a fixed overhead and each
-collective with the link's ring model (hierarchical across hosts), then replay the compute and
-collective streams exactly as scheduled (`simulate`), with contention. 3- and 4-layer compiles
-are extended linearly to full depth. The calibration is `ladder_jax.hardware`, never fitted to
-a measured model throughput. Method, flags and what it leaves out: docs/analysis.md.
+collective with the link's ring model (across hosts as NCCL's tuner times and picks it), then
+replay the compute and collective streams exactly as scheduled (`simulate`), with contention.
+3- and 4-layer compiles are extended linearly to full depth. The calibration is
+`ladder_jax.hardware`, never fitted to a measured model throughput. Method, flags and what it
+leaves out: docs/analysis.md.
 """
 
 from __future__ import annotations
