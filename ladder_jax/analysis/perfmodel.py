@@ -61,6 +61,7 @@ class Kernel:
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
          "replica-id", "opt-barrier", "after-all", "add-dependency", "domain", "iota"}
 _SLICES = {"dynamic-slice", "slice", "gather"}
+_IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # operand 0 updated in place: the update
 
 
 def _flops(module: hlo.Module, comp: str) -> float:
@@ -95,7 +96,7 @@ def _fusion_cost(module: hlo.Module, op: hlo.Op) -> tuple[float, float]:
         uses = _through_bitcasts(params[k].name, users)
         if uses and all(u.opcode in _SLICES and pos == 0 for u, pos in uses):
             nbytes += sum(hlo.nbytes(u.shape) for u, _ in uses)
-        elif uses and all(u.opcode == "dynamic-update-slice" and pos == 0 for u, pos in uses):
+        elif uses and all(u.opcode in _IN_PLACE and pos == 0 for u, pos in uses):
             pass  # the buffer updated in place: only the update moves (counted as output)
         else:
             nbytes += hlo.nbytes(module.op("ENTRY", name).shape)
@@ -104,8 +105,8 @@ def _fusion_cost(module: hlo.Module, op: hlo.Op) -> tuple[float, float]:
     for o in outs:
         while o.opcode == "bitcast":
             o = module.op(comp, o.operands[0])
-        if o.opcode == "dynamic-update-slice":
-            nbytes += hlo.nbytes(module.op(comp, o.operands[1]).shape)
+        if o.opcode in _IN_PLACE:  # the update: a dynamic-update-slice's 1, a scatter's 2
+            nbytes += hlo.nbytes(module.op(comp, o.operands[_IN_PLACE[o.opcode]]).shape)
         else:
             nbytes += hlo.nbytes(o.shape)
     return flops, nbytes
@@ -669,6 +670,8 @@ def predict(config, sweep: Sweep | None = None, *, jobs: int | None = None, prog
     `efficiency` / `link_overrides` replace calibration figures (e.g.
     link_overrides=dict(bus_bytes_per_s=300e9) for every link). `progress(done, total,
     eta_s[, stage])`: compiling (`compile_all`), then stage "costing" per row."""
+    from ladder_jax.analysis import roofline  # it reads programs through this module
+
     sweep = _sweep(sweep, efficiency, link_overrides, **fields)
     sweep.check(config)
     pool_fraction()  # a bad XLA_PYTHON_CLIENT_MEM_FRACTION before anything compiles
@@ -697,7 +700,10 @@ def predict(config, sweep: Sweep | None = None, *, jobs: int | None = None, prog
             step = program_time(cfg, phase="decode", **kw)
             rows.append({**_row(cfg, sweep, t, b, link_name, pre, step), **decode_memory(
                 cfg, tp=t, batch=b, prompt_len=sweep.prompt_len, new_tokens=sweep.new_tokens,
-                target=sweep.target, hosts=sweep.hosts_for(t))})
+                target=sweep.target, hosts=sweep.hosts_for(t)), **roofline.roofline_fields(
+                cfg, tp=t, batch=b, **shape, hosts=sweep.hosts_for(t),
+                layers_compiled=sweep.layers_compiled, decode_step_s=step["seconds"],
+                calibration=sweep.calibration)})
     if progress:
         progress(n, n, None, "costing")
     return mark_above_upper_bound(rows)

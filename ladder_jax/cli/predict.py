@@ -23,6 +23,7 @@ import time
 import jax
 
 from ladder_jax import hardware, runtime
+from ladder_jax.analysis import roofline
 from ladder_jax.analysis.perfmodel import (
     PredictError,
     Sweep,
@@ -136,6 +137,7 @@ def main(argv=None) -> int:
               f"{'' if args.no_contention else ', with contention'}; predicted in "
               f"{time.perf_counter() - t0:.0f} s")
         print(format_table(rows))
+        print(roofline.format_table(rows))
         for s in (memory_note(rows), summary(rows), *sorted({r["above_upper_bound"] for r in rows
                                                             if r.get("above_upper_bound")})):
             if s:

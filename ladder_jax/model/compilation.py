@@ -34,6 +34,13 @@ def compiler_options(platform: str, program: str = "any") -> dict[str, Any]:
       (the last layers' weight gathers fill the slots); with eight, all but the last.
       Decode and prefill programs hold fewer collectives at once and compile the same at 4
       and 8.
+    - `xla_disable_hlo_passes=GPU_KEEP_DOTS_PASS`: keep one-row matmuls (a decode step at
+      batch 1: the activation is a vector) as matmul kernels. XLA:GPU rewrites such a dot
+      below about 10M multiply-adds (a tp block of q/k/v/o or down, every int8 k/v) into a
+      multiply and a reduce, and fuses the multiply into a kernel that writes the
+      weight-sized product back to HBM for the reduce to read (an int8 weight's product in
+      bf16: 4x its bytes). Kept as matmuls, a step reads each weight once
+      (`ladder_jax.analysis.roofline`, docs/analysis.md#the-roofline-report).
     CPU (XLA:CPU runs collectives synchronously: CPU runs prove numerics, never overlap):
     - `xla_disable_hlo_passes=CPU_KEEP_BARRIERS_PASS`: keep `tie`'s optimization barriers
       through fusion, as XLA:GPU does. See `CPU_KEEP_BARRIERS_PASS` for why the ladder's
@@ -50,6 +57,7 @@ def compiler_options(platform: str, program: str = "any") -> dict[str, Any]:
             "xla_gpu_enable_latency_hiding_scheduler": True,
             "xla_gpu_all_reduce_combine_threshold_bytes": 0,
             "xla_gpu_experimental_parallel_collective_overlap_limit": 8,
+            "xla_disable_hlo_passes": GPU_KEEP_DOTS_PASS,
         }
     if platform == "cpu":
         opts = {"xla_disable_hlo_passes": CPU_KEEP_BARRIERS_PASS}
@@ -58,6 +66,12 @@ def compiler_options(platform: str, program: str = "any") -> dict[str, Any]:
             opts.update({k: v for k, v in CPU_TRAIN_OPTIONS.items() if f"--{k}" not in flags})
         return opts
     return {}
+
+
+# XLA:GPU's pass that rewrites a matmul with a vector operand into multiply + reduce when it is
+# small (under 10M multiply-adds) or Triton cannot tile it (its registered name; an unknown name
+# is silently ignored: tests/test_roofline.py notices, as the decode step's bytes rise).
+GPU_KEEP_DOTS_PASS = "dot-strength-reduction"
 
 
 # XLA:CPU's options for training steps. This jaxlib hands dots, elementwise ops and reductions

@@ -33,6 +33,7 @@ from ladder_jax.model.collectives import (  # noqa: F401
 from ladder_jax.model.compilation import (  # noqa: F401
     CPU_KEEP_BARRIERS_PASS,
     CPU_TRAIN_OPTIONS,
+    GPU_KEEP_DOTS_PASS,
     compiler_options,
     jit,
 )

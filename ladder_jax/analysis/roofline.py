@@ -1,0 +1,182 @@
+"""The decode step against the HBM roofline: bytes and kernels per layer of the compiled
+program, against the least a step must move.
+
+    r = layer_report(config, tp=8, batch=1, prompt_len=1024, new_tokens=512, target="h100")
+    r["bytes_vs_minimum"], r["kernels_per_layer"]
+
+At one token per row a decode step is memory bound: it must read each weight shard of the GPU
+once and the KV cache once, and anything else it reads or writes (a weight-sized product
+written and read back, an int8 weight converted to a float copy) is waste. A layer's bytes and
+kernels are the difference between compiles of `d` and `d - 1` layers (`perfmodel`'s depths),
+so the embedding, head and sampling drop out; its minimum is the layer's weight blocks as one
+GPU reads them (int8 values and their scales; the fused input projection where decoding fuses
+it) plus its slice of the KV cache. Invariant: `bytes_vs_minimum >= 1` up to the few bytes of
+activations and norms a layer cannot avoid. See docs/analysis.md#the-roofline-report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from flax import nnx
+
+from ladder_jax import hardware
+from ladder_jax.analysis import perfmodel, programs
+
+
+def _device_bytes(x) -> int:
+    return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+
+
+@functools.lru_cache(maxsize=64)
+def layer_minimum(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int,
+                  target: str = "h100", hosts: int = 1) -> dict:
+    """Bytes one GPU must read per layer of a decode step: `weights_bytes` (layer 0's weights
+    as decoding holds them, a replicated kv head counted once: the one the GPU reads) and
+    `kv_cache_bytes` (the layer's K and V blocks of the cache, prompt + new tokens)."""
+    from ladder_jax.inference import generation
+    from ladder_jax.model.linear import Linear
+    from ladder_jax.model.transformer import abstract, fuse_inputs
+
+    mesh = programs.gpu_mesh(target, tp, hosts=hosts)
+    config = dataclasses.replace(config, n_layers=1)
+    model = fuse_inputs(nnx.merge(*abstract(config, mesh)))
+    layer = model.layers[0]
+    weights = 0
+    for _, node in nnx.iter_graph(layer):
+        if not isinstance(node, Linear):
+            continue
+        share = node.kv_heads[0] if node.kv_heads else 1  # the rank reads one of its heads
+        for v in (node.weight, node.scale):
+            if v is not None:
+                weights += _device_bytes(v.get_value()) // share
+    linear_ids = {id(v) for _, n in nnx.iter_graph(layer) if isinstance(n, Linear)
+                  for v in (n.weight, n.scale) if v is not None}
+    for _, node in nnx.iter_graph(layer):  # norms and anything else not in a Linear
+        if isinstance(node, nnx.Variable) and id(node) not in linear_ids:
+            weights += _device_bytes(node.get_value())
+    cache = generation.KVCache.abstract(config, mesh, batch, generation.cache_length(
+        config, prompt_len, new_tokens))
+    kv = _device_bytes(cache.k[0]) + _device_bytes(cache.v[0])
+    return {"weights_bytes": weights, "kv_cache_bytes": kv}
+
+
+def step_minimum(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int,
+                 target: str = "h100", hosts: int = 1) -> int:
+    """Bytes one GPU must read per decode step: every layer's minimum (`layer_minimum`), the
+    final norm and the LM head's block (the tied embedding's vocab rows); an untied
+    embedding's table is only gathered from, and is not counted."""
+    per_layer = layer_minimum(config, tp=tp, batch=batch, prompt_len=prompt_len,
+                              new_tokens=new_tokens, target=target, hosts=hosts)
+    head = _head_bytes(config, tp, target, hosts)
+    return config.n_layers * (per_layer["weights_bytes"] + per_layer["kv_cache_bytes"]) + head
+
+
+@functools.lru_cache(maxsize=64)
+def _head_bytes(config, tp: int, target: str, hosts: int) -> int:
+    from ladder_jax.model.transformer import abstract
+
+    mesh = programs.gpu_mesh(target, tp, hosts=hosts)
+    model = nnx.merge(*abstract(dataclasses.replace(config, n_layers=1), mesh))
+    out = _device_bytes(model.final_norm.scale.get_value()) if hasattr(
+        model.final_norm, "scale") else 0
+    if model.head is None:
+        return out + _device_bytes(model.embed.get_value())
+    for v in (model.head.weight, model.head.scale):
+        if v is not None:
+            out += _device_bytes(v.get_value())
+    return out
+
+
+def layer_report(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int,
+                 target: str = "h100", hosts: int = 1, layers_compiled: int = 4) -> dict:
+    """One decode program's layer against the roofline: `layer_bytes` (HBM bytes its kernels
+    read and write), `layer_min_bytes`, `bytes_vs_minimum`, `kernels_per_layer` (compute
+    kernels), `collectives_per_layer`, `step_bytes` (the whole step at full depth) and
+    `layer_kernels` ((name, bytes) of the deepest compile's last layer's kernels). A layer is
+    the difference of the depths `perfmodel.compiled_depths` compiles (`layers_compiled` and
+    one fewer), or, where it compiles the full depth only (`layers_compiled=0`, hybrid ladders),
+    the step less its head (the minimum's `step_minimum` less `layer_minimum`s) over the layers:
+    `per_layer` says which. Compiles (or reads from the cache) the programs."""
+    depths = perfmodel.compiled_depths(config, layers_compiled)
+    progs = [perfmodel.program_kernels(
+        dataclasses.replace(config, n_layers=d), phase="decode", tp=tp, batch=batch,
+        prompt_len=prompt_len, new_tokens=new_tokens, target=target, hosts=hosts)
+        for d in depths]
+    compute = [[k for k in p.kernels if k.kind == "compute"] for p in progs]
+    colls = [sum(k.kind in ("start", "sync") for k in p.kernels) for p in progs]
+    total = [sum(k.nbytes for k in c) for c in compute]
+    minimum = layer_minimum(config, tp=tp, batch=batch, prompt_len=prompt_len,
+                            new_tokens=new_tokens, target=target, hosts=hosts)
+    low = minimum["weights_bytes"] + minimum["kv_cache_bytes"]
+    n = config.n_layers
+    if len(depths) == 2:
+        nbytes, kernels = total[1] - total[0], len(compute[1]) - len(compute[0])
+        collectives, per_layer = colls[1] - colls[0], "difference"
+        step = total[1] + (n - depths[1]) * nbytes
+    else:
+        head = step_minimum(config, tp=tp, batch=batch, prompt_len=prompt_len,
+                            new_tokens=new_tokens, target=target, hosts=hosts) - n * low
+        step = total[0]
+        nbytes, kernels = (step - head) / n, len(compute[0]) / n
+        collectives, per_layer = colls[0] / n, "step over layers"
+    last = [(k.name, k.nbytes) for k in compute[-1] if k.layer == depths[-1] - 1]
+    return {"layer_bytes": nbytes, "layer_min_bytes": low,
+            "layer_weights_bytes": minimum["weights_bytes"],
+            "layer_kv_cache_bytes": minimum["kv_cache_bytes"],
+            "bytes_vs_minimum": nbytes / low, "kernels_per_layer": kernels,
+            "collectives_per_layer": collectives, "step_bytes": step,
+            "per_layer": per_layer, "layer_kernels": last}
+
+
+def roofline_fields(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int,
+                    target: str, hosts: int, layers_compiled: int, decode_step_s: float,
+                    calibration: hardware.Calibration | None = None) -> dict:
+    """The report's fields of one `predict` row (docs/analysis.md#the-roofline-report): the
+    layer's bytes and kernels (`layer_report`), the step's bytes and minimum, the roofline's
+    step time (the minimum at the chip's HBM bandwidth) and `roofline_fraction`, that time over
+    the predicted `decode_step_s`."""
+    rep = layer_report(config, tp=tp, batch=batch, prompt_len=prompt_len,
+                       new_tokens=new_tokens, target=target, hosts=hosts,
+                       layers_compiled=layers_compiled)
+    chip = calibration.chip if calibration is not None else hardware.CHIPS[target]
+    low = step_minimum(config, tp=tp, batch=batch, prompt_len=prompt_len,
+                       new_tokens=new_tokens, target=target, hosts=hosts)
+    roof_s = low / chip.hbm_bytes_per_s
+    return {"layer_bytes": rep["layer_bytes"], "layer_min_bytes": rep["layer_min_bytes"],
+            "bytes_vs_minimum": rep["bytes_vs_minimum"],
+            "kernels_per_layer": rep["kernels_per_layer"],
+            "collectives_per_layer": rep["collectives_per_layer"],
+            "step_bytes": rep["step_bytes"], "step_min_bytes": low,
+            "roofline_step_s": roof_s, "roofline_fraction": roof_s / decode_step_s}
+
+
+def format_table(rows: list[dict]) -> str:
+    """The roofline report of `predict` rows (one line per tp, batch and scheme)."""
+    lines = [f"{'tp':>3} {'batch':>5} {'residual':<12} {'MB/layer':>9} {'minimum':>9} "
+             f"{'x min':>6} {'kernels/layer':>13} {'roofline ms':>11} {'of roofline':>11}"]
+    seen = set()
+    for r in sorted(rows, key=lambda r: (r["tp"], r["batch"])):
+        key = (r["tp"], r["batch"], r["residual"], r["link"])
+        if "layer_bytes" not in r or key[:3] in seen:
+            continue
+        seen.add(key[:3])
+        lines.append(f"{r['tp']:>3} {r['batch']:>5} {r['residual']:<12} "
+                     f"{r['layer_bytes'] / 1e6:>9.2f} {r['layer_min_bytes'] / 1e6:>9.2f} "
+                     f"{r['bytes_vs_minimum']:>5.2f}x {r['kernels_per_layer']:>13g} "
+                     f"{r['roofline_step_s'] * 1e3:>11.3f} {r['roofline_fraction']:>11.2f}")
+    return ("decode step vs the HBM roofline (per GPU; a layer = the compiled d minus d-1 "
+            "layers; fraction: minimum bytes at the HBM bandwidth / predicted step)\n"
+            + "\n".join(lines))
+
+
+def hlo_text(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int,
+             target: str = "h100", layers: int = 4) -> str:
+    """The scheduled HLO of the decode step at `layers` layers (for reading what XLA did)."""
+    text, _ = programs.compile_program(dataclasses.replace(config, n_layers=layers),
+                                       phase="decode", tp=tp, batch=batch, seq=prompt_len,
+                                       target=target, new_tokens=new_tokens)
+    return text
+
