@@ -119,6 +119,9 @@ def main(argv=None) -> int:
     except ConfigError as e:  # GenerationError and ShardingError included
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except jax.errors.JaxRuntimeError as e:  # several processes: a peer died, one line
+        runtime.collective_failed(e)
+        raise
 
 
 def _run(args, shape, say) -> int:
