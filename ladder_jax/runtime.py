@@ -129,6 +129,99 @@ def drop_stdout_lines(pattern: re.Pattern) -> None:
     atexit.register(finish)
 
 
+# A child process between this one's native stderr and the real one, for jobs of several
+# processes: jaxlib ends a process whose coordination service failed (its coordinator died) with
+# a C++ stack; the child, which outlives it, shows one line instead. Everything else passes.
+_STDERR_FILTER = r"""
+import os, re, select, signal, sys, time
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, signal.SIG_IGN)
+pid, nproc, timeout = map(int, sys.argv[1:4])
+out, met, held, fatal, since = 1, False, b"", False, None
+burst = re.compile(rb"^[IWEF]\d{4} [\d:. ]+\d+ (coordination_service|preemption_sync_manager|"
+                   rb"client\.h)", re.M)
+MET = b"\0ladder-jax-met\0"
+def write(data):
+    while data:
+        data = data[os.write(out, data):]
+def finish():
+    text = held.decode("utf-8", "replace")
+    tasks = re.search(r"stopped sending heartbeats\):\s*([\d\s,]+)", text)
+    peers = sorted({int(x) for x in re.findall(r"\d+", tasks.group(1))} - {pid}) if tasks else []
+    if not met:
+        why = ("the coordinator refused this process: is a --process-id given twice, or another "
+               "job using this --coordinator?")
+        line = (f"process {pid} of {nproc}: the job's processes did not all meet ({why}): start "
+                f"every process with the same --coordinator and --num-processes and its own "
+                f"--process-id from 0 to {nproc - 1}")
+    else:
+        who = (f"process(es) {', '.join(map(str, peers))} stopped answering" if peers else
+               "lost process 0, the coordinator" if pid else "the job's coordination failed")
+        line = (f"process {pid} of {nproc}: {who} (died, killed or stopped): see its output, "
+                f"then start every process of the job again (training resumes from its last "
+                f"checkpoint; LADDER_PEER_TIMEOUT={timeout} s is the wait)")
+    write(f"error: {line}\n".encode())
+while True:
+    wait = None if since is None or fatal else max(0.0, since + 2 - time.monotonic())
+    if not select.select([0], [], [], wait)[0]:
+        write(held)
+        held, since = b"", None
+        continue
+    chunk = os.read(0, 1 << 16)
+    if not chunk:
+        break
+    if MET in chunk:
+        met, chunk = True, chunk.replace(MET, b"")
+    if fatal:
+        held += chunk
+        continue
+    if since is None:
+        found = burst.search(chunk)
+        if found is None:
+            write(chunk)
+            continue
+        write(chunk[:found.start()])
+        chunk, since = chunk[found.start():], time.monotonic()
+    held += chunk
+    fatal = b"Terminating process because the JAX distributed service" in held
+if fatal:
+    finish()
+else:
+    write(held)
+"""
+
+
+def _filter_stderr(pid: int, nproc: int, timeout: int) -> None:
+    """Routes this process's native stderr through `_STDERR_FILTER` (a child process that
+    outlives it); `_met_stderr()` tells it the job's processes have met."""
+    import ctypes
+    import signal
+    import subprocess
+
+    sys.stderr.flush()
+    read, write = os.pipe()
+    real = os.dup(2)
+    _met_stderr.child = subprocess.Popen(  # a session of its own: Ctrl-C is for this process
+        [sys.executable, "-c", _STDERR_FILTER, str(pid), str(nproc), str(timeout)],
+        stdin=read, stdout=real, close_fds=True, start_new_session=True)
+    for fd in (read, real):
+        os.close(fd)
+    os.dup2(write, 2)
+    os.close(write)
+    _met_stderr.filtered = True
+    try:  # jaxlib's abort after its stack: exit code 6 (SIGABRT's number), without a core dump
+        libc = ctypes.CDLL(None)
+        libc.signal(int(signal.SIGABRT), ctypes.cast(libc._exit, ctypes.c_void_p))
+    except (OSError, AttributeError):
+        pass
+
+
+def _met_stderr() -> None:
+    if getattr(_met_stderr, "filtered", False):
+        sys.stderr.flush()
+        os.write(2, b"\0ladder-jax-met\0")
+
+
 def has_nvidia_gpu() -> bool:
     return bool(glob.glob("/dev/nvidia[0-9]*"))
 
@@ -174,10 +267,16 @@ def setup(*, cpu_devices: int | None = None, coordinator: str | None = None,
         if cpu:
             drop_stdout_lines(_GLOO)
         jax.distributed.initialize()  # SLURM: everything comes from its environment
+        from jax._src import distributed
+
+        g = distributed.global_state
+        _watch_peers(g.client, g.process_id, g.num_processes, peer_timeout())
     if cpu:
         keep_freed_memory()
     with quiet():
         jax.devices()
+    if addr or (nproc or 1) > 1:  # a job of another size can still meet: say so
+        agree({"num_processes": nproc}, "--num-processes")
 
 
 def peer_timeout() -> int:
@@ -193,7 +292,7 @@ def peer_timeout() -> int:
 def _initialize(jax, addr: str, nproc: int, pid: int) -> None:
     """jax.distributed.initialize with bounded waits; one ConfigError when the job's other
     processes do not all connect in time (none started, a wrong --num-processes, a process id
-    given twice)."""
+    given twice). Then `_watch_peers` runs until the process ends."""
     from ladder_jax.config import ConfigError
 
     t = peer_timeout()
@@ -208,17 +307,132 @@ def _initialize(jax, addr: str, nproc: int, pid: int) -> None:
         print(f"error: {message('none came, or too few')}", file=sys.stderr, flush=True)
         os._exit(2)
 
+    if pid == 0:  # gRPC shares a port between servers: a second process 0 would go unseen
+        _check_port_free(addr, message)
+    _filter_stderr(pid, nproc, t)
     timer = threading.Timer(t, give_up)
     timer.daemon = True
     timer.start()
-    try:
+    try:  # jaxlib's heartbeat ends a process with a C++ stack: later than the watch below
         jax.distributed.initialize(addr, nproc, pid, initialization_timeout=t + 30,
-                                   heartbeat_timeout_seconds=t)
+                                   heartbeat_timeout_seconds=2 * t + 30)
     except Exception as e:  # noqa: BLE001 (jaxlib's errors have no public classes)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(message(first[:200])) from None
+        raise ConfigError(message(_first_line(e))) from None
     finally:
         timer.cancel()
+    _met_stderr()
+    from jax._src import distributed
+
+    _watch_peers(distributed.global_state.client, pid, nproc, t)
+
+
+def _check_port_free(addr: str, message) -> None:
+    """A ConfigError (through `message`) when the coordinator's port is taken on this host."""
+    import socket
+
+    from ladder_jax.config import ConfigError
+
+    port = int(addr.rsplit(":", 1)[1])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a listener, not TIME_WAIT
+        try:
+            sock.bind(("", port))
+        except OSError as e:
+            raise ConfigError(message(
+                f"port {port} is taken here ({e.strerror}): another process 0 (a --process-id "
+                f"given twice) or another job on this --coordinator")) from None
+
+
+def _first_line(error) -> str:
+    text = str(error or "").strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
+
+
+_PEERS = {"pid": 0, "nproc": 1, "timeout": 60}
+_LAST_WORDS = threading.Lock()  # one line from whichever thread ends the process first
+_ALIVE = "ladder_jax_alive/"  # the coordination service's keys of the watch below
+
+
+def _watch_peers(client, pid: int, nproc: int, timeout: int) -> None:
+    """Every process writes a counter to the coordination service's key-value store about once
+    a second and reads everyone's: a peer whose counter has not moved for `timeout` seconds
+    (dead, killed, stopped), or a coordinator this process cannot reach that long, ends this
+    process with one line naming it and exit code 1, whatever the main thread is blocked in
+    (a collective, a checkpoint barrier). It beats until the process really ends (a process
+    done early waits for its peers in jax's shutdown barrier, alive)."""
+    import atexit
+
+    _PEERS.update(pid=pid, nproc=nproc, timeout=timeout)
+    beat = min(1.0, timeout / 10)
+    state = {"ok": time.monotonic(), "seen": {}, "exiting": False}
+
+    def lost(who: str):
+        _LAST_WORDS.acquire()
+        print(f"error: process {pid} of {nproc}: {who} (died, killed or stopped): see its "
+              f"output, then start every process of the job again (training resumes from its "
+              f"last checkpoint; LADDER_PEER_TIMEOUT={timeout} s is the wait)",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def beats():
+        count = 0
+        while True:
+            count += 1
+            try:
+                client.key_value_set(f"{_ALIVE}{pid}", str(count), allow_overwrite=True)
+                values = dict(client.key_value_dir_get(_ALIVE))
+            except Exception:  # noqa: BLE001 (jaxlib's errors have no public classes)
+                if state["exiting"]:  # jax's client is shut down: nothing more to watch
+                    state["ok"] = None
+                    return
+                values = None
+            now = time.monotonic()
+            if values is not None:
+                state["ok"] = now
+                for key, value in values.items():
+                    peer = int(key.rsplit("/", 1)[-1])
+                    if state["seen"].get(peer, (None,))[0] != value:
+                        state["seen"][peer] = (value, now)
+            time.sleep(beat)
+
+    def check():
+        start = time.monotonic()
+        while state["ok"] is not None:
+            time.sleep(beat)
+            now = time.monotonic()
+            if state["ok"] is not None and now - state["ok"] > timeout:
+                lost(f"no answer from the coordinator, process 0, for {timeout} s")
+            stale = [p for p in range(nproc) if p != pid and now - state["seen"].get(
+                p, (None, start))[1] > timeout]
+            if stale:
+                lost(f"process(es) {', '.join(map(str, stale))} stopped answering for "
+                     f"{timeout} s")
+
+    def exiting():  # registered after jax's shutdown, so run before it
+        state["exiting"] = True
+
+    atexit.register(exiting)
+    for target in (beats, check):
+        threading.Thread(target=target, name=f"peer-watch-{target.__name__}",
+                         daemon=True).start()
+
+
+def collective_failed(error: BaseException) -> None:
+    """In a job of several processes (nothing otherwise), ends the process after an error from
+    jax (a collective whose peer died: Gloo's connection reset): the watch's line when a peer
+    is gone (within LADDER_PEER_TIMEOUT), else the error's first line; exit code 1 either way,
+    without jax's shutdown barrier (which would abort with a C++ stack).
+
+        except jax.errors.JaxRuntimeError as e:
+            runtime.collective_failed(e)
+            raise"""
+    if _PEERS["nproc"] <= 1:
+        return
+    time.sleep(_PEERS["timeout"] + 5)  # the watch ends the process first when a peer is gone
+    _LAST_WORDS.acquire()
+    print(f"error: process {_PEERS['pid']} of {_PEERS['nproc']}: {_first_line(error)} (the "
+          f"other processes still answer: see their output)", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def _first_difference(lead, mine, path=""):

@@ -485,3 +485,92 @@ def test_sigterm_ends_a_trainer_blocked_in_a_collective(tmp_path):
         for p in procs:
             p.kill()
             p.wait()
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["follower-dies", "coordinator-dies"])
+def test_a_peer_killed_mid_run_ends_the_survivor_in_one_line(tmp_path, victim):
+    """kill -9 of one trainer mid-run: the other ends within LADDER_PEER_TIMEOUT (and a
+    margin), one line naming the peer, instead of jaxlib's C++ stack or a Gloo traceback."""
+    import time
+
+    procs = _train_procs(tmp_path, [["steps=100000", "ckpt_every=0"]] * 2,
+                         env={"LADDER_PEER_TIMEOUT": "10"})
+    try:
+        metrics_file = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics_file.exists() and metrics_file.read_text().count("\n") >= 2):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.5)
+        procs[victim].kill()
+        t0 = time.monotonic()
+        survivor = procs[1 - victim]
+        try:
+            _, err = survivor.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"process {1 - victim} still running 60 s after its peer died")
+        assert time.monotonic() - t0 < 60
+        # exit 1 from the watch; 6 where jaxlib aborts on losing the coordinator
+        line = _one_line_error(subprocess.CompletedProcess([], survivor.returncode, "", err),
+                               code=1 if victim else 6)
+        assert len(err.strip().splitlines()) == 1, err[-3000:]
+        who = "process(es) 1 stopped answering" if victim else "lost process 0, the coordinator"
+        assert f"process {1 - victim} of 2: {who}" in line, line
+        assert "start every process of the job again" in line
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def _decode_procs(pairs, port, env=None, args=()):
+    return [subprocess.Popen(
+        [sys.executable, "-m", "ladder_jax.decode", "--preset", "tiny", "--cpu-devices", "1",
+         "--max-new-tokens", "2", "--coordinator", f"127.0.0.1:{port}",
+         "--num-processes", str(n), "--process-id", str(i), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**ENV, "LADDER_PEER_TIMEOUT": "5", **(env or {})}) for n, i in pairs]
+
+
+def test_another_num_processes_is_refused_in_one_line():
+    from tests.helpers import free_port
+
+    lead, follower = _finish(_decode_procs([(2, 0), (3, 1)], free_port()), 180)
+    assert "num_processes is 2 there, 3 here" in _one_line_error(follower)
+    assert "another --num-processes" in _one_line_error(lead)
+
+
+def test_a_process_id_given_twice_is_refused_in_one_line():
+    import socket
+    import time
+
+    from tests.helpers import free_port
+
+    port = free_port()
+    (first,) = _decode_procs([(2, 0)], port, env={"LADDER_PEER_TIMEOUT": "200"})
+    try:  # the first process 0 listens on the coordinator's port: then the second starts
+        deadline = time.monotonic() + 120
+        while True:
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        (second,) = _finish(_decode_procs([(2, 0)], port), 120)
+        line = _one_line_error(second)
+        assert f"port {port} is taken here" in line and "--process-id given twice" in line
+        assert first.poll() is None  # still waiting for its process 1
+    finally:
+        first.kill()
+        first.wait()
+
+
+
+def test_two_decoders_with_another_seed_refuse_to_start():
+    from tests.helpers import free_port
+
+    port = free_port()
+    lead, follower = _finish([_decode_procs([(2, 0)], port)[0],
+                              _decode_procs([(2, 1)], port, args=["--seed", "1"])[0]], 180)
+    assert "flags.seed is 0 there, 1 here" in _one_line_error(follower)
+    assert "another model or decoding flags" in _one_line_error(lead)

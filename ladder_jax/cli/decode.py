@@ -109,6 +109,7 @@ def main(argv=None) -> int:
                           shape, runtime.cpu_cores(), backend="cpu")[0],
                       coordinator=args.coordinator, num_processes=args.num_processes,
                       process_id=args.process_id)
+        runtime.agree(_run_settings(args), "model or decoding flags")  # many processes
         lead = jax.process_index() == 0
 
         def say(*a, **kw):
@@ -119,6 +120,20 @@ def main(argv=None) -> int:
     except ConfigError as e:  # GenerationError and ShardingError included
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except jax.errors.JaxRuntimeError as e:  # several processes: a peer died, one line
+        runtime.collective_failed(e)
+        raise
+
+
+_PER_PROCESS = {"coordinator", "num_processes", "process_id", "cpu_devices"}
+
+
+def _run_settings(args) -> dict:
+    """What every process of a multi-process decode must agree on: the flags (prompts,
+    sampling, the model's shape) and which weights files were found."""
+    flags = {k: v for k, v in vars(args).items() if k not in _PER_PROCESS}
+    return {"flags": flags, "weights": checkpoint.weights_identity(args.checkpoint)
+            if args.checkpoint else None}
 
 
 def _run(args, shape, say) -> int:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import sys
 import textwrap
 
+import jax
+
+from ladder_jax import runtime
 from ladder_jax.config import ConfigError, check, help_rows, load_config
 from ladder_jax.train.trainer import NonFiniteError, SaveError, init_runtime, run
 
@@ -69,6 +72,9 @@ def main(argv=None) -> int:
     except SaveError as e:  # disk full: the last complete checkpoint is intact
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except jax.errors.JaxRuntimeError as e:  # several processes: a peer died, one line
+        runtime.collective_failed(e)
+        raise
     return 0 if result.get("exit", "done") in ("done", "interrupted") else 1
 
 
