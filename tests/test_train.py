@@ -199,6 +199,7 @@ def test_too_many_nonfinite_steps_stop_with_last_checkpoint_intact(tmp_path):
                                                          "data axis (2)"),
     (["mesh.tp=3", "mesh.data=1"], "n_heads=8 is not divisible by tp=3: use a tp that divides 8 "
                                    "(set by mesh.tp; e.g. mesh.tp=2)"),
+    (["loss_chunk=-8"], "loss_chunk=-8 must be >= 0"),
 ])
 def test_bad_config_is_a_clear_error(args, message):
     proc = cli(*args, "steps=1")
