@@ -5,16 +5,33 @@ data.seq_len=128 data.batch_size=16 mesh.tp=1 mesh.data=1`.
 Same work per step as ladder_jax's: the `small` preset's shapes (d_model 256, 8 layers, 8 query
 / 4 kv heads, SwiGLU hidden 768, vocabulary 320, untied head), float32, batch 16 x 128 tokens
 predicting the next token, global-norm clipping at 1.0 and AdamW with the paper's settings.
-XLA:CPU uses every core of the host, so torch gets as many threads unless told otherwise.
+`--shape smollm2` takes SmolLM2-135M's shapes instead (30 layers, d_model 576, 9 / 3 heads,
+hidden 1536, vocabulary 49152, tied head; benchmarks/train_memory.py runs it beside
+ladder_jax's trainer). XLA:CPU uses every core of the host, so torch gets as many threads
+unless told otherwise.
 
     python benchmarks/hf_train_step.py [--steps 10] [--threads N] [--attn sdpa|eager]
+    python benchmarks/hf_train_step.py --shape smollm2 --batch 8 --seq 256 --steps 3 --json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import resource
 import time
+
+# LlamaConfig fields per --shape (the float32 model trained on CPU)
+SHAPES = {
+    "small": dict(vocab_size=320, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False),
+    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+                    tie_word_embeddings=True),
+}
 
 
 def main(argv=None) -> int:
@@ -25,6 +42,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"),
                     help="HF attention implementation")
+    ap.add_argument("--shape", default="small", choices=tuple(SHAPES),
+                    help="the model's shapes: the small preset or SmolLM2-135M")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    ap.add_argument("--json", action="store_true",
+                    help="also print one JSON line: tokens_per_s, step_ms, peak_rss")
     args = ap.parse_args(argv)
 
     import torch
@@ -32,10 +54,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=768,
-                         num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                         max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
-                         tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+    config = LlamaConfig(**SHAPES[args.shape], attention_bias=False, mlp_bias=False,
                          attn_implementation=args.attn, torch_dtype=torch.float32)
     model = LlamaForCausalLM(config).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-10,
@@ -55,7 +74,7 @@ def main(argv=None) -> int:
         opt.step()
         return loss.item()
 
-    for i in range(2):
+    for i in range(args.warmup):
         train_step(batches[i % 2])
     t0 = time.perf_counter()
     for i in range(args.steps):
@@ -71,6 +90,10 @@ def main(argv=None) -> int:
           f"{torch.__version__}): {tokens / dt:,.0f} tokens/s  {dt * 1e3:.1f} ms/step  "
           f"(batch {args.batch} x {args.seq}, {n_params / 1e6:.2f}M params, "
           f"last loss {loss:.3f})", flush=True)
+    if args.json:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        print(json.dumps({"tokens_per_s": tokens / dt, "step_ms": dt * 1e3, "peak_rss": peak}),
+              flush=True)
     return 0
 
 

@@ -407,6 +407,10 @@ class TrainConfig:
     log_every: int = _doc("a progress line every this many steps", 10)
     eval_every: int = _doc("held-out loss every this many steps (0: only at the end)", 200)
     eval_batches: int = _doc("held-out batches per evaluation", 8)
+    loss_chunk: int = _doc("cross-entropy over this many positions of each sequence at a time, "
+                           "so that the float32 logits and their gradient are never whole "
+                           "(large vocabularies on CPU; 0: all at once; same loss up to "
+                           "rounding)", 0)
     ckpt_every: int = _doc("a checkpoint every this many steps (0: only at the end and on "
                            "SIGTERM)", 200)
     keep: int = _doc("checkpoints kept", 3)
@@ -625,7 +629,8 @@ def check(cfg: TrainConfig) -> ModelConfig:
         v = OmegaConf.select(node, key)
         if not (low <= v < high or (closed and v == high)):
             raise ConfigError(f"{key}={v} must be in [{low}, {high}{']' if closed else ')'}")
-    for key in ("optim.warmup_steps", "optim.weight_decay", "eval_every", "ckpt_every"):
+    for key in ("optim.warmup_steps", "optim.weight_decay", "eval_every", "ckpt_every",
+                "loss_chunk"):
         v = OmegaConf.select(node, key)
         if not (v >= 0 and math.isfinite(v)):
             raise ConfigError(f"{key}={v} must be >= 0")

@@ -631,6 +631,30 @@ def available_memory() -> int | None:
     return min(found) if found else None
 
 
+def peak_memory(devices=()) -> dict:
+    """This process's memory high-water marks, in bytes: `host` the peak resident set size
+    (getrusage; None where it cannot be read) and `device` the largest `peak_bytes_in_use`
+    jax's allocator reports over `devices` (None where it keeps no pool statistics, as on
+    XLA:CPU, whose devices are host memory and so inside `host`)."""
+    host = None
+    try:
+        import resource
+
+        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        host = int(kb) * (1 if sys.platform == "darwin" else 1024) or None
+    except (ImportError, OSError, ValueError):
+        pass
+    peaks = []
+    for d in devices:
+        try:
+            stats = d.memory_stats() or {}
+        except Exception:  # backends without the call raise various errors
+            stats = {}
+        if stats.get("peak_bytes_in_use"):
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return {"host": host, "device": max(peaks) if peaks else None}
+
+
 def check_host_memory(need: int, what: str, fix: str) -> None:
     """On a CPU backend (where the devices are host memory), a one-line ConfigError when `need`
     bytes will not fit in `available_memory()`: said before allocating, not after minutes."""

@@ -11,6 +11,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -40,8 +41,15 @@ def cli(*args, env=None, **kw):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
-def test_loss_falls_on_embedded_corpus(tmp_path):
+def test_loss_falls_on_embedded_corpus(tmp_path, capsys):
     out = trainer.run(config(tmp_path, "steps=40", "eval_every=0"))
+    # the last line gives the process's peak memory, as getrusage reports it
+    done = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("done:")]
+    assert len(done) == 1 and f"peak memory {out['peak_rss'] / 1e9:.2f} GB RSS" in done[0], done
+    with open("/proc/meminfo") as f:
+        total = int(next(ln for ln in f if ln.startswith("MemTotal:")).split()[1]) * 1024
+    assert 50e6 < out["peak_rss"] < total  # more than jax itself holds, less than the machine
+    assert out["peak_device"] is None  # XLA:CPU keeps no pool statistics
     losses = [out["losses"][s] for s in sorted(out["losses"])]
     assert losses[0] > 5.0  # ~ln(320) at init
     assert np.mean(losses[-5:]) < losses[0] - 2.0, losses
@@ -59,12 +67,43 @@ def tp1_losses(tmp_path_factory):
 
 @pytest.mark.parametrize("mesh", [("mesh.tp=2", "mesh.data=1"), ("mesh.tp=1", "mesh.data=2"),
                                   ("mesh.tp=2", "mesh.data=2"),
-                                  ("mesh.tp=2", "mesh.data=2", "mesh.fsdp=true")])
+                                  ("mesh.tp=2", "mesh.data=2", "mesh.fsdp=true"),
+                                  ("mesh.tp=2", "mesh.data=2", "loss_chunk=12")])
 def test_mesh_gives_same_losses(tmp_path, mesh, tp1_losses):
     ref = tp1_losses
     got = trainer.run(config(tmp_path, "steps=4", "eval_every=0", *mesh))["losses"]
     assert list(got) == list(ref) == [1, 2, 3, 4]
     np.testing.assert_allclose([got[s] for s in got], [ref[s] for s in ref], rtol=2e-5)
+
+
+@pytest.mark.parametrize("tie,chunk,masked,tp,data", [(True, 12, True, 2, 2),
+                                                      (False, 8, False, 1, 1)])
+def test_chunked_cross_entropy_equals_the_plain_formula(tie, chunk, masked, tp, data):
+    """The chunked loss against log-softmax over the whole logits of the full forward: the
+    loss and every gradient, tied and untied heads, a chunk that does not divide T (padded),
+    a mask, a sharded mesh."""
+    cfg = ModelConfig.from_preset("tiny", n_layers=2, tie_embeddings=tie)
+    graphdef, params = nnx.split(Transformer(cfg, mesh=helpers.mesh(tp, data),
+                                             rngs=nnx.Rngs(0)))
+    tokens = jax.random.randint(jax.random.key(5), (4, 33), 0, cfg.vocab_size)
+    mask = (jax.random.uniform(jax.random.key(6), (4, 32)) > 0.3).astype(jnp.float32)
+    mask = mask if masked else jnp.ones((4, 32))
+
+    def plain(p):
+        logp_btv = jax.nn.log_softmax(nnx.merge(graphdef, p)(tokens[:, :-1]), axis=-1)
+        nll_bt = -jnp.take_along_axis(logp_btv, tokens[:, 1:, None], axis=-1)[..., 0]
+        return (nll_bt * mask).sum() / mask.sum()
+
+    chunked = lambda p: step.loss_fn(graphdef, p, tokens[:, :-1], tokens[:, 1:],  # noqa: E731
+                                     mask if masked else None, loss_chunk=chunk)
+    (want, want_g), (got, got_g) = [jax.jit(jax.value_and_grad(f))(params)
+                                    for f in (plain, chunked)]
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+    want_g, got_g = (nnx.to_pure_dict(g) for g in (want_g, got_g))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7),
+                 got_g, want_g)
+    norm = lambda g: float(optax.tree.norm(g))  # noqa: E731
+    assert norm(got_g) == pytest.approx(norm(want_g), rel=1e-5) and norm(want_g) > 0
 
 
 def test_grad_accumulation_equals_big_batch(tmp_path):
@@ -160,6 +199,7 @@ def test_too_many_nonfinite_steps_stop_with_last_checkpoint_intact(tmp_path):
                                                          "data axis (2)"),
     (["mesh.tp=3", "mesh.data=1"], "n_heads=8 is not divisible by tp=3: use a tp that divides 8 "
                                    "(set by mesh.tp; e.g. mesh.tp=2)"),
+    (["loss_chunk=-8"], "loss_chunk=-8 must be >= 0"),
 ])
 def test_bad_config_is_a_clear_error(args, message):
     proc = cli(*args, "steps=1")

@@ -417,7 +417,27 @@ class Transformer(nnx.Module):
         (positions 0..T-1), attention fused over the prompt itself (the prefill)."""
         return self._sharded(tokens_bt, positions_bt, cache)
 
-    def _sharded(self, tokens_bt, positions_bt, cache):
+    def hidden(self, tokens_bt):
+        """The final normalized hidden state (B, T, D) in the compute dtype, the LM head's input:
+        `hidden(t) @ head_weight()` is `model(t)`. For losses that apply the head themselves
+        (`ladder_jax.train.step.chunked_cross_entropy`); not for residual="upper_bound", whose
+        ranks' streams differ."""
+        if self.config.residual == "upper_bound":
+            raise ValueError("upper_bound has no single hidden state (its tp ranks' streams "
+                             "differ): use model(tokens)")
+        return self._sharded(tokens_bt, None, None, head=False)
+
+    def head_weight(self):
+        """The LM head, a global (D, V) array in the compute dtype (the embedding transposed
+        when tied), stored as the weights are; float weights only."""
+        dtype = self.config.dtype
+        if self.head is None:
+            return self.embed[...].T.astype(dtype)
+        if self.head.scale is not None:
+            raise ValueError("head_weight: the head is quantized (decoding only)")
+        return self.head.weight[...].astype(dtype)
+
+    def _sharded(self, tokens_bt, positions_bt, cache, head=True):
         tokens_bt = jnp.asarray(tokens_bt)
         if tokens_bt.ndim != 2 or not jnp.issubdtype(tokens_bt.dtype, jnp.integer):
             raise ValueError(
@@ -427,7 +447,7 @@ class Transformer(nnx.Module):
         sharding.check_batch(tokens_bt.shape[0], self.mesh)
         graphdef, state = nnx.split(self)
         specs = stored_specs(state)  # the weights enter as stored (FSDP: split over data)
-        batch, logits = P(DATA, None), P(DATA, None, TP)
+        batch, logits = P(DATA, None), P(DATA, None, TP) if head else P(DATA, None, None)
 
         # the positions travel only if given (None: 0..T-1, fused attention), the cache too
         pos_args = () if positions_bt is None else (jnp.asarray(positions_bt),)
@@ -437,7 +457,7 @@ class Transformer(nnx.Module):
         def local(state, tokens_bt, *rest):
             positions_bt = rest[0] if pos_args else None
             logits_btv, cache = nnx.merge(graphdef, state).forward_local(
-                tokens_bt, positions_bt, *rest[len(pos_args):])
+                tokens_bt, positions_bt, *rest[len(pos_args):], head=head)
             return logits_btv if cache is None else (logits_btv, cache)
 
         in_specs = (specs, batch) + (batch,) * len(pos_args) + cache_specs
@@ -447,13 +467,15 @@ class Transformer(nnx.Module):
 
     # -- inside shard_map ------------------------------------------------------------------
 
-    def forward_local(self, tokens_bt, positions_bt, caches=None):
+    def forward_local(self, tokens_bt, positions_bt, caches=None, head=True):
         """One rank's forward: local batch rows, all of D, its heads / F / V slice. Returns
-        (logits, updated caches or None)."""
+        (logits, updated caches or None); `head=False`: the head's input (B, T, D) instead."""
         c = self.config
         x_btd = sharding.embed_lookup(self.embed, tokens_bt).astype(jnp.float32)
         x_btd, caches = self.layer_loop(x_btd, positions_bt, caches)
         h_btd = self.final_norm(x_btd).astype(c.dtype)
+        if not head:
+            return h_btd, caches
         if self.head is None:
             head_dv = sharding.local_vocab_rows(sharding.read_weight(self.embed),
                                                 self.mesh.shape[TP]).T.astype(c.dtype)

@@ -13,6 +13,8 @@ opt_state, step)` is what a run and a checkpoint carry.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -66,14 +68,58 @@ def cross_entropy(logits_btv, targets_bt, mask_bt=None):
     return (nll_bt * mask_bt).sum() / jnp.maximum(mask_bt.sum(), 1.0)
 
 
-def loss_fn(graphdef, params, tokens_bt, targets_bt, mask_bt=None):
+def chunked_cross_entropy(h_btd, head_dv, targets_bt, mask_bt=None, *, chunk: int):
+    """`cross_entropy(h_btd @ head_dv, targets_bt, mask_bt)` computed `chunk` positions of the
+    sequence at a time, each chunk's logits recomputed in the backward: at most (B, chunk, V)
+    float32 logits (and their gradient) are live, never (B, T, V). Equal to the plain loss and
+    its gradients up to float rounding (the sums run in another order).
+
+        loss = chunked_cross_entropy(model.hidden(t), model.head_weight(), targets, chunk=64)
+    """
+    B, T, D = h_btd.shape
+    chunk = max(1, min(int(chunk), T))
+    n = -(-T // chunk)
+    weight_bt = (jnp.ones((B, T), jnp.float32) if mask_bt is None
+                 else mask_bt.astype(jnp.float32))
+    pad = n * chunk - T  # a short last chunk: padded, its padding weighted 0
+    if pad:
+        h_btd = jnp.pad(h_btd, ((0, 0), (0, pad), (0, 0)))
+        targets_bt = jnp.pad(targets_bt, ((0, 0), (0, pad)))
+        weight_bt = jnp.pad(weight_bt, ((0, 0), (0, pad)))
+    split = lambda x: jnp.moveaxis(x.reshape(B, n, chunk, *x.shape[2:]), 1, 0)  # noqa: E731
+
+    @jax.checkpoint  # the backward keeps only the chunk's inputs, recomputing its logits
+    def nll_sum(head_dv, h_bcd, targets_bc, weight_bc):
+        logits_bcv = jnp.einsum("BCD,DV->BCV", h_bcd, head_dv,
+                                preferred_element_type=jnp.float32)
+        lse_bc = jax.nn.logsumexp(logits_bcv, axis=-1)
+        target_bc = jnp.take_along_axis(logits_bcv, targets_bc[..., None], axis=-1)[..., 0]
+        return ((lse_bc - target_bc) * weight_bc).sum()
+
+    def body(total, xs):
+        return total + nll_sum(head_dv, *xs), None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
+                            (split(h_btd), split(targets_bt), split(weight_bt)))
+    if mask_bt is None:
+        return total / (B * T)
+    return total / jnp.maximum(weight_bt.sum(), 1.0)
+
+
+def loss_fn(graphdef, params, tokens_bt, targets_bt, mask_bt=None, loss_chunk: int = 0):
+    """Mean next-token cross-entropy of the model (`graphdef`, `params`) on a batch.
+    `loss_chunk` > 0: `chunked_cross_entropy` over that many positions at a time (the same
+    loss up to rounding, in less memory); 0: the plain one, over the whole logits."""
     model = nnx.merge(graphdef, params)
+    if loss_chunk and model.config.residual != "upper_bound":
+        return chunked_cross_entropy(model.hidden(tokens_bt), model.head_weight(), targets_bt,
+                                     mask_bt, chunk=loss_chunk)
     return cross_entropy(model(tokens_bt), targets_bt, mask_bt)
 
 
-def loss_and_grads(graphdef, params, tokens, targets, mask=None):
+def loss_and_grads(graphdef, params, tokens, targets, mask=None, loss_chunk: int = 0):
     """Loss and gradients of one (B, T) batch, or the means over (A, B, T) micro-batches."""
-    grad_fn = jax.value_and_grad(loss_fn, argnums=1)
+    grad_fn = jax.value_and_grad(functools.partial(loss_fn, loss_chunk=loss_chunk), argnums=1)
     if tokens.ndim == 2:
         return grad_fn(graphdef, params, tokens, targets, mask)
     n = tokens.shape[0]
@@ -90,12 +136,13 @@ def loss_and_grads(graphdef, params, tokens, targets, mask=None):
 
 
 def train_step(graphdef, params, opt_state, tokens_bt, targets_bt, *, optimizer, grad_clip=1.0,
-               mask_bt=None, stored_specs=None):
+               mask_bt=None, stored_specs=None, loss_chunk: int = 0):
     """One update. tokens/targets (B, T), or (A, B, T) for A accumulated micro-batches.
     `stored_specs`: where the weights are stored (a tree of PartitionSpecs like `params`, e.g.
     the FSDP layout; default their tp specs): the gradients are kept in
-    that layout, so clipping and AdamW run on each device's own blocks, with no gathering."""
-    loss, grads = loss_and_grads(graphdef, params, tokens_bt, targets_bt, mask_bt)
+    that layout, so clipping and AdamW run on each device's own blocks, with no gathering.
+    `loss_chunk`: see `loss_fn`."""
+    loss, grads = loss_and_grads(graphdef, params, tokens_bt, targets_bt, mask_bt, loss_chunk)
     mesh = nnx.merge(graphdef, params).mesh
     if stored_specs is None:
         stored_specs = param_specs(params)
@@ -129,11 +176,13 @@ def opt_state_shardings(optimizer, opt_state, params, mesh):
         transform_non_params=lambda x: jax.tree.map(lambda _: replicated, x))
 
 
-def make_train_step(graphdef, *, optimizer, grad_clip, param_shardings, opt_shardings):
+def make_train_step(graphdef, *, optimizer, grad_clip, param_shardings, opt_shardings,
+                    loss_chunk: int = 0):
     """The function a training run jits: (params, opt_state, batch) -> (params, opt_state,
     metrics). `batch` is (A, B, T + 1) int tokens, A accumulated micro-batches (A = 1: no
-    accumulation loop). The new state is constrained to the given shardings (flat lists, one per
-    leaf), so that it comes back stored as it went in (donated in place)."""
+    accumulation loop); `loss_chunk` as in `loss_fn`. The new state is constrained to the
+    given shardings (flat lists, one per leaf), so that it comes back stored as it went in
+    (donated in place)."""
 
     def constrain(tree, shardings):
         leaves, treedef = jax.tree.flatten(tree)
@@ -148,7 +197,7 @@ def make_train_step(graphdef, *, optimizer, grad_clip, param_shardings, opt_shar
         specs = treedef.unflatten([s.spec for s in param_shardings])
         params, opt_state, metrics = train_step(
             graphdef, params, opt_state, tokens, targets, optimizer=optimizer,
-            grad_clip=grad_clip, stored_specs=specs)
+            grad_clip=grad_clip, stored_specs=specs, loss_chunk=loss_chunk)
         return (constrain(params, param_shardings), constrain(opt_state, opt_shardings),
                 metrics)
 

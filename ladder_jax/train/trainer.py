@@ -238,10 +238,12 @@ class Trainer:
         train_step = step.make_train_step(
             graphdef, optimizer=self.optimizer, grad_clip=self.cfg.optim.grad_clip,
             param_shardings=[x.sharding for x in jax.tree.leaves(state.params)],
-            opt_shardings=[x.sharding for x in jax.tree.leaves(state.opt_state)])
+            opt_shardings=[x.sharding for x in jax.tree.leaves(state.opt_state)],
+            loss_chunk=self.cfg.loss_chunk)
 
         def eval_loss(params, batch_bt):
-            return step.loss_fn(graphdef, params, batch_bt[:, :-1], batch_bt[:, 1:])
+            return step.loss_fn(graphdef, params, batch_bt[:, :-1], batch_bt[:, 1:],
+                                loss_chunk=self.cfg.loss_chunk)
 
         fns = (sharding.jit(train_step, mesh=self.mesh, program="train", donate_argnums=(0, 1)),
                sharding.jit(eval_loss, mesh=self.mesh))
@@ -504,10 +506,14 @@ class Trainer:
         result["skipped"] = skipped
         done = result["exit"] == "done"
         result["eval_loss"] = rec.get("eval_loss") if done else None
+        peak = runtime.peak_memory([d for d in self.mesh.devices.flat
+                                    if d.process_index == jax.process_index()])
+        result["peak_rss"], result["peak_device"] = peak["host"], peak["device"]
         if done and start < cfg.steps and result["eval_loss"] is not None:
             self.log(f"done: step {s} in {_duration(time.perf_counter() - t_begin)}, held-out "
                      f"loss {result['eval_loss']:.4f} (perplexity "
-                     f"{_perplexity(result['eval_loss']):.2f}); metrics {metrics.path}")
+                     f"{_perplexity(result['eval_loss']):.2f}); {_peak_text(peak)}; metrics "
+                     f"{metrics.path}")
         return result
 
     def _save(self, ckpt, meta: dict) -> None:
@@ -647,6 +653,13 @@ def _duration(seconds: float) -> str:
     if minutes < 60:
         return f"{minutes} min {sec:02d} s"
     return f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+def _peak_text(peak: dict) -> str:
+    """'peak memory 3.21 GB RSS, 1.50 GB per device' (`runtime.peak_memory`'s figures)."""
+    gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
+    text = f"peak memory {gb(peak['host'])} RSS" if peak["host"] else "peak memory: RSS n/a"
+    return text + (f", {gb(peak['device'])} per device" if peak["device"] else "")
 
 
 def _perplexity(loss: float) -> float:
