@@ -143,7 +143,7 @@ def _kernel(q_ref, pos_ref, k_ref, v_ref, o_ref, *, block: int, slots: int, scal
         k = k_ref[:, pl.ds(start, block)].astype(jnp.float32)
         v = v_ref[pl.ds(start, block), :].astype(jnp.float32)
         if use_dot:
-            s = pl.dot(q, k) * scale
+            s = plgpu.dot(q, k) * scale
         else:
             s = jnp.sum(q[:, :, None] * k[None, :, :], axis=1) * scale
         s = jnp.where((slot >= i * block)[None, :] & (slot[None, :] <= pos[:, None]), s, -1e30)
@@ -151,7 +151,7 @@ def _kernel(q_ref, pos_ref, k_ref, v_ref, o_ref, *, block: int, slots: int, scal
         p = jnp.exp(s - m_new[:, None])
         fix = jnp.exp(m - m_new)
         if use_dot:
-            pv = pl.dot(p, v)
+            pv = plgpu.dot(p, v)
         else:
             pv = jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
         return m_new, total * fix + p.sum(axis=1), acc * fix[:, None] + pv
