@@ -101,3 +101,20 @@ def test_the_h100_decode_step_holds_the_ragged_kernel_per_layer():
     calls = [line for line in hlo.splitlines()
              if "xla.gpu.triton" in line and ragged.KERNEL_NAME in line]
     assert len(calls) == config.n_layers
+
+
+def test_the_kernel_compiles_for_h100_at_llama_shapes_with_tensor_core_dots():
+    """16 rows, 8 kv heads of 4 queries each, head_dim 128, 8192 bf16 slots: one Triton call
+    (the `dot` form the tiny preset's head_dim 8 does not take) and the splits' combine."""
+    mesh = programs.gpu_mesh("h100", 1)
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def arg(shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharded)
+
+    hlo = jax.jit(lambda *a: ragged.attend_filled(*a, kernel="pallas")).lower(
+        arg((16, 1, 32, 128)), arg((16, 8, 128, 8192)), arg((16, 8, 8192, 128)),
+        arg((16, 1), jnp.int32)).compile().as_text()
+    calls = [line for line in hlo.splitlines() if ragged.KERNEL_NAME in line
+             and "custom-call(" in line]
+    assert len(calls) == 1

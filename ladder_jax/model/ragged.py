@@ -12,11 +12,13 @@ read:
   block of keys and values out of the cache (in place, no copy of the cache) and folds it into
   a running softmax (the running max, the sum of exponentials, the unnormalized output). Rows
   shorter than the longest are masked within the blocks the longest one needs.
-- kernel "pallas" / "cudnn" (GPU): a Pallas (Triton) kernel, one program per (row, kv head),
-  looping over key blocks up to that row's own filled length, so each row reads its own filled
-  blocks only. Deviceless H100 programs hold it as one `__gpu$xla.gpu.triton` custom call
-  named `ragged_decode_attention` (what `ladder_jax.analysis.perfmodel` costs at the filled
-  fraction of its cache operands).
+- kernel "pallas" / "cudnn" (GPU): a Pallas (Triton) kernel, one program per (row, kv head,
+  split of the slots), looping over key blocks up to that row's own filled length, so each row
+  reads its own filled blocks only; the splits (flash decoding: enough programs to fill the
+  GPU at batch 1) are combined by their running maxima and sums afterwards. Deviceless H100
+  programs hold it as one `__gpu$xla.gpu.triton` custom call per layer named
+  `ragged_decode_attention` (what `ladder_jax.analysis.perfmodel` costs at the filled fraction
+  of its cache operands).
 
 Invariant: the same result as `attend_cache` (the reference arithmetic) for every row, to
 rounding: query t of row b sees slot s iff s <= q_pos[b, t]. Forward only (decoding): neither
@@ -127,14 +129,22 @@ def _vary_like(x, like):
 # The Triton kernel.
 
 
-def _kernel(q_ref, pos_ref, k_ref, v_ref, o_ref, *, block: int, slots: int, scale: float,
-            use_dot: bool):
-    """One (row, kv head): queries (M, H), their positions (M,), keys (H, S), values (S, H);
-    loops over key blocks up to this row's filled length max(pos) + 1."""
+SPLIT_PROGRAMS = 256  # programs a kernel aims for: about two per SM of an H100 (132)
+PALLAS_BLOCK = 64  # key slots per Triton block: keys and values of a block stay in registers
+
+
+def _kernel(q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, sum_ref, *, block: int, slots: int,
+            per_split: int, scale: float, use_dot: bool):
+    """One (row, kv head, split): queries (M, H), their positions (M,), keys (H, S), values
+    (S, H). Split p folds in blocks p * per_split... of this row's filled blocks (those below
+    max(pos) + 1) and writes its unnormalized output, running max and sum (combined by
+    `_pallas`)."""
     M, H = q_ref.shape
     q = q_ref[...].astype(jnp.float32)
     pos = pos_ref[...]
-    filled = jnp.minimum(jnp.max(pos) + 1, slots)
+    filled_blocks = pl.cdiv(jnp.minimum(jnp.max(pos) + 1, slots), block)
+    first = pl.program_id(2) * per_split
+    last = jnp.maximum(first, jnp.minimum(first + per_split, filled_blocks))
 
     def body(i, carry):
         m, total, acc = carry
@@ -158,39 +168,54 @@ def _kernel(q_ref, pos_ref, k_ref, v_ref, o_ref, *, block: int, slots: int, scal
 
     init = (jnp.full((M,), -1e30, jnp.float32), jnp.zeros((M,), jnp.float32),
             jnp.zeros((M, H), jnp.float32))
-    _, total, acc = jax.lax.fori_loop(0, pl.cdiv(filled, block), body, init)
-    o_ref[...] = (acc / total[:, None]).astype(o_ref.dtype)
+    m, total, acc = jax.lax.fori_loop(first, last, body, init)
+    acc_ref[...], m_ref[...], sum_ref[...] = acc, m, total
 
 
 def _pallas(q_btnh, k_bkhs, v_bksh, q_pos_bt, block, interpret):
-    """The Triton kernel over (B, K): queries grouped per kv head and padded to a power of two
-    of at least 16 rows (padding rows sit at position 0 and are dropped)."""
+    """The Triton kernel over (B, K, splits): queries grouped per kv head and padded to a
+    power of two of at least 16 rows (padding rows sit at position 0 and are dropped); the
+    slots split so that B * K * splits is about `SPLIT_PROGRAMS` (flash decoding), the
+    splits' partial softmaxes combined here."""
     B, T, N, H = q_btnh.shape
     K, S = k_bkhs.shape[1], v_bksh.shape[2]
+    block = min(block, PALLAS_BLOCK)
     q_bkmh = _grouped(q_btnh, K)
     M = q_bkmh.shape[2]
     Mp = max(16, 1 << (M - 1).bit_length())
     pos_bm = jnp.broadcast_to(q_pos_bt[:, None, :], (B, M // T, T)).reshape(B, M)
     q_bkmh = jnp.pad(q_bkmh, ((0, 0), (0, 0), (0, Mp - M), (0, 0)))
     pos_bm = jnp.pad(pos_bm.astype(jnp.int32), ((0, 0), (0, Mp - M)))
+    blocks = -(-S // block)
+    splits = max(1, min(blocks, SPLIT_PROGRAMS // (B * K)))
+    per_split = -(-blocks // splits)
+    splits = -(-blocks // per_split)
     use_dot = H >= 16 and H == 1 << (H - 1).bit_length()
-    kernel = functools.partial(_kernel, block=block, slots=S, scale=1.0 / math.sqrt(H),
-                               use_dot=use_dot)
+    kernel = functools.partial(_kernel, block=block, slots=S, per_split=per_split,
+                               scale=1.0 / math.sqrt(H), use_dot=use_dot)
+    f32 = jnp.float32
     call = pl.pallas_call(
         kernel,
-        grid=(B, K),
-        in_specs=[pl.BlockSpec((None, None, Mp, H), lambda b, k: (b, k, 0, 0)),
-                  pl.BlockSpec((None, Mp), lambda b, k: (b, 0)),
-                  pl.BlockSpec((None, None, H, S), lambda b, k: (b, k, 0, 0)),
-                  pl.BlockSpec((None, None, S, H), lambda b, k: (b, k, 0, 0))],
-        out_specs=pl.BlockSpec((None, None, Mp, H), lambda b, k: (b, k, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, K, Mp, H), v_bksh.dtype),
+        grid=(B, K, splits),
+        in_specs=[pl.BlockSpec((None, None, Mp, H), lambda b, k, p: (b, k, 0, 0)),
+                  pl.BlockSpec((None, Mp), lambda b, k, p: (b, 0)),
+                  pl.BlockSpec((None, None, H, S), lambda b, k, p: (b, k, 0, 0)),
+                  pl.BlockSpec((None, None, S, H), lambda b, k, p: (b, k, 0, 0))],
+        out_specs=[pl.BlockSpec((None, None, None, Mp, H), lambda b, k, p: (b, k, p, 0, 0)),
+                   pl.BlockSpec((None, None, None, Mp), lambda b, k, p: (b, k, p, 0)),
+                   pl.BlockSpec((None, None, None, Mp), lambda b, k, p: (b, k, p, 0))],
+        out_shape=[jax.ShapeDtypeStruct((B, K, splits, Mp, H), f32),
+                   jax.ShapeDtypeStruct((B, K, splits, Mp), f32),
+                   jax.ShapeDtypeStruct((B, K, splits, Mp), f32)],
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name=KERNEL_NAME,
     )
     # its outputs carry no varying-manual-axes type, which shard_map's check refuses: run
-    # with the check off and cast the result back to the queries' type
+    # with the check off and cast the results back to the queries' type
     with jax_config._check_vma(False):
-        out_bkmh = call(q_bkmh, pos_bm, k_bkhs, v_bksh)
-    return _ungrouped(_vary_like(out_bkmh[:, :, :M], q_btnh), T)
+        acc, m, total = (_vary_like(x, q_btnh) for x in call(q_bkmh, pos_bm, k_bkhs, v_bksh))
+    # splits past a row's filled blocks hold max -1e30 and sum 0: their weight is 0
+    w = jnp.exp(m - m.max(axis=2, keepdims=True))
+    out = (acc * w[..., None]).sum(2) / (total * w).sum(2)[..., None]
+    return _ungrouped(out[:, :, :M].astype(v_bksh.dtype), T)
