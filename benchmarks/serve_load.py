@@ -104,6 +104,8 @@ def main() -> int:
     p.add_argument("--max-len", type=int, default=None,
                    help="the server's slots per row (default: 128 + --max-tokens)")
     p.add_argument("--max-seconds", type=float, default=120, help="bound per level")
+    p.add_argument("--startup-seconds", type=float, default=600,
+                   help="bound on the server's start (it compiles its programs first)")
     p.add_argument("--baseline-requests", type=int, default=16,
                    help="prompts timed one by one through lj.generate")
     args = p.parse_args()
@@ -120,7 +122,7 @@ def main() -> int:
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + args.startup_seconds
         while True:
             if server.poll() is not None:
                 print(server.stderr.read(), file=sys.stderr)
@@ -131,7 +133,7 @@ def main() -> int:
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise SystemExit("server not up in 600 s")
+                raise SystemExit(f"server not up in {args.startup_seconds:.0f} s")
             time.sleep(0.5)
         prompts = prompts_for(args.requests)
         asyncio.run(level(f"{base}/v1", 2, prompts[:4], args.max_tokens, 60))  # warm
