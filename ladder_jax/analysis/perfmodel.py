@@ -58,6 +58,9 @@ class Kernel:
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
          "replica-id", "opt-barrier", "after-all", "add-dependency", "domain", "iota"}
 _SLICES = {"dynamic-slice", "slice", "gather"}
+# ops that update their first operand in place (XLA aliases it to the result): which operand
+# is the update (a decode step's cache write is a scatter with more than one row)
+_IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}
 
 
 def _flops(module: hlo.Module, comp: str) -> float:
@@ -92,7 +95,7 @@ def _fusion_cost(module: hlo.Module, op: hlo.Op) -> tuple[float, float]:
         uses = _through_bitcasts(params[k].name, users)
         if uses and all(u.opcode in _SLICES and pos == 0 for u, pos in uses):
             nbytes += sum(hlo.nbytes(u.shape) for u, _ in uses)
-        elif uses and all(u.opcode == "dynamic-update-slice" and pos == 0 for u, pos in uses):
+        elif uses and all(u.opcode in _IN_PLACE and pos == 0 for u, pos in uses):
             pass  # the buffer updated in place: only the update moves (counted as output)
         else:
             nbytes += hlo.nbytes(module.op("ENTRY", name).shape)
@@ -101,8 +104,8 @@ def _fusion_cost(module: hlo.Module, op: hlo.Op) -> tuple[float, float]:
     for o in outs:
         while o.opcode == "bitcast":
             o = module.op(comp, o.operands[0])
-        if o.opcode == "dynamic-update-slice":
-            nbytes += hlo.nbytes(module.op(comp, o.operands[1]).shape)
+        if o.opcode in _IN_PLACE:  # the update: dynamic-update-slice's 2nd, scatter's 3rd
+            nbytes += hlo.nbytes(module.op(comp, o.operands[_IN_PLACE[o.opcode]]).shape)
         else:
             nbytes += hlo.nbytes(o.shape)
     return flops, nbytes
