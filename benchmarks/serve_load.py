@@ -2,6 +2,7 @@
 one through `lj.generate`.
 
     python benchmarks/serve_load.py --preset small --clients 1 4 16 64 --requests 64
+    python benchmarks/serve_load.py --clients 16 --max-tokens 64 --max-len 512  # roomy slots
 
 Starts the server (random weights of --preset, greedy requests, --slots rows), then for each
 number of concurrent clients sends --requests streaming completions (each client sends its
@@ -100,23 +101,28 @@ def main() -> int:
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--requests", type=int, default=64, help="requests per level")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=None,
+                   help="the server's slots per row (default: 128 + --max-tokens)")
     p.add_argument("--max-seconds", type=float, default=120, help="bound per level")
+    p.add_argument("--startup-seconds", type=float, default=600,
+                   help="bound on the server's start (it compiles its programs first)")
     p.add_argument("--baseline-requests", type=int, default=16,
                    help="prompts timed one by one through lj.generate")
     args = p.parse_args()
 
     port = free_port()
+    max_len = args.max_len or 128 + args.max_tokens
     server = subprocess.Popen(
         [sys.executable, "-m", "ladder_jax.serve", "--preset", args.preset, "--tp", str(args.tp),
          "--slots", str(args.slots), "--steps-per-plan", str(args.steps_per_plan),
          "--prefills-per-step", str(args.prefills_per_step),
          "--max-queue", str(max(args.clients) * 2), "--port",
-         str(port), "--model-name", MODEL, "--max-len", str(128 + args.max_tokens)],
+         str(port), "--model-name", MODEL, "--max-len", str(max_len)],
         env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + args.startup_seconds
         while True:
             if server.poll() is not None:
                 print(server.stderr.read(), file=sys.stderr)
@@ -127,7 +133,7 @@ def main() -> int:
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise SystemExit("server not up in 600 s")
+                raise SystemExit(f"server not up in {args.startup_seconds:.0f} s")
             time.sleep(0.5)
         prompts = prompts_for(args.requests)
         asyncio.run(level(f"{base}/v1", 2, prompts[:4], args.max_tokens, 60))  # warm
@@ -141,7 +147,8 @@ def main() -> int:
             server.kill()
     base_prompts = prompts_for(args.baseline_requests)
     b = baseline(args, base_prompts)
-    print(f"preset {args.preset}, tp={args.tp}, {args.slots} slots, {args.steps_per_plan} "
+    print(f"preset {args.preset}, tp={args.tp}, {args.slots} slots of {max_len}, "
+          f"{args.steps_per_plan} "
           f"steps per plan, {args.prefills_per_step} prefills per step, greedy, max_tokens "
           f"{args.max_tokens}, loopback; load average {os.getloadavg()[0]:.1f} "
           f"({os.cpu_count()} CPUs)")

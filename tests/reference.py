@@ -121,3 +121,22 @@ def forward(weights, cfg, tokens):
     x = _norm(x, weights["final_norm"]["scale"], eps)
     head = weights["embed"].T if cfg.tie_embeddings else weights["head"]
     return x @ head
+
+
+def cache_attention(q_btnh, k_bkhs, v_bksh, q_pos_bt):
+    """Attention of queries at positions q_pos over a KV cache (keys (B, K, H, S), values
+    (B, K, S, H)): query t of row b sees slot s iff s <= q_pos[b, t]. Only the visible slots
+    are gathered (numpy, per row and query), so unfilled slots never enter the arithmetic."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q_btnh, k_bkhs, v_bksh))
+    B, T, N, H = q.shape
+    K = k.shape[1]
+    out = np.zeros((B, T, N, H))
+    for b in range(B):
+        for t in range(T):
+            n = int(q_pos_bt[b][t]) + 1
+            for h in range(N):
+                kv = h // (N // K)
+                s = q[b, t, h] @ k[b, kv, :, :n] / np.sqrt(H)
+                p = np.exp(s - s.max())
+                out[b, t, h] = (p / p.sum()) @ v[b, kv, :n]
+    return out

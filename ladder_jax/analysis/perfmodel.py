@@ -28,7 +28,7 @@ import jax
 from ladder_jax import hardware
 from ladder_jax.analysis import hlo, programs
 from ladder_jax.config import RESIDUALS
-from ladder_jax.model import sharding
+from ladder_jax.model import ragged, sharding
 
 ALGORITHMS = ("nccl", "ring", "tree")  # how collectives are timed (`costed`)
 
@@ -112,17 +112,24 @@ def _fusion_cost(module: hlo.Module, op: hlo.Op) -> tuple[float, float]:
     return flops, nbytes
 
 
-def _plain_cost(module: hlo.Module, op: hlo.Op) -> tuple[float, float]:
-    """(FLOPs, bytes) of a non-fusion kernel: operands in, result out."""
+def _plain_cost(module: hlo.Module, op: hlo.Op, filled: float = 1.0) -> tuple[float, float]:
+    """(FLOPs, bytes) of a non-fusion kernel: operands in, result out. The decode step's
+    ragged attention (`ladder_jax.model.ragged`, operands queries, positions, keys, values)
+    reads only the `filled` fraction of its cache operands."""
     entry = [module.op("ENTRY", n) for n in op.operands]
-    nbytes = sum(hlo.nbytes(o.shape) for o in entry if o is not None) + hlo.nbytes(op.shape)
+    sizes = [hlo.nbytes(o.shape) if o is not None else 0 for o in entry]
     flops = 0.0
+    if op.opcode == "custom-call" and ragged.KERNEL_NAME in op.text and len(sizes) == 4:
+        sizes[2:] = [filled * n for n in sizes[2:]]
+        # two products of the (padded) queries (B, K, M, H) with the slots read
+        flops = 4.0 * entry[0].elements * entry[2].dims[-1] * filled
+    nbytes = sum(sizes) + hlo.nbytes(op.shape)
     if op.opcode == "custom-call" and re.search(r'custom_call_target="__cublas', op.text):
         lhs = entry[0].dims
         m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', op.text)
         idx = [int(i) for i in re.findall(r"\d+", m.group(1))] if m else [len(lhs) - 1]
         flops = 2.0 * op.elements * math.prod(lhs[i] for i in idx)
-    elif op.opcode == "custom-call" and "xla.gpu.triton" in op.text:
+    elif op.opcode == "custom-call" and "xla.gpu.triton" in op.text and not flops:
         flops = _flash_flops(op.op_name, entry)
     return flops, nbytes
 
@@ -162,11 +169,12 @@ def _through_bitcasts(name, users) -> list:
     return out
 
 
-def read_kernels(text: str, *, devices: int = 1, gpus_per_host: int | None = None
-                 ) -> list[Kernel]:
+def read_kernels(text: str, *, devices: int = 1, gpus_per_host: int | None = None,
+                 filled: float = 1.0) -> list[Kernel]:
     """The ENTRY computation of a scheduled module as Kernels, in schedule order. A
     collective's ranks and hosts come from its replica group (device ids numbered host by host,
-    `gpus_per_host` each; no group: all `devices`)."""
+    `gpus_per_host` each; no group: all `devices`). `filled`: the fraction of the KV cache's
+    slots a decode step's ragged attention reads (`decode_fill`)."""
     try:
         module = hlo.Module(text)
     except hlo.HloError as e:
@@ -199,7 +207,7 @@ def read_kernels(text: str, *, devices: int = 1, gpus_per_host: int | None = Non
                                   collective="other", layer=op.layer, ranks=devices))
         else:
             flops, nbytes = (_fusion_cost(module, op) if code == "fusion"
-                             else _plain_cost(module, op))
+                             else _plain_cost(module, op, filled))
             kernels.append(Kernel("compute", op.name, flops, nbytes, layer=op.layer))
     return kernels
 
@@ -455,15 +463,33 @@ class Program:
     fallback: str | None = None
 
 
+def decode_fill(config, *, prompt_len: int, new_tokens: int, slots: int | None = None
+                ) -> float:
+    """The fraction of a decode cache's slots that the average step of a request reads: its
+    mid-decode length, prompt_len + new_tokens / 2, over the slots per row (`slots`, or what
+    `decode` sizes for the request: then about 1 - new_tokens / 2 / slots)."""
+    from ladder_jax.inference.cache import cache_length
+
+    S = slots or cache_length(config, prompt_len, new_tokens)
+    return min(1.0, (prompt_len + new_tokens / 2) / S)
+
+
 @functools.lru_cache(maxsize=None)
 def program_kernels(config, *, phase: str, tp: int, batch: int, prompt_len: int,
-                    new_tokens: int, target: str, hosts: int = 1) -> Program:
+                    new_tokens: int, target: str, hosts: int = 1,
+                    slots: int | None = None) -> Program:
     """The compiled program's kernels (compiled once per process and shape; the persistent
-    cache of `ladder_jax.analysis.programs` keeps them across processes)."""
+    cache of `ladder_jax.analysis.programs` keeps them across processes). `slots`: the decode
+    cache's slots per row (default: sized for the request), of which the decode step's
+    attention reads the request's average filled length (`decode_fill`)."""
     text, _ = programs.compile_program(config, phase=phase, tp=tp, batch=batch, seq=prompt_len,
-                                       target=target, new_tokens=new_tokens, hosts=hosts)
+                                       target=target, new_tokens=new_tokens, hosts=hosts,
+                                       **({"slots": slots} if slots is not None else {}))
     fallback = programs.LAST["fallback"]
-    return Program(tuple(read_kernels(text, devices=tp, gpus_per_host=tp // hosts)), fallback)
+    filled = (decode_fill(config, prompt_len=prompt_len, new_tokens=new_tokens, slots=slots)
+              if phase == "decode" else 1.0)
+    return Program(tuple(read_kernels(text, devices=tp, gpus_per_host=tp // hosts,
+                                      filled=filled)), fallback)
 
 
 def check_layers_compiled(layers_compiled: int) -> None:
@@ -521,8 +547,9 @@ def program_time(config, *, phase: str, tp: int, batch: int, prompt_len: int, ne
                  efficiency: hardware.Efficiency | None = None,
                  calibration: hardware.Calibration | None = None, hosts: int = 1,
                  layers_compiled: int = 4, algorithm: str = "nccl",
-                 contention: bool = True) -> dict:
-    """Predicted seconds, compute seconds and exposed communication of one program."""
+                 contention: bool = True, slots: int | None = None) -> dict:
+    """Predicted seconds, compute seconds and exposed communication of one program; `slots`:
+    the decode cache's slots per row (`program_kernels`)."""
     cal = calibration or hardware.calibration(target)
     if efficiency is not None:
         cal = dataclasses.replace(cal, efficiency=efficiency)
@@ -533,7 +560,8 @@ def program_time(config, *, phase: str, tp: int, batch: int, prompt_len: int, ne
     for depth in depths:
         program = program_kernels(dataclasses.replace(config, n_layers=depth), phase=phase,
                                   tp=tp, batch=batch, prompt_len=prompt_len,
-                                  new_tokens=new_tokens, target=target, hosts=hosts)
+                                  new_tokens=new_tokens, target=target, hosts=hosts,
+                                  **({"slots": slots} if slots is not None else {}))
         fallbacks.add(program.fallback)
         works.append(work(program.kernels))
         timelines.append(simulate(costed(program.kernels, calibration=cal, link=link,

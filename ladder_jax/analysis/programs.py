@@ -105,15 +105,16 @@ def check_plugin() -> None:
 
 
 def lower_decoder(config, mesh, *, phase: str, batch: int, prompt_len: int, new_tokens: int,
-                  quantize: str | None = None):
+                  quantize: str | None = None, slots: int | None = None):
     """The lowered `Decoder` prefill or one-token step (KV cache, per-row sampling) of `config`
     on `mesh`, from shapes: the cache holds `prompt_len + new_tokens` (rounded as `decode`
-    does). Sampling settings are runtime arrays, so one program serves greedy and sampled rows.
-    `quantize="int8"`: int8 linear weights (`ladder_jax.model.quant`)."""
+    does), or `slots` per row (a server's `--max-len`). Sampling settings are runtime arrays,
+    so one program serves greedy and sampled rows. `quantize="int8"`: int8 linear weights
+    (`ladder_jax.model.quant`)."""
     if quantize is not None:
         config = dataclasses.replace(config, quantize=quantize)
     decoder = generation.Decoder(nnx.merge(*abstract(config, mesh)))  # weights: shapes
-    S = generation.cache_length(config, prompt_len, new_tokens)
+    S = slots or generation.cache_length(config, prompt_len, new_tokens)
     cache = generation.KVCache.abstract(config, mesh, batch, S)
 
     def rows_of(dtype, *shape):
@@ -136,10 +137,11 @@ class CompileError(OverlapError):
 
 def compile_program(config, *, phase: str, tp: int, batch: int, seq: int, target: str = "h100",
                     new_tokens: int = 512, hosts: int = 1, cache: bool = True,
-                    quantize: str | None = None) -> tuple:
+                    quantize: str | None = None, slots: int | None = None) -> tuple:
     """Compiles `phase` of `config` for `tp` GPUs of `target` on `hosts` hosts; returns
     (scheduled hlo_text, seconds). `seq` is the prompt (prefill, decode) or training length;
-    `new_tokens` sizes the decode cache; `quantize="int8"`: int8 linear weights (prefill and
+    `new_tokens` sizes the decode cache (`slots`: that many per row instead, as a server sized
+    by `--max-len` holds them); `quantize="int8"`: int8 linear weights (prefill and
     decode only). Read from / written to the persistent cache unless `cache=False` (module
     doc); `LAST` says whether the last call was a cache hit and which fallback, if any, it
     compiled with."""
@@ -151,7 +153,8 @@ def compile_program(config, *, phase: str, tp: int, batch: int, seq: int, target
                            f"runs float weights")
     if phase not in PHASES:
         raise OverlapError(f"unknown phase {phase!r}: choose one of {', '.join(PHASES)}")
-    for name, v in (("tp", tp), ("batch", batch), ("seq", seq), ("new_tokens", new_tokens)):
+    for name, v in (("tp", tp), ("batch", batch), ("seq", seq), ("new_tokens", new_tokens),
+                    *((("slots", slots),) if slots is not None else ())):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise OverlapError(f"{name}={v!r} must be a positive integer")
     mesh = gpu_mesh(target, tp, hosts=hosts)
@@ -159,7 +162,8 @@ def compile_program(config, *, phase: str, tp: int, batch: int, seq: int, target
     options = sharding.compiler_options("gpu")
     t0 = time.perf_counter()
     key = program_key(dataclasses.asdict(config), phase=phase, tp=tp, batch=batch, seq=seq,
-                      new_tokens=new_tokens, target=target, hosts=hosts, options=options)
+                      new_tokens=new_tokens, target=target, hosts=hosts, options=options,
+                      **({"slots": slots} if slots is not None else {}))
     path = _cache_path(key) if cache else None
     if path and os.path.exists(path):
         with gzip.open(path, "rt") as f:
@@ -169,7 +173,7 @@ def compile_program(config, *, phase: str, tp: int, batch: int, seq: int, target
         return hlo, time.perf_counter() - t0
     if phase in ("prefill", "decode"):
         lowered = lower_decoder(config, mesh, phase=phase, batch=batch, prompt_len=seq,
-                                new_tokens=new_tokens)
+                                new_tokens=new_tokens, slots=slots)
     else:
         lowered = train_program(config, mesh, batch=batch, seq_len=seq)
     with _kernel_reuse(target) as reuse:

@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ladder_jax.config import ConfigError, ModelConfig
-from ladder_jax.model import quant, residual, sharding
+from ladder_jax.model import quant, ragged, residual, sharding
 from ladder_jax.model.linear import FusedInput, FusedLinear, FusesInputs, Linear
 from ladder_jax.model.sharding import DATA, TP, WeightSpecs
 
@@ -145,7 +145,8 @@ class Attention(FusesInputs):
         prompt written from slot 0 of the cache: the prefill). Attention then runs as one
         fused causal kernel over the T keys of the call itself (`attend_causal`): the same
         result as attending over the cache, whose slots past t no query t may see. With
-        positions given, it runs the reference `attend` over the keys (or cache slots)."""
+        positions given, it runs the reference `attend` over the keys, or over a cache
+        `ragged.attend_filled`, which reads only the slots some query can see."""
         q_btnh, k_btkh, v_btkh = self.project_inputs(x_btd.astype(self.dtype), self.dtype)
         return self.attend_and_project(q_btnh, k_btkh, v_btkh, positions_bt, inv_freq, cache)
 
@@ -167,10 +168,8 @@ class Attention(FusesInputs):
         elif cache is None:
             out_btnh = attend(q_btnh, k_btkh, v_btkh, positions_bt, positions_bt)
         else:
-            k_bkhs, v_bksh = new_cache
-            S = v_bksh.shape[2]
-            slots_bs = jnp.broadcast_to(jnp.arange(S, dtype=positions_bt.dtype), (B, S))
-            out_btnh = attend_cache(q_btnh, k_bkhs, v_bksh, positions_bt, slots_bs)
+            # only the filled blocks of each row's cache are read (`ragged.attend_filled`)
+            out_btnh = ragged.attend_filled(q_btnh, *new_cache, positions_bt, self.kernel)
         y_btd = self.o(out_btnh, self.dtype)
         return y_btd if cache is None else (y_btd, new_cache)
 

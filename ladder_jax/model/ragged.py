@@ -1,0 +1,221 @@
+"""Decode attention over the filled slots of a KV cache only.
+
+    out_btnh = attend_filled(q_btnh, k_bkhs, v_bksh, q_pos_bt, kernel="matmul")
+
+A serving cache row is sized for the longest request (`serve --max-len`), but a decode step's
+query at position p sees slots 0..p only. `attend_cache` reads every slot and masks; here the
+slots are visited in blocks of `key_block(S)`, and blocks past what a query can see are never
+read:
+
+- kernel "matmul" / "xla" (CPU and other XLA backends): a `while_loop` over key blocks whose trip
+  count is the longest row's filled length, max(q_pos) + 1, in blocks: each iteration slices one
+  block of keys and values out of the cache (in place, no copy of the cache) and folds it into
+  a running softmax (the running max, the sum of exponentials, the unnormalized output). Rows
+  shorter than the longest are masked within the blocks the longest one needs.
+- kernel "pallas" / "cudnn" (GPU): a Pallas (Triton) kernel, one program per (row, kv head,
+  split of the slots), looping over key blocks up to that row's own filled length, so each row
+  reads its own filled blocks only; the splits (flash decoding: enough programs to fill the
+  GPU at batch 1) are combined by their running maxima and sums afterwards. Deviceless H100
+  programs hold it as one `__gpu$xla.gpu.triton` custom call per layer named
+  `ragged_decode_attention` (what `ladder_jax.analysis.perfmodel` costs at the filled fraction
+  of its cache operands).
+
+Invariant: the same result as `attend_cache` (the reference arithmetic) for every row, to
+rounding: query t of row b sees slot s iff s <= q_pos[b, t]. Forward only (decoding): neither
+form is differentiable in reverse.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax._src import config as jax_config
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+KERNEL_NAME = "ragged_decode_attention"
+MIN_BLOCK, MAX_BLOCK = 16, 512
+
+
+def key_block(slots: int) -> int:
+    """Key slots per block for a cache of `slots`: a power of two from 16 to 512, about an
+    eighth of the cache (so small caches still skip blocks, large ones loop a few times)."""
+    return max(MIN_BLOCK, min(MAX_BLOCK, 1 << max(0, math.ceil(slots / 8) - 1).bit_length()))
+
+
+def attend_filled(q_btnh, k_bkhs, v_bksh, q_pos_bt, kernel: str = "matmul",
+                  block: int | None = None, interpret: bool = False):
+    """Attention of queries (B, T, N, H) at positions (B, T) over a cache of keys (B, K, H, S)
+    and values (B, K, S, H) (`sharding.CACHE_BKSH`), reading only the blocks of slots some
+    query can see (module doc). `kernel`: the model's `attention_kernel`; "pallas" or "cudnn"
+    run the Triton kernel (`interpret=True`: through Pallas's interpreter, for tests)."""
+    S = v_bksh.shape[2]
+    block = block or key_block(S)
+    block = min(block, 1 << (S.bit_length() - 1))  # a power of two within the cache
+    if kernel in ("pallas", "cudnn") and S >= MIN_BLOCK:  # Triton's blocks: 16 or more
+        return _pallas(q_btnh, k_bkhs, v_bksh, q_pos_bt, block, interpret)
+    return _blocked(q_btnh, k_bkhs, v_bksh, q_pos_bt, block)
+
+
+def _grouped(q_btnh, K):
+    """Queries (B, T, N, H) as (B, K, G*T, H): each kv head's G query heads times T."""
+    B, T, N, H = q_btnh.shape
+    G = N // K
+    return q_btnh.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+
+
+def _ungrouped(out_bkmh, T):
+    B, K, M, H = out_bkmh.shape
+    G = M // T
+    return out_bkmh.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, H)
+
+
+def _blocked(q_btnh, k_bkhs, v_bksh, q_pos_bt, block):
+    """The XLA form: a while loop over key blocks up to the longest row's filled length."""
+    B, T, N, H = q_btnh.shape
+    K, S = k_bkhs.shape[1], v_bksh.shape[2]
+    block = min(block, S)
+    q_bkmh = _grouped(q_btnh, K)
+    M = q_bkmh.shape[2]
+    G = M // T
+    pos_bm = jnp.broadcast_to(q_pos_bt[:, None, :], (B, G, T)).reshape(B, 1, M, 1)
+    n_blocks = (jnp.max(q_pos_bt) + block) // block  # ceil((max position + 1) / block)
+    n_blocks = jnp.minimum(n_blocks, -(-S // block)).astype(jnp.int32)
+    batch = ((0, 1), (0, 1))
+    scale = 1.0 / math.sqrt(H)
+
+    def body(i, carry):
+        m_bkm1, l_bkm1, acc_bkmh = carry
+        # the last block may start early (a cache not a multiple of block): slots before
+        # i * block were folded in already and are masked here
+        start = jnp.minimum(i * block, S - block)
+        k_blk = jax.lax.dynamic_slice_in_dim(k_bkhs, start, block, axis=3)
+        v_blk = jax.lax.dynamic_slice_in_dim(v_bksh, start, block, axis=2)
+        s_bkms = jax.lax.dot_general(q_bkmh, k_blk, (((3,), (2,)), batch),
+                                     preferred_element_type=jnp.float32) * scale
+        slot = start + jnp.arange(block, dtype=jnp.int32)
+        seen = (slot >= i * block)[None, None, None, :] & (slot[None, None, None, :] <= pos_bm)
+        s_bkms = jnp.where(seen, s_bkms, -1e30)
+        m_new = jnp.maximum(m_bkm1, s_bkms.max(-1, keepdims=True))
+        p_bkms = jnp.exp(s_bkms - m_new)
+        fix = jnp.exp(m_bkm1 - m_new)
+        pv = jax.lax.dot_general(p_bkms.astype(v_bksh.dtype), v_blk, (((3,), (2,)), batch),
+                                 preferred_element_type=jnp.float32)
+        return m_new, l_bkm1 * fix + p_bkms.sum(-1, keepdims=True), acc_bkmh * fix + pv
+
+    init = (jnp.full((B, K, M, 1), -1e30, jnp.float32), jnp.zeros((B, K, M, 1), jnp.float32),
+            jnp.zeros((B, K, M, H), jnp.float32))
+    init = tuple(_vary_like(x, q_btnh) for x in init)
+    _, l_bkm1, acc_bkmh = jax.lax.fori_loop(0, n_blocks, body, init)
+    return _ungrouped((acc_bkmh / l_bkm1).astype(v_bksh.dtype), T)
+
+
+def _vary_like(x, like):
+    """`x` typed as varying over the manual mesh axes `like` varies over (inside shard_map the
+    loop's carry must match what the body makes of it)."""
+    try:
+        want = jax.typeof(like).manual_axis_type.varying
+        have = jax.typeof(x).manual_axis_type.varying
+    except AttributeError:
+        return x
+    missing = tuple(a for a in want if a not in have)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton kernel.
+
+
+SPLIT_PROGRAMS = 256  # programs a kernel aims for: about two per SM of an H100 (132)
+PALLAS_BLOCK = 64  # key slots per Triton block: keys and values of a block stay in registers
+
+
+def _kernel(q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, sum_ref, *, block: int, slots: int,
+            per_split: int, scale: float, use_dot: bool):
+    """One (row, kv head, split): queries (M, H), their positions (M,), keys (H, S), values
+    (S, H). Split p folds in blocks p * per_split... of this row's filled blocks (those below
+    max(pos) + 1) and writes its unnormalized output, running max and sum (combined by
+    `_pallas`)."""
+    M, H = q_ref.shape
+    q = q_ref[...].astype(jnp.float32)
+    pos = pos_ref[...]
+    filled_blocks = pl.cdiv(jnp.minimum(jnp.max(pos) + 1, slots), block)
+    first = pl.program_id(2) * per_split
+    last = jnp.maximum(first, jnp.minimum(first + per_split, filled_blocks))
+
+    def body(i, carry):
+        m, total, acc = carry
+        start = jnp.minimum(i * block, slots - block)  # as in `_blocked`: never out of bounds
+        slot = start + jnp.arange(block, dtype=jnp.int32)
+        k = k_ref[:, pl.ds(start, block)].astype(jnp.float32)
+        v = v_ref[pl.ds(start, block), :].astype(jnp.float32)
+        if use_dot:
+            s = plgpu.dot(q, k) * scale
+        else:
+            s = jnp.sum(q[:, :, None] * k[None, :, :], axis=1) * scale
+        s = jnp.where((slot >= i * block)[None, :] & (slot[None, :] <= pos[:, None]), s, -1e30)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        p = jnp.exp(s - m_new[:, None])
+        fix = jnp.exp(m - m_new)
+        if use_dot:
+            pv = plgpu.dot(p, v)
+        else:
+            pv = jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
+        return m_new, total * fix + p.sum(axis=1), acc * fix[:, None] + pv
+
+    init = (jnp.full((M,), -1e30, jnp.float32), jnp.zeros((M,), jnp.float32),
+            jnp.zeros((M, H), jnp.float32))
+    m, total, acc = jax.lax.fori_loop(first, last, body, init)
+    acc_ref[...], m_ref[...], sum_ref[...] = acc, m, total
+
+
+def _pallas(q_btnh, k_bkhs, v_bksh, q_pos_bt, block, interpret):
+    """The Triton kernel over (B, K, splits): queries grouped per kv head and padded to a
+    power of two of at least 16 rows (padding rows sit at position 0 and are dropped); the
+    slots split so that B * K * splits is about `SPLIT_PROGRAMS` (flash decoding), the
+    splits' partial softmaxes combined here."""
+    B, T, N, H = q_btnh.shape
+    K, S = k_bkhs.shape[1], v_bksh.shape[2]
+    block = min(block, PALLAS_BLOCK)
+    q_bkmh = _grouped(q_btnh, K)
+    M = q_bkmh.shape[2]
+    Mp = max(16, 1 << (M - 1).bit_length())
+    pos_bm = jnp.broadcast_to(q_pos_bt[:, None, :], (B, M // T, T)).reshape(B, M)
+    q_bkmh = jnp.pad(q_bkmh, ((0, 0), (0, 0), (0, Mp - M), (0, 0)))
+    pos_bm = jnp.pad(pos_bm.astype(jnp.int32), ((0, 0), (0, Mp - M)))
+    blocks = -(-S // block)
+    splits = max(1, min(blocks, SPLIT_PROGRAMS // (B * K)))
+    per_split = -(-blocks // splits)
+    splits = -(-blocks // per_split)
+    use_dot = H >= 16 and H == 1 << (H - 1).bit_length()
+    kernel = functools.partial(_kernel, block=block, slots=S, per_split=per_split,
+                               scale=1.0 / math.sqrt(H), use_dot=use_dot)
+    f32 = jnp.float32
+    call = pl.pallas_call(
+        kernel,
+        grid=(B, K, splits),
+        in_specs=[pl.BlockSpec((None, None, Mp, H), lambda b, k, p: (b, k, 0, 0)),
+                  pl.BlockSpec((None, Mp), lambda b, k, p: (b, 0)),
+                  pl.BlockSpec((None, None, H, S), lambda b, k, p: (b, k, 0, 0)),
+                  pl.BlockSpec((None, None, S, H), lambda b, k, p: (b, k, 0, 0))],
+        out_specs=[pl.BlockSpec((None, None, None, Mp, H), lambda b, k, p: (b, k, p, 0, 0)),
+                   pl.BlockSpec((None, None, None, Mp), lambda b, k, p: (b, k, p, 0)),
+                   pl.BlockSpec((None, None, None, Mp), lambda b, k, p: (b, k, p, 0))],
+        out_shape=[jax.ShapeDtypeStruct((B, K, splits, Mp, H), f32),
+                   jax.ShapeDtypeStruct((B, K, splits, Mp), f32),
+                   jax.ShapeDtypeStruct((B, K, splits, Mp), f32)],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name=KERNEL_NAME,
+    )
+    # its outputs carry no varying-manual-axes type, which shard_map's check refuses: run
+    # with the check off and cast the results back to the queries' type
+    with jax_config._check_vma(False):
+        acc, m, total = (_vary_like(x, q_btnh) for x in call(q_bkmh, pos_bm, k_bkhs, v_bksh))
+    # splits past a row's filled blocks hold max -1e30 and sum 0: their weight is 0
+    w = jnp.exp(m - m.max(axis=2, keepdims=True))
+    out = (acc * w[..., None]).sum(2) / (total * w).sum(2)[..., None]
+    return _ungrouped(out[:, :, :M].astype(v_bksh.dtype), T)

@@ -1,0 +1,120 @@
+"""Decode attention over the filled slots only (`ladder_jax.model.ragged`) against the plain
+reference (`tests.reference.cache_attention`) and the full forward.
+
+Every check poisons the slots the attention must not read with NaN: masking them (the
+reference arithmetic over the whole cache, `attend_cache`) would still read them and turn
+every output NaN, so these checks fail unless the blocks past the filled ones are skipped.
+Tolerance: float32, 1e-5 absolute on attention outputs of unit-variance inputs, 1e-4 on
+logits.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ladder_jax.analysis import programs
+from ladder_jax.inference.cache import KVCache
+from ladder_jax.model import ragged
+from tests import helpers, reference
+
+B, N, K, H, S = 4, 8, 2, 16, 200  # S not a multiple of the block (16): the last one overlaps
+
+
+def _inputs(T, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(keys[0], (B, T, N, H)), jax.random.normal(keys[1], (B, K, H, S)),
+            jax.random.normal(keys[2], (B, K, S, H)))
+
+
+def _poison(k_bkhs, v_bksh, first_unread_b):
+    """NaN in every slot from first_unread[b] on, in row b's keys and values."""
+    slot = jnp.arange(S)
+    bad_bs = slot[None, :] >= jnp.asarray(first_unread_b)[:, None]
+    return (jnp.where(bad_bs[:, None, None, :], jnp.nan, k_bkhs),
+            jnp.where(bad_bs[:, None, :, None], jnp.nan, v_bksh))
+
+
+@pytest.mark.parametrize("kernel", ["matmul", "pallas"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_ragged_decode_attention_equals_the_reference(kernel, T):
+    """Rows of different lengths (one slot, a block's last slot, the next block's first, the
+    cache's last) and T queries per row. The XLA loop ("matmul") reads the blocks the longest
+    row needs; the Pallas kernel (interpreted) each row's own blocks."""
+    q, k, v = _inputs(T)
+    block = ragged.key_block(S)
+    last_b = np.array([0, block - 1, block, S - 1])
+    if kernel == "matmul":
+        last_b[3] = 3 * block + 2  # the longest row: its block ends the reading
+    pos_bt = jnp.asarray(np.maximum(last_b[:, None] - np.arange(T)[::-1], 0), jnp.int32)
+    read_b = -(-(last_b + 1) // block) * block  # the end of each row's last block
+    if kernel == "matmul":
+        read_b = np.full(B, read_b.max())
+    k, v = _poison(k, v, np.minimum(read_b, S))
+    got = jax.jit(lambda *a: ragged.attend_filled(*a, kernel=kernel, interpret=True))(
+        q, k, v, pos_bt)
+    want = reference.cache_attention(q, k, v, np.asarray(pos_bt))
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_cached_decode_of_a_ragged_batch_equals_the_full_forward(tp):
+    """Prompts of 3, 20, 1 and 37 tokens prefilled into a 256-slot cache (blocks of 32), then
+    6 decode steps with each row at its own position: every step's logits == the full forward
+    of the rows' whole sequences (causal: position p sees tokens <= p). The slots past the
+    longest row's two blocks hold NaN."""
+    model = helpers.tiny_model(tp, residual="ladder")
+    lengths, steps, longest = np.array([3, 20, 1, 37]), 6, 37
+    seqs = np.random.default_rng(0).integers(0, model.config.vocab_size, (B, longest + steps))
+    seqs = seqs.astype(np.int32)
+    prompt = np.where(np.arange(longest)[None] < lengths[:, None], seqs[:, :longest], 0)
+    step_fn = nnx.jit(lambda m, t, p, c: m.forward_cached(t, p, c))
+    cache = KVCache.init(model.config, model.mesh, B, 256)
+    unread = ragged.key_block(256) * 2  # the longest row ends at slot 42 < 64
+    cache = KVCache(*(tuple(_poison_slots(x, unread, axis) for x in xs)
+                      for xs, axis in ((cache.k, 3), (cache.v, 2))))
+    _, layers = step_fn(model, prompt, None, cache.layers())
+    got = []
+    for i in range(steps):
+        pos_b = (lengths + i).astype(np.int32)
+        logits, layers = step_fn(model, seqs[np.arange(B), pos_b][:, None], pos_b[:, None],
+                                 layers)
+        got.append(np.asarray(logits)[:, 0])
+    full = np.asarray(helpers.logits(model, seqs))
+    want = np.stack([full[np.arange(B), lengths + i] for i in range(steps)])
+    assert np.isfinite(want).all()
+    np.testing.assert_allclose(np.stack(got), want, atol=1e-4, rtol=0)
+
+
+def _poison_slots(x, first, axis):
+    slot = jnp.arange(x.shape[axis]).reshape([-1 if a == axis else 1 for a in range(x.ndim)])
+    return jax.device_put(jnp.where(slot >= first, jnp.nan, x), x.sharding)
+
+
+def test_the_h100_decode_step_holds_the_ragged_kernel_per_layer():
+    """The deviceless H100 decode program attends through one `ragged_decode_attention`
+    Triton call per layer, whose cache operands are the cache as it lies (no copy)."""
+    config = helpers.TINY
+    hlo = programs.compile_program(config, phase="decode", tp=2, batch=8, seq=32,
+                                   new_tokens=32, cache=False)[0]
+    calls = [line for line in hlo.splitlines()
+             if "xla.gpu.triton" in line and ragged.KERNEL_NAME in line]
+    assert len(calls) == config.n_layers
+
+
+def test_the_kernel_compiles_for_h100_at_llama_shapes_with_tensor_core_dots():
+    """16 rows, 8 kv heads of 4 queries each, head_dim 128, 8192 bf16 slots: one Triton call
+    (the `dot` form the tiny preset's head_dim 8 does not take) and the splits' combine."""
+    mesh = programs.gpu_mesh("h100", 1)
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def arg(shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharded)
+
+    hlo = jax.jit(lambda *a: ragged.attend_filled(*a, kernel="pallas")).lower(
+        arg((16, 1, 32, 128)), arg((16, 8, 128, 8192)), arg((16, 8, 8192, 128)),
+        arg((16, 1), jnp.int32)).compile().as_text()
+    calls = [line for line in hlo.splitlines() if ragged.KERNEL_NAME in line
+             and "custom-call(" in line]
+    assert len(calls) == 1
