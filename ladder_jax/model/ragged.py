@@ -131,6 +131,10 @@ def _vary_like(x, like):
 
 SPLIT_PROGRAMS = 256  # programs a kernel aims for: about two per SM of an H100 (132)
 PALLAS_BLOCK = 64  # key slots per Triton block: keys and values of a block stay in registers
+# blocks a split covers at least: a split writes (and the combine reads back) its float32
+# partial output for 16 padded query rows, 1/16 of what its 8 blocks of bf16 keys and values
+# read, so splitting a short cache does not cost more bytes than it reads
+SPLIT_MIN_BLOCKS = 8
 
 
 def _kernel(q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, sum_ref, *, block: int, slots: int,
@@ -187,7 +191,7 @@ def _pallas(q_btnh, k_bkhs, v_bksh, q_pos_bt, block, interpret):
     q_bkmh = jnp.pad(q_bkmh, ((0, 0), (0, 0), (0, Mp - M), (0, 0)))
     pos_bm = jnp.pad(pos_bm.astype(jnp.int32), ((0, 0), (0, Mp - M)))
     blocks = -(-S // block)
-    splits = max(1, min(blocks, SPLIT_PROGRAMS // (B * K)))
+    splits = max(1, min(blocks // SPLIT_MIN_BLOCKS, SPLIT_PROGRAMS // (B * K)))
     per_split = -(-blocks // splits)
     splits = -(-blocks // per_split)
     use_dot = H >= 16 and H == 1 << (H - 1).bit_length()
