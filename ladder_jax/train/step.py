@@ -71,9 +71,10 @@ def loss_fn(graphdef, params, tokens_bt, targets_bt, mask_bt=None):
     return cross_entropy(model(tokens_bt), targets_bt, mask_bt)
 
 
-def loss_and_grads(graphdef, params, tokens, targets, mask=None):
-    """Loss and gradients of one (B, T) batch, or the means over (A, B, T) micro-batches."""
-    grad_fn = jax.value_and_grad(loss_fn, argnums=1)
+def loss_and_grads(graphdef, params, tokens, targets, mask=None, loss=None):
+    """Loss and gradients of one (B, T) batch, or the means over (A, B, T) micro-batches.
+    `loss`: a function like `loss_fn` (default), e.g. `ladder_jax.train.distill.make_loss`."""
+    grad_fn = jax.value_and_grad(loss or loss_fn, argnums=1)
     if tokens.ndim == 2:
         return grad_fn(graphdef, params, tokens, targets, mask)
     n = tokens.shape[0]
@@ -90,12 +91,12 @@ def loss_and_grads(graphdef, params, tokens, targets, mask=None):
 
 
 def train_step(graphdef, params, opt_state, tokens_bt, targets_bt, *, optimizer, grad_clip=1.0,
-               mask_bt=None, stored_specs=None):
+               mask_bt=None, stored_specs=None, loss=None):
     """One update. tokens/targets (B, T), or (A, B, T) for A accumulated micro-batches.
     `stored_specs`: where the weights are stored (a tree of PartitionSpecs like `params`, e.g.
     the FSDP layout; default their tp specs): the gradients are kept in
     that layout, so clipping and AdamW run on each device's own blocks, with no gathering."""
-    loss, grads = loss_and_grads(graphdef, params, tokens_bt, targets_bt, mask_bt)
+    loss, grads = loss_and_grads(graphdef, params, tokens_bt, targets_bt, mask_bt, loss)
     mesh = nnx.merge(graphdef, params).mesh
     if stored_specs is None:
         stored_specs = param_specs(params)
@@ -129,7 +130,8 @@ def opt_state_shardings(optimizer, opt_state, params, mesh):
         transform_non_params=lambda x: jax.tree.map(lambda _: replicated, x))
 
 
-def make_train_step(graphdef, *, optimizer, grad_clip, param_shardings, opt_shardings):
+def make_train_step(graphdef, *, optimizer, grad_clip, param_shardings, opt_shardings,
+                    loss=None):
     """The function a training run jits: (params, opt_state, batch) -> (params, opt_state,
     metrics). `batch` is (A, B, T + 1) int tokens, A accumulated micro-batches (A = 1: no
     accumulation loop). The new state is constrained to the given shardings (flat lists, one per
@@ -148,7 +150,7 @@ def make_train_step(graphdef, *, optimizer, grad_clip, param_shardings, opt_shar
         specs = treedef.unflatten([s.spec for s in param_shardings])
         params, opt_state, metrics = train_step(
             graphdef, params, opt_state, tokens, targets, optimizer=optimizer,
-            grad_clip=grad_clip, stored_specs=specs)
+            grad_clip=grad_clip, stored_specs=specs, loss=loss)
         return (constrain(params, param_shardings), constrain(opt_state, opt_shardings),
                 metrics)
 
