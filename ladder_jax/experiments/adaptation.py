@@ -528,16 +528,14 @@ def table(results: list[dict]) -> str:
         return ""
     tasks = list(models[0]["tasks"])
     srcs = list(models[0]["held_out"])
-    lines = ["| model | " + " | ".join(tasks) + " | average | "
-             + " | ".join(f"loss {s}" for s in srcs) + " |",
-             "|---" * (2 + len(tasks) + len(srcs)) + "|"]
+    head = ["model", *tasks, "average", *(f"loss {s}" for s in srcs)]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in models:
         accs = [f"{100 * r['tasks'][t]['acc']:.1f} ± {100 * r['tasks'][t]['se']:.1f}"
                 for t in tasks]
         loss = [f"{r['held_out'][s]['loss']:.3f} ± {r['held_out'][s]['se']:.3f}" for s in srcs]
         avg = f"{100 * r['avg']:.1f} ± {100 * r['avg_se']:.1f}" if tasks else "-"
-        lines.append(f"| {r['name']} | " + " | ".join(accs) + f" | {avg} | "
-                     + " | ".join(loss) + " |")
+        lines.append("| " + " | ".join([r["name"], *accs, avg, *loss]) + " |")
     cl = [r for r in results if r["kind"] == "claim"]
     if cl:
         lines += ["", "| the paper's claim | paper (Llama-3.1-8B) | measured here | reproduces |",
