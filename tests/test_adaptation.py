@@ -1,0 +1,186 @@
+"""The adaptation experiment (ladder_jax.experiments.adaptation, benchmarks/adaptation.py) end
+to end on a tiny trained base (the same code path as SmolLM2's, whose quick setting takes
+minutes), distillation's loss against a hand computation, and bad input.
+
+SmolLM2 itself: `python benchmarks/adaptation.py --quick` (docs/adaptation.md)."""
+
+import contextlib
+import importlib.util
+import io
+import json
+import math
+import os
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+import ladder_jax as lj
+from ladder_jax.config import check
+from ladder_jax.experiments import adaptation as ad
+from ladder_jax.train import distill
+from tests.helpers import logits, mesh
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def test_kl_matches_a_hand_computation():
+    rng = np.random.default_rng(0)
+    s, t = rng.normal(size=(2, 3, 7)) * 2, rng.normal(size=(2, 3, 7)) * 2
+    mask = np.array([[1, 1, 0], [1, 0, 1]])
+    temp = 2.0
+    want = []
+    for b in range(2):
+        for i in range(3):
+            p = np.exp(t[b, i] / temp) / np.exp(t[b, i] / temp).sum()
+            q = np.exp(s[b, i] / temp) / np.exp(s[b, i] / temp).sum()
+            want.append(temp ** 2 * float(np.sum(p * np.log(p / q))))
+    got = float(distill.kl_divergence(s, t, mask, temperature=temp))
+    ref = float(np.sum(np.array(want) * mask.ravel()) / mask.sum())
+    assert math.isclose(got, ref, rel_tol=1e-5), (got, ref)
+    assert float(distill.kl_divergence(t + 3.0, t)) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_distill_keys_are_checked():
+    for bad, word in (({"distill__weight": 1.5}, "distill.weight"),
+                      ({"distill__temperature": 0.0}, "distill.temperature")):
+        with pytest.raises(lj.ConfigError, match=word):
+            check(lj.api.fit_config(None, **bad))
+
+
+# One conversion, distillation only (LM fine-tuning is the trainer's own path), no generated
+# text (the chat answers run the same `generate`): every distinct model graph compiles its
+# training step, scorer, decoder and loss once, so the test keeps to two graphs.
+TINY = dict(ladder_layers=(2,), recover_layers=2, methods=("distill",), steps=2,
+            batch_size=2, grad_accum=1, seq_len=32, tasks=("arc_easy",), eval_limit=2,
+            eval_batch=8, held_out_records=2, chat_tokens=2,
+            sources=("devils", "kjv", "stdlib"), source_bytes=3000, remat="none")
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("adaptation"))
+    with contextlib.redirect_stdout(io.StringIO()):
+        base = lj.fit(None, name="base", run_dir=os.path.join(out, "base"), steps=20, seed=0,
+                      log_every=10 ** 9, eval_every=0, ckpt_every=0, keep=1, async_ckpt=False,
+                      progress="none", tensorboard=False, model__preset="tiny",
+                      data__seq_len=64, data__batch_size=8, data__eval_fraction=0.0,
+                      optim__peak_lr=3e-3, optim__warmup_steps=2, mesh__tp=1, mesh__data=1)
+    setting = ad.with_changes(ad.SETTINGS["quick"], base=base.path, **TINY)
+    emitted = []
+    results = ad.run(setting, os.path.join(out, "exp"), emit=emitted.append,
+                     log=lambda m: None, trainer_out=io.StringIO())
+    return out, setting, results, emitted
+
+
+def _model(results, name):
+    return next(r for r in results if r["kind"] == "model" and r["name"] == name)
+
+
+def test_every_model_and_claim_is_there(experiment):
+    out, s, results, emitted = experiment
+    assert emitted == results
+    with open(os.path.join(out, "exp", "results.json")) as f:
+        assert json.load(f) == json.loads(json.dumps(results))
+    names = {r["name"] for r in results if r["kind"] == "model"}
+    assert names == {"original", "ladder2 zero-shot", "ladder2 distill", "standard distill"}
+    for r in results:
+        if r["kind"] == "model":
+            assert set(r["tasks"]) == {"arc_easy"} and r["tasks"]["arc_easy"]["docs"] == 2
+            assert set(r["held_out"]) == {"devils", "kjv", "stdlib"}
+            assert all(math.isfinite(v["loss"]) for v in r["held_out"].values())
+            assert list(r["chat"]) == list(ad.QUESTIONS)
+    claims = [r for r in results if r["kind"] == "claim"]
+    assert len(claims) == 2  # zero-shot hurts, the recovery
+    assert all(c["reproduces"] in ("yes", "no", "inconclusive") for c in claims)
+    text = ad.table(results)
+    assert "| ladder2 zero-shot |" in text and "reproduces" in text
+    paths = ad.plots(results, out)
+    assert all(os.path.getsize(p) > 1000 for p in paths)
+
+
+def test_conversion_changes_the_model_and_zero_layers_do_not(experiment):
+    out, s, results, _ = experiment
+    model, _ = lj.load(os.path.join(out, "base", "base"), mesh=mesh(1))
+    tokens = np.arange(1, 33, dtype=np.int32)[None] % 250
+    ref = np.asarray(logits(model, tokens))
+    same = np.asarray(logits(lj.with_config(model, residual="ladder", ladder_layers=0), tokens))
+    two = np.asarray(logits(lj.with_config(model, residual="ladder", ladder_layers=2), tokens))
+    np.testing.assert_allclose(same, ref, rtol=1e-5, atol=1e-5)
+    assert np.abs(two - ref).max() > 1e-3
+    orig, zs = _model(results, "original"), _model(results, "ladder2 zero-shot")
+    assert orig["held_out"]["devils"]["loss"] != zs["held_out"]["devils"]["loss"]
+
+
+def test_held_out_loss_matches_a_plain_forward(experiment):
+    out, s, results, _ = experiment
+    model, tok = lj.load(os.path.join(out, "base", "base"), mesh=mesh(1))
+    from ladder_jax.train import data
+    toks = data.load_tokens(os.path.join(out, "exp", "data", "sources", "devils", "held_out"),
+                            tok)
+    recs, _ = data.split(np.asarray(toks), s.seq_len, 0.0)
+    x = np.asarray(recs[0])[None]
+    lp = jax.nn.log_softmax(np.asarray(logits(model, x[:, :-1])), axis=-1)
+    want = -float(np.mean(np.take_along_axis(lp, x[:, 1:, None], -1)))
+    got = _model(results, "original")["held_out"]["devils"]["records"][0]
+    assert got == pytest.approx(want, rel=1e-4)
+
+
+def test_distillation_starts_at_zero_from_the_teacher_itself(experiment):
+    _, _, results, _ = experiment
+    # the control starts as the teacher: KL 0 up to rounding; the converted student does not
+    # (a tiny model's upper modules write little, so its KL is small, but far above rounding)
+    same = abs(_model(results, "standard distill")["curve"][0])
+    assert same < 1e-7
+    assert _model(results, "ladder2 distill")["curve"][0] > max(10 * same, 1e-8)
+
+
+def test_cli_bad_input_is_one_line(capsys):
+    spec = importlib.util.spec_from_file_location("adaptation_cli",
+                                                  ROOT / "benchmarks" / "adaptation.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    for args, words in ((["--quick", "--set", "stepz=3"], "stepz"),
+                        (["--quick", "--set", "methods=[finetune]"], "finetune"),
+                        (["--quick", "--set", "generated_docs=3"], "generated_docs"),
+                        (["--quick", "--set", "base=/nonexistent"], "/nonexistent")):
+        assert cli.main(args + ["--out", "/nonexistent/x"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+
+
+def _row(name, stage, avg, se, loss, loss_se, k=15, method=None):
+    return {"kind": "model", "name": name, "stage": stage, "method": method, "ladder_layers": k,
+            "n_layers": 30, "avg": avg, "avg_se": se, "tokens": 1000,
+            "held_out": {"a": {"loss": loss, "se": loss_se}}}
+
+
+@pytest.mark.parametrize("zero_shot_avg, want", [(0.40, "yes"), (0.55, "inconclusive"),
+                                                  (0.70, "no")])
+def test_claims_are_never_yes_within_two_standard_errors(zero_shot_avg, want):
+    rows = [_row("original", "original", 0.56, 0.02, 3.0, 0.01, k=0),
+            _row("z", "zero-shot", zero_shot_avg, 0.02, 3.5, 0.01)]
+    (hurt,) = ad.claims(rows)
+    assert hurt["reproduces"] == want, hurt  # margin 2 x hypot(2, 2) = 5.7 points
+
+
+def test_claims_fall_back_to_held_out_loss_without_tasks():
+    rows = [_row("original", "original", None, None, 3.0, 0.05, k=0),
+            _row("z", "zero-shot", None, None, 3.5, 0.05),
+            _row("lm", "recovered", None, None, 3.2, 0.05, method="lm"),
+            _row("d", "recovered", None, None, 3.05, 0.05, method="distill")]
+    got = [(c["claim"].split(" (")[0], c["reproduces"]) for c in ad.claims(rows)]
+    # margin 2 x hypot(0.05, 0.05) = 0.14 nats: LM stays 0.2 above the original, distillation
+    # comes within it and 0.45 below zero-shot, and beats LM by 0.15
+    assert got == [("converting the upper 15 of 30 zero-shot hurts", "yes"),
+                   ("recovery", "no"), ("recovery", "yes"),
+                   ("distillation recovers more per token than LM fine-tuning", "yes")]
+
+
+def test_the_notebook_is_committed_executed():
+    import nbformat
+    nb = nbformat.read(ROOT / "notebooks" / "adaptation.ipynb", as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(c.get("outputs") for c in code)
+    assert sum("image/png" in o.get("data", {}) for c in code for o in c.outputs) == 2
