@@ -288,6 +288,27 @@ def test_two_process_server_answers_like_one_process(tmp_path, model):
                 p.wait()
 
 
+def test_sigterm_to_the_follower_stops_both_processes(tmp_path):
+    """SIGTERM to process 1 of a healthy two-process server: process 0 is asked to drain
+    (through the coordination service, said in its log) and both exit 0 within the bound."""
+    coordinator, port = free_port(), free_port()
+    common = ["--tp", "2", "--cpu-devices", "1", "--slots", "2", "--port", str(port),
+              "--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2",
+              "--drain-seconds", "1"]
+    procs = [start_server(tmp_path, f"p{i}", *common, "--process-id", str(i)) for i in range(2)]
+    try:
+        wait_healthy(procs[0], port)
+        procs[1].send_signal(signal.SIGTERM)
+        assert procs[1].wait(60) == 0, procs[1].log.read_text()
+        assert procs[0].wait(60) == 0, procs[0].log.read_text()
+        assert "asked by process 1 (SIGTERM)" in procs[0].log.read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 @pytest.mark.parametrize("steps_per_plan,prefills_per_step", [(1, 1), (3, 1), (1, 3)])
 def test_engine_in_process_equals_generate_with_multi_step_plans(model, steps_per_plan,
                                                                  prefills_per_step):

@@ -6,8 +6,8 @@
 Continuous batching over the jitted decode step (`ladder_jax.inference.batching`), the HTTP
 API of `ladder_jax.inference.server` on uvicorn (`pip install -e ".[serve]"`). Binds 127.0.0.1
 unless --host says otherwise. SIGTERM (or Ctrl-C) stops admitting (503), lets running requests
-finish for up to --drain-seconds, cancels the rest and exits 0. Bad input is one line and exit
-code 2.
+finish for up to --drain-seconds, cancels the rest and exits 0; with several processes, a signal
+to any of them stops them all. Bad input is one line and exit code 2.
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ except ImportError as e:
 
 API_KEY_ENV = "LADDER_API_KEY"
 MAX_HEADER_BYTES = 16 * 1024  # a request's line and headers (h11's incomplete-event limit)
+STOP_KEY = "ladder_jax/serve/stop/"  # coordination-service keys: processes told to stop
+STOP_MARGIN_S = 30.0  # a follower told to stop waits --drain-seconds plus this for process 0
 
 
 def _distributed() -> bool:
@@ -340,10 +342,68 @@ def _run(args) -> int:
     if not args.no_warmup:
         _warmup(engine)
     if jax.process_index() != 0:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # process 0's stop plan ends us
-        engine.follow()
-        return 0
+        return _follow(engine, args.drain_seconds + STOP_MARGIN_S)
     return _serve(args, engine, tokenizer, name, api_key, template)
+
+
+def _stop_requests() -> list[str]:
+    """The processes that asked process 0 to stop the server (`_ask_stop`), as "process I
+    (SIGTERM)"; none with one process."""
+    if not _distributed():
+        return []
+    from jax._src import distributed
+
+    try:
+        asked = distributed.global_state.client.key_value_dir_get(STOP_KEY)
+    except jax.errors.JaxRuntimeError:  # the coordination service is gone: the engine says so
+        return []
+    return [f"process {k.rsplit('/', 1)[-1]} ({v})" for k, v in asked]
+
+
+def _ask_stop(signum: int) -> None:
+    """Tells process 0, through jax's coordination service, that this process was told to
+    stop: process 0 then drains and stops every process (`_stop_requests`)."""
+    from jax._src import distributed
+
+    distributed.global_state.client.key_value_set(
+        f"{STOP_KEY}{jax.process_index()}", signal.Signals(signum).name)
+
+
+def _follow(engine, bound_s: float) -> int:
+    """A process other than 0: runs process 0's plans until its stop plan (exit 0). SIGTERM
+    or SIGINT here asks process 0 to drain and stop the whole server; if its stop plan has not
+    come `bound_s` seconds later (or on a second signal) the process ends itself with one line
+    on stderr and exit code 1."""
+    got: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _: got.append(signum))
+    failure: list[BaseException] = []
+
+    def follow():
+        try:
+            engine.follow()
+        except BaseException as e:  # noqa: BLE001 (raised again on the main thread)
+            failure.append(e)
+
+    worker = threading.Thread(target=follow, name="follow", daemon=True)
+    worker.start()  # off the main thread: signals reach us while it waits in a collective
+    while worker.is_alive() and not got:
+        worker.join(0.2)
+    if got:
+        _ask_stop(got[0])
+        deadline = time.monotonic() + bound_s
+        while worker.is_alive() and len(got) < 2 and time.monotonic() < deadline:
+            worker.join(0.2)
+        if worker.is_alive():
+            why = "a second signal" if len(got) > 1 else f"no stop from process 0 in {bound_s:g} s"
+            print(f"error: process {jax.process_index()} stopped by "
+                  f"{signal.Signals(got[0]).name} ({why}): process 0 may still be serving; "
+                  f"stop it too", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1)  # the follower thread is blocked in a collective: no clean exit
+    if failure:
+        raise failure[0]
+    return 0
 
 
 def _warmup(engine) -> None:
@@ -383,8 +443,8 @@ def _serve(args, engine, tokenizer, name, api_key, template) -> int:
     engine.start()
     http = threading.Thread(target=server.run, name="http", daemon=True)
     http.start()  # off the main thread: uvicorn leaves the signals to us
-    announced = False
-    while not (stop.wait(0.2) or not http.is_alive()):
+    announced, asked = False, []
+    while not (stop.wait(0.2) or not http.is_alive() or (asked := _stop_requests())):
         if server.started and not announced:
             announced = True
             print(f"serving {name!r} on http://{args.host}:{args.port} ({engine.slots} slots, "
@@ -393,8 +453,8 @@ def _serve(args, engine, tokenizer, name, api_key, template) -> int:
     if not http.is_alive() and not server.started:
         engine.drain(0)
         raise ConfigError(f"could not serve on {args.host}:{args.port} (is the port in use?)")
-    print(f"draining: up to {args.drain_seconds:g} s for {engine.busy} running request(s)",
-          file=sys.stderr, flush=True)
+    print(f"draining: up to {args.drain_seconds:g} s for {engine.busy} running request(s)"
+          + (f" (asked by {', '.join(asked)})" if asked else ""), file=sys.stderr, flush=True)
     app.state.drain()
     engine.drain(args.drain_seconds)
     server.should_exit = True
