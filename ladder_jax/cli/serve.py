@@ -25,7 +25,7 @@ import jax
 from flax import nnx
 
 from ladder_jax import runtime
-from ladder_jax.cli.common import ArgumentParser
+from ladder_jax.cli.common import ArgumentParser, choose_tp, setup_devices
 from ladder_jax.cli.decode import without_tokenizer_json
 from ladder_jax.config import (
     RESIDUALS,
@@ -294,22 +294,10 @@ def _tokenizer_template(tokenizer) -> str | None:
 def _run(args) -> int:
     _check(args)
     api_key, template = _api_key(args), _chat_template(args)  # before anything loads
-    shape = (checkpoint.run_model_config(args.checkpoint) if args.checkpoint
-             else ModelConfig.from_preset(args.preset))  # what splits over tp
-    runtime.setup(cpu_devices=args.cpu_devices or args.tp or sharding.default_tp(
-                      shape, runtime.cpu_cores(), backend="cpu")[0],
-                  coordinator=args.coordinator, num_processes=args.num_processes,
-                  process_id=args.process_id)
+    shape = setup_devices(args)
     runtime.agree(_run_settings(args), "model or serving flags")  # many processes
+    tp, why = choose_tp(args.tp, shape)
     n = jax.device_count()
-    if args.tp is not None:
-        tp, why = args.tp, None
-    elif jax.process_count() > 1:  # the model spans every process's devices
-        tp, why = n, None
-    else:
-        tp, why = sharding.default_tp(shape, n)
-    if not 1 <= tp <= n:
-        raise ConfigError(f"--tp {tp}: between 1 and the {n} devices")
     if jax.process_count() > 1 and tp != n:
         raise ConfigError(f"--tp {tp}: with {jax.process_count()} processes the model must "
                           f"span all {n} devices (--tp {n})")
