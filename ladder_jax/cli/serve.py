@@ -295,6 +295,8 @@ def _run(args) -> int:
     _check(args)
     api_key, template = _api_key(args), _chat_template(args)  # before anything loads
     shape = setup_devices(args)
+    if jax.process_count() > 1:  # from now on: jax's preemption notifier would swallow them
+        _collect_signals()
     runtime.agree(_run_settings(args), "model or serving flags")  # many processes
     tp, why = choose_tp(args.tp, shape)
     n = jax.device_count()
@@ -334,6 +336,16 @@ def _run(args) -> int:
     return _serve(args, engine, tokenizer, name, api_key, template)
 
 
+_SIGNALS: list[int] = []  # SIGTERM / SIGINT received by a process of several
+
+
+def _collect_signals() -> None:
+    """Records SIGTERM and SIGINT in `_SIGNALS` instead of their default action (a process of
+    several: it stops with the others, `_follow` / `_serve`)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _: _SIGNALS.append(signum))
+
+
 def _stop_requests() -> list[str]:
     """The processes that asked process 0 to stop the server (`_ask_stop`), as "process I
     (SIGTERM)"; none with one process."""
@@ -353,8 +365,11 @@ def _ask_stop(signum: int) -> None:
     stop: process 0 then drains and stops every process (`_stop_requests`)."""
     from jax._src import distributed
 
-    distributed.global_state.client.key_value_set(
-        f"{STOP_KEY}{jax.process_index()}", signal.Signals(signum).name)
+    try:
+        distributed.global_state.client.key_value_set(
+            f"{STOP_KEY}{jax.process_index()}", signal.Signals(signum).name)
+    except jax.errors.JaxRuntimeError:  # process 0 is gone: the bound in `_follow` ends us
+        pass
 
 
 def _follow(engine, bound_s: float) -> int:
@@ -362,9 +377,7 @@ def _follow(engine, bound_s: float) -> int:
     or SIGINT here asks process 0 to drain and stop the whole server; if its stop plan has not
     come `bound_s` seconds later (or on a second signal) the process ends itself with one line
     on stderr and exit code 1."""
-    got: list[int] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _: got.append(signum))
+    got = _SIGNALS  # collected since start-up (`_collect_signals`)
     failure: list[BaseException] = []
 
     def follow():
@@ -428,6 +441,8 @@ def _serve(args, engine, tokenizer, name, api_key, template) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if _SIGNALS:  # told to stop while loading
+        stop.set()
     engine.start()
     http = threading.Thread(target=server.run, name="http", daemon=True)
     http.start()  # off the main thread: uvicorn leaves the signals to us
