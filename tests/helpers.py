@@ -1,9 +1,15 @@
 """Helpers shared by the test modules (`from tests.helpers import ...`). tests/conftest.py has
 already made the 8 fake CPU devices when these are imported."""
 
+import contextlib
 import dataclasses
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
@@ -52,6 +58,69 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+SERVE_KEY = "test-key"  # the API key of the servers tests start
+SERVE_MAX_LEN = 96  # their positions per request
+
+
+def start_server(tmp_path, name, *args, env=None):
+    """`python -m ladder_jax.serve` on the tiny ladder preset with `args`, its output in
+    tmp_path/name.log (`proc.log`)."""
+    log = open(tmp_path / f"{name}.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ladder_jax.serve", "--preset", "tiny", "--residual", "ladder",
+         "--max-len", str(SERVE_MAX_LEN), "--no-warmup", *args],
+        stdout=log, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", **(env or {})})
+    proc.log = tmp_path / f"{name}.log"
+    return proc
+
+
+def wait_healthy(proc, port, timeout=240):
+    """Returns once the server's /health says ok; AssertionError with its log if it exits or
+    is not healthy within `timeout` seconds."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited {proc.returncode}:\n{proc.log.read_text()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise AssertionError(f"server not healthy in {timeout} s:\n{proc.log.read_text()}")
+
+
+def stop_server(proc, timeout=60):
+    """SIGTERM (then kill after `timeout` seconds); the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+@contextlib.contextmanager
+def running_server(tmp_path, *args, env=None):
+    """A healthy server on a free loopback port (`proc.port`) with the API key SERVE_KEY,
+    stopped on exit: a module fixture's body."""
+    port = free_port()
+    proc = start_server(tmp_path, "server", "--port", str(port), *args,
+                        env={"LADDER_API_KEY": SERVE_KEY, **(env or {})})
+    try:
+        wait_healthy(proc, port)
+        proc.port = port
+        yield proc
+    finally:
+        stop_server(proc)
 
 
 def loss_and_grads(config, tp, data, fsdp=False, T=32):

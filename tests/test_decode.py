@@ -163,6 +163,23 @@ def test_cli_bad_input_exits_cleanly(args, match):
     assert match in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_cli_prints_what_generate_samples_with_its_sampling(capsys):
+    """decode's text, one prompt (streamed) and two, equals `generate` with the Sampling of
+    its flags (sampled, top_k, seed) on the same random weights."""
+    from ladder_jax.cli import decode as decode_cli
+
+    sampling = generation.Sampling(0.9, 50, None, 3)
+    want = generation.generate(_model(1, seed=3), ["Once", "LOVE, n."], max_new_tokens=8,
+                               sampling=sampling)
+    argv = ["--tp", "1", "--max-new-tokens", "8", "--temperature", "0.9", "--top-k", "50",
+            "--seed", "3", "--prompt", "Once"]
+    assert decode_cli.main(argv) == 0
+    assert capsys.readouterr().out.endswith(f"\nOnce{want[0]}\n")
+    assert decode_cli.main(argv + ["--prompt", "LOVE, n."]) == 0
+    assert capsys.readouterr().out.endswith(
+        f"--- 'Once'\nOnce{want[0]}\n--- 'LOVE, n.'\nLOVE, n.{want[1]}\n")
+
+
 def test_cli_streams_text():
     r = _cli("--prompt", "Hello", "--max-new-tokens", "6", "--temperature", "0")
     assert r.returncode == 0, r.stderr

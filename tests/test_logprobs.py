@@ -15,8 +15,8 @@ import pytest
 from ladder_jax.inference import generation
 from ladder_jax.inference.sampling import Sampling
 from ladder_jax.interop.tokenizer import ByteTokenizer
-from tests.helpers import free_port, logits, tiny_model
-from tests.test_serve import KEY, _start, _stop, _wait_healthy
+from tests.helpers import SERVE_KEY as KEY
+from tests.helpers import logits, running_server, tiny_model
 
 TOK = ByteTokenizer()
 ATOL = 2e-4
@@ -24,14 +24,8 @@ ATOL = 2e-4
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("logprobs")
-    port = free_port()
-    proc = _start(tmp, "server", "--tp", "2", "--slots", "4", "--port", str(port),
-                  env={"LADDER_API_KEY": KEY})
-    _wait_healthy(proc, port)
-    proc.port = port
-    yield proc
-    _stop(proc)
+    with running_server(tmp_path_factory.mktemp("logprobs"), "--tp", "2", "--slots", "4") as p:
+        yield p
 
 
 @pytest.fixture(scope="module")

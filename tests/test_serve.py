@@ -18,63 +18,31 @@ import pytest
 from ladder_jax.inference import generation
 from ladder_jax.inference.sampling import Sampling
 from ladder_jax.interop.tokenizer import ByteTokenizer
-from tests.helpers import free_port, tiny_model
+from tests.helpers import (
+    SERVE_KEY,
+    SERVE_MAX_LEN,
+    free_port,
+    running_server,
+    start_server,
+    stop_server,
+    tiny_model,
+    wait_healthy,
+)
 
-KEY = "test-key"
+KEY = SERVE_KEY
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
-MAX_LEN = 96
+MAX_LEN = SERVE_MAX_LEN
 TOK = ByteTokenizer()
-
-
-def _start(tmp_path, name, *args, env=None):
-    log = open(tmp_path / f"{name}.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ladder_jax.serve", "--preset", "tiny", "--residual", "ladder",
-         "--max-len", str(MAX_LEN), "--no-warmup", *args],
-        stdout=log, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", **(env or {})})
-    proc.log = tmp_path / f"{name}.log"
-    return proc
-
-
-def _wait_healthy(proc, port, timeout=240):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited {proc.returncode}:\n{proc.log.read_text()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise AssertionError(f"server not healthy in {timeout} s:\n{proc.log.read_text()}")
-
-
-def _stop(proc, timeout=60):
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     (tmp / "chat.jinja").write_text(TEMPLATE)
-    port = free_port()
-    proc = _start(tmp, "server", "--tp", "2", "--slots", "8", "--port", str(port),
-                  "--max-request-bytes", "65536", "--drain-seconds", "3",
-                  "--chat-template", str(tmp / "chat.jinja"), env={"LADDER_API_KEY": KEY})
-    _wait_healthy(proc, port)
-    proc.port = port
-    yield proc
-    _stop(proc)
+    with running_server(tmp, "--tp", "2", "--slots", "8", "--max-request-bytes", "65536",
+                        "--drain-seconds", "3", "--chat-template",
+                        str(tmp / "chat.jinja")) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +177,32 @@ def test_a_disconnect_frees_the_slot(server):
     assert r.choices[0].finish_reason in ("length", "stop")
 
 
+def _answered(server, status) -> int:
+    """ladder_requests_total of /v1/completions with `status`, from /metrics."""
+    text = httpx.get(f"http://127.0.0.1:{server.port}/metrics",
+                     headers={"Authorization": f"Bearer {KEY}"}).text
+    row = f'ladder_requests_total{{endpoint="completions",status="{status}"}} '
+    return next((int(ln[len(row):]) for ln in text.splitlines() if ln.startswith(row)), 0)
+
+
+@pytest.mark.parametrize("scored", [False, True], ids=["plain", "logprobs"])
+def test_a_dropped_stream_is_counted_499(server, scored):
+    """A client that closes a stream mid-answer: one more 499 in ladder_requests_total (a
+    plain stream and a scored one, which have their own paths), no 200."""
+    url = f"http://127.0.0.1:{server.port}/v1/completions"
+    body = {"model": "tiny", "prompt": "a", "max_tokens": MAX_LEN - 8, "temperature": 0,
+            "stream": True, **({"logprobs": 1} if scored else {})}
+    dropped, whole = _answered(server, 499), _answered(server, 200)
+    with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as http:
+        with http.stream("POST", url, json=body) as r:
+            assert next(ln for ln in r.iter_lines() if ln.startswith("data:"))
+    deadline = time.monotonic() + 60
+    while _answered(server, 499) == dropped:
+        assert time.monotonic() < deadline, "the dropped stream was never counted"
+        time.sleep(0.05)
+    assert _answered(server, 499) == dropped + 1 and _answered(server, 200) == whole
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "x" * 200, "max_tokens": 4}, 400, "prompt"),
@@ -271,9 +265,9 @@ def test_two_process_server_answers_like_one_process(tmp_path, model):
     coordinator, port = free_port(), free_port()
     common = ["--tp", "4", "--cpu-devices", "2", "--slots", "4", "--port", str(port),
               "--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2"]
-    procs = [_start(tmp_path, f"p{i}", *common, "--process-id", str(i)) for i in range(2)]
+    procs = [start_server(tmp_path, f"p{i}", *common, "--process-id", str(i)) for i in range(2)]
     try:
-        _wait_healthy(procs[0], port)
+        wait_healthy(procs[0], port)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                                max_retries=0, timeout=240)
         prompts, max_tokens = ["LOVE, n.", "Hello there"], [8, 5]
@@ -285,8 +279,29 @@ def test_two_process_server_answers_like_one_process(tmp_path, model):
         stream = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=8,
                                            temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in stream) == want[0]
-        assert _stop(procs[0]) == 0, procs[0].log.read_text()
+        assert stop_server(procs[0]) == 0, procs[0].log.read_text()
         assert procs[1].wait(60) == 0, procs[1].log.read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_sigterm_to_the_follower_stops_both_processes(tmp_path):
+    """SIGTERM to process 1 of a healthy two-process server: process 0 is asked to drain
+    (through the coordination service, said in its log) and both exit 0 within the bound."""
+    coordinator, port = free_port(), free_port()
+    common = ["--tp", "2", "--cpu-devices", "1", "--slots", "2", "--port", str(port),
+              "--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2",
+              "--drain-seconds", "1"]
+    procs = [start_server(tmp_path, f"p{i}", *common, "--process-id", str(i)) for i in range(2)]
+    try:
+        wait_healthy(procs[0], port)
+        procs[1].send_signal(signal.SIGTERM)
+        assert procs[1].wait(60) == 0, procs[1].log.read_text()
+        assert procs[0].wait(60) == 0, procs[0].log.read_text()
+        assert "asked by process 1 (SIGTERM)" in procs[0].log.read_text()
     finally:
         for p in procs:
             if p.poll() is None:
@@ -394,4 +409,4 @@ def test_warmup_says_what_it_compiles_and_sigterm_ends_an_idle_server_at_once(tm
         assert proc.wait(timeout=60) == 0
         assert time.monotonic() - start < 5, "an idle server took over 5 s to exit"
     finally:
-        _stop(proc)
+        stop_server(proc)

@@ -82,3 +82,43 @@ def write_stderr(text: str) -> None:
             sys.stderr.flush()
         else:
             os.write(saved, text.encode("utf-8", "replace"))
+
+
+def setup_devices(args):
+    """The preamble of decode and serve: the model config that splits over tp (the
+    checkpoint's or the preset's), returned once `runtime.setup` made this host's devices
+    (--cpu-devices, else --tp, else the default tp over this host's cores) and joined the
+    processes (--coordinator ...).
+
+        shape = setup_devices(args); tp, why = choose_tp(args.tp, shape)"""
+    from ladder_jax import runtime
+    from ladder_jax.config import ModelConfig
+    from ladder_jax.model import sharding
+    from ladder_jax.train import checkpoint
+
+    shape = (checkpoint.run_model_config(args.checkpoint) if args.checkpoint
+             else ModelConfig.from_preset(args.preset))
+    runtime.setup(cpu_devices=args.cpu_devices or args.tp or sharding.default_tp(
+                      shape, runtime.cpu_cores(), backend="cpu")[0],
+                  coordinator=args.coordinator, num_processes=args.num_processes,
+                  process_id=args.process_id)
+    return shape
+
+
+def choose_tp(tp: int | None, shape) -> tuple[int, str | None]:
+    """(tensor-parallel size, why: the note to print once the input is checked, or None):
+    --tp if given, every device with several processes, else `sharding.default_tp`; a
+    ConfigError unless it is between 1 and the devices."""
+    import jax
+
+    from ladder_jax.config import ConfigError
+    from ladder_jax.model import sharding
+
+    n = jax.device_count()
+    if tp is not None or jax.process_count() > 1:  # several: the model spans them all
+        tp, why = (n if tp is None else tp), None
+    else:
+        tp, why = sharding.default_tp(shape, n)
+    if not 1 <= tp <= n:
+        raise ConfigError(f"--tp {tp}: between 1 and the {n} devices")
+    return tp, why

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ladder_jax import runtime
-from ladder_jax.cli.common import ArgumentParser
+from ladder_jax.cli.common import ArgumentParser, choose_tp, setup_devices
 from ladder_jax.config import (
     RESIDUALS,
     ConfigError,
@@ -103,12 +103,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     try:
-        shape = (checkpoint.run_model_config(args.checkpoint) if args.checkpoint
-                 else ModelConfig.from_preset(args.preset))  # what splits over tp
-        runtime.setup(cpu_devices=args.cpu_devices or args.tp or sharding.default_tp(
-                          shape, runtime.cpu_cores(), backend="cpu")[0],
-                      coordinator=args.coordinator, num_processes=args.num_processes,
-                      process_id=args.process_id)
+        shape = setup_devices(args)
         runtime.agree(_run_settings(args), "model or decoding flags")  # many processes
         lead = jax.process_index() == 0
 
@@ -137,163 +132,190 @@ def _run_settings(args) -> dict:
 
 
 def _run(args, shape, say) -> int:
-    n = len(jax.devices())
-    if args.tp is not None or jax.process_count() > 1:  # several: the model spans them all
-        tp, why = (n if args.tp is None else args.tp), None
-    else:
-        tp, why = sharding.default_tp(shape, n)
-    if tp <= 0 or tp > n:
-        raise ConfigError(f"--tp {tp}: between 1 and the {n} devices")
+    tp, why = choose_tp(args.tp, shape)
     if not -2**63 <= args.seed < 2**63:
         raise ConfigError(f"--seed {args.seed} does not fit in 64 bits: give an integer between "
                           f"-2**63 and 2**63 - 1")
     mesh = (sharding.make_mesh(tp=tp) if why is None  # the default: those tp devices alone
             else sharding.make_mesh(tp=tp, data=1, devices=jax.devices()[:tp]))
     sharding.check_divisible(shape, tp, flag="--tp")
-
-    def chosen():  # once the input is checked: a bad flag stays one line
-        if why:
-            say(f"note: {why}", file=sys.stderr)
-
     check_quantize(args.quantize, "--quantize")
-    overrides = scheme_overrides(None if args.residual == "all" else args.residual,
-                                 parse_ladder_layers(args.ladder_layers))
-    tokenizer, model = ByteTokenizer(), None
-    if args.checkpoint:
-        if args.benchmark:
-            raise ConfigError("--benchmark times random weights of a --preset; drop "
-                              "--checkpoint")
-        model, tokenizer = checkpoint.load_run(args.checkpoint, mesh=mesh,
-                                               quantize=args.quantize, **overrides)
-        config = model.config
-        if tokenizer is None:
-            tokenizer = without_tokenizer_json(args.checkpoint, config, say)
-    else:
-        config = ModelConfig.from_preset(args.preset, quantize=args.quantize, **overrides)
-        runtime.check_host_memory(  # random weights, before allocating them (CPU hosts)
-            config.num_params() * jnp.dtype(config.param_dtype).itemsize,
-            f"preset {args.preset!r} ({config.num_params() / 1e9:.1f}B parameters in "
-            f"{config.param_dtype})", "choose a smaller --preset (tiny, small, 1b) or a GPU")
-
+    model, tokenizer, config = _load(args, mesh, say)
     if args.benchmark:
-        schemes = list(RESIDUALS) if args.residual == "all" else [config.residual]
-        config = dataclasses.replace(config, max_seq_len=max(
-            config.max_seq_len, args.prompt_len + args.max_new_tokens))
-        if not args.json:
-            kind = mesh.devices.flat[0].device_kind
-            what = (f"--checkpoint {args.checkpoint}'s shapes" if args.checkpoint
-                    else f"preset {args.preset}") + (
-                f", {config.quantize} weights" if config.quantize else "")
-            say(f"decode benchmark, random weights of {what}: "
-                f"residual {', '.join(schemes)}; tp={sharding.tp_size(mesh)} on {mesh.size} "
-                f"{jax.default_backend()} device(s) ({kind}); batch {args.batch}, prompt "
-                f"{args.prompt_len} tokens, {args.max_new_tokens} new tokens; per scheme a "
-                f"first run that compiles, then the best of 3" + (f"; {why}" if why else ""))
-        results = []
-        for scheme in schemes:
-            cfg = dataclasses.replace(config, residual=scheme, ladder_layers=(
-                config.ladder_layers if scheme == "ladder" else None))
-            r = benchmark(cfg, mesh, batch=args.batch, prompt_len=args.prompt_len,
-                          new_tokens=args.max_new_tokens)
-            results.append(r)
-            if args.json:
-                say(json.dumps({"preset": args.preset, **r}))
-            else:
-                say(f"{scheme:<12} prefill {r['prefill_ms']:8.1f} ms   decode "
-                    f"{r['decode_ms_per_token']:7.2f} ms/token   "
-                    f"{r['decode_tokens_per_s_per_user']:8.1f} tok/s/user  "
-                    f"{r['decode_tokens_per_s']:9.1f} tok/s total   end-to-end "
-                    f"{r['tokens_per_s']:9.1f} tok/s   roofline "
-                    f"{100 * r['roofline_fraction']:5.1f}%   (first run incl. compile "
-                    f"{r['first_run_s_incl_compile']:.1f} s)")
-        by = {r["residual"]: r["decode_tokens_per_s"] for r in results}
-        if not args.json and "standard" in by and len(by) > 1:
-            say("decode speed vs standard: " + ", ".join(
-                f"{k} {v / by['standard']:.2f}x" for k, v in by.items() if k != "standard"))
-            if sharding.tp_size(mesh) == 1:
-                say("note: tp=1 has no all-reduce to overlap: every scheme computes what "
-                    "standard does, so these ratios are run-to-run noise; use --tp > 1 on GPUs")
-            elif jax.default_backend() == "cpu":
-                say("note: XLA:CPU runs all-reduces synchronously, so nothing overlaps on CPU: "
-                    "these ratios are noise, not the ladder's speed-up (that needs GPUs; "
-                    "`python -m ladder_jax.predict` models it without one)")
-            say(f"bandwidth: {results[0]['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
-                f"({results[0]['bandwidth_source']})")
-        return 0
-
-    prompts = list(args.prompt or [])
-    if args.prompt_file:
-        file = args.prompt_file
-        try:
-            with open(file, "rb") as f:
-                raw = f.read()
-            text = raw.decode("utf-8")  # whole, so that the offset below is the file's
-        except UnicodeDecodeError as e:
-            line = raw.count(b"\n", 0, e.start) + 1
-            raise GenerationError(f"--prompt-file {file}: byte {e.start} (line {line}) is not "
-                                  f"UTF-8 ({e.reason}): save the file as UTF-8 text") from None
-        except OSError as e:
-            raise GenerationError(f"--prompt-file {file}: cannot read it "
-                                  f"({e.strerror or e})") from None
-        lines = [ln for ln in text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
-                 if ln.strip()]
-        if not lines:
-            raise GenerationError(f"--prompt-file {file} has no prompts (it is empty or only "
-                                  f"blank lines): write one prompt per line")
-        prompts += lines
-    if not prompts:
-        prompts = ["Once upon a time"]
-    for b, prompt in enumerate(prompts):
-        if not prompt:
-            raise GenerationError(f"prompt {b} is empty: give at least one character")
+        return _benchmark(args, config, mesh, why, say)
+    prompts = _prompts(args)
     if config.vocab_size < tokenizer.vocab_size:
         what = f"--checkpoint {args.checkpoint!r}" if args.checkpoint else (
             f"preset {args.preset!r}")
         raise ConfigError(f"{what} has vocab_size={config.vocab_size}, too small for its "
                           f"tokenizer ({tokenizer.vocab_size} tokens)")
     top_k = min(200, config.vocab_size) if args.top_k is None else args.top_k
-    sampling = Sampling(args.temperature, top_k, args.top_p).check(config.vocab_size)
+    sampling = Sampling(args.temperature, top_k, args.top_p, args.seed).check(config.vocab_size)
     rows = _chat_rows(tokenizer, prompts) if args.chat else [tokenizer.encode(q)
                                                              for q in prompts]
     check_generation(config, rows, args.max_new_tokens)
-    chosen()
+    if why:  # once the input is checked: a bad flag stays one line
+        say(f"note: {why}", file=sys.stderr)
     if model is None:
         model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(args.seed))
     say(f"{model}\n(random weights: expect noise)" if not args.checkpoint else str(model))
+    _decode(args, model, tokenizer, prompts, rows, sampling, say)
+    return 0
+
+
+def _load(args, mesh, say):
+    """(model or None: random weights made later, tokenizer, config) of --checkpoint or
+    --preset with --residual / --ladder-layers / --quantize."""
+    overrides = scheme_overrides(None if args.residual == "all" else args.residual,
+                                 parse_ladder_layers(args.ladder_layers))
+    if not args.checkpoint:
+        config = ModelConfig.from_preset(args.preset, quantize=args.quantize, **overrides)
+        runtime.check_host_memory(  # random weights, before allocating them (CPU hosts)
+            config.num_params() * jnp.dtype(config.param_dtype).itemsize,
+            f"preset {args.preset!r} ({config.num_params() / 1e9:.1f}B parameters in "
+            f"{config.param_dtype})", "choose a smaller --preset (tiny, small, 1b) or a GPU")
+        return None, ByteTokenizer(), config
+    if args.benchmark:
+        raise ConfigError("--benchmark times random weights of a --preset; drop --checkpoint")
+    model, tokenizer = checkpoint.load_run(args.checkpoint, mesh=mesh, quantize=args.quantize,
+                                           **overrides)
+    if tokenizer is None:
+        tokenizer = without_tokenizer_json(args.checkpoint, model.config, say)
+    return model, tokenizer, model.config
+
+
+def _prompts(args) -> list[str]:
+    """--prompt and --prompt-file's lines (default: "Once upon a time"), none empty."""
+    prompts = list(args.prompt or [])
+    if args.prompt_file:
+        prompts += _prompt_file(args.prompt_file)
+    if not prompts:
+        prompts = ["Once upon a time"]
+    for b, prompt in enumerate(prompts):
+        if not prompt:
+            raise GenerationError(f"prompt {b} is empty: give at least one character")
+    return prompts
+
+
+def _prompt_file(file: str) -> list[str]:
+    """The non-blank lines of a UTF-8 file; GenerationError naming the file otherwise."""
+    try:
+        with open(file, "rb") as f:
+            raw = f.read()
+        text = raw.decode("utf-8")  # whole, so that the offset below is the file's
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise GenerationError(f"--prompt-file {file}: byte {e.start} (line {line}) is not "
+                              f"UTF-8 ({e.reason}): save the file as UTF-8 text") from None
+    except OSError as e:
+        raise GenerationError(f"--prompt-file {file}: cannot read it "
+                              f"({e.strerror or e})") from None
+    lines = [ln for ln in text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+             if ln.strip()]
+    if not lines:
+        raise GenerationError(f"--prompt-file {file} has no prompts (it is empty or only "
+                              f"blank lines): write one prompt per line")
+    return lines
+
+
+def _decode(args, model, tokenizer, prompts, rows, sampling, say) -> None:
+    """`generate` with `sampling`: one prompt printed as its text arrives, several each
+    after its prompt once all are done; the speed on stderr."""
     single = len(prompts) == 1
-    pieces = [[] for _ in prompts]
-    done = [False] * len(prompts)
-
-    shown = [""]
-    times = []
-
-    def stream(t, tokens):
-        times.append(time.perf_counter())
-        for b, tok in enumerate(tokens[:len(prompts)]):
-            if done[b] or tok == tokenizer.eos_id:
-                done[b] = True
-                continue
-            pieces[b].append(tok)
-        text = tokenizer.decode(pieces[0])
-        if single and not text.endswith("\ufffd"):  # wait for a whole UTF-8 character
-            say(text[len(shown[0]):], end="")
-            shown[0] = text
-
+    echo = _Echo(tokenizer, say if single else None)
     if single:
         say(prompts[0], end="\n" if args.chat else "")
     t0 = time.perf_counter()
-    texts = generate(model, rows, max_new_tokens=args.max_new_tokens,
-                     temperature=sampling.temperature, top_k=sampling.top_k,
-                     top_p=sampling.top_p, seed=args.seed, tokenizer=tokenizer, stream=stream,
-                     decoder=Decoder(model, consume=True))  # fused in place: used once
-    texts = [tokenizer.decode(t) for t in texts]  # the new tokens, EOS excluded
+    out = generate(model, rows, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                   eos_id=tokenizer.eos_id, stream=echo,
+                   decoder=Decoder(model, consume=True))  # fused in place: used once
+    texts = [tokenizer.decode(t) for t in out]  # the new tokens, EOS excluded
     if single:
-        say(texts[0][len(shown[0]):])
+        say(texts[0][len(echo.shown):])
     else:
         for prompt, text in zip(prompts, texts):
             say(f"--- {prompt!r}\n{prompt}{chr(10) if args.chat else ''}{text}")
-    say(_speed(t0, times, sum(map(len, pieces)), len(prompts)), file=sys.stderr)
+    say(_speed(t0, echo.times, sum(map(len, out)), len(prompts)), file=sys.stderr)
+
+
+class _Echo:
+    """generate's `stream` callback: records when each step's tokens arrive and, with `say`,
+    prints the first row's new text (whole UTF-8 characters) up to its EOS."""
+
+    def __init__(self, tokenizer, say=None):
+        self.tokenizer, self.say = tokenizer, say
+        self.tokens: list[int] = []
+        self.ended = False
+        self.shown = ""
+        self.times: list[float] = []
+
+    def __call__(self, step: int, tokens: list[int]) -> None:
+        self.times.append(time.perf_counter())
+        if self.say is None or self.ended:
+            return
+        if tokens[0] == self.tokenizer.eos_id:
+            self.ended = True
+            return
+        self.tokens.append(tokens[0])
+        text = self.tokenizer.decode(self.tokens)
+        if not text.endswith("\ufffd"):  # wait for a whole UTF-8 character
+            self.say(text[len(self.shown):], end="")
+            self.shown = text
+
+
+def _benchmark(args, config, mesh, why, say) -> int:
+    """--benchmark: `benchmark` of each scheme asked (random weights), a line or JSON each."""
+    schemes = list(RESIDUALS) if args.residual == "all" else [config.residual]
+    config = dataclasses.replace(config, max_seq_len=max(
+        config.max_seq_len, args.prompt_len + args.max_new_tokens))
+    if not args.json:
+        kind = mesh.devices.flat[0].device_kind
+        what = f"preset {args.preset}" + (f", {config.quantize} weights" if config.quantize
+                                          else "")
+        say(f"decode benchmark, random weights of {what}: "
+            f"residual {', '.join(schemes)}; tp={sharding.tp_size(mesh)} on {mesh.size} "
+            f"{jax.default_backend()} device(s) ({kind}); batch {args.batch}, prompt "
+            f"{args.prompt_len} tokens, {args.max_new_tokens} new tokens; per scheme a "
+            f"first run that compiles, then the best of 3" + (f"; {why}" if why else ""))
+    results = []
+    for scheme in schemes:
+        cfg = dataclasses.replace(config, residual=scheme, ladder_layers=(
+            config.ladder_layers if scheme == "ladder" else None))
+        r = benchmark(cfg, mesh, batch=args.batch, prompt_len=args.prompt_len,
+                      new_tokens=args.max_new_tokens)
+        results.append(r)
+        say(json.dumps({"preset": args.preset, **r}) if args.json else _benchmark_line(r))
+    if not args.json and len(results) > 1 and any(r["residual"] == "standard"
+                                                    for r in results):
+        _compare(results, mesh, say)
     return 0
+
+
+def _benchmark_line(r: dict) -> str:
+    return (f"{r['residual']:<12} prefill {r['prefill_ms']:8.1f} ms   decode "
+            f"{r['decode_ms_per_token']:7.2f} ms/token   "
+            f"{r['decode_tokens_per_s_per_user']:8.1f} tok/s/user  "
+            f"{r['decode_tokens_per_s']:9.1f} tok/s total   end-to-end "
+            f"{r['tokens_per_s']:9.1f} tok/s   roofline "
+            f"{100 * r['roofline_fraction']:5.1f}%   (first run incl. compile "
+            f"{r['first_run_s_incl_compile']:.1f} s)")
+
+
+def _compare(results: list[dict], mesh, say) -> None:
+    """--residual all: each scheme's decode speed over standard's, and why it means little
+    where nothing overlaps."""
+    by = {r["residual"]: r["decode_tokens_per_s"] for r in results}
+    say("decode speed vs standard: " + ", ".join(
+        f"{k} {v / by['standard']:.2f}x" for k, v in by.items() if k != "standard"))
+    if sharding.tp_size(mesh) == 1:
+        say("note: tp=1 has no all-reduce to overlap: every scheme computes what "
+            "standard does, so these ratios are run-to-run noise; use --tp > 1 on GPUs")
+    elif jax.default_backend() == "cpu":
+        say("note: XLA:CPU runs all-reduces synchronously, so nothing overlaps on CPU: "
+            "these ratios are noise, not the ladder's speed-up (that needs GPUs; "
+            "`python -m ladder_jax.predict` models it without one)")
+    say(f"bandwidth: {results[0]['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
+        f"({results[0]['bandwidth_source']})")
 
 
 def _chat_rows(tokenizer, prompts: list[str]) -> list[list[int]]:

@@ -6,8 +6,8 @@
 Continuous batching over the jitted decode step (`ladder_jax.inference.batching`), the HTTP
 API of `ladder_jax.inference.server` on uvicorn (`pip install -e ".[serve]"`). Binds 127.0.0.1
 unless --host says otherwise. SIGTERM (or Ctrl-C) stops admitting (503), lets running requests
-finish for up to --drain-seconds, cancels the rest and exits 0. Bad input is one line and exit
-code 2.
+finish for up to --drain-seconds, cancels the rest and exits 0; with several processes, a signal
+to any of them stops them all. Bad input is one line and exit code 2.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import jax
 from flax import nnx
 
 from ladder_jax import runtime
-from ladder_jax.cli.common import ArgumentParser
+from ladder_jax.cli.common import ArgumentParser, choose_tp, setup_devices
 from ladder_jax.cli.decode import without_tokenizer_json
 from ladder_jax.config import (
     RESIDUALS,
@@ -52,6 +52,8 @@ except ImportError as e:
 
 API_KEY_ENV = "LADDER_API_KEY"
 MAX_HEADER_BYTES = 16 * 1024  # a request's line and headers (h11's incomplete-event limit)
+STOP_KEY = "ladder_jax/serve/stop/"  # coordination-service keys: processes told to stop
+STOP_MARGIN_S = 30.0  # a follower told to stop waits --drain-seconds plus this for process 0
 
 
 def _distributed() -> bool:
@@ -292,22 +294,12 @@ def _tokenizer_template(tokenizer) -> str | None:
 def _run(args) -> int:
     _check(args)
     api_key, template = _api_key(args), _chat_template(args)  # before anything loads
-    shape = (checkpoint.run_model_config(args.checkpoint) if args.checkpoint
-             else ModelConfig.from_preset(args.preset))  # what splits over tp
-    runtime.setup(cpu_devices=args.cpu_devices or args.tp or sharding.default_tp(
-                      shape, runtime.cpu_cores(), backend="cpu")[0],
-                  coordinator=args.coordinator, num_processes=args.num_processes,
-                  process_id=args.process_id)
+    shape = setup_devices(args)
+    if jax.process_count() > 1:  # from now on: jax's preemption notifier would swallow them
+        _collect_signals()
     runtime.agree(_run_settings(args), "model or serving flags")  # many processes
+    tp, why = choose_tp(args.tp, shape)
     n = jax.device_count()
-    if args.tp is not None:
-        tp, why = args.tp, None
-    elif jax.process_count() > 1:  # the model spans every process's devices
-        tp, why = n, None
-    else:
-        tp, why = sharding.default_tp(shape, n)
-    if not 1 <= tp <= n:
-        raise ConfigError(f"--tp {tp}: between 1 and the {n} devices")
     if jax.process_count() > 1 and tp != n:
         raise ConfigError(f"--tp {tp}: with {jax.process_count()} processes the model must "
                           f"span all {n} devices (--tp {n})")
@@ -340,10 +332,79 @@ def _run(args) -> int:
     if not args.no_warmup:
         _warmup(engine)
     if jax.process_index() != 0:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # process 0's stop plan ends us
-        engine.follow()
-        return 0
+        return _follow(engine, args.drain_seconds + STOP_MARGIN_S)
     return _serve(args, engine, tokenizer, name, api_key, template)
+
+
+_SIGNALS: list[int] = []  # SIGTERM / SIGINT received by a process of several
+
+
+def _collect_signals() -> None:
+    """Records SIGTERM and SIGINT in `_SIGNALS` instead of their default action (a process of
+    several: it stops with the others, `_follow` / `_serve`)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _: _SIGNALS.append(signum))
+
+
+def _stop_requests() -> list[str]:
+    """The processes that asked process 0 to stop the server (`_ask_stop`), as "process I
+    (SIGTERM)"; none with one process."""
+    if not _distributed():
+        return []
+    from jax._src import distributed
+
+    try:
+        asked = distributed.global_state.client.key_value_dir_get(STOP_KEY)
+    except jax.errors.JaxRuntimeError:  # the coordination service is gone: the engine says so
+        return []
+    return [f"process {k.rsplit('/', 1)[-1]} ({v})" for k, v in asked]
+
+
+def _ask_stop(signum: int) -> None:
+    """Tells process 0, through jax's coordination service, that this process was told to
+    stop: process 0 then drains and stops every process (`_stop_requests`)."""
+    from jax._src import distributed
+
+    try:
+        distributed.global_state.client.key_value_set(
+            f"{STOP_KEY}{jax.process_index()}", signal.Signals(signum).name)
+    except jax.errors.JaxRuntimeError:  # process 0 is gone: the bound in `_follow` ends us
+        pass
+
+
+def _follow(engine, bound_s: float) -> int:
+    """A process other than 0: runs process 0's plans until its stop plan (exit 0). SIGTERM
+    or SIGINT here asks process 0 to drain and stop the whole server; if its stop plan has not
+    come `bound_s` seconds later (or on a second signal) the process ends itself with one line
+    on stderr and exit code 1."""
+    got = _SIGNALS  # collected since start-up (`_collect_signals`)
+    failure: list[BaseException] = []
+
+    def follow():
+        try:
+            engine.follow()
+        except BaseException as e:  # noqa: BLE001 (raised again on the main thread)
+            failure.append(e)
+
+    worker = threading.Thread(target=follow, name="follow", daemon=True)
+    worker.start()  # off the main thread: signals reach us while it waits in a collective
+    while worker.is_alive() and not got:
+        worker.join(0.2)
+    if got:
+        _ask_stop(got[0])
+        deadline = time.monotonic() + bound_s
+        while worker.is_alive() and len(got) < 2 and time.monotonic() < deadline:
+            worker.join(0.2)
+        if worker.is_alive():
+            why = "a second signal" if len(got) > 1 else f"no stop from process 0 in {bound_s:g} s"
+            print(f"error: process {jax.process_index()} stopped by "
+                  f"{signal.Signals(got[0]).name} ({why}): process 0 may still be serving; "
+                  f"stop it too", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1)  # the follower thread is blocked in a collective: no clean exit
+    if failure:
+        raise failure[0]
+    return 0
 
 
 def _warmup(engine) -> None:
@@ -380,11 +441,13 @@ def _serve(args, engine, tokenizer, name, api_key, template) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if _SIGNALS:  # told to stop while loading
+        stop.set()
     engine.start()
     http = threading.Thread(target=server.run, name="http", daemon=True)
     http.start()  # off the main thread: uvicorn leaves the signals to us
-    announced = False
-    while not (stop.wait(0.2) or not http.is_alive()):
+    announced, asked = False, []
+    while not (stop.wait(0.2) or not http.is_alive() or (asked := _stop_requests())):
         if server.started and not announced:
             announced = True
             print(f"serving {name!r} on http://{args.host}:{args.port} ({engine.slots} slots, "
@@ -393,8 +456,8 @@ def _serve(args, engine, tokenizer, name, api_key, template) -> int:
     if not http.is_alive() and not server.started:
         engine.drain(0)
         raise ConfigError(f"could not serve on {args.host}:{args.port} (is the port in use?)")
-    print(f"draining: up to {args.drain_seconds:g} s for {engine.busy} running request(s)",
-          file=sys.stderr, flush=True)
+    print(f"draining: up to {args.drain_seconds:g} s for {engine.busy} running request(s)"
+          + (f" (asked by {', '.join(asked)})" if asked else ""), file=sys.stderr, flush=True)
     app.state.drain()
     engine.drain(args.drain_seconds)
     server.should_exit = True

@@ -3,8 +3,10 @@ from `python -m ladder_jax.serve`; the `serve` extra).
 
     app = create_app(engine, tokenizer, model_name="tiny", api_key="secret")
 
-Endpoints: /v1/completions, /v1/chat/completions (with a chat template), /v1/models, /health,
-/metrics. Every error is OpenAI's `{"error": {message, type, param, code}}` with its status,
+`App` holds the state and has one handler per endpoint: /v1/completions,
+/v1/chat/completions (with a chat template), /v1/models, /health, /metrics. Each request is
+counted once in /metrics by endpoint and status (499: the client went away, a dropped stream
+too). Every error is OpenAI's `{"error": {message, type, param, code}}` with its status,
 naming the field; one bad request never stops the server (NaN logits from broken weights: a
 500; streamed, an error event ends the stream). The engine calls back on its own thread:
 tokens reach a request only through `loop.call_soon_threadsafe`. A disconnect cancels its
@@ -23,6 +25,7 @@ import logging
 import math
 import secrets
 import time
+from typing import NamedTuple
 
 import jinja2.sandbox
 from starlette.applications import Starlette
@@ -38,6 +41,7 @@ from ladder_jax.inference.sampling import GenerationError, Sampling, is_int, is_
 
 NONFINITE_MESSAGE = ("the model's logits are NaN or infinite: its weights are broken (a "
                      "checkpoint of a run that diverged?); no tokens are drawn from them")
+UNAUTHORIZED = "missing or wrong API key: send Authorization: Bearer KEY"
 _log = logging.getLogger("ladder_jax.serve")
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -248,55 +252,194 @@ def finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
 
-def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | None = None,
-               max_request_bytes: int = 1 << 20, max_tokens_limit: int | None = None,
-               chat_template: str | None = None) -> Starlette:
-    """The ASGI app serving `engine` (already started) with `tokenizer`."""
-    metrics = Metrics()
-    state = {"draining": False}
-    max_tokens_limit = max_tokens_limit or engine.length - 1
-    template = None if chat_template is None else compile_chat_template(chat_template)
-    created = int(time.time())
+class Parsed(NamedTuple):
+    """One checked prompt of a request and how to answer it."""
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling
+    stops: list[str]
+    stream: bool
+    usage: bool  # stream_options.include_usage
 
-    def authorized(request: HTTPRequest) -> bool:
-        if api_key is None:
+
+class Run:
+    """One engine request of an HTTP request: the engine's callbacks (on its own thread) post
+    its tokens to the event loop's queue, read back as text pieces through a `TextStream`.
+
+        run = Run(tokenizer, parsed); engine.submit(run.req)"""
+
+    def __init__(self, tokenizer, parsed: Parsed, logprobs: int | None = None,
+                 echo: bool = False):
+        loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue()
+
+        def put(item):
+            try:
+                loop.call_soon_threadsafe(self.events.put_nowait, item)
+            except RuntimeError:  # the loop is closed: nobody is listening
+                pass
+
+        self.req = Request(prompt=parsed.prompt, max_tokens=parsed.max_tokens,
+                           sampling=parsed.sampling, eos_id=tokenizer.eos_id,
+                           on_token=lambda t: put(("token", t)),
+                           on_finish=lambda r: put(("finish", r)), logprobs=logprobs, echo=echo)
+        self.text = TextStream(tokenizer, parsed.stops)
+
+
+def usage(runs: list[Run]) -> dict:
+    """OpenAI's `usage` of the runs of one response."""
+    p = sum(len(r.req.prompt) for r in runs)
+    n = sum(len(r.text.tokens) for r in runs)
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+
+
+def event(obj) -> str:
+    """One server-sent event of a JSON object."""
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+NONFINITE_EVENT = event({"error": {"message": NONFINITE_MESSAGE, "type": "server_error",
+                                   "param": None, "code": None}})
+
+
+async def disconnected(request: HTTPRequest) -> None:
+    """Returns once the client has gone away."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def parse_json(body: bytes) -> dict:
+    """The JSON object of a request body; BadRequest (400) naming what is wrong."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadRequest("the body is not valid JSON here: it nests too deeply") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise BadRequest(f"the body is not valid JSON here: {e}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the body must be a JSON object")
+    return data
+
+
+class App:
+    """The HTTP API of one started `Engine`: state (draining, metrics), authentication, request
+    checks, one handler per endpoint, and the answering paths (plain, chat, scored), each
+    request counted once in `metrics` by endpoint and status (499: the client went away).
+
+        app = App(engine, tokenizer, model_name="tiny").starlette()"""
+
+    def __init__(self, engine: Engine, tokenizer, *, model_name: str,
+                 api_key: str | None = None, max_request_bytes: int = 1 << 20,
+                 max_tokens_limit: int | None = None, chat_template: str | None = None):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.api_key, self.max_request_bytes = api_key, max_request_bytes
+        self.max_tokens_limit = max_tokens_limit or engine.length - 1
+        self.template = None if chat_template is None else compile_chat_template(chat_template)
+        self.metrics = Metrics()
+        self.draining = False
+        self.created = int(time.time())
+
+    def starlette(self) -> Starlette:
+        app = Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+        ], exception_handlers={HTTPException: self.http_error})
+        app.state.drain = self.drain
+        app.state.metrics = self.metrics
+        return app
+
+    def drain(self) -> None:
+        """New requests get 503 from now on."""
+        self.draining = True
+
+    # -- the endpoints ----------------------------------------------------------------------
+
+    async def completions(self, request: HTTPRequest) -> Response:
+        return await self.answered(request, chat=False)
+
+    async def chat_completions(self, request: HTTPRequest) -> Response:
+        return await self.answered(request, chat=True)
+
+    async def models(self, request: HTTPRequest) -> Response:
+        if not self.authorized(request):
+            return error(401, UNAUTHORIZED, code="invalid_api_key")
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.created,
+             "owned_by": "ladder_jax"}]})
+
+    async def health(self, request: HTTPRequest) -> Response:
+        engine = self.engine
+        status = "failed" if engine.error else "draining" if self.draining else "ok"
+        return JSONResponse({"status": status, "slots": engine.slots, "busy": engine.busy,
+                             "waiting": engine.waiting},
+                            status_code=200 if status == "ok" else 503)
+
+    async def prometheus(self, request: HTTPRequest) -> Response:
+        if not self.authorized(request):
+            return error(401, UNAUTHORIZED, code="invalid_api_key")
+        return PlainTextResponse(self.metrics.text(self.engine),
+                                 media_type="text/plain; version=0.0.4")
+
+    async def http_error(self, request: HTTPRequest, exc: HTTPException) -> Response:
+        message = {404: f"no route {request.url.path}: see /v1/models, /v1/completions, "
+                        f"/v1/chat/completions, /health, /metrics",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(
+            exc.status_code, str(exc.detail))
+        return error(exc.status_code, message)
+
+    # -- admission and request checks -------------------------------------------------------
+
+    def authorized(self, request: HTTPRequest) -> bool:
+        if self.api_key is None:
             return True
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(
-            given.strip().encode("utf-8", "replace"), api_key.encode())
+            given.strip().encode("utf-8", "replace"), self.api_key.encode())
 
-    async def read_json(request: HTTPRequest) -> dict:
+    def admit(self, request: HTTPRequest) -> None:
+        """BadRequest unless the request may be answered: its key (401), the server's state
+        (503)."""
+        if not self.authorized(request):
+            raise BadRequest(UNAUTHORIZED, status=401, code="invalid_api_key")
+        if self.draining or self.engine.error:
+            raise BadRequest("the server is shutting down" if self.draining else
+                             f"the engine failed: {self.engine.error}", status=503)
+
+    async def read_json(self, request: HTTPRequest) -> dict:
+        limit = self.max_request_bytes
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_request_bytes:
+        if declared is not None and declared.isdigit() and int(declared) > limit:
             raise BadRequest(f"the request body has {declared} bytes, more than the "
-                             f"server's limit of {max_request_bytes}", status=413)
+                             f"server's limit of {limit}", status=413)
         body = bytearray()
         try:
             async for chunk in request.stream():
                 body += chunk
-                if len(body) > max_request_bytes:
+                if len(body) > limit:
                     raise BadRequest(f"the request body is more than the server's limit of "
-                                     f"{max_request_bytes} bytes", status=413)
+                                     f"{limit} bytes", status=413)
         except ClientDisconnect:
             raise BadRequest("the client went away before sending the whole body",
                              status=499) from None
         return parse_json(body)
 
-    def parse_json(body: bytes) -> dict:
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadRequest(f"the body is not valid JSON: {e}") from None
-        except RecursionError:
-            raise BadRequest("the body is not valid JSON here: it nests too deeply") from None
-        except ValueError as e:  # an integer of more digits than Python converts
-            raise BadRequest(f"the body is not valid JSON here: {e}") from None
-        if not isinstance(data, dict):
-            raise BadRequest("the body must be a JSON object")
-        return data
+    def parse(self, data: dict, chat: bool) -> Parsed:
+        """The checked request; BadRequest naming the first field that is wrong."""
+        self.check_fields(data, chat)
+        prompt, max_tokens = self.prompt_and_length(data, chat)
+        stops, stream, include_usage = self.stream_fields(data)
+        return Parsed(prompt, max_tokens, self.sampling(data), stops, stream, include_usage)
 
-    def parse(data: dict, allowed: set[str], chat: bool):
-        unknown = sorted(set(data) - allowed)
+    def check_fields(self, data: dict, chat: bool) -> None:
+        """Only known fields, neutral values of those not supported, this server's model."""
+        unknown = sorted(set(data) - (_CHAT if chat else _COMPLETION))
         if unknown:
             raise BadRequest(f"unknown field {unknown[0]!r}", unknown[0])
         for field, ok in (_NEUTRAL if chat else _NEUTRAL_COMPLETION).items():
@@ -306,36 +449,43 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
                 raise BadRequest(f"{field}={data[field]!r} is not supported (only "
                                  f"{ok[0] if ok[0] is not None else 'null'})", field)
         model = data.get("model")
-        if model is not None and model != model_name:
+        if model is not None and model != self.model_name:
             raise BadRequest(f"the model {model!r} does not exist: this server serves "
-                             f"{model_name!r}", "model", status=404, code="model_not_found")
+                             f"{self.model_name!r}", "model", status=404,
+                             code="model_not_found")
+
+    def prompt_and_length(self, data: dict, chat: bool) -> tuple[list[int], int]:
+        """The prompt's ids and max_tokens (given, or what fits), within the positions."""
+        length, limit = self.engine.length, self.max_tokens_limit
+        where = "messages" if chat else "prompt"
         if chat:
-            prompt = chat_prompt(data.get("messages"))
+            prompt = self.chat_prompt(data.get("messages"))
             key = "max_completion_tokens" if data.get("max_completion_tokens") is not None \
                 else "max_tokens"
         else:
-            prompt = completion_prompt(data.get("prompt"))
-            key = "max_tokens"
+            prompt, key = self.completion_prompt(data.get("prompt")), "max_tokens"
         max_tokens = data.get(key)
         if max_tokens is None:
-            if len(prompt) >= engine.length:  # no room left for even one token
+            if len(prompt) >= length:  # no room left for even one token
                 raise BadRequest(f"the prompt has {len(prompt)} tokens, as many as this "
-                                 f"server's {engine.length} positions per request or more: "
-                                 f"shorten it", "prompt" if not chat else "messages",
-                                 code="context_length_exceeded")
-            max_tokens = min(16 if not chat else max_tokens_limit, max_tokens_limit,
-                             engine.length - len(prompt))
+                                 f"server's {length} positions per request or more: "
+                                 f"shorten it", where, code="context_length_exceeded")
+            max_tokens = min(limit if chat else 16, limit, length - len(prompt))
         low = 0 if not chat and data.get("echo") is True else 1  # 0: score the prompt only
-        if not (is_int(max_tokens) and low <= max_tokens <= max_tokens_limit):
+        if not (is_int(max_tokens) and low <= max_tokens <= limit):
             raise BadRequest(f"{key}={max_tokens!r} must be an integer from {low} to "
-                             f"{max_tokens_limit}" + (" (0 only with echo=true)" if max_tokens
-                                                      == 0 and not chat else ""), key)
-        if len(prompt) + max_tokens > engine.length:
+                             f"{limit}" + (" (0 only with echo=true)" if max_tokens == 0
+                                           and not chat else ""), key)
+        if len(prompt) + max_tokens > length:
             raise BadRequest(f"the prompt has {len(prompt)} tokens; with {key}={max_tokens} "
                              f"that is {len(prompt) + max_tokens}, more than this server's "
-                             f"{engine.length} positions per request: shorten the prompt "
-                             f"or lower {key}", "prompt" if not chat else "messages",
-                             code="context_length_exceeded")
+                             f"{length} positions per request: shorten the prompt "
+                             f"or lower {key}", where, code="context_length_exceeded")
+        return prompt, max_tokens
+
+    def sampling(self, data: dict) -> Sampling:
+        """temperature, top_k, top_p and seed (a random one when not given), checked."""
+        vocab = self.engine.config.vocab_size
         t = data.get("temperature", 1.0)
         t = 1.0 if t is None else t
         if not (is_number(t) and 0 <= t <= 2):
@@ -346,14 +496,19 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
         top_k = data.get("top_k")
         if top_k in (-1, 0):
             top_k = None  # vLLM's spelling of off
-        if top_k is not None and not (is_int(top_k) and 1 <= top_k <= engine.config.vocab_size):
-            raise BadRequest(f"top_k={top_k!r} must be an integer from 1 to "
-                             f"{engine.config.vocab_size} (or -1: off)", "top_k")
+        if top_k is not None and not (is_int(top_k) and 1 <= top_k <= vocab):
+            raise BadRequest(f"top_k={top_k!r} must be an integer from 1 to {vocab} "
+                             f"(or -1: off)", "top_k")
         seed = data.get("seed")
         if seed is None:
             seed = secrets.randbelow(2**32)
         if not (is_int(seed) and 0 <= seed < 2**32):
             raise BadRequest(f"seed={seed!r} must be an integer from 0 to 2**32 - 1", "seed")
+        return Sampling(float(t), top_k, None if top_p is None else float(top_p), seed)
+
+    @staticmethod
+    def stream_fields(data: dict) -> tuple[list[str], bool, bool]:
+        """(stop strings, stream, stream_options.include_usage), checked."""
         stop = data.get("stop")
         stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
         if not (isinstance(stops, list) and len(stops) <= 4 and all(
@@ -366,31 +521,30 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
         options = data.get("stream_options") or {}
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise BadRequest("stream_options may only hold include_usage", "stream_options")
-        sampling = Sampling(float(t), top_k, None if top_p is None else float(top_p), seed)
-        return prompt, max_tokens, sampling, stops, bool(stream), bool(
-            options.get("include_usage"))
+        return stops, bool(stream), bool(options.get("include_usage"))
 
-    def completion_prompt(prompt) -> list[int]:
+    def completion_prompt(self, prompt) -> list[int]:
+        vocab = self.engine.config.vocab_size
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             if not prompt:
                 raise BadRequest("prompt is empty", "prompt")
-            return tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
-            bad = [t for t in prompt if not 0 <= t < engine.config.vocab_size]
+            bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
-                raise BadRequest(f"prompt has token ids outside [0, "
-                                 f"{engine.config.vocab_size}): {bad[:5]}", "prompt")
+                raise BadRequest(f"prompt has token ids outside [0, {vocab}): {bad[:5]}",
+                                 "prompt")
             return list(prompt)
         if isinstance(prompt, list) and len(prompt) > 1:
             raise BadRequest("prompt must be one prompt (a string or a list of token ids); "
                              "send one request per prompt", "prompt")
         raise BadRequest("prompt must be a non-empty string or a list of token ids", "prompt")
 
-    def chat_prompt(messages) -> list[int]:
-        if template is None:
-            raise BadRequest(f"the model {model_name!r} has no chat template: use "
+    def chat_prompt(self, messages) -> list[int]:
+        if self.template is None:
+            raise BadRequest(f"the model {self.model_name!r} has no chat template: use "
                              f"/v1/completions (or start the server with --chat-template)",
                              "messages")
         if not (isinstance(messages, list) and messages and all(
@@ -399,7 +553,7 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
             raise BadRequest("messages must be a non-empty list of {role, content} objects "
                              "with string content", "messages")
         try:
-            return render_chat(template, messages, tokenizer)
+            return render_chat(self.template, messages, self.tokenizer)
         except TemplateRaised as e:
             raise BadRequest(f"the chat template refused these messages: {e}",
                              "messages") from None
@@ -407,383 +561,302 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | Non
             raise BadRequest(f"the chat template failed on these messages: {e}",
                              "messages") from None
 
-    async def generate(request: HTTPRequest, chat: bool):
+    # -- answering --------------------------------------------------------------------------
+
+    async def answered(self, request: HTTPRequest, chat: bool) -> Response:
+        """`generate`, with anything it did not foresee one counted 500 and one log line."""
+        try:
+            return await self.generate(request, chat)
+        except Exception as e:  # noqa: BLE001 (the server must stay up and say what failed)
+            self.metrics.request("chat" if chat else "completions", 500)
+            _log.error("%s %s: %s: %s", request.method, request.url.path, type(e).__name__, e)
+            return error(500, f"the server failed on this request ({type(e).__name__})")
+
+    async def generate(self, request: HTTPRequest, chat: bool) -> Response:
+        """One completion or chat answer, whole or streamed; scoring requests go to
+        `scored_completions`."""
         endpoint = "chat" if chat else "completions"
         try:
-            if not authorized(request):
-                raise BadRequest("missing or wrong API key: send Authorization: Bearer KEY",
-                                 status=401, code="invalid_api_key")
-            if state["draining"] or engine.error:
-                raise BadRequest("the server is shutting down" if state["draining"] else
-                                 f"the engine failed: {engine.error}", status=503)
-            data = await read_json(request)
+            self.admit(request)
+            data = await self.read_json(request)
             if not chat and scored(data):
-                return await scored_completions(request, data)
-            prompt, max_tokens, sampling, stops, stream, usage = parse(
-                data, _CHAT if chat else _COMPLETION, chat)
+                return await self.scored_completions(request, data)
+            parsed = self.parse(data, chat)
         except BadRequest as e:
-            metrics.request(endpoint, e.status)
-            if e.status == 499:
-                return Response(status_code=499)
-            return error(e.status, str(e), e.param, e.code)
-
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-
-        def put(item):
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, item)
-            except RuntimeError:  # the loop is closed: nobody is listening
-                pass
-
-        req = Request(prompt=prompt, max_tokens=max_tokens, sampling=sampling,
-                      eos_id=tokenizer.eos_id, on_token=lambda t: put(("token", t)),
-                      on_finish=lambda r: put(("finish", r)))
-        try:
-            engine.submit(req)
-        except EngineFull as e:
-            metrics.request(endpoint, 503)
-            return error(503, str(e))
-        except GenerationError as e:
-            metrics.request(endpoint, 400)
-            return error(400, str(e), "prompt")
-        metrics.prompt_tokens += len(prompt)
-        text = TextStream(tokenizer, stops)
+            return self.refused(endpoint, e)
+        run = Run(self.tokenizer, parsed)
+        refused = self.submit([run], endpoint)
+        if refused is not None:
+            return refused
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        first = [True]
+        if parsed.stream:
+            chunk = self.plain_chunk(rid, chat)
+            return self.streamed(run, endpoint, chunk, parsed.usage,
+                                 head=chunk("", None, role=True) if chat else None)
+        outs = await self.collect(request, [run], endpoint)
+        if isinstance(outs, Response):
+            return outs
+        (out, reason), = outs
+        self.metrics.request(endpoint, 200)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": out},
+                   "logprobs": None, "finish_reason": reason} if chat else
+                  {"index": 0, "text": out, "logprobs": None, "finish_reason": reason})
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else
+                             "text_completion", "created": int(time.time()),
+                             "model": self.model_name, "choices": [choice],
+                             "usage": usage([run])})
 
-        async def pieces():
-            """(text piece, finish_reason or None) until the request ends."""
-            while True:
-                kind, value = await events.get()
-                if kind == "token":
-                    if first[0]:
-                        metrics.first_token(time.perf_counter() - req.arrived)
-                        first[0] = False
-                    metrics.generated_tokens += 1
-                    piece = text.add(value)
-                    if text.stopped:
-                        engine.cancel(req)
-                        yield piece, "stop"
-                        return
-                    if piece:
-                        yield piece, None
-                else:
-                    yield text.flush(), {"length": "length", "stop": "stop"}.get(value, value)
-                    return
+    def refused(self, endpoint: str, e: BadRequest) -> Response:
+        self.metrics.request(endpoint, e.status)
+        if e.status == 499:
+            return Response(status_code=499)
+        return error(e.status, str(e), e.param, e.code)
 
-        def counts():
-            n = len(text.tokens)
-            return {"prompt_tokens": len(prompt), "completion_tokens": n,
-                    "total_tokens": len(prompt) + n}
+    def submit(self, runs: list[Run], endpoint: str) -> Response | None:
+        """Submits every run, or none (the counted 503 of a full queue, 400 of a prompt the
+        engine refuses)."""
+        try:
+            for run in runs:
+                self.engine.submit(run.req)
+        except GenerationError as e:
+            for run in runs:
+                self.engine.cancel(run.req)
+            full = isinstance(e, EngineFull)
+            self.metrics.request(endpoint, 503 if full else 400)
+            return error(503, str(e)) if full else error(400, str(e), "prompt")
+        self.metrics.prompt_tokens += sum(len(run.req.prompt) for run in runs)
+        return None
 
-        if stream:
-            return StreamingResponse(sse(pieces(), req, rid, chat, usage, counts, endpoint),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+    async def steps(self, run: Run):
+        """(text piece, finish reason or None) per engine event until the run ends; a stop
+        string ends it early (reason "stop")."""
+        first = True
+        while True:
+            kind, value = await run.events.get()
+            if kind != "token":
+                yield run.text.flush(), value
+                return
+            if first:
+                self.metrics.first_token(time.perf_counter() - run.req.arrived)
+                first = False
+            self.metrics.generated_tokens += 1
+            piece = run.text.add(value)
+            if run.text.stopped:
+                self.engine.cancel(run.req)
+                yield piece, "stop"
+                return
+            yield piece, None
 
-        async def collect():
-            out, reason = [], None
-            async for piece, reason in pieces():
-                out.append(piece)
-            return "".join(out), reason
+    async def whole(self, run: Run) -> tuple[str, str]:
+        """The run's whole text and finish reason."""
+        out, reason = [], None
+        async for piece, reason in self.steps(run):
+            out.append(piece)
+        return "".join(out), reason
 
+    async def collect(self, request: HTTPRequest, runs: list[Run],
+                      endpoint: str) -> list[tuple[str, str]] | Response:
+        """Each run's (text, finish reason) once all are done; or the counted response when
+        the client went away (499), the logits were not finite (500) or the engine stopped
+        (503)."""
         watcher = asyncio.ensure_future(disconnected(request))
-        result = asyncio.ensure_future(collect())
+        result = asyncio.ensure_future(asyncio.gather(*map(self.whole, runs)))
         try:
             await asyncio.wait({watcher, result}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
         if not result.done():  # the client went away
             result.cancel()
-            engine.cancel(req)
-            metrics.request(endpoint, 499)
-            return Response(status_code=499)
-        out, reason = result.result()
-        if reason == "nonfinite":
-            metrics.request(endpoint, 500)
-            return error(500, NONFINITE_MESSAGE)
-        if reason in ("cancelled", "error"):
-            metrics.request(endpoint, 503)
-            return error(503, "the server is shutting down" if reason == "cancelled" else
-                         f"the engine failed: {engine.error}")
-        metrics.request(endpoint, 200)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": out},
-                   "logprobs": None, "finish_reason": reason} if chat else
-                  {"index": 0, "text": out, "logprobs": None, "finish_reason": reason})
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else
-                             "text_completion", "created": int(time.time()),
-                             "model": model_name, "choices": [choice], "usage": counts()})
+            return self.cancelled(runs, endpoint, 499, Response(status_code=499))
+        outs = result.result()
+        reasons = [reason for _, reason in outs]
+        if "nonfinite" in reasons:
+            return self.cancelled(runs, endpoint, 500, error(500, NONFINITE_MESSAGE))
+        stopped = next((r for r in reasons if r in ("cancelled", "error")), None)
+        if stopped is not None:
+            return self.cancelled(runs, endpoint, 503, error(
+                503, "the server is shutting down" if stopped == "cancelled" else
+                f"the engine failed: {self.engine.error}"))
+        return outs
 
-    async def sse(pieces, req, rid, chat, usage, counts, endpoint):
-        kind = "chat.completion.chunk" if chat else "text_completion"
+    def cancelled(self, runs: list[Run], endpoint: str, status: int,
+                  response: Response) -> Response:
+        for run in runs:
+            self.engine.cancel(run.req)
+        self.metrics.request(endpoint, status)
+        return response
 
-        def chunk(piece, reason, role=False):
-            if chat:
-                delta = {"role": "assistant", "content": ""} if role else (
-                    {"content": piece} if piece else {})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-            else:
-                choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
-            return event({"id": rid, "object": kind, "created": int(time.time()),
-                          "model": model_name, "choices": [choice]})
+    def streamed(self, run: Run, endpoint: str, chunk, include_usage: bool, *, head=None,
+                 opening=None) -> StreamingResponse:
+        """The server-sent events of one run (`stream`) as a response."""
+        events = self.stream(run, endpoint, chunk, include_usage, head, opening)
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
+    async def stream(self, run: Run, endpoint: str, chunk, include_usage: bool, head, opening):
+        """`head` (an event, or None) first, `opening()` (None or an event) with the first
+        engine event, then `chunk(piece, reason)` per text piece, the usage and [DONE]; NaN
+        logits: an error event ends the stream (counted 500). Counted 200 when whole, 499
+        when the client went away (the generator is closed); the run is cancelled either
+        way."""
         done = False
         try:
-            if chat:
-                yield chunk("", None, role=True)
-            async for piece, reason in pieces:
+            if head is not None:
+                yield head
+            first = True
+            async for piece, reason in self.steps(run):
+                if first and opening is not None and (opened := opening()) is not None:
+                    yield opened
+                first = False
                 if reason == "nonfinite":  # OpenAI's way to fail mid-stream: an error event
-                    yield event({"error": {"message": NONFINITE_MESSAGE, "type": "server_error",
-                                           "param": None, "code": None}})
-                    metrics.request(endpoint, 500)
+                    yield NONFINITE_EVENT
+                    self.metrics.request(endpoint, 500)
                     done = True
                     return
                 if reason in ("cancelled", "error"):
                     reason = "abort"  # as vLLM says it: drained or failed mid-stream
                 if piece or reason:
                     yield chunk(piece, reason)
-            if usage:
-                yield event({"id": rid, "object": kind, "created": int(time.time()),
-                             "model": model_name, "choices": [], "usage": counts()})
+            if include_usage:
+                yield chunk(None, None, usage=usage([run]))
             yield "data: [DONE]\n\n"
-            metrics.request(endpoint, 200)
             done = True
+            self.metrics.request(endpoint, 200)
         finally:  # also when the client disconnects (the generator is closed)
-            engine.cancel(req)
+            self.engine.cancel(run.req)
             if not done:
-                metrics.request(endpoint, 499)  # a dropped stream
+                self.metrics.request(endpoint, 499)  # a dropped stream
 
-    def event(obj) -> str:
-        return f"data: {json.dumps(obj)}\n\n"
+    def chunk_event(self, rid: str, kind: str, choice: dict | None, counts=None) -> str:
+        """One chunk of a streamed answer: a choice, or (choice None) the final usage."""
+        obj = {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name,
+               "choices": [] if choice is None else [choice]}
+        return event(obj if counts is None else {**obj, "usage": counts})
 
-    async def disconnected(request: HTTPRequest):
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
+    def plain_chunk(self, rid: str, chat: bool):
+        """chunk(piece, reason) of a plain completion or a chat answer (`role`: chat's first
+        chunk, `usage`: the final one)."""
+        kind = "chat.completion.chunk" if chat else "text_completion"
 
-    async def answered(request, chat: bool):
-        """`generate`, with anything it did not foresee one counted 500 and one log line."""
-        try:
-            return await generate(request, chat)
-        except Exception as e:  # noqa: BLE001 (the server must stay up and say what failed)
-            metrics.request("chat" if chat else "completions", 500)
-            _log.error("%s %s: %s: %s", request.method, request.url.path, type(e).__name__, e)
-            return error(500, f"the server failed on this request ({type(e).__name__})")
+        def chunk(piece, reason, role=False, usage=None):
+            if usage is not None:
+                return self.chunk_event(rid, kind, None, usage)
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else (
+                    {"content": piece} if piece else {})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
+            return self.chunk_event(rid, kind, choice)
+
+        return chunk
 
     # -- /v1/completions with logprobs, echo or a batch of prompts -------------------------
 
-    async def scored_completions(request: HTTPRequest, data: dict):
+    async def scored_completions(self, request: HTTPRequest, data: dict) -> Response:
         """Every prompt checked (as `parse` does one) before any is submitted; then one engine
         request per prompt, a choice each (index = the prompt's place), with OpenAI's legacy
         `logprobs` object if asked. Streamed: one prompt only."""
         top, echo = scoring(data)
         raw = data.get("prompt")
         prompts = raw if is_batch(raw) else [raw]
+        parsed = self.parse_each(data, prompts)
+        if parsed[0].stream and len(prompts) > 1:
+            raise BadRequest(f"stream=true takes one prompt, got {len(prompts)}", "stream")
+        runs = [Run(self.tokenizer, p, logprobs=top, echo=echo) for p in parsed]
+        refused = self.submit(runs, "completions")
+        if refused is not None:
+            return refused
+        echoed = [(p if isinstance(p, str) else self.tokenizer.decode(r.req.prompt)) if echo
+                  else "" for p, r in zip(prompts, runs)]
+        scores = Scores(Logprobs(self.tokenizer), top, echo)
+        rid = "cmpl-" + secrets.token_hex(12)
+        if parsed[0].stream:
+            return self.scored_stream(runs[0], echoed[0], scores, rid, parsed[0].usage)
+        outs = await self.collect(request, runs, "completions")
+        if isinstance(outs, Response):
+            return outs
+        choices = [{"index": i, "text": pre + out, "logprobs": scores.whole(run, len(pre)),
+                    "finish_reason": reason}
+                   for i, (run, (out, reason), pre) in enumerate(zip(runs, outs, echoed))]
+        self.metrics.request("completions", 200)
+        return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
+                             "model": self.model_name, "choices": choices,
+                             "usage": usage(runs)})
+
+    def parse_each(self, data: dict, prompts: list) -> list[Parsed]:
+        """`parse` of the body with each prompt; an error names the prompt's place."""
         parsed = []
         for i, p in enumerate(prompts):
             try:
-                parsed.append(parse({**data, "prompt": p}, _COMPLETION, False))
+                parsed.append(self.parse({**data, "prompt": p}, chat=False))
             except BadRequest as e:
                 if len(prompts) > 1 and e.param == "prompt":
                     e.args = (f"prompt {i}: {e}",)
                 raise
-        stream, usage = parsed[0][4], parsed[0][5]
-        if stream and len(prompts) > 1:
-            raise BadRequest(f"stream=true takes one prompt, got {len(prompts)}", "stream")
-        loop = asyncio.get_running_loop()
-        runs = []
-        for prompt, max_tokens, sampling, stops, *_ in parsed:
-            events: asyncio.Queue = asyncio.Queue()
+        return parsed
 
-            def put(item, events=events):
-                try:
-                    loop.call_soon_threadsafe(events.put_nowait, item)
-                except RuntimeError:  # the loop is closed: nobody is listening
-                    pass
+    def scored_stream(self, run: Run, echoed: str, scores: Scores, rid: str,
+                      include_usage: bool) -> StreamingResponse:
+        """The events of one scored prompt: the echoed prompt first (with its logprobs), then
+        each text piece with the logprobs of the tokens read since the last chunk."""
+        sent = 0
 
-            req = Request(prompt=prompt, max_tokens=max_tokens, sampling=sampling,
-                          eos_id=tokenizer.eos_id, on_token=lambda t, put=put: put(("token", t)),
-                          on_finish=lambda r, put=put: put(("finish", r)), logprobs=top,
-                          echo=echo)
-            runs.append((req, events, TextStream(tokenizer, stops)))
-        try:
-            for req, _, _ in runs:
-                engine.submit(req)
-        except GenerationError as e:
-            for req, _, _ in runs:
-                engine.cancel(req)
-            full = isinstance(e, EngineFull)
-            metrics.request("completions", 503 if full else 400)
-            return error(503, str(e)) if full else error(400, str(e), "prompt")
-        metrics.prompt_tokens += sum(len(r.prompt) for r, _, _ in runs)
-        echoed = [(p if isinstance(p, str) else tokenizer.decode(r.prompt)) if echo else ""
-                  for p, (r, _, _) in zip(prompts, runs)]
-        scores = Logprobs(tokenizer)
-        rid = "cmpl-" + secrets.token_hex(12)
+        def chunk(piece, reason, usage=None):
+            nonlocal sent
+            if usage is not None:
+                return self.chunk_event(rid, "text_completion", None, usage)
+            lp = scores.new(run, len(echoed), sent)
+            sent = len(run.text.tokens)
+            return self.chunk_event(rid, "text_completion", {
+                "index": 0, "text": piece, "logprobs": lp, "finish_reason": reason})
 
-        def prompt_logprobs(req, text):
-            if not echo or req.prompt_scores is None:  # None: cancelled before its prefill
+        def opening():
+            if not echoed:
                 return None
-            return scores.of(req.prompt, [None, *req.prompt_scores], 0)
+            return self.chunk_event(rid, "text_completion", {
+                "index": 0, "text": echoed, "logprobs": scores.prompt(run),
+                "finish_reason": None})
 
-        def new_logprobs(req, text, base, start):
-            return scores.of(text.tokens, req.scores, base, start)
+        return self.streamed(run, "completions", chunk, include_usage, opening=opening)
 
-        async def steps(req, events, text):
-            """(text piece, finish reason or None) per engine event, as `generate` reads."""
-            first = True
-            while True:
-                kind, value = await events.get()
-                if kind == "token":
-                    if first:
-                        metrics.first_token(time.perf_counter() - req.arrived)
-                        first = False
-                    metrics.generated_tokens += 1
-                    piece = text.add(value)
-                    if text.stopped:
-                        engine.cancel(req)
-                        yield piece, "stop"
-                        return
-                    yield piece, None
-                else:
-                    yield text.flush(), value
-                    return
 
-        def counts():
-            p = sum(len(r.prompt) for r, _, _ in runs)
-            n = sum(len(t.tokens) for _, _, t in runs)
-            return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+class Scores:
+    """The `logprobs` objects of a scored run: None unless asked (`top` alternatives per
+    token); with echo, the prompt's come first."""
 
-        if stream:
-            return StreamingResponse(
-                scored_stream(runs[0], echoed[0], top, rid, usage, counts, steps,
-                              prompt_logprobs, new_logprobs),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def __init__(self, logprobs: Logprobs, top: int | None, echo: bool):
+        self.logprobs, self.top, self.echo = logprobs, top, echo
 
-        async def collect(req, events, text):
-            out, reason = [], None
-            async for piece, reason in steps(req, events, text):
-                out.append(piece)
-            return "".join(out), reason
+    def prompt(self, run: Run) -> dict | None:
+        """The prompt's tokens' object (the first is null: nothing predicts it); None when
+        not asked, or when the run was cancelled before its prefill."""
+        req = run.req
+        if self.top is None or not self.echo or req.prompt_scores is None:
+            return None
+        return self.logprobs.of(req.prompt, [None, *req.prompt_scores], 0)
 
-        watcher = asyncio.ensure_future(disconnected(request))
-        result = asyncio.ensure_future(asyncio.gather(*(collect(*r) for r in runs)))
-        try:
-            await asyncio.wait({watcher, result}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-        if not result.done():  # the client went away
-            result.cancel()
-            for req, _, _ in runs:
-                engine.cancel(req)
-            metrics.request("completions", 499)
-            return Response(status_code=499)
-        outs = result.result()
-        if any(reason == "nonfinite" for _, reason in outs):
-            metrics.request("completions", 500)
-            return error(500, NONFINITE_MESSAGE)
-        if any(reason in ("cancelled", "error") for _, reason in outs):
-            for req, _, _ in runs:
-                engine.cancel(req)
-            metrics.request("completions", 503)
-            return error(503, "the server is shutting down" if engine.error is None else
-                         f"the engine failed: {engine.error}")
-        choices = []
-        for i, ((req, _, text), (out, reason), pre) in enumerate(zip(runs, outs, echoed)):
-            lp = None
-            if top is not None:
-                lp = new_logprobs(req, text, len(pre), 0)
-                if echo:
-                    lp = Logprobs.join(prompt_logprobs(req, text), lp)
-            choices.append({"index": i, "text": pre + out, "logprobs": lp,
-                            "finish_reason": reason})
-        metrics.request("completions", 200)
-        return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
-                             "model": model_name, "choices": choices, "usage": counts()})
+    def new(self, run: Run, base: int, start: int) -> dict | None:
+        """The generated tokens' object from token `start` on, offsets from `base`."""
+        if self.top is None:
+            return None
+        return self.logprobs.of(run.text.tokens, run.req.scores, base, start)
 
-    async def scored_stream(run, echoed, top, rid, usage, counts, steps, prompt_logprobs,
-                            new_logprobs):
-        """The SSE chunks of one scored prompt: the echoed prompt first (with its logprobs),
-        then each text piece with the logprobs of the tokens read since the last chunk."""
-        req, events, text = run
+    def whole(self, run: Run, base: int) -> dict | None:
+        """The whole answer's object: the prompt's (with echo), then the generated tokens'."""
+        lp = self.new(run, base, 0)
+        if lp is not None and self.echo:
+            lp = Logprobs.join(self.prompt(run), lp)
+        return lp
 
-        def chunk(piece, lp, reason):
-            return event({"id": rid, "object": "text_completion", "created": int(time.time()),
-                          "model": model_name, "choices": [
-                              {"index": 0, "text": piece, "logprobs": lp,
-                               "finish_reason": reason}]})
 
-        try:
-            sent, first = 0, True
-            async for piece, reason in steps(req, events, text):
-                if first and echoed:
-                    yield chunk(echoed, None if top is None else prompt_logprobs(req, text),
-                                None)
-                first = False
-                if reason == "nonfinite":  # an error event ends the stream, as unscored ones
-                    yield event({"error": {"message": NONFINITE_MESSAGE, "type": "server_error",
-                                           "param": None, "code": None}})
-                    metrics.request("completions", 500)
-                    return
-                if reason in ("cancelled", "error"):
-                    reason = "abort"
-                if piece or reason:
-                    lp = None if top is None else new_logprobs(req, text, len(echoed), sent)
-                    sent = len(text.tokens)
-                    yield chunk(piece, lp, reason)
-            if usage:
-                yield event({"id": rid, "object": "text_completion", "created": int(time.time()),
-                             "model": model_name, "choices": [], "usage": counts()})
-            yield "data: [DONE]\n\n"
-            metrics.request("completions", 200)
-        finally:
-            engine.cancel(req)
-
-    async def completions(request):
-        return await answered(request, chat=False)
-
-    async def chat_completions(request):
-        return await answered(request, chat=True)
-
-    async def models(request):
-        if not authorized(request):
-            return error(401, "missing or wrong API key: send Authorization: Bearer KEY",
-                         code="invalid_api_key")
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": created, "owned_by": "ladder_jax"}]})
-
-    async def health(request):
-        status = "failed" if engine.error else "draining" if state["draining"] else "ok"
-        return JSONResponse({"status": status, "slots": engine.slots, "busy": engine.busy,
-                             "waiting": engine.waiting}, status_code=200 if status == "ok"
-                            else 503)
-
-    async def prometheus(request):
-        if not authorized(request):
-            return error(401, "missing or wrong API key: send Authorization: Bearer KEY",
-                         code="invalid_api_key")
-        return PlainTextResponse(metrics.text(engine),
-                                 media_type="text/plain; version=0.0.4")
-
-    async def http_error(request, exc: HTTPException):
-        message = {404: f"no route {request.url.path}: see /v1/models, /v1/completions, "
-                        f"/v1/chat/completions, /health, /metrics",
-                   405: f"{request.method} is not allowed on {request.url.path}"}.get(
-            exc.status_code, str(exc.detail))
-        return error(exc.status_code, message)
-
-    app = Starlette(routes=[
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", prometheus, methods=["GET"]),
-    ], exception_handlers={HTTPException: http_error})
-    app.state.drain = lambda: state.update(draining=True)
-    app.state.metrics = metrics
-    return app
+def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | None = None,
+               max_request_bytes: int = 1 << 20, max_tokens_limit: int | None = None,
+               chat_template: str | None = None) -> Starlette:
+    """The ASGI app serving `engine` (already started) with `tokenizer` (`App`)."""
+    return App(engine, tokenizer, model_name=model_name, api_key=api_key,
+               max_request_bytes=max_request_bytes, max_tokens_limit=max_tokens_limit,
+               chat_template=chat_template).starlette()
 
 
 def deadline_protocol(seconds: float):
