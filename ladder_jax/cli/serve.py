@@ -403,6 +403,8 @@ def _follow(engine, bound_s: float) -> int:
             sys.stdout.flush()
             os._exit(1)  # the follower thread is blocked in a collective: no clean exit
     if failure:
+        if isinstance(failure[0], jax.errors.JaxRuntimeError):  # process 0 died: one line
+            runtime.collective_failed(failure[0])
         raise failure[0]
     return 0
 
