@@ -36,6 +36,7 @@ import json
 import math
 import os
 import resource
+import subprocess
 import sys
 import time
 import warnings
@@ -242,10 +243,10 @@ class Experiment:
             return self.s.base
         path = os.path.join(self.out, "base")
         if not os.path.isfile(os.path.join(path, "config.yaml")):
-            from ladder_jax.cli import convert
-            with contextlib.redirect_stdout(sys.stderr):
-                if convert.main(["--gguf", smollm2_gguf(), "--out", path, "--tp", "1"]):
-                    raise ConfigError(f"converting {smollm2_gguf()} failed")
+            cmd = [sys.executable, "-m", "ladder_jax.convert", "--gguf", smollm2_gguf(),
+                   "--out", path, "--tp", "1"]  # the command line's own work, its own process
+            if subprocess.run(cmd, stdout=sys.stderr).returncode:
+                raise ConfigError(f"converting {smollm2_gguf()} failed: {' '.join(cmd)}")
         return path
 
     def tokenizer_file(self) -> str:
