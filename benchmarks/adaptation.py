@@ -21,8 +21,6 @@ import json
 import os
 import sys
 
-import yaml
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -40,12 +38,9 @@ def main(argv=None) -> int:
     from ladder_jax.experiments import adaptation as ad
 
     try:
-        changes = {}
-        for item in args.set:
-            key, sep, value = item.partition("=")
-            if not sep or not key:
-                raise lj.ConfigError(f"--set {item!r}: write FIELD=VALUE, e.g. steps=8")
-            changes[key] = yaml.safe_load(value)
+        from ladder_jax.experiments.paper_quality import parse_set
+
+        changes = parse_set(args.set, "steps=8")
         setting = ad.with_changes(ad.SETTINGS["quick" if args.quick else "full"], **changes)
         out = args.out or os.path.join("runs", "adaptation", setting.name)
         emit = ((lambda r: print(json.dumps(r), flush=True)) if args.json  # noqa: E731

@@ -124,6 +124,22 @@ def with_changes(setting: Setting, **changes) -> Setting:
     return new
 
 
+def parse_set(items: list[str], example: str) -> dict:
+    """{field: YAML value} from a runner's `--set FIELD=VALUE` flags; a malformed one is a
+    ConfigError that shows `example`.
+
+        with_changes(setting, **parse_set(args.set, "steps=8"))"""
+    import yaml
+
+    changes = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: write FIELD=VALUE, e.g. {example}")
+        changes[key] = yaml.safe_load(value)
+    return changes
+
+
 def replace_fields(setting, **changes):
     """The frozen dataclass `setting` with fields replaced, each of its default's type (a
     list for a tuple, an int for a float; None only where the default is None or for
