@@ -576,26 +576,21 @@ def plots(results: list[dict], out: str) -> list[str]:
     fig = Figure(figsize=(10, 4))
     ax = fig.subplots()
     if models and not models[0]["tasks"]:  # no accuracies: held-out loss per source
-        srcs = list(models[0]["held_out"])
-        w = 0.8 / len(models)
-        for j, r in enumerate(models):
-            ax.bar(np.arange(len(srcs)) + j * w, [r["held_out"][x]["loss"] for x in srcs], w,
-                   yerr=[r["held_out"][x]["se"] for x in srcs], capsize=2, label=r["name"])
-        ax.set_xticks(np.arange(len(srcs)) + w * (len(models) - 1) / 2, srcs)
-        ax.set(ylabel="held-out loss, nats/token (± s.e.)", title="Held-out text per source")
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        paths.append(os.path.join(out, "tasks.png"))
-        fig.savefig(paths[-1], dpi=100)
-        return paths
-    tasks = list(models[0]["tasks"]) + ["average"] if models else []
+        groups = list(models[0]["held_out"])
+        bars = [([r["held_out"][x]["loss"] for x in groups],
+                 [r["held_out"][x]["se"] for x in groups]) for r in models]
+        labels = ("held-out loss, nats/token (± s.e.)", "Held-out text per source")
+    else:
+        groups = list(models[0]["tasks"]) + ["average"] if models else []
+        bars = [([100 * r["tasks"][t]["acc"] for t in groups[:-1]] + [100 * r["avg"]],
+                 [100 * r["tasks"][t]["se"] for t in groups[:-1]] + [100 * r["avg_se"]])
+                for r in models]
+        labels = ("accuracy % (± standard error)", "OLMES tasks, zero-shot and recovered")
     w = 0.8 / max(1, len(models))
-    for j, r in enumerate(models):
-        y = [100 * r["tasks"][t]["acc"] for t in tasks[:-1]] + [100 * r["avg"]]
-        e = [100 * r["tasks"][t]["se"] for t in tasks[:-1]] + [100 * r["avg_se"]]
-        ax.bar(np.arange(len(tasks)) + j * w, y, w, yerr=e, capsize=2, label=r["name"])
-    ax.set_xticks(np.arange(len(tasks)) + w * (len(models) - 1) / 2, tasks)
-    ax.set(ylabel="accuracy % (± standard error)", title="OLMES tasks, zero-shot and recovered")
+    for j, (r, (y, e)) in enumerate(zip(models, bars)):
+        ax.bar(np.arange(len(groups)) + j * w, y, w, yerr=e, capsize=2, label=r["name"])
+    ax.set_xticks(np.arange(len(groups)) + w * (len(models) - 1) / 2, groups)
+    ax.set(ylabel=labels[0], title=labels[1])
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     paths.append(os.path.join(out, "tasks.png"))
