@@ -69,6 +69,19 @@ def quiet():
                 sys.stderr.flush()
 
 
+def write_stderr(text: str) -> None:
+    """Writes `text` to the process's stderr now, also while `quiet()` holds it (a progress line
+    from the main thread while other threads compile): it goes to the stderr `quiet()` saved,
+    not into the capture it filters when the last compile ends."""
+    with _QUIET_LOCK:
+        saved = _QUIET["saved"] if _QUIET["depth"] else None
+        if saved is None:
+            sys.stderr.write(text)
+            sys.stderr.flush()
+        else:
+            os.write(saved, text.encode("utf-8", "replace"))
+
+
 _HOLD = 200  # bytes of a line that may still become a dropped one
 
 

@@ -499,7 +499,7 @@ def test_persistent_cache_hit_on_a_rerun(tmp_path, monkeypatch):
     def no_compile(*a, **k):
         raise AssertionError("compiled again")
 
-    monkeypatch.setattr(programs, "lower_decoder", no_compile)
+    monkeypatch.setattr(programs, "_compile_text", no_compile)
     again, seconds = programs.compile_program(KV8, **kw)
     assert again == text and programs.LAST["hit"] is True and seconds < 5
     with pytest.raises(AssertionError, match="compiled again"):  # another program: a miss
@@ -509,18 +509,28 @@ def test_persistent_cache_hit_on_a_rerun(tmp_path, monkeypatch):
         programs.compile_program(KV8, **kw)
 
 
-def test_cache_key_follows_what_builds_programs_only():
+def test_cache_key_is_what_is_compiled(monkeypatch):
+    """The key follows the lowered program, the compiler options, the target and the versions;
+    two lowerings of one program (each from its own abstract model) share it."""
     from ladder_jax.analysis import programs
 
-    sources = programs.program_sources()
-    for built_from in ("model/transformer.py", "model/residual.py", "inference/generation.py",
-                       "inference/sampling.py", "train/step.py", "config.py"):
-        assert built_from in sources
-    for not_built_from in ("inference/server.py", "inference/batching.py", "train/trainer.py",
-                           "train/checkpoint.py", "analysis/perfmodel.py", "cli/predict.py"):
-        assert not_built_from not in sources
-    # transitive: imported by generation.py, not by programs.py itself
-    assert "inference/cache.py" in sources and "model/quant.py" in sources
+    mesh = programs.gpu_mesh("h100", 2)
+    options = lj.model.sharding.compiler_options("gpu")
+
+    def key(cfg=KV8, phase="decode", new_tokens=8, **kw):
+        lowered = programs.lower_decoder(cfg, mesh, phase=phase, batch=2, prompt_len=8,
+                                         new_tokens=new_tokens)
+        return programs.program_key(lowered, **{"target": "h100", "hosts": 1,
+                                                "options": options, **kw})
+
+    base = key()
+    assert key(cfg=dataclasses.replace(KV8)) == base
+    changed = [key(cfg=dataclasses.replace(KV8, residual="ladder")), key(phase="prefill"),
+               key(new_tokens=64), key(target="a100"), key(hosts=2),
+               key(options={**options, "xla_gpu_enable_triton_gemm": False})]
+    monkeypatch.setattr(programs, "_versions", lambda: ("another jax",))
+    changed.append(key())
+    assert len({base, *changed}) == len(changed) + 1, changed
 
 
 def test_a_compile_failure_stops_the_queue(monkeypatch):

@@ -7,7 +7,7 @@ Phases are the programs users run: `Decoder`'s prefill and one-token step, and t
 step (`train_program`, the one builder of every training program; `compile_train_config` for a
 whole TrainConfig on N hosts of G GPUs). Options are `sharding.compiler_options("gpu")`, with
 cuBLAS GEMMs as the fallback where untuned Triton tiling fails. The scheduled HLO is cached on
-disk (`cache_dir()`, `LADDER_JAX_CACHE`), keyed on everything the program depends on; the
+disk (`cache_dir()`, `LADDER_JAX_CACHE`), keyed on what is compiled (`program_key`); the
 backend runs lean (no LLVM optimization, no machine code), which leaves the schedule unchanged
 (tested). See docs/analysis.md.
 """
@@ -15,7 +15,6 @@ backend runs lean (no LLVM optimization, no machine code), which leaves the sche
 
 from __future__ import annotations
 
-import ast
 import atexit
 import contextlib
 import dataclasses
@@ -161,21 +160,19 @@ def compile_program(config, *, phase: str, tp: int, batch: int, seq: int, target
     sharding.check_divisible(config, tp)
     options = sharding.compiler_options("gpu")
     t0 = time.perf_counter()
-    key = program_key(dataclasses.asdict(config), phase=phase, tp=tp, batch=batch, seq=seq,
-                      new_tokens=new_tokens, target=target, hosts=hosts, options=options,
-                      **({"slots": slots} if slots is not None else {}))
-    path = _cache_path(key) if cache else None
+    if phase in ("prefill", "decode"):
+        lowered = lower_decoder(config, mesh, phase=phase, batch=batch, prompt_len=seq,
+                                new_tokens=new_tokens, slots=slots)
+    else:
+        lowered = train_program(config, mesh, batch=batch, seq_len=seq)
+    path = _cache_path(program_key(lowered, target=target, hosts=hosts, options=options)
+                       ) if cache else None
     if path and os.path.exists(path):
         with gzip.open(path, "rt") as f:
             fallback, _, hlo = f.read().partition("\n")
         LAST.update(hit=True, fallback=fallback or None)
         CACHE_STATS["hits"] += 1
         return hlo, time.perf_counter() - t0
-    if phase in ("prefill", "decode"):
-        lowered = lower_decoder(config, mesh, phase=phase, batch=batch, prompt_len=seq,
-                                new_tokens=new_tokens, slots=slots)
-    else:
-        lowered = train_program(config, mesh, batch=batch, seq_len=seq)
     with _kernel_reuse(target) as reuse:
         hlo, fallback = _compile_text(lowered, {**options, **reuse, **_analysis_options()},
                                       what=f"the {phase} program at tp={tp} on {target}")
@@ -315,79 +312,29 @@ def cache_dir() -> str | None:
     return os.path.join(base, "ladder_jax", "programs")
 
 
-# what reads or costs programs, not what builds them: editing these keeps the cache
-_NOT_PROGRAM = {os.path.join("analysis", n) for n in ("hlo.py", "overlap.py", "perfmodel.py")} | {
-    "api.py", "hardware.py"}  # hardware: the target description itself is in the key
+def program_key(lowered, *, target: str, hosts: int, options: dict) -> str:
+    """The cache key of a program: what XLA is given to compile (the lowered StableHLO, without
+    source locations), the jax / jaxlib / plugin versions, the compiler options and the target
+    (its description and the hosts its GPUs are spread over). Equal keys, equal programs.
 
-
-def program_sources(root: str | None = None) -> list[str]:
-    """The package's modules programs are built from (paths relative to the package):
-    this module and every module of the package it imports, transitively (imports inside
-    functions included), but the readers and cost model (`_NOT_PROGRAM`) and the packages'
-    `__init__` files. The server, trainer, checkpoints and command lines are not among them, so
-    editing those keeps the cache."""
-    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    todo, seen = [os.path.join("analysis", "programs.py")], set()
-    while todo:
-        rel = todo.pop()
-        if rel in seen or rel in _NOT_PROGRAM:
-            continue
-        seen.add(rel)
-        with open(os.path.join(root, rel), encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and (
-                    node.module.split(".")[0] == "ladder_jax"):
-                base = node.module.split(".")[1:]
-                candidates = [base] + [base + [a.name] for a in node.names]
-            elif isinstance(node, ast.Import):
-                candidates = [a.name.split(".")[1:] for a in node.names
-                              if a.name.split(".")[0] == "ladder_jax"]
-            else:
-                continue
-            for parts in candidates:
-                if parts and os.path.isfile(os.path.join(root, *parts) + ".py"):
-                    todo.append(os.path.join(*parts) + ".py")
-    return sorted(seen)
-
-
-def _source_hash() -> str:
-    """What the package's programs depend on besides their arguments: the source of the
-    modules they are built from (`program_sources`) and the jax / jaxlib / plugin versions.
-    Computed once, under a lock: compiles run in threads, and CPython 3.11's `ast` cannot
-    parse in two threads at once ("AST constructor recursion depth mismatch")."""
-    with _SOURCE_LOCK:
-        return _source_hash_once()
-
-
-_SOURCE_LOCK = threading.Lock()
+        key = program_key(lowered, target="h100", hosts=1, options=options)"""
+    blob = json.dumps({"versions": _versions(), "options": options, "hosts": hosts,
+                       "target": target, "target_config": hardware.gpu_target_config(target)},
+                      sort_keys=True, default=str)
+    h = hashlib.sha256(blob.encode())
+    h.update(lowered.as_text().encode())
+    return h.hexdigest()[:32]
 
 
 @functools.lru_cache(maxsize=1)
-def _source_hash_once() -> str:
-    h = hashlib.sha256()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for rel in program_sources(root):
-        with open(os.path.join(root, rel), "rb") as f:
-            h.update(rel.encode() + f.read())
-    versions = [jax.__version__, jaxlib.__version__]
+def _versions() -> tuple:
+    found = [jax.__version__, jaxlib.__version__]
     for dist in ("jax-cuda12-plugin", "jax-cuda12-pjrt"):
         try:
-            versions.append(importlib.metadata.version(dist))
+            found.append(importlib.metadata.version(dist))
         except importlib.metadata.PackageNotFoundError:
-            versions.append("-")
-    h.update(repr(versions).encode())
-    return h.hexdigest()
-
-
-def program_key(config: dict, **fields) -> str:
-    """The cache key of a program: its arguments, the target's description, the versions and
-    the package source (module doc)."""
-    target = fields.get("target")
-    blob = json.dumps({"config": config, **fields, "source": _source_hash(),
-                       "target_config": hardware.gpu_target_config(target) if target else None},
-                      sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+            found.append("-")
+    return tuple(found)
 
 
 def _cache_path(key: str) -> str | None:

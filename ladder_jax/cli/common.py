@@ -17,6 +17,8 @@ import difflib
 import re
 import sys
 
+from ladder_jax.runtime import write_stderr  # noqa: F401 (the commands' progress lines)
+
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Descriptions and epilogs as written; every flag's default appended to its help."""
@@ -63,25 +65,6 @@ class ArgumentParser(argparse.ArgumentParser):
                 message += f"; did you mean {close[0]!r}?"
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
-
-
-def write_stderr(text: str) -> None:
-    """Writes `text` to the process's stderr now, also while `runtime.quiet()` holds it (a
-    progress line from the main thread while other threads compile): it goes to the stderr
-    `quiet()` saved, not into the capture it filters when the last compile ends. (Here, not in
-    `runtime`: `runtime` is among the modules programs are built from, and editing those
-    invalidates the program cache.)"""
-    import os
-
-    from ladder_jax import runtime
-
-    with runtime._QUIET_LOCK:
-        saved = runtime._QUIET["saved"] if runtime._QUIET["depth"] else None
-        if saved is None:
-            sys.stderr.write(text)
-            sys.stderr.flush()
-        else:
-            os.write(saved, text.encode("utf-8", "replace"))
 
 
 def setup_devices(args):
