@@ -227,6 +227,35 @@ def _write_st(file, tensors):
     hf._write_safetensors(str(file), tensors)
 
 
+def test_safetensors_reader_returns_what_was_written_and_refuses_a_gap(tmp_path):
+    """Each float dtype (bfloat16 too) and an empty tensor read back as written; a header whose
+    entries are each sound but leave a gap between tensors is refused by safe_open, as one
+    HFError naming the file."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    tensors = {"a": rng.standard_normal((3, 5)).astype(np.float32),
+               "b": rng.standard_normal((4,)).astype(ml_dtypes.bfloat16),
+               "c": rng.standard_normal((2, 2)).astype(np.float16),
+               "empty": np.zeros((0, 7), np.float64)}
+    _write_st(tmp_path / "ok.safetensors", tensors)
+    f = hf._SafetensorsFile(str(tmp_path / "ok.safetensors"))
+    for name, t in tensors.items():
+        got = f.read(name)
+        assert got.dtype == t.dtype and got.shape == t.shape == f.shape(name), name
+        np.testing.assert_array_equal(got, t)
+    raw = (tmp_path / "ok.safetensors").read_bytes()
+    (n,) = np.frombuffer(raw[:8], "<u8")
+    header = json.loads(raw[8:8 + n])
+    header = {"a": {**header["a"], "data_offsets": [4, 4 + 60]}}  # 4 bytes nobody owns
+    h = json.dumps(header).encode()
+    gap = tmp_path / "gap.safetensors"
+    gap.write_bytes(len(h).to_bytes(8, "little") + h + bytes(4) + tensors["a"].tobytes())
+    with pytest.raises(hf.HFError, match=r"gap\.safetensors is not a valid safetensors file "
+                                         r"\(.*\): the download or copy is damaged"):
+        hf._SafetensorsFile(str(gap))
+
+
 def test_bad_input_gives_clear_errors(llamas, tmp_path):
     path, _ = llamas["gqa_scaled"]
     with open(os.path.join(path, hf.CONFIG)) as f:

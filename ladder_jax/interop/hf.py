@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from ladder_jax.config import ConfigError, ModelConfig, RopeScaling, check_quantize
@@ -329,7 +330,7 @@ _IGNORED = ("rotary_emb.inv_freq",)
 
 
 # ---------------------------------------------------------------------------------------------
-# safetensors, read by memory map and written directly.
+# safetensors: read with the package's `safe_open`, after a header check that names the fault.
 
 _DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32),
            "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}
@@ -343,9 +344,11 @@ _MAX_HEADER = 100 * 2**20  # the format's own limit on the JSON header
 
 
 class _SafetensorsFile:
-    """A safetensors file's header, checked whole on open (every entry's dtype, shape and byte
-    range against the file's size), so that damage shows before any tensor is read, naming the
-    tensor and byte range at fault (`safetensors.safe_open` reports one generic message)."""
+    """A safetensors file read with `safetensors.safe_open`, its header checked whole first so
+    that damage shows before any tensor is read, naming the tensor and byte range at fault
+    (safe_open's messages do not); the rest (gaps, overlaps) safe_open refuses itself.
+
+        f = _SafetensorsFile("model.safetensors"); f.shape(name); f.read(name)"""
 
     def __init__(self, file: str):
         self.file = file
@@ -369,9 +372,13 @@ class _SafetensorsFile:
             raise HFError(self._damaged(f"its header is a JSON {type(header).__name__}, "
                                         f"not an object"))
         header.pop("__metadata__", None)
-        self.base, self.header = 8 + n, header
+        self.header = header
         for name, h in header.items():
-            self._check(name, h, size - self.base)
+            self._check(name, h, size - 8 - n)
+        try:
+            self._tensors = safe_open(file, framework="np")
+        except SafetensorError as e:
+            raise HFError(self._damaged(str(e))) from None
 
     def _damaged(self, why: str) -> str:
         return (f"{self.file} is not a valid safetensors file ({why}): the download or copy is "
@@ -415,13 +422,9 @@ class _SafetensorsFile:
                           f"checkpoint's weights to a float dtype")
 
     def read(self, name: str) -> np.ndarray:
-        """The tensor, memory-mapped (nothing is read until it is used)."""
+        """The tensor (a float dtype of `_DTYPES`), read into host memory."""
         self.check_dtype(name)
-        h = self.header[name]
-        dtype, shape, (start, _) = _DTYPES[h["dtype"]], tuple(h["shape"]), h["data_offsets"]
-        if not shape or 0 in shape:
-            return np.zeros(shape, dtype)
-        return np.memmap(self.file, dtype=dtype, mode="r", offset=self.base + start, shape=shape)
+        return self._tensors.get_tensor(name)
 
 
 def _write_safetensors(file: str, tensors: dict[str, np.ndarray]) -> None:
