@@ -149,11 +149,52 @@ def test_models_metrics_and_health(server):
     assert health["status"] == "ok" and health["slots"] == 8
 
 
+def _in_process(steps=0, slots=8):
+    """A test client of an app over a stand-in engine (nothing is submitted to it)."""
+    from types import SimpleNamespace
+
+    from starlette.testclient import TestClient
+
+    from ladder_jax.inference.server import App
+
+    engine = SimpleNamespace(length=16, error=None, steps=steps, waiting=1, busy=2, slots=slots,
+                             config=SimpleNamespace(vocab_size=300))
+    return TestClient(App(engine, TOK, model_name="tiny").starlette())
+
+
+def test_two_apps_in_one_process_count_apart():
+    """Each app keeps its metrics in a registry of its own: two in one process neither collide
+    nor share counts; /metrics parses as Prometheus text (prometheus_client's own parser) with
+    the names, labels and values counted here by hand."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scraped(client):
+        text = client.get("/metrics").text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples}
+
+    a, b = _in_process(steps=7, slots=8), _in_process(steps=0, slots=4)
+    for _ in range(2):
+        assert a.post("/v1/completions", content=b"{oops").status_code == 400
+    assert b.post("/v1/chat/completions", content=b"[]").status_code == 400
+    bad = (("endpoint", "completions"), ("status", "400"))
+    ma, mb = scraped(a), scraped(b)
+    assert ma[("ladder_requests_total", bad)] == 2 and ("ladder_requests_total", bad) not in mb
+    assert mb[("ladder_requests_total", (("endpoint", "chat"), ("status", "400")))] == 1
+    assert (ma[("ladder_decode_steps_total", ())], ma[("ladder_slots_total", ())]) == (7, 8)
+    assert (mb[("ladder_decode_steps_total", ())], mb[("ladder_slots_total", ())]) == (0, 4)
+    for m in (ma, mb):
+        assert m[("ladder_queue_depth", ())] == 1 and m[("ladder_slots_busy", ())] == 2
+        assert m[("ladder_generation_tokens_total", ())] == 0
+        assert m[("ladder_time_to_first_token_seconds_count", ())] == 0
+        assert m[("ladder_time_to_first_token_seconds_bucket", (("le", "+Inf"),))] == 0
+
+
 def _steps(server):
     text = httpx.get(f"http://127.0.0.1:{server.port}/metrics",
                      headers={"Authorization": f"Bearer {KEY}"}).text
-    return int(next(ln.split()[-1] for ln in text.splitlines()
-                    if ln.startswith("ladder_decode_steps_total")))
+    return int(float(next(ln.split()[-1] for ln in text.splitlines()
+                          if ln.startswith("ladder_decode_steps_total"))))
 
 
 def test_a_disconnect_frees_the_slot(server):
@@ -191,7 +232,8 @@ def _answered(server, status) -> int:
     text = httpx.get(f"http://127.0.0.1:{server.port}/metrics",
                      headers={"Authorization": f"Bearer {KEY}"}).text
     row = f'ladder_requests_total{{endpoint="completions",status="{status}"}} '
-    return next((int(ln[len(row):]) for ln in text.splitlines() if ln.startswith(row)), 0)
+    return next((int(float(ln[len(row):])) for ln in text.splitlines() if ln.startswith(row)),
+                0)
 
 
 @pytest.mark.parametrize("scored", [False, True], ids=["plain", "logprobs"])

@@ -28,11 +28,13 @@ import time
 from typing import NamedTuple
 
 import jinja2.sandbox
+import prometheus_client as prom
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ladder_jax.inference.batching import Engine, EngineFull, Request
@@ -72,44 +74,44 @@ def error(status: int, message: str, param=None, code=None) -> JSONResponse:
 
 
 class Metrics:
-    def __init__(self):
-        self.requests: dict[tuple[str, int], int] = {}
-        self.prompt_tokens = self.generated_tokens = 0
-        self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
-        self.ttft_sum = 0.0
+    """The server's Prometheus metrics, in a registry of its own (two apps in one process keep
+    their counts apart); the engine's own counts are read when /metrics is scraped.
+
+        metrics = Metrics(engine); metrics.request("chat", 200); body = metrics.text()"""
+
+    def __init__(self, engine: Engine):
+        self.registry = r = prom.CollectorRegistry()
+        self.requests = prom.Counter("ladder_requests", "Requests answered, by endpoint and "
+                                     "status.", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = prom.Counter("ladder_prompt_tokens", "Prompt tokens admitted.",
+                                          registry=r)
+        self.generated_tokens = prom.Counter("ladder_generation_tokens", "Tokens generated.",
+                                             registry=r)
+        self.ttft = prom.Histogram("ladder_time_to_first_token_seconds",
+                                   "From arrival to the first token.", buckets=TTFT_BUCKETS,
+                                   registry=r)
+        r.register(_EngineCounts(engine))
 
     def request(self, endpoint: str, status: int) -> None:
-        self.requests[endpoint, status] = self.requests.get((endpoint, status), 0) + 1
+        self.requests.labels(endpoint, str(status)).inc()
 
-    def first_token(self, seconds: float) -> None:
-        i = next((i for i, b in enumerate(TTFT_BUCKETS) if seconds <= b), len(TTFT_BUCKETS))
-        self.ttft_counts[i] += 1
-        self.ttft_sum += seconds
+    def text(self) -> bytes:
+        return prom.generate_latest(self.registry)
 
-    def text(self, engine: Engine) -> str:
-        out = ["# HELP ladder_requests_total Requests answered, by endpoint and status.",
-               "# TYPE ladder_requests_total counter"]
-        out += [f'ladder_requests_total{{endpoint="{e}",status="{s}"}} {n}'
-                for (e, s), n in sorted(self.requests.items())]
-        for name, kind, value, help_ in (
-                ("prompt_tokens_total", "counter", self.prompt_tokens, "Prompt tokens admitted."),
-                ("generation_tokens_total", "counter", self.generated_tokens,
-                 "Tokens generated."),
-                ("decode_steps_total", "counter", engine.steps, "Batched decode steps run."),
-                ("queue_depth", "gauge", engine.waiting, "Requests waiting for a slot."),
-                ("slots_busy", "gauge", engine.busy, "Slots generating."),
-                ("slots_total", "gauge", engine.slots, "Slots (rows of the KV cache).")):
-            out += [f"# HELP ladder_{name} {help_}", f"# TYPE ladder_{name} {kind}",
-                    f"ladder_{name} {value}"]
-        out += ["# HELP ladder_time_to_first_token_seconds From arrival to the first token.",
-                "# TYPE ladder_time_to_first_token_seconds histogram"]
-        cum = 0
-        for b, n in zip((*TTFT_BUCKETS, "+Inf"), self.ttft_counts):
-            cum += n
-            out.append(f'ladder_time_to_first_token_seconds_bucket{{le="{b}"}} {cum}')
-        out += [f"ladder_time_to_first_token_seconds_sum {self.ttft_sum:.6f}",
-                f"ladder_time_to_first_token_seconds_count {cum}"]
-        return "\n".join(out) + "\n"
+
+class _EngineCounts(prom.registry.Collector):
+    """The engine's decode steps, queue and slots, as they are at each scrape."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self):
+        e = self.engine
+        yield CounterMetricFamily("ladder_decode_steps", "Batched decode steps run.", e.steps)
+        for name, help_, value in (("queue_depth", "Requests waiting for a slot.", e.waiting),
+                                   ("slots_busy", "Slots generating.", e.busy),
+                                   ("slots_total", "Slots (rows of the KV cache).", e.slots)):
+            yield GaugeMetricFamily(f"ladder_{name}", help_, value)
 
 
 class TextStream:
@@ -339,7 +341,7 @@ class App:
         self.api_key, self.max_request_bytes = api_key, max_request_bytes
         self.max_tokens_limit = max_tokens_limit or engine.length - 1
         self.template = None if chat_template is None else compile_chat_template(chat_template)
-        self.metrics = Metrics()
+        self.metrics = Metrics(engine)
         self.draining = False
         self.created = int(time.time())
 
@@ -384,8 +386,7 @@ class App:
     async def prometheus(self, request: HTTPRequest) -> Response:
         if not self.authorized(request):
             return error(401, UNAUTHORIZED, code="invalid_api_key")
-        return PlainTextResponse(self.metrics.text(self.engine),
-                                 media_type="text/plain; version=0.0.4")
+        return Response(self.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def http_error(self, request: HTTPRequest, exc: HTTPException) -> Response:
         message = {404: f"no route {request.url.path}: see /v1/models, /v1/completions, "
@@ -624,7 +625,7 @@ class App:
             full = isinstance(e, EngineFull)
             self.metrics.request(endpoint, 503 if full else 400)
             return error(503, str(e)) if full else error(400, str(e), "prompt")
-        self.metrics.prompt_tokens += sum(len(run.req.prompt) for run in runs)
+        self.metrics.prompt_tokens.inc(sum(len(run.req.prompt) for run in runs))
         return None
 
     async def steps(self, run: Run):
@@ -637,9 +638,9 @@ class App:
                 yield run.text.flush(), value
                 return
             if first:
-                self.metrics.first_token(time.perf_counter() - run.req.arrived)
+                self.metrics.ttft.observe(time.perf_counter() - run.req.arrived)
                 first = False
-            self.metrics.generated_tokens += 1
+            self.metrics.generated_tokens.inc()
             piece = run.text.add(value)
             if run.text.stopped:
                 self.engine.cancel(run.req)
