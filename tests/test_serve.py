@@ -162,6 +162,30 @@ def _in_process(steps=0, slots=8):
     return TestClient(App(engine, TOK, model_name="tiny").starlette())
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("temperature", "hot", "temperature='hot' must be a number from 0 to 2"),
+    ("temperature", True, "temperature=True must be a number from 0 to 2"),
+    ("top_p", 0, "top_p=0 must be in (0, 1]"),
+    ("top_k", 301, "top_k=301 must be an integer from 1 to 300 (or -1: off)"),
+    ("top_k", -2, "top_k=-2 must be an integer from 1 to 300 (or -1: off)"),
+    ("seed", 1.0, "seed=1.0 must be an integer from 0 to 2**32 - 1"),
+    ("stop", ["a", ""], "stop must be a non-empty string or a list of up to 4 of them"),
+    ("stop", ["a"] * 5, "stop must be a non-empty string or a list of up to 4 of them"),
+    ("stream", 1, "stream=1 must be true or false"),
+    ("stream_options", {"x": 1}, "stream_options may only hold include_usage"),
+    ("logprobs", True, "logprobs=True must be an integer from 0 to 20 (or null)"),
+    ("echo", "yes", "echo='yes' must be true or false"),
+])
+def test_each_checked_field_is_one_openai_error(field, value, message):
+    """In-process: a wrong field is a 400 in OpenAI's shape with its one-line message, also
+    beside a second wrong field checked later (the first wrong field is named)."""
+    later = {"echo": "no"} if field == "logprobs" else {"stream_options": 5}
+    body = {"prompt": "x", "max_tokens": 2, field: value, **({} if field in later else later)}
+    r = _in_process().post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.json() == {"error": {
+        "message": message, "type": "invalid_request_error", "param": field, "code": None}}
+
+
 def test_two_apps_in_one_process_count_apart():
     """Each app keeps its metrics in a registry of its own: two in one process neither collide
     nor share counts; /metrics parses as Prometheus text (prometheus_client's own parser) with

@@ -11,7 +11,8 @@ naming the field; one bad request never stops the server (NaN logits from broken
 500; streamed, an error event ends the stream). The engine calls back on its own thread:
 tokens reach a request only through `loop.call_soon_threadsafe`. A disconnect cancels its
 request. Streamed pieces hold back a possible stop string or a cut character, so they add
-up to the final text. Starlette, not FastAPI: errors keep OpenAI's shape. See docs/inference.md;
+up to the final text. Starlette, not FastAPI: errors keep OpenAI's shape (fields with fixed
+limits are declared in pydantic, `_Sampling` / `_Scoring`). See docs/inference.md;
 logprobs, echo and max_tokens=0 on /v1/completions: docs/logprobs.md (the log-softmax of the
 raw logits, before temperature, top_k and top_p).
 """
@@ -25,11 +26,12 @@ import logging
 import math
 import secrets
 import time
-from typing import NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 import jinja2.sandbox
 import prometheus_client as prom
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -39,7 +41,7 @@ from starlette.routing import Route
 
 from ladder_jax.inference.batching import Engine, EngineFull, Request
 from ladder_jax.inference.generation import TOP_LOGPROBS
-from ladder_jax.inference.sampling import GenerationError, Sampling, is_int, is_number
+from ladder_jax.inference.sampling import GenerationError, Sampling, is_int
 
 NONFINITE_MESSAGE = ("the model's logits are NaN or infinite: its weights are broken (a "
                      "checkpoint of a run that diverged?); no tokens are drawn from them")
@@ -71,6 +73,62 @@ def error(status: int, message: str, param=None, code=None) -> JSONResponse:
             413: "invalid_request_error", 503: "server_overloaded"}.get(status, "server_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param,
                                    "code": code}}, status_code=status)
+
+
+class _Checked(BaseModel):
+    """Declared types and ranges of body fields whose limits are fixed (pydantic, strict: no
+    "1" for 1, no true for 1). `checked` raises the BadRequest of the first wrong field in
+    declaration order, with its message from `_SAYS`."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    @classmethod
+    def checked(cls, data: dict, **limits):
+        try:
+            return cls.model_validate(data, context=limits)
+        except ValidationError as e:
+            field = e.errors()[0]["loc"][0]
+            raise BadRequest(_SAYS[field].format(data.get(field), **limits), field) from None
+
+
+_Stop = Annotated[str, Field(min_length=1)]
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: Any = None
+
+
+class _Sampling(_Checked):
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1, 0: off (vLLM's spellings)
+    seed: Annotated[int, Field(ge=0, lt=2**32)] | None = None
+    stop: _Stop | Annotated[list[_Stop], Field(max_length=4)] | None = None
+    stream: bool | None = None
+    stream_options: _StreamOptions | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _in_vocab(cls, top_k, info):
+        if top_k is not None and top_k > info.context["vocab"]:
+            raise ValueError("past the vocabulary")
+        return None if top_k in (-1, 0) else top_k
+
+
+class _Scoring(_Checked):
+    logprobs: Annotated[int, Field(ge=0, le=TOP_LOGPROBS)] | Literal[False] | None = None
+    echo: bool | None = None
+
+
+_SAYS = {"temperature": "temperature={!r} must be a number from 0 to 2",
+         "top_p": "top_p={!r} must be in (0, 1]",
+         "top_k": "top_k={!r} must be an integer from 1 to {vocab} (or -1: off)",
+         "seed": "seed={!r} must be an integer from 0 to 2**32 - 1",
+         "stop": "stop must be a non-empty string or a list of up to 4 of them",
+         "stream": "stream={!r} must be true or false",
+         "stream_options": "stream_options may only hold include_usage",
+         "logprobs": f"logprobs={{!r}} must be an integer from 0 to {TOP_LOGPROBS} (or null)",
+         "echo": "echo={!r} must be true or false"}
 
 
 class Metrics:
@@ -193,14 +251,8 @@ def is_batch(prompt) -> bool:
 
 def scoring(data: dict) -> tuple[int | None, bool]:
     """(logprobs: alternatives per token or None, echo) of a completions body, checked."""
-    lp, echo = data.get("logprobs"), data.get("echo")
-    lp = None if lp is False else lp
-    if lp is not None and not (is_int(lp) and 0 <= lp <= TOP_LOGPROBS):
-        raise BadRequest(f"logprobs={lp!r} must be an integer from 0 to {TOP_LOGPROBS} "
-                         f"(or null)", "logprobs")
-    if echo is not None and not isinstance(echo, bool):
-        raise BadRequest(f"echo={echo!r} must be true or false", "echo")
-    return lp, bool(echo)
+    f = _Scoring.checked(data)
+    return None if f.logprobs is False else f.logprobs, bool(f.echo)
 
 
 class Logprobs:
@@ -435,8 +487,12 @@ class App:
         """The checked request; BadRequest naming the first field that is wrong."""
         self.check_fields(data, chat)
         prompt, max_tokens = self.prompt_and_length(data, chat)
-        stops, stream, include_usage = self.stream_fields(data)
-        return Parsed(prompt, max_tokens, self.sampling(data), stops, stream, include_usage)
+        f = _Sampling.checked(data, vocab=self.engine.config.vocab_size)
+        sampling = Sampling(1.0 if f.temperature is None else f.temperature, f.top_k, f.top_p,
+                            secrets.randbelow(2**32) if f.seed is None else f.seed)
+        stops = [] if f.stop is None else [f.stop] if isinstance(f.stop, str) else f.stop
+        usage = bool(f.stream_options and f.stream_options.include_usage)
+        return Parsed(prompt, max_tokens, sampling, stops, bool(f.stream), usage)
 
     def check_fields(self, data: dict, chat: bool) -> None:
         """Only known fields, neutral values of those not supported, this server's model."""
@@ -483,46 +539,6 @@ class App:
                              f"{length} positions per request: shorten the prompt "
                              f"or lower {key}", where, code="context_length_exceeded")
         return prompt, max_tokens
-
-    def sampling(self, data: dict) -> Sampling:
-        """temperature, top_k, top_p and seed (a random one when not given), checked."""
-        vocab = self.engine.config.vocab_size
-        t = data.get("temperature", 1.0)
-        t = 1.0 if t is None else t
-        if not (is_number(t) and 0 <= t <= 2):
-            raise BadRequest(f"temperature={t!r} must be a number from 0 to 2", "temperature")
-        top_p = data.get("top_p")
-        if top_p is not None and not (is_number(top_p) and 0 < top_p <= 1):
-            raise BadRequest(f"top_p={top_p!r} must be in (0, 1]", "top_p")
-        top_k = data.get("top_k")
-        if top_k in (-1, 0):
-            top_k = None  # vLLM's spelling of off
-        if top_k is not None and not (is_int(top_k) and 1 <= top_k <= vocab):
-            raise BadRequest(f"top_k={top_k!r} must be an integer from 1 to {vocab} "
-                             f"(or -1: off)", "top_k")
-        seed = data.get("seed")
-        if seed is None:
-            seed = secrets.randbelow(2**32)
-        if not (is_int(seed) and 0 <= seed < 2**32):
-            raise BadRequest(f"seed={seed!r} must be an integer from 0 to 2**32 - 1", "seed")
-        return Sampling(float(t), top_k, None if top_p is None else float(top_p), seed)
-
-    @staticmethod
-    def stream_fields(data: dict) -> tuple[list[str], bool, bool]:
-        """(stop strings, stream, stream_options.include_usage), checked."""
-        stop = data.get("stop")
-        stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
-        if not (isinstance(stops, list) and len(stops) <= 4 and all(
-                isinstance(s, str) and s for s in stops)):
-            raise BadRequest("stop must be a non-empty string or a list of up to 4 of them",
-                             "stop")
-        stream = data.get("stream", False)
-        if not isinstance(stream, bool) and stream is not None:
-            raise BadRequest(f"stream={stream!r} must be true or false", "stream")
-        options = data.get("stream_options") or {}
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise BadRequest("stream_options may only hold include_usage", "stream_options")
-        return stops, bool(stream), bool(options.get("include_usage"))
 
     def completion_prompt(self, prompt) -> list[int]:
         vocab = self.engine.config.vocab_size
