@@ -209,19 +209,18 @@ def _kernel_reuse(target: str):
             _KERNEL_FILES[target].append(path)
 
 
-_KERNEL_FILES: dict = {}
+_KERNEL_FILES: dict[str, list[str]] = {}  # target -> kernel cache files no compile is using
 _KERNEL_NAMES = itertools.count()
 _KERNEL_LOCK = threading.Lock()
 
 
+@functools.lru_cache(maxsize=1)
 def _scratch_dir() -> str:
     """This process's folder for compile-time files (kernel caches, the stand-in CUDA folder),
     removed at exit. Call with `_KERNEL_LOCK` held."""
-    if "dir" not in _KERNEL_FILES:
-        d = tempfile.mkdtemp(prefix="ladder_jax_kernels_")
-        atexit.register(shutil.rmtree, d, ignore_errors=True)
-        _KERNEL_FILES["dir"] = d
-    return _KERNEL_FILES["dir"]
+    d = tempfile.mkdtemp(prefix="ladder_jax_kernels_")
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
+    return d
 
 
 _STUB_PTXAS = """#!/bin/sh
@@ -252,14 +251,15 @@ def _analysis_options() -> dict:
     compile time): LLVM at optimization level 0 and, where a real `ptxas` and libdevice are
     found, `xla_gpu_cuda_data_dir` at a folder whose `ptxas` assembles nothing."""
     with _KERNEL_LOCK:
-        if "cuda" not in _KERNEL_FILES:
-            _KERNEL_FILES["cuda"] = _stub_cuda(_scratch_dir())
-        cuda = _KERNEL_FILES["cuda"]
+        cuda = _stub_cuda(_scratch_dir())
     return {"xla_backend_optimization_level": 0,
             **({"xla_gpu_cuda_data_dir": cuda} if cuda else {})}
 
 
+@functools.lru_cache(maxsize=1)
 def _stub_cuda(parent: str) -> str | None:
+    """A CUDA folder under `parent` whose ptxas assembles nothing (`_STUB_PTXAS`), the rest
+    linked to the real toolkit; None without one. Made once; call with `_KERNEL_LOCK` held."""
     roots = _cuda_roots()
     ptxas = shutil.which("ptxas") or next(
         (p for p in (os.path.join(r, "bin", "ptxas") for r in roots) if os.access(p, os.X_OK)),
