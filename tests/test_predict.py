@@ -824,3 +824,81 @@ def test_nccl_collectives_never_faster_with_more_bytes_hosts_or_slower_links():
                                                   inter_host=cal.inter_host)[0] >= base
                     assert perfmodel.nccl_seconds(coll, n, 16, link, hosts=2,
                                                   inter_host=slow_net)[0] >= base
+
+
+# ---------------------------------------------------------------------------------------------
+# The host: launch costs, command buffers (issue: small models at high tp).
+
+LAUNCH = hardware.Launch(kernel_s=2.0, graph_s=3.0, stream_gap_s=0.5, collective_s=4.0,
+                         step_s=10.0, min_graph=5, sources="")
+
+
+def _kernels(kinds: str) -> list:
+    """c: compute, s: collective start, d: its done, y: a blocking collective."""
+    kind = {"c": "compute", "s": "start", "d": "done", "y": "sync"}
+    return [perfmodel.Kernel(kind[k], "x" if k in "sd" else f"k{i}", collective="all-reduce")
+            for i, k in enumerate(kinds)]
+
+
+def test_launch_plan_graphs_long_runs_and_launches_the_rest_one_by_one():
+    ks = _kernels("cccccsccdcy")
+    graphs = perfmodel.launch_plan(ks, LAUNCH, "graphs")
+    assert graphs == [(3.0, True)] + [(0.0, True)] * 4 + [(4.0, False)] + [(2.0, False)] * 2 + [
+        (0.0, False), (2.0, False), (4.0, False)]
+    streams = perfmodel.launch_plan(ks, LAUNCH, "streams")
+    assert [s for s, _ in streams] == [2.0] * 5 + [4.0, 2.0, 2.0, 0.0, 2.0, 4.0]
+    assert not any(g for _, g in streams)
+    assert perfmodel.launch_plan(ks, LAUNCH, "off") == [(0.0, True)] * len(ks)
+    with pytest.raises(perfmodel.PredictError, match="launch mode 'eager'"):
+        perfmodel.launch_plan(ks, LAUNCH, "eager")
+
+
+def test_the_gpu_waits_for_the_host_exactly():
+    # two 1 s kernels issued 2 s apart: the first runs 2-3 s, the second 4-5 s; the host's
+    # dispatch (1 s) ends the call at 5 s too; with a 3 s dispatch the host's 7 s is the step
+    ops = [T("compute", "a", 1.0, flops_s=1.0, issue_s=2.0),
+           T("compute", "b", 1.0, flops_s=1.0, issue_s=2.0)]
+    t = perfmodel.simulate(ops, step_s=1.0)
+    assert (t.seconds, t.compute_s, t.exposed_comm_s) == (5.0, 5.0, 0.0)
+    assert perfmodel.simulate(ops, step_s=3.0).seconds == 7.0
+    # a collective is issued after the kernel before it (host 2 s + 1 s), runs 3-7 s; c waits
+    ops = [T("compute", "a", 1.0, flops_s=1.0, issue_s=2.0), T("start", "x", 4.0, issue_s=1.0),
+           T("compute", "c", 1.0, flops_s=1.0), T("done", "x", 0.0)]
+    t = perfmodel.simulate(ops)
+    assert (t.seconds, t.compute_s, t.comm_s) == (7.0, 4.0, 4.0)
+    # a host that issues each op while the one before runs is hidden: the GPU alone, 5 s
+    fast = [dataclasses.replace(op, issue_s=s) for op, s in zip(ops, (0.0, 0.5, 0.5, 0.0))]
+    assert perfmodel.simulate(fast).seconds == perfmodel.simulate(
+        [dataclasses.replace(op, issue_s=0.0) for op in ops]).seconds == 5.0
+
+
+def test_costed_kernels_outside_a_command_buffer_pay_the_stream_gap():
+    cal = dataclasses.replace(hardware.calibration("h100"), launch=LAUNCH)
+    ks = [perfmodel.Kernel("compute", f"k{i}", flops=1e9, nbytes=1e6) for i in range(6)]
+    roof = max(1e9 / (989e12 * 0.70), 1e6 / (3.35e12 * 0.85)) + 1.5e-6
+    link = cal.links["nvlink"]
+    graphs = perfmodel.costed(ks, calibration=cal, link=link, launch="graphs")
+    streams = perfmodel.costed(ks, calibration=cal, link=link, launch="streams")
+    assert [o.seconds for o in graphs] == pytest.approx([roof] * 6, rel=1e-12)
+    assert [o.seconds for o in streams] == pytest.approx([roof + 0.5] * 6, rel=1e-12)
+    assert [o.issue_s for o in graphs] == [3.0] + [0.0] * 5
+    assert [o.issue_s for o in streams] == [2.0] * 6
+
+
+def test_host_costs_never_predict_faster_and_off_is_the_gpu_alone():
+    kw = dict(phase="decode", tp=4, batch=1, prompt_len=16, new_tokens=16,
+              link=hardware.LINKS["nvlink"], layers_compiled=0)
+    for residual in ("standard", "ladder"):
+        cfg = dataclasses.replace(KV8, residual=residual)
+        t = {m: perfmodel.program_time(cfg, launch=m, **kw)["seconds"]
+             for m in hardware.LAUNCH_MODES}
+        kernels = perfmodel.program_kernels(cfg, phase="decode", tp=4, batch=1, prompt_len=16,
+                                            new_tokens=16, target="h100").kernels
+        alone = perfmodel.simulate(perfmodel.costed(kernels, calibration=hardware.calibration(
+            "h100"), link=hardware.LINKS["nvlink"])).seconds
+        assert t["off"] == alone
+        assert t["off"] <= t["graphs"] <= t["streams"], (residual, t)
+        # a slower host never predicts a faster step
+        slow = hardware.calibration("h100").replace(launch={"kernel_s": 20e-6})
+        assert perfmodel.program_time(cfg, launch="streams", calibration=slow, **kw)[
+            "seconds"] >= t["streams"]

@@ -80,6 +80,10 @@ def parser() -> argparse.ArgumentParser:
                         "real GPU; replaces the public figures it names")
     p.add_argument("--no-contention", action="store_true",
                    help="collectives in flight take nothing from the kernels beside them")
+    p.add_argument("--launch", default="graphs",
+                   help="how the host issues kernels: graphs (XLA's command buffers between "
+                        "collectives), streams (one launch each), off (host costs left out; "
+                        "hardware.LAUNCH)")
     p.add_argument("--algorithm", default="nccl",
                    help="collectives: nccl (across hosts NCCL's own choice of ring or tree and "
                         "protocol, hardware.NCCL; one host: ring), or ring or tree everywhere")
@@ -134,7 +138,8 @@ def main(argv=None) -> int:
         print(f"{args.preset}{f', {args.quantize} weights' if args.quantize else ''}, "
               f"prompt {args.prompt_len}, {args.new_tokens} new tokens, "
               f"{args.target}, hosts per tp group {'/'.join(map(str, hosts))}"
-              f"{'' if args.no_contention else ', with contention'}; predicted in "
+              f"{'' if args.no_contention else ', with contention'}, launch "
+              f"{args.launch}; predicted in "
               f"{time.perf_counter() - t0:.0f} s")
         print(format_table(rows))
         print(roofline.format_table(rows))
@@ -192,7 +197,7 @@ def _rows(args, show) -> tuple[list[dict], str]:
     sweep = Sweep(links=tuple(args.link), target=args.target, residuals=residuals,
                   hosts=args.hosts, gpus_per_host=args.gpus_per_host,
                   layers_compiled=args.layers_compiled, algorithm=args.algorithm,
-                  contention=not args.no_contention, calibration=cal)
+                  contention=not args.no_contention, calibration=cal, launch=args.launch)
     common = dict(jobs=args.jobs, progress=show)
     if args.phase == "train":
         config, train_kw = _train_setup(args)
