@@ -319,6 +319,7 @@ def test_cli_train_step(capsys):
     (["--preset", "tiny", "--batch", "0"], "batch=0 must be a positive integer"),
     (["--preset", "tiny", "--layers-compiled", "1"], "--layers-compiled 1: use 0"),
     (["--preset", "tiny", "--gemm-efficiency", "1.5"], "gemm efficiency 1.5 must be in"),
+    (["--preset", "tiny", "--launch", "eager"], "unknown launch mode 'eager': choose one of"),
     (["--phase", "train"], "--phase train needs --config"),
     (["--phase", "train", "--config", "nope.yaml"], "config file 'nope.yaml' not found"),
     (["--phase", "serve"], "unknown phase 'serve'"),
