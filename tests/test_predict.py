@@ -645,6 +645,9 @@ def test_hardware_file_replaces_the_figures_it_names(tmp_path):
     path.write_text(json.dumps({"chip": {"flops": 1}}))
     with pytest.raises(ValueError, match="chip: unknown field 'flops'"):
         hardware.Calibration.load(str(path))
+    path.write_text(json.dumps({"launch": {"kernel_s": 5e-6}}))
+    cal = hardware.Calibration.load(str(path))
+    assert cal.launch.kernel_s == 5e-6 and cal.launch.collective_s == hardware.LAUNCH.collective_s
 
 
 def test_help_is_short_then_options_with_defaults():
