@@ -261,11 +261,15 @@ class Contention:
     channels for small messages (it drops channels until each thread has enough bytes): here
     one channel per `bytes_per_channel` of message, up to the link's `channels`. Its copies
     also move HBM bytes: `hbm_bytes_per_bus_byte` for each byte it sends, at the rate it
-    sends them, taken from the kernel's HBM bandwidth."""
+    sends them, taken from the kernel's HBM bandwidth. The contention goes both ways: while a
+    kernel runs beside it, a collective moves its data at `copy_rate` of its own speed (its
+    latency is not slowed): its copies share the memory system and the SMs' issue with the
+    kernel."""
 
     bytes_per_channel: float
     hbm_bytes_per_bus_byte: float
     sources: str
+    copy_rate: float = 0.5
 
 
 CONTENTION = Contention(
@@ -276,7 +280,14 @@ CONTENTION = Contention(
             "few hundred bytes of LL/Simple traffic; ~64 KiB per 512-thread channel here); HBM "
             "traffic: with the Simple protocol a received chunk lands in a FIFO buffer in HBM, "
             "is read back and combined with a local read before it is sent on: ~3 HBM bytes "
-            "per byte on the link. No end-to-end throughput was used")
+            "per byte on the link. copy_rate: published micro-benchmarks of an NCCL ring "
+            "all-reduce (Simple, 24 channels, 8 V100) run beside a CUTLASS GEMM: 106.6 -> 206.4, "
+            "174.8 -> 381.5 and 301.1 -> 681.3 ms against the all-reduce alone (rates 0.52, "
+            "0.46, 0.44; github.com/parasailteam/coconet issue 6); an NCCL send/recv beside a "
+            "128-CTA CUTLASS GEMM on a 142-SM GPU with SMs to spare, up to 2x slower "
+            "(github.com/NVIDIA/nccl issue 1433), which NCCL's maintainers put down to memory "
+            "bandwidth (a link byte is 2-3 HBM bytes: nccl issues 1428, 1433). No end-to-end "
+            "throughput was used")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -906,3 +906,70 @@ def test_host_costs_never_predict_faster_and_off_is_the_gpu_alone():
         slow = hardware.calibration("h100").replace(launch={"kernel_s": 20e-6})
         assert perfmodel.program_time(cfg, launch="streams", calibration=slow, **kw)[
             "seconds"] >= t["streams"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Contention both ways (issue: the ladder's prefill gain).
+
+
+def test_a_collective_moves_its_data_slower_beside_a_running_kernel_exactly():
+    # x: 1 s of latency then 2 s of data; beside a 4 s kernel its data moves at half speed:
+    # latency 0-1 s, 1.5 s of data in 1-4 s, the last 0.5 s alone: it ends at 4.5 s
+    ops = [T("start", "x", 3.0, latency_s=1.0), T("compute", "a", 4.0, flops_s=4.0),
+           T("done", "x", 0.0)]
+    t = perfmodel.simulate(ops, copy_rate=0.5)
+    assert (t.seconds, t.compute_s, t.comm_s) == (4.5, 4.0, 4.5)
+    assert perfmodel.simulate(ops).seconds == 4.0  # one way only: x ends at 3 s
+    # with x holding half the SMs too: a at half speed until x ends at 1 + 2 / 0.5 = 5 s,
+    # then its last 1.5 s alone
+    ops[0] = T("start", "x", 3.0, latency_s=1.0, sm_share=0.5)
+    assert perfmodel.simulate(ops, copy_rate=0.5).seconds == 6.5
+    # a kernel's fixed overhead does not slow the copies; a kernel with no work neither
+    ops = [T("start", "x", 2.0), T("compute", "o", 1.0), T("done", "x", 0.0)]
+    assert perfmodel.simulate(ops, copy_rate=0.5).seconds == 2.0
+
+
+def test_contention_both_ways_at_rate_one_is_the_one_way_replay():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        ops, open_ = [], []
+        for i in range(12):
+            r = rng.random()
+            if r < 0.3:
+                seconds = rng.uniform(0.1, 3)
+                ops.append(T("start", f"c{i}", seconds, latency_s=rng.uniform(0, seconds),
+                             sm_share=rng.uniform(0, 0.5), hbm_share=rng.uniform(0, 0.5),
+                             issue_s=rng.uniform(0, 0.3)))
+                open_.append(f"c{i}")
+            elif r < 0.45 and open_:
+                ops.append(T("done", open_.pop(rng.randrange(len(open_))), 0.0))
+            elif r < 0.5:
+                ops.append(T("sync", f"s{i}", rng.uniform(0.1, 1)))
+            else:
+                f, b = rng.uniform(0, 2), rng.uniform(0, 2)
+                ops.append(T("compute", f"k{i}", max(f, b) + 0.1, flops_s=f, bytes_s=b,
+                             issue_s=rng.uniform(0, 0.3)))
+        ops += [T("done", n, 0.0) for n in open_]
+        one, both = perfmodel.simulate(ops), perfmodel._Replay(1.0).run(ops, 0.0)
+        assert both.seconds == pytest.approx(one.seconds, rel=1e-12, abs=1e-12)
+        assert both.compute_s == pytest.approx(one.compute_s, rel=1e-12, abs=1e-12)
+        slower = [perfmodel.simulate(ops, copy_rate=r).seconds for r in (0.9, 0.5, 0.2)]
+        assert one.seconds - 1e-12 <= slower[0] <= slower[1] + 1e-12 <= slower[2] + 2e-12
+
+
+def test_prefill_collectives_are_slowed_beside_kernels_and_the_ablation_is_exact():
+    kw = dict(phase="prefill", tp=4, batch=1, prompt_len=16, new_tokens=16,
+              link=hardware.LINKS["nvlink"], layers_compiled=0, launch="off")
+    cfg = dataclasses.replace(KV8, residual="ladder")
+    one_way = perfmodel.program_time(cfg, copy_contention=False, **kw)
+    both = perfmodel.program_time(cfg, **kw)
+    kernels = perfmodel.program_kernels(cfg, phase="prefill", tp=4, batch=1, prompt_len=16,
+                                        new_tokens=16, target="h100").kernels
+    cal = hardware.calibration("h100")
+    ops = perfmodel.costed(kernels, calibration=cal, link=hardware.LINKS["nvlink"])
+    assert one_way["seconds"] == perfmodel.simulate(ops).seconds
+    assert both["seconds"] == perfmodel.simulate(ops, copy_rate=0.5).seconds
+    assert both["seconds"] >= one_way["seconds"]
+    assert all(0 <= o.latency_s <= o.seconds for o in ops if o.kind in ("start", "sync"))

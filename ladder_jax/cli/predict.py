@@ -80,6 +80,9 @@ def parser() -> argparse.ArgumentParser:
                         "real GPU; replaces the public figures it names")
     p.add_argument("--no-contention", action="store_true",
                    help="collectives in flight take nothing from the kernels beside them")
+    p.add_argument("--no-copy-contention", action="store_true",
+                   help="collectives beside a running kernel move their data at full speed "
+                        "(contention one way only, the ablation; hardware.CONTENTION.copy_rate)")
     p.add_argument("--launch", default="graphs",
                    help="how the host issues kernels: graphs (XLA's command buffers between "
                         "collectives), streams (one launch each), off (host costs left out; "
@@ -197,7 +200,8 @@ def _rows(args, show) -> tuple[list[dict], str]:
     sweep = Sweep(links=tuple(args.link), target=args.target, residuals=residuals,
                   hosts=args.hosts, gpus_per_host=args.gpus_per_host,
                   layers_compiled=args.layers_compiled, algorithm=args.algorithm,
-                  contention=not args.no_contention, calibration=cal, launch=args.launch)
+                  contention=not args.no_contention, calibration=cal, launch=args.launch,
+                  copy_contention=not args.no_copy_contention)
     common = dict(jobs=args.jobs, progress=show)
     if args.phase == "train":
         config, train_kw = _train_setup(args)
