@@ -280,14 +280,14 @@ CONTENTION = Contention(
             "few hundred bytes of LL/Simple traffic; ~64 KiB per 512-thread channel here); HBM "
             "traffic: with the Simple protocol a received chunk lands in a FIFO buffer in HBM, "
             "is read back and combined with a local read before it is sent on: ~3 HBM bytes "
-            "per byte on the link. copy_rate: published micro-benchmarks of an NCCL ring "
-            "all-reduce (Simple, 24 channels, 8 V100) run beside a CUTLASS GEMM: 106.6 -> 206.4, "
-            "174.8 -> 381.5 and 301.1 -> 681.3 ms against the all-reduce alone (rates 0.52, "
-            "0.46, 0.44; github.com/parasailteam/coconet issue 6); an NCCL send/recv beside a "
-            "128-CTA CUTLASS GEMM on a 142-SM GPU with SMs to spare, up to 2x slower "
+            "per byte on the link. copy_rate: an NCCL send/recv run beside a 128-CTA CUTLASS "
+            "GEMM on a 142-SM GPU, SMs to spare, up to 2x slower than alone "
             "(github.com/NVIDIA/nccl issue 1433), which NCCL's maintainers put down to memory "
-            "bandwidth (a link byte is 2-3 HBM bytes: nccl issues 1428, 1433). No end-to-end "
-            "throughput was used")
+            "bandwidth (a link byte is 2-3 HBM bytes: nccl issues 1428, 1433); an NCCL ring "
+            "all-reduce (Simple, 24 channels, 8 V100) beside a CUTLASS GEMM took 206.4 / 381.5 / "
+            "681.3 ms against 106.6 / 174.8 / 301.1 ms alone (github.com/parasailteam/coconet "
+            "issue 6; the GEMM covered about half of it, so a lower rate while beside: 0.5 is "
+            "the milder reading). No end-to-end throughput was used")
 
 
 @dataclasses.dataclass(frozen=True)
