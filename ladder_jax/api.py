@@ -146,7 +146,7 @@ def predict(preset: str = "llama-3-70b", *, tp=(2, 4, 8), batch=1, prompt_len: i
     predicted prefill_s, decode_step_s, tokens_per_s, tokens_per_s_per_user, exposed_comm_s
     and vs_standard (tokens/s over standard's). `tp`, `batch`, `links` take one value or a
     list; `kwargs` go to `ladder_jax.analysis.perfmodel.predict` (hosts, gpus_per_host,
-    calibration, contention, efficiency, link_overrides, ...)."""
+    calibration, contention, launch, efficiency, link_overrides, ...)."""
 
 
     if not jax.config.jax_platforms:  # compile for the GPU target; nothing runs on a GPU

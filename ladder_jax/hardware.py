@@ -6,7 +6,8 @@
 Chip figures are the vendors' dense spec-sheet numbers (H100 / H800 / H200 / A100 / B200 /
 L40S datasheets and the Hopper and Ampere whitepapers); `TARGETS` are the chips with an `arch`
 for `gpu_target_config`. `EFFICIENCY`, `LINKS` (NVLink, PCIe), `INTER_HOST` (InfiniBand),
-`NCCL` (NCCL's tuning model) and `CONTENTION` each name their public source. None is fitted
+`NCCL` (NCCL's tuning model), `CONTENTION` and `LAUNCH` (host launch costs) each name their
+public source. None is fitted
 to a measured end-to-end throughput of any model. How to set them for a cluster:
 docs/analysis.md#calibration.
 """
@@ -260,11 +261,15 @@ class Contention:
     channels for small messages (it drops channels until each thread has enough bytes): here
     one channel per `bytes_per_channel` of message, up to the link's `channels`. Its copies
     also move HBM bytes: `hbm_bytes_per_bus_byte` for each byte it sends, at the rate it
-    sends them, taken from the kernel's HBM bandwidth."""
+    sends them, taken from the kernel's HBM bandwidth. The contention goes both ways: while a
+    kernel runs beside it, a collective moves its data at `copy_rate` of its own speed (its
+    latency is not slowed): its copies share the memory system and the SMs' issue with the
+    kernel."""
 
     bytes_per_channel: float
     hbm_bytes_per_bus_byte: float
     sources: str
+    copy_rate: float = 0.5
 
 
 CONTENTION = Contention(
@@ -275,7 +280,14 @@ CONTENTION = Contention(
             "few hundred bytes of LL/Simple traffic; ~64 KiB per 512-thread channel here); HBM "
             "traffic: with the Simple protocol a received chunk lands in a FIFO buffer in HBM, "
             "is read back and combined with a local read before it is sent on: ~3 HBM bytes "
-            "per byte on the link. No end-to-end throughput was used")
+            "per byte on the link. copy_rate: an NCCL send/recv run beside a 128-CTA CUTLASS "
+            "GEMM on a 142-SM GPU, SMs to spare, up to 2x slower than alone "
+            "(github.com/NVIDIA/nccl issue 1433), which NCCL's maintainers put down to memory "
+            "bandwidth (a link byte is 2-3 HBM bytes: nccl issues 1428, 1433); an NCCL ring "
+            "all-reduce (Simple, 24 channels, 8 V100) beside a CUTLASS GEMM took 206.4 / 381.5 / "
+            "681.3 ms against 106.6 / 174.8 / 301.1 ms alone (github.com/parasailteam/coconet "
+            "issue 6; the GEMM covered about half of it, so a lower rate while beside: 0.5 is "
+            "the milder reading). No end-to-end throughput was used")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,6 +319,45 @@ A100_EFFICIENCY = Efficiency(
             "kernel overhead: as for H100 (CUDA graph launch gap plus DRAM latency). Not "
             "measured on a GPU by this package")
 
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """What the host spends issuing a program's work, and the GPU waits for when the host is
+    the slower of the two (many short kernels: small models at high tp). XLA runs runs of at
+    least `min_graph` consecutive kernels between collectives as one command buffer (a CUDA
+    graph: one `graph_s` launch; XLA's default set holds fusions, cuBLAS and custom calls, not
+    collectives); every other kernel costs `kernel_s` of host time and `stream_gap_s` more
+    device time than a graph node; each collective costs `collective_s` (NCCL's enqueue and
+    launch). `step_s` is one call of the jitted program (jax's dispatch), overlapped with the
+    previous step's GPU work, so a step lasts at least the host's whole share."""
+
+    kernel_s: float
+    graph_s: float
+    stream_gap_s: float
+    collective_s: float
+    step_s: float
+    min_graph: int
+    sources: str
+
+
+LAUNCH = Launch(
+    kernel_s=2.7e-6, graph_s=2.7e-6, stream_gap_s=0.4e-6, collective_s=3.5e-6, step_s=29e-6,
+    min_graph=5,
+    sources="kernel_s: host cost of one asynchronous kernel enqueue, 2.6-2.8 us per launch in a "
+            "published launch probe of chains of 8-117 kernels (github.com/ahrefs/ocannl issue "
+            "488, CUDA 13 driver: individual launches vs a stream-captured graph); graph_s: one "
+            "launch of a straight-line graph costs about one kernel launch on the host whatever "
+            "its node count (NVIDIA blog 'Constant Time Launch for Straight-Line CUDA Graphs', "
+            "CUDA 12.x); stream_gap_s: NVIDIA's 'Getting Started with CUDA Graphs' blog, 2.9 us "
+            "kernels run at 3.8 us each launched back-to-back on a stream and 3.4 us each in a "
+            "graph; collective_s: nccl-tests all_reduce_perf of 1 KB on 4x H800 without CUDA "
+            "graphs, 3.5 us per collective against 0.5 us captured in a graph (github.com/NVIDIA/"
+            "nccl issue 1984); step_s: jax's own dispatch benchmark of a trivial jitted call, "
+            "28.9 us (github.com/jax-ml/jax pull 4128); min_graph: XLA's default "
+            "xla_gpu_graph_min_graph_size (5) and command buffer set (FUSION, CUBLAS, CUBLASLT, "
+            "CUSTOM_CALL, CUDNN, DYNAMIC_SLICE_FUSION; collectives excluded), "
+            "xla/debug_options_flags.cc. No end-to-end throughput was used")
+LAUNCH_MODES = ("graphs", "streams", "off")  # command buffers (XLA's default), none, ablation
+
 _GENERATION = {"h100": "h100", "h200": "h100", "a100": "a100"}  # which link tables a chip uses
 
 
@@ -324,8 +375,9 @@ class Calibration:
     """Everything the performance model costs a program with, for one target: `calibration`
     gives the public figures above; `Calibration.load` reads a file that
     `benchmarks/calibrate_gpu.py` wrote on a real GPU (JSON: any of the sections `chip`,
-    `efficiency`, `links`, `inter_host`, `contention`, each a dict of the fields it replaces;
-    other top-level keys, such as `measured`, are kept for the reader and ignored here)."""
+    `efficiency`, `links`, `inter_host`, `contention`, `launch`, each a dict of the fields it
+    replaces; other top-level keys, such as `measured`, are kept for the reader and ignored
+    here)."""
 
     target: str
     chip: Chip
@@ -335,12 +387,13 @@ class Calibration:
     contention: Contention
     source: str = "hardware.py (public figures)"
     nccl: NcclTuning = NCCL
+    launch: Launch = LAUNCH
 
     def replace(self, **sections) -> Calibration:
-        """A copy with `chip`, `efficiency`, `inter_host`, `contention` fields replaced (a dict
-        each) and `links` (a dict of dicts, per link name; `"*"` for every link)."""
+        """A copy with `chip`, `efficiency`, `inter_host`, `contention`, `launch` fields replaced
+        (a dict each) and `links` (a dict of dicts, per link name; `"*"` for every link)."""
         kw = {}
-        for name in ("chip", "efficiency", "inter_host", "contention"):
+        for name in ("chip", "efficiency", "inter_host", "contention", "launch"):
             if sections.get(name):
                 kw[name] = _replaced(getattr(self, name), sections[name], name)
         if sections.get("links"):
@@ -373,7 +426,7 @@ class Calibration:
         try:
             return dataclasses.replace(calibration(target).replace(**{
                 k: data.get(k) for k in ("chip", "efficiency", "links", "inter_host",
-                                         "contention")}), source=path)
+                                         "contention", "launch")}), source=path)
         except ValueError as e:
             raise ValueError(f"--hardware {path}: {e}") from None
 

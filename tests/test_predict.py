@@ -180,7 +180,8 @@ def test_upper_bound_le_ladder_le_standard_and_slower_link_slower():
 def test_more_tp_means_less_compute_per_device():
     eff = dataclasses.replace(hardware.EFFICIENCY, kernel_overhead_s=0.0)
     compute = [perfmodel.program_time(MID, phase="decode", tp=tp, batch=4, **SHAPE,
-                                    link=hardware.LINKS["nvlink"], efficiency=eff)["compute_s"]
+                                    link=hardware.LINKS["nvlink"], efficiency=eff,
+                                    launch="off")["compute_s"]  # the GPU's, not the host's
                for tp in (2, 4, 8)]
     assert compute[0] > compute[1] > compute[2] > 0, compute
 
@@ -319,6 +320,7 @@ def test_cli_train_step(capsys):
     (["--preset", "tiny", "--batch", "0"], "batch=0 must be a positive integer"),
     (["--preset", "tiny", "--layers-compiled", "1"], "--layers-compiled 1: use 0"),
     (["--preset", "tiny", "--gemm-efficiency", "1.5"], "gemm efficiency 1.5 must be in"),
+    (["--preset", "tiny", "--launch", "eager"], "unknown launch mode 'eager': choose one of"),
     (["--phase", "train"], "--phase train needs --config"),
     (["--phase", "train", "--config", "nope.yaml"], "config file 'nope.yaml' not found"),
     (["--phase", "serve"], "unknown phase 'serve'"),
@@ -654,6 +656,9 @@ def test_hardware_file_replaces_the_figures_it_names(tmp_path):
     path.write_text(json.dumps({"chip": {"flops": 1}}))
     with pytest.raises(ValueError, match="chip: unknown field 'flops'"):
         hardware.Calibration.load(str(path))
+    path.write_text(json.dumps({"launch": {"kernel_s": 5e-6}}))
+    cal = hardware.Calibration.load(str(path))
+    assert cal.launch.kernel_s == 5e-6 and cal.launch.collective_s == hardware.LAUNCH.collective_s
 
 
 def test_help_is_short_then_options_with_defaults():
@@ -834,3 +839,148 @@ def test_nccl_collectives_never_faster_with_more_bytes_hosts_or_slower_links():
                                                   inter_host=cal.inter_host)[0] >= base
                     assert perfmodel.nccl_seconds(coll, n, 16, link, hosts=2,
                                                   inter_host=slow_net)[0] >= base
+
+
+# ---------------------------------------------------------------------------------------------
+# The host: launch costs, command buffers (issue: small models at high tp).
+
+LAUNCH = hardware.Launch(kernel_s=2.0, graph_s=3.0, stream_gap_s=0.5, collective_s=4.0,
+                         step_s=10.0, min_graph=5, sources="")
+
+
+def _kernels(kinds: str) -> list:
+    """c: compute, s: collective start, d: its done, y: a blocking collective."""
+    kind = {"c": "compute", "s": "start", "d": "done", "y": "sync"}
+    return [perfmodel.Kernel(kind[k], "x" if k in "sd" else f"k{i}", collective="all-reduce")
+            for i, k in enumerate(kinds)]
+
+
+def test_launch_plan_graphs_long_runs_and_launches_the_rest_one_by_one():
+    ks = _kernels("cccccsccdcy")
+    graphs = perfmodel.launch_plan(ks, LAUNCH, "graphs")
+    assert graphs == [(3.0, True)] + [(0.0, True)] * 4 + [(4.0, False)] + [(2.0, False)] * 2 + [
+        (0.0, False), (2.0, False), (4.0, False)]
+    streams = perfmodel.launch_plan(ks, LAUNCH, "streams")
+    assert [s for s, _ in streams] == [2.0] * 5 + [4.0, 2.0, 2.0, 0.0, 2.0, 4.0]
+    assert not any(g for _, g in streams)
+    assert perfmodel.launch_plan(ks, LAUNCH, "off") == [(0.0, True)] * len(ks)
+    with pytest.raises(perfmodel.PredictError, match="launch mode 'eager'"):
+        perfmodel.launch_plan(ks, LAUNCH, "eager")
+
+
+def test_the_gpu_waits_for_the_host_exactly():
+    # two 1 s kernels issued 2 s apart: the first runs 2-3 s, the second 4-5 s; the host's
+    # dispatch (1 s) ends the call at 5 s too; with a 3 s dispatch the host's 7 s is the step
+    ops = [T("compute", "a", 1.0, flops_s=1.0, issue_s=2.0),
+           T("compute", "b", 1.0, flops_s=1.0, issue_s=2.0)]
+    t = perfmodel.simulate(ops, step_s=1.0)
+    assert (t.seconds, t.compute_s, t.exposed_comm_s) == (5.0, 5.0, 0.0)
+    assert perfmodel.simulate(ops, step_s=3.0).seconds == 7.0
+    # a collective is issued after the kernel before it (host 2 s + 1 s), runs 3-7 s; c waits
+    ops = [T("compute", "a", 1.0, flops_s=1.0, issue_s=2.0), T("start", "x", 4.0, issue_s=1.0),
+           T("compute", "c", 1.0, flops_s=1.0), T("done", "x", 0.0)]
+    t = perfmodel.simulate(ops)
+    assert (t.seconds, t.compute_s, t.comm_s) == (7.0, 4.0, 4.0)
+    # a host that issues each op while the one before runs is hidden: the GPU alone, 5 s
+    fast = [dataclasses.replace(op, issue_s=s) for op, s in zip(ops, (0.0, 0.5, 0.5, 0.0))]
+    assert perfmodel.simulate(fast).seconds == perfmodel.simulate(
+        [dataclasses.replace(op, issue_s=0.0) for op in ops]).seconds == 5.0
+
+
+def test_costed_kernels_outside_a_command_buffer_pay_the_stream_gap():
+    cal = dataclasses.replace(hardware.calibration("h100"), launch=LAUNCH)
+    ks = [perfmodel.Kernel("compute", f"k{i}", flops=1e9, nbytes=1e6) for i in range(6)]
+    roof = max(1e9 / (989e12 * 0.70), 1e6 / (3.35e12 * 0.85)) + 1.5e-6
+    link = cal.links["nvlink"]
+    graphs = perfmodel.costed(ks, calibration=cal, link=link, launch="graphs")
+    streams = perfmodel.costed(ks, calibration=cal, link=link, launch="streams")
+    assert [o.seconds for o in graphs] == pytest.approx([roof] * 6, rel=1e-12)
+    assert [o.seconds for o in streams] == pytest.approx([roof + 0.5] * 6, rel=1e-12)
+    assert [o.issue_s for o in graphs] == [3.0] + [0.0] * 5
+    assert [o.issue_s for o in streams] == [2.0] * 6
+
+
+def test_host_costs_never_predict_faster_and_off_is_the_gpu_alone():
+    kw = dict(phase="decode", tp=4, batch=1, prompt_len=16, new_tokens=16,
+              link=hardware.LINKS["nvlink"], layers_compiled=0)
+    for residual in ("standard", "ladder"):
+        cfg = dataclasses.replace(KV8, residual=residual)
+        t = {m: perfmodel.program_time(cfg, launch=m, **kw)["seconds"]
+             for m in hardware.LAUNCH_MODES}
+        kernels = perfmodel.program_kernels(cfg, phase="decode", tp=4, batch=1, prompt_len=16,
+                                            new_tokens=16, target="h100").kernels
+        alone = perfmodel.simulate(perfmodel.costed(kernels, calibration=hardware.calibration(
+            "h100"), link=hardware.LINKS["nvlink"])).seconds
+        assert t["off"] == alone
+        assert t["off"] <= t["graphs"] <= t["streams"], (residual, t)
+        # a slower host never predicts a faster step
+        slow = hardware.calibration("h100").replace(launch={"kernel_s": 20e-6})
+        assert perfmodel.program_time(cfg, launch="streams", calibration=slow, **kw)[
+            "seconds"] >= t["streams"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Contention both ways (issue: the ladder's prefill gain).
+
+
+def test_a_collective_moves_its_data_slower_beside_a_running_kernel_exactly():
+    # x: 1 s of latency then 2 s of data; beside a 4 s kernel its data moves at half speed:
+    # latency 0-1 s, 1.5 s of data in 1-4 s, the last 0.5 s alone: it ends at 4.5 s
+    ops = [T("start", "x", 3.0, latency_s=1.0), T("compute", "a", 4.0, flops_s=4.0),
+           T("done", "x", 0.0)]
+    t = perfmodel.simulate(ops, copy_rate=0.5)
+    assert (t.seconds, t.compute_s, t.comm_s) == (4.5, 4.0, 4.5)
+    assert perfmodel.simulate(ops).seconds == 4.0  # one way only: x ends at 3 s
+    # with x holding half the SMs too: a at half speed until x ends at 1 + 2 / 0.5 = 5 s,
+    # then its last 1.5 s alone
+    ops[0] = T("start", "x", 3.0, latency_s=1.0, sm_share=0.5)
+    assert perfmodel.simulate(ops, copy_rate=0.5).seconds == 6.5
+    # a kernel's fixed overhead does not slow the copies; a kernel with no work neither
+    ops = [T("start", "x", 2.0), T("compute", "o", 1.0), T("done", "x", 0.0)]
+    assert perfmodel.simulate(ops, copy_rate=0.5).seconds == 2.0
+
+
+def test_contention_both_ways_at_rate_one_is_the_one_way_replay():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        ops, open_ = [], []
+        for i in range(12):
+            r = rng.random()
+            if r < 0.3:
+                seconds = rng.uniform(0.1, 3)
+                ops.append(T("start", f"c{i}", seconds, latency_s=rng.uniform(0, seconds),
+                             sm_share=rng.uniform(0, 0.5), hbm_share=rng.uniform(0, 0.5),
+                             issue_s=rng.uniform(0, 0.3)))
+                open_.append(f"c{i}")
+            elif r < 0.45 and open_:
+                ops.append(T("done", open_.pop(rng.randrange(len(open_))), 0.0))
+            elif r < 0.5:
+                ops.append(T("sync", f"s{i}", rng.uniform(0.1, 1)))
+            else:
+                f, b = rng.uniform(0, 2), rng.uniform(0, 2)
+                ops.append(T("compute", f"k{i}", max(f, b) + 0.1, flops_s=f, bytes_s=b,
+                             issue_s=rng.uniform(0, 0.3)))
+        ops += [T("done", n, 0.0) for n in open_]
+        one, both = perfmodel.simulate(ops), perfmodel._Replay(1.0).run(ops, 0.0)
+        assert both.seconds == pytest.approx(one.seconds, rel=1e-12, abs=1e-12)
+        assert both.compute_s == pytest.approx(one.compute_s, rel=1e-12, abs=1e-12)
+        slower = [perfmodel.simulate(ops, copy_rate=r).seconds for r in (0.9, 0.5, 0.2)]
+        assert one.seconds - 1e-12 <= slower[0] <= slower[1] + 1e-12 <= slower[2] + 2e-12
+
+
+def test_prefill_collectives_are_slowed_beside_kernels_and_the_ablation_is_exact():
+    kw = dict(phase="prefill", tp=4, batch=1, prompt_len=16, new_tokens=16,
+              link=hardware.LINKS["nvlink"], layers_compiled=0, launch="off")
+    cfg = dataclasses.replace(KV8, residual="ladder")
+    one_way = perfmodel.program_time(cfg, copy_contention=False, **kw)
+    both = perfmodel.program_time(cfg, **kw)
+    kernels = perfmodel.program_kernels(cfg, phase="prefill", tp=4, batch=1, prompt_len=16,
+                                        new_tokens=16, target="h100").kernels
+    cal = hardware.calibration("h100")
+    ops = perfmodel.costed(kernels, calibration=cal, link=hardware.LINKS["nvlink"])
+    assert one_way["seconds"] == perfmodel.simulate(ops).seconds
+    assert both["seconds"] == perfmodel.simulate(ops, copy_rate=0.5).seconds
+    assert both["seconds"] >= one_way["seconds"]
+    assert all(0 <= o.latency_s <= o.seconds for o in ops if o.kind in ("start", "sync"))

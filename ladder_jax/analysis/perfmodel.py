@@ -330,32 +330,76 @@ class Timed:
     bytes_s: float = 0.0
     sm_share: float = 0.0
     hbm_share: float = 0.0
+    issue_s: float = 0.0  # host time to issue it (`hardware.Launch`), before it can start
+    latency_s: float = 0.0  # of a collective's `seconds`, the part that moves no data
+
+
+def launch_plan(kernels, launch: hardware.Launch, mode: str = "graphs"
+                ) -> list[tuple[float, bool]]:
+    """(host seconds to issue it, whether it runs in a command buffer) of each kernel of a
+    schedule (`hardware.Launch`). "graphs": a run of at least `launch.min_graph` compute
+    kernels between collective ops is one command buffer (its first kernel carries the graph
+    launch, the rest nothing), shorter runs are launched one by one; "streams": every kernel
+    launched one by one; "off": nothing (the host is never what the GPU waits for; kernels
+    costed as graph nodes, as before this model). Collective starts and blocking collectives
+    cost `launch.collective_s`, a done nothing (a stream wait)."""
+    if mode not in hardware.LAUNCH_MODES:
+        raise PredictError(f"unknown launch mode {mode!r}: choose one of "
+                           f"{', '.join(hardware.LAUNCH_MODES)}")
+    if mode == "off":
+        return [(0.0, True)] * len(kernels)
+    out = [(0.0, False)] * len(kernels)
+    run: list[int] = []
+
+    def close():
+        graph = mode == "graphs" and len(run) >= launch.min_graph
+        for j, i in enumerate(run):
+            out[i] = ((launch.graph_s if j == 0 else 0.0, True) if graph
+                      else (launch.kernel_s, False))
+        run.clear()
+
+    for i, k in enumerate(kernels):
+        if k.kind == "compute":
+            run.append(i)
+            continue
+        close()
+        if k.kind in ("start", "sync"):
+            out[i] = (launch.collective_s, False)
+    close()
+    return out
 
 
 def costed(kernels, *, calibration: hardware.Calibration, link: hardware.Link,
-           algorithm: str = "nccl", contention: bool = True) -> list[Timed]:
+           algorithm: str = "nccl", contention: bool = True, launch: str = "off"
+           ) -> list[Timed]:
     """What `simulate` replays: every kernel timed with `calibration` (intra-host `link`).
     `algorithm`: "nccl" times a collective whose group spans hosts as NCCL picks it
     (`nccl_seconds`) and one within a host as a ring; "ring" / "tree": that everywhere
-    (`collective_seconds`)."""
+    (`collective_seconds`). `launch`: how the host issues the kernels (`launch_plan`); a
+    kernel launched outside a command buffer also pays `stream_gap_s` more on the GPU."""
     cal, out = calibration, []
     chip, eff, con = cal.chip, cal.efficiency, cal.contention
-    for k in kernels:
+    plan = launch_plan(kernels, cal.launch, launch)
+    issue = [p[0] for p in plan]
+    for i, k in enumerate(kernels):
         if k.kind == "compute":
             flops_s, bytes_s = _roofline(k, chip, eff)
-            out.append(Timed("compute", k.name, max(flops_s, bytes_s) + eff.kernel_overhead_s,
-                             k.layer, flops_s, bytes_s))
+            gap = eff.kernel_overhead_s + (0.0 if plan[i][1] else cal.launch.stream_gap_s)
+            out.append(Timed("compute", k.name, max(flops_s, bytes_s) + gap,
+                             k.layer, flops_s, bytes_s, issue_s=issue[i]))
         elif k.kind == "done":
             out.append(Timed("done", k.name, 0.0, k.layer))
         else:
             if algorithm == "nccl" and k.hosts > 1 and k.collective in (
                     "all-reduce", "all-gather", "reduce-scatter"):
-                s = nccl_seconds(k.collective, k.nbytes, k.ranks, link, hosts=k.hosts,
-                                 inter_host=cal.inter_host, tuning=cal.nccl)[0]
+                s, lat = (nccl_seconds(k.collective, n, k.ranks, link, hosts=k.hosts,
+                                       inter_host=cal.inter_host, tuning=cal.nccl)[0]
+                          for n in (k.nbytes, 0.0))
             else:
-                s = collective_seconds(k.collective, k.nbytes, k.ranks, link,
-                                       "ring" if algorithm == "nccl" else algorithm,
-                                       hosts=k.hosts, inter_host=cal.inter_host)
+                s, lat = (collective_seconds(k.collective, n, k.ranks, link,
+                                             "ring" if algorithm == "nccl" else algorithm,
+                                             hosts=k.hosts, inter_host=cal.inter_host)
+                          for n in (k.nbytes, 0.0))
             sm = hbm = 0.0
             if contention and s > 0:
                 channels = min(link.channels, max(1, math.ceil(k.nbytes / con.bytes_per_channel)))
@@ -363,7 +407,8 @@ def costed(kernels, *, calibration: hardware.Calibration, link: hardware.Link,
                 rate = bus_bytes(k.collective, k.nbytes, k.ranks, algorithm) / s
                 hbm = min(con.hbm_bytes_per_bus_byte * rate
                           / (chip.hbm_bytes_per_s * eff.memory), 0.9)
-            out.append(Timed(k.kind, k.name, s, k.layer, sm_share=sm, hbm_share=hbm))
+            out.append(Timed(k.kind, k.name, s, k.layer, sm_share=sm, hbm_share=hbm,
+                             issue_s=issue[i], latency_s=min(lat, s)))
     return out
 
 
@@ -382,9 +427,9 @@ class Timeline:
         return self.seconds - self.compute_s
 
 
-def simulate(ops) -> Timeline:
+def simulate(ops, step_s: float = 0.0, copy_rate: float = 1.0) -> Timeline:
     """Replays `Timed` ops (or (kind, name, seconds, layer) tuples: no contention) on a compute
-    and a collective stream.
+    and a collective stream, issued by a host.
 
     compute: runs on the compute stream, slowed while a collective is in flight (its work
     progresses at 1 / max(flops_s / (1 - sm_share), bytes_s / (1 - hbm_share)) of the whole
@@ -392,20 +437,28 @@ def simulate(ops) -> Timeline:
     slowed). start: the collective is issued when the compute stream reaches it and runs on
     the collective stream after the collectives before it. done: the compute stream waits
     until that collective has finished. sync: a blocking collective (waits for the collective
-    stream, then holds both). `compute_s` counts the slowed kernels' whole time: contention is
-    compute time, not exposed communication."""
-    now = free = busy = comm = 0.0
+    stream, then holds both). The host issues the ops in order, `issue_s` each; none starts
+    before it is issued; `step_s` (the program's dispatch, overlapped with the previous call)
+    is host time too, so the program lasts at least the host's total. `compute_s` counts the
+    slowed kernels' whole time and the compute stream's waits for the host: contention and
+    launch-bound gaps are compute time, not exposed communication. `copy_rate` < 1: while a
+    kernel runs beside it, a collective moves its data (`seconds - latency_s`) at that share of
+    its own rate (`_Replay`: the contention goes both ways)."""
+    if copy_rate < 1.0:
+        return _Replay(copy_rate).run(ops, step_s)
+    now = free = busy = comm = host = 0.0
     ends, flights = {}, []  # flights: (start, end, sm_share, hbm_share) of issued collectives
     for op in ops:
         if not isinstance(op, Timed):
             op = Timed(*op)
+        host += op.issue_s
         if op.kind == "compute":
-            t = _run_kernel(op, now, flights)
+            t = _run_kernel(op, max(now, host), flights)
             busy += t - now
             now = t
             flights = [f for f in flights if f[1] > now]
         elif op.kind == "start":
-            begin = max(now, free)
+            begin = max(now, free, host)
             free = begin + op.seconds
             ends[op.name] = free
             comm += op.seconds
@@ -414,11 +467,125 @@ def simulate(ops) -> Timeline:
         elif op.kind == "done":
             now = max(now, ends.pop(op.name))
         elif op.kind == "sync":
-            now = free = max(now, free) + op.seconds
+            now = free = max(now, free, host) + op.seconds
             comm += op.seconds
         else:
             raise ValueError(f"unknown op kind {op.kind!r}")
-    return Timeline(max(now, free), busy, comm)
+    end = max(now, free)
+    launch_bound = max(0.0, host + step_s - end)
+    return Timeline(end + launch_bound, busy + launch_bound, comm)
+
+
+class _Replay:
+    """`simulate` where a collective's copies slow down beside a running kernel: an event
+    replay of both streams. The collective stream runs its queue in order, each collective its
+    latency first at full speed, then its data at `copy_rate` of its speed while a kernel's
+    work runs on the compute stream (its fixed overhead excluded), at full speed otherwise.
+    The kernel beside it is slowed by the collective's SM and HBM shares, as in `simulate`."""
+
+    def __init__(self, copy_rate: float):
+        self.rate = copy_rate
+        self.queue: list = []  # [op, issued at, latency left, data seconds left, started at]
+        self.t = 0.0  # the collective stream's clock
+        self.ends: dict = {}
+        self.comm = 0.0
+
+    def advance(self, until: float, beside: bool) -> None:
+        """The collective stream from its clock to `until`, a kernel's work running beside it
+        (`beside`) or not."""
+        while self.t < until and self.queue:
+            head = self.queue[0]
+            if self.t < head[1]:  # idle until the next is issued
+                self.t = min(head[1], until)
+                continue
+            if head[4] is None:
+                head[4] = self.t
+            rate = self.rate if beside else 1.0
+            need = head[2] + head[3] / rate
+            if self.t + need <= until:
+                self.t += need
+                self.ends[head[0].name] = self.t
+                self.comm += self.t - head[4]
+                self.queue.pop(0)
+                continue
+            dt = until - self.t
+            lat = min(head[2], dt)
+            head[2] -= lat
+            head[3] -= (dt - lat) * rate
+            self.t = until
+        self.t = max(self.t, until) if not self.queue else self.t
+
+    def head(self, t: float):
+        """The collective in flight at `t` (the stream's clock is at `t`), or None."""
+        if self.queue and self.queue[0][1] <= t:
+            return self.queue[0]
+        return None
+
+    def head_left(self, head, beside: bool) -> float:
+        return head[2] + head[3] / (self.rate if beside else 1.0)
+
+    def drain_until(self, name: str | None = None) -> float:
+        """Runs the queue, nothing beside it, until collective `name` has ended (None: all);
+        its end (popped), or the stream's clock."""
+        while self.queue and (name is None or name not in self.ends):
+            self.advance(max(self.t, self.queue[0][1]) + self.head_left(self.queue[0], False),
+                         False)
+        return self.t if name is None else self.ends.pop(name)
+
+    def kernel(self, op: Timed, start: float) -> float:
+        """When a compute kernel issued for `start` ends."""
+        self.advance(start, False)
+        work = max(op.flops_s, op.bytes_s)
+        t = start + (op.seconds - work)  # the fixed overhead first, nothing beside it
+        self.advance(t, False)
+        left = 1.0
+        while work > 0 and left > 0:
+            head = self.head(t)
+            if head is None:
+                nxt = self.queue[0][1] if self.queue else math.inf
+                if t + left * work <= nxt:
+                    self.advance(t + left * work, True)
+                    return t + left * work
+                left -= (nxt - t) / work
+                self.advance(nxt, True)
+                t = nxt
+                continue
+            slowed = max(op.flops_s / (1 - head[0].sm_share), op.bytes_s / (1 - head[0].hbm_share))
+            until = t + self.head_left(head, True)
+            if t + left * slowed <= until:
+                self.advance(t + left * slowed, True)
+                return t + left * slowed
+            left -= (until - t) / slowed
+            self.advance(until, True)
+            t = until
+        return t
+
+    def run(self, ops, step_s: float) -> Timeline:
+        now = busy = host = 0.0
+        for op in ops:
+            if not isinstance(op, Timed):
+                op = Timed(*op)
+            host += op.issue_s
+            if op.kind == "compute":
+                t = self.kernel(op, max(now, host))
+                busy += t - now
+                now = t
+            elif op.kind == "start":
+                lat = min(op.latency_s, op.seconds)
+                self.queue.append([op, max(now, host), lat, op.seconds - lat, None])
+            elif op.kind == "done":
+                now = max(now, self.drain_until(op.name))
+            elif op.kind == "sync":
+                self.drain_until()
+                now = max(now, self.t, host) + op.seconds
+                self.t = now
+                self.comm += op.seconds
+            else:
+                raise ValueError(f"unknown op kind {op.kind!r}")
+        self.drain_until()
+        end = max(now, self.t)
+        launch_bound = max(0.0, host + step_s - end)
+        return Timeline(end + launch_bound, busy + launch_bound, self.comm)
 
 
 def _run_kernel(op: Timed, now: float, flights) -> float:
@@ -547,9 +714,12 @@ def program_time(config, *, phase: str, tp: int, batch: int, prompt_len: int, ne
                  efficiency: hardware.Efficiency | None = None,
                  calibration: hardware.Calibration | None = None, hosts: int = 1,
                  layers_compiled: int = 4, algorithm: str = "nccl",
-                 contention: bool = True, slots: int | None = None) -> dict:
+                 contention: bool = True, slots: int | None = None,
+                 launch: str = "graphs", copy_contention: bool = True) -> dict:
     """Predicted seconds, compute seconds and exposed communication of one program; `slots`:
-    the decode cache's slots per row (`program_kernels`)."""
+    the decode cache's slots per row (`program_kernels`); `launch`: how the host issues its
+    kernels (`launch_plan`; "off" leaves the host out); `copy_contention`: a collective's copies
+    slow down beside a running kernel (`hardware.Contention.copy_rate`; needs `contention`)."""
     cal = calibration or hardware.calibration(target)
     if efficiency is not None:
         cal = dataclasses.replace(cal, efficiency=efficiency)
@@ -564,8 +734,11 @@ def program_time(config, *, phase: str, tp: int, batch: int, prompt_len: int, ne
                                   **({"slots": slots} if slots is not None else {}))
         fallbacks.add(program.fallback)
         works.append(work(program.kernels))
-        timelines.append(simulate(costed(program.kernels, calibration=cal, link=link,
-                                         algorithm=algorithm, contention=contention)))
+        timelines.append(simulate(
+            costed(program.kernels, calibration=cal, link=link, algorithm=algorithm,
+                   contention=contention, launch=launch),
+            step_s=0.0 if launch == "off" else cal.launch.step_s,
+            copy_rate=cal.contention.copy_rate if contention and copy_contention else 1.0))
     if full:
         seconds, compute = timelines[0].seconds, timelines[0].compute_s
         done = works[0]
@@ -593,7 +766,9 @@ class Sweep:
     """A grid of predictions and what it is costed with. `tp`, `batch`, `links`, `residuals`
     are the grid (every combination); `hosts` is how many hosts each tp group spans (None: as
     few as `gpus_per_host` allows, ceil(tp / gpus_per_host)); `calibration` defaults to the
-    public figures of `target` (`hardware.calibration`)."""
+    public figures of `target` (`hardware.calibration`); `launch`: how the host issues the
+    kernels (`launch_plan`: graphs, streams, or off to leave the host out); `copy_contention`:
+    collectives slow down beside running kernels too (`hardware.Contention.copy_rate`)."""
 
     tp: tuple = (8,)
     batch: tuple = (1,)
@@ -608,6 +783,8 @@ class Sweep:
     algorithm: str = "nccl"
     contention: bool = True
     calibration: hardware.Calibration | None = None
+    launch: str = "graphs"
+    copy_contention: bool = True
 
     def __post_init__(self):
         for name in ("tp", "batch", "links", "residuals"):
@@ -634,6 +811,9 @@ class Sweep:
         if self.algorithm not in ALGORITHMS:
             raise PredictError(f"unknown algorithm {self.algorithm!r}: choose one of "
                                f"{', '.join(ALGORITHMS)}")
+        if self.launch not in hardware.LAUNCH_MODES:
+            raise PredictError(f"unknown launch mode {self.launch!r}: choose one of "
+                               f"{', '.join(hardware.LAUNCH_MODES)}")
         check_layers_compiled(self.layers_compiled)
         ints = [("prompt_len" if phase == "generate" else "seq_len", self.prompt_len),
                 ("gpus_per_host", self.gpus_per_host)]
@@ -723,7 +903,8 @@ def predict(config, sweep: Sweep | None = None, *, jobs: int | None = None, prog
             kw = dict(tp=t, batch=b, **shape, link=sweep.calibration.links[link_name],
                       calibration=sweep.calibration, hosts=sweep.hosts_for(t),
                       layers_compiled=sweep.layers_compiled, algorithm=sweep.algorithm,
-                      contention=sweep.contention)
+                      contention=sweep.contention, launch=sweep.launch,
+                      copy_contention=sweep.copy_contention)
             pre = program_time(cfg, phase="prefill", **kw)
             step = program_time(cfg, phase="decode", **kw)
             rows.append({**_row(cfg, sweep, t, b, link_name, pre, step), **decode_memory(
@@ -868,7 +1049,8 @@ def predict_train(config, sweep: Sweep | None = None, *, batch: int, seq_len: in
                                 link=sweep.calibration.links[link_name],
                                 calibration=sweep.calibration, hosts=sweep.hosts_for(t),
                                 layers_compiled=sweep.layers_compiled,
-                                algorithm=sweep.algorithm, contention=sweep.contention)
+                                algorithm=sweep.algorithm, contention=sweep.contention,
+                                launch=sweep.launch, copy_contention=sweep.copy_contention)
             step_s = grad_accum * step["seconds"]
             rows.append({
                 "phase": "train", "residual": cfg.residual, "ladder_layers": cfg.ladder_layers,
@@ -908,7 +1090,9 @@ def _row(cfg, sweep: Sweep, tp, batch, link, pre, step) -> dict:
         "decode_step_flops": step["work"]["flops"],
         "decode_step_kernels_full": step["work"]["kernels"],
         "prefill_hbm_bytes": pre["work"]["hbm_bytes"], "prefill_flops": pre["work"]["flops"],
-        "n_layers": cfg.n_layers, "contention": sweep.contention, "fallback": fallback,
+        "n_layers": cfg.n_layers, "contention": sweep.contention, "launch": sweep.launch,
+        "copy_contention": sweep.contention and sweep.copy_contention,
+        "fallback": fallback,
         "calibration": sweep.calibration.source,
     }
 
@@ -996,6 +1180,12 @@ def check_calibration(cal: hardware.Calibration) -> None:
             if not math.isfinite(v) or v < 0 or (k == "bus_bytes_per_s" and v == 0):
                 raise PredictError(f"link {link.name} {k}={v} must be a finite number "
                                    f"{'> 0' if k == 'bus_bytes_per_s' else '>= 0'}")
+    if not (math.isfinite(cal.contention.copy_rate) and 0 < cal.contention.copy_rate <= 1):
+        raise PredictError(f"contention copy_rate={cal.contention.copy_rate} must be in (0, 1]")
+    for f in dataclasses.fields(cal.launch):
+        v = getattr(cal.launch, f.name)
+        if f.name != "sources" and not (math.isfinite(v) and v >= 0):
+            raise PredictError(f"launch {f.name}={v} must be a finite number >= 0")
     for k in ("bf16_flops", "hbm_bytes_per_s"):
         v = getattr(cal.chip, k)
         if not math.isfinite(v) or v <= 0:

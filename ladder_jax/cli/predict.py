@@ -80,6 +80,13 @@ def parser() -> argparse.ArgumentParser:
                         "real GPU; replaces the public figures it names")
     p.add_argument("--no-contention", action="store_true",
                    help="collectives in flight take nothing from the kernels beside them")
+    p.add_argument("--no-copy-contention", action="store_true",
+                   help="collectives beside a running kernel move their data at full speed "
+                        "(contention one way only, the ablation; hardware.CONTENTION.copy_rate)")
+    p.add_argument("--launch", default="graphs",
+                   help="how the host issues kernels: graphs (XLA's command buffers between "
+                        "collectives), streams (one launch each), off (host costs left out; "
+                        "hardware.LAUNCH)")
     p.add_argument("--algorithm", default="nccl",
                    help="collectives: nccl (across hosts NCCL's own choice of ring or tree and "
                         "protocol, hardware.NCCL; one host: ring), or ring or tree everywhere")
@@ -134,7 +141,8 @@ def main(argv=None) -> int:
         print(f"{args.preset}{f', {args.quantize} weights' if args.quantize else ''}, "
               f"prompt {args.prompt_len}, {args.new_tokens} new tokens, "
               f"{args.target}, hosts per tp group {'/'.join(map(str, hosts))}"
-              f"{'' if args.no_contention else ', with contention'}; predicted in "
+              f"{'' if args.no_contention else ', with contention'}, launch "
+              f"{args.launch}; predicted in "
               f"{time.perf_counter() - t0:.0f} s")
         print(format_table(rows))
         print(roofline.format_table(rows))
@@ -192,7 +200,8 @@ def _rows(args, show) -> tuple[list[dict], str]:
     sweep = Sweep(links=tuple(args.link), target=args.target, residuals=residuals,
                   hosts=args.hosts, gpus_per_host=args.gpus_per_host,
                   layers_compiled=args.layers_compiled, algorithm=args.algorithm,
-                  contention=not args.no_contention, calibration=cal)
+                  contention=not args.no_contention, calibration=cal, launch=args.launch,
+                  copy_contention=not args.no_copy_contention)
     common = dict(jobs=args.jobs, progress=show)
     if args.phase == "train":
         config, train_kw = _train_setup(args)
