@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -153,3 +154,19 @@ def last_step(run) -> int:
         except (ValueError, KeyError):
             pass
     return max(steps)
+
+
+def shrink(nb, cell: int, **values):
+    """`nb` with each `name=VALUE` of code cell `cell` (a keyword or an assignment) set to the
+    source text `values[name]`: the tests run a notebook on smaller settings than it is committed
+    with. AssertionError if a name is not written exactly once in that cell.
+
+        shrink(nb, 6, steps="8")  # `steps=80` -> `steps=8`
+    """
+    src = nb.cells[cell].source
+    for name, value in values.items():
+        pattern = rf"\b({re.escape(name)}\s*=\s*)([^,)\n]+)"
+        assert len(re.findall(pattern, src)) == 1, (name, src)
+        src = re.sub(pattern, lambda m: m.group(1) + value, src)
+    nb.cells[cell].source = src
+    return nb

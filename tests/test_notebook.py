@@ -14,6 +14,7 @@ import nbformat
 from nbclient import NotebookClient
 
 from ladder_jax import runtime
+from tests.helpers import shrink
 
 NOTEBOOKS = pathlib.Path(__file__).parent.parent / "notebooks"
 NOTEBOOK = NOTEBOOKS / "quickstart.ipynb"
@@ -73,7 +74,9 @@ def test_the_quickstart_is_committed_executed():
 
 
 def test_quickstart_notebook_executes(monkeypatch):
-    nb = nbformat.read(NOTEBOOK, as_version=4)
+    # the training cell on fewer steps (its logging, evaluation and checkpoint in proportion)
+    nb = shrink(nbformat.read(NOTEBOOK, as_version=4), 6, steps="8", eval_every="4",
+                log_every="2", ckpt_every="8")
     # the kernel is a fresh process: give it the CPU setup the tests use
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.delenv("XLA_FLAGS", raising=False)
