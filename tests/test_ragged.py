@@ -58,6 +58,24 @@ def test_ragged_decode_attention_equals_the_reference(kernel, T):
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0)
 
 
+def test_a_head_width_triton_cannot_block_takes_the_xla_loop():
+    """Triton's block shapes are powers of two: a head width of 24 (a 3b-like model's 72
+    alike) runs the XLA loop even where the model asks for the kernel, and still equals the
+    reference attention; a width of 16 runs the kernel."""
+    keys = jax.random.split(jax.random.key(1), 3)
+    q, k, v = (jax.random.normal(keys[0], (2, 1, 4, 24)),
+               jax.random.normal(keys[1], (2, 2, 24, 64)),
+               jax.random.normal(keys[2], (2, 2, 64, 24)))
+    pos_bt = jnp.asarray([[5], [40]], jnp.int32)
+    f = lambda *a: ragged.attend_filled(*a, kernel="pallas", interpret=True)  # noqa: E731
+    assert "pallas_call" not in str(jax.make_jaxpr(f)(q, k, v, pos_bt))
+    np.testing.assert_allclose(np.asarray(jax.jit(f)(q, k, v, pos_bt)),
+                               reference.cache_attention(q, k, v, np.asarray(pos_bt)),
+                               atol=1e-5, rtol=0)
+    q16, k16, v16 = q[..., :16], k[:, :, :16], v[..., :16]
+    assert "pallas_call" in str(jax.make_jaxpr(f)(q16, k16, v16, pos_bt))
+
+
 @pytest.mark.parametrize("tp", [1, 4])
 def test_cached_decode_of_a_ragged_batch_equals_the_full_forward(tp):
     """Prompts of 3, 20, 1 and 37 tokens prefilled into a 256-slot cache (blocks of 32), then

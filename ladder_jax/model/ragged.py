@@ -55,7 +55,9 @@ def attend_filled(q_btnh, k_bkhs, v_bksh, q_pos_bt, kernel: str = "matmul",
     S = v_bksh.shape[2]
     block = block or key_block(S)
     block = min(block, 1 << (S.bit_length() - 1))  # a power of two within the cache
-    if kernel in ("pallas", "cudnn") and S >= MIN_BLOCK:  # Triton's blocks: 16 or more
+    H = v_bksh.shape[3]
+    # Triton's blocks: 16 or more slots, and a head width that is a power of two
+    if kernel in ("pallas", "cudnn") and S >= MIN_BLOCK and H == 1 << (H - 1).bit_length():
         return _pallas(q_btnh, k_bkhs, v_bksh, q_pos_bt, block, interpret)
     return _blocked(q_btnh, k_bkhs, v_bksh, q_pos_bt, block)
 
