@@ -27,7 +27,6 @@ from ladder_jax.train.lock import RunBusy, RunLock
 # Keys whose change makes a resumed run a different experiment.
 RESUME_KEYS = ("seed", "model", "optim", "data.path", "data.tokenizer", "data.seq_len",
                "data.batch_size", "data.grad_accum", "data.eval_fraction", "data.seed")
-_RESUME_KEYS = RESUME_KEYS
 
 
 def changed_keys(old: dict, new: dict) -> dict:
