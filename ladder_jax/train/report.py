@@ -8,7 +8,6 @@ Process 0 alone prints. `progress=auto` is a rich bar on a terminal, plain lines
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 
 import jax
@@ -30,10 +29,6 @@ def peak_flops(cfg: TrainConfig, device) -> float | None:
         return cfg.peak_tflops * 1e12
     chip = hardware.chip_of(device)
     return chip.bf16_flops if chip else None
-
-
-def perplexity(loss: float) -> float:
-    return math.exp(min(loss, 50.0)) if math.isfinite(loss) else float("nan")
 
 
 def duration(seconds: float) -> str:

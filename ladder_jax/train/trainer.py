@@ -37,14 +37,8 @@ from ladder_jax.model.transformer import Transformer
 from ladder_jax.train import data, distill, step
 from ladder_jax.train.benchmark import benchmark
 from ladder_jax.train.checkpoint import Checkpointer, SaveError, params_finite
-from ladder_jax.train.report import (
-    Reporter,
-    duration,
-    flops_per_token,
-    peak_flops,
-    peak_text,
-    perplexity,
-)
+from ladder_jax.train.evaluate import perplexity
+from ladder_jax.train.report import Reporter, duration, flops_per_token, peak_flops, peak_text
 from ladder_jax.train.rundir import MetricsLog, RunDir, changed_keys, check_writable, config_dict
 from ladder_jax.train.step import TrainState
 
