@@ -58,7 +58,7 @@ def main(argv=None) -> int:
             lj.sharding.setup_host(1)
             results = ad.run(setting, out, emit=emit)
         paths = ad.plots(results, out)
-    except lj.ConfigError as e:
+    except lj.UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:

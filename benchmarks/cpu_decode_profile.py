@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     gen.check_generation(config, [[0] * T], args.new_tokens)
     decoder = gen.Decoder(lj.Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)), consume=True)
     S = cache_length(config, T, args.new_tokens)
-    rows = gen.rows_to_device(gen.Rows.of([gen.Sampling()] * B), mesh)
+    rows = gen.rows_to_device(gen.RowSampling.of([gen.Sampling()] * B), mesh)
     tokens = gen.to_device(np.random.default_rng(0).integers(
         0, min(256, config.vocab_size), (B, T), dtype=np.int32), mesh, P("data", None))
     lengths = gen.to_device(np.full(B, T, np.int32), mesh, P("data"))

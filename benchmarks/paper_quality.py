@@ -60,7 +60,7 @@ def main(argv=None) -> int:
             results = pq.run(setting, out, emit=emit, fresh=args.fresh,
                              adapt=not args.no_adapt)
         paths = pq.plots(results, out)
-    except lj.ConfigError as e:
+    except lj.UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:

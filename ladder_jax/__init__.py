@@ -16,7 +16,7 @@ with _runtime.quiet():  # the CUDA plugin's start-up chatter on hosts without a 
 
 from ladder_jax import hardware  # noqa: E402
 from ladder_jax.api import Run, evaluate, fit, generate, load, overlap_table, predict
-from ladder_jax.config import PRESETS, RESIDUALS, ConfigError, ModelConfig, RopeScaling
+from ladder_jax.config import PRESETS, RESIDUALS, ConfigError, ModelConfig, RopeScaling, UsageError
 from ladder_jax.interop.gguf import load_gguf
 from ladder_jax.interop.hf import load_hf, save_hf
 from ladder_jax.model import sharding  # noqa: E402
@@ -36,6 +36,7 @@ __all__ = [
     "PRESETS",
     "RESIDUALS",
     "ConfigError",
+    "UsageError",
     "ModelConfig",
     "RopeScaling",
     "ShardingError",

@@ -1,6 +1,7 @@
 """Every configuration in one place: `ModelConfig` and its presets, a training run's `TrainConfig`
-(the schema of `python -m ladder_jax.train`), their checks, and `ConfigError`, which every
-command-line tool turns into one line and exit code 2.
+(the schema of `python -m ladder_jax.train`), their checks, and `UsageError` (the base of every
+user error; `ConfigError` for configs), which every command-line tool turns into one line and
+exit code 2.
 
     config = ModelConfig.from_preset("llama-3-8b", residual="ladder", ladder_layers=16)
     cfg = load_config(["configs/tiny.yaml", "model.residual=ladder"])   # a TrainConfig
@@ -26,9 +27,14 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
 
-class ConfigError(ValueError):
+class UsageError(ValueError):
+    """Bad input from the user (a config, a flag, a file, data, a request); the message names
+    it and the fix. The command-line tools print it as one line and exit 2."""
+
+
+class ConfigError(UsageError):
     """A configuration that cannot be built or run; the message names the key / field and the
-    fix. The command-line tools print it as one line and exit 2."""
+    fix."""
 
 
 # ---------------------------------------------------------------------------------------------

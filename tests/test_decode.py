@@ -83,8 +83,8 @@ def test_sampled_rows_do_not_depend_on_the_batch_and_sampling_objects_equal_keyw
 
 
 @pytest.mark.parametrize("seed", ["x", 1.5, True, -1, 2**32])
-def test_bad_seed_is_one_config_error(seed):
-    with pytest.raises(lj.ConfigError, match=r"seed=.* must be an integer from 0 to 2\*\*32"):
+def test_bad_seed_is_one_usage_error(seed):
+    with pytest.raises(lj.UsageError, match=r"seed=.* must be an integer from 0 to 2\*\*32"):
         lj.generate(_model(1), [[1, 2]], max_new_tokens=2, seed=seed)
 
 
@@ -250,7 +250,8 @@ def test_decode_step_reads_the_cache_where_it_lies(target):
         decoder = generation.Decoder(lj.Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)))
         S, heads = 64, config.n_kv_heads
         ints = jax.ShapeDtypeStruct((B,), np.int32)
-        rows = generation.rows_to_device(generation.Rows.of([generation.Sampling()] * B), mesh)
+        rows = generation.rows_to_device(
+            generation.RowSampling.of([generation.Sampling()] * B), mesh)
         hlo = decoder.lower_decode(KVCache.abstract(config, mesh, B, S),
                                    ints, ints, rows, ints).compile().as_text()
     else:

@@ -488,3 +488,46 @@ def test_warmup_says_what_it_compiles_and_sigterm_ends_an_idle_server_at_once(tm
         assert time.monotonic() - start < 5, "an idle server took over 5 s to exit"
     finally:
         stop_server(proc)
+
+
+def test_plan_round_trips_through_its_array_bit_for_bit():
+    """A multi-host plan: `Plan.from_array(plan.to_array())` gives every field back, float
+    settings bit for bit (-0.0, a denormal, inf, a NaN payload), at the offsets of the layout
+    written out by hand."""
+    from ladder_jax.inference.batching import Admission, Plan
+    from ladder_jax.inference.sampling import RowSampling
+
+    B, admit, length = 3, 2, 16
+    odd = np.array([-0.0, 1e-45, np.inf], np.float32)
+    nan = np.array([0x7FC00123], np.int32).view(np.float32)  # a NaN with a payload
+    rows = RowSampling(np.array([[1, 2**32 - 1], [3, 4], [5, 6]], np.uint32), odd,
+                       np.array([0, 40, 1], np.int32), np.array([1.0, 0.9, 0.25], np.float32))
+    one = RowSampling(np.array([[7, 2**31]], np.uint32), nan, np.array([5], np.int32),
+                      np.array([0.5], np.float32))
+    plan = Plan(True, 2, np.array([9, 8, 7], np.int32), np.array([4, 0, 11], np.int32), rows,
+                np.array([1, 0, 3], np.int32), np.array([True, False, True]),
+                [Admission(1, np.array([10, 20, 30], np.int32), one, True)])
+    arr = plan.to_array(admit, length)
+    assert arr.dtype == np.int32 and arr.shape == (3 + 9 * B + admit * (8 + length),)
+    assert arr[:3].tolist() == [1, 2, 1]
+    slot1 = arr[3 + 9:3 + 18]  # token, position, key (2), temperature, top_k, top_p, count, busy
+    assert slot1.tolist() == [8, 0, 3, 4, np.float32(1e-45).view(np.int32), 40,
+                              np.float32(0.9).view(np.int32), 0, 0]
+    o = 3 + 9 * B
+    assert arr[o:o + 8].tolist() == [1, 3, 7, -2**31, 0x7FC00123, 5,
+                                     np.float32(0.5).view(np.int32), 1]
+    assert arr[o + 8:o + 11].tolist() == [10, 20, 30] and not arr[o + 11:].any()
+    back = Plan.from_array(arr, B, length)
+    assert (back.run, back.decode, len(back.admissions)) == (True, 2, 1)
+    for got, want in [(back.tokens_b, plan.tokens_b), (back.positions_b, plan.positions_b),
+                      (back.count_b, plan.count_b), (back.busy_b, plan.busy_b)]:
+        np.testing.assert_array_equal(got, want)
+    for got, want in [(back.rows, rows), (back.admissions[0].rows, one)]:
+        for field in ("keys", "temperature", "top_k", "top_p"):
+            g, w = getattr(got, field), getattr(want, field)
+            assert g.dtype == w.dtype and g.tobytes() == w.tobytes(), field
+    a = back.admissions[0]
+    assert (a.slot, a.prompt.tolist(), a.scored) == (1, [10, 20, 30], True)
+    stop = Plan(False, 0, *(np.zeros(B, np.int32),) * 2, RowSampling.empty(B),
+                np.zeros(B, np.int32), np.zeros(B, bool), [])
+    assert not Plan.from_array(stop.to_array(admit, length), B, length).run

@@ -163,8 +163,9 @@ def test_nonfinite_gradient_is_skipped_and_params_unchanged():
     optimizer = step.make_optimizer()
     opt_state = optimizer.init(params)
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
+    shardings = step.shardings_of(params)
     fn = jax.jit(lambda p, o, t, m: step.train_step(graphdef, p, o, t, t, optimizer=optimizer,
-                                                    mask_bt=m))
+                                                    shardings=shardings, mask_bt=m))
     before = jax.tree.map(np.asarray, (params, opt_state))
     nan_mask = jnp.full(tokens.shape, jnp.nan)  # poisons the loss and every gradient
     p2, o2, m = fn(params, opt_state, tokens, nan_mask)

@@ -58,6 +58,7 @@ from ladder_jax.cli.common import ArgumentParser
 from ladder_jax.config import (
     RESIDUALS,
     ConfigError,
+    UsageError,
     check_quantize,
     parse_ladder_layers,
     scheme_overrides,
@@ -214,7 +215,7 @@ def main(argv=None) -> int:
             _save_checkpoint(model, args.out, {
                 "step": 0, "config": doc, "model_config": dataclasses.asdict(model.config),
                 "source": os.path.abspath(args.hf or args.gguf or args.checkpoint)})
-    except ConfigError as e:  # HFError and ShardingError included
+    except UsageError as e:  # HFError and ShardingError included
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{model}\nwritten to {args.out}" + (" (Hugging Face layout)" if args.to_hf else ""))

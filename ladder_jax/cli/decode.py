@@ -29,6 +29,7 @@ from ladder_jax.config import (
     RESIDUALS,
     ConfigError,
     ModelConfig,
+    UsageError,
     check_quantize,
     parse_ladder_layers,
     scheme_overrides,
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
                 print(*a, **kw, flush=True)
 
         return _run(args, shape, say)
-    except ConfigError as e:  # GenerationError and ShardingError included
+    except UsageError as e:  # GenerationError and ShardingError included
         print(f"error: {e}", file=sys.stderr)
         return 2
     except jax.errors.JaxRuntimeError as e:  # several processes: a peer died, one line

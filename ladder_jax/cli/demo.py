@@ -38,7 +38,7 @@ def main(argv=None) -> int:
             raise lj.ConfigError(f"--seq {args.seq} exceeds the preset's max_seq_len "
                                  f"{base.max_seq_len}")
         lj.sharding.WeightSpecs.for_model(base, mesh)
-    except (lj.ConfigError, lj.ShardingError) as e:
+    except lj.UsageError as e:  # ShardingError included
         print(f"error: {e}", file=sys.stderr)
         return 2
 

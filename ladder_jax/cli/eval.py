@@ -28,6 +28,7 @@ from ladder_jax.cli.common import ArgumentParser
 from ladder_jax.config import (
     RESIDUALS,
     ConfigError,
+    UsageError,
     check_quantize,
     parse_ladder_layers,
     scheme_overrides,
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
                       coordinator=args.coordinator, num_processes=args.num_processes,
                       process_id=args.process_id)
         return _run(args)
-    except ConfigError as e:  # TaskError, ShardingError and HFError included
+    except UsageError as e:  # TaskError, ShardingError and HFError included
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -32,6 +32,7 @@ from ladder_jax.config import (
     RESIDUALS,
     ConfigError,
     ModelConfig,
+    UsageError,
     check_quantize,
     load_config,
     parse_ladder_layers,
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
     except CompileError as e:
         print(f"error: --preset {args.preset}: {e}".splitlines()[0], file=sys.stderr)
         return 2
-    except (ConfigError, OverlapError, ValueError) as e:  # ShardingError is a ConfigError
+    except (UsageError, OverlapError, ValueError) as e:  # ShardingError is a UsageError
         print(f"error: {e}".splitlines()[0], file=sys.stderr)
         return 2
     if args.json:
@@ -130,7 +131,7 @@ def _main_config(args) -> int:
         cfg = load_config([args.config, *over])
         rep = report_config(cfg, hosts=args.hosts, gpus_per_host=args.gpus_per_host,
                             target=args.target, hlo_file=args.dump_hlo)
-    except (ConfigError, OverlapError, ValueError) as e:
+    except (UsageError, OverlapError, ValueError) as e:
         print(f"error: {e}".splitlines()[0], file=sys.stderr)
         return 2
     if args.json:
@@ -147,7 +148,7 @@ def _main_config(args) -> int:
     try:
         step.check_memory(rep["memory"], rep["device_memory_bytes"], cfg,
                           where=f"per device ({rep['target']})")
-    except ConfigError as e:
+    except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     _dumped(args.dump_hlo)

@@ -40,14 +40,13 @@ from ladder_jax.analysis.programs import OverlapError
 from ladder_jax.cli.common import ArgumentParser, EveryDefaultFormatter, write_stderr
 from ladder_jax.config import (
     RESIDUALS,
-    ConfigError,
     ModelConfig,
+    UsageError,
     check_quantize,
     load_config,
     model_config,
     parse_ladder_layers,
 )
-from ladder_jax.model.sharding import ShardingError
 
 
 def parser() -> argparse.ArgumentParser:
@@ -125,7 +124,7 @@ def main(argv=None) -> int:
     show = _Progress(args.preset if args.phase != "train" else args.config)
     try:
         rows, name = _rows(args, show)
-    except (ConfigError, ShardingError, OverlapError, PredictError, ValueError) as e:
+    except (UsageError, OverlapError, PredictError, ValueError) as e:
         show.clear()
         print(f"error: {e}".splitlines()[0], file=sys.stderr)
         return 2

@@ -31,6 +31,7 @@ from ladder_jax.config import (
     RESIDUALS,
     ConfigError,
     ModelConfig,
+    UsageError,
     parse_ladder_layers,
     scheme_overrides,
 )
@@ -141,7 +142,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         return _run(args)
-    except ConfigError as e:  # GenerationError and ShardingError included
+    except UsageError as e:  # GenerationError and ShardingError included
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -9,7 +9,7 @@ import textwrap
 import jax
 
 from ladder_jax import runtime
-from ladder_jax.config import ConfigError, check, help_rows, load_config
+from ladder_jax.config import UsageError, check, help_rows, load_config
 from ladder_jax.train.trainer import NonFiniteError, SaveError, init_runtime, run
 
 USAGE = """usage: python -m ladder_jax.train [CONFIG.yaml ...] [key=value ...]
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
         check(cfg)
         init_runtime(cfg)
         result = run(cfg)
-    except ConfigError as e:  # ShardingError, DataError and tokenizer errors included
+    except UsageError as e:  # ShardingError, DataError, RunBusy and tokenizer errors
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteError as e:

@@ -91,7 +91,7 @@ def _programs(graphdef, treedef, mesh):
         return nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
 
     def prefill(weights, cache, tokens_bt):
-        # positions None: from slot 0, fused causal attention; the logits are dropped, so XLA
+        # positions None: from slot 0, causal flash attention; the logits are dropped, so XLA
         # drops the head's matmul
         _, layers = merged(weights).forward_cached(tokens_bt, None, cache.layers())
         return KVCache.from_layers(layers)

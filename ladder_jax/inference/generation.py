@@ -33,6 +33,7 @@ from ladder_jax.inference.sampling import (
     GenerationError,
     NonFiniteLogits,
     Rows,
+    RowSampling,
     Sampling,
     is_int,
     sample,
@@ -43,9 +44,9 @@ from ladder_jax.model import quant, sharding
 from ladder_jax.model.sharding import DATA
 from ladder_jax.model.transformer import Transformer, fuse_inputs
 
-__all__ = ["GenerationError", "KVCache", "Rows", "Sampling", "sample", "cache_length",
-           "Decoder", "TOP_LOGPROBS", "generate", "check_generation", "benchmark", "to_device",
-           "to_host"]
+__all__ = ["GenerationError", "KVCache", "RowSampling", "Rows", "Sampling", "sample",
+           "cache_length", "Decoder", "TOP_LOGPROBS", "generate", "check_generation",
+           "benchmark", "to_device", "to_host"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,7 +66,7 @@ def _programs(graphdef, treedef, mesh):
 
     def prefill(weights, cache, tokens_bt, lengths_b, rows):
         model = merged(weights)
-        # positions None: the prompt from slot 0, attention fused over the prompt itself
+        # positions None: the prompt from slot 0, flash attention over the prompt itself
         logits_btv, layers = model.forward_cached(tokens_bt, None, cache.layers())
         last_bv = jnp.take_along_axis(logits_btv, (lengths_b - 1)[:, None, None], axis=1)
         first_b = jnp.zeros(tokens_bt.shape[:1], jnp.int32)
@@ -91,10 +92,10 @@ def _programs(graphdef, treedef, mesh):
 
     def prefill_slots(weights, cache, slots_n, tokens_nt, lengths_n, rows_n):
         # slots past the cache's end are padding: their row is computed and dropped
-        rows = jax.tree.map(lambda c: jnp.take(c, slots_n, axis=0, mode="clip"), cache)
-        first_n, rows = prefill(weights, rows, tokens_nt, lengths_n, rows_n)
+        picked = jax.tree.map(lambda c: jnp.take(c, slots_n, axis=0, mode="clip"), cache)
+        first_n, picked = prefill(weights, picked, tokens_nt, lengths_n, rows_n)
         return first_n, jax.tree.map(
-            lambda c, r: c.at[slots_n].set(r, mode="drop"), cache, rows)
+            lambda c, r: c.at[slots_n].set(r, mode="drop"), cache, picked)
 
     cache_sharding = NamedSharding(mesh, sharding.CACHE_BKSH)
     out = (replicated, cache_sharding)
@@ -128,8 +129,8 @@ def _scored_programs(graphdef, treedef, mesh, top: int):
     def prefill_slots(weights, cache, slots_n, tokens_nt, lengths_n, rows_n):
         # as _programs' prefill_slots; position t is scored against the token at t + 1 (the
         # prompt's next token, the drawn first token at the prompt's last position)
-        rows = jax.tree.map(lambda c: jnp.take(c, slots_n, axis=0, mode="clip"), cache)
-        logits_ntv, layers = merged(weights).forward_cached(tokens_nt, None, rows.layers())
+        picked = jax.tree.map(lambda c: jnp.take(c, slots_n, axis=0, mode="clip"), cache)
+        logits_ntv, layers = merged(weights).forward_cached(tokens_nt, None, picked.layers())
         last_nv = jnp.take_along_axis(logits_ntv, (lengths_n - 1)[:, None, None], axis=1)[:, 0]
         first_n = sample_rows(last_nv, rows_n, jnp.zeros(tokens_nt.shape[:1], jnp.int32))
         T = tokens_nt.shape[1]
@@ -174,7 +175,7 @@ class Decoder:
         data = 1); slots >= the cache's batch are padding (computed, not written)
     `prefill_slots_scored`, `decode_steps_scored`: the same, also returning log-probabilities
         (the server's logprobs and echo; compiled on first use)
-    The cache argument is donated: use only the returned one. `rows` is `sampling.Rows`.
+    The cache argument is donated: use only the returned one. `rows` is a `RowSampling`.
 
     A quantized model (`ladder_jax.model.quant`) on a CPU mesh is decoded through its float
     copy, dequantized once here (XLA:CPU's int8 matmuls are much slower than float32); on GPU
@@ -296,11 +297,12 @@ def to_device(array: np.ndarray, mesh, spec=P()) -> jax.Array:
                                         lambda index: array[index])
 
 
-def rows_to_device(rows: Rows, mesh, batch_spec=P(DATA)) -> Rows:
+def rows_to_device(rows: RowSampling, mesh, batch_spec=P(DATA)) -> RowSampling:
     keys_spec = P(*batch_spec, None)
-    return Rows(to_device(rows.keys, mesh, keys_spec),
-                to_device(rows.temperature, mesh, batch_spec),
-                to_device(rows.top_k, mesh, batch_spec), to_device(rows.top_p, mesh, batch_spec))
+    return RowSampling(to_device(rows.keys, mesh, keys_spec),
+                       to_device(rows.temperature, mesh, batch_spec),
+                       to_device(rows.top_k, mesh, batch_spec),
+                       to_device(rows.top_p, mesh, batch_spec))
 
 
 def to_host(x: jax.Array) -> np.ndarray:
@@ -368,7 +370,7 @@ def generate(model: Transformer, prompts, *, max_new_tokens: int = 64,
 
     cache = KVCache.init(c, mesh, B, S)
     batch = P(DATA)
-    settings = rows_to_device(Rows.of([sampling] * B), mesh)
+    settings = rows_to_device(RowSampling.of([sampling] * B), mesh)
     new_b, cache = decoder.prefill(cache, to_device(tokens_bt, mesh, P(DATA, None)),
                                    to_device(lengths, mesh, batch), settings)
     out = [[] for _ in range(n)]
@@ -529,7 +531,7 @@ def benchmark(config: ModelConfig, mesh, *, batch: int, prompt_len: int, new_tok
     check_generation(config, [[0] * prompt_len], new_tokens)
     model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(seed))
     decoder = Decoder(model, consume=True)
-    settings = rows_to_device(Rows.of([Sampling()] * batch), mesh)
+    settings = rows_to_device(RowSampling.of([Sampling()] * batch), mesh)
     S = cache_length(config, prompt_len, new_tokens)
     rng = np.random.default_rng(seed)
     tokens = to_device(rng.integers(0, min(config.vocab_size, 256), (batch, prompt_len),

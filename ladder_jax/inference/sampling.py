@@ -2,7 +2,8 @@
 
     Sampling(temperature=0.8, top_k=200, top_p=0.95, seed=7).check(vocab_size)
 
-Every row samples with its own settings and key, all arrays (`Rows`), so one program serves any
+Every row samples with its own settings and key, all arrays (`RowSampling`), so one program
+serves any
 mix of greedy and sampled rows. Token n of a row draws with `fold_in(row key, n)`, the row key
 `fold_in(key(seed), r)`: `generate([p], seed=s)` and a server request (p, seed s) draw the same
 tokens. Temperature 0 (or top_k 1) is greedy; otherwise temperature, then top_k (0: off), then
@@ -22,12 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ladder_jax.config import ConfigError
+from ladder_jax.config import UsageError
 
 NONFINITE = -1  # the token of a row whose logits are not finite
 
 
-class GenerationError(ConfigError):
+class GenerationError(UsageError):
     """Input generation cannot run on; the message gives the numbers."""
 
 
@@ -73,7 +74,7 @@ class Sampling:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Rows:
+class RowSampling:
     """Per-row sampling settings of a batch, as arrays (host numpy or device)."""
 
     keys: np.ndarray  # (B, 2) uint32: each row's key data
@@ -82,11 +83,11 @@ class Rows:
     top_p: np.ndarray  # (B,) float32, 1: off
 
     @staticmethod
-    def of(samplings, rows=None) -> "Rows":
-        """Rows for `samplings` (checked `Sampling`s); row b's key is fold_in(key(seed), rows[b])
-        (default: b)."""
+    def of(samplings, rows=None) -> "RowSampling":
+        """The settings of `samplings` (checked `Sampling`s), one row each; row b's key is
+        fold_in(key(seed), rows[b]) (default: b)."""
         rows = range(len(samplings)) if rows is None else rows
-        return Rows(
+        return RowSampling(
             keys=np.stack([row_key(s.seed, r) for s, r in zip(samplings, rows)]),
             temperature=np.array([s.temperature for s in samplings], np.float32),
             top_k=np.array([s.top_k or 0 for s in samplings], np.int32),
@@ -94,10 +95,13 @@ class Rows:
                            np.float32))
 
     @staticmethod
-    def empty(batch: int) -> "Rows":
+    def empty(batch: int) -> "RowSampling":
         """Greedy rows with zero keys (the free slots of a batch)."""
-        return Rows(np.zeros((batch, 2), np.uint32), np.zeros(batch, np.float32),
-                    np.zeros(batch, np.int32), np.ones(batch, np.float32))
+        return RowSampling(np.zeros((batch, 2), np.uint32), np.zeros(batch, np.float32),
+                           np.zeros(batch, np.int32), np.ones(batch, np.float32))
+
+
+Rows = RowSampling  # its old name
 
 
 def row_key(seed: int, row: int) -> np.ndarray:
@@ -106,7 +110,7 @@ def row_key(seed: int, row: int) -> np.ndarray:
                       np.uint32)
 
 
-def sample_rows(logits_bv, rows: Rows, token_b):
+def sample_rows(logits_bv, rows: RowSampling, token_b):
     """Token `token_b` (the index of the new token in its row's output, 0 = the first) of
     every row, from float32 logits (B, V), with each row's own settings and key; `NONFINITE`
     for a row whose logits hold a NaN or +inf."""
@@ -144,7 +148,7 @@ def sample(logits_bv, key, s: Sampling):
     fold_in(key, b): `sample_rows` for a batch that shares its settings."""
     B = logits_bv.shape[0]
     keys = jax.vmap(lambda b: jax.random.key_data(jax.random.fold_in(key, b)))(jnp.arange(B))
-    rows = Rows(keys.astype(jnp.uint32), jnp.full(B, s.temperature, jnp.float32),
-                jnp.full(B, s.top_k or 0, jnp.int32),
-                jnp.full(B, 1.0 if s.top_p is None else s.top_p, jnp.float32))
+    rows = RowSampling(keys.astype(jnp.uint32), jnp.full(B, s.temperature, jnp.float32),
+                       jnp.full(B, s.top_k or 0, jnp.int32),
+                       jnp.full(B, 1.0 if s.top_p is None else s.top_p, jnp.float32))
     return sample_rows(logits_bv, rows, jnp.zeros(B, jnp.int32))

@@ -133,17 +133,19 @@ def shard(fn: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
 
 
-def global_norm(tree, specs, mesh: Mesh) -> jax.Array:
-    """The L2 norm of all arrays in `tree`, laid out as `specs` (one PartitionSpec per leaf:
-    where each array is stored, e.g. the FSDP layout, so that nothing moves) on `mesh`, with
-    ONE scalar all-reduce over the whole mesh: each rank sums the squares of its own blocks,
-    counting a block that is replicated over some mesh axes only on the ranks at index 0 of
-    those axes, and one psum adds the ranks' sums. Left to XLA, every sharded leaf would be
+def global_norm(tree, shardings) -> jax.Array:
+    """The L2 norm of all arrays in `tree`, laid out as `shardings` (one NamedSharding per leaf,
+    all on one mesh: where each array is stored, e.g. the FSDP layout, so that nothing moves),
+    with ONE scalar all-reduce over the whole mesh: each rank sums the squares of its own
+    blocks, counting a block that is replicated over some mesh axes only on the ranks at index
+    0 of those axes, and one psum adds the ranks' sums. Left to XLA, every sharded leaf would be
     reduced on its own: one small synchronous all-reduce per weight (the all-reduce combiner is
     off, see `compiler_options`)."""
 
     leaves = jax.tree.leaves(tree)
-    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+    sharding_leaves = jax.tree.leaves(shardings)
+    mesh = sharding_leaves[0].mesh
+    spec_leaves = [s.spec for s in sharding_leaves]
     axes = tuple(mesh.axis_names)
 
     def split_over(spec) -> set:

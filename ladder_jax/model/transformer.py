@@ -143,7 +143,7 @@ class Attention(FusesInputs):
 
         `positions_bt=None`: the tokens are at positions 0..T-1 (a training sequence, or a
         prompt written from slot 0 of the cache: the prefill). Attention then runs as one
-        fused causal kernel over the T keys of the call itself (`attend_causal`): the same
+        causal flash kernel over the T keys of the call itself (`attend_causal`): the same
         result as attending over the cache, whose slots past t no query t may see. With
         positions given, it runs the reference `attend` over the keys, or over a cache
         `ragged.attend_filled`, which reads only the slots some query can see."""
@@ -220,8 +220,9 @@ def attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs):
 
 
 # ---------------------------------------------------------------------------------------------
-# Fused attention: softmax(QK^T)V of T queries over their own T keys, causal, grouped-query,
-# without the (T, T) scores in memory where the platform has a kernel for it.
+# Flash attention: softmax(QK^T)V of T queries over their own T keys, causal, grouped-query,
+# without the (T, T) scores in memory where the platform has a kernel for it. ("Fused" in this
+# package means the fused inputs of decoding, `fuse_inputs`, never this kernel.)
 
 ATTENTION_KERNELS = ("matmul", "xla", "cudnn", "pallas")
 
@@ -234,7 +235,7 @@ def flat_matmuls(mesh: Mesh) -> bool:
 
 
 def attention_kernel(mesh: Mesh, dtype, head_dim: int) -> str:
-    """The fused-attention kernel for a model on `mesh`, chosen once when the model is built:
+    """The flash-attention kernel for a model on `mesh`, chosen once when the model is built:
 
     - "cudnn": a running NVIDIA GPU backend, bf16 / fp16 and head_dim a multiple of 8 up to
       128 (cuDNN's flash attention through `jax.nn.dot_product_attention`).
@@ -405,7 +406,7 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens_bt, positions_bt=None):
         """Logits (B, T, V) float32 for int tokens (B, T); positions default to 0..T-1, and
-        then attention runs fused (`attend_causal`)."""
+        then attention runs as flash attention (`attend_causal`)."""
         return self._sharded(tokens_bt, positions_bt, None)
 
     def forward_cached(self, tokens_bt, positions_bt, cache):
@@ -413,7 +414,7 @@ class Transformer(nnx.Module):
         (a list of (k, v) per layer: `ladder_jax.inference.cache.KVCache.layers()`), whose
         updated copy is returned. Row b's tokens are written to cache slots positions[b, 0]
         onwards and see the slots before them. `positions_bt=None`: a prompt from slot 0
-        (positions 0..T-1), attention fused over the prompt itself (the prefill)."""
+        (positions 0..T-1), flash attention over the prompt itself (the prefill)."""
         return self._sharded(tokens_bt, positions_bt, cache)
 
     def hidden(self, tokens_bt):
@@ -448,7 +449,7 @@ class Transformer(nnx.Module):
         specs = stored_specs(state)  # the weights enter as stored (FSDP: split over data)
         batch, logits = P(DATA, None), P(DATA, None, TP) if head else P(DATA, None, None)
 
-        # the positions travel only if given (None: 0..T-1, fused attention), the cache too
+        # the positions travel only if given (None: 0..T-1, flash attention), the cache too
         pos_args = () if positions_bt is None else (jnp.asarray(positions_bt),)
         cache_args = () if cache is None else (cache,)
         cache_specs = tuple(jax.tree.map(lambda _: sharding.CACHE_BKSH, c) for c in cache_args)

@@ -20,10 +20,10 @@ from importlib import resources
 import grain
 import numpy as np
 
-from ladder_jax.config import ConfigError
+from ladder_jax.config import UsageError
 
 
-class DataError(ConfigError):
+class DataError(UsageError):
     """Data that cannot be used as configured; the message says why and what to change."""
 
 

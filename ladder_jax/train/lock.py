@@ -1,6 +1,6 @@
 """One writer per run directory: `RunLock(run_path)`, held by the trainer while it runs.
 
-    with RunLock("runs/tiny") as lock:      # RunBusy (a ConfigError) if another trainer holds it
+    with RunLock("runs/tiny") as lock:      # RunBusy (a UsageError) if another trainer holds it
         ...                                  # lock.stale: the holder a killed process left, or None
 
 `<run>/.lock` is locked with `fcntl.flock` and names its holder (host, pid, started). The kernel
@@ -19,12 +19,12 @@ import os
 import socket
 import time
 
-from ladder_jax.config import ConfigError
+from ladder_jax.config import UsageError
 
 LOCK_FILE = ".lock"
 
 
-class RunBusy(ConfigError):
+class RunBusy(UsageError):
     """Another live trainer holds the run directory."""
 
 

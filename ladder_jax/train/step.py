@@ -1,14 +1,15 @@
 """The training step as pure functions: loss, optimizer, one update.
 
     params, opt_state, metrics = train_step(graphdef, params, opt_state, tokens, targets,
-                                            optimizer=optimizer)
+                                            optimizer=optimizer, shardings=shardings)
 
 Tokens of shape (A, B, T) are A accumulated micro-batches (the mean of their gradients). A
 non-finite loss or gradient norm leaves params and optimizer state unchanged
-(`metrics["skipped"]`). The trainer and the deviceless report (`overlap --config`) build the
-step from the same pieces (`make_train_step`, `opt_state_shardings`, `memory_use` /
-`check_memory`), so the report is about the program a run executes. `TrainState(params,
-opt_state, step)` is what a run and a checkpoint carry.
+(`metrics["skipped"]`). Layouts are NamedShardings throughout (`shardings_of`). The trainer
+and the deviceless report (`overlap --config`) build the step from the same pieces
+(`make_train_step`, `opt_state_shardings`, `memory_use` / `check_memory`), so the report is
+about the program a run executes. `TrainState(params, opt_state, step)` is what a run and a
+checkpoint carry.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from jax.sharding import PartitionSpec as P
 
 from ladder_jax.config import ConfigError, OptimizerConfig
 from ladder_jax.model import sharding
-from ladder_jax.model.transformer import param_specs
 
 
 @struct.dataclass
@@ -139,30 +139,34 @@ def loss_and_grads(graphdef, params, tokens, targets, mask=None, loss_chunk: int
     return loss_sum / n, jax.tree.map(lambda g: g / n, grad_sum)
 
 
-def train_step(graphdef, params, opt_state, tokens_bt, targets_bt, *, optimizer, grad_clip=1.0,
-               mask_bt=None, stored_specs=None, loss_chunk: int = 0, loss=None):
+def shardings_of(tree):
+    """The `NamedSharding` of every array in `tree` (a tree of the same structure): where a
+    run's state is stored, the one form of layout `train_step` and `make_train_step` take."""
+    return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def train_step(graphdef, params, opt_state, tokens_bt, targets_bt, *, optimizer, shardings,
+               grad_clip=1.0, mask_bt=None, loss_chunk: int = 0, loss=None):
     """One update. tokens/targets (B, T), or (A, B, T) for A accumulated micro-batches.
-    `stored_specs`: where the weights are stored (a tree of PartitionSpecs like `params`, e.g.
-    the FSDP layout; default their tp specs): the gradients are kept in
-    that layout, so clipping and AdamW run on each device's own blocks, with no gathering.
-    `loss_chunk`, `loss`: see `loss_fn`, `loss_and_grads`."""
+    `shardings`: where the weights are stored (`shardings_of(params)`, e.g. the FSDP layout):
+    the gradients are kept in that layout, so clipping and AdamW run on each device's own
+    blocks, with no gathering. A non-finite loss or gradient norm returns `params` and
+    `opt_state` as they came in (`metrics["skipped"]` = 1). `loss_chunk`, `loss`: see
+    `loss_fn`, `loss_and_grads`."""
     loss, grads = loss_and_grads(graphdef, params, tokens_bt, targets_bt, mask_bt, loss_chunk,
                                  loss)
-    mesh = nnx.merge(graphdef, params).mesh
-    if stored_specs is None:
-        stored_specs = param_specs(params)
-    else:
-        grads = jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(
-            g, NamedSharding(mesh, s)), grads, stored_specs)
-    grad_norm = sharding.global_norm(grads, stored_specs, mesh)  # one all-reduce
-    scale = jnp.minimum(1.0, grad_clip / jnp.maximum(grad_norm, 1e-12))
-    grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-    updates, new_opt_state = optimizer.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
+    grads = jax.tree.map(jax.lax.with_sharding_constraint, grads, shardings)
+    grad_norm = sharding.global_norm(grads, shardings)  # one all-reduce
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-    params = jax.tree.map(keep, new_params, params)
-    opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+
+    def update(params, opt_state, grads):
+        scale = jnp.minimum(1.0, grad_clip / jnp.maximum(grad_norm, 1e-12))
+        grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params, opt_state = jax.lax.cond(finite, update, lambda p, o, _: (p, o),
+                                     params, opt_state, grads)
     return params, opt_state, {"loss": loss, "grad_norm": grad_norm,
                                "skipped": (~finite).astype(jnp.int32)}
 
@@ -185,26 +189,24 @@ def make_train_step(graphdef, *, optimizer, grad_clip, param_shardings, opt_shar
                     loss_chunk: int = 0, loss=None):
     """The function a training run jits: (params, opt_state, batch) -> (params, opt_state,
     metrics). `batch` is (A, B, T + 1) int tokens, A accumulated micro-batches (A = 1: no
-    accumulation loop); `loss_chunk` as in `loss_fn`. The new state is constrained to the
-    given shardings (flat lists, one per leaf), so that it comes back stored as it went in
-    (donated in place)."""
+    accumulation loop); `loss_chunk` as in `loss_fn`. `param_shardings`, `opt_shardings`:
+    the NamedShardings of the state's leaves (`shardings_of`, or its leaves in a list); the
+    new state is constrained to them, so that it comes back stored as it went in (donated in
+    place)."""
 
-    def constrain(tree, shardings):
-        leaves, treedef = jax.tree.flatten(tree)
-        return treedef.unflatten([jax.lax.with_sharding_constraint(x, s)
-                                  for x, s in zip(leaves, shardings)])
+    def like(tree, shardings):
+        return jax.tree.structure(tree).unflatten(jax.tree.leaves(shardings))
 
     def step(params, opt_state, batch_abt):
         tokens, targets = batch_abt[..., :-1], batch_abt[..., 1:]
         if tokens.shape[0] == 1:
             tokens, targets = tokens[0], targets[0]
-        treedef = jax.tree.structure(params)
-        specs = treedef.unflatten([s.spec for s in param_shardings])
+        p_shardings, o_shardings = like(params, param_shardings), like(opt_state, opt_shardings)
         params, opt_state, metrics = train_step(
             graphdef, params, opt_state, tokens, targets, optimizer=optimizer,
-            grad_clip=grad_clip, stored_specs=specs, loss_chunk=loss_chunk, loss=loss)
-        return (constrain(params, param_shardings), constrain(opt_state, opt_shardings),
-                metrics)
+            shardings=p_shardings, grad_clip=grad_clip, loss_chunk=loss_chunk, loss=loss)
+        constrain = functools.partial(jax.tree.map, jax.lax.with_sharding_constraint)
+        return constrain(params, p_shardings), constrain(opt_state, o_shardings), metrics
 
     return step
 

@@ -4,7 +4,7 @@
 
 config -> mesh -> model -> step -> `runs/<name>/` (config.yaml, metrics.jsonl, checkpoints/).
 Invariants: a resumed run's losses equal an uninterrupted run's, bit for bit; one writer per run
-directory (`ladder_jax.train.lock`); bad input is one line and exit 2 before anything is
+directory (`ladder_jax.train.rundir`); bad input is one line and exit 2 before anything is
 written; a non-finite step is skipped (after `max_bad_steps` in a row: exit 3, the checkpoints
 holding those weights marked unsound); a signal saves and exits 0. The loop fetches the loss
 every step, so it never queues work ahead (XLA:CPU's fake devices deadlock otherwise). The
@@ -17,13 +17,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib.util
-import json
-import math
 import os
 import signal
-import sys
-import tempfile
 import time
 import zlib
 
@@ -33,52 +28,28 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from omegaconf import OmegaConf
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ladder_jax import hardware, runtime
-from ladder_jax.config import (  # noqa: F401  (load_config, model_config: the train API)
-    RESIDUALS,
-    ConfigError,
-    TrainConfig,
-    check,
-    load_config,
-    model_config,
-    to_yaml,
-)
+from ladder_jax.config import ConfigError, TrainConfig, check, load_config, model_config
 from ladder_jax.interop.tokenizer import make_tokenizer
 from ladder_jax.model import sharding
 from ladder_jax.model.transformer import Transformer
 from ladder_jax.train import data, distill, step
-from ladder_jax.train.checkpoint import (
-    Checkpointer,
-    DamagedCheckpoint,
-    SaveError,
-    load_params,
-    params_finite,
-)
-from ladder_jax.train.lock import RunBusy, RunLock
+from ladder_jax.train.benchmark import benchmark
+from ladder_jax.train.checkpoint import Checkpointer, SaveError, params_finite
+from ladder_jax.train.evaluate import perplexity
+from ladder_jax.train.report import Reporter, duration, flops_per_token, peak_flops, peak_text
+from ladder_jax.train.rundir import MetricsLog, RunDir, changed_keys, check_writable, config_dict
 from ladder_jax.train.step import TrainState
 
-__all__ = ["NonFiniteError", "SaveError", "Trainer", "benchmark", "run"]
+__all__ = ["NonFiniteError", "SaveError", "Trainer", "benchmark", "run",
+           # the train API, and the old paths of what moved to rundir / report
+           "load_config", "model_config", "MetricsLog", "changed_keys", "check_writable",
+           "flops_per_token", "peak_flops"]
 
 
 class NonFiniteError(RuntimeError):
     """Too many non-finite steps in a row. The CLI exits 3."""
-
-
-def flops_per_token(c, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x (matmul params) + causal attention (PaLM's estimate)."""
-    matmul_params = c.num_params() - c.vocab_size * c.d_model * (0 if c.tie_embeddings else 1)
-    return 6 * matmul_params + 6 * c.n_layers * c.n_heads * c.head_dim * seq_len
-
-
-def peak_flops(cfg: TrainConfig, device) -> float | None:
-    """Dense bf16 FLOP/s of one device (`peak_tflops`, else the hardware table), for MFU."""
-    if cfg.peak_tflops:
-        return cfg.peak_tflops * 1e12
-    chip = hardware.chip_of(device)
-    return chip.bf16_flops if chip else None
 
 
 def cpu_data_parallel(cfg: TrainConfig) -> int:
@@ -90,58 +61,43 @@ def cpu_data_parallel(cfg: TrainConfig) -> int:
     return n
 
 
+def data_parallel(cfg: TrainConfig, *, cpu: bool, devices: int | None = None) -> int | None:
+    """`mesh.data` resolved: as configured; null on one CPU process: `cpu_data_parallel`, at
+    most the `devices` there are over `mesh.tp`; null elsewhere: None (every device tp leaves).
+    The one rule behind both the devices `init_runtime` makes and the mesh `train_mesh` takes."""
+    if cfg.mesh.data or not cpu:
+        return cfg.mesh.data
+    n = cpu_data_parallel(cfg)
+    return n if devices is None else min(n, max(1, devices // cfg.mesh.tp))
+
+
 def init_runtime(cfg: TrainConfig) -> None:
     """`ladder_jax.runtime.setup` for this config: on a CPU host, as many fake devices as the
-    mesh needs (or `mesh.cpu_devices`); `mesh.data: null` there is `cpu_data_parallel`."""
+    mesh needs (or `mesh.cpu_devices`); `mesh.data: null` there is `data_parallel`'s."""
     d = cfg.dist
     nproc = d.num_processes or int(os.environ.get("JAX_NUM_PROCESSES") or 1)
     one_cpu_process = (runtime.cpu_only() and nproc == 1
                        and int(os.environ.get("SLURM_NTASKS", "1")) == 1)
-    data = cfg.mesh.data or (cpu_data_parallel(cfg) if one_cpu_process else 1)
-    want = cfg.mesh.tp * data
+    want = cfg.mesh.tp * (data_parallel(cfg, cpu=one_cpu_process) or 1)
     runtime.setup(cpu_devices=cfg.mesh.cpu_devices or max(1, -(-want // nproc)),
                   coordinator=d.coordinator_address, num_processes=d.num_processes,
                   process_id=d.process_id)
 
 
-# Keys whose change makes a resumed run a different experiment (see the module docstring).
-_RESUME_KEYS = ("seed", "model", "optim", "data.path", "data.tokenizer", "data.seq_len",
-                "data.batch_size", "data.grad_accum", "data.eval_fraction", "data.seed")
-
-
-def changed_keys(old: dict, new: dict) -> dict:
-    """{dotted key: (old value, new value)} over `_RESUME_KEYS`, from two config dicts."""
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in d.items():
-            if isinstance(v, dict):
-                out.update(flat(v, f"{prefix}{k}."))
-            else:
-                out[prefix + k] = v
-        return out
-    a, b = flat(old), flat(new)
-    keys = [k for k in sorted(set(a) | set(b))
-            if any(k == r or k.startswith(r + ".") for r in _RESUME_KEYS)]
-    return {k: (a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)}
-
-
-def check_writable(path: str, what: str) -> None:
-    """A one-line ConfigError (naming `what`, e.g. "run_dir='runs'") unless files can be
-    created in `path` (or, where it does not exist yet, in its nearest existing parent): said
-    before data is loaded or anything is compiled. Probes with a temporary file (removed at
-    once), which catches read-only mounts and permissions, the superuser's included."""
-    p = os.path.abspath(path)
-    while not os.path.exists(p):
-        p = os.path.dirname(p)
-    if not os.path.isdir(p):
-        raise ConfigError(f"{what}: {p} is a file, not a directory: give a directory")
-    try:
-        fd, probe = tempfile.mkstemp(dir=p, prefix=".write-probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise ConfigError(f"{what}: cannot write in {p} ({e.strerror}): give a writable "
-                          f"directory or fix its permissions") from None
+def train_mesh(cfg: TrainConfig, config, devices=None):
+    """The run's (data, tp) mesh over `devices` (default: on one process, the first
+    tp x `data_parallel` of them; else all), checked against the model `config` (a
+    ModelConfig) and the batch."""
+    if devices is None:
+        devices = jax.devices()
+        if jax.process_count() == 1:
+            data = data_parallel(cfg, cpu=jax.default_backend() == "cpu", devices=len(devices))
+            want = cfg.mesh.tp * (data or len(devices) // cfg.mesh.tp)
+            devices = devices[:want] if 0 < want <= len(devices) else devices
+    mesh = sharding.make_mesh(tp=cfg.mesh.tp, data=cfg.mesh.data, devices=devices)
+    sharding.check_divisible(config, cfg.mesh.tp, flag="mesh.tp")
+    sharding.check_batch(cfg.data.batch_size, mesh)
+    return mesh
 
 
 def check_host_memory(config, mesh, fsdp: bool) -> None:
@@ -158,48 +114,43 @@ def check_host_memory(config, mesh, fsdp: bool) -> None:
         "use a smaller model (model.vocab_size, model.d_model, model.n_layers, ...) or a GPU")
 
 
+@dataclasses.dataclass
+class _Tally:
+    """The loop's running counts: losses by step, skipped steps, the current run of them."""
+
+    losses: dict
+    skipped: int = 0
+    bad_in_row: int = 0
+    exit: str = "done"
+
+
 class Trainer:
     """Everything one run needs, built from the config in the order data flows."""
 
     def __init__(self, cfg: TrainConfig, *, devices=None):
         self.cfg = cfg
-        runtime.agree({k: v for k, v in self._config_dict().items() if k != "dist"},
+        runtime.agree({k: v for k, v in config_dict(cfg).items() if k != "dist"},
                       "training config")  # many processes: all alike, or exit 2
         self.model_config = check(cfg)
+        self.reporter = Reporter(cfg)
+        self.run_dir = RunDir(cfg, self.log)
         check_writable(self.run_path, f"run_dir={cfg.run_dir!r}")
         self.tokenizer = make_tokenizer(cfg.data.tokenizer)
         if self.tokenizer.vocab_size > self.model_config.vocab_size:
             raise ConfigError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but "
                               f"model vocab_size={self.model_config.vocab_size}")
-        self.mesh = self._mesh(devices)
+        self.mesh = train_mesh(cfg, self.model_config, devices)
         self.is_main = jax.process_index() == 0
         check_host_memory(self.model_config, self.mesh, cfg.mesh.fsdp)
+        self.batch_sharding = NamedSharding(self.mesh, P(None, sharding.DATA, None))
+        self.eval_sharding = NamedSharding(self.mesh, P(sharding.DATA, None))
         self._load_data()
         self.lr_schedule = step.lr_schedule(cfg.optim, total_steps=cfg.steps)
         self.optimizer = step.make_optimizer(cfg.optim, total_steps=cfg.steps)
         self.graphdef, self.state = self.init_state(self.model_config)
         self.teacher = distill.load_teacher(cfg.distill.teacher, self.mesh, self.model_config) \
             if cfg.distill.teacher else None  # (graphdef, params), frozen
-        self.batch_sharding = NamedSharding(self.mesh, P(None, sharding.DATA, None))
-        self.eval_sharding = NamedSharding(self.mesh, P(sharding.DATA, None))
         self._steps = {}
-        self._bar = None
-
-    def _mesh(self, devices):
-        cfg = self.cfg
-        if devices is None:
-            devices = jax.devices()
-            if jax.process_count() == 1:
-                data = cfg.mesh.data
-                if data is None and jax.default_backend() == "cpu":
-                    data = min(cpu_data_parallel(cfg), max(1, len(devices) // cfg.mesh.tp))
-                want = cfg.mesh.tp * (data or len(devices) // cfg.mesh.tp)
-                devices = devices[:want] if 0 < want <= len(devices) else devices
-        mesh = sharding.make_mesh(tp=cfg.mesh.tp, data=cfg.mesh.data, devices=devices)
-        sharding.check_divisible(self.model_config, cfg.mesh.tp, flag="mesh.tp")
-        sharding.WeightSpecs.for_model(self.model_config, mesh)
-        sharding.check_batch(cfg.data.batch_size, mesh)
-        return mesh
 
     def _load_data(self):
         cfg, mesh = self.cfg, self.mesh
@@ -239,8 +190,8 @@ class Trainer:
         if key in self._steps:
             return self._steps[key]
         kw = dict(optimizer=self.optimizer, grad_clip=self.cfg.optim.grad_clip,
-                  param_shardings=[x.sharding for x in jax.tree.leaves(state.params)],
-                  opt_shardings=[x.sharding for x in jax.tree.leaves(state.opt_state)])
+                  param_shardings=step.shardings_of(state.params),
+                  opt_shardings=step.shardings_of(state.opt_state))
         if self.teacher is None:
             train = sharding.jit(step.make_train_step(graphdef, loss_chunk=self.cfg.loss_chunk,
                                                       **kw), mesh=self.mesh,
@@ -309,36 +260,27 @@ class Trainer:
 
     @property
     def run_path(self):
-        return os.path.join(self.cfg.run_dir, self.cfg.name)
+        return self.run_dir.path
 
     def log(self, msg: str):
-        if self.is_main:
-            if self._bar is not None:
-                self._bar.console.print(msg)
-            else:
-                print(msg, flush=True)
+        self.reporter.log(msg)
 
     def train(self) -> dict:
         """Lock the run directory, resume or initialize, then step, evaluate, log and
         checkpoint until `steps`."""
         cfg = self.cfg
-        with self._run_lock():
+        with self.run_dir.lock():
             train_step, eval_loss = self.compiled_step(self.graphdef, self.state)
             self._steps[id(self.graphdef)] = (self.check_memory(train_step), eval_loss)
             ckpt = Checkpointer(os.path.join(self.run_path, "checkpoints"), keep=cfg.keep,
                                 async_save=cfg.async_ckpt)
             try:
-                start, damaged = self._resume_or_init(ckpt)
+                start, self.state, damaged, changes = self.run_dir.resume_or_init(
+                    ckpt, self.state, self.data_iter)
                 if start >= cfg.steps:  # reads only: writes nothing, not even config.yaml
                     return self._nothing_to_do(start)
-                if damaged:  # out of orbax's sight (latest step, `keep`), never deleted
-                    if self.is_main:
-                        for s, why in damaged:
-                            self.log(f"checkpoint {s} kept as {ckpt.move_aside(s)} ({why})")
-                    if jax.process_count() > 1:
-                        multihost_utils.sync_global_devices("damaged checkpoints moved")
-                        ckpt.manager.reload()
-                history, metrics = self._open_files(start)
+                self.run_dir.set_aside(ckpt, damaged)
+                history, metrics = self.run_dir.open_files(start, changes)
                 try:
                     return self._loop(ckpt, start, history, metrics)
                 finally:
@@ -346,216 +288,129 @@ class Trainer:
             finally:
                 ckpt.close()
 
-    @contextlib.contextmanager
-    def _run_lock(self):
-        """Holds `<run>/.lock` (process 0; the others learn whether it was granted)."""
-        lock, refused = RunLock(self.run_path), None
-        if self.is_main:
-            try:
-                lock.acquire()
-            except RunBusy as e:
-                refused = str(e)
-        if jax.process_count() > 1:
-            if multihost_utils.process_allgather(np.int32(refused is not None)).max() and (
-                    refused is None):
-                refused = f"{self.run_path}: process 0 could not lock it (see its output)"
-        if refused:
-            raise RunBusy(refused)
-        if lock.stale:
-            h = lock.stale
-            self.log(f"{lock.file}: taking over the lock of pid {h.get('pid')} on host "
-                     f"{h.get('host')} (it is not running any more)")
-        try:
-            yield
-        finally:
-            lock.release()
-
-    def _config_dict(self) -> dict:
-        return OmegaConf.to_container(OmegaConf.structured(self.cfg))
-
-    def _resume_or_init(self, ckpt) -> tuple[int, list[tuple[int, str]]]:
-        """(the step to start from, the damaged checkpoints skipped: [(step, why)]). Restores
-        the newest checkpoint that verifies (after checking that the config still describes
-        the same experiment) or loads `init_from`. Writes nothing."""
-        damaged = []
-        for s in ckpt.steps():
-            try:
-                saved = ckpt.meta(s)["config"]
-            except DamagedCheckpoint as e:
-                damaged.append((s, str(e)))
-                continue
-            changes = changed_keys(saved, self._config_dict())
-            if changes and not self.cfg.accept_changes:
-                listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in
-                                   list(changes.items())[:4])
-                more = f" and {len(changes) - 4} more" if len(changes) > 4 else ""
-                raise ConfigError(
-                    f"{self.run_path} was trained to step {s} with another config "
-                    f"({listed}{more}): resuming would mix two experiments. Use a new name= for "
-                    f"a new run, init_from={self.run_path} to start from its weights, or "
-                    f"accept_changes=true to resume anyway")
-            try:
-                self.state, meta = ckpt.restore(s, self.state, self.data_iter)
-            except DamagedCheckpoint as e:
-                damaged.append((s, str(e)))
-                continue
-            for d, why in damaged:
-                self.log(f"skipped damaged checkpoint {ckpt.directory}/{d}: {why}")
-            self._changes = changes
-            self.log(f"resumed from {ckpt.directory}/{s} (trained on mesh "
-                     f"{meta.get('mesh')})")
-            if "resharded" in meta:
-                self.log(f"data iterator re-sharded onto {jax.process_count()} process(es) at "
-                         f"its saved position {meta['resharded']}")
-            return s, damaged
-        if damaged:
-            listed = "; ".join(f"{d}: {why}" for d, why in damaged[:3])
-            more = f"; and {len(damaged) - 3} more" if len(damaged) > 3 else ""
-            raise ConfigError(
-                f"no checkpoint in {ckpt.directory} can be restored ({listed}{more}); nothing "
-                f"was changed: move the damaged ones out of the way to start this run afresh, "
-                f"or train under a new name=")
-        if self.cfg.init_from:
-            self.state = dataclasses.replace(
-                self.state, params=load_params(self.cfg.init_from, self.state.params))
-            self.log(f"initialized weights from {self.cfg.init_from}")
-        return 0, damaged
-
     def _nothing_to_do(self, start: int) -> dict:
         self.log(f"already trained to step {start} (steps={self.cfg.steps}); nothing to do")
-        path = os.path.join(self.run_path, "metrics.jsonl")
-        history = _read_metrics(path, start, self.log)
+        history = self.run_dir.history(start)
         return {"exit": "done", "losses": {r["step"]: r["loss"] for r in history if "loss" in r},
                 "step": start, "skipped": 0, "eval_loss": self.evaluate()}
 
-    def _open_files(self, start):
-        """config.yaml, changes.jsonl and the metrics log (`MetricsLog`). Returns (metrics
-        rows kept from before `start`, the log)."""
-        history = _read_metrics(os.path.join(self.run_path, "metrics.jsonl"), start, self.log)
-        if self.is_main:
-            os.makedirs(self.run_path, exist_ok=True)
-            with open(os.path.join(self.run_path, "config.yaml"), "w") as f:
-                f.write(to_yaml(self.cfg))
-            if getattr(self, "_changes", None):
-                with open(os.path.join(self.run_path, "changes.jsonl"), "a") as f:
-                    f.write(json.dumps({"step": start, "changed": self._changes}) + "\n")
-                self.log("accept_changes: " + ", ".join(
-                    f"{k}: {a!r} -> {b!r}" for k, (a, b) in self._changes.items()))
-        metrics = MetricsLog(self.run_path, start, history, tensorboard=self.cfg.tensorboard,
-                             active=self.is_main)
-        return history, metrics
-
     def _loop(self, ckpt, start, history, metrics) -> dict:
-        cfg, c = self.cfg, self.model_config
-        tokens_per_step = cfg.data.grad_accum * cfg.data.batch_size * cfg.data.seq_len
-        fpt = flops_per_token(c, cfg.data.seq_len)
-        peak = peak_flops(cfg, self.mesh.devices.flat[0])
-        n_dev = self.mesh.devices.size
-        self.log(f"{self.describe()}; steps {start}->{cfg.steps}, {tokens_per_step} tokens/step"
-                 f"; run dir {self.run_path}")
-        train_step, _ = self.compiled_step(self.graphdef, self.state)
-        meta = lambda s: {"step": s, "config": self._config_dict(),  # noqa: E731
-                          "mesh": dict(self.mesh.shape), "processes": jax.process_count()}
-        bad_in_row = skipped = 0
-        result = {"exit": "done", "losses": {r["step"]: r["loss"] for r in history if "loss" in r}}
-        t_last, s, rec = time.perf_counter(), start, {}
-        t_begin = t_last
-        with _stop_signals() as stop, self._progress(start):
+        """Steps from `start` to `steps`: each one trained, counted, evaluated when due,
+        written, shown, checkpointed when due; a signal saves and stops."""
+        cfg = self.cfg
+        self.log(f"{self.describe()}; steps {start}->{cfg.steps}, {self._tokens_per_step()} "
+                 f"tokens/step; run dir {self.run_path}")
+        tally = _Tally({r["step"]: r["loss"] for r in history if "loss" in r})
+        s, rec, t_begin = start, {}, time.perf_counter()
+        self._t_last = t_begin
+        with _stop_signals() as stop, self.reporter.progress(start):
             for s in range(start + 1, cfg.steps + 1):
-                local = next(self.data_iter)
-                batch = self.global_batch(local)
-                lr = float(self.lr_schedule(s - 1 - skipped))
-                params, opt_state, m = train_step(self.state.params, self.state.opt_state, batch)
-                self.state = TrainState(params, opt_state, s)
-                m = {k: float(np.asarray(v.addressable_data(0))) for k, v in m.items()}
-                now = time.perf_counter()
-                dt, t_last = now - t_last, now
-                rec = {"step": s, "loss": m["loss"], "grad_norm": m["grad_norm"], "lr": lr,
-                       "tokens_per_s": tokens_per_step / dt,
-                       "mfu": (fpt * tokens_per_step / dt / (peak * n_dev)) if peak else None,
-                       "batch_crc": zlib.crc32(local.tobytes()),  # process 0's data, for tests
-                       "time": round(time.time(), 3)}  # wall clock, Unix seconds
-                if m["skipped"]:
-                    skipped += 1
-                    bad_in_row += 1
-                    rec["skipped"] = True
-                    self.log(f"step {s}: non-finite loss {m['loss']} / grad norm "
-                             f"{m['grad_norm']}: update skipped ({bad_in_row} in a row, "
-                             f"{skipped} in all)")
-                    if bad_in_row >= cfg.max_bad_steps:
-                        metrics.write(rec)
-                        raise NonFiniteError(
-                            f"stopping at step {s}: {bad_in_row} non-finite steps in a row "
-                            f"(max_bad_steps={cfg.max_bad_steps}); "
-                            f"{self._mark_unsound(ckpt, s - bad_in_row)}. Lower "
-                            f"optim.peak_lr or check the data.")
-                else:
-                    bad_in_row = 0
-                    result["losses"][s] = m["loss"]
-                if s == cfg.steps or (cfg.eval_every and s % cfg.eval_every == 0):
-                    rec["eval_loss"] = self.evaluate()
-                if rec.get("eval_loss") is not None:
-                    rec["eval_ppl"] = _perplexity(rec["eval_loss"])
+                rec = self._one_step(s, tally)
+                self._count(rec, tally, ckpt, metrics)
+                self._maybe_evaluate(rec)
                 metrics.write(rec)
-                self._report(rec, start)
+                self.reporter.row(rec, start)
                 ckpt.check()  # a background save that failed stops the run here
                 if self._stop_requested(stop):
-                    self._save(ckpt, meta(s))
-                    ckpt.wait()
-                    self.log(f"{stop['signal'] or 'stop'}: checkpoint saved at step {s}; run "
-                             f"the same command again to resume")
-                    result["exit"] = "interrupted"
+                    self._interrupt(ckpt, s, stop)
+                    tally.exit = "interrupted"
                     break
                 # none in a run of non-finite steps: its weights are the last finite step's,
                 # saved or not, and would push good checkpoints out of `keep`
-                if s == cfg.steps or (not bad_in_row and cfg.ckpt_every
+                if s == cfg.steps or (not tally.bad_in_row and cfg.ckpt_every
                                       and s % cfg.ckpt_every == 0):
-                    self._save(ckpt, meta(s))
+                    self._save(ckpt, s)
             ckpt.wait()  # the last save, before saying "done"
-        result["step"] = s
-        result["skipped"] = skipped
-        done = result["exit"] == "done"
-        result["eval_loss"] = rec.get("eval_loss") if done else None
+        return self._result(tally, s, rec, start, t_begin, metrics)
+
+    def _tokens_per_step(self) -> int:
+        d = self.cfg.data
+        return d.grad_accum * d.batch_size * d.seq_len
+
+    def _one_step(self, s: int, tally: _Tally) -> dict:
+        """Trains step `s` on the next batch; returns its metrics row."""
+        train_step, _ = self.compiled_step(self.graphdef, self.state)
+        local = next(self.data_iter)
+        lr = float(self.lr_schedule(s - 1 - tally.skipped))
+        params, opt_state, m = train_step(self.state.params, self.state.opt_state,
+                                          self.global_batch(local))
+        self.state = TrainState(params, opt_state, s)
+        m = {k: float(np.asarray(v.addressable_data(0))) for k, v in m.items()}
+        now = time.perf_counter()
+        dt, self._t_last = now - self._t_last, now
+        tps = self._tokens_per_step() / dt
+        peak = peak_flops(self.cfg, self.mesh.devices.flat[0])
+        mfu = (flops_per_token(self.model_config, self.cfg.data.seq_len) * tps
+               / (peak * self.mesh.devices.size)) if peak else None
+        rec = {"step": s, "loss": m["loss"], "grad_norm": m["grad_norm"], "lr": lr,
+               "tokens_per_s": tps, "mfu": mfu,
+               "batch_crc": zlib.crc32(local.tobytes()),  # process 0's data, for tests
+               "time": round(time.time(), 3)}  # wall clock, Unix seconds
+        if m["skipped"]:
+            rec["skipped"] = True
+        return rec
+
+    def _count(self, rec: dict, tally: _Tally, ckpt, metrics) -> None:
+        """Counts a finite step's loss, or a skipped one (NonFiniteError after
+        `max_bad_steps` in a row, its row written and the unsound checkpoints marked)."""
+        s = rec["step"]
+        if not rec.get("skipped"):
+            tally.bad_in_row = 0
+            tally.losses[s] = rec["loss"]
+            return
+        tally.skipped += 1
+        tally.bad_in_row += 1
+        self.log(f"step {s}: non-finite loss {rec['loss']} / grad norm {rec['grad_norm']}: "
+                 f"update skipped ({tally.bad_in_row} in a row, {tally.skipped} in all)")
+        if tally.bad_in_row >= self.cfg.max_bad_steps:
+            metrics.write(rec)
+            raise NonFiniteError(
+                f"stopping at step {s}: {tally.bad_in_row} non-finite steps in a row "
+                f"(max_bad_steps={self.cfg.max_bad_steps}); "
+                f"{self.run_dir.mark_unsound(ckpt, s - tally.bad_in_row)}. Lower "
+                f"optim.peak_lr or check the data.")
+
+    def _maybe_evaluate(self, rec: dict) -> None:
+        s, cfg = rec["step"], self.cfg
+        if s == cfg.steps or (cfg.eval_every and s % cfg.eval_every == 0):
+            rec["eval_loss"] = self.evaluate()
+        if rec.get("eval_loss") is not None:
+            rec["eval_ppl"] = perplexity(rec["eval_loss"])
+
+    def _interrupt(self, ckpt, s: int, stop) -> None:
+        self._save(ckpt, s)
+        ckpt.wait()
+        self.log(f"{stop['signal'] or 'stop'}: checkpoint saved at step {s}; run the same "
+                 f"command again to resume")
+
+    def _result(self, tally: _Tally, s: int, rec: dict, start: int, t_begin: float,
+                metrics) -> dict:
+        """The run's summary (the `done:` line on a finished run)."""
+        done = tally.exit == "done"
+        eval_loss = rec.get("eval_loss") if done else None
         peak = runtime.peak_memory([d for d in self.mesh.devices.flat
                                     if d.process_index == jax.process_index()])
-        result["peak_rss"], result["peak_device"] = peak["host"], peak["device"]
-        if done and start < cfg.steps and result["eval_loss"] is not None:
-            self.log(f"done: step {s} in {_duration(time.perf_counter() - t_begin)}, held-out "
-                     f"loss {result['eval_loss']:.4f} (perplexity "
-                     f"{_perplexity(result['eval_loss']):.2f}); {_peak_text(peak)}; metrics "
-                     f"{metrics.path}")
-        return result
+        if done and start < self.cfg.steps and eval_loss is not None:
+            self.log(f"done: step {s} in {duration(time.perf_counter() - t_begin)}, held-out "
+                     f"loss {eval_loss:.4f} (perplexity {perplexity(eval_loss):.2f}); "
+                     f"{peak_text(peak)}; metrics {metrics.path}")
+        return {"exit": tally.exit, "losses": tally.losses, "step": s,
+                "skipped": tally.skipped, "eval_loss": eval_loss, "peak_rss": peak["host"],
+                "peak_device": peak["device"]}
 
-    def _save(self, ckpt, meta: dict) -> None:
-        """Saves the state as checkpoint `meta["step"]`, only if its weights are finite
-        (NonFiniteError otherwise: a checkpoint is always one a run can resume from)."""
-        s = meta["step"]
+    def _meta(self, s: int) -> dict:
+        return {"step": s, "config": config_dict(self.cfg), "mesh": dict(self.mesh.shape),
+                "processes": jax.process_count()}
+
+    def _save(self, ckpt, s: int) -> None:
+        """Saves the state as checkpoint `s`, only if its weights are finite (NonFiniteError
+        otherwise: a checkpoint is always one a run can resume from)."""
         if not params_finite(self.state.params):
             raise NonFiniteError(
                 f"stopping at step {s}: the weights are NaN or infinite after its update, so "
-                f"they were not saved; {self._mark_unsound(ckpt, s)}. Lower optim.peak_lr or "
-                f"check the data.")
-        ckpt.save(self.state, self.data_iter, meta)
-
-    def _mark_unsound(self, ckpt, last_good: int) -> str:
-        """After non-finite steps from `last_good + 1` on: marks unsound every checkpoint
-        holding the weights that gave them (step `last_good` and later: a skipped step leaves
-        the weights as they were), so that resume passes them over; says which checkpoint a
-        resume would start from."""
-        ckpt.wait()
-        why = (f"its weights gave non-finite losses from step {last_good + 1} on (the run "
-               f"stopped with exit 3)")
-        marked = [c for c in ckpt.steps() if c >= last_good]
-        for c in marked:
-            ckpt.mark_unsound(c, why)
-        if jax.process_count() > 1:
-            multihost_utils.sync_global_devices("unsound checkpoints marked")
-        before = [c for c in ckpt.steps() if c < last_good]
-        said = (f"checkpoint(s) {', '.join(map(str, sorted(marked)))} marked unsound "
-                f"(resume skips them); " if marked else "")
-        return said + (f"a resume starts from checkpoint {before[0]}, the last before the "
-                       f"weights went bad" if before else "none was saved before the weights "
-                       "went bad: start again under a new name=")
+                f"they were not saved; {self.run_dir.mark_unsound(ckpt, s)}. Lower "
+                f"optim.peak_lr or check the data.")
+        ckpt.save(self.state, self.data_iter, self._meta(s))
 
     def _stop_requested(self, stop) -> bool:
         flag = stop["signal"] is not None
@@ -569,137 +424,6 @@ class Trainer:
                 f" {c.dtype} compute, {c.param_dtype} params) on {jax.process_count()} "
                 f"process(es), mesh data={self.mesh.shape['data']} x tp={self.mesh.shape['tp']}"
                 f"{' fsdp' if self.cfg.mesh.fsdp else ''} ({jax.default_backend()})")
-
-    @contextlib.contextmanager
-    def _progress(self, start):
-        """A rich progress bar on a terminal (process 0), plain lines otherwise."""
-        mode = self.cfg.progress
-        if mode == "auto":
-            mode = "bar" if sys.stderr.isatty() else "lines"
-        self._mode = mode
-        if mode != "bar" or not self.is_main:
-            yield
-            return
-        self._bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
-                             TextColumn("{task.fields[info]}"), TimeRemainingColumn())
-        self._task = self._bar.add_task("train", total=self.cfg.steps, completed=start, info="")
-        self._bar.start()
-        try:
-            yield
-        finally:
-            self._bar.stop()
-            self._bar = None
-
-    def _report(self, rec, start):
-        if not self.is_main or self._mode == "none":
-            return
-        info = f"loss {rec['loss']:.4f}  {rec['tokens_per_s']:,.0f} tok/s"
-        if rec.get("eval_loss") is not None:
-            info += f"  held-out {rec['eval_loss']:.4f}"
-        if self._bar is not None:
-            self._bar.update(self._task, completed=rec["step"], info=info)
-            if "eval_loss" in rec:
-                self._bar.console.print(f"step {rec['step']}: {info}")
-        elif (rec["step"] % self.cfg.log_every == 0 or "eval_loss" in rec
-              or rec["step"] == start + 1):
-            lr, mfu = rec["lr"], rec["mfu"]
-            print(f"step {rec['step']}/{self.cfg.steps}  {info}  lr {lr:.2e}  grad "
-                  f"{rec['grad_norm']:.3f}" + (f"  mfu {mfu:.1%}" if mfu else ""), flush=True)
-
-
-class MetricsLog:
-    """metrics.jsonl, and the same scalars as TensorBoard events (`tensorboard=true`, or null
-    with the `tensorboardX` package installed: `pip install -e ".[tensorboard]"`). Process 0
-    alone writes. On resume, rows after the checkpoint are dropped from both (they are
-    replayed)."""
-
-    SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "eval_loss", "eval_ppl")
-
-    def __init__(self, run_path: str, start: int, history: list[dict], *, tensorboard, active):
-        self.path = os.path.join(run_path, "metrics.jsonl")
-        self.active, self.events = active, None
-        if not active:
-            return
-        with open(self.path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in history)
-        if tensorboard is None:
-            tensorboard = importlib.util.find_spec("tensorboardX") is not None
-        if tensorboard:
-            try:
-                from tensorboardX import SummaryWriter
-            except ImportError:
-                raise ConfigError('tensorboard=true needs the tensorboardX package: '
-                                  'pip install -e ".[tensorboard]"') from None
-            self.events = SummaryWriter(os.path.join(run_path, "tensorboard"),
-                                        purge_step=start + 1)
-
-    def write(self, rec: dict) -> None:
-        if not self.active:
-            return
-        try:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-        except OSError as e:
-            raise SaveError(f"could not write {self.path} ({e.strerror}): free disk space and "
-                            f"run the same command again to resume from the last "
-                            f"checkpoint") from None
-        if self.events is not None:
-            for k in self.SCALARS:
-                if rec.get(k) is not None:
-                    self.events.add_scalar(f"train/{k}", rec[k], rec["step"])
-            self.events.add_scalar("train/skipped", float(rec.get("skipped", False)),
-                                   rec["step"])
-
-    def close(self) -> None:
-        if self.events is not None:
-            self.events.close()
-
-
-def _duration(seconds: float) -> str:
-    """'42.0 s', '4 min 05 s', '2 h 03 min': a wall time for a person."""
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes, sec = divmod(round(seconds), 60)
-    if minutes < 60:
-        return f"{minutes} min {sec:02d} s"
-    return f"{minutes // 60} h {minutes % 60:02d} min"
-
-
-def _peak_text(peak: dict) -> str:
-    """'peak memory 3.21 GB RSS, 1.50 GB per device' (`runtime.peak_memory`'s figures)."""
-    gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
-    text = f"peak memory {gb(peak['host'])} RSS" if peak["host"] else "peak memory: RSS n/a"
-    return text + (f", {gb(peak['device'])} per device" if peak["device"] else "")
-
-
-def _perplexity(loss: float) -> float:
-    return math.exp(min(loss, 50.0)) if math.isfinite(loss) else float("nan")
-
-
-def _read_metrics(path: str, upto: int, log) -> list[dict]:
-    """The rows of metrics.jsonl up to step `upto`. A torn last line (a write cut short by a
-    crash) is dropped with a note; damage elsewhere is an error naming the line."""
-    if not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = f.read().splitlines()
-    rows = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-                raise ValueError("not a metrics row")
-        except ValueError:
-            if i == len(lines) - 1:
-                log(f"{path}: dropped a torn last line (a write cut short)")
-                continue
-            raise ConfigError(f"{path}, line {i + 1}: not a metrics row; fix or delete that "
-                              f"line to resume") from None
-        if row["step"] <= upto:
-            rows.append(row)
-    return rows
 
 
 @contextlib.contextmanager
@@ -721,73 +445,6 @@ def _stop_signals():
     finally:
         for sig, h in old.items():
             signal.signal(sig, h)
-
-
-def benchmark(trainer: Trainer) -> list[dict]:
-    """Tokens/s and MFU of every residual scheme on the trainer's model, mesh and data. The
-    schemes' steps are interleaved (one step of each in turn, `bench_steps` rounds, after one
-    warm-up step that compiles), so that a machine whose load drifts slows them alike and
-    their ratios hold; the median step time is reported."""
-    cfg = trainer.cfg
-    tokens_per_step = cfg.data.grad_accum * cfg.data.batch_size * cfg.data.seq_len
-    peak = peak_flops(cfg, trainer.mesh.devices.flat[0])
-    n_dev = trainer.mesh.devices.size
-    batches = [trainer.global_batch(next(trainer.data_iter)) for _ in range(2)]
-    trainer.log(f"benchmark: {trainer.describe()}; {tokens_per_step} tokens/step, "
-                f"{cfg.bench_steps} interleaved rounds after 1 warm-up step per scheme")
-    if jax.default_backend() == "cpu":  # CPU figures compare only beside the CPU and flags
-        trainer.log(f"  cpu: {hardware.cpu_description()}; XLA_FLAGS="
-                    f"{os.environ.get('XLA_FLAGS', '')!r}; compiler options "
-                    f"{sharding.compiler_options('cpu', 'train')}")
-    runs, states = {}, {}
-    for residual in RESIDUALS:
-        mc = dataclasses.replace(trainer.model_config, residual=residual, ladder_layers=None)
-        graphdef, states[residual] = trainer.init_state(mc)
-        runs[residual] = (mc, trainer.compiled_step(graphdef, states[residual])[0], [])
-
-    def one(residual, i):
-        _, train_step, times = runs[residual]
-        state = states[residual]
-        t0 = time.perf_counter()
-        params, opt_state, m = train_step(state.params, state.opt_state, batches[i % 2])
-        states[residual] = TrainState(params, opt_state, state.step + 1)
-        float(np.asarray(m["loss"].addressable_data(0)))  # one step in flight at most
-        times.append(time.perf_counter() - t0)
-
-    for residual in runs:
-        one(residual, 0)  # compiles
-    for i in range(cfg.bench_steps):
-        for residual in runs:
-            one(residual, i + 1)
-    rows = []
-    for residual, (mc, _, times) in runs.items():
-        dt = float(np.median(times[1:]))
-        spread = (max(times[1:]) - min(times[1:])) / dt  # run to run, over the median
-        tps = tokens_per_step / dt
-        mfu = flops_per_token(mc, cfg.data.seq_len) * tps / (peak * n_dev) if peak else None
-        rows.append({"residual": residual, "tokens_per_s": tps, "step_ms": dt * 1e3,
-                     "spread": spread, "mfu": mfu, "first_step_s": times[0]})
-        trainer.log(f"  {residual:<12} {tps:>12,.0f} tokens/s  {dt * 1e3:>9.1f} ms/step "
-                    f"(spread {spread:4.0%})  "
-                    f"MFU {f'{mfu:.1%}' if peak else 'n/a (set peak_tflops)'}"
-                    + ("   (not a valid model: speed ceiling)" if residual == "upper_bound"
-                       else ""))
-    by = {r["residual"]: r["tokens_per_s"] for r in rows}
-    trainer.log("  vs standard: " + ", ".join(f"{k} {v / by['standard']:.2f}x"
-                                             for k, v in by.items() if k != "standard"))
-    if trainer.mesh.shape["tp"] == 1:
-        trainer.log("  note: tp=1 has no all-reduce to overlap: ladder and upper_bound compute "
-                    "what standard does, so their ratios are run-to-run noise (see the spread); "
-                    "use mesh.tp > 1 on GPUs")
-    elif jax.default_backend() == "cpu":
-        trainer.log("  note: XLA:CPU runs all-reduces synchronously, so nothing overlaps on "
-                    "CPU: the ladder's speed-up needs GPUs")
-    if trainer.is_main:
-        os.makedirs(trainer.run_path, exist_ok=True)
-        with open(os.path.join(trainer.run_path, "benchmark.json"), "w") as f:
-            json.dump({"config": trainer._config_dict(), "mesh": dict(trainer.mesh.shape),
-                       "backend": jax.default_backend(), "results": rows}, f, indent=1)
-    return rows
 
 
 def run(cfg: TrainConfig, *, devices=None) -> dict:
