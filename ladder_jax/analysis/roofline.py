@@ -10,8 +10,9 @@ written and read back, an int8 weight converted to a float copy) is waste. A lay
 kernels are the difference between compiles of `d` and `d - 1` layers (`perfmodel`'s depths),
 so the embedding, head and sampling drop out; its minimum is the layer's weight blocks as one
 GPU reads them (int8 values and their scales; the fused input projection where decoding fuses
-it) plus its slice of the KV cache. Invariant: `bytes_vs_minimum >= 1` up to the few bytes of
-activations and norms a layer cannot avoid. See docs/analysis.md#the-roofline-report.
+it) plus its slice of the KV cache's filled slots. Invariant: `bytes_vs_minimum >= 1` up to
+the few bytes of activations and norms a layer cannot avoid (docs/analysis.md, the roofline
+report).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def layer_minimum(config, *, tp: int, batch: int, prompt_len: int, new_tokens: i
                   target: str = "h100", hosts: int = 1) -> dict:
     """Bytes one GPU must read per layer of a decode step: `weights_bytes` (layer 0's weights
     as decoding holds them, a replicated kv head counted once: the one the GPU reads) and
-    `kv_cache_bytes` (the layer's K and V blocks of the cache, prompt + new tokens)."""
+    `kv_cache_bytes` (the layer's K and V blocks of the slots the average step of the request
+    has filled, prompt + new_tokens / 2: what the ragged attention reads, `decode_fill`)."""
     from ladder_jax.inference import generation
     from ladder_jax.model.linear import Linear
     from ladder_jax.model.transformer import abstract, fuse_inputs
@@ -60,6 +62,7 @@ def layer_minimum(config, *, tp: int, batch: int, prompt_len: int, new_tokens: i
     cache = generation.KVCache.abstract(config, mesh, batch, generation.cache_length(
         config, prompt_len, new_tokens))
     kv = _device_bytes(cache.k[0]) + _device_bytes(cache.v[0])
+    kv = round(kv * perfmodel.decode_fill(config, prompt_len=prompt_len, new_tokens=new_tokens))
     return {"weights_bytes": weights, "kv_cache_bytes": kv}
 
 
@@ -91,7 +94,8 @@ def _head_bytes(config, tp: int, target: str, hosts: int) -> int:
 
 
 def layer_report(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int,
-                 target: str = "h100", hosts: int = 1, layers_compiled: int = 4) -> dict:
+                 target: str = "h100", hosts: int = 1, layers_compiled: int = 4,
+                 slots: int | None = None) -> dict:
     """One decode program's layer against the roofline: `layer_bytes` (HBM bytes its kernels
     read and write), `layer_min_bytes`, `bytes_vs_minimum`, `kernels_per_layer` (compute
     kernels), `collectives_per_layer`, `step_bytes` (the whole step at full depth) and
@@ -99,12 +103,14 @@ def layer_report(config, *, tp: int, batch: int, prompt_len: int, new_tokens: in
     the difference of the depths `perfmodel.compiled_depths` compiles (`layers_compiled` and
     one fewer), or, where it compiles the full depth only (`layers_compiled=0`, hybrid ladders),
     the step less its head (the minimum's `step_minimum` less `layer_minimum`s) over the layers:
-    `per_layer` says which. Compiles (or reads from the cache) the programs."""
+    `per_layer` says which. `slots`: the cache's slots per row (a server's `--max-len`); the
+    minimum stays the request's own cache, which is all the ragged attention should read.
+    Compiles (or reads from the cache) the programs."""
     depths = perfmodel.compiled_depths(config, layers_compiled)
     progs = [perfmodel.program_kernels(
         dataclasses.replace(config, n_layers=d), phase="decode", tp=tp, batch=batch,
-        prompt_len=prompt_len, new_tokens=new_tokens, target=target, hosts=hosts)
-        for d in depths]
+        prompt_len=prompt_len, new_tokens=new_tokens, target=target, hosts=hosts,
+        **({"slots": slots} if slots is not None else {})) for d in depths]
     compute = [[k for k in p.kernels if k.kind == "compute"] for p in progs]
     colls = [sum(k.kind in ("start", "sync") for k in p.kernels) for p in progs]
     total = [sum(k.nbytes for k in c) for c in compute]
@@ -133,14 +139,15 @@ def layer_report(config, *, tp: int, batch: int, prompt_len: int, new_tokens: in
 
 def roofline_fields(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int,
                     target: str, hosts: int, layers_compiled: int, decode_step_s: float,
-                    calibration: hardware.Calibration | None = None) -> dict:
+                    calibration: hardware.Calibration | None = None,
+                    slots: int | None = None) -> dict:
     """The report's fields of one `predict` row (docs/analysis.md#the-roofline-report): the
     layer's bytes and kernels (`layer_report`), the step's bytes and minimum, the roofline's
     step time (the minimum at the chip's HBM bandwidth) and `roofline_fraction`, that time over
     the predicted `decode_step_s`."""
     rep = layer_report(config, tp=tp, batch=batch, prompt_len=prompt_len,
                        new_tokens=new_tokens, target=target, hosts=hosts,
-                       layers_compiled=layers_compiled)
+                       layers_compiled=layers_compiled, slots=slots)
     chip = calibration.chip if calibration is not None else hardware.CHIPS[target]
     low = step_minimum(config, tp=tp, batch=batch, prompt_len=prompt_len,
                        new_tokens=new_tokens, target=target, hosts=hosts)
