@@ -161,3 +161,24 @@ def test_predict_bad_max_len_is_one_line_exit_2(capsys, args, message):
 def test_lj_predict_bad_quantize_or_slots_raise_before_compiling(kwargs, message):
     with pytest.raises((lj.ConfigError, perfmodel.PredictError), match=re.escape(message)):
         lj.predict("tiny", tp=2, links="pcie", residuals=["standard"], **kwargs)
+
+
+def test_the_decode_step_launches_as_cuda_graphs_broken_only_at_collectives():
+    """XLA's command buffers: at tp 1 the step's kernels (but the sampling branch) are one
+    CUDA graph; at tp 8 the graphs end only where a collective starts, one after each of a
+    layer's all-reduces. With command buffers turned off there is none (the reading
+    can fail)."""
+    cfg = dataclasses.replace(CFG, n_layers=2)
+    one = roofline.command_buffers(cfg, tp=1, batch=1, **SHAPE)
+    kernels = perfmodel.program_kernels(cfg, phase="decode", tp=1, batch=1, **SHAPE).kernels
+    compute = sum(k.kind == "compute" for k in kernels)
+    assert one["graphs"] == 1 and one["collectives"] == 0, one
+    assert one["graph_kernels"][0] >= compute - 4 and one["kernels_outside"] <= 4, (one, compute)
+    eight = roofline.command_buffers(cfg, tp=8, batch=1, **SHAPE)
+    assert eight["kernels_outside"] <= 4, eight
+    # a graph after each of the layers' two all-reduces, none without a collective before it
+    assert 2 * cfg.n_layers <= eight["graphs"] <= eight["collectives"] + 1, eight
+    off = roofline.command_buffers(cfg, tp=1, batch=1, **SHAPE,
+                                   options={"xla_gpu_enable_command_buffer": ""})
+    assert off["graphs"] == 0, off  # the graph's kernels are launched one by one instead
+    assert off["kernels_outside"] == one["graph_kernels"][0] + one["kernels_outside"], off

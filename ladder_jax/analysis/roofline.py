@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 from flax import nnx
 
@@ -187,3 +188,59 @@ def hlo_text(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int,
                                        target=target, new_tokens=new_tokens)
     return text
 
+
+
+def command_buffers(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int,
+                    target: str = "h100", options: dict | None = None) -> dict:
+    """How the compiled decode step would launch on a GPU: XLA wraps runs of kernels into
+    command buffers (CUDA graphs) after its thunk passes, which the scheduled HLO does not show;
+    this compiles the step once more with XLA's dump and reads its thunk sequence.
+
+        command_buffers(config, tp=8, batch=1, prompt_len=1024, new_tokens=512)
+
+    Returns `graphs` (command buffers, each one launch), `graph_kernels` (kernels per graph,
+    in order), `kernels_outside` (kernels launched one by one) and `collectives` (collective
+    starts, which end a graph: collectives are not in XLA's default command buffer types).
+    `options` are added to the package's GPU options (for experiments)."""
+    import glob
+    import re
+    import shutil
+    import tempfile
+
+    from ladder_jax.model import sharding
+
+    mesh = programs.gpu_mesh(target, tp)
+    lowered = programs.lower_decoder(config, mesh, phase="decode", batch=batch,
+                                     prompt_len=prompt_len, new_tokens=new_tokens)
+    d = tempfile.mkdtemp(prefix="ladder_jax_thunks_")
+    try:
+        opts = {**sharding.compiler_options("gpu"), **programs._analysis_options(),
+                **(options or {}), "xla_dump_to": d}
+        programs._compile_text(lowered, opts, what=f"the decode program at tp={tp} on {target}")
+        found = {os.path.basename(p).rsplit(".", 2)[-2]: p
+                 for p in glob.glob(os.path.join(d, "*.thunk_sequence*.txt"))}
+        # without a thunk pass to run (command buffers off) XLA dumps the sequence once
+        path = found.get("thunk_sequence_after_thunk_passes", found.get("thunk_sequence"))
+        if path is None:
+            raise RuntimeError(f"XLA dumped no thunk sequence for the decode step in {d}")
+        with open(path) as f:
+            lines = f.read().splitlines()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    graphs, inside, top = [], False, []
+    for line in lines:
+        kind = re.match(r"(\s*)\d+: (\w+)", line)
+        if not kind:
+            continue
+        if not kind.group(1):  # a top-level thunk
+            inside = kind.group(2) == "kCommandBuffer"
+            if inside:
+                graphs.append(0)
+            else:
+                top.append(kind.group(2))
+        elif inside and kind.group(2) in ("kCustomKernel", "kKernel", "kGemm", "kCublasLtMatmul"):
+            graphs[-1] += 1
+    return {"graphs": len(graphs), "graph_kernels": graphs,
+            "kernels_outside": sum(k in ("kCustomKernel", "kKernel", "kGemm", "kCublasLtMatmul")
+                                   for k in top),
+            "collectives": sum(k == "kAsyncStart" for k in top)}
