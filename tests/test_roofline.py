@@ -71,7 +71,7 @@ def test_decode_layer_moves_the_minimum(tp, quantize):
             for name in op.operands:
                 if name in alias:
                     readers.setdefault(alias[name], []).append(op)
-    linears = 4 if quantize is None else 7  # fused q/k/v and gate/up at bf16 (decode's fusion)
+    linears = 4  # fused q/k/v and gate/up (decode's fusion, int8 too), o, down
     assert len(readers) == 2 * linears, sorted(readers)
     for weight, ops in readers.items():
         assert [op.is_matmul() for op in ops] == [True], (weight, [o.name for o in ops])
