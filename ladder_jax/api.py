@@ -23,7 +23,7 @@ import os
 import jax
 
 from ladder_jax.analysis import overlap, perfmodel
-from ladder_jax.config import RESIDUALS, ModelConfig, load_config
+from ladder_jax.config import RESIDUALS, ModelConfig, check_quantize, load_config
 from ladder_jax.evaluation import suite
 from ladder_jax.evaluation.tasks import DEFAULT_REGIME, DEFAULT_TASKS
 from ladder_jax.inference import generation
@@ -141,19 +141,22 @@ def overlap_table(preset: str = "llama-3-8b", *, tp: int = 8, phase: str = "deco
 
 def predict(preset: str = "llama-3-70b", *, tp=(2, 4, 8), batch=1, prompt_len: int = 1024,
             new_tokens: int = 512, links=("nvlink", "pcie"), target: str = "h100",
-            residuals=RESIDUALS, **kwargs) -> list[dict]:
+            residuals=RESIDUALS, quantize: str | None = None, **kwargs) -> list[dict]:
     """`python -m ladder_jax.predict` as rows: one dict per (tp, batch, scheme, link) with the
     predicted prefill_s, decode_step_s, tokens_per_s, tokens_per_s_per_user, exposed_comm_s
     and vs_standard (tokens/s over standard's). `tp`, `batch`, `links` take one value or a
-    list; `kwargs` go to `ladder_jax.analysis.perfmodel.predict` (hosts, gpus_per_host,
+    list; `quantize="int8"`: int8 weights (`--quantize`); `kwargs` go to
+    `ladder_jax.analysis.perfmodel.predict` (slots (`--max-len`), hosts, gpus_per_host,
     calibration, contention, launch, efficiency, link_overrides, ...)."""
 
 
     if not jax.config.jax_platforms:  # compile for the GPU target; nothing runs on a GPU
         jax.config.update("jax_platforms", "cpu")
-    rows = perfmodel.predict(ModelConfig.from_preset(preset), tp=tp, batch=batch,
-                             prompt_len=prompt_len, new_tokens=new_tokens, links=links,
-                             target=target, residuals=residuals, name=preset, **kwargs)
+    check_quantize(quantize)
+    config = ModelConfig.from_preset(preset, quantize=quantize)
+    rows = perfmodel.predict(config, tp=tp, batch=batch, prompt_len=prompt_len,
+                             new_tokens=new_tokens, links=links, target=target,
+                             residuals=residuals, name=preset, **kwargs)
     return [{"preset": preset, **r} for r in perfmodel.with_ratios(rows)]
 
 

@@ -27,6 +27,7 @@ from ladder_jax.config import ConfigError
 from ladder_jax.inference import generation
 from ladder_jax.interop.tokenizer import ByteTokenizer
 from ladder_jax.model import quant
+from ladder_jax.model.transformer import abstract, fuse_inputs
 from ladder_jax.train import data, trainer
 from tests.helpers import SCHEMES, TINY, logits, mesh
 
@@ -232,8 +233,8 @@ def _decode_hlo(quantize):
 def _weight_bytes(config, text):
     """Bytes of the ENTRY parameters that are weights, per GPU (jit's arguments are the
     state's leaves first, in order)."""
-    n = len(jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: lj.Transformer(
-        config, mesh=mesh(1), rngs=nnx.Rngs(0))))))
+    n = len(jax.tree.leaves(nnx.state(fuse_inputs(nnx.merge(*abstract(
+        config, programs.gpu_mesh("h100", 2)))))))  # decoding's fused model
     params = {int(op.text.split("parameter(")[1].split(")")[0]): op
               for op in hlo.computations(text)["ENTRY"] if op.opcode == "parameter"}
     return sum(hlo.nbytes(params[i].shape) for i in range(n))
@@ -245,7 +246,7 @@ def test_int8_decode_program_reads_int8_weights():
     wb, wq = _weight_bytes(cfg_b, bf16), _weight_bytes(cfg_q, int8)
     # the linear weights halve; the embedding table stays bf16 (a lookup reads B rows)
     assert 0.5 < wq / wb < 0.6, (wb, wq)
-    assert "s8[2048,4096]" in int8 and "s8[2048,4096]" not in bf16  # a rank's gate / up
+    assert "s8[2048,8192]" in int8 and "s8[2048,8192]" not in bf16  # a rank's fused gate/up
 
     # every int8 weight is read by its matmul's own kernel (no kernel converts or rescales a
     # weight first: the scale comes after the contraction)
@@ -260,7 +261,7 @@ def test_int8_decode_program_reads_int8_weights():
             readers(u.name) if u.opcode == "bitcast" else [u])]
 
     s8 = [op.name for op in entry if op.opcode == "parameter" and op.shape.startswith("s8[")]
-    assert len(s8) == 2 * 7 + 1  # 7 linear weights a layer and the head
+    assert len(s8) == 2 * 4 + 1  # q/k/v, o, gate/up, down a layer (fused) and the head
     for name in s8:
         assert readers(name) and all(r.is_matmul() for r in readers(name)), (
             name, [(r.name, r.op_name) for r in readers(name)])
@@ -283,3 +284,19 @@ def test_ladder_overlap_holds_on_the_int8_decode_program():
     std = overlap.report(dataclasses.replace(config, residual="standard"), phase="decode",
                          tp=8, batch=1, seq=128)  # the control
     assert not any(a["overlapped"] for a in std["all_reduces"] if a["kind"] == "module")
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_int8_fused_projections_equal_the_separate_ones(tp):
+    """Decoding (on GPU meshes) fuses an int8 model's q/k/v and gate/up: values and per-channel
+    scales alike, each rank's own kv head where kv heads are replicated (tp 8 > 4 heads). The
+    fused model's forward equals the separate projections' (a scale dropped or taken from the
+    wrong head would not)."""
+    model = quant.quantize(lj.Transformer(TINY, mesh=mesh(tp), rngs=nnx.Rngs(3)))
+    fused = fuse_inputs(model)
+    qkv = fused.layers[0].attn.qkv
+    assert fused.layers[0].attn.q is None and qkv.weight.dtype == jnp.int8
+    assert qkv.scale is not None and qkv.scale.dtype == jnp.float32
+    tokens = np.random.default_rng(0).integers(0, 320, (2, 24))
+    np.testing.assert_allclose(np.asarray(logits(fused, tokens)),
+                               np.asarray(logits(model, tokens)), rtol=2e-5, atol=2e-5)

@@ -4,14 +4,17 @@ by one matmul kernel, bf16 and int8, tp 1 and 8. Deviceless compiles of a small 
 depths per case (the report's layer is their difference)."""
 
 import dataclasses
+import json
 import re
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 
 import ladder_jax as lj
 from ladder_jax.analysis import hlo, perfmodel, programs, roofline
+from ladder_jax.cli import predict as predict_cli
 from ladder_jax.inference import generation
 from ladder_jax.model.transformer import abstract, fuse_inputs
 
@@ -25,7 +28,8 @@ CASES = [(1, None), (1, "int8"), (8, None), (8, "int8")]
 def hand_minimum(cfg, tp: int, batch: int) -> int:
     """Bytes one GPU must read per layer, from the config alone: its blocks of q/k/v/o,
     gate/up/down (1 byte a weight at int8, plus a float32 scale per output channel; 2 at
-    bf16), the two norms, and K and V of its kv heads over the cache's slots."""
+    bf16), the two norms, and K and V of its kv heads over the slots the average step has
+    filled (the prompt and half the new tokens)."""
     D, H, F = cfg.d_model, cfg.head_dim, cfg.d_ff
     n, k, f = cfg.n_heads // tp, max(1, cfg.n_kv_heads // tp), F // tp
     matrices = D * (n + 2 * k) * H + n * H * D + 3 * D * f
@@ -33,8 +37,9 @@ def hand_minimum(cfg, tp: int, batch: int) -> int:
         weights = matrices + 4 * ((n + 2 * k) * H + D + 2 * f + D)  # o and down: every D
     else:
         weights = 2 * matrices
-    slots = generation.cache_length(cfg, SHAPE["prompt_len"], SHAPE["new_tokens"])
-    return weights + 2 * D * 2 + 2 * batch * k * slots * H * 2
+    filled = SHAPE["prompt_len"] + SHAPE["new_tokens"] // 2
+    assert filled < generation.cache_length(cfg, SHAPE["prompt_len"], SHAPE["new_tokens"])
+    return weights + 2 * D * 2 + 2 * batch * k * filled * H * 2
 
 
 @pytest.mark.parametrize("tp, quantize", CASES)
@@ -66,7 +71,7 @@ def test_decode_layer_moves_the_minimum(tp, quantize):
             for name in op.operands:
                 if name in alias:
                     readers.setdefault(alias[name], []).append(op)
-    linears = 4 if quantize is None else 7  # fused q/k/v and gate/up at bf16 (decode's fusion)
+    linears = 4  # fused q/k/v and gate/up (decode's fusion, int8 too), o, down
     assert len(readers) == 2 * linears, sorted(readers)
     for weight, ops in readers.items():
         assert [op.is_matmul() for op in ops] == [True], (weight, [o.name for o in ops])
@@ -88,3 +93,93 @@ def test_predict_rows_carry_the_report():
     assert 0 < r["roofline_fraction"] < 1 and r["kernels_per_layer"] >= 4
     table = roofline.format_table(rows)
     assert re.search(r"\n\s+8\s+1 standard .* 1\.0\dx", table), table
+
+
+def test_predict_max_len_reads_the_filled_slots_and_holds_them_all(capsys):
+    """`--max-len N`: a serve row of N slots. The memory holds all N (hand count); the decode
+    step reads the request's filled slots only, so its bytes grow by far less than the empty
+    slots it was given (reading them would add their every byte); the minimum stays the
+    request's."""
+    argv = ["--preset", "tiny", "--tp", "2", "--batch", "2", "--prompt-len", "128",
+            "--new-tokens", "64", "--link", "pcie", "--residual", "standard", "--json",
+            "--layers-compiled", "0"]  # the full depth only: two programs a run
+    rows = {}
+    for slots in (None, 1024):
+        assert predict_cli.main(argv + ([] if slots is None else ["--max-len", str(slots)])) == 0
+        (rows[slots],) = map(json.loads, capsys.readouterr().out.splitlines())
+    cfg = lj.ModelConfig.from_preset("tiny")
+    per_slot = cfg.n_layers * 2 * 2 * (cfg.n_kv_heads // 2) * cfg.head_dim * np.dtype(
+        cfg.dtype).itemsize  # layers, k and v, rows, kv heads per GPU
+    default = generation.cache_length(cfg, 128, 64)
+    assert rows[None]["slots"] is None and rows[1024]["slots"] == 1024
+    assert rows[None]["kv_cache_bytes"] == per_slot * default
+    assert rows[1024]["kv_cache_bytes"] == per_slot * 1024
+    assert rows[1024]["layer_min_bytes"] == rows[None]["layer_min_bytes"]
+    grown = rows[1024]["decode_step_hbm_bytes"] - rows[None]["decode_step_hbm_bytes"]
+    assert grown < 0.25 * per_slot * (1024 - default), (grown, per_slot * (1024 - default))
+
+
+def test_lj_predict_quantize_equals_the_command_line(capsys):
+    """`lj.predict(..., quantize="int8")` is `predict --quantize int8`: the same rows."""
+    argv = ["--preset", "tiny", "--tp", "2", "--batch", "1", "--prompt-len", "128",
+            "--new-tokens", "64", "--link", "pcie", "--residual", "standard", "--json",
+            "--quantize", "int8"]
+    assert predict_cli.main(argv) == 0
+    (cli,) = map(json.loads, capsys.readouterr().out.splitlines())
+    (api,) = lj.predict("tiny", tp=2, batch=1, prompt_len=128, new_tokens=64, links="pcie",
+                        residuals=["standard"], quantize="int8")
+    assert api["quantize"] == cli["quantize"] == "int8"
+    assert api == pytest.approx(cli)
+    (bf,) = lj.predict("tiny", tp=2, batch=1, prompt_len=128, new_tokens=64, links="pcie",
+                       residuals=["standard"])
+    assert bf["quantize"] is None and api["weights_bytes"] < bf["weights_bytes"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-len", "1000"], "--max-len 1000: a row must hold the prompt and the new tokens, "
+                            "at least 1536"),
+    (["--max-len", "0"], "--max-len 0: a row must hold"),
+    (["--max-len", "x"], "--max-len: invalid int value 'x'"),
+    (["--phase", "train", "--config", "configs/tiny.yaml", "--max-len", "64"],
+     "--max-len 64 is for decoding"),
+])
+def test_predict_bad_max_len_is_one_line_exit_2(capsys, args, message):
+    try:  # argparse's own errors exit; ours return
+        rc = predict_cli.main(["--preset", "tiny"] + args)
+    except SystemExit as e:
+        rc = e.code
+    assert rc == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert captured.out == "" and len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(quantize="int4"), "quantize='int4' is not a quantization mode"),
+    (dict(slots=100, prompt_len=128, new_tokens=64), "slots=100 cannot hold the prompt"),
+    (dict(slots=0), "slots=0 must be a positive integer"),
+])
+def test_lj_predict_bad_quantize_or_slots_raise_before_compiling(kwargs, message):
+    with pytest.raises((lj.ConfigError, perfmodel.PredictError), match=re.escape(message)):
+        lj.predict("tiny", tp=2, links="pcie", residuals=["standard"], **kwargs)
+
+
+def test_the_decode_step_launches_as_cuda_graphs_broken_only_at_collectives():
+    """XLA's command buffers: at tp 1 the step's kernels (but the sampling branch) are one
+    CUDA graph; at tp 8 the graphs end only where a collective starts, one after each of a
+    layer's all-reduces. With command buffers turned off there is none (the reading
+    can fail)."""
+    cfg = dataclasses.replace(CFG, n_layers=2)
+    one = roofline.command_buffers(cfg, tp=1, batch=1, **SHAPE)
+    kernels = perfmodel.program_kernels(cfg, phase="decode", tp=1, batch=1, **SHAPE).kernels
+    compute = sum(k.kind == "compute" for k in kernels)
+    assert one["graphs"] == 1 and one["collectives"] == 0, one
+    assert one["graph_kernels"][0] >= compute - 4 and one["kernels_outside"] <= 4, (one, compute)
+    eight = roofline.command_buffers(cfg, tp=8, batch=1, **SHAPE)
+    assert eight["kernels_outside"] <= 4, eight
+    # a graph after each of the layers' two all-reduces, none without a collective before it
+    assert 2 * cfg.n_layers <= eight["graphs"] <= eight["collectives"] + 1, eight
+    off = roofline.command_buffers(cfg, tp=1, batch=1, **SHAPE,
+                                   options={"xla_gpu_enable_command_buffer": ""})
+    assert off["graphs"] == 0, off  # the graph's kernels are launched one by one instead
+    assert off["kernels_outside"] == one["graph_kernels"][0] + one["kernels_outside"], off

@@ -766,9 +766,15 @@ class Sweep:
     """A grid of predictions and what it is costed with. `tp`, `batch`, `links`, `residuals`
     are the grid (every combination); `hosts` is how many hosts each tp group spans (None: as
     few as `gpus_per_host` allows, ceil(tp / gpus_per_host)); `calibration` defaults to the
+<<<<<<< HEAD
     public figures of `target` (`hardware.calibration`); `launch`: how the host issues the
     kernels (`launch_plan`: graphs, streams, or off to leave the host out); `copy_contention`:
     collectives slow down beside running kernels too (`hardware.Contention.copy_rate`)."""
+=======
+    public figures of `target` (`hardware.calibration`); `slots`: the KV cache's slots per row
+    (a server's `--max-len`; None: sized for the request), of which the decode step reads the
+    filled ones (`decode_fill`)."""
+>>>>>>> h-roof2
 
     tp: tuple = (8,)
     batch: tuple = (1,)
@@ -783,8 +789,12 @@ class Sweep:
     algorithm: str = "nccl"
     contention: bool = True
     calibration: hardware.Calibration | None = None
+<<<<<<< HEAD
     launch: str = "graphs"
     copy_contention: bool = True
+=======
+    slots: int | None = None
+>>>>>>> h-roof2
 
     def __post_init__(self):
         for name in ("tp", "batch", "links", "residuals"):
@@ -822,9 +832,15 @@ class Sweep:
         ints += [("tp", t) for t in self.tp] + [("batch", b) for b in self.batch]
         if self.hosts is not None:
             ints.append(("hosts", self.hosts))
+        if self.slots is not None:
+            ints.append(("slots", self.slots))
         for name, v in ints:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise PredictError(f"{name}={v!r} must be a positive integer")
+        if self.slots is not None and self.slots < self.prompt_len + self.new_tokens:
+            raise PredictError(f"slots={self.slots} cannot hold the prompt and the new tokens: "
+                               f"use at least {self.prompt_len + self.new_tokens} "
+                               f"(prompt_len + new_tokens)")
         for t in self.tp:
             h = self.hosts_for(t)
             if t % h or t // h > self.gpus_per_host:
@@ -884,12 +900,13 @@ def predict(config, sweep: Sweep | None = None, *, jobs: int | None = None, prog
     sweep.check(config)
     pool_fraction()  # a bad XLA_PYTHON_CLIENT_MEM_FRACTION before anything compiles
     programs.check_plugin()
-    base = dataclasses.replace(config, max_seq_len=max(config.max_seq_len,
+    base = dataclasses.replace(config, max_seq_len=max(config.max_seq_len, sweep.slots or 0,
                                                        sweep.prompt_len + sweep.new_tokens))
     cases = [(t, b, dataclasses.replace(base, residual=r, ladder_layers=(
         base.ladder_layers if r == "ladder" else None))) for t in sweep.tp for b in sweep.batch
         for r in sweep.residuals]
-    shape = dict(prompt_len=sweep.prompt_len, new_tokens=sweep.new_tokens, target=sweep.target)
+    shape = dict(prompt_len=sweep.prompt_len, new_tokens=sweep.new_tokens, target=sweep.target,
+                 **({"slots": sweep.slots} if sweep.slots is not None else {}))
     _compiled(name, lambda: compile_all([task for t, b, cfg in cases for task in _tasks(
         cfg, ("prefill", "decode"), compiled_depths(cfg, sweep.layers_compiled), tp=t, batch=b,
         hosts=sweep.hosts_for(t), **shape)], jobs, progress))
@@ -909,7 +926,8 @@ def predict(config, sweep: Sweep | None = None, *, jobs: int | None = None, prog
             step = program_time(cfg, phase="decode", **kw)
             rows.append({**_row(cfg, sweep, t, b, link_name, pre, step), **decode_memory(
                 cfg, tp=t, batch=b, prompt_len=sweep.prompt_len, new_tokens=sweep.new_tokens,
-                target=sweep.target, hosts=sweep.hosts_for(t)), **roofline.roofline_fields(
+                target=sweep.target, hosts=sweep.hosts_for(t), slots=sweep.slots),
+                **roofline.roofline_fields(
                 cfg, tp=t, batch=b, **shape, hosts=sweep.hosts_for(t),
                 layers_compiled=sweep.layers_compiled, decode_step_s=step["seconds"],
                 calibration=sweep.calibration)})
@@ -994,19 +1012,20 @@ def _weight_bytes(config, tp: int, target: str, hosts: int) -> int:
 
 
 def decode_memory(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int,
-                  target: str, hosts: int = 1) -> dict:
+                  target: str, hosts: int = 1, slots: int | None = None) -> dict:
     """What `decode` and `serve` hold per GPU of `target` (bytes): the weights as they decode
     with them (input projections fused in place; int8 weights as stored) and the KV cache
-    sized for prompt + new tokens, against the pool jax's allocator takes (`pool_fraction` of
-    the chip's memory). The programs' temporaries (prefill activations, logits) are not
-    counted. (`lj.generate(model)` from Python keeps the model too, so it holds the fused
-    copy beside it, or decodes unfused where that copy would crowd the memory.)"""
+    sized for prompt + new tokens (or `slots` per row), against the pool jax's allocator takes
+    (`pool_fraction` of the chip's memory). The programs' temporaries (prefill activations,
+    logits) are not counted. (`lj.generate(model)` from Python keeps the model too, so it
+    holds the fused copy beside it, or decodes unfused where that copy would crowd the
+    memory.)"""
     from ladder_jax.inference import generation
 
     weights = _weight_bytes(config, tp, target, hosts)
     cache = generation.KVCache.abstract(config, programs.gpu_mesh(target, tp, hosts=hosts),
-                                        batch, generation.cache_length(config, prompt_len,
-                                                                       new_tokens))
+                                        batch, slots or generation.cache_length(
+                                            config, prompt_len, new_tokens))
     kv = sum(_device_bytes(x) for x in (*cache.k, *cache.v))
     capacity = hardware.CHIPS[target].memory_bytes
     pool = int(pool_fraction() * capacity)
@@ -1090,9 +1109,14 @@ def _row(cfg, sweep: Sweep, tp, batch, link, pre, step) -> dict:
         "decode_step_flops": step["work"]["flops"],
         "decode_step_kernels_full": step["work"]["kernels"],
         "prefill_hbm_bytes": pre["work"]["hbm_bytes"], "prefill_flops": pre["work"]["flops"],
+<<<<<<< HEAD
         "n_layers": cfg.n_layers, "contention": sweep.contention, "launch": sweep.launch,
         "copy_contention": sweep.contention and sweep.copy_contention,
         "fallback": fallback,
+=======
+        "n_layers": cfg.n_layers, "contention": sweep.contention, "fallback": fallback,
+        "slots": sweep.slots,
+>>>>>>> h-roof2
         "calibration": sweep.calibration.source,
     }
 

@@ -10,8 +10,9 @@ written and read back, an int8 weight converted to a float copy) is waste. A lay
 kernels are the difference between compiles of `d` and `d - 1` layers (`perfmodel`'s depths),
 so the embedding, head and sampling drop out; its minimum is the layer's weight blocks as one
 GPU reads them (int8 values and their scales; the fused input projection where decoding fuses
-it) plus its slice of the KV cache. Invariant: `bytes_vs_minimum >= 1` up to the few bytes of
-activations and norms a layer cannot avoid. See docs/analysis.md#the-roofline-report.
+it) plus its slice of the KV cache's filled slots. Invariant: `bytes_vs_minimum >= 1` up to
+the few bytes of activations and norms a layer cannot avoid (docs/analysis.md, the roofline
+report).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 from flax import nnx
 
@@ -35,7 +37,8 @@ def layer_minimum(config, *, tp: int, batch: int, prompt_len: int, new_tokens: i
                   target: str = "h100", hosts: int = 1) -> dict:
     """Bytes one GPU must read per layer of a decode step: `weights_bytes` (layer 0's weights
     as decoding holds them, a replicated kv head counted once: the one the GPU reads) and
-    `kv_cache_bytes` (the layer's K and V blocks of the cache, prompt + new tokens)."""
+    `kv_cache_bytes` (the layer's K and V blocks of the slots the average step of the request
+    has filled, prompt + new_tokens / 2: what the ragged attention reads, `decode_fill`)."""
     from ladder_jax.inference import generation
     from ladder_jax.model.linear import Linear
     from ladder_jax.model.transformer import abstract, fuse_inputs
@@ -60,6 +63,7 @@ def layer_minimum(config, *, tp: int, batch: int, prompt_len: int, new_tokens: i
     cache = generation.KVCache.abstract(config, mesh, batch, generation.cache_length(
         config, prompt_len, new_tokens))
     kv = _device_bytes(cache.k[0]) + _device_bytes(cache.v[0])
+    kv = round(kv * perfmodel.decode_fill(config, prompt_len=prompt_len, new_tokens=new_tokens))
     return {"weights_bytes": weights, "kv_cache_bytes": kv}
 
 
@@ -91,7 +95,8 @@ def _head_bytes(config, tp: int, target: str, hosts: int) -> int:
 
 
 def layer_report(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int,
-                 target: str = "h100", hosts: int = 1, layers_compiled: int = 4) -> dict:
+                 target: str = "h100", hosts: int = 1, layers_compiled: int = 4,
+                 slots: int | None = None) -> dict:
     """One decode program's layer against the roofline: `layer_bytes` (HBM bytes its kernels
     read and write), `layer_min_bytes`, `bytes_vs_minimum`, `kernels_per_layer` (compute
     kernels), `collectives_per_layer`, `step_bytes` (the whole step at full depth) and
@@ -99,12 +104,14 @@ def layer_report(config, *, tp: int, batch: int, prompt_len: int, new_tokens: in
     the difference of the depths `perfmodel.compiled_depths` compiles (`layers_compiled` and
     one fewer), or, where it compiles the full depth only (`layers_compiled=0`, hybrid ladders),
     the step less its head (the minimum's `step_minimum` less `layer_minimum`s) over the layers:
-    `per_layer` says which. Compiles (or reads from the cache) the programs."""
+    `per_layer` says which. `slots`: the cache's slots per row (a server's `--max-len`); the
+    minimum stays the request's own cache, which is all the ragged attention should read.
+    Compiles (or reads from the cache) the programs."""
     depths = perfmodel.compiled_depths(config, layers_compiled)
     progs = [perfmodel.program_kernels(
         dataclasses.replace(config, n_layers=d), phase="decode", tp=tp, batch=batch,
-        prompt_len=prompt_len, new_tokens=new_tokens, target=target, hosts=hosts)
-        for d in depths]
+        prompt_len=prompt_len, new_tokens=new_tokens, target=target, hosts=hosts,
+        **({"slots": slots} if slots is not None else {})) for d in depths]
     compute = [[k for k in p.kernels if k.kind == "compute"] for p in progs]
     colls = [sum(k.kind in ("start", "sync") for k in p.kernels) for p in progs]
     total = [sum(k.nbytes for k in c) for c in compute]
@@ -133,14 +140,15 @@ def layer_report(config, *, tp: int, batch: int, prompt_len: int, new_tokens: in
 
 def roofline_fields(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int,
                     target: str, hosts: int, layers_compiled: int, decode_step_s: float,
-                    calibration: hardware.Calibration | None = None) -> dict:
+                    calibration: hardware.Calibration | None = None,
+                    slots: int | None = None) -> dict:
     """The report's fields of one `predict` row (docs/analysis.md#the-roofline-report): the
     layer's bytes and kernels (`layer_report`), the step's bytes and minimum, the roofline's
     step time (the minimum at the chip's HBM bandwidth) and `roofline_fraction`, that time over
     the predicted `decode_step_s`."""
     rep = layer_report(config, tp=tp, batch=batch, prompt_len=prompt_len,
                        new_tokens=new_tokens, target=target, hosts=hosts,
-                       layers_compiled=layers_compiled)
+                       layers_compiled=layers_compiled, slots=slots)
     chip = calibration.chip if calibration is not None else hardware.CHIPS[target]
     low = step_minimum(config, tp=tp, batch=batch, prompt_len=prompt_len,
                        new_tokens=new_tokens, target=target, hosts=hosts)
@@ -180,3 +188,59 @@ def hlo_text(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int,
                                        target=target, new_tokens=new_tokens)
     return text
 
+
+
+def command_buffers(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int,
+                    target: str = "h100", options: dict | None = None) -> dict:
+    """How the compiled decode step would launch on a GPU: XLA wraps runs of kernels into
+    command buffers (CUDA graphs) after its thunk passes, which the scheduled HLO does not show;
+    this compiles the step once more with XLA's dump and reads its thunk sequence.
+
+        command_buffers(config, tp=8, batch=1, prompt_len=1024, new_tokens=512)
+
+    Returns `graphs` (command buffers, each one launch), `graph_kernels` (kernels per graph,
+    in order), `kernels_outside` (kernels launched one by one) and `collectives` (collective
+    starts, which end a graph: collectives are not in XLA's default command buffer types).
+    `options` are added to the package's GPU options (for experiments)."""
+    import glob
+    import re
+    import shutil
+    import tempfile
+
+    from ladder_jax.model import sharding
+
+    mesh = programs.gpu_mesh(target, tp)
+    lowered = programs.lower_decoder(config, mesh, phase="decode", batch=batch,
+                                     prompt_len=prompt_len, new_tokens=new_tokens)
+    d = tempfile.mkdtemp(prefix="ladder_jax_thunks_")
+    try:
+        opts = {**sharding.compiler_options("gpu"), **programs._analysis_options(),
+                **(options or {}), "xla_dump_to": d}
+        programs._compile_text(lowered, opts, what=f"the decode program at tp={tp} on {target}")
+        found = {os.path.basename(p).rsplit(".", 2)[-2]: p
+                 for p in glob.glob(os.path.join(d, "*.thunk_sequence*.txt"))}
+        # without a thunk pass to run (command buffers off) XLA dumps the sequence once
+        path = found.get("thunk_sequence_after_thunk_passes", found.get("thunk_sequence"))
+        if path is None:
+            raise RuntimeError(f"XLA dumped no thunk sequence for the decode step in {d}")
+        with open(path) as f:
+            lines = f.read().splitlines()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    graphs, inside, top = [], False, []
+    for line in lines:
+        kind = re.match(r"(\s*)\d+: (\w+)", line)
+        if not kind:
+            continue
+        if not kind.group(1):  # a top-level thunk
+            inside = kind.group(2) == "kCommandBuffer"
+            if inside:
+                graphs.append(0)
+            else:
+                top.append(kind.group(2))
+        elif inside and kind.group(2) in ("kCustomKernel", "kKernel", "kGemm", "kCublasLtMatmul"):
+            graphs[-1] += 1
+    return {"graphs": len(graphs), "graph_kernels": graphs,
+            "kernels_outside": sum(k in ("kCustomKernel", "kKernel", "kGemm", "kCublasLtMatmul")
+                                   for k in top),
+            "collectives": sum(k == "kAsyncStart" for k in top)}

@@ -66,6 +66,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens (generate)")
     p.add_argument("--new-tokens", type=int, default=512,
                    help="generated tokens; the KV cache holds prompt + new tokens")
+    p.add_argument("--max-len", type=int, default=None, metavar="N",
+                   help="KV cache slots per row, as `serve --max-len N` holds them (None: sized "
+                        "for the prompt and new tokens); the decode step reads the filled ones")
     p.add_argument("--link", nargs="+", default=["nvlink"],
                    help="intra-host interconnects: nvlink, pcie (P2P disabled); the target's "
                         "generation (hardware.LINKS / A100_LINKS)")
@@ -139,6 +142,7 @@ def main(argv=None) -> int:
         hosts = sorted({r["hosts"] for r in rows})
         print(f"{args.preset}{f', {args.quantize} weights' if args.quantize else ''}, "
               f"prompt {args.prompt_len}, {args.new_tokens} new tokens, "
+              f"{f'{args.max_len} slots per row, ' if args.max_len else ''}"
               f"{args.target}, hosts per tp group {'/'.join(map(str, hosts))}"
               f"{'' if args.no_contention else ', with contention'}, launch "
               f"{args.launch}; predicted in "
@@ -168,6 +172,14 @@ def _rows(args, show) -> tuple[list[dict], str]:
     if args.quantize and args.phase == "train":
         raise PredictError(f"--quantize {args.quantize} is for decoding: drop it with --phase "
                            f"train")
+    if args.max_len is not None:
+        if args.phase == "train":
+            raise PredictError(f"--max-len {args.max_len} is for decoding: drop it with "
+                               f"--phase train")
+        if args.max_len < args.prompt_len + args.new_tokens:
+            raise PredictError(f"--max-len {args.max_len}: a row must hold the prompt and the "
+                               f"new tokens, at least {args.prompt_len + args.new_tokens} "
+                               f"(--prompt-len + --new-tokens)")
     config = ModelConfig.from_preset(args.preset, quantize=args.quantize)
     if args.ladder_layers is not None:
         config = dataclasses.replace(config, residual="ladder",
@@ -209,7 +221,8 @@ def _rows(args, show) -> tuple[list[dict], str]:
                              name=args.config, **train_kw, **common), args.config
     if args.phase == "generate":
         sweep = dataclasses.replace(sweep, tp=tuple(args.tp or [8]), batch=tuple(args.batch),
-                                    prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+                                    prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                                    slots=args.max_len)
         return predict(config, sweep, name=args.preset, **common), args.preset
     raise PredictError(f"unknown phase {args.phase!r}: choose generate or train")
 

@@ -257,9 +257,9 @@ def fusion_fits(model: Transformer, share: float = 0.5) -> bool:
     model's devices (each GPU's allocator; the host's for CPU devices, which share it).
     Otherwise the decoder runs the separate matmuls (XLA may then copy the weights it merges
     on every step: slower, no more memory) and says so once. Abstract models (the deviceless
-    programs), int8 models (never fused) and runs of several processes (which must all compile
-    the same program, whatever each one's free memory) are fused without a check."""
-    if model.config.quantize is not None or jax.process_count() > 1:
+    programs) and runs of several processes (which must all compile the same program, whatever
+    each one's free memory) are fused without a check."""
+    if jax.process_count() > 1:
         return True
     layer = model.layers[0]
     weights = [lin.weight.get_value() for lin in layer.input_linears()]

@@ -566,10 +566,9 @@ def fuse_inputs(model: Transformer, *, in_place: bool = False) -> Transformer:
     `decode` and `serve` do: nothing else holds their model.
 
     Footguns: the fused weights are a copy. While `model` is alive, the fused projections
-    (about 2/3 of a Llama layer) are held twice (unless `in_place`). A quantized (int8) model
-    is returned as it is: its int8 projections stay separate matmuls."""
-    if model.config.quantize is not None:  # int8 weights stay unfused
-        return model
+    (about 2/3 of a Llama layer) are held twice (unless `in_place`). An int8 model's values
+    and their per-channel scales are fused alike (a scale is shaped as its weight with the
+    contracted axis of size 1), so its fused matmul is rescaled per fused column."""
     n, kv, f = fused_input_columns(model.config, sharding.tp_size(model.mesh))
     H = model.config.head_dim
     parts = {"q": (n, H), "k": (kv, H), "v": (kv, H), "gate": (f,), "up": (f,)}
@@ -578,14 +577,20 @@ def fuse_inputs(model: Transformer, *, in_place: bool = False) -> Transformer:
         for owner in [layer] if model.config.residual == "parallel" else [layer.attn, layer.mlp]:
             linears = owner.input_linears()
             names = [p.rpartition(".")[2] for p in owner.INPUTS]
-            weight = _fuse(model, [lin.weight for lin in linears],
-                           tuple(name in ("k", "v") for name in names))
+            kv_parts = tuple(name in ("k", "v") for name in names)
+            weight = _fuse(model, [lin.weight for lin in linears], kv_parts)
+            scale = (None if linears[0].scale is None
+                     else _fuse(model, [lin.scale for lin in linears], kv_parts))
             if in_place:
                 jax.block_until_ready(weight.get_value())
                 for lin in linears:
-                    if isinstance(lin.weight.get_value(), jax.Array):
-                        lin.weight.get_value().delete()
-            owner.install_fused(FusedLinear(weight, tuple(parts[name] for name in names)))
+                    for v in (lin.weight, lin.scale):
+                        if v is not None and isinstance(v.get_value(), jax.Array):
+                            v.get_value().delete()
+            fused = FusedLinear(weight, tuple(parts[name] for name in names))
+            if scale is not None:
+                fused.scale = nnx.data(scale)
+            owner.install_fused(fused)
     return clone
 
 
