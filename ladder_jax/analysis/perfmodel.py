@@ -766,15 +766,11 @@ class Sweep:
     """A grid of predictions and what it is costed with. `tp`, `batch`, `links`, `residuals`
     are the grid (every combination); `hosts` is how many hosts each tp group spans (None: as
     few as `gpus_per_host` allows, ceil(tp / gpus_per_host)); `calibration` defaults to the
-<<<<<<< HEAD
     public figures of `target` (`hardware.calibration`); `launch`: how the host issues the
     kernels (`launch_plan`: graphs, streams, or off to leave the host out); `copy_contention`:
-    collectives slow down beside running kernels too (`hardware.Contention.copy_rate`)."""
-=======
-    public figures of `target` (`hardware.calibration`); `slots`: the KV cache's slots per row
-    (a server's `--max-len`; None: sized for the request), of which the decode step reads the
-    filled ones (`decode_fill`)."""
->>>>>>> h-roof2
+    collectives slow down beside running kernels too (`hardware.Contention.copy_rate`);
+    `slots`: the KV cache's slots per row (a server's `--max-len`; None: sized for the
+    request), of which the decode step reads the filled ones (`decode_fill`)."""
 
     tp: tuple = (8,)
     batch: tuple = (1,)
@@ -789,12 +785,9 @@ class Sweep:
     algorithm: str = "nccl"
     contention: bool = True
     calibration: hardware.Calibration | None = None
-<<<<<<< HEAD
     launch: str = "graphs"
     copy_contention: bool = True
-=======
     slots: int | None = None
->>>>>>> h-roof2
 
     def __post_init__(self):
         for name in ("tp", "batch", "links", "residuals"):
@@ -1109,14 +1102,9 @@ def _row(cfg, sweep: Sweep, tp, batch, link, pre, step) -> dict:
         "decode_step_flops": step["work"]["flops"],
         "decode_step_kernels_full": step["work"]["kernels"],
         "prefill_hbm_bytes": pre["work"]["hbm_bytes"], "prefill_flops": pre["work"]["flops"],
-<<<<<<< HEAD
         "n_layers": cfg.n_layers, "contention": sweep.contention, "launch": sweep.launch,
         "copy_contention": sweep.contention and sweep.copy_contention,
-        "fallback": fallback,
-=======
-        "n_layers": cfg.n_layers, "contention": sweep.contention, "fallback": fallback,
-        "slots": sweep.slots,
->>>>>>> h-roof2
+        "fallback": fallback, "slots": sweep.slots,
         "calibration": sweep.calibration.source,
     }
 
