@@ -82,64 +82,50 @@ def write_stderr(text: str) -> None:
             os.write(saved, text.encode("utf-8", "replace"))
 
 
-_HOLD = 200  # bytes of a line that may still become a dropped one
-
-
-def _could_start(pattern: re.Pattern, tail: bytes) -> bool:
-    """Whether `tail` is the beginning of a match of `pattern` (its literal head)."""
-    head = pattern.pattern.split(b"\\d")[0].replace(b"\\", b"")
-    return head.startswith(tail[:len(head)]) and (len(tail) <= len(head) or (
-        tail.startswith(head) and b"\n" not in tail))
+# A child process between this one's native stdout and the real one: whole lines matching the
+# pattern (argv[1], latin-1) are dropped, everything else passes at once, partial lines
+# included (a tail that may still become a dropped line is held back). Being a child, it also
+# sees what C++ libraries flush at the very end of the process, after Python's exit handlers.
+_STDOUT_FILTER = r"""
+import os, re, signal, sys
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, signal.SIG_IGN)
+pattern = re.compile(sys.argv[1].encode("latin-1"))
+head = pattern.pattern.split(b"\\d")[0].replace(b"\\", b"")
+def write(data):
+    while data:
+        data = data[os.write(1, data):]
+held = b""
+while chunk := os.read(0, 1 << 16):
+    data = held + chunk
+    end = data.rfind(b"\n") + 1  # whole lines are matched; the partial last one waits or passes
+    rest = data[end:]
+    starts = (head.startswith(rest) if len(rest) <= len(head) else rest.startswith(head))
+    held = rest if starts and len(rest) < 400 else b""
+    write(pattern.sub(b"", data[:end]) + (b"" if held else rest))
+write(pattern.sub(b"", held))
+"""
 
 
 def drop_stdout_lines(pattern: re.Pattern) -> None:
-    """From now on, whole lines matching `pattern` (bytes) are dropped from the process's
-    native stdout (fd 1, what C++ libraries print to as well as Python); everything else
-    passes at once, partial lines included. A thread copies a pipe to the real stdout; at
-    exit the pipe is closed and drained, so nothing printed is lost.
+    """From now on, whole lines matching `pattern` (bytes; its literal head is what is held
+    back) are dropped from the process's native stdout (fd 1, what C++ libraries print to as
+    well as Python); everything else passes at once. A child process (`_STDOUT_FILTER`)
+    reads a pipe until this process has wholly ended, so nothing printed is lost.
 
         drop_stdout_lines(_GLOO)   # several CPU processes: Gloo's connection lines"""
-    import atexit
+    import subprocess
 
     sys.stdout.flush()
-    real = os.dup(1)
     read, write = os.pipe()
+    real = os.dup(1)
+    subprocess.Popen(  # a session of its own: Ctrl-C is for this process
+        [sys.executable, "-c", _STDOUT_FILTER, pattern.pattern.decode("latin-1")],
+        stdin=read, stdout=real, close_fds=True, start_new_session=True)
+    for fd in (read, real):
+        os.close(fd)
     os.dup2(write, 1)
     os.close(write)
-
-    def pump():
-        held = b""  # the tail that may be the start of a line to drop
-        while chunk := os.read(read, 1 << 16):
-            data = pattern.sub(b"", held + chunk)
-            cut = len(data)
-            for k in range(1, min(len(data), _HOLD) + 1):  # a possible start held back
-                if _could_start(pattern, data[-k:]):
-                    cut = len(data) - k
-            data, held = data[:cut], data[cut:]
-            while data:
-                data = data[os.write(real, data):]
-        if held:
-            os.write(real, held)
-        os.close(read)
-
-    thread = threading.Thread(target=pump, name="stdout-filter", daemon=True)
-    thread.start()
-
-    def finish():
-        try:
-            sys.stdout.flush()
-        except (OSError, ValueError):
-            pass
-        try:  # C and C++ libraries' buffered stdout goes through the filter too
-            import ctypes
-
-            ctypes.CDLL(None).fflush(None)
-        except (OSError, AttributeError):
-            pass
-        os.dup2(real, 1)  # the pipe's last write end closes: the thread drains it and ends
-        thread.join(timeout=10)
-
-    atexit.register(finish)
 
 
 # A child process between this one's native stderr and the real one, for jobs of several
@@ -273,7 +259,7 @@ def setup(*, cpu_devices: int | None = None, coordinator: str | None = None,
                 "JAX_PROCESS_ID)")
         if not 0 <= pid < nproc:
             raise ConfigError(f"process id {pid} must be in [0, {nproc})")
-        if cpu:  # first, so that jax's own exit work (registered later, run earlier) is filtered
+        if cpu:  # first: all jax prints, to the end of the process, goes through the filter
             drop_stdout_lines(_GLOO)
         _initialize(jax, addr, nproc, pid)
     elif int(os.environ.get("SLURM_NTASKS", "1")) > 1:
@@ -389,7 +375,7 @@ def _watch_peers(client, pid: int, nproc: int, timeout: int) -> None:
 
     def beats():
         count = 0
-        while True:
+        while not state.get("stop"):
             count += 1
             try:
                 client.key_value_set(f"{_ALIVE}{pid}", str(count), allow_overwrite=True)
@@ -407,6 +393,7 @@ def _watch_peers(client, pid: int, nproc: int, timeout: int) -> None:
                     if state["seen"].get(peer, (None,))[0] != value:
                         state["seen"][peer] = (value, now)
             time.sleep(beat)
+        state["ok"] = None
 
     def check():
         start = time.monotonic()
@@ -421,13 +408,29 @@ def _watch_peers(client, pid: int, nproc: int, timeout: int) -> None:
                 lost(f"process(es) {', '.join(map(str, stale))} stopped answering for "
                      f"{timeout} s")
 
-    def exiting():  # registered after jax's shutdown, so run before it
-        state["exiting"] = True
+    threads = [threading.Thread(target=t, name=f"peer-watch-{t.__name__}", daemon=True)
+               for t in (beats, check)]
 
+    # jax's own exit work (backends, then the shutdown barrier) runs inside this handler, so
+    # the beats go on through the barrier and are then stopped and joined: a daemon thread
+    # still inside the coordination client when the interpreter finalizes aborts the process.
+    from jax._src import api
+
+    def exiting():
+        state["exiting"] = True
+        try:
+            if jax_exit is not None:
+                jax_exit()
+        finally:
+            state["stop"] = True
+            threads[0].join(timeout=max(5.0, 3 * beat))
+
+    jax_exit = getattr(api, "clean_up", None)
+    if jax_exit is not None:
+        atexit.unregister(jax_exit)
     atexit.register(exiting)
-    for target in (beats, check):
-        threading.Thread(target=target, name=f"peer-watch-{target.__name__}",
-                         daemon=True).start()
+    for thread in threads:
+        thread.start()
 
 
 def collective_failed(error: BaseException) -> None:

@@ -576,3 +576,29 @@ def test_two_decoders_with_another_seed_refuse_to_start():
                               _decode_procs([(2, 1)], port, args=["--seed", "1"])[0]], 180)
     assert "flags.seed is 0 there, 1 here" in _one_line_error(follower)
     assert "another model or decoding flags" in _one_line_error(lead)
+
+
+@pytest.mark.parametrize("cut", [0, 5, 40, 94, 95, 96])
+def test_the_stdout_filter_drops_whole_gloo_lines_however_they_arrive(cut):
+    """The child process that filters a multi-process CPU job's stdout gets Gloo's connection
+    line cut into two writes at `cut` bytes (inside the head, inside the line, right before and
+    after its newline): the line goes, newline included, and nothing else does, partial lines
+    and a last line without a newline kept."""
+    from ladder_jax import runtime
+
+    gloo = (b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer "
+            b"ranks is : 1\n")
+    text = b"first\n[Gl" + b"ad line\n" + gloo + gloo + b"last"
+    start = len(b"first\n[Glad line\n")
+    writes = [text[:start + cut], text[start + cut:]]
+    p = subprocess.Popen([sys.executable, "-c", runtime._STDOUT_FILTER,
+                          runtime._GLOO.pattern.decode("latin-1")],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    p.stdin.write(writes[0])
+    p.stdin.flush()
+    # the lines before the cut come out once the filter has read the first write alone
+    assert p.stdout.read(start) == b"first\n[Glad line\n"
+    p.stdin.write(writes[1])
+    p.stdin.close()
+    assert p.stdout.read() == b"last"
+    assert p.wait(30) == 0
