@@ -78,7 +78,14 @@ def test_prefix_shared_scores_equal_full_forwards_and_single_requests(tp, change
     pairs = _pairs()
     assert pairs[8] == ([TOK.bos_id], list(b" the sky"))  # an empty context: the BOS alone
     assert pairs[12][1][0] == ord(" ")  # the context's trailing space moved to the answer
-    batched = Scorer(model).score(pairs, batch_size=6)
+    scorer, widths = Scorer(model), []
+    score = scorer._score
+    scorer._score = lambda w, rows, tokens_nt, *a: widths.append(tokens_nt.shape[1]) or score(
+        w, rows, tokens_nt, *a)
+    batched = scorer.score(pairs, batch_size=6)
+    # 2 + 2 + 1 contexts per prefill, 6 continuation rows per pass, longest first: a pass of
+    # only short continuations (3-8 bytes) is padded to 8 tokens, not to the 38-byte one's 64
+    assert sorted(widths) == [8, 8, 64, 64, 64]
     alone = [Scorer(model).score([p], batch_size=1)[0] for p in pairs[::3]]
     for got, one in zip(batched[::3], alone):
         assert got.logprob == pytest.approx(one.logprob, abs=2e-4)

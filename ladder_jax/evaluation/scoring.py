@@ -96,16 +96,20 @@ def _programs(graphdef, treedef, mesh):
         _, layers = merged(weights).forward_cached(tokens_bt, None, cache.layers())
         return KVCache.from_layers(layers)
 
-    def score(weights, cache, rows_n, tokens_nt, positions_nt, targets_nt):
-        rows = jax.tree.map(lambda c: jnp.take(c, rows_n, axis=0), cache)
+    def gather(cache, rows_n):
+        return jax.tree.map(lambda c: jnp.take(c, rows_n, axis=0), cache)
+
+    def score(weights, rows, tokens_nt, positions_nt, targets_nt):
+        # the rows' caches come gathered (`gather`), so the model's program does not depend
+        # on how many contexts the prefill held
         logits_ntv, _ = merged(weights).forward_cached(tokens_nt, positions_nt, rows.layers())
         logp_ntv = jax.nn.log_softmax(logits_ntv.astype(jnp.float32), axis=-1)
         lp_nt = jnp.take_along_axis(logp_ntv, targets_nt[..., None], axis=-1)[..., 0]
         return lp_nt, jnp.argmax(logits_ntv, axis=-1) == targets_nt
 
-    replicated = NamedSharding(mesh, P())
-    return (sharding.jit(prefill, mesh=mesh, donate_argnums=(1,),
-                         out_shardings=NamedSharding(mesh, sharding.CACHE_BKSH)),
+    replicated, cached = NamedSharding(mesh, P()), NamedSharding(mesh, sharding.CACHE_BKSH)
+    return (sharding.jit(prefill, mesh=mesh, donate_argnums=(1,), out_shardings=cached),
+            sharding.jit(gather, mesh=mesh, out_shardings=cached),
             sharding.jit(score, mesh=mesh, out_shardings=(replicated, replicated)))
 
 
@@ -119,7 +123,7 @@ class Scorer:
             model = quant.dequantize(model)
         graphdef, state = nnx.split(model)
         self.weights, treedef = jax.tree.flatten(state)
-        self._prefill, self._score = _programs(graphdef, treedef, self.mesh)
+        self._prefill, self._gather, self._score = _programs(graphdef, treedef, self.mesh)
 
     def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
               batch_size: int = 32, progress: Callable[[int], None] | None = None
@@ -159,14 +163,17 @@ class Scorer:
         tokens_bt = np.zeros((B, T), np.int32)
         for b, c in enumerate(contexts):
             tokens_bt[b, :len(c) - 1] = c[:-1]
-        rows = [(b, i) for b, c in enumerate(contexts) for i in by_ctx[c]]
-        C = _bucket(max(len(pairs[i][1]) for _, i in rows), 8)
-        S = _bucket(max(T, max(len(c) for c in contexts) - 1 + C), 64)
+        # longest continuations first: each pass of rows is padded to its own bucket
+        rows = sorted(((b, i) for b, c in enumerate(contexts) for i in by_ctx[c]),
+                      key=lambda r: -len(pairs[r[1]][1]))
+        S = _bucket(max(T, max(len(c) for c in contexts) - 1
+                        + _bucket(len(pairs[rows[0][1]][1]), 8)), 64)
         cache = KVCache.init(self.config, self.mesh, B, S)
         cache = self._prefill(self.weights, cache, to_device(tokens_bt, self.mesh))
         N = -(-min(batch_size, _bucket(len(rows), 1)) // data) * data
         for start in range(0, len(rows), N):
             chunk = rows[start:start + N]
+            C = _bucket(len(pairs[chunk[0][1]][1]), 8)
             rows_n = np.zeros(N, np.int32)
             tokens_nt, targets_nt = np.zeros((N, C), np.int32), np.zeros((N, C), np.int32)
             positions_nt = np.broadcast_to(np.arange(C, dtype=np.int32), (N, C)).copy()
@@ -176,9 +183,10 @@ class Scorer:
                 tokens_nt[n, :len(cont)] = (ctx[-1],) + cont[:-1]
                 targets_nt[n, :len(cont)] = cont
                 positions_nt[n] += len(ctx) - 1
+            rows_cache = self._gather(cache, to_device(rows_n, self.mesh))
             lp_nt, greedy_nt = self._score(
-                self.weights, cache, *(to_device(a, self.mesh)
-                                       for a in (rows_n, tokens_nt, positions_nt, targets_nt)))
+                self.weights, rows_cache, *(to_device(a, self.mesh)
+                                            for a in (tokens_nt, positions_nt, targets_nt)))
             lp_nt, greedy_nt = to_host(lp_nt), to_host(greedy_nt)
             for n, (_, i) in enumerate(chunk):
                 k = len(pairs[i][1])
