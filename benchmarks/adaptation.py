@@ -25,13 +25,20 @@ import sys
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the CI-sized setting")
-    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                    help="change a field of the setting (YAML value), e.g. steps=8")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="change a field of the setting (YAML value), e.g. steps=8",
+    )
     ap.add_argument("--out", default=None, help="directory (default runs/adaptation/<setting>)")
-    ap.add_argument("--report", action="store_true",
-                    help="no work: tables and plots of --out's results.json")
-    ap.add_argument("--json", action="store_true",
-                    help="stdout: one JSON line per result instead of the tables")
+    ap.add_argument(
+        "--report", action="store_true", help="no work: tables and plots of --out's results.json"
+    )
+    ap.add_argument(
+        "--json", action="store_true", help="stdout: one JSON line per result instead of the tables"
+    )
     args = ap.parse_args(argv)
 
     import ladder_jax as lj  # after argparse: --help needs no jax
@@ -43,8 +50,11 @@ def main(argv=None) -> int:
         changes = parse_set(args.set, "steps=8")
         setting = ad.with_changes(ad.SETTINGS["quick" if args.quick else "full"], **changes)
         out = args.out or os.path.join("runs", "adaptation", setting.name)
-        emit = ((lambda r: print(json.dumps(r), flush=True)) if args.json  # noqa: E731
-                else None)
+        emit = (
+            (lambda r: print(json.dumps(r), flush=True))
+            if args.json  # noqa: E731
+            else None
+        )
         if args.report:
             path = os.path.join(out, "results.json")
             if not os.path.isfile(path):
@@ -62,8 +72,9 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        print(f"stopped ({e or 'interrupted'}): run the same command again to resume",
-              file=sys.stderr)
+        print(
+            f"stopped ({e or 'interrupted'}): run the same command again to resume", file=sys.stderr
+        )
         return 130
     if not args.json:
         print(ad.table(results), flush=True)

@@ -15,8 +15,9 @@ dropped, so a weight that moves into a `Linear` compares with its old self.
 import os
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
@@ -34,9 +35,13 @@ from ladder_jax.model import quant  # noqa: E402
 from ladder_jax.train import step  # noqa: E402
 
 TINY = lj.ModelConfig.from_preset("tiny")
-SCHEMES = {"standard": dict(residual="standard"), "parallel": dict(residual="parallel"),
-           "ladder": dict(residual="ladder"), "hybrid": dict(residual="ladder", ladder_layers=2),
-           "upper_bound": dict(residual="upper_bound")}
+SCHEMES = {
+    "standard": dict(residual="standard"),
+    "parallel": dict(residual="parallel"),
+    "ladder": dict(residual="ladder"),
+    "hybrid": dict(residual="ladder", ladder_layers=2),
+    "upper_bound": dict(residual="upper_bound"),
+}
 PROMPTS = [[5, 17, 99, 3, 250, 7, 8], [11, 12], [300, 1, 2, 3]]
 
 
@@ -67,8 +72,7 @@ def train_step(out, tag, config, tp, data, fsdp=False):
 
 
 def model(tp, **changes):
-    return lj.Transformer(dataclasses.replace(TINY, **changes), mesh=mesh(tp),
-                          rngs=nnx.Rngs(0))
+    return lj.Transformer(dataclasses.replace(TINY, **changes), mesh=mesh(tp), rngs=nnx.Rngs(0))
 
 
 def decode(out, tag, mdl, consume=False):
@@ -100,8 +104,9 @@ def collect() -> dict:
     for scheme in ("ladder", "parallel"):
         config = dataclasses.replace(TINY, remat="module", **SCHEMES[scheme])
         train_step(out, f"{scheme}-remat/tp4x2", config, 4, 2)
-    train_step(out, "ladder-fsdp/tp4x2", dataclasses.replace(TINY, residual="ladder"), 4, 2,
-               fsdp=True)
+    train_step(
+        out, "ladder-fsdp/tp4x2", dataclasses.replace(TINY, residual="ladder"), 4, 2, fsdp=True
+    )
     train_step(out, "ladder/tp8x1", dataclasses.replace(TINY, residual="ladder"), 8, 1)
     print("decode", file=sys.stderr, flush=True)
     for scheme in ("standard", "parallel", "ladder", "hybrid"):
@@ -111,10 +116,12 @@ def collect() -> dict:
         qm = quant.quantize(model(4, **SCHEMES[scheme]))
         decode(out, f"{scheme}-int8/tp4", qm)
         out[f"int8-forward/{scheme}/tp4"] = np.asarray(
-            nnx.jit(lambda m, t: m(t))(qm, jnp.asarray([PROMPTS[0]], jnp.int32)))
+            nnx.jit(lambda m, t: m(t))(qm, jnp.asarray([PROMPTS[0]], jnp.int32))
+        )
     q8 = quant.quantize(model(8, residual="ladder"))  # replicated kv heads, int8
     out["int8-forward/ladder/tp8"] = np.asarray(
-        nnx.jit(lambda m, t: m(t))(q8, jnp.asarray([PROMPTS[0]], jnp.int32)))
+        nnx.jit(lambda m, t: m(t))(q8, jnp.asarray([PROMPTS[0]], jnp.int32))
+    )
     decode(out, "ladder/tp8", model(8, residual="ladder"))
     cached_logits(out, "ladder-int8/tp8", q8)
     return out
@@ -131,10 +138,16 @@ def main():
     if args.compare:
         want = dict(np.load(args.compare))
         missing, extra = sorted(set(want) - set(out)), sorted(set(out) - set(want))
-        differ = [k for k in sorted(set(want) & set(out))
-                  if want[k].dtype != out[k].dtype or not np.array_equal(want[k], out[k])]
-        print(f"{len(want)} arrays before, {len(out)} now: {len(missing)} missing, "
-              f"{len(extra)} new, {len(differ)} differ", file=sys.stderr)
+        differ = [
+            k
+            for k in sorted(set(want) & set(out))
+            if want[k].dtype != out[k].dtype or not np.array_equal(want[k], out[k])
+        ]
+        print(
+            f"{len(want)} arrays before, {len(out)} now: {len(missing)} missing, "
+            f"{len(extra)} new, {len(differ)} differ",
+            file=sys.stderr,
+        )
         for k in (missing + extra + differ)[:20]:
             print(f"  {k}", file=sys.stderr)
         return 1 if missing or extra or differ else 0

@@ -64,11 +64,17 @@ def measure(*, gemm_n: int, hbm_bytes: int, chain: int, repeats: int) -> dict:
 
     chain_fn = jax.jit(chained)
     chain_s = _best(lambda: chain_fn(v, w), repeats)
-    return {"gemm_flops_per_s": 2.0 * gemm_n**3 / gemm_s, "gemm_n": gemm_n,
-            "hbm_bytes_per_s": 2.0 * (hbm_bytes // 2) * 2 / hbm_s, "hbm_array_bytes": hbm_bytes,
-            "kernel_s": chain_s / chain, "chain": chain,
-            "device_kind": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform,
-            "jax": jax.__version__}
+    return {
+        "gemm_flops_per_s": 2.0 * gemm_n**3 / gemm_s,
+        "gemm_n": gemm_n,
+        "hbm_bytes_per_s": 2.0 * (hbm_bytes // 2) * 2 / hbm_s,
+        "hbm_array_bytes": hbm_bytes,
+        "kernel_s": chain_s / chain,
+        "chain": chain,
+        "device_kind": jax.devices()[0].device_kind,
+        "platform": jax.devices()[0].platform,
+        "jax": jax.__version__,
+    }
 
 
 def calibration_file(m: dict, target: str, dry_run: bool) -> dict:
@@ -81,19 +87,33 @@ def calibration_file(m: dict, target: str, dry_run: bool) -> dict:
 
     return {
         "target": target,
-        "efficiency": {"gemm": clamp(m["gemm_flops_per_s"] / chip.bf16_flops),
-                       "memory": clamp(m["hbm_bytes_per_s"] / chip.hbm_bytes_per_s),
-                       "kernel_overhead_s": m["kernel_s"],
-                       "sources": f"benchmarks/calibrate_gpu.py on {m['device_kind']}"},
+        "efficiency": {
+            "gemm": clamp(m["gemm_flops_per_s"] / chip.bf16_flops),
+            "memory": clamp(m["hbm_bytes_per_s"] / chip.hbm_bytes_per_s),
+            "kernel_overhead_s": m["kernel_s"],
+            "sources": f"benchmarks/calibrate_gpu.py on {m['device_kind']}",
+        },
         "measured": m,
-        "note": ("DRY RUN on a CPU: not a GPU calibration" if dry_run else
-                 f"measured on {m['device_kind']}; links and contention keep hardware.py's "
-                 f"public figures (measure links with nccl-tests)"),
+        "note": (
+            "DRY RUN on a CPU: not a GPU calibration"
+            if dry_run
+            else f"measured on {m['device_kind']}; links and contention keep hardware.py's "
+            f"public figures (measure links with nccl-tests)"
+        ),
     }
 
 
-def compare(path: str, *, target: str, preset: str, batch: int, prompt_len: int,
-            new_tokens: int, layers_compiled: int, dry_run: bool) -> dict:
+def compare(
+    path: str,
+    *,
+    target: str,
+    preset: str,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    layers_compiled: int,
+    dry_run: bool,
+) -> dict:
     """Measured (this device, tp=1) against predicted (deviceless, `path`'s calibration)."""
     import jax
 
@@ -104,44 +124,75 @@ def compare(path: str, *, target: str, preset: str, batch: int, prompt_len: int,
 
     config = lj.ModelConfig.from_preset(preset)
     mesh = lj.make_mesh(tp=1, devices=jax.devices()[:1])
-    measured = generation.benchmark(config, mesh, batch=batch, prompt_len=prompt_len,
-                                    new_tokens=new_tokens, repeats=2)
+    measured = generation.benchmark(
+        config, mesh, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, repeats=2
+    )
     cal = hardware.Calibration.load(path, target)
-    sweep = perfmodel.Sweep(tp=(1,), batch=(batch,), prompt_len=prompt_len,
-                            new_tokens=new_tokens, residuals=(config.residual,), target=target,
-                            layers_compiled=layers_compiled, calibration=cal)
+    sweep = perfmodel.Sweep(
+        tp=(1,),
+        batch=(batch,),
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        residuals=(config.residual,),
+        target=target,
+        layers_compiled=layers_compiled,
+        calibration=cal,
+    )
     (row,) = perfmodel.predict(config, sweep, name=preset)
     steps = new_tokens - 1
-    measured_tps = batch * new_tokens / (measured["prefill_ms"] / 1e3
-                                         + steps * measured["decode_ms_per_token"] / 1e3)
-    out = {"preset": preset, "batch": batch, "prompt_len": prompt_len,
-           "new_tokens": new_tokens, "target": target, "dry_run": dry_run,
-           "prefill_ms": {"measured": measured["prefill_ms"], "predicted": row["prefill_s"] * 1e3},
-           "decode_ms_per_token": {"measured": measured["decode_ms_per_token"],
-                                   "predicted": row["decode_step_s"] * 1e3},
-           "tokens_per_s": {"measured": measured_tps, "predicted": row["tokens_per_s"]}}
+    measured_tps = (
+        batch
+        * new_tokens
+        / (measured["prefill_ms"] / 1e3 + steps * measured["decode_ms_per_token"] / 1e3)
+    )
+    out = {
+        "preset": preset,
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "target": target,
+        "dry_run": dry_run,
+        "prefill_ms": {"measured": measured["prefill_ms"], "predicted": row["prefill_s"] * 1e3},
+        "decode_ms_per_token": {
+            "measured": measured["decode_ms_per_token"],
+            "predicted": row["decode_step_s"] * 1e3,
+        },
+        "tokens_per_s": {"measured": measured_tps, "predicted": row["tokens_per_s"]},
+    }
     for k in ("prefill_ms", "decode_ms_per_token", "tokens_per_s"):
         out[k]["predicted/measured"] = out[k]["predicted"] / out[k]["measured"]
     return out
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--out", default="gpu_calibration.json", help="calibration file to write")
-    ap.add_argument("--target", default=None,
-                    help="hardware.TARGETS entry the figures are for (None: this GPU's kind; "
-                         "h100 in a dry run)")
-    ap.add_argument("--preset", default=None,
-                    help="model for the check (None: llama-3-8b; tiny in a dry run)")
+    ap.add_argument(
+        "--target",
+        default=None,
+        help="hardware.TARGETS entry the figures are for (None: this GPU's kind; "
+        "h100 in a dry run)",
+    )
+    ap.add_argument(
+        "--preset", default=None, help="model for the check (None: llama-3-8b; tiny in a dry run)"
+    )
     ap.add_argument("--batch", type=int, default=1, help="decode batch of the check")
     ap.add_argument("--prompt-len", type=int, default=None, help="None: 1024 (dry run: 32)")
     ap.add_argument("--new-tokens", type=int, default=None, help="None: 128 (dry run: 8)")
-    ap.add_argument("--layers-compiled", type=int, default=4,
-                    help="predict's few-layer extension (0: compile all layers)")
+    ap.add_argument(
+        "--layers-compiled",
+        type=int,
+        default=4,
+        help="predict's few-layer extension (0: compile all layers)",
+    )
     ap.add_argument("--repeats", type=int, default=10, help="timed repeats per micro-benchmark")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="run every step on the CPU with small sizes (checks the script)")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run every step on the CPU with small sizes (checks the script)",
+    )
     args = ap.parse_args(argv)
 
     import jax
@@ -152,37 +203,55 @@ def main(argv=None) -> int:
     if dry:
         jax.config.update("jax_platforms", "cpu")
     elif jax.devices()[0].platform != "gpu":
-        print("error: no GPU here: run on a GPU, or pass --dry-run to check the script on CPU",
-              file=sys.stderr)
+        print(
+            "error: no GPU here: run on a GPU, or pass --dry-run to check the script on CPU",
+            file=sys.stderr,
+        )
         return 2
     chip = None if dry else hardware.chip_of(jax.devices()[0])
-    target = args.target or ("h100" if dry or chip is None else
-                             next(k for k, c in hardware.CHIPS.items() if c == chip))
+    target = args.target or (
+        "h100" if dry or chip is None else next(k for k, c in hardware.CHIPS.items() if c == chip)
+    )
     if target not in hardware.TARGETS:
-        print(f"error: --target {target!r}: choose one of {', '.join(hardware.TARGETS)} "
-              f"(the deviceless compile targets)", file=sys.stderr)
+        print(
+            f"error: --target {target!r}: choose one of {', '.join(hardware.TARGETS)} "
+            f"(the deviceless compile targets)",
+            file=sys.stderr,
+        )
         return 2
-    sizes = (dict(gemm_n=256, hbm_bytes=32 << 20, chain=50, repeats=3) if dry else
-             dict(gemm_n=8192, hbm_bytes=4 << 30, chain=400, repeats=args.repeats))
+    sizes = (
+        dict(gemm_n=256, hbm_bytes=32 << 20, chain=50, repeats=3)
+        if dry
+        else dict(gemm_n=8192, hbm_bytes=4 << 30, chain=400, repeats=args.repeats)
+    )
     t0 = time.perf_counter()
     m = measure(**sizes)
     data = calibration_file(m, target, dry)
     with open(args.out, "w") as f:
         json.dump(data, f, indent=1)
     eff = data["efficiency"]
-    print(f"{m['device_kind']}: GEMM {m['gemm_flops_per_s'] / 1e12:.3g} TFLOP/s "
-          f"(gemm efficiency {eff['gemm']:.3g}), HBM {m['hbm_bytes_per_s'] / 1e9:.3g} GB/s "
-          f"(memory efficiency {eff['memory']:.3g}), {m['kernel_s'] * 1e6:.2f} us per kernel "
-          f"-> {args.out} ({time.perf_counter() - t0:.0f} s)")
-    result = compare(args.out, target=target, preset=args.preset or ("tiny" if dry else
-                                                                      "llama-3-8b"),
-                     batch=args.batch, prompt_len=args.prompt_len or (32 if dry else 1024),
-                     new_tokens=args.new_tokens or (8 if dry else 128),
-                     layers_compiled=args.layers_compiled, dry_run=dry)
+    print(
+        f"{m['device_kind']}: GEMM {m['gemm_flops_per_s'] / 1e12:.3g} TFLOP/s "
+        f"(gemm efficiency {eff['gemm']:.3g}), HBM {m['hbm_bytes_per_s'] / 1e9:.3g} GB/s "
+        f"(memory efficiency {eff['memory']:.3g}), {m['kernel_s'] * 1e6:.2f} us per kernel "
+        f"-> {args.out} ({time.perf_counter() - t0:.0f} s)"
+    )
+    result = compare(
+        args.out,
+        target=target,
+        preset=args.preset or ("tiny" if dry else "llama-3-8b"),
+        batch=args.batch,
+        prompt_len=args.prompt_len or (32 if dry else 1024),
+        new_tokens=args.new_tokens or (8 if dry else 128),
+        layers_compiled=args.layers_compiled,
+        dry_run=dry,
+    )
     for k in ("prefill_ms", "decode_ms_per_token", "tokens_per_s"):
         r = result[k]
-        print(f"{k:>20}: measured {r['measured']:10.3f}  predicted {r['predicted']:10.3f}  "
-              f"predicted/measured {r['predicted/measured']:.3f}")
+        print(
+            f"{k:>20}: measured {r['measured']:10.3f}  predicted {r['predicted']:10.3f}  "
+            f"predicted/measured {r['predicted/measured']:.3f}"
+        )
     data["check"] = result
     with open(args.out, "w") as f:
         json.dump(data, f, indent=1)

@@ -75,12 +75,19 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64, help="sets the cache length")
     ap.add_argument("--top", type=int, default=20, help="kernel kinds listed per program")
-    ap.add_argument("--no-threads", action="store_true",
-                    help="skip the one-thread comparison (two more processes)")
+    ap.add_argument(
+        "--no-threads",
+        action="store_true",
+        help="skip the one-thread comparison (two more processes)",
+    )
     ap.add_argument("--times-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    for flag, value, low in (("--batch", args.batch, 1), ("--prompt-len", args.prompt_len, 1),
-                             ("--new-tokens", args.new_tokens, 1), ("--top", args.top, 1)):
+    for flag, value, low in (
+        ("--batch", args.batch, 1),
+        ("--prompt-len", args.prompt_len, 1),
+        ("--new-tokens", args.new_tokens, 1),
+        ("--top", args.top, 1),
+    ):
         if value < low:
             ap.error(f"{flag} {value}: must be at least {low}")
 
@@ -103,8 +110,11 @@ def main(argv=None) -> int:
     decoder = gen.Decoder(lj.Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)), consume=True)
     S = cache_length(config, T, args.new_tokens)
     rows = gen.rows_to_device(gen.RowSampling.of([gen.Sampling()] * B), mesh)
-    tokens = gen.to_device(np.random.default_rng(0).integers(
-        0, min(256, config.vocab_size), (B, T), dtype=np.int32), mesh, P("data", None))
+    tokens = gen.to_device(
+        np.random.default_rng(0).integers(0, min(256, config.vocab_size), (B, T), dtype=np.int32),
+        mesh,
+        P("data", None),
+    )
     lengths = gen.to_device(np.full(B, T, np.int32), mesh, P("data"))
     position = gen.to_device(np.full(B, T, np.int32), mesh, P("data"))
     index = gen.to_device(np.full(B, 1, np.int32), mesh, P("data"))
@@ -120,8 +130,9 @@ def main(argv=None) -> int:
 
     def step():  # the same slot each time: the work of one step, not a generation
         t0 = time.perf_counter()
-        state["tok"], state["cache"] = decoder.decode_step(state["cache"], state["tok"],
-                                                           position, rows, index)
+        state["tok"], state["cache"] = decoder.decode_step(
+            state["cache"], state["tok"], position, rows, index
+        )
         state["tok"].block_until_ready()
         return time.perf_counter() - t0
 
@@ -130,29 +141,54 @@ def main(argv=None) -> int:
     step_ms = 1e3 * float(np.median([step() for _ in range(32)]))
     prefill_ms = 1e3 * float(np.median([prefill() for _ in range(3)]))
     threads = os.environ.get("PJRT_NPROC") or f"{os.cpu_count()} (every core)"
-    print(f"intra-op threads {threads}: decode step {step_ms:.2f} ms, prefill {prefill_ms:.1f} ms",
-          flush=True)
+    print(
+        f"intra-op threads {threads}: decode step {step_ms:.2f} ms, prefill {prefill_ms:.1f} ms",
+        flush=True,
+    )
     if args.times_only:
         return 0
-    print(f"cpu: {lj.hardware.cpu_description()}; jax {jax.__version__}; preset "
-          f"{args.preset}, batch {B}, prompt {T}, cache {S} slots, float32")
+    print(
+        f"cpu: {lj.hardware.cpu_description()}; jax {jax.__version__}; preset "
+        f"{args.preset}, batch {B}, prompt {T}, cache {S} slots, float32"
+    )
     programs = (
-        ("decode step", step, decoder.lower_decode(
-            state["cache"], state["tok"], position, rows, index), 8),
-        ("prefill", prefill, decoder.lower_prefill(
-            KVCache.init(config, mesh, B, S), tokens, lengths, rows), 2))
+        (
+            "decode step",
+            step,
+            decoder.lower_decode(state["cache"], state["tok"], position, rows, index),
+            8,
+        ),
+        (
+            "prefill",
+            prefill,
+            decoder.lower_prefill(KVCache.init(config, mesh, B, S), tokens, lengths, rows),
+            2,
+        ),
+    )
     for name, fn, lowered, runs in programs:
         kernels = profile(fn, lowered.compile().as_text(), runs)
         total = sum(k[0] for k in kernels)
-        print(f"\n{name}: {total:.2f} ms of kernel time per run, "
-              f"{sum(k[1] for k in kernels):.0f} kernels")
-        for ms, n, kind in kernels[:args.top]:
+        print(
+            f"\n{name}: {total:.2f} ms of kernel time per run, "
+            f"{sum(k[1] for k in kernels):.0f} kernels"
+        )
+        for ms, n, kind in kernels[: args.top]:
             print(f"  {ms:8.3f} ms {n:5.0f}x  {ms / n * 1e3:7.1f} us each  {kind}")
     if not args.no_threads:
         print()
-        base = [sys.executable, os.path.abspath(__file__), "--times-only", "--preset",
-                args.preset, "--batch", str(B), "--prompt-len", str(T), "--new-tokens",
-                str(args.new_tokens)]
+        base = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--times-only",
+            "--preset",
+            args.preset,
+            "--batch",
+            str(B),
+            "--prompt-len",
+            str(T),
+            "--new-tokens",
+            str(args.new_tokens),
+        ]
         for nproc in ("1", None):
             env = dict(os.environ)
             env.pop("PJRT_NPROC", None)

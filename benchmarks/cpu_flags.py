@@ -26,8 +26,11 @@ import time
 SETS = {
     "default": {},
     "xnn-dot": {"xla_cpu_experimental_xnn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
-    "xnn-dot-eltwise": {"xla_cpu_experimental_xnn_fusion_type":
-                        "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE"},
+    "xnn-dot-eltwise": {
+        "xla_cpu_experimental_xnn_fusion_type": (
+            "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE"
+        )
+    },
     "xnn-graph": {"xla_cpu_experimental_xnn_graph_fusion_mode": "XNN_GRAPH_FUSION_MODE_GREEDY"},
     # what the package's training steps use (sharding.CPU_TRAIN_OPTIONS)
     "ynn-dot": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
@@ -36,30 +39,45 @@ SETS = {
     # XLA:CPU's scheduler orders the program for running independent ops at once (its
     # default); off: a memory-minimizing order
     "sequential": {"xla_cpu_enable_concurrency_optimized_scheduler": False},
-    "ynn-dot+sequential": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
-                           "xla_cpu_enable_concurrency_optimized_scheduler": False},
+    "ynn-dot+sequential": {
+        "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+        "xla_cpu_enable_concurrency_optimized_scheduler": False,
+    },
     # Eigen's dots on one thread each: the parallelism left is XLA running independent ops at
     # once (the step's concurrent dots otherwise share the threads of both)
-    "no-ynn+1-thread-dots": {"xla_cpu_experimental_ynn_fusion_type": "",
-                             "xla_cpu_multi_thread_eigen": False},
-    "ynn-dot+1-thread-dots": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
-                              "xla_cpu_multi_thread_eigen": False},
-    "ynn-individual-dot": {"xla_cpu_experimental_ynn_fusion_type":
-                           "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"},
+    "no-ynn+1-thread-dots": {
+        "xla_cpu_experimental_ynn_fusion_type": "",
+        "xla_cpu_multi_thread_eigen": False,
+    },
+    "ynn-dot+1-thread-dots": {
+        "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+        "xla_cpu_multi_thread_eigen": False,
+    },
+    "ynn-individual-dot": {
+        "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
+    },
     "ynn-individual-dot+1-thread-dots": {
         "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
-        "xla_cpu_multi_thread_eigen": False},
-    "ynn-dot+fast-runtime": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
-                             "xla_cpu_opt_preset": "CPU_OPT_PRESET_FAST_RUNTIME"},
-    "ynn-dot+memory-scheduler": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
-                                 "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"},
+        "xla_cpu_multi_thread_eigen": False,
+    },
+    "ynn-dot+fast-runtime": {
+        "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+        "xla_cpu_opt_preset": "CPU_OPT_PRESET_FAST_RUNTIME",
+    },
+    "ynn-dot+memory-scheduler": {
+        "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+        "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
+    },
     "ynn-dot+1-thread-dots+sequential": {
         "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
         "xla_cpu_multi_thread_eigen": False,
-        "xla_cpu_enable_concurrency_optimized_scheduler": False},
+        "xla_cpu_enable_concurrency_optimized_scheduler": False,
+    },
     "ynn-dot+1-thread-dots+xla-barriers": {
         "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
-        "xla_cpu_multi_thread_eigen": False, "xla_disable_hlo_passes": ""},
+        "xla_cpu_multi_thread_eigen": False,
+        "xla_disable_hlo_passes": "",
+    },
     # how XLA:CPU emits its own fusions (the step's layout-changing elementwise fusions, which
     # feed the weight-gradient matmuls transposed, are among its slowest kernels)
     "loop-emitters": {"xla_cpu_use_fusion_emitters": False},
@@ -71,8 +89,10 @@ SETS = {
     # the package keeps optimization barriers through XLA:CPU's fusion (sharding.py explains
     # why: the ladder's backward); this set lets XLA expand them as it does by default
     "xla-barriers": {"xla_disable_hlo_passes": ""},
-    "ynn-dot+xla-barriers": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
-                             "xla_disable_hlo_passes": ""},
+    "ynn-dot+xla-barriers": {
+        "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+        "xla_disable_hlo_passes": "",
+    },
 }
 
 
@@ -94,18 +114,29 @@ def main(argv=None) -> int:
     from ladder_jax.train.trainer import Trainer
 
     here = os.path.dirname(os.path.abspath(__file__))
-    cfg = config_lib.load_config([
-        os.path.join(here, "..", "configs", "tiny.yaml"), "model.preset=small",
-        "model.residual=standard", f"data.seq_len={args.seq}", f"data.batch_size={args.batch}",
-        "mesh.tp=1", "mesh.data=1", "run_dir=" + os.path.join(
-            os.environ.get("TMPDIR", "/tmp"), "ladder_jax_cpu_flags")])
+    cfg = config_lib.load_config(
+        [
+            os.path.join(here, "..", "configs", "tiny.yaml"),
+            "model.preset=small",
+            "model.residual=standard",
+            f"data.seq_len={args.seq}",
+            f"data.batch_size={args.batch}",
+            "mesh.tp=1",
+            "mesh.data=1",
+            "run_dir=" + os.path.join(os.environ.get("TMPDIR", "/tmp"), "ladder_jax_cpu_flags"),
+        ]
+    )
     lj.runtime.setup(cpu_devices=1)
     trainer = Trainer(cfg)
     print(f"cpu: {lj.hardware.cpu_description()}")
-    print(f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, python "
-          f"{platform.python_version()}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
-    print(f"step: small preset (d_model 256, 8 layers), float32, batch {args.batch} x "
-          f"{args.seq} tokens, AdamW, clipping; {args.rounds} interleaved rounds")
+    print(
+        f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, python "
+        f"{platform.python_version()}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
+    )
+    print(
+        f"step: small preset (d_model 256, 8 layers), float32, batch {args.batch} x "
+        f"{args.seq} tokens, AdamW, clipping; {args.rounds} interleaved rounds"
+    )
     state = trainer.state
     train_step = trainer.compiled_step(trainer.graphdef, state)[0]  # the step the trainer jits
     batches = [trainer.global_batch(next(trainer.data_iter)) for _ in range(2)]
@@ -140,8 +171,10 @@ def main(argv=None) -> int:
         ratio = f"{ref / dt:.2f}x" if ref else "-"
         opts = " ".join(f"--{k}={v}" for k, v in SETS[name].items()) or "(XLA's defaults)"
         spread = f"{min(times[1:]) * 1e3:.0f}-{max(times[1:]) * 1e3:.0f}"
-        print(f"  {name:<20} {tokens / dt:>8,.0f} tokens/s  {dt * 1e3:>8.1f} ms/step "
-              f"({spread:>9})  {ratio:>6}  {opts}")
+        print(
+            f"  {name:<20} {tokens / dt:>8,.0f} tokens/s  {dt * 1e3:>8.1f} ms/step "
+            f"({spread:>9})  {ratio:>6}  {opts}"
+        )
     return 0
 
 

@@ -24,13 +24,30 @@ import time
 
 # LlamaConfig fields per --shape (the float32 model trained on CPU)
 SHAPES = {
-    "small": dict(vocab_size=320, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
-                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
-                  rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False),
-    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
-                    tie_word_embeddings=True),
+    "small": dict(
+        vocab_size=320,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    ),
+    "smollm2": dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -40,13 +57,21 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128, help="tokens predicted per row")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"),
-                    help="HF attention implementation")
-    ap.add_argument("--shape", default="small", choices=tuple(SHAPES),
-                    help="the model's shapes: the small preset or SmolLM2-135M")
+    ap.add_argument(
+        "--attn", default="sdpa", choices=("sdpa", "eager"), help="HF attention implementation"
+    )
+    ap.add_argument(
+        "--shape",
+        default="small",
+        choices=tuple(SHAPES),
+        help="the model's shapes: the small preset or SmolLM2-135M",
+    )
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    ap.add_argument("--json", action="store_true",
-                    help="also print one JSON line: tokens_per_s, step_ms, peak_rss")
+    ap.add_argument(
+        "--json",
+        action="store_true",
+        help="also print one JSON line: tokens_per_s, step_ms, peak_rss",
+    )
     args = ap.parse_args(argv)
 
     import torch
@@ -54,20 +79,29 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    config = LlamaConfig(**SHAPES[args.shape], attention_bias=False, mlp_bias=False,
-                         attn_implementation=args.attn, torch_dtype=torch.float32)
+    config = LlamaConfig(
+        **SHAPES[args.shape],
+        attention_bias=False,
+        mlp_bias=False,
+        attn_implementation=args.attn,
+        torch_dtype=torch.float32,
+    )
     model = LlamaForCausalLM(config).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-10,
-                            weight_decay=0.1)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.1
+    )
     gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), generator=gen)
-               for _ in range(2)]
+    batches = [
+        torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), generator=gen)
+        for _ in range(2)
+    ]
 
     def train_step(batch):
         tokens, targets = batch[:, :-1], batch[:, 1:]
         logits = model(input_ids=tokens).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                                 targets.reshape(-1))
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -84,16 +118,20 @@ def main(argv=None) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     from ladder_jax.hardware import cpu_description
 
-    print(f"cpu: {cpu_description()}; torch uses "
-          f"{torch.backends.cpu.get_cpu_capability()} kernels")
-    print(f"hf LlamaForCausalLM ({args.attn}, {args.threads} threads, torch "
-          f"{torch.__version__}): {tokens / dt:,.0f} tokens/s  {dt * 1e3:.1f} ms/step  "
-          f"(batch {args.batch} x {args.seq}, {n_params / 1e6:.2f}M params, "
-          f"last loss {loss:.3f})", flush=True)
+    print(f"cpu: {cpu_description()}; torch uses {torch.backends.cpu.get_cpu_capability()} kernels")
+    print(
+        f"hf LlamaForCausalLM ({args.attn}, {args.threads} threads, torch "
+        f"{torch.__version__}): {tokens / dt:,.0f} tokens/s  {dt * 1e3:.1f} ms/step  "
+        f"(batch {args.batch} x {args.seq}, {n_params / 1e6:.2f}M params, "
+        f"last loss {loss:.3f})",
+        flush=True,
+    )
     if args.json:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        print(json.dumps({"tokens_per_s": tokens / dt, "step_ms": dt * 1e3, "peak_rss": peak}),
-              flush=True)
+        print(
+            json.dumps({"tokens_per_s": tokens / dt, "step_ms": dt * 1e3, "peak_rss": peak}),
+            flush=True,
+        )
     return 0
 
 

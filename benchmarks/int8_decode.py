@@ -32,38 +32,61 @@ from ladder_jax.model import sharding
 
 SHAPES = {
     "small": dict(vocab_size=320, d_model=256, n_layers=8, n_heads=8, n_kv_heads=4, d_ff=768),
-    "125m": dict(vocab_size=32000, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12,
-                 d_ff=2048),
+    "125m": dict(vocab_size=32000, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, d_ff=2048),
 }
 
 
 def ladder(shape: str, batch: int, prompt_len: int, new_tokens: int, quantize, repeats: int):
-    config = dataclasses.replace(ModelConfig.from_preset("small"), **SHAPES[shape],
-                                 max_seq_len=1024, quantize=quantize)
-    r = generation.benchmark(config, sharding.make_mesh(tp=1), batch=batch,
-                             prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats)
+    config = dataclasses.replace(
+        ModelConfig.from_preset("small"), **SHAPES[shape], max_seq_len=1024, quantize=quantize
+    )
+    r = generation.benchmark(
+        config,
+        sharding.make_mesh(tp=1),
+        batch=batch,
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        repeats=repeats,
+    )
     return r["decode_tokens_per_s"]
 
 
 def hf(shape: str, batch: int, prompt_len: int, new_tokens: int, quantize, repeats: int):
     s = SHAPES[shape]
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=s["vocab_size"], hidden_size=s["d_model"], intermediate_size=s["d_ff"],
-        num_hidden_layers=s["n_layers"], num_attention_heads=s["n_heads"],
-        num_key_value_heads=s["n_kv_heads"], max_position_embeddings=1024,
-        tie_word_embeddings=False, torch_dtype=torch.float32)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=s["vocab_size"],
+            hidden_size=s["d_model"],
+            intermediate_size=s["d_ff"],
+            num_hidden_layers=s["n_layers"],
+            num_attention_heads=s["n_heads"],
+            num_key_value_heads=s["n_kv_heads"],
+            max_position_embeddings=1024,
+            tie_word_embeddings=False,
+            torch_dtype=torch.float32,
+        )
+    ).eval()
     if quantize:
-        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear},
-                                                       dtype=torch.qint8)
-    ids = torch.randint(0, min(256, s["vocab_size"]), (batch, prompt_len),
-                        generator=torch.Generator().manual_seed(0))
+        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    ids = torch.randint(
+        0,
+        min(256, s["vocab_size"]),
+        (batch, prompt_len),
+        generator=torch.Generator().manual_seed(0),
+    )
 
     def gen(n):
         t0 = time.perf_counter()
         with torch.no_grad():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                           min_new_tokens=n, do_sample=False, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
         return time.perf_counter() - t0
 
     gen(2)  # warm-up
@@ -83,19 +106,34 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     sharding.setup_host(1)
     torch.set_num_threads(args.threads)
-    print(f"decode tokens/s, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-          f"{args.threads} torch threads, {os.cpu_count()} cores, load average "
-          f"{os.getloadavg()[0]:.1f}")
-    print(f"{'shape':<6} {'batch':>5} {'ladder fp32':>12} {'ladder int8':>12} "
-          f"{'hf fp32':>10} {'hf int8':>10}")
+    print(
+        f"decode tokens/s, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
+        f"{args.threads} torch threads, {os.cpu_count()} cores, load average "
+        f"{os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"{'shape':<6} {'batch':>5} {'ladder fp32':>12} {'ladder int8':>12} "
+        f"{'hf fp32':>10} {'hf int8':>10}"
+    )
     for shape in args.shapes:
         for b in args.batch:
-            kw = dict(batch=b, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                      repeats=args.repeats)
-            row = [ladder(shape, quantize=None, **kw), ladder(shape, quantize="int8", **kw),
-                   hf(shape, quantize=False, **kw), hf(shape, quantize=True, **kw)]
-            print(f"{shape:<6} {b:>5} " + " ".join(f"{v:>12.1f}" if i < 2 else f"{v:>10.1f}"
-                                                  for i, v in enumerate(row)), flush=True)
+            kw = dict(
+                batch=b,
+                prompt_len=args.prompt_len,
+                new_tokens=args.new_tokens,
+                repeats=args.repeats,
+            )
+            row = [
+                ladder(shape, quantize=None, **kw),
+                ladder(shape, quantize="int8", **kw),
+                hf(shape, quantize=False, **kw),
+                hf(shape, quantize=True, **kw),
+            ]
+            print(
+                f"{shape:<6} {b:>5} "
+                + " ".join(f"{v:>12.1f}" if i < 2 else f"{v:>10.1f}" for i, v in enumerate(row)),
+                flush=True,
+            )
     return 0
 
 

@@ -24,17 +24,30 @@ import sys
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the CI setting (embedded corpus)")
-    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                    help="change a field of the setting (YAML value), e.g. steps=100")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="change a field of the setting (YAML value), e.g. steps=100",
+    )
     ap.add_argument("--out", default=None, help="directory (default runs/paper_quality/<setting>)")
     ap.add_argument("--fresh", action="store_true", help="retrain: remove the runs under --out")
-    ap.add_argument("--report", action="store_true",
-                    help="no training: table and plots of the finished runs under --out")
-    ap.add_argument("--json", action="store_true",
-                    help="stdout: one JSON line per result, as results.jsonl holds them, "
-                         "instead of the tables")
-    ap.add_argument("--no-adapt", action="store_true",
-                    help="from-scratch runs only (e.g. one process per seed sharing --out)")
+    ap.add_argument(
+        "--report",
+        action="store_true",
+        help="no training: table and plots of the finished runs under --out",
+    )
+    ap.add_argument(
+        "--json",
+        action="store_true",
+        help="stdout: one JSON line per result, as results.jsonl holds them, instead of the tables",
+    )
+    ap.add_argument(
+        "--no-adapt",
+        action="store_true",
+        help="from-scratch runs only (e.g. one process per seed sharing --out)",
+    )
     args = ap.parse_args(argv)
 
     import ladder_jax as lj  # after argparse: --help needs no jax
@@ -46,8 +59,11 @@ def main(argv=None) -> int:
         changes = parse_set(args.set, "steps=100")
         setting = pq.with_changes(pq.SETTINGS["quick" if args.quick else "full"], **changes)
         out = args.out or os.path.join("runs", "paper_quality", setting.name)
-        emit = ((lambda r: print(json.dumps(r), flush=True)) if args.json  # noqa: E731
-                else None)
+        emit = (
+            (lambda r: print(json.dumps(r), flush=True))
+            if args.json  # noqa: E731
+            else None
+        )
         if args.report:
             results = pq.collect(setting, out)
             for r in results:
@@ -57,15 +73,15 @@ def main(argv=None) -> int:
                 f.writelines(json.dumps(r) + "\n" for r in results)
         else:
             lj.sharding.setup_host(1)
-            results = pq.run(setting, out, emit=emit, fresh=args.fresh,
-                             adapt=not args.no_adapt)
+            results = pq.run(setting, out, emit=emit, fresh=args.fresh, adapt=not args.no_adapt)
         paths = pq.plots(results, out)
     except lj.UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        print(f"stopped ({e or 'interrupted'}): run the same command again to resume",
-              file=sys.stderr)
+        print(
+            f"stopped ({e or 'interrupted'}): run the same command again to resume", file=sys.stderr
+        )
         return 130
     if not args.json:
         print(pq.table(results), flush=True)

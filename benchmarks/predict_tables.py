@@ -24,37 +24,54 @@ import time
 
 TABLES = {
     "70b-grid": [dict(preset="llama-3-70b", tp=[2, 4, 8], batch=[1, 4, 8, 16, 32, 64])],
-    "presets": [dict(preset=p, tp=[8], batch=[4]) for p in
-                ("1b", "3b", "llama-3-8b", "llama-3-70b")],
+    "presets": [
+        dict(preset=p, tp=[8], batch=[4]) for p in ("1b", "3b", "llama-3-8b", "llama-3-70b")
+    ],
     "405b": [dict(preset="llama-3.1-405b", tp=[16], batch=[1, 4, 8, 16])],
-    "a100": [dict(preset="llama-2-7b", tp=[1, 2, 4, 8], batch=[1], target="a100"),
-             dict(preset="llama-2-70b", tp=[2, 4, 8], batch=[1], target="a100")],
+    "a100": [
+        dict(preset="llama-2-7b", tp=[1, 2, 4, 8], batch=[1], target="a100"),
+        dict(preset="llama-2-70b", tp=[2, 4, 8], batch=[1], target="a100"),
+    ],
 }
 
 
 def command(spec: dict) -> str:
-    return (f"python -m ladder_jax.predict --preset {spec['preset']} --tp "
-            f"{' '.join(map(str, spec['tp']))} --batch {' '.join(map(str, spec['batch']))} "
-            f"--link nvlink pcie --target {spec.get('target', 'h100')} --json")
+    return (
+        f"python -m ladder_jax.predict --preset {spec['preset']} --tp "
+        f"{' '.join(map(str, spec['tp']))} --batch {' '.join(map(str, spec['batch']))} "
+        f"--link nvlink pcie --target {spec.get('target', 'h100')} --json"
+    )
 
 
 def markdown(rows: list[dict]) -> str:
-    schemes = [s for s in ("standard", "parallel", "ladder", "upper_bound")
-               if any(r["residual"] == s for r in rows)]
-    head = ("| preset | link | tp | hosts | batch | standard tok/s | "
-            + " | ".join(f"{s}/std" for s in schemes if s != "standard") + " |")
+    schemes = [
+        s
+        for s in ("standard", "parallel", "ladder", "upper_bound")
+        if any(r["residual"] == s for r in rows)
+    ]
+    head = (
+        "| preset | link | tp | hosts | batch | standard tok/s | "
+        + " | ".join(f"{s}/std" for s in schemes if s != "standard")
+        + " |"
+    )
     out = [head, "|" + "---|" * (5 + len(schemes))]
     cells = {}
     for r in rows:
         cells.setdefault((r["preset"], r["link"], r["tp"], r["hosts"], r["batch"]), {})[
-            r["residual"]] = r
+            r["residual"]
+        ] = r
     for (preset, link, tp, hosts, batch), by in cells.items():
         std = by.get("standard")
-        ratios = [f"{by[s]['vs_standard']:.3f}" if s in by and by[s]["vs_standard"] else "-"
-                  for s in schemes if s != "standard"]
+        ratios = [
+            f"{by[s]['vs_standard']:.3f}" if s in by and by[s]["vs_standard"] else "-"
+            for s in schemes
+            if s != "standard"
+        ]
         fb = " (cuBLAS GEMMs)" if any(r.get("fallback") for r in by.values()) else ""
-        out.append(f"| {preset}{fb} | {link} | {tp} | {hosts} | {batch} | "
-                   f"{std['tokens_per_s']:.1f} | " + " | ".join(ratios) + " |")
+        out.append(
+            f"| {preset}{fb} | {link} | {tp} | {hosts} | {batch} | "
+            f"{std['tokens_per_s']:.1f} | " + " | ".join(ratios) + " |"
+        )
     return "\n".join(out)
 
 
@@ -63,14 +80,19 @@ def main(argv=None) -> int:
     ap.add_argument("tables", nargs="*", help=f"some of: {', '.join(TABLES)} (default: all)")
     ap.add_argument("--list", action="store_true", help="print the commands and exit")
     ap.add_argument("--layers-compiled", type=int, default=4)
-    ap.add_argument("--jobs", type=int, default=1,
-                    help="programs compiled at once (threads; 2 gains ~15%% on 2 cores)")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="programs compiled at once (threads; 2 gains ~15%% on 2 cores)",
+    )
     args = ap.parse_args(argv)
     names = args.tables or list(TABLES)
     unknown = [n for n in names if n not in TABLES]
     if unknown:
-        print(f"error: unknown table {unknown[0]!r}: choose from {', '.join(TABLES)}",
-              file=sys.stderr)
+        print(
+            f"error: unknown table {unknown[0]!r}: choose from {', '.join(TABLES)}", file=sys.stderr
+        )
         return 2
     if args.list:
         for n in names:
@@ -87,13 +109,21 @@ def main(argv=None) -> int:
     for n in names:
         rows, t0 = [], time.perf_counter()
         for spec in TABLES[n]:
-            rows += lj.predict(spec["preset"], tp=spec["tp"], batch=spec["batch"],
-                               links=("nvlink", "pcie"), target=spec.get("target", "h100"),
-                               layers_compiled=args.layers_compiled, jobs=args.jobs,
-                               progress=_Progress(f"{n}: {spec['preset']}"))
+            rows += lj.predict(
+                spec["preset"],
+                tp=spec["tp"],
+                batch=spec["batch"],
+                links=("nvlink", "pcie"),
+                target=spec.get("target", "h100"),
+                layers_compiled=args.layers_compiled,
+                jobs=args.jobs,
+                progress=_Progress(f"{n}: {spec['preset']}"),
+            )
         wall = time.perf_counter() - t0
-        print(f"\n### {n} ({wall:.0f} s wall, load average "
-              f"{' '.join(f'{x:.1f}' for x in os.getloadavg())})\n")
+        print(
+            f"\n### {n} ({wall:.0f} s wall, load average "
+            f"{' '.join(f'{x:.1f}' for x in os.getloadavg())})\n"
+        )
         for spec in TABLES[n]:
             print(f"    {command(spec)}")
         print()

@@ -19,13 +19,13 @@ import jax
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--preset", default="llama-3-8b")
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--batch", type=int, nargs="+", default=[1])
-    p.add_argument("--quantize", nargs="+", default=["none", "int8"],
-                   help="none and/or int8")
+    p.add_argument("--quantize", nargs="+", default=["none", "int8"], help="none and/or int8")
     p.add_argument("--residual", nargs="+", default=["standard"])
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=512)
@@ -38,25 +38,45 @@ def main(argv=None) -> int:
     from ladder_jax.analysis import roofline
     from ladder_jax.config import ModelConfig
 
-    print(f"{'quant':<5} {'tp':>3} {'batch':>5} {'residual':<10} {'MB/layer':>9} "
-          f"{'min MB':>8} {'x min':>6} {'kernels':>7} {'colls':>5}")
+    print(
+        f"{'quant':<5} {'tp':>3} {'batch':>5} {'residual':<10} {'MB/layer':>9} "
+        f"{'min MB':>8} {'x min':>6} {'kernels':>7} {'colls':>5}"
+    )
     for q in args.quantize:
         for tp in args.tp:
             for b in args.batch:
                 for res in args.residual:
-                    cfg = ModelConfig.from_preset(args.preset, residual=res,
-                                                  quantize=None if q == "none" else q)
-                    r = roofline.layer_report(cfg, tp=tp, batch=b, prompt_len=args.prompt_len,
-                                              new_tokens=args.new_tokens, target=args.target)
+                    cfg = ModelConfig.from_preset(
+                        args.preset, residual=res, quantize=None if q == "none" else q
+                    )
+                    r = roofline.layer_report(
+                        cfg,
+                        tp=tp,
+                        batch=b,
+                        prompt_len=args.prompt_len,
+                        new_tokens=args.new_tokens,
+                        target=args.target,
+                    )
                     if args.json:
-                        print(json.dumps({"quantize": q, "tp": tp, "batch": b,
-                                          "residual": res, **{k: v for k, v in r.items()
-                                                              if k != "layer_kernels"}}))
+                        print(
+                            json.dumps(
+                                {
+                                    "quantize": q,
+                                    "tp": tp,
+                                    "batch": b,
+                                    "residual": res,
+                                    **{k: v for k, v in r.items() if k != "layer_kernels"},
+                                }
+                            )
+                        )
                     else:
-                        print(f"{q:<5} {tp:>3} {b:>5} {res:<10} {r['layer_bytes'] / 1e6:>9.2f}"
-                              f" {r['layer_min_bytes'] / 1e6:>8.2f} "
-                              f"{r['bytes_vs_minimum']:>5.2f}x {r['kernels_per_layer']:>7} "
-                              f"{r['collectives_per_layer']:>5}", flush=True)
+                        print(
+                            f"{q:<5} {tp:>3} {b:>5} {res:<10} {r['layer_bytes'] / 1e6:>9.2f}"
+                            f" {r['layer_min_bytes'] / 1e6:>8.2f} "
+                            f"{r['bytes_vs_minimum']:>5.2f}x {r['kernels_per_layer']:>7} "
+                            f"{r['collectives_per_layer']:>5}",
+                            flush=True,
+                        )
                     if args.kernels:
                         for name, nb in r["layer_kernels"]:
                             print(f"      {name:<40} {nb / 1e6:>10.3f} MB")

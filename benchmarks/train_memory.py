@@ -32,10 +32,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 # SmolLM2-135M's shapes as train keys on top of the tiny preset (byte tokens < 49152)
-SMOLLM2_KEYS = ["model.vocab_size=49152", "model.d_model=576", "model.n_layers=30",
-                "model.n_heads=9", "model.n_kv_heads=3", "model.d_ff=1536",
-                "model.head_dim=64", "model.tie_embeddings=true", "model.rope_theta=100000.0",
-                "model.norm_eps=1e-5", "model.dtype=float32", "model.max_seq_len=8192"]
+SMOLLM2_KEYS = [
+    "model.vocab_size=49152",
+    "model.d_model=576",
+    "model.n_layers=30",
+    "model.n_heads=9",
+    "model.n_kv_heads=3",
+    "model.d_ff=1536",
+    "model.head_dim=64",
+    "model.tie_embeddings=true",
+    "model.rope_theta=100000.0",
+    "model.norm_eps=1e-5",
+    "model.dtype=float32",
+    "model.max_seq_len=8192",
+]
 # the settings this benchmark compares by default: the trainer's defaults, and the CPU fix
 DEFAULT_JAX = ["", "loss_chunk=64 model.remat=module mesh.data=1"]
 
@@ -52,10 +62,24 @@ def run_child(cmd: list[str], env: dict) -> tuple[int, int, str]:
 
 def jax_run(keys: str, args, workdir: str, i: int) -> dict:
     name = f"run{i}"
-    cmd = [sys.executable, "-m", "ladder_jax.train", *SMOLLM2_KEYS,
-           f"data.batch_size={args.batch}", f"data.seq_len={args.seq}", f"steps={args.steps + 1}",
-           "eval_every=0", "ckpt_every=0", "eval_batches=1", "log_every=1", "progress=lines",
-           "tensorboard=false", "keep=1", f"run_dir={workdir}", f"name={name}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ladder_jax.train",
+        *SMOLLM2_KEYS,
+        f"data.batch_size={args.batch}",
+        f"data.seq_len={args.seq}",
+        f"steps={args.steps + 1}",
+        "eval_every=0",
+        "ckpt_every=0",
+        "eval_batches=1",
+        "log_every=1",
+        "progress=lines",
+        "tensorboard=false",
+        "keep=1",
+        f"run_dir={workdir}",
+        f"name={name}",
+    ]
     env = dict(os.environ)
     for word in shlex.split(keys):  # NAME=value in capitals: the environment's
         if re.match(r"[A-Z_][A-Z0-9_]*=", word):
@@ -76,12 +100,28 @@ def jax_run(keys: str, args, workdir: str, i: int) -> dict:
 
 
 def hf_run(args) -> dict:
-    cmd = [sys.executable, os.path.join(HERE, "hf_train_step.py"), "--shape", "smollm2",
-           "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-           "--warmup", "1", "--json"]
+    cmd = [
+        sys.executable,
+        os.path.join(HERE, "hf_train_step.py"),
+        "--shape",
+        "smollm2",
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        "1",
+        "--json",
+    ]
     rc, peak, out = run_child(cmd, dict(os.environ))
-    row = {"system": "transformers", "setting": "LlamaForCausalLM (sdpa)", "rc": rc,
-           "peak_rss": peak}
+    row = {
+        "system": "transformers",
+        "setting": "LlamaForCausalLM (sdpa)",
+        "rc": rc,
+        "peak_rss": peak,
+    }
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     if rc == 0 and lines:
         row["tokens_per_s"] = json.loads(lines[-1])["tokens_per_s"]
@@ -92,18 +132,27 @@ def hf_run(args) -> dict:
 
 def describe(row: dict) -> str:
     killed = ", killed: out of memory?" if row["rc"] in (-9, 137) else ""
-    tps = (f"{row['tokens_per_s']:7.1f} tokens/s" if "tokens_per_s" in row
-           else f"failed (exit {row['rc']}{killed})")
-    return (f"{row['system']:<12} {row['setting']:<48} {tps}  peak RSS "
-            f"{row['peak_rss'] / 1e9:5.2f} GB")
+    tps = (
+        f"{row['tokens_per_s']:7.1f} tokens/s"
+        if "tokens_per_s" in row
+        else f"failed (exit {row['rc']}{killed})"
+    )
+    return (
+        f"{row['system']:<12} {row['setting']:<48} {tps}  peak RSS {row['peak_rss'] / 1e9:5.2f} GB"
+    )
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--jax", action="append", default=None, metavar="KEYS",
-                    help="train keys of one ladder_jax setting, e.g. 'loss_chunk=64' ('': the "
-                         "defaults); repeat for several (default: the defaults and "
-                         f"{DEFAULT_JAX[1]!r})")
+    ap.add_argument(
+        "--jax",
+        action="append",
+        default=None,
+        metavar="KEYS",
+        help="train keys of one ladder_jax setting, e.g. 'loss_chunk=64' ('': the "
+        "defaults); repeat for several (default: the defaults and "
+        f"{DEFAULT_JAX[1]!r})",
+    )
     ap.add_argument("--rounds", type=int, default=1, help="times each setting runs")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per run")
     ap.add_argument("--batch", type=int, default=8)
@@ -121,20 +170,29 @@ def main(argv=None) -> int:
                 row["round"] = r + 1
                 rows.append(row)
                 print(f"round {r + 1}: {describe(row)}", flush=True)
-    print(f"medians over {args.rounds} round(s), batch {args.batch} x {args.seq} tokens, "
-          f"{args.steps} timed steps per run:")
+    print(
+        f"medians over {args.rounds} round(s), batch {args.batch} x {args.seq} tokens, "
+        f"{args.steps} timed steps per run:"
+    )
     for key in dict.fromkeys((row["system"], row["setting"]) for row in rows):
         mine = [row for row in rows if (row["system"], row["setting"]) == key]
         ok = [row["tokens_per_s"] for row in mine if "tokens_per_s" in row]
-        med = {"system": key[0], "setting": key[1], "rc": mine[-1]["rc"],
-               "peak_rss": statistics.median(row["peak_rss"] for row in mine)}
+        med = {
+            "system": key[0],
+            "setting": key[1],
+            "rc": mine[-1]["rc"],
+            "peak_rss": statistics.median(row["peak_rss"] for row in mine),
+        }
         if ok:
             med["tokens_per_s"] = statistics.median(ok)
         print("  " + describe(med))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"batch": args.batch, "seq": args.seq, "steps": args.steps,
-                       "rows": rows}, f, indent=1)
+            json.dump(
+                {"batch": args.batch, "seq": args.seq, "steps": args.steps, "rows": rows},
+                f,
+                indent=1,
+            )
     return 0
 
 

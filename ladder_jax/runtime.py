@@ -25,13 +25,21 @@ import tempfile
 import threading
 import time
 
-_NOISE = re.compile(r"absl::InitializeLog\(\) is called|cudart_stub\.cc.*cuda drivers"
-                    r"|Missing deviceless CUB scratch size data"
-                    r"|To avoid this, compile with a GPU present")
+_NOISE = re.compile(
+    r"absl::InitializeLog\(\) is called|cudart_stub\.cc.*cuda drivers"
+    r"|Missing deviceless CUB scratch size data"
+    r"|To avoid this, compile with a GPU present"
+)
 _QUIET = {"depth": 0, "saved": None, "tmp": None}
 # Gloo (XLA:CPU's collectives across processes) prints one line per connection to stdout
-_GLOO = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number "
-                   rb"of connected peer ranks is : \d+\n?")
+# Gloo (XLA:CPU's collectives across processes) prints a line per connection to stdout, in
+# pieces, from several threads at once: the pieces of two lines can interleave
+_GLOO = (
+    b"[Gloo] Rank ",
+    b" is connected to ",
+    b" peer ranks. ",
+    b"Expected number of connected peer ranks is : ",
+)
 _QUIET_LOCK = threading.Lock()
 
 
@@ -82,36 +90,42 @@ def write_stderr(text: str) -> None:
             os.write(saved, text.encode("utf-8", "replace"))
 
 
-# A child process between this one's native stdout and the real one: whole lines matching the
-# pattern (argv[1], latin-1) are dropped, everything else passes at once, partial lines
+# A child process between this one's native stdout and the real one: lines made only of the
+# pieces (argv, latin-1) and numbers are dropped, everything else passes at once, partial lines
 # included (a tail that may still become a dropped line is held back). Being a child, it also
 # sees what C++ libraries flush at the very end of the process, after Python's exit handlers.
 _STDOUT_FILTER = r"""
 import os, re, signal, sys
 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
     signal.signal(s, signal.SIG_IGN)
-pattern = re.compile(sys.argv[1].encode("latin-1"))
-head = pattern.pattern.split(b"\\d")[0].replace(b"\\", b"")
+pieces = [p.encode("latin-1") for p in sys.argv[1:]]
+run = re.compile(b"(?:" + b"|".join(map(re.escape, pieces)) + rb"|\d+)*")
+def whole(line):  # a line of pieces (and numbers) only, one piece at least
+    return run.fullmatch(line.rstrip(b"\n")) is not None and any(p in line for p in pieces)
+def may_become(rest):  # pieces so far, then the start of one
+    tail = rest[run.match(rest).end():]
+    return any(p.startswith(tail) for p in pieces)
 def write(data):
     while data:
         data = data[os.write(1, data):]
 held = b""
 while chunk := os.read(0, 1 << 16):
     data = held + chunk
-    end = data.rfind(b"\n") + 1  # whole lines are matched; the partial last one waits or passes
-    rest = data[end:]
-    starts = (head.startswith(rest) if len(rest) <= len(head) else rest.startswith(head))
-    held = rest if starts and len(rest) < 400 else b""
-    write(pattern.sub(b"", data[:end]) + (b"" if held else rest))
-write(pattern.sub(b"", held))
+    end = data.rfind(b"\n") + 1  # whole lines are judged; the partial last one waits or passes
+    lines, rest = data[:end].splitlines(keepends=True), data[end:]
+    held = rest if rest and len(rest) < 1000 and may_become(rest) else b""
+    write(b"".join(ln for ln in lines if not whole(ln)) + (b"" if held else rest))
+if not whole(held):
+    write(held)
 """
 
 
-def drop_stdout_lines(pattern: re.Pattern) -> None:
-    """From now on, whole lines matching `pattern` (bytes; its literal head is what is held
-    back) are dropped from the process's native stdout (fd 1, what C++ libraries print to as
-    well as Python); everything else passes at once. A child process (`_STDOUT_FILTER`)
-    reads a pipe until this process has wholly ended, so nothing printed is lost.
+def drop_stdout_lines(pieces: tuple) -> None:
+    """From now on, lines made of `pieces` (bytes) and numbers only are dropped from the
+    process's native stdout (fd 1, what C++ libraries print to as well as Python); everything
+    else passes at once (a partial line that may still become one waits for its end). A child
+    process (`_STDOUT_FILTER`) reads a pipe until this process has wholly ended, so nothing
+    printed is lost.
 
         drop_stdout_lines(_GLOO)   # several CPU processes: Gloo's connection lines"""
     import subprocess
@@ -120,8 +134,12 @@ def drop_stdout_lines(pattern: re.Pattern) -> None:
     read, write = os.pipe()
     real = os.dup(1)
     subprocess.Popen(  # a session of its own: Ctrl-C is for this process
-        [sys.executable, "-c", _STDOUT_FILTER, pattern.pattern.decode("latin-1")],
-        stdin=read, stdout=real, close_fds=True, start_new_session=True)
+        [sys.executable, "-c", _STDOUT_FILTER, *(p.decode("latin-1") for p in pieces)],
+        stdin=read,
+        stdout=real,
+        close_fds=True,
+        start_new_session=True,
+    )
     for fd in (read, real):
         os.close(fd)
     os.dup2(write, 1)
@@ -202,7 +220,11 @@ def _filter_stderr(pid: int, nproc: int, timeout: int) -> None:
     real = os.dup(2)
     _met_stderr.child = subprocess.Popen(  # a session of its own: Ctrl-C is for this process
         [sys.executable, "-c", _STDERR_FILTER, str(pid), str(nproc), str(timeout)],
-        stdin=read, stdout=real, close_fds=True, start_new_session=True)
+        stdin=read,
+        stdout=real,
+        close_fds=True,
+        start_new_session=True,
+    )
     for fd in (read, real):
         os.close(fd)
     os.dup2(write, 2)
@@ -232,8 +254,13 @@ def cpu_only() -> bool:
     return platforms == "cpu" or (not platforms and not has_nvidia_gpu())
 
 
-def setup(*, cpu_devices: int | None = None, coordinator: str | None = None,
-          num_processes: int | None = None, process_id: int | None = None) -> None:
+def setup(
+    *,
+    cpu_devices: int | None = None,
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> None:
     """Platform, fake CPU devices and `jax.distributed`, in that order (module docstring)."""
     import jax
 
@@ -256,7 +283,8 @@ def setup(*, cpu_devices: int | None = None, coordinator: str | None = None,
             raise ConfigError(
                 "several processes need a coordinator address, the number of processes and "
                 "this process's id (flags, or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
-                "JAX_PROCESS_ID)")
+                "JAX_PROCESS_ID)"
+            )
         if not 0 <= pid < nproc:
             raise ConfigError(f"process id {pid} must be in [0, {nproc})")
         if cpu:  # first: all jax prints, to the end of the process, goes through the filter
@@ -297,10 +325,12 @@ def _initialize(jax, addr: str, nproc: int, pid: int) -> None:
     t = peer_timeout()
 
     def message(why: str) -> str:
-        return (f"process {pid} of {nproc}: the job's processes did not all meet at the "
-                f"coordinator {addr} within {t} s ({why}): start every process with the same "
-                f"--coordinator and --num-processes and its own --process-id from 0 to "
-                f"{nproc - 1} (LADDER_PEER_TIMEOUT sets the wait)")
+        return (
+            f"process {pid} of {nproc}: the job's processes did not all meet at the "
+            f"coordinator {addr} within {t} s ({why}): start every process with the same "
+            f"--coordinator and --num-processes and its own --process-id from 0 to "
+            f"{nproc - 1} (LADDER_PEER_TIMEOUT sets the wait)"
+        )
 
     def give_up():  # jaxlib's own timeout ends the process from C++ (a stack, SIGABRT)
         print(f"error: {message('none came, or too few')}", file=sys.stderr, flush=True)
@@ -313,8 +343,9 @@ def _initialize(jax, addr: str, nproc: int, pid: int) -> None:
     timer.daemon = True
     timer.start()
     try:  # jaxlib's heartbeat ends a process with a C++ stack: later than the watch below
-        jax.distributed.initialize(addr, nproc, pid, initialization_timeout=t + 30,
-                                   heartbeat_timeout_seconds=2 * t + 30)
+        jax.distributed.initialize(
+            addr, nproc, pid, initialization_timeout=t + 30, heartbeat_timeout_seconds=2 * t + 30
+        )
     except Exception as e:  # noqa: BLE001 (jaxlib's errors have no public classes)
         raise ConfigError(message(_first_line(e))) from None
     finally:
@@ -337,9 +368,12 @@ def _check_port_free(addr: str, message) -> None:
         try:
             sock.bind(("", port))
         except OSError as e:
-            raise ConfigError(message(
-                f"port {port} is taken here ({e.strerror}): another process 0 (a --process-id "
-                f"given twice) or another job on this --coordinator")) from None
+            raise ConfigError(
+                message(
+                    f"port {port} is taken here ({e.strerror}): another process 0 (a --process-id "
+                    f"given twice) or another job on this --coordinator"
+                )
+            ) from None
 
 
 def _first_line(error) -> str:
@@ -367,10 +401,13 @@ def _watch_peers(client, pid: int, nproc: int, timeout: int) -> None:
 
     def lost(who: str):
         _LAST_WORDS.acquire()
-        print(f"error: process {pid} of {nproc}: {who} (died, killed or stopped): see its "
-              f"output, then start every process of the job again (training resumes from its "
-              f"last checkpoint; LADDER_PEER_TIMEOUT={timeout} s is the wait)",
-              file=sys.stderr, flush=True)
+        print(
+            f"error: process {pid} of {nproc}: {who} (died, killed or stopped): see its "
+            f"output, then start every process of the job again (training resumes from its "
+            f"last checkpoint; LADDER_PEER_TIMEOUT={timeout} s is the wait)",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(1)
 
     def beats():
@@ -402,14 +439,18 @@ def _watch_peers(client, pid: int, nproc: int, timeout: int) -> None:
             now = time.monotonic()
             if state["ok"] is not None and now - state["ok"] > timeout:
                 lost(f"no answer from the coordinator, process 0, for {timeout} s")
-            stale = [p for p in range(nproc) if p != pid and now - state["seen"].get(
-                p, (None, start))[1] > timeout]
+            stale = [
+                p
+                for p in range(nproc)
+                if p != pid and now - state["seen"].get(p, (None, start))[1] > timeout
+            ]
             if stale:
-                lost(f"process(es) {', '.join(map(str, stale))} stopped answering for "
-                     f"{timeout} s")
+                lost(f"process(es) {', '.join(map(str, stale))} stopped answering for {timeout} s")
 
-    threads = [threading.Thread(target=t, name=f"peer-watch-{t.__name__}", daemon=True)
-               for t in (beats, check)]
+    threads = [
+        threading.Thread(target=t, name=f"peer-watch-{t.__name__}", daemon=True)
+        for t in (beats, check)
+    ]
 
     # jax's own exit work (backends, then the shutdown barrier) runs inside this handler, so
     # the beats go on through the barrier and are then stopped and joined: a daemon thread
@@ -446,8 +487,12 @@ def collective_failed(error: BaseException) -> None:
         return
     time.sleep(_PEERS["timeout"] + 5)  # the watch ends the process first when a peer is gone
     _LAST_WORDS.acquire()
-    print(f"error: process {_PEERS['pid']} of {_PEERS['nproc']}: {_first_line(error)} (the "
-          f"other processes still answer: see their output)", file=sys.stderr, flush=True)
+    print(
+        f"error: process {_PEERS['pid']} of {_PEERS['nproc']}: {_first_line(error)} (the "
+        f"other processes still answer: see their output)",
+        file=sys.stderr,
+        flush=True,
+    )
     os._exit(1)
 
 
@@ -488,11 +533,15 @@ def agree(settings: dict, what: str) -> None:
     lead = json.loads(bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf))).decode())
     fix = "start every process of the job with the same flags and files"
     if jax.process_index() == 0:
-        raise ConfigError(f"process(es) {', '.join(map(str, differ))} were started with another "
-                          f"{what} than this one, process 0 (each names the difference): {fix}")
+        raise ConfigError(
+            f"process(es) {', '.join(map(str, differ))} were started with another "
+            f"{what} than this one, process 0 (each names the difference): {fix}"
+        )
     key, a, b = _first_difference(lead, json.loads(text)) or ("(all)", "?", "?")
-    raise ConfigError(f"process {jax.process_index()} was started with another {what} than "
-                      f"process 0: {key} is {a!r} there, {b!r} here: {fix}")
+    raise ConfigError(
+        f"process {jax.process_index()} was started with another {what} than "
+        f"process 0: {key} is {a!r} there, {b!r} here: {fix}"
+    )
 
 
 @contextlib.contextmanager
@@ -533,9 +582,13 @@ def stop_watchdog(what: str):
             if done.is_set():
                 return
             why = "a second signal" if len(got) >= 2 else f"still running {grace} s after it"
-            print(f"error: {what} stopped by {signal.Signals(got[0]).name} ({why}; blocked, "
-                  f"e.g. in a collective whose peer stopped): no checkpoint was saved by this "
-                  f"stop; the last one is kept", file=sys.stderr, flush=True)
+            print(
+                f"error: {what} stopped by {signal.Signals(got[0]).name} ({why}; blocked, "
+                f"e.g. in a collective whose peer stopped): no checkpoint was saved by this "
+                f"stop; the last one is kept",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(1)
 
     thread = threading.Thread(target=watch, name="stop-watchdog", daemon=True)
@@ -553,7 +606,6 @@ def stop_watchdog(what: str):
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 _KEPT = {"done": None}
-
 
 
 def setup_host(cpu_devices: int = 8) -> None:
@@ -585,8 +637,11 @@ def keep_freed_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        ok = (libc.mallopt(_M_ARENA_MAX, 1) == 1 and libc.mallopt(_M_MMAP_MAX, 0) == 1
-              and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1)
+        ok = (
+            libc.mallopt(_M_ARENA_MAX, 1) == 1
+            and libc.mallopt(_M_MMAP_MAX, 0) == 1
+            and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+        )
     except (OSError, AttributeError):
         return False
     _KEPT["done"] = bool(ok)
@@ -605,13 +660,17 @@ def add_arguments(parser, *, cpu_devices_help: str) -> None:
     """The start-up flags of the command-line tools (argparse)."""
     g = parser.add_argument_group("processes and devices")
     g.add_argument("--cpu-devices", type=int, default=None, help=cpu_devices_help)
-    g.add_argument("--coordinator", default=None,
-                   help="HOST:PORT of process 0, for several processes (or "
-                        "JAX_COORDINATOR_ADDRESS)")
-    g.add_argument("--num-processes", type=int, default=None,
-                   help="processes in all (or JAX_NUM_PROCESSES)")
-    g.add_argument("--process-id", type=int, default=None,
-                   help="this process, 0..N-1 (or JAX_PROCESS_ID)")
+    g.add_argument(
+        "--coordinator",
+        default=None,
+        help="HOST:PORT of process 0, for several processes (or JAX_COORDINATOR_ADDRESS)",
+    )
+    g.add_argument(
+        "--num-processes", type=int, default=None, help="processes in all (or JAX_NUM_PROCESSES)"
+    )
+    g.add_argument(
+        "--process-id", type=int, default=None, help="this process, 0..N-1 (or JAX_PROCESS_ID)"
+    )
 
 
 def _env_int(name):
@@ -681,5 +740,7 @@ def check_host_memory(need: int, what: str, fix: str) -> None:
     avail = available_memory()
     if jax.default_backend() != "cpu" or avail is None or need <= avail:
         return
-    raise ConfigError(f"{what} needs at least {need / 1e9:.1f} GB of host memory but "
-                      f"{avail / 1e9:.1f} GB is available: {fix}")
+    raise ConfigError(
+        f"{what} needs at least {need / 1e9:.1f} GB of host memory but "
+        f"{avail / 1e9:.1f} GB is available: {fix}"
+    )

@@ -36,8 +36,7 @@ def mesh(tp, data=1):
 
 def tiny_model(tp=1, seed=0, **changes):
     """The tiny preset with `changes`, on a tp mesh."""
-    return lj.Transformer(dataclasses.replace(TINY, **changes), mesh=mesh(tp),
-                          rngs=nnx.Rngs(seed))
+    return lj.Transformer(dataclasses.replace(TINY, **changes), mesh=mesh(tp), rngs=nnx.Rngs(seed))
 
 
 @nnx.jit
@@ -70,10 +69,24 @@ def start_server(tmp_path, name, *args, env=None):
     tmp_path/name.log (`proc.log`)."""
     log = open(tmp_path / f"{name}.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ladder_jax.serve", "--preset", "tiny", "--residual", "ladder",
-         "--max-len", str(SERVE_MAX_LEN), "--no-warmup", *args],
-        stdout=log, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", **(env or {})})
+        [
+            sys.executable,
+            "-m",
+            "ladder_jax.serve",
+            "--preset",
+            "tiny",
+            "--residual",
+            "ladder",
+            "--max-len",
+            str(SERVE_MAX_LEN),
+            "--no-warmup",
+            *args,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", **(env or {})},
+    )
     proc.log = tmp_path / f"{name}.log"
     return proc
 
@@ -114,8 +127,14 @@ def running_server(tmp_path, *args, env=None):
     """A healthy server on a free loopback port (`proc.port`) with the API key SERVE_KEY,
     stopped on exit: a module fixture's body."""
     port = free_port()
-    proc = start_server(tmp_path, "server", "--port", str(port), *args,
-                        env={"LADDER_API_KEY": SERVE_KEY, **(env or {})})
+    proc = start_server(
+        tmp_path,
+        "server",
+        "--port",
+        str(port),
+        *args,
+        env={"LADDER_API_KEY": SERVE_KEY, **(env or {})},
+    )
     try:
         wait_healthy(proc, port)
         proc.port = port

@@ -11,7 +11,7 @@ import numpy as np
 
 
 def _norm(x, scale, eps):
-    return x / jnp.sqrt(jnp.mean(x ** 2, -1, keepdims=True) + eps) * scale
+    return x / jnp.sqrt(jnp.mean(x**2, -1, keepdims=True) + eps) * scale
 
 
 def _inv_freq(cfg):
@@ -28,7 +28,8 @@ def _inv_freq(cfg):
                 out.append(f / sc.factor)
             else:
                 s = (sc.original_max_len / wavelen - sc.low_freq_factor) / (
-                    sc.high_freq_factor - sc.low_freq_factor)
+                    sc.high_freq_factor - sc.low_freq_factor
+                )
                 out.append((1 - s) * f / sc.factor + s * f)
         freqs = np.array(out)
     return jnp.asarray(freqs, jnp.float32)
@@ -67,8 +68,9 @@ def _mlp(w, x):
 def _plain(tree):
     """The state with each linear layer's {"weight": w} read as w (a `Linear` holds it)."""
     if isinstance(tree, dict):
-        return tree["weight"] if set(tree) == {"weight"} else {
-            k: _plain(v) for k, v in tree.items()}
+        return (
+            tree["weight"] if set(tree) == {"weight"} else {k: _plain(v) for k, v in tree.items()}
+        )
     return [_plain(v) for v in tree] if isinstance(tree, list) else tree
 
 

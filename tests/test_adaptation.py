@@ -35,7 +35,7 @@ def test_kl_matches_a_hand_computation():
         for i in range(3):
             p = np.exp(t[b, i] / temp) / np.exp(t[b, i] / temp).sum()
             q = np.exp(s[b, i] / temp) / np.exp(s[b, i] / temp).sum()
-            want.append(temp ** 2 * float(np.sum(p * np.log(p / q))))
+            want.append(temp**2 * float(np.sum(p * np.log(p / q))))
     got = float(distill.kl_divergence(s, t, mask, temperature=temp))
     ref = float(np.sum(np.array(want) * mask.ravel()) / mask.sum())
     assert math.isclose(got, ref, rel_tol=1e-5), (got, ref)
@@ -43,8 +43,10 @@ def test_kl_matches_a_hand_computation():
 
 
 def test_distill_keys_are_checked():
-    for bad, word in (({"distill__weight": 1.5}, "distill.weight"),
-                      ({"distill__temperature": 0.0}, "distill.temperature")):
+    for bad, word in (
+        ({"distill__weight": 1.5}, "distill.weight"),
+        ({"distill__temperature": 0.0}, "distill.temperature"),
+    ):
         with pytest.raises(lj.ConfigError, match=word):
             check(lj.api.fit_config(None, **bad))
 
@@ -52,25 +54,60 @@ def test_distill_keys_are_checked():
 # One conversion, distillation only (LM fine-tuning is the trainer's own path), no generated
 # text (the chat answers run the same `generate`): every distinct model graph compiles its
 # training step, scorer, decoder and loss once, so the test keeps to two graphs.
-TINY = dict(ladder_layers=(2,), recover_layers=2, methods=("distill",), steps=2,
-            batch_size=2, grad_accum=1, seq_len=32, tasks=("arc_easy",), eval_limit=2,
-            eval_batch=8, held_out_records=2, chat_tokens=2,
-            sources=("devils", "kjv", "stdlib"), source_bytes=3000, remat="none")
+TINY = dict(
+    ladder_layers=(2,),
+    recover_layers=2,
+    methods=("distill",),
+    steps=2,
+    batch_size=2,
+    grad_accum=1,
+    seq_len=32,
+    tasks=("arc_easy",),
+    eval_limit=2,
+    eval_batch=8,
+    held_out_records=2,
+    chat_tokens=2,
+    sources=("devils", "kjv", "stdlib"),
+    source_bytes=3000,
+    remat="none",
+)
 
 
 @pytest.fixture(scope="module")
 def experiment(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("adaptation"))
     with contextlib.redirect_stdout(io.StringIO()):
-        base = lj.fit(None, name="base", run_dir=os.path.join(out, "base"), steps=20, seed=0,
-                      log_every=10 ** 9, eval_every=0, ckpt_every=0, keep=1, async_ckpt=False,
-                      progress="none", tensorboard=False, model__preset="tiny",
-                      data__seq_len=64, data__batch_size=8, data__eval_fraction=0.0,
-                      optim__peak_lr=3e-3, optim__warmup_steps=2, mesh__tp=1, mesh__data=1)
+        base = lj.fit(
+            None,
+            name="base",
+            run_dir=os.path.join(out, "base"),
+            steps=20,
+            seed=0,
+            log_every=10**9,
+            eval_every=0,
+            ckpt_every=0,
+            keep=1,
+            async_ckpt=False,
+            progress="none",
+            tensorboard=False,
+            model__preset="tiny",
+            data__seq_len=64,
+            data__batch_size=8,
+            data__eval_fraction=0.0,
+            optim__peak_lr=3e-3,
+            optim__warmup_steps=2,
+            mesh__tp=1,
+            mesh__data=1,
+        )
     setting = ad.with_changes(ad.SETTINGS["quick"], base=base.path, **TINY)
     emitted = []
-    results = ad.run(setting, os.path.join(out, "exp"), emit=emitted.append,
-                     log=lambda m: None, trainer_out=io.StringIO())
+    results = ad.run(
+        setting,
+        os.path.join(out, "exp"),
+        emit=emitted.append,
+        log=lambda m: None,
+        trainer_out=io.StringIO(),
+    )
     return out, setting, results, emitted
 
 
@@ -117,8 +154,8 @@ def test_held_out_loss_matches_a_plain_forward(experiment):
     out, s, results, _ = experiment
     model, tok = lj.load(os.path.join(out, "base", "base"), mesh=mesh(1))
     from ladder_jax.train import data
-    toks = data.load_tokens(os.path.join(out, "exp", "data", "sources", "devils", "held_out"),
-                            tok)
+
+    toks = data.load_tokens(os.path.join(out, "exp", "data", "sources", "devils", "held_out"), tok)
     recs, _ = data.split(np.asarray(toks), s.seq_len, 0.0)
     x = np.asarray(recs[0])[None]
     lp = jax.nn.log_softmax(np.asarray(logits(model, x[:, :-1])), axis=-1)
@@ -137,49 +174,70 @@ def test_distillation_starts_at_zero_from_the_teacher_itself(experiment):
 
 
 def test_cli_bad_input_is_one_line(capsys):
-    spec = importlib.util.spec_from_file_location("adaptation_cli",
-                                                  ROOT / "benchmarks" / "adaptation.py")
+    spec = importlib.util.spec_from_file_location(
+        "adaptation_cli", ROOT / "benchmarks" / "adaptation.py"
+    )
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
-    for args, words in ((["--quick", "--set", "stepz=3"], "stepz"),
-                        (["--quick", "--set", "methods=[finetune]"], "finetune"),
-                        (["--quick", "--set", "generated_docs=3"], "generated_docs"),
-                        (["--quick", "--set", "base=/nonexistent"], "/nonexistent")):
+    for args, words in (
+        (["--quick", "--set", "stepz=3"], "stepz"),
+        (["--quick", "--set", "methods=[finetune]"], "finetune"),
+        (["--quick", "--set", "generated_docs=3"], "generated_docs"),
+        (["--quick", "--set", "base=/nonexistent"], "/nonexistent"),
+    ):
         assert cli.main(args + ["--out", "/nonexistent/x"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
 
 
 def _row(name, stage, avg, se, loss, loss_se, k=15, method=None):
-    return {"kind": "model", "name": name, "stage": stage, "method": method, "ladder_layers": k,
-            "n_layers": 30, "avg": avg, "avg_se": se, "tokens": 1000,
-            "held_out": {"a": {"loss": loss, "se": loss_se}}}
+    return {
+        "kind": "model",
+        "name": name,
+        "stage": stage,
+        "method": method,
+        "ladder_layers": k,
+        "n_layers": 30,
+        "avg": avg,
+        "avg_se": se,
+        "tokens": 1000,
+        "held_out": {"a": {"loss": loss, "se": loss_se}},
+    }
 
 
-@pytest.mark.parametrize("zero_shot_avg, want", [(0.40, "yes"), (0.55, "inconclusive"),
-                                                  (0.70, "no")])
+@pytest.mark.parametrize(
+    "zero_shot_avg, want", [(0.40, "yes"), (0.55, "inconclusive"), (0.70, "no")]
+)
 def test_claims_are_never_yes_within_two_standard_errors(zero_shot_avg, want):
-    rows = [_row("original", "original", 0.56, 0.02, 3.0, 0.01, k=0),
-            _row("z", "zero-shot", zero_shot_avg, 0.02, 3.5, 0.01)]
+    rows = [
+        _row("original", "original", 0.56, 0.02, 3.0, 0.01, k=0),
+        _row("z", "zero-shot", zero_shot_avg, 0.02, 3.5, 0.01),
+    ]
     (hurt,) = ad.claims(rows)
     assert hurt["reproduces"] == want, hurt  # margin 2 x hypot(2, 2) = 5.7 points
 
 
 def test_claims_fall_back_to_held_out_loss_without_tasks():
-    rows = [_row("original", "original", None, None, 3.0, 0.05, k=0),
-            _row("z", "zero-shot", None, None, 3.5, 0.05),
-            _row("lm", "recovered", None, None, 3.2, 0.05, method="lm"),
-            _row("d", "recovered", None, None, 3.05, 0.05, method="distill")]
+    rows = [
+        _row("original", "original", None, None, 3.0, 0.05, k=0),
+        _row("z", "zero-shot", None, None, 3.5, 0.05),
+        _row("lm", "recovered", None, None, 3.2, 0.05, method="lm"),
+        _row("d", "recovered", None, None, 3.05, 0.05, method="distill"),
+    ]
     got = [(c["claim"].split(" (")[0], c["reproduces"]) for c in ad.claims(rows)]
     # margin 2 x hypot(0.05, 0.05) = 0.14 nats: LM stays 0.2 above the original, distillation
     # comes within it and 0.45 below zero-shot, and beats LM by 0.15
-    assert got == [("converting the upper 15 of 30 zero-shot hurts", "yes"),
-                   ("recovery", "no"), ("recovery", "yes"),
-                   ("distillation recovers more per token than LM fine-tuning", "yes")]
+    assert got == [
+        ("converting the upper 15 of 30 zero-shot hurts", "yes"),
+        ("recovery", "no"),
+        ("recovery", "yes"),
+        ("distillation recovers more per token than LM fine-tuning", "yes"),
+    ]
 
 
 def test_the_notebook_is_committed_executed():
     import nbformat
+
     nb = nbformat.read(ROOT / "notebooks" / "adaptation.ipynb", as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and all(c.get("outputs") for c in code)

@@ -26,8 +26,11 @@ TOL = 1e-5
 
 def _qkv(B=2, T=128, N=8, K=2, H=16, seed=0):
     keys = jax.random.split(jax.random.key(seed), 3)
-    return (jax.random.normal(keys[0], (B, T, N, H)), jax.random.normal(keys[1], (B, T, K, H)),
-            jax.random.normal(keys[2], (B, T, K, H)))
+    return (
+        jax.random.normal(keys[0], (B, T, N, H)),
+        jax.random.normal(keys[1], (B, T, K, H)),
+        jax.random.normal(keys[2], (B, T, K, H)),
+    )
 
 
 def _reference(q, k, v):
@@ -38,8 +41,9 @@ def _reference(q, k, v):
 
 def _check_against_reference(fused, q, k, v):
     w = jax.random.normal(jax.random.key(9), q.shape)  # a loss that weighs every output
-    np.testing.assert_allclose(np.asarray(fused(q, k, v)), np.asarray(_reference(q, k, v)),
-                               atol=TOL, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(fused(q, k, v)), np.asarray(_reference(q, k, v)), atol=TOL, rtol=0
+    )
     got = jax.grad(lambda *a: (fused(*a) * w).sum(), argnums=(0, 1, 2))(q, k, v)
     want = jax.grad(lambda *a: (_reference(*a) * w).sum(), argnums=(0, 1, 2))(q, k, v)
     for g, r in zip(got, want):
@@ -57,17 +61,29 @@ def test_flat_matmuls_equal_the_einsums():
     layer's contraction is refused."""
     keys = jax.random.split(jax.random.key(4), 4)
     shapes = {"B": 2, "T": 5, "D": 12, "N": 3, "K": 2, "H": 4, "F": 7, "C": 9}
-    for spec in ("BTD,DNH->BTNH", "BTD,DKH->BTKH", "BTNH,NHD->BTD", "BTD,DF->BTF",
-                 "BTF,FD->BTD", "BTD,DC->BTC"):
+    for spec in (
+        "BTD,DNH->BTNH",
+        "BTD,DKH->BTKH",
+        "BTNH,NHD->BTD",
+        "BTD,DF->BTF",
+        "BTF,FD->BTD",
+        "BTD,DC->BTC",
+    ):
         xs, ws = spec.split("->")[0].split(",")
         x = jax.random.normal(keys[0], [shapes[c] for c in xs])
         w = jax.random.normal(keys[1], [shapes[c] for c in ws])
         g = jax.random.normal(keys[2], jnp.einsum(spec, x, w).shape)
-        for a, b in zip(jax.vjp(lambda x, w: flat_einsum(spec, x, w), x, w)[1](g),
-                        jax.vjp(lambda x, w: jnp.einsum(spec, x, w), x, w)[1](g)):
+        for a, b in zip(
+            jax.vjp(lambda x, w: flat_einsum(spec, x, w), x, w)[1](g),
+            jax.vjp(lambda x, w: jnp.einsum(spec, x, w), x, w)[1](g),
+        ):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(np.asarray(flat_einsum(spec, x, w)),
-                                   np.asarray(jnp.einsum(spec, x, w)), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(flat_einsum(spec, x, w)),
+            np.asarray(jnp.einsum(spec, x, w)),
+            rtol=1e-5,
+            atol=1e-5,
+        )
     with pytest.raises(ValueError, match="not a linear layer"):
         flat_einsum("BTD,BSD->BTS", jnp.ones((1, 2, 3)), jnp.ones((1, 2, 3)))
 
@@ -98,8 +114,9 @@ def _naive(q, k, v, q_pos, k_pos):
 def _check_against_naive(got, q, k, v, q_pos, k_pos, tol=TOL):
     w = jax.random.normal(jax.random.key(7), q.shape)
     want = lambda *a: _naive(*a, q_pos, k_pos)  # noqa: E731
-    np.testing.assert_allclose(np.asarray(jax.jit(got)(q, k, v)),
-                               np.asarray(want(q, k, v)), atol=tol, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(jax.jit(got)(q, k, v)), np.asarray(want(q, k, v)), atol=tol, rtol=0
+    )
     gg = jax.jit(jax.grad(lambda *a: (got(*a) * w).sum(), argnums=(0, 1, 2)))(q, k, v)
     gw = jax.grad(lambda *a: (want(*a) * w).sum(), argnums=(0, 1, 2))(q, k, v)
     for a, b in zip(gg, gw):
@@ -125,9 +142,15 @@ def test_attention_over_given_positions_and_a_cache_equals_a_naive_reference():
     _check_against_naive(lambda *a: transformer.attend(*a, q_pos, k_pos), q, k, v, q_pos, k_pos)
     q1, q1_pos = q[:, :1], jnp.array([[31], [9]])  # a decode step: row 1's cache is shorter
     _check_against_naive(
-        lambda q, k, v: transformer.attend_cache(q, k.transpose(0, 2, 3, 1),
-                                                 v.transpose(0, 2, 1, 3), q1_pos, k_pos),
-        q1, k, v, q1_pos, k_pos)
+        lambda q, k, v: transformer.attend_cache(
+            q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), q1_pos, k_pos
+        ),
+        q1,
+        k,
+        v,
+        q1_pos,
+        k_pos,
+    )
 
 
 def test_kernel_choice_by_platform():
@@ -158,6 +181,7 @@ def test_model_with_fused_attention_equals_the_reference_attention(tp, kernel):
     def both(state):
         def loss(state, pos):
             return (nnx.merge(graphdef, state)(tokens, pos) * w).sum()
+
         return jax.value_and_grad(loss)(state, None), jax.value_and_grad(loss)(state, positions)
 
     (fused, g_fused), (ref, g_ref) = both(state)
@@ -167,9 +191,15 @@ def test_model_with_fused_attention_equals_the_reference_attention(tp, kernel):
 
 
 @pytest.mark.parametrize("tp", [1, 4, 8])  # 8: fewer kv heads (4) than ranks, replicated
-@pytest.mark.parametrize("scheme", [{"residual": "parallel"}, {"residual": "standard"},
-                                    {"residual": "ladder", "ladder_layers": 2}],
-                         ids=["parallel", "standard", "hybrid"])
+@pytest.mark.parametrize(
+    "scheme",
+    [
+        {"residual": "parallel"},
+        {"residual": "standard"},
+        {"residual": "ladder", "ladder_layers": 2},
+    ],
+    ids=["parallel", "standard", "hybrid"],
+)
 def test_fused_projections_equal_the_separate_matmuls(tp, scheme):
     """A decoding clone (`fuse_inputs`: parallel's five input matmuls as one, every other
     scheme's q/k/v and gate/up as one each) against the model it came from: the prefill of
@@ -213,8 +243,7 @@ WIDE = {"d_model": 512, "n_heads": 8, "n_kv_heads": 8, "d_ff": 2048}
 
 def _hlo(phase, **changes):
     config = lj.ModelConfig.from_preset("tiny", **{**WIDE, **changes})
-    return programs.compile_program(config, phase=phase, tp=8, batch=8, seq=128,
-                                    new_tokens=64)[0]
+    return programs.compile_program(config, phase=phase, tp=8, batch=8, seq=128, new_tokens=64)[0]
 
 
 def _concatenates(hlo):
@@ -235,10 +264,12 @@ def test_h100_ladder_programs_hold_the_fused_attention_and_keep_their_overlap(ph
     # the causal (T + 1) / 2T of the scores
     b, h, t, d = 8, 1, 128, WIDE["d_model"] // WIDE["n_heads"]
     per_matmul = 2.0 * b * h * t * t * d * (t + 1) / (2 * t)
-    flash = sum(k.flops for k in perfmodel.read_kernels(hlo, devices=8)
-                if k.name.startswith("pallas_call"))
-    assert flash == pytest.approx(layers * per_matmul * (2 if phase == "prefill" else 7),
-                                  rel=1e-9), flash
+    flash = sum(
+        k.flops for k in perfmodel.read_kernels(hlo, devices=8) if k.name.startswith("pallas_call")
+    )
+    assert flash == pytest.approx(
+        layers * per_matmul * (2 if phase == "prefill" else 7), rel=1e-9
+    ), flash
     rep = overlap.summarize(overlap.read_all_reduces(hlo, WIDE["d_model"]))
     assert rep["forward"]["total"] == 2 * layers and rep["forward"]["all_but_last_overlapped"]
     if phase == "train":

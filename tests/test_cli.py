@@ -16,8 +16,13 @@ from tests.helpers import one_line
 
 pytestmark = pytest.mark.quick
 CONFIGS = sorted((pathlib.Path(__file__).parent.parent / "configs").glob("*.yaml"))
-MAINS = {"decode": decode.main, "convert": convert.main, "demo": demo.main,
-         "overlap": overlap.main, "predict": predict.main}
+MAINS = {
+    "decode": decode.main,
+    "convert": convert.main,
+    "demo": demo.main,
+    "overlap": overlap.main,
+    "predict": predict.main,
+}
 
 
 def _exit_line(capsys, main, argv) -> str:
@@ -26,21 +31,38 @@ def _exit_line(capsys, main, argv) -> str:
     return one_line(capsys, e.value.code)
 
 
-@pytest.mark.parametrize("name, argv, expect", [
-    ("decode", ["--seed", "1.5"], "error: --seed: invalid int value '1.5'"),
-    ("decode", ["--sed", "1"], "error: unrecognized arguments: --sed 1 (did you mean --seed?)"),
-    ("decode", ["--residual", "ladr"], "error: --residual: invalid choice: 'ladr' (choose from "
-                                       "'standard', 'parallel', 'ladder', 'upper_bound', 'all'); "
-                                       "did you mean 'ladder'?"),
-    ("decode", ["--preset", "small", "--checkpoint", "x"], "error: --checkpoint: not allowed "
-                                                          "with --preset"),
-    ("overlap", ["--target", "b200"], "error: --target: invalid choice: 'b200'"),
-    ("convert", ["--out", "x"], "error: one of the arguments --hf --gguf --checkpoint is required"),
-    ("convert", ["--hf", "x", "--out", "y", "--tp", "two"], "error: --tp: invalid int value "
-                                                            "'two'"),
-    ("demo", ["--batch", "x"], "error: --batch: invalid int value 'x'"),
-    ("predict", ["--tp", "1.5"], "error: --tp: invalid int value '1.5'"),
-])
+@pytest.mark.parametrize(
+    "name, argv, expect",
+    [
+        ("decode", ["--seed", "1.5"], "error: --seed: invalid int value '1.5'"),
+        ("decode", ["--sed", "1"], "error: unrecognized arguments: --sed 1 (did you mean --seed?)"),
+        (
+            "decode",
+            ["--residual", "ladr"],
+            "error: --residual: invalid choice: 'ladr' (choose from "
+            "'standard', 'parallel', 'ladder', 'upper_bound', 'all'); "
+            "did you mean 'ladder'?",
+        ),
+        (
+            "decode",
+            ["--preset", "small", "--checkpoint", "x"],
+            "error: --checkpoint: not allowed with --preset",
+        ),
+        ("overlap", ["--target", "b200"], "error: --target: invalid choice: 'b200'"),
+        (
+            "convert",
+            ["--out", "x"],
+            "error: one of the arguments --hf --gguf --checkpoint is required",
+        ),
+        (
+            "convert",
+            ["--hf", "x", "--out", "y", "--tp", "two"],
+            "error: --tp: invalid int value 'two'",
+        ),
+        ("demo", ["--batch", "x"], "error: --batch: invalid int value 'x'"),
+        ("predict", ["--tp", "1.5"], "error: --tp: invalid int value '1.5'"),
+    ],
+)
 def test_bad_flags_are_one_line(capsys, name, argv, expect):
     line = _exit_line(capsys, MAINS[name], argv)
     assert line.startswith(expect), line
@@ -62,8 +84,11 @@ def test_every_flag_has_help_and_shows_its_default(monkeypatch, capsys, name):
     assert not bare, f"{name}: flags without help: {bare}"
     formatter = parser._get_formatter()
     for a in parser._actions:
-        if a.option_strings and a.default not in (None, "==SUPPRESS==") and not isinstance(
-                a.default, bool):
+        if (
+            a.option_strings
+            and a.default not in (None, "==SUPPRESS==")
+            and not isinstance(a.default, bool)
+        ):
             assert "default" in formatter._get_help_string(a), a.option_strings
 
 
@@ -71,8 +96,13 @@ def test_decode_help_names_the_defaults(capsys):
     with pytest.raises(SystemExit):
         decode.main(["--help"])
     text = capsys.readouterr().out.split("\noptions:\n", 1)[1]
-    for flag, default in (("--max-new-tokens", "64"), ("--temperature", "0.8"),
-                          ("--seed", "0"), ("--batch", "1"), ("--prompt-len", "1024")):
+    for flag, default in (
+        ("--max-new-tokens", "64"),
+        ("--temperature", "0.8"),
+        ("--seed", "0"),
+        ("--batch", "1"),
+        ("--prompt-len", "1024"),
+    ):
         m = re.search(rf"^  {flag} \S+(.*?)(?=^  -|\Z)", text, flags=re.S | re.M)
         entry = " ".join(m.group(1).split())
         assert entry.endswith(f"(default: {default})") and len(entry) > 25, (flag, entry)
@@ -105,34 +135,60 @@ def test_the_model_section_is_modelconfigs_fields():
     for f in dataclasses.fields(lj.ModelConfig):
         assert f.metadata["help"] == section[f.name].metadata["help"] != ""
     # every field overrides the preset from a key=value ...
-    cfg = config_lib.load_config(["model.d_model=128", "model.n_heads=4", "model.norm_eps=1e-6",
-                                  "model.tie_embeddings=true", "model.remat=module",
-                                  "model.residual=ladder", "model.ladder_layers=[0,2]"])
+    cfg = config_lib.load_config(
+        [
+            "model.d_model=128",
+            "model.n_heads=4",
+            "model.norm_eps=1e-6",
+            "model.tie_embeddings=true",
+            "model.remat=module",
+            "model.residual=ladder",
+            "model.ladder_layers=[0,2]",
+        ]
+    )
     got = config_lib.model_config(cfg)
-    want = lj.ModelConfig.from_preset("tiny", d_model=128, n_heads=4, norm_eps=1e-6,
-                                      tie_embeddings=True, remat="module", residual="ladder",
-                                      ladder_layers=(0, 2))
+    want = lj.ModelConfig.from_preset(
+        "tiny",
+        d_model=128,
+        n_heads=4,
+        norm_eps=1e-6,
+        tie_embeddings=True,
+        remat="module",
+        residual="ladder",
+        ladder_layers=(0, 2),
+    )
     assert got == want and type(got.residual) is str and type(got.remat) is str
 
 
 @pytest.mark.parametrize("file", CONFIGS, ids=lambda p: p.name)
 def test_every_config_file_loads_as_its_yaml_says(file):
     raw = yaml.safe_load(file.read_text()).get("model", {})
-    over = {k: (tuple(v) if isinstance(v, list) else v) for k, v in raw.items()
-            if k != "preset" and v is not None}
+    over = {
+        k: (tuple(v) if isinstance(v, list) else v)
+        for k, v in raw.items()
+        if k != "preset" and v is not None
+    }
     over.setdefault("param_dtype", "float32")  # the training schema's own default
     want = lj.ModelConfig.from_preset(raw.get("preset", "tiny"), **over)
     assert config_lib.model_config(config_lib.load_config([str(file)])) == want
 
 
-@pytest.mark.parametrize("arg, expect", [
-    ("model.residual=ladr", "model.residual='ladr' (did you mean 'ladder'?): choose one of "
-                            "standard, parallel, ladder, upper_bound"),
-    ("model.remat=layers", "model.remat='layers': choose one of none, module"),
-    ("progress=bars", "progress='bars' (did you mean 'bar'?): choose one of auto, bar, lines, "
-                      "none"),
-    ("model.n_layers=x", "config key 'model.n_layers' must be int or null, got 'x'"),
-])
+@pytest.mark.parametrize(
+    "arg, expect",
+    [
+        (
+            "model.residual=ladr",
+            "model.residual='ladr' (did you mean 'ladder'?): choose one of "
+            "standard, parallel, ladder, upper_bound",
+        ),
+        ("model.remat=layers", "model.remat='layers': choose one of none, module"),
+        (
+            "progress=bars",
+            "progress='bars' (did you mean 'bar'?): choose one of auto, bar, lines, none",
+        ),
+        ("model.n_layers=x", "config key 'model.n_layers' must be int or null, got 'x'"),
+    ],
+)
 def test_choices_are_checked_by_the_schema(arg, expect):
     with pytest.raises(lj.ConfigError) as e:
         config_lib.load_config([arg])

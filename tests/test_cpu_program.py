@@ -71,7 +71,8 @@ def test_ladder_program_is_no_bigger_than_standard():
 def test_cpu_options_keep_the_barriers():
     # the pass name is XLA's; if XLA renames it, the option silently does nothing
     assert sharding.compiler_options("cpu") == {
-        "xla_disable_hlo_passes": sharding.CPU_KEEP_BARRIERS_PASS}
+        "xla_disable_hlo_passes": sharding.CPU_KEEP_BARRIERS_PASS
+    }
     config = lj.ModelConfig.from_preset("tiny", residual="ladder", n_layers=2)
     mesh = lj.make_mesh(tp=1, data=1, devices=jax.devices()[:1])
     graphdef, params = nnx.split(lj.Transformer(config, mesh=mesh, rngs=nnx.Rngs(0)))
@@ -80,9 +81,11 @@ def test_cpu_options_keep_the_barriers():
     assert "opt-barrier" in text
 
 
-@pytest.mark.parametrize("scheme", [{"residual": "ladder"},
-                                    {"residual": "ladder", "ladder_layers": 2}],
-                         ids=["ladder", "hybrid"])
+@pytest.mark.parametrize(
+    "scheme",
+    [{"residual": "ladder"}, {"residual": "ladder", "ladder_layers": 2}],
+    ids=["ladder", "hybrid"],
+)
 def test_cpu_options_leave_loss_and_gradients_bit_identical(scheme):
     config = lj.ModelConfig.from_preset("tiny", **scheme)
     mesh = lj.make_mesh(tp=2, data=1, devices=jax.devices()[:2])
@@ -104,7 +107,9 @@ def test_training_steps_compile_with_the_cpu_training_options(monkeypatch, tmp_p
     really changes the program, loss and gradients agree with XLA's defaults to float32
     rounding, a user's own XLA_FLAGS setting of it wins, and the trainer asks for it."""
     assert sharding.compiler_options("cpu", "train") == {
-        **sharding.compiler_options("cpu"), **sharding.CPU_TRAIN_OPTIONS}
+        **sharding.compiler_options("cpu"),
+        **sharding.CPU_TRAIN_OPTIONS,
+    }
     with pytest.raises(ValueError, match="program='training'"):
         sharding.compiler_options("cpu", "training")  # a typo is not silently ignored
     config = lj.ModelConfig.from_preset("tiny", residual="ladder")
@@ -118,11 +123,12 @@ def test_training_steps_compile_with_the_cpu_training_options(monkeypatch, tmp_p
     train = sharding.jit(fn, platform="cpu", program="train").lower(params, tokens).compile()
     other = sharding.jit(fn, platform="cpu").lower(params, tokens).compile()
     assert train.as_text() != other.as_text()  # an ignored option would change nothing
-    for g, w in zip(jax.tree.leaves(train(params, tokens)),
-                    jax.tree.leaves(other(params, tokens)), strict=True):
+    for g, w in zip(
+        jax.tree.leaves(train(params, tokens)), jax.tree.leaves(other(params, tokens)), strict=True
+    ):
         np.testing.assert_allclose(jax.device_get(g), jax.device_get(w), rtol=1e-4, atol=1e-6)
 
-    (option, _), = sharding.CPU_TRAIN_OPTIONS.items()
+    ((option, _),) = sharding.CPU_TRAIN_OPTIONS.items()
     monkeypatch.setenv("XLA_FLAGS", f"--{option}=")
     assert sharding.compiler_options("cpu", "train") == sharding.compiler_options("cpu")
     monkeypatch.delenv("XLA_FLAGS")
@@ -152,11 +158,17 @@ def _slow_weight_gradients(flat: bool) -> int:
         assert linear is model.head or linear.flat  # a CPU mesh (the head is read whole)
         linear.flat = flat
     graphdef, params = nnx.split(model)
-    fn = sharding.jit(lambda p, t: step.loss_and_grads(graphdef, p, t, t), platform="cpu",
-                      program="train")
+    fn = sharding.jit(
+        lambda p, t: step.loss_and_grads(graphdef, p, t, t), platform="cpu", program="train"
+    )
     text = fn.lower(params, jnp.zeros((4, 64), jnp.int32)).compile().as_text()
-    return len(re.findall(r"dot\([^)]*\), lhs_contracting_dims=\{0\}, "
-                          r"rhs_contracting_dims=\{1\}", text))
+    return len(
+        re.findall(
+            r"dot\([^)]*\), lhs_contracting_dims=\{0\}, "
+            r"rhs_contracting_dims=\{1\}",
+            text,
+        )
+    )
 
 
 def test_cpu_weight_gradients_contract_untransposed_operands():
@@ -169,6 +181,7 @@ def test_cpu_weight_gradients_contract_untransposed_operands():
     assert _slow_weight_gradients(flat=False) >= 2 * 3  # the MLP's three, per layer
     from ladder_jax.analysis import programs
     from ladder_jax.model import transformer
+
     assert not transformer.flat_matmuls(programs.gpu_mesh("h100", 2))  # GPUs keep einsums
 
 
@@ -193,14 +206,16 @@ def test_cpu_runs_keep_freed_memory(tmp_path):
         "    r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
         "    f(x).block_until_ready()\n"
         "    faulting += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0 > 1000\n"
-        "print(lj.runtime.keep_freed_memory(), faulting)\n")
+        "print(lj.runtime.keep_freed_memory(), faulting)\n"
+    )
     root = os.path.join(os.path.dirname(__file__), "..")
     out = {}
     for mode in ("", "default"):
         env = {**os.environ, "LADDER_JAX_HOST_MALLOC": mode, "PYTHONPATH": root}
         env.pop("XLA_FLAGS", None)
-        r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                           text=True, timeout=300)
+        r = subprocess.run(
+            [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+        )
         assert r.returncode == 0, r.stderr[-2000:]
         kept, faults = r.stdout.split()
         out[mode] = (kept == "True", int(faults))
@@ -250,19 +265,40 @@ def test_the_cpu_decode_profile_names_the_kernels_of_both_programs():
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run(
-        [sys.executable, os.path.join(root, "benchmarks", "cpu_decode_profile.py"), "--preset",
-         "tiny", "--batch", "2", "--prompt-len", "16", "--new-tokens", "4", "--top", "3",
-         "--no-threads"], capture_output=True, text=True, timeout=300,
-        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+        [
+            sys.executable,
+            os.path.join(root, "benchmarks", "cpu_decode_profile.py"),
+            "--preset",
+            "tiny",
+            "--batch",
+            "2",
+            "--prompt-len",
+            "16",
+            "--new-tokens",
+            "4",
+            "--top",
+            "3",
+            "--no-threads",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
-    sections = re.findall(r"^(decode step|prefill): ([0-9.]+) ms of kernel time per run, "
-                          r"(\d+) kernels\n((?:  .*\n?)+)", out.stdout, re.M)
+    sections = re.findall(
+        r"^(decode step|prefill): ([0-9.]+) ms of kernel time per run, "
+        r"(\d+) kernels\n((?:  .*\n?)+)",
+        out.stdout,
+        re.M,
+    )
     assert [s[0] for s in sections] == ["decode step", "prefill"], out.stdout
     for _, total, count, rows in sections:
         assert float(total) > 0 and int(count) > 0
         kinds = re.findall(r" us each  (.+)$", rows, re.M)
         assert len(kinds) == 3, rows
         # a fusion as 'name: root-op shape', any other instruction as its opcode
-        assert all(re.fullmatch(r"[\w\-]+: [a-z\-]+ [a-z0-9]+\[[0-9,]*\]|[a-z\-]+", k)
-                   for k in kinds), kinds
+        assert all(
+            re.fullmatch(r"[\w\-]+: [a-z\-]+ [a-z0-9]+\[[0-9,]*\]|[a-z\-]+", k) for k in kinds
+        ), kinds
     assert re.search(r"decode step [0-9.]+ ms, prefill [0-9.]+ ms", out.stdout)

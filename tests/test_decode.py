@@ -36,7 +36,7 @@ def test_greedy_cached_decoding_equals_full_forward(scheme, tp):
         assert len(new) == n_new
         seq = np.array([prompt + new], np.int32)
         full = np.asarray(_logits(model, seq))[0]
-        want = full[len(prompt) - 1: len(prompt) - 1 + n_new].argmax(-1)
+        want = full[len(prompt) - 1 : len(prompt) - 1 + n_new].argmax(-1)
         np.testing.assert_array_equal(np.array(new), want)
 
 
@@ -58,13 +58,15 @@ def test_sampling_top_k1_seeds_and_eos():
     b = generation.generate(model, prompt, max_new_tokens=16, temperature=1.0, seed=1)
     c = generation.generate(model, prompt, max_new_tokens=16, temperature=1.0, seed=2)
     assert a == b and a != c
-    nucleus = generation.generate(model, prompt, max_new_tokens=16, temperature=1.0, top_p=0.5,
-                              seed=1)
+    nucleus = generation.generate(
+        model, prompt, max_new_tokens=16, temperature=1.0, top_p=0.5, seed=1
+    )
     assert nucleus != a  # top_p changes the distribution
     # a row stops at its EOS; the first greedy token used as EOS ends it at once
     assert generation.generate(model, prompt, max_new_tokens=16, eos_id=greedy[0][0]) == [[]]
     assert generation.generate(model, prompt, max_new_tokens=16, eos_id=greedy[0][3]) == [
-        greedy[0][:3]]
+        greedy[0][:3]
+    ]
 
 
 def test_sampled_rows_do_not_depend_on_the_batch_and_sampling_objects_equal_keywords():
@@ -73,11 +75,14 @@ def test_sampled_rows_do_not_depend_on_the_batch_and_sampling_objects_equal_keyw
     model = _model(1, residual="ladder")
     s = generation.Sampling(temperature=1.0, top_k=40, seed=5)
     alone = generation.generate(model, [[10, 20, 30]], max_new_tokens=8, sampling=s)
-    batch = generation.generate(model, [[10, 20, 30], [7] * 9, [1]], max_new_tokens=8,
-                                sampling=s)
+    batch = generation.generate(model, [[10, 20, 30], [7] * 9, [1]], max_new_tokens=8, sampling=s)
     assert batch[0] == alone[0]
-    assert generation.generate(model, [[10, 20, 30]], max_new_tokens=8, temperature=1.0,
-                               top_k=40, seed=5) == alone
+    assert (
+        generation.generate(
+            model, [[10, 20, 30]], max_new_tokens=8, temperature=1.0, top_k=40, seed=5
+        )
+        == alone
+    )
     with pytest.raises(generation.GenerationError, match="not both"):
         generation.generate(model, [[1]], sampling=s, temperature=0.5)
 
@@ -120,23 +125,30 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 def test_strings_stream_and_text():
     model = _model(2)
     streamed = []
-    out = generation.generate(model, ["Hi", "Hello"], max_new_tokens=5,
-                          stream=lambda t, toks: streamed.append(toks))
+    out = generation.generate(
+        model, ["Hi", "Hello"], max_new_tokens=5, stream=lambda t, toks: streamed.append(toks)
+    )
     assert all(isinstance(s, str) for s in out)
     assert len(streamed) == 5 and all(len(s) == 2 for s in streamed)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(prompts=[list(range(300))]), r"prompt 0 has 300 tokens, but the cache holds "
-                                       r"max_seq_len=256"),
-    (dict(prompts=[list(range(200))], max_new_tokens=100), r"300 positions.*<= 156 tokens"),
-    (dict(prompts=[[]]), "prompt 0 is empty"),
-    (dict(prompts=[[1, 2]], top_p=1.5), r"top_p=1.5 must be in \(0, 1\]"),
-    (dict(prompts=[[1, 2]], top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
-    (dict(prompts=[[1, 2]], temperature=-1.0), "temperature=-1.0 must be >= 0"),
-    (dict(prompts=[[1, 400]]), r"outside \[0, 320\)"),
-    (dict(prompts=[]), "no prompts"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            dict(prompts=[list(range(300))]),
+            r"prompt 0 has 300 tokens, but the cache holds "
+            r"max_seq_len=256",
+        ),
+        (dict(prompts=[list(range(200))], max_new_tokens=100), r"300 positions.*<= 156 tokens"),
+        (dict(prompts=[[]]), "prompt 0 is empty"),
+        (dict(prompts=[[1, 2]], top_p=1.5), r"top_p=1.5 must be in \(0, 1\]"),
+        (dict(prompts=[[1, 2]], top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
+        (dict(prompts=[[1, 2]], temperature=-1.0), "temperature=-1.0 must be >= 0"),
+        (dict(prompts=[[1, 400]]), r"outside \[0, 320\)"),
+        (dict(prompts=[]), "no prompts"),
+    ],
+)
 def test_bad_input_is_refused_before_device_work(kwargs, match):
     model = _model(1)
     kwargs.setdefault("max_new_tokens", 8)
@@ -145,18 +157,25 @@ def test_bad_input_is_refused_before_device_work(kwargs, match):
 
 
 def _cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "ladder_jax.decode", *args],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "ladder_jax.decode", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})},
+    )
 
 
-@pytest.mark.parametrize("args, match", [
-    (["--prompt", "x" * 300], "has 301 tokens"),
-    (["--prompt", ""], "prompt 0 is empty"),
-    (["--prompt", "x", "--top-p", "2"], "top_p=2.0 must be in"),
-    (["--prompt", "x", "--temperature", "-0.5"], "temperature=-0.5 must be >= 0"),
-    (["--preset", "llama-3-9b"], "did you mean 'llama-3-8b'"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--prompt", "x" * 300], "has 301 tokens"),
+        (["--prompt", ""], "prompt 0 is empty"),
+        (["--prompt", "x", "--top-p", "2"], "top_p=2.0 must be in"),
+        (["--prompt", "x", "--temperature", "-0.5"], "temperature=-0.5 must be >= 0"),
+        (["--preset", "llama-3-9b"], "did you mean 'llama-3-8b'"),
+    ],
+)
 def test_cli_bad_input_exits_cleanly(args, match):
     r = _cli(*args)
     assert r.returncode == 2, r.stderr
@@ -169,15 +188,29 @@ def test_cli_prints_what_generate_samples_with_its_sampling(capsys):
     from ladder_jax.cli import decode as decode_cli
 
     sampling = generation.Sampling(0.9, 50, None, 3)
-    want = generation.generate(_model(1, seed=3), ["Once", "LOVE, n."], max_new_tokens=8,
-                               sampling=sampling)
-    argv = ["--tp", "1", "--max-new-tokens", "8", "--temperature", "0.9", "--top-k", "50",
-            "--seed", "3", "--prompt", "Once"]
+    want = generation.generate(
+        _model(1, seed=3), ["Once", "LOVE, n."], max_new_tokens=8, sampling=sampling
+    )
+    argv = [
+        "--tp",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0.9",
+        "--top-k",
+        "50",
+        "--seed",
+        "3",
+        "--prompt",
+        "Once",
+    ]
     assert decode_cli.main(argv) == 0
     assert capsys.readouterr().out.endswith(f"\nOnce{want[0]}\n")
     assert decode_cli.main(argv + ["--prompt", "LOVE, n."]) == 0
     assert capsys.readouterr().out.endswith(
-        f"--- 'Once'\nOnce{want[0]}\n--- 'LOVE, n.'\nLOVE, n.{want[1]}\n")
+        f"--- 'Once'\nOnce{want[0]}\n--- 'LOVE, n.'\nLOVE, n.{want[1]}\n"
+    )
 
 
 def test_cli_streams_text():
@@ -212,12 +245,20 @@ def test_two_processes_with_tp_across_them_match_one_process(tmp_path):
     out = tmp_path / "tokens.json"
     port = str(free_port())
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    procs = [subprocess.Popen([sys.executable, str(script), str(i), port, str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(i), port, str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     logs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), logs
     import json
+
     got = json.loads(out.read_text())
     model = _model(1, residual="ladder")
     assert got == generation.generate(model, [[5, 6, 7], [1, 2, 3, 4, 5, 6]], max_new_tokens=10)
@@ -251,12 +292,17 @@ def test_decode_step_reads_the_cache_where_it_lies(target):
         S, heads = 64, config.n_kv_heads
         ints = jax.ShapeDtypeStruct((B,), np.int32)
         rows = generation.rows_to_device(
-            generation.RowSampling.of([generation.Sampling()] * B), mesh)
-        hlo = decoder.lower_decode(KVCache.abstract(config, mesh, B, S),
-                                   ints, ints, rows, ints).compile().as_text()
+            generation.RowSampling.of([generation.Sampling()] * B), mesh
+        )
+        hlo = (
+            decoder.lower_decode(KVCache.abstract(config, mesh, B, S), ints, ints, rows, ints)
+            .compile()
+            .as_text()
+        )
     else:
-        hlo = programs.compile_program(config, phase="decode", tp=2, batch=B, seq=32,
-                                       new_tokens=32, cache=False)[0]
+        hlo = programs.compile_program(
+            config, phase="decode", tp=2, batch=B, seq=32, new_tokens=32, cache=False
+        )[0]
         S, heads = generation.cache_length(config, 32, 32), config.n_kv_heads // 2
     sized = _cache_sized(hlo, B * heads * S * H)
     assert sized  # the cache's own arrays (parameters, its in-place update) are read
@@ -273,9 +319,12 @@ def test_decoder_fuses_its_projections_only_where_the_copy_fits(monkeypatch):
     assert fused.fused and fused.state["layers"][0]["attn"]["qkv"] is not None
     prompts = [[1, 2, 3, 4], [5, 6]]
     want = generation.generate(model, prompts, max_new_tokens=6, decoder=fused)
-    need = sum(sh.data.nbytes for layer in model.layers
-               for w in (layer.attn.q, layer.attn.k, layer.attn.v, layer.mlp.gate, layer.mlp.up)
-               for sh in w.weight.get_value().addressable_shards)
+    need = sum(
+        sh.data.nbytes
+        for layer in model.layers
+        for w in (layer.attn.q, layer.attn.k, layer.attn.v, layer.mlp.gate, layer.mlp.up)
+        for sh in w.weight.get_value().addressable_shards
+    )
     monkeypatch.setattr(generation.runtime, "available_memory", lambda: int(1.9 * need))
     with pytest.warns(UserWarning, match="decoding without fused input projections"):
         plain = generation.Decoder(model)
@@ -299,8 +348,13 @@ def test_a_consuming_decoder_fuses_in_place_layer_by_layer(monkeypatch):
     real_fuse, seen = transformer._fuse, []
 
     def fuse(m, weights, kv):
-        seen.append([w.weight.get_value().is_deleted() for layer in model.layers
-                     for w in (layer.attn.q, layer.mlp.up)])
+        seen.append(
+            [
+                w.weight.get_value().is_deleted()
+                for layer in model.layers
+                for w in (layer.attn.q, layer.mlp.up)
+            ]
+        )
         return real_fuse(m, weights, kv)
 
     monkeypatch.setattr(transformer, "_fuse", fuse)
@@ -309,8 +363,11 @@ def test_a_consuming_decoder_fuses_in_place_layer_by_layer(monkeypatch):
     assert decoder.fused and len(seen) == 2 * n  # qkv and gate_up of every layer
     for i in range(n):  # before layer i's fusions: layers < i freed, the rest still there
         assert seen[2 * i] == [j < i for j in range(n) for _ in range(2)]
-    assert all(w.weight.get_value().is_deleted() for layer in model.layers
-               for w in (layer.attn.q, layer.attn.k, layer.attn.v, layer.mlp.gate, layer.mlp.up))
+    assert all(
+        w.weight.get_value().is_deleted()
+        for layer in model.layers
+        for w in (layer.attn.q, layer.attn.k, layer.attn.v, layer.mlp.gate, layer.mlp.up)
+    )
     assert not model.layers[0].attn.o.weight.get_value().is_deleted()  # shared with the decoder
     assert generation.generate(model, prompts, max_new_tokens=6, decoder=decoder) == want
 
@@ -348,15 +405,18 @@ def _save_hf(path, **shape):
 
 _SHAPES = {  # heads the 8 fake devices do not divide; by hand, the largest tp that fits
     "4 heads": (dict(n_heads=4, n_kv_heads=2), {2: 1, 8: 4, 16: 4}),
-    "9 heads": (dict(n_heads=9, n_kv_heads=9, d_model=72, d_ff=144, vocab_size=300),
-                {2: 1, 8: 3, 16: 3}),
+    "9 heads": (
+        dict(n_heads=9, n_kv_heads=9, d_model=72, d_ff=144, vocab_size=300),
+        {2: 1, 8: 3, 16: 3},
+    ),
 }
 
 
 @pytest.mark.parametrize("cores", [2, 8])
 @pytest.mark.parametrize("shape", list(_SHAPES))
 def test_decode_without_tp_picks_the_largest_that_fits_heads_and_cores(
-        tmp_path, capsys, monkeypatch, shape, cores):
+    tmp_path, capsys, monkeypatch, shape, cores
+):
     """A model whose heads the devices' count does not divide decodes without --tp, at the
     largest tp that divides its heads within half the host's cores, said in one stderr line;
     its greedy text is --tp 1's."""
@@ -388,6 +448,7 @@ def test_a_tp_the_heads_do_not_divide_names_the_flag(tmp_path, capsys):
         out, err = capsys.readouterr()
         assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
         assert err.startswith("error: n_heads=4 is not divisible by tp=8") and (
-            "(set by --tp; e.g. --tp 4)" in err), err
+            "(set by --tp; e.g. --tp 4)" in err
+        ), err
     with pytest.raises(lj.ShardingError, match=r"tp=3: .*set by mesh\.tp; e\.g\. mesh\.tp=2"):
         sharding.check_divisible(lj.ModelConfig.from_preset("tiny"), 3, flag="mesh.tp")

@@ -27,8 +27,17 @@ from ladder_jax.train import data
 from tests import helpers
 from tests.helpers import one_line
 
-SMALL = ["model.n_layers=2", "data.seq_len=32", "data.batch_size=8", "eval_batches=2",
-         "progress=none", "log_every=1000", "mesh.data=1", "steps=1", "eval_every=0"]
+SMALL = [
+    "model.n_layers=2",
+    "data.seq_len=32",
+    "data.batch_size=8",
+    "eval_batches=2",
+    "progress=none",
+    "log_every=1000",
+    "mesh.data=1",
+    "steps=1",
+    "eval_every=0",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -43,6 +52,7 @@ def _bytes(raw):
     def write(f):
         with open(f, "wb") as fh:
             fh.write(raw)
+
     return write
 
 
@@ -65,27 +75,44 @@ def _empty_dir(d):
 RNG_BYTES = bytes(np.random.default_rng(0).integers(1, 256, 4000, dtype=np.uint8))
 
 
-@pytest.mark.parametrize("name, make, expect", [
-    ("neg.npy", _npy([5, -1, 7] * 3000),
-     ["3000 of 9000 token ids are outside the model's vocabulary [0, 320)", "smallest -1",
-      "negative ids"]),
-    ("big.npy", _npy(np.arange(9000) % 400),
-     ["token ids are outside the model's vocabulary [0, 320)", "largest 399",
-      "model.vocab_size >= 400"]),
-    ("big64.npy", _npy([1, 2, 2**40] * 3000, np.int64), ["largest 1099511627776"]),
-    ("obj.npy", _object_npy, ["holds Python objects", "numpy.save"]),
-    ("garbage.npy", _bytes(RNG_BYTES), ["is not a .npy file", "numpy.save"]),
-    ("cut.npy", _truncated_npy, ["is damaged"]),
-    ("twod.npy", _npy(np.zeros((4, 100))), ["must be a 1-D integer array"]),
-    ("program.txt", _bytes(b"\x7fELF\x02\x01\x01\x00" + RNG_BYTES), ["has NUL bytes",
-                                                                      "not text"]),
-    ("noise.txt", _bytes(RNG_BYTES), ["bytes not UTF-8", "not text"]),
-    ("empty.txt", _bytes(b""), ["empty, no tokens to train on"]),
-    ("emptydir", _empty_dir, ["(2 files): empty, no tokens to train on"]),
-    ("empty.npy", _npy([]), ["empty, no tokens to train on"]),
-])
-def test_bad_training_data_is_one_line_and_writes_nothing(tmp_path, capsys, name, make,
-                                                          expect):
+@pytest.mark.parametrize(
+    "name, make, expect",
+    [
+        (
+            "neg.npy",
+            _npy([5, -1, 7] * 3000),
+            [
+                "3000 of 9000 token ids are outside the model's vocabulary [0, 320)",
+                "smallest -1",
+                "negative ids",
+            ],
+        ),
+        (
+            "big.npy",
+            _npy(np.arange(9000) % 400),
+            [
+                "token ids are outside the model's vocabulary [0, 320)",
+                "largest 399",
+                "model.vocab_size >= 400",
+            ],
+        ),
+        ("big64.npy", _npy([1, 2, 2**40] * 3000, np.int64), ["largest 1099511627776"]),
+        ("obj.npy", _object_npy, ["holds Python objects", "numpy.save"]),
+        ("garbage.npy", _bytes(RNG_BYTES), ["is not a .npy file", "numpy.save"]),
+        ("cut.npy", _truncated_npy, ["is damaged"]),
+        ("twod.npy", _npy(np.zeros((4, 100))), ["must be a 1-D integer array"]),
+        (
+            "program.txt",
+            _bytes(b"\x7fELF\x02\x01\x01\x00" + RNG_BYTES),
+            ["has NUL bytes", "not text"],
+        ),
+        ("noise.txt", _bytes(RNG_BYTES), ["bytes not UTF-8", "not text"]),
+        ("empty.txt", _bytes(b""), ["empty, no tokens to train on"]),
+        ("emptydir", _empty_dir, ["(2 files): empty, no tokens to train on"]),
+        ("empty.npy", _npy([]), ["empty, no tokens to train on"]),
+    ],
+)
+def test_bad_training_data_is_one_line_and_writes_nothing(tmp_path, capsys, name, make, expect):
     path = str(tmp_path / name)
     make(path)
     rc = train_cli.main(SMALL + [f"data.path={path}", f"run_dir={tmp_path}/runs", "name=r"])
@@ -97,8 +124,9 @@ def test_bad_training_data_is_one_line_and_writes_nothing(tmp_path, capsys, name
 def test_unreadable_tokenizer_json_is_one_line(tmp_path, capsys):
     pytest.importorskip("tokenizers")
     (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": 7}')
-    rc = train_cli.main(SMALL + [f"data.tokenizer={tmp_path}/tokenizer.json",
-                             f"run_dir={tmp_path}/runs", "name=r"])
+    rc = train_cli.main(
+        SMALL + [f"data.tokenizer={tmp_path}/tokenizer.json", f"run_dir={tmp_path}/runs", "name=r"]
+    )
     line = one_line(capsys, rc)
     assert f"{tmp_path}/tokenizer.json is not a tokenizer.json the tokenizers package" in line
     assert not os.path.exists(tmp_path / "runs")
@@ -143,7 +171,7 @@ def _copy(src, dst):
 def _st_parts(file):
     raw = file.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
 def _st_write(file, header, body, *, length=None, raw_header=None):
@@ -162,25 +190,33 @@ def _edit_entry(key, value):
         else:
             header[UP][key] = value(header[UP][key])
         _st_write(d / hf.SINGLE, header, body)
+
     return edit
 
 
 def _nan(d):
     header, body = _st_parts(d / hf.SINGLE)
     start = header[UP]["data_offsets"][0] + 4 * 7
-    body = body[:start] + struct.pack("<f", float("nan")) + body[start + 4:]
+    body = body[:start] + struct.pack("<f", float("nan")) + body[start + 4 :]
     _st_write(d / hf.SINGLE, header, body)
 
 
 def _index(weight_map):
     def edit(d):
         header, _ = _st_parts(d / hf.SINGLE)
-        wm = {k: hf.SINGLE for k in header if k != "__metadata__"} if weight_map is None else (
-            weight_map)
+        wm = (
+            {k: hf.SINGLE for k in header if k != "__metadata__"}
+            if weight_map is None
+            else (weight_map)
+        )
         if weight_map is None:
             wm[UP] = "model-00002-of-00002.safetensors"
-        (d / hf.INDEX).write_text(wm if isinstance(wm, str) else json.dumps(
-            wm if weight_map == [] else {"weight_map": wm}))
+        (d / hf.INDEX).write_text(
+            wm
+            if isinstance(wm, str)
+            else json.dumps(wm if weight_map == [] else {"weight_map": wm})
+        )
+
     return edit
 
 
@@ -188,72 +224,126 @@ def _index_outside(d):
     """An index whose weight_map names a file outside the model directory (which exists)."""
     header, _ = _st_parts(d / hf.SINGLE)
     os.rename(d / hf.SINGLE, d.parent / "x.safetensors")
-    (d / hf.INDEX).write_text(json.dumps({"weight_map": {
-        k: "../x.safetensors" for k in header if k != "__metadata__"}}))
+    (d / hf.INDEX).write_text(
+        json.dumps({"weight_map": {k: "../x.safetensors" for k in header if k != "__metadata__"}})
+    )
 
 
 def _config(**changes):
     def edit(d):
         cfg = json.loads((d / hf.CONFIG).read_text())
         (d / hf.CONFIG).write_text(json.dumps({**cfg, **changes}))
+
     return edit
 
 
 HEADER_DAMAGE = [  # (name, damage, what the line says); all must fail before any tensor read
-    ("truncated", lambda d: (d / hf.SINGLE).write_bytes((d / hf.SINGLE).read_bytes()[:-100]),
-     ["model.safetensors is not a valid safetensors file", "past the", "truncated",
-      "fetch it again"]),
-    ("stub", lambda d: (d / hf.SINGLE).write_bytes(b"\x01\x02\x03"),
-     ["3 bytes, too short for a header"]),
-    ("huge_length", lambda d: _st_write(d / hf.SINGLE, *_st_parts(d / hf.SINGLE),
-                                        length=2**62),
-     [f"header length field says {2**62} bytes"]),
-    ("list_header", lambda d: _st_write(d / hf.SINGLE, [1, 2], b""),
-     ["header is a JSON list, not an object"]),
-    ("not_json", lambda d: _st_write(d / hf.SINGLE, None, b"", raw_header=b"{oops"),
-     ["header is not JSON"]),
-    ("no_offsets", _edit_entry("data_offsets", None),
-     [f"tensor {UP!r}: its entry needs dtype, shape and data_offsets"]),
-    ("bad_offsets", _edit_entry("data_offsets", lambda o: [o[0], o[1] - 4]),
-     [f"tensor {UP!r}", "bytes do not hold shape (128, 64) of F32"]),
-    ("past_end", _edit_entry("data_offsets", lambda o: [o[0] + 10**9, o[1] + 10**9]),
-     ["past the", "truncated?"]),
+    (
+        "truncated",
+        lambda d: (d / hf.SINGLE).write_bytes((d / hf.SINGLE).read_bytes()[:-100]),
+        [
+            "model.safetensors is not a valid safetensors file",
+            "past the",
+            "truncated",
+            "fetch it again",
+        ],
+    ),
+    (
+        "stub",
+        lambda d: (d / hf.SINGLE).write_bytes(b"\x01\x02\x03"),
+        ["3 bytes, too short for a header"],
+    ),
+    (
+        "huge_length",
+        lambda d: _st_write(d / hf.SINGLE, *_st_parts(d / hf.SINGLE), length=2**62),
+        [f"header length field says {2**62} bytes"],
+    ),
+    (
+        "list_header",
+        lambda d: _st_write(d / hf.SINGLE, [1, 2], b""),
+        ["header is a JSON list, not an object"],
+    ),
+    (
+        "not_json",
+        lambda d: _st_write(d / hf.SINGLE, None, b"", raw_header=b"{oops"),
+        ["header is not JSON"],
+    ),
+    (
+        "no_offsets",
+        _edit_entry("data_offsets", None),
+        [f"tensor {UP!r}: its entry needs dtype, shape and data_offsets"],
+    ),
+    (
+        "bad_offsets",
+        _edit_entry("data_offsets", lambda o: [o[0], o[1] - 4]),
+        [f"tensor {UP!r}", "bytes do not hold shape (128, 64) of F32"],
+    ),
+    (
+        "past_end",
+        _edit_entry("data_offsets", lambda o: [o[0] + 10**9, o[1] + 10**9]),
+        ["past the", "truncated?"],
+    ),
     ("bad_shape", _edit_entry("shape", lambda s: "big"), ["shape 'big' is not a list"]),
     ("unknown_dtype", _edit_entry("dtype", lambda t: "Q9"), ["unknown dtype 'Q9'"]),
-    ("int_dtype", _edit_entry("dtype", lambda t: "I32"),
-     [f"tensor {UP!r} has dtype I32, which cannot be imported"]),
-    ("config_list", lambda d: (d / hf.CONFIG).write_text("[1, 2]"),
-     ["config.json holds a JSON list, not an object"]),
-    ("config_str", _config(vocab_size="320"),
-     ["config.json: vocab_size='320' must be a positive integer"]),
-    ("config_bool", _config(tie_word_embeddings="false"),
-     ["tie_word_embeddings='false' must be true or false"]),
+    (
+        "int_dtype",
+        _edit_entry("dtype", lambda t: "I32"),
+        [f"tensor {UP!r} has dtype I32, which cannot be imported"],
+    ),
+    (
+        "config_list",
+        lambda d: (d / hf.CONFIG).write_text("[1, 2]"),
+        ["config.json holds a JSON list, not an object"],
+    ),
+    (
+        "config_str",
+        _config(vocab_size="320"),
+        ["config.json: vocab_size='320' must be a positive integer"],
+    ),
+    (
+        "config_bool",
+        _config(tie_word_embeddings="false"),
+        ["tie_word_embeddings='false' must be true or false"],
+    ),
     ("config_eps", _config(rms_norm_eps=[1e-6]), ["rms_norm_eps=[1e-06] must be a positive"]),
-    ("config_rope", _config(rope_parameters=["llama3"]), ["rope_parameters=['llama3'] must be "
-                                                          "an object"]),
-    ("shard_missing", _index(None),
-     ["lists 'model-00002-of-00002.safetensors', which is not in", "download is incomplete"]),
-    ("index_list", _index([]), ["has no \"weight_map\" object"]),
+    (
+        "config_rope",
+        _config(rope_parameters=["llama3"]),
+        ["rope_parameters=['llama3'] must be an object"],
+    ),
+    (
+        "shard_missing",
+        _index(None),
+        ["lists 'model-00002-of-00002.safetensors', which is not in", "download is incomplete"],
+    ),
+    ("index_list", _index([]), ['has no "weight_map" object']),
     ("index_garbage", _index("{not json"), ["cannot read", hf.INDEX]),
-    ("index_outside", _index_outside, ["lists '../x.safetensors', which is not a file name in",
-                                       "no directories, no '..'"]),
-    ("tokenizer_garbage", lambda d: (d / hf.TOKENIZER).write_text("{not a tokenizer"),
-     ["tokenizer.json is not a tokenizer.json the tokenizers package can read"]),
+    (
+        "index_outside",
+        _index_outside,
+        ["lists '../x.safetensors', which is not a file name in", "no directories, no '..'"],
+    ),
+    (
+        "tokenizer_garbage",
+        lambda d: (d / hf.TOKENIZER).write_text("{not a tokenizer"),
+        ["tokenizer.json is not a tokenizer.json the tokenizers package can read"],
+    ),
 ]
 
 
-@pytest.mark.parametrize("name, damage, expect", HEADER_DAMAGE,
-                         ids=[c[0] for c in HEADER_DAMAGE])
+@pytest.mark.parametrize("name, damage, expect", HEADER_DAMAGE, ids=[c[0] for c in HEADER_DAMAGE])
 def test_damaged_hf_checkpoint_fails_before_any_tensor_is_read(
-        hf_dir, tmp_path, capsys, monkeypatch, name, damage, expect):
+    hf_dir, tmp_path, capsys, monkeypatch, name, damage, expect
+):
     if name == "tokenizer_garbage":
         pytest.importorskip("tokenizers")
     d = _copy(hf_dir, tmp_path / name)
     damage(d)
     reads = []
     real_read = hf._SafetensorsFile.read
-    monkeypatch.setattr(hf._SafetensorsFile, "read",
-                        lambda self, n: reads.append(n) or real_read(self, n))
+    monkeypatch.setattr(
+        hf._SafetensorsFile, "read", lambda self, n: reads.append(n) or real_read(self, n)
+    )
     out = tmp_path / "out"
     line = one_line(capsys, convert.main(["--hf", str(d), "--out", str(out)]))
     assert all(e in line for e in expect) and line.count(" is not ") <= 2, line
@@ -271,15 +361,22 @@ def test_save_hf_refuses_a_non_empty_directory(model, tmp_path):
     assert (tmp_path / hf.SINGLE).is_file() and (tmp_path / "notes.txt").read_text() == "keep me"
 
 
-@pytest.mark.parametrize("args, expect", [
-    (["--param-dtype", "int32"], "--param-dtype 'int32' is not a floating-point dtype: choose "
-                                 "float32, bfloat16 or float16"),
-    (["--param-dtype", "foo"], "--param-dtype 'foo' is not a dtype name"),
-    (["--to-hf", "--max-shard-bytes", "-5"], "--max-shard-bytes -5 must be a positive number"),
-])
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        (
+            ["--param-dtype", "int32"],
+            "--param-dtype 'int32' is not a floating-point dtype: choose "
+            "float32, bfloat16 or float16",
+        ),
+        (["--param-dtype", "foo"], "--param-dtype 'foo' is not a dtype name"),
+        (["--to-hf", "--max-shard-bytes", "-5"], "--max-shard-bytes -5 must be a positive number"),
+    ],
+)
 def test_convert_flags_are_checked_before_reading(hf_dir, tmp_path, capsys, args, expect):
-    line = one_line(capsys, convert.main(["--hf", str(hf_dir), "--out", str(tmp_path / "o"),
-                                          *args]))
+    line = one_line(
+        capsys, convert.main(["--hf", str(hf_dir), "--out", str(tmp_path / "o"), *args])
+    )
     assert expect in line and "config.json" not in line, line
     assert not (tmp_path / "o").exists()
 
@@ -301,27 +398,34 @@ def test_nan_weights_are_refused_naming_the_tensor(hf_dir, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def model():
     mesh = helpers.mesh(1)
-    return lj.Transformer(lj.ModelConfig.from_preset("tiny", n_layers=1), mesh=mesh,
-                          rngs=nnx.Rngs(0))
+    return lj.Transformer(
+        lj.ModelConfig.from_preset("tiny", n_layers=1), mesh=mesh, rngs=nnx.Rngs(0)
+    )
 
 
-@pytest.mark.parametrize("prompts, match", [
-    ([[1.0, 2]], r"prompt 0 has 1.0 \(float\) at position 0: token ids must be integers"),
-    ([[3], ["1", "2"]], r"prompt 1 has '1' \(str\) at position 0"),
-    ([[5, True]], r"prompt 0 has True \(bool\) at position 1"),
-    ([[5, np.float32(2)]], r"prompt 0 has .*2\.0.* \(float32\) at position 1"),
-    ([b"hello"], "prompt 0 is bytes: decode it to a str"),
-    ([np.array([1.0, 2.0])], r"prompt 0 is an array of float64 .*astype"),
-    (np.array([1, 2, 3]), r"must be 2-D \(batch, length\).*shape \(3,\): for one prompt pass "
-                          r"ids\[None\]"),
-    (np.zeros((1, 2, 3), np.int32), r"shape \(1, 2, 3\)"),
-    ([1, 2, 3], r"one list of token ids, not a batch of prompts: pass \[ids\]"),
-    ("hello", r"pass \[prompt\]"),
-    (["hello", [1, 2]], "prompts mix strings and token lists"),
-    ([7], "one list of token ids"),
-    ([None], "prompt 0 is a NoneType"),
-    (5, "not int"),
-])
+@pytest.mark.parametrize(
+    "prompts, match",
+    [
+        ([[1.0, 2]], r"prompt 0 has 1.0 \(float\) at position 0: token ids must be integers"),
+        ([[3], ["1", "2"]], r"prompt 1 has '1' \(str\) at position 0"),
+        ([[5, True]], r"prompt 0 has True \(bool\) at position 1"),
+        ([[5, np.float32(2)]], r"prompt 0 has .*2\.0.* \(float32\) at position 1"),
+        ([b"hello"], "prompt 0 is bytes: decode it to a str"),
+        ([np.array([1.0, 2.0])], r"prompt 0 is an array of float64 .*astype"),
+        (
+            np.array([1, 2, 3]),
+            r"must be 2-D \(batch, length\).*shape \(3,\): for one prompt pass "
+            r"ids\[None\]",
+        ),
+        (np.zeros((1, 2, 3), np.int32), r"shape \(1, 2, 3\)"),
+        ([1, 2, 3], r"one list of token ids, not a batch of prompts: pass \[ids\]"),
+        ("hello", r"pass \[prompt\]"),
+        (["hello", [1, 2]], "prompts mix strings and token lists"),
+        ([7], "one list of token ids"),
+        ([None], "prompt 0 is a NoneType"),
+        (5, "not int"),
+    ],
+)
 def test_generate_refuses_what_is_not_a_token_id(model, prompts, match):
     with pytest.raises(generation.GenerationError, match=match):
         generation.generate(model, prompts, max_new_tokens=2)
@@ -330,18 +434,29 @@ def test_generate_refuses_what_is_not_a_token_id(model, prompts, match):
 def test_generate_takes_numpy_ids_as_given(model):
     want = generation.generate(model, [[5, 6, 7], [8, 9, 10]], max_new_tokens=3)
     assert generation.generate(model, np.array([[5, 6, 7], [8, 9, 10]]), max_new_tokens=3) == want
-    assert generation.generate(model, [np.array([5, 6, 7], np.int64), np.array([8, 9, 10])],
-                           max_new_tokens=3) == want
+    assert (
+        generation.generate(
+            model, [np.array([5, 6, 7], np.int64), np.array([8, 9, 10])], max_new_tokens=3
+        )
+        == want
+    )
     assert generation.generate(model, [[np.int32(5), 6, 7], [8, 9, 10]], max_new_tokens=3) == want
 
 
-@pytest.mark.parametrize("prompt_len, new, fix", [
-    (10, 300, "lower max_new_tokens to <= 246"),  # the prompt is not the problem
-    (200, 100, "shorten the prompt to <= 156 tokens or lower max_new_tokens to <= 56"),
-    (300, 8, "max_seq_len=256 positions including the new tokens: shorten the prompt to <= "
-             "248 tokens"),
-    (300, 300, "shorten the prompt and lower max_new_tokens: together they must be <= 256"),
-])
+@pytest.mark.parametrize(
+    "prompt_len, new, fix",
+    [
+        (10, 300, "lower max_new_tokens to <= 246"),  # the prompt is not the problem
+        (200, 100, "shorten the prompt to <= 156 tokens or lower max_new_tokens to <= 56"),
+        (
+            300,
+            8,
+            "max_seq_len=256 positions including the new tokens: shorten the prompt to <= "
+            "248 tokens",
+        ),
+        (300, 300, "shorten the prompt and lower max_new_tokens: together they must be <= 256"),
+    ],
+)
 def test_too_long_names_only_fixes_that_work(model, prompt_len, new, fix):
     with pytest.raises(generation.GenerationError) as e:
         generation.generate(model, [[1] * prompt_len], max_new_tokens=new)
@@ -349,15 +464,18 @@ def test_too_long_names_only_fixes_that_work(model, prompt_len, new, fix):
     assert msg.endswith(fix) and not re.search(r"<= -?0\b|<= -", msg), msg
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(temperature=float("nan")), "temperature=nan must be >= 0 and finite"),
-    (dict(temperature="0.5"), "temperature='0.5' must be"),
-    (dict(temperature=1.0, top_k=2.5), "top_k=2.5 must be an integer"),
-    (dict(temperature=1.0, top_k=True), "top_k=True must be an integer"),
-    (dict(temperature=1.0, top_p=float("nan")), r"top_p=nan must be in \(0, 1\]"),
-    (dict(max_new_tokens=True), "max_new_tokens=True must be a positive integer"),
-    (dict(max_new_tokens=2.0), "max_new_tokens=2.0 must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(temperature=float("nan")), "temperature=nan must be >= 0 and finite"),
+        (dict(temperature="0.5"), "temperature='0.5' must be"),
+        (dict(temperature=1.0, top_k=2.5), "top_k=2.5 must be an integer"),
+        (dict(temperature=1.0, top_k=True), "top_k=True must be an integer"),
+        (dict(temperature=1.0, top_p=float("nan")), r"top_p=nan must be in \(0, 1\]"),
+        (dict(max_new_tokens=True), "max_new_tokens=True must be a positive integer"),
+        (dict(max_new_tokens=2.0), "max_new_tokens=2.0 must be a positive integer"),
+    ],
+)
 def test_sampling_settings_are_checked(model, kwargs, match):
     kwargs = {"max_new_tokens": 2, **kwargs}
     with pytest.raises(generation.GenerationError, match=match):
@@ -381,34 +499,62 @@ def _files(tmp_path):
     return tmp_path
 
 
-@pytest.mark.parametrize("args, expect", [
-    (["--prompt-file", "{tmp}/empty.txt"], "{tmp}/empty.txt has no prompts (it is empty or "
-                                            "only blank lines)"),
-    (["--prompt-file", "{tmp}/blank.txt"], "{tmp}/blank.txt has no prompts"),
-    (["--prompt-file", "{tmp}/latin1.txt"], "--prompt-file {tmp}/latin1.txt: byte 9005 (line "
-                                             "2) is not UTF-8"),
-    (["--prompt-file", "{tmp}"], "--prompt-file {tmp}: cannot read it (Is a directory)"),
-    (["--prompt-file", "{tmp}/nope.txt"], "cannot read it (No such file or directory)"),
-    (["--max-new-tokens", "0"], "max_new_tokens=0 must be a positive integer"),
-    (["--max-new-tokens", "-3"], "max_new_tokens=-3 must be a positive integer"),
-    (["--max-new-tokens", "400"], "that is 417 positions, but the cache holds max_seq_len=256: "
-                                  "lower max_new_tokens to <= 239"),
-    (["--top-p", "0"], "top_p=0.0 must be in (0, 1]"),
-    (["--temperature", "nan"], "temperature=nan must be >= 0 and finite"),
-    (["--top-k", "0"], "top_k=0 must be an integer from 1 to the vocabulary size 320"),
-    (["--tp", "3"], "tp=3 does not divide the 8 available devices"),
-    (["--tp", "0"], "--tp 0: between 1 and the 8 devices"),
-    (["--residual", "standard", "--ladder-layers", "2"], "--ladder-layers applies to "
-                                                         "--residual ladder"),
-    (["--benchmark", "--max-new-tokens", "1", "--prompt-len", "4"],
-     "new_tokens=1 (--max-new-tokens) must be an integer >= 2"),
-    (["--benchmark", "--batch", "0", "--prompt-len", "4"], "batch=0 (--batch) must be"),
-    (["--benchmark", "--prompt-len", "0"], "prompt_len=0 (--prompt-len) must be"),
-    (["--benchmark", "--tp", "4", "--batch", "3", "--prompt-len", "4", "--max-new-tokens", "2"],
-     "batch size 3 is not divisible by the data axis (2)"),
-    (["--ladder-layers", "2,x"], "--ladder-layers '2,x': give N (the upper N layers) or a comma "
-                                 "list"),
-])
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        (
+            ["--prompt-file", "{tmp}/empty.txt"],
+            "{tmp}/empty.txt has no prompts (it is empty or only blank lines)",
+        ),
+        (["--prompt-file", "{tmp}/blank.txt"], "{tmp}/blank.txt has no prompts"),
+        (
+            ["--prompt-file", "{tmp}/latin1.txt"],
+            "--prompt-file {tmp}/latin1.txt: byte 9005 (line 2) is not UTF-8",
+        ),
+        (["--prompt-file", "{tmp}"], "--prompt-file {tmp}: cannot read it (Is a directory)"),
+        (["--prompt-file", "{tmp}/nope.txt"], "cannot read it (No such file or directory)"),
+        (["--max-new-tokens", "0"], "max_new_tokens=0 must be a positive integer"),
+        (["--max-new-tokens", "-3"], "max_new_tokens=-3 must be a positive integer"),
+        (
+            ["--max-new-tokens", "400"],
+            "that is 417 positions, but the cache holds max_seq_len=256: "
+            "lower max_new_tokens to <= 239",
+        ),
+        (["--top-p", "0"], "top_p=0.0 must be in (0, 1]"),
+        (["--temperature", "nan"], "temperature=nan must be >= 0 and finite"),
+        (["--top-k", "0"], "top_k=0 must be an integer from 1 to the vocabulary size 320"),
+        (["--tp", "3"], "tp=3 does not divide the 8 available devices"),
+        (["--tp", "0"], "--tp 0: between 1 and the 8 devices"),
+        (
+            ["--residual", "standard", "--ladder-layers", "2"],
+            "--ladder-layers applies to --residual ladder",
+        ),
+        (
+            ["--benchmark", "--max-new-tokens", "1", "--prompt-len", "4"],
+            "new_tokens=1 (--max-new-tokens) must be an integer >= 2",
+        ),
+        (["--benchmark", "--batch", "0", "--prompt-len", "4"], "batch=0 (--batch) must be"),
+        (["--benchmark", "--prompt-len", "0"], "prompt_len=0 (--prompt-len) must be"),
+        (
+            [
+                "--benchmark",
+                "--tp",
+                "4",
+                "--batch",
+                "3",
+                "--prompt-len",
+                "4",
+                "--max-new-tokens",
+                "2",
+            ],
+            "batch size 3 is not divisible by the data axis (2)",
+        ),
+        (
+            ["--ladder-layers", "2,x"],
+            "--ladder-layers '2,x': give N (the upper N layers) or a comma list",
+        ),
+    ],
+)
 def test_decode_cli_bad_input_is_one_line(tmp_path, capsys, decode_main, args, expect):
     tmp = str(_files(tmp_path))
     rc = decode_main([a.replace("{tmp}", tmp) for a in args])
@@ -418,8 +564,19 @@ def test_decode_cli_bad_input_is_one_line(tmp_path, capsys, decode_main, args, e
 
 def test_prompt_file_lines_are_prompts(tmp_path, capsys, decode_main):
     (tmp_path / "p.txt").write_bytes(b"ab\r\n\r\n  \ncd\n")  # Windows line ends, blank lines
-    assert decode_main(["--prompt-file", str(tmp_path / "p.txt"), "--max-new-tokens", "1",
-                        "--temperature", "0"]) == 0
+    assert (
+        decode_main(
+            [
+                "--prompt-file",
+                str(tmp_path / "p.txt"),
+                "--max-new-tokens",
+                "1",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "--- 'ab'\n" in out and "--- 'cd'\n" in out and out.count("--- ") == 2, out
 
@@ -429,24 +586,38 @@ def test_decode_benchmark_says_what_it_measures_first(capsys, decode_main, monke
 
     def fake(config, mesh, *, batch, prompt_len, new_tokens):
         printed.append(capsys.readouterr().out)
-        return {"residual": config.residual, "prefill_ms": 1.0, "decode_ms_per_token": 1.0,
-                "decode_tokens_per_s_per_user": 1.0, "decode_tokens_per_s": 3.0,
-                "tokens_per_s": 2.0, "roofline_fraction": 0.5, "first_run_s_incl_compile": 1.0,
-                "bandwidth_bytes_per_s": 1e9, "bandwidth_source": "test"}
+        return {
+            "residual": config.residual,
+            "prefill_ms": 1.0,
+            "decode_ms_per_token": 1.0,
+            "decode_tokens_per_s_per_user": 1.0,
+            "decode_tokens_per_s": 3.0,
+            "tokens_per_s": 2.0,
+            "roofline_fraction": 0.5,
+            "first_run_s_incl_compile": 1.0,
+            "bandwidth_bytes_per_s": 1e9,
+            "bandwidth_source": "test",
+        }
 
     monkeypatch.setattr(decode_cli, "benchmark", fake)
     args = ["--benchmark", "--batch", "3", "--prompt-len", "5", "--max-new-tokens", "7"]
     assert decode_main(args + ["--residual", "all", "--tp", "8"]) == 0
     header = printed[0]
     assert header.count("\n") == 1 and printed[1].startswith("standard "), printed
-    for part in ("decode benchmark, random weights of preset tiny",
-                 "residual standard, parallel, ladder, upper_bound", "tp=8 on 8 cpu device(s)",
-                 "batch 3", "prompt 5 tokens", "7 new tokens"):
+    for part in (
+        "decode benchmark, random weights of preset tiny",
+        "residual standard, parallel, ladder, upper_bound",
+        "tp=8 on 8 cpu device(s)",
+        "batch 3",
+        "prompt 5 tokens",
+        "7 new tokens",
+    ):
         assert part in header, header
     out = capsys.readouterr().out.splitlines()  # the ratios, then the word that on CPU
     at = next(i for i, line in enumerate(out) if line.startswith("decode speed vs standard"))
     assert out[at + 1].startswith("note: XLA:CPU runs all-reduces synchronously") and (
-        "these ratios are noise" in out[at + 1]), out
+        "these ratios are noise" in out[at + 1]
+    ), out
     assert decode_main(args + ["--residual", "all", "--tp", "1"]) == 0
     assert "note: tp=1 has no all-reduce to overlap" in capsys.readouterr().out
     assert decode_main(args + ["--json"]) == 0  # JSON lines only
@@ -456,9 +627,13 @@ def test_decode_benchmark_says_what_it_measures_first(capsys, decode_main, monke
 def test_decode_cli_process_non_utf8_prompt_file(tmp_path):
     """The real process: exit code 2 and one line, nothing else on stderr from us."""
     (tmp_path / "p.txt").write_bytes(b"\xff\xfe h\x00i\n")
-    r = subprocess.run([sys.executable, "-m", "ladder_jax.decode", "--prompt-file",
-                        str(tmp_path / "p.txt")], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    r = subprocess.run(
+        [sys.executable, "-m", "ladder_jax.decode", "--prompt-file", str(tmp_path / "p.txt")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr
     assert f"--prompt-file {tmp_path / 'p.txt'}: byte 0 (line 1) is not UTF-8" in r.stderr
@@ -489,29 +664,46 @@ def trained(tmp_path_factory):
 
 def _copy_run(trained, tmp_path):
     import shutil
+
     shutil.copytree(trained / "run", tmp_path / "run")
     return tmp_path
 
 
-@pytest.mark.parametrize("change, key", [
-    ("model.residual=ladder", "model.residual: 'standard' -> 'ladder'"),
-    ("data.seed=7", "data.seed: 0 -> 7"),
-    ("optim.peak_lr=0.01", "optim.peak_lr: 0.0003 -> 0.01"),
-])
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ("model.residual=ladder", "model.residual: 'standard' -> 'ladder'"),
+        ("data.seed=7", "data.seed: 0 -> 7"),
+        ("optim.peak_lr=0.01", "optim.peak_lr: 0.0003 -> 0.01"),
+    ],
+)
 def test_resume_with_a_changed_experiment_is_refused_and_writes_nothing(
-        trained, tmp_path, capsys, change, key):
+    trained, tmp_path, capsys, change, key
+):
     root = _copy_run(trained, tmp_path)
     before = _snapshot(root / "run")
-    line = one_line(capsys, train_cli.main(SMALL + ["steps=4", f"run_dir={root}", "name=run",
-                                                change]))
+    line = one_line(
+        capsys, train_cli.main(SMALL + ["steps=4", f"run_dir={root}", "name=run", change])
+    )
     assert key in line and "accept_changes=true" in line and "name=" in line, line
     assert _snapshot(root / "run") == before
 
 
 def test_accept_changes_resumes_and_records_what_changed(trained, tmp_path, capsys):
     root = _copy_run(trained, tmp_path)
-    assert train_cli.main(SMALL + ["steps=3", f"run_dir={root}", "name=run", "optim.peak_lr=0.01",
-                               "accept_changes=true"]) == 0
+    assert (
+        train_cli.main(
+            SMALL
+            + [
+                "steps=3",
+                f"run_dir={root}",
+                "name=run",
+                "optim.peak_lr=0.01",
+                "accept_changes=true",
+            ]
+        )
+        == 0
+    )
     assert "resumed from" in capsys.readouterr().out
     with open(root / "run" / "changes.jsonl") as f:
         rec = json.loads(f.readline())
@@ -520,12 +712,16 @@ def test_accept_changes_resumes_and_records_what_changed(trained, tmp_path, caps
         assert [json.loads(line)["step"] for line in f] == [1, 2, 3]
 
 
-def test_resume_after_a_shape_change_names_the_weight_and_writes_nothing(
-        trained, tmp_path, capsys):
+def test_resume_after_a_shape_change_names_the_weight_and_writes_nothing(trained, tmp_path, capsys):
     root = _copy_run(trained, tmp_path)
     before = _snapshot(root / "run")
-    line = one_line(capsys, train_cli.main(SMALL + ["steps=4", f"run_dir={root}", "name=run",
-                                                "model.d_ff=256", "accept_changes=true"]))
+    line = one_line(
+        capsys,
+        train_cli.main(
+            SMALL
+            + ["steps=4", f"run_dir={root}", "name=run", "model.d_ff=256", "accept_changes=true"]
+        ),
+    )
     assert "layers/0/mlp/down" in line and "(128, 64)" in line and "(256, 64)" in line, line
     assert "new name=" in line
     assert _snapshot(root / "run") == before
@@ -552,46 +748,58 @@ def test_damaged_metrics_in_the_middle_is_one_line(trained, tmp_path, capsys):
 
 
 def test_init_from_problems_are_one_line(trained, tmp_path, capsys):
-    line = one_line(capsys, train_cli.main(SMALL + [f"run_dir={tmp_path}", "name=ft",
-                                                f"init_from={tmp_path}/nope"]))
+    line = one_line(
+        capsys,
+        train_cli.main(SMALL + [f"run_dir={tmp_path}", "name=ft", f"init_from={tmp_path}/nope"]),
+    )
     assert "init_from" in line and "does not exist" in line
-    line = one_line(capsys, train_cli.main(SMALL + [f"run_dir={tmp_path}", "name=ft",
-                                                f"init_from={trained}/run", "model.d_ff=256"]))
+    line = one_line(
+        capsys,
+        train_cli.main(
+            SMALL + [f"run_dir={tmp_path}", "name=ft", f"init_from={trained}/run", "model.d_ff=256"]
+        ),
+    )
     assert "init_from" in line and "(128, 64)" in line and "(256, 64)" in line
     assert not (tmp_path / "ft").exists()
 
 
-@pytest.mark.parametrize("args, expect", [
-    (["optim.peak_lr=-1"], "optim.peak_lr=-1.0 must be positive"),
-    (["optim.b2=1.5"], "optim.b2=1.5 must be in [0.0, 1.0)"),
-    (["data.eval_fraction=1"], "data.eval_fraction=1.0 must be in [0.0, 1.0)"),
-    (["optim.warmup_steps=-5"], "optim.warmup_steps=-5 must be >= 0"),
-    (["mesh.data=0"], "mesh.data=0 must be positive"),
-    (["model.remat=layers"], "remat='layers'"),
-    (["model.rope_theta=0"], "rope_theta=0.0 must be a positive finite number"),
-    (["model.rope_theta=nan"], "rope_theta=nan must be a positive finite number"),
-    (["model.norm_eps=-1"], "norm_eps=-1.0 must be a positive finite number"),
-    (["model.head_dim=0"], "head_dim=0 must be a positive even integer"),
-    (["model.head_dim=-2"], "head_dim=-2 must be a positive even integer"),
-    (["model.rope_scaling=5"], "rope_scaling=5 must be null or a mapping of factor"),
-    (["model.rope_scaling={factor: -1}"], "rope_scaling.factor=-1 must be a positive"),
-    (["model.rope_scaling={size: 2}"], "rope_scaling has no field 'size'"),
-    (["model.dtype=int32"], "dtype='int32' is not a floating-point dtype: choose float32"),
-    (["model.param_dtype=int8"], "param_dtype='int8' is not a floating-point dtype"),
-    (["model.dtype=floaty"], "dtype='floaty' is not a dtype name"),
-    (["model.vocab_size=500000000"], "GB of host memory but"),
-    (["name=../../escaped"], "name='../../escaped' must be a plain directory name"),
-    (["name=a/b"], "name='a/b' must be a plain directory name"),
-    (["name=.."], "set run_dir="),
-    (["model=5"], "config key 'model' is a section, not a value: set its keys (e.g. model."),
-    (["data.seed=-1"], "data.seed=-1 must be in [0, 2**32)"),
-    (["seed=99999999999999999999"], "seed=99999999999999999999 does not fit in 64 bits"),
-    (["optim.weight_decay=nan"], "optim.weight_decay=nan must be >= 0"),
-    (["peak_tflops=-3"], "peak_tflops=-3.0 must be positive"),
-    (["data.path=..."], "override data.path='...': the value is not valid YAML (did not find "
-                        "expected node content) (a placeholder: put the real value there)"),
-    (["data.path=a: b: c"], "override data.path='a: b: c': the value is not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        (["optim.peak_lr=-1"], "optim.peak_lr=-1.0 must be positive"),
+        (["optim.b2=1.5"], "optim.b2=1.5 must be in [0.0, 1.0)"),
+        (["data.eval_fraction=1"], "data.eval_fraction=1.0 must be in [0.0, 1.0)"),
+        (["optim.warmup_steps=-5"], "optim.warmup_steps=-5 must be >= 0"),
+        (["mesh.data=0"], "mesh.data=0 must be positive"),
+        (["model.remat=layers"], "remat='layers'"),
+        (["model.rope_theta=0"], "rope_theta=0.0 must be a positive finite number"),
+        (["model.rope_theta=nan"], "rope_theta=nan must be a positive finite number"),
+        (["model.norm_eps=-1"], "norm_eps=-1.0 must be a positive finite number"),
+        (["model.head_dim=0"], "head_dim=0 must be a positive even integer"),
+        (["model.head_dim=-2"], "head_dim=-2 must be a positive even integer"),
+        (["model.rope_scaling=5"], "rope_scaling=5 must be null or a mapping of factor"),
+        (["model.rope_scaling={factor: -1}"], "rope_scaling.factor=-1 must be a positive"),
+        (["model.rope_scaling={size: 2}"], "rope_scaling has no field 'size'"),
+        (["model.dtype=int32"], "dtype='int32' is not a floating-point dtype: choose float32"),
+        (["model.param_dtype=int8"], "param_dtype='int8' is not a floating-point dtype"),
+        (["model.dtype=floaty"], "dtype='floaty' is not a dtype name"),
+        (["model.vocab_size=500000000"], "GB of host memory but"),
+        (["name=../../escaped"], "name='../../escaped' must be a plain directory name"),
+        (["name=a/b"], "name='a/b' must be a plain directory name"),
+        (["name=.."], "set run_dir="),
+        (["model=5"], "config key 'model' is a section, not a value: set its keys (e.g. model."),
+        (["data.seed=-1"], "data.seed=-1 must be in [0, 2**32)"),
+        (["seed=99999999999999999999"], "seed=99999999999999999999 does not fit in 64 bits"),
+        (["optim.weight_decay=nan"], "optim.weight_decay=nan must be >= 0"),
+        (["peak_tflops=-3"], "peak_tflops=-3.0 must be positive"),
+        (
+            ["data.path=..."],
+            "override data.path='...': the value is not valid YAML (did not find "
+            "expected node content) (a placeholder: put the real value there)",
+        ),
+        (["data.path=a: b: c"], "override data.path='a: b: c': the value is not valid YAML"),
+    ],
+)
 def test_out_of_range_settings_are_one_line(tmp_path, capsys, args, expect):
     line = one_line(capsys, train_cli.main(SMALL + [f"run_dir={tmp_path}", *args]))
     assert expect in line, line
@@ -603,12 +811,11 @@ def test_unwritable_run_dir_is_one_line_before_data_or_compiling(tmp_path, capsy
     ro.mkdir()
     ro.chmod(0o555)
     if os.geteuid() == 0:  # the superuser writes through permissions: a directory it cannot
-        ro = "/sys"        # write in (sysfs takes no new files)
+        ro = "/sys"  # write in (sysfs takes no new files)
     monkeypatch.setattr(data, "load_tokens", lambda *a, **k: pytest.fail("data was loaded"))
     line = one_line(capsys, train_cli.main(SMALL + [f"run_dir={ro}/runs", "name=r"]))
     assert f"run_dir='{ro}/runs': cannot write in {ro}" in line and "writable" in line, line
-    line = one_line(capsys, convert.main(["--checkpoint", str(tmp_path), "--out",
-                                          f"{ro}/out"]))
+    line = one_line(capsys, convert.main(["--checkpoint", str(tmp_path), "--out", f"{ro}/out"]))
     assert f"--out '{ro}/out': cannot write in {ro}" in line, line
 
 
@@ -651,21 +858,29 @@ def test_a_checkpoint_directory_loads_like_its_run(trained, hf_dir, tmp_path, ca
     whole, _ = lj.load(str(trained / "run"), mesh=mesh)
     for sub in ("checkpoints", "checkpoints/2"):
         part, _ = lj.load(str(trained / "run" / sub), mesh=mesh)
-        jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(part)),
-                     nnx.to_pure_dict(nnx.state(whole)))
+        jax.tree.map(
+            np.testing.assert_array_equal,
+            nnx.to_pure_dict(nnx.state(part)),
+            nnx.to_pure_dict(nnx.state(whole)),
+        )
     with pytest.raises(lj.ConfigError, match="'/nonexistent' does not exist"):
         lj.load("/nonexistent", mesh=mesh)
-    line = one_line(capsys, train_cli.main(SMALL + [f"run_dir={tmp_path}", "name=ft",
-                                                    f"init_from={hf_dir}"]))
-    assert ("is a Hugging Face model directory: convert it first (python -m ladder_jax.convert "
-            f"--hf {hf_dir} --out DIR)") in line, line
+    line = one_line(
+        capsys, train_cli.main(SMALL + [f"run_dir={tmp_path}", "name=ft", f"init_from={hf_dir}"])
+    )
+    assert (
+        "is a Hugging Face model directory: convert it first (python -m ladder_jax.convert "
+        f"--hf {hf_dir} --out DIR)"
+    ) in line, line
     assert not (tmp_path / "ft").exists()
 
 
 def test_corpus_shorter_than_one_sequence_says_so(tmp_path, capsys):
     (tmp_path / "short.txt").write_text("tiny")
-    line = one_line(capsys, train_cli.main(SMALL + [f"data.path={tmp_path}/short.txt",
-                                                    f"run_dir={tmp_path}/runs"]))
+    line = one_line(
+        capsys,
+        train_cli.main(SMALL + [f"data.path={tmp_path}/short.txt", f"run_dir={tmp_path}/runs"]),
+    )
     assert "6 tokens are fewer than one record of seq_len + 1 = 33 tokens" in line, line
     assert "held-out" not in line
 
@@ -679,8 +894,9 @@ def test_fifo_in_data_is_skipped_or_refused_never_read(tmp_path, capsys):
     signal.alarm(60)
     try:
         assert data.load_tokens(str(d), ByteTokenizer()).tolist() == [256, 97, 98, 99, 257]
-        line = one_line(capsys, train_cli.main(SMALL + [f"data.path={d}/pipe",
-                                                        f"run_dir={tmp_path}/runs"]))
+        line = one_line(
+            capsys, train_cli.main(SMALL + [f"data.path={d}/pipe", f"run_dir={tmp_path}/runs"])
+        )
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
@@ -702,19 +918,39 @@ def test_cli_start_is_quiet(tmp_path):
     """With the CUDA plugin installed and no GPU, a one-line error stays one line, and
     `python -m ladder_jax.decode` does not warn that it was imported twice."""
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    p = subprocess.run([sys.executable, "-m", "ladder_jax.train", "optim.peak_lr=-1",
-                        f"run_dir={tmp_path}"], env=env, capture_output=True, text=True,
-                       timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "ladder_jax.train", "optim.peak_lr=-1", f"run_dir={tmp_path}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
-        "error: optim.peak_lr=-1.0 must be positive"], p.stderr
-    p = subprocess.run([sys.executable, "-m", "ladder_jax.decode", "--max-new-tokens", "2",
-                        "--tp", "1", "--prompt", "a"], env=env, capture_output=True, text=True,
-                       timeout=300)
+        "error: optim.peak_lr=-1.0 must be positive"
+    ], p.stderr
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ladder_jax.decode",
+            "--max-new-tokens",
+            "2",
+            "--tp",
+            "1",
+            "--prompt",
+            "a",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
     # nothing on stderr but decode's own speed line (tokens/s, as gpt-fast prints it)
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and re.match(r"\d+ tokens in [\d.]+ s; first token after", lines[0]), (
-        p.stderr)
+        p.stderr
+    )
 
 
 def test_progress_shows_while_other_threads_compile_quietly():

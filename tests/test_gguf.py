@@ -36,10 +36,20 @@ TOKENS = np.array([[5, 17, 3, 99, 42, 8, 77, 1, 0, 64, 120, 33]], np.int32)
 def _llama(path, *, tie: bool):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=320, hidden_size=D, intermediate_size=F, num_hidden_layers=L,
-        num_attention_heads=N, num_key_value_heads=K, max_position_embeddings=256,
-        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=tie, initializer_range=0.1,
-        bos_token_id=1, eos_token_id=2)
+        vocab_size=320,
+        hidden_size=D,
+        intermediate_size=F,
+        num_hidden_layers=L,
+        num_attention_heads=N,
+        num_key_value_heads=K,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -53,20 +63,31 @@ def llama_cpp_order(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's row order of a q / k projection: in each head of H rows, row 2j + s of the
     file is row s * H/2 + j of the Hugging Face weight (the halves interleaved)."""
     H = w.shape[0] // heads
-    order = [h * H + s * (H // 2) + j for h in range(heads) for j in range(H // 2)
-             for s in range(2)]
+    order = [
+        h * H + s * (H // 2) + j for h in range(heads) for j in range(H // 2) for s in range(2)
+    ]
     return w[order]
 
 
-_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
-          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-          "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 
 
 def _gguf_name(name: str) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
-           "model.norm.weight": "output_norm.weight"}
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "lm_head.weight": "output.weight",
+        "model.norm.weight": "output_norm.weight",
+    }
     if name in top:
         return top[name]
     i, rest = name.split(".")[2], ".".join(name.split(".")[3:-1])
@@ -78,8 +99,11 @@ def _tokenizer_kv(w, *, add_bos):
     control and user-defined tokens."""
     chars = [c for _, c in sorted(_byte_chars().items())]
     merges = ["Ġ t", "h e", "Ġt he", "l a", "Ġ la", "d d", "e r", "Ġla dd", "Ġladd er"]
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>"] + chars + [
-        m.replace(" ", "") for m in merges]
+    tokens = (
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>"]
+        + chars
+        + [m.replace(" ", "") for m in merges]
+    )
     types = [3, 3, 3, 4] + [1] * (len(tokens) - 4)
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", "default")
@@ -90,8 +114,11 @@ def _tokenizer_kv(w, *, add_bos):
     w.add_uint32("tokenizer.ggml.eos_token_id", 2)
     w.add_uint32("tokenizer.ggml.padding_token_id", 2)
     w.add_bool("tokenizer.ggml.add_bos_token", add_bos)
-    w.add_string("tokenizer.chat_template", "{% for m in messages %}<|im_start|>{{ m.role }}\n"
-                 "{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    w.add_string(
+        "tokenizer.chat_template",
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n",
+    )
     return len(tokens)
 
 
@@ -106,14 +133,32 @@ def _byte_chars():  # GPT-2's byte spelling, as its paper's code defines it
     return dict(zip(bs, map(chr, cs)))
 
 
-def write_gguf(file, state: dict, *, qtype=Q.F32, permute=True, add_bos=False, arch="llama",
-               drop=(), meta=None, edit=None, vocab=320):
+def write_gguf(
+    file,
+    state: dict,
+    *,
+    qtype=Q.F32,
+    permute=True,
+    add_bos=False,
+    arch="llama",
+    drop=(),
+    meta=None,
+    edit=None,
+    vocab=320,
+):
     """A GGUF file of the HF `state` (name -> float32 array): 2-D weights in `qtype`."""
     w = gguf.GGUFWriter(str(file), arch)
-    kv = {"llama.block_count": L, "llama.context_length": 256, "llama.embedding_length": D,
-          "llama.feed_forward_length": F, "llama.attention.head_count": N,
-          "llama.attention.head_count_kv": K, "llama.rope.dimension_count": D // N,
-          "llama.vocab_size": vocab, **(meta or {})}
+    kv = {
+        "llama.block_count": L,
+        "llama.context_length": 256,
+        "llama.embedding_length": D,
+        "llama.feed_forward_length": F,
+        "llama.attention.head_count": N,
+        "llama.attention.head_count_kv": K,
+        "llama.rope.dimension_count": D // N,
+        "llama.vocab_size": vocab,
+        **(meta or {}),
+    }
     for key, v in kv.items():
         if v is not None:
             w.add_uint32(key, v) if isinstance(v, int) else w.add_string(key, v)
@@ -147,8 +192,11 @@ def llamas(tmp_path_factory):
     for name, tie in (("untied", False), ("tied", True)):
         path = tmp_path_factory.mktemp(name)
         model = _llama(path, tie=tie)
-        state = {k: v.float().numpy() for k, v in model.state_dict().items()
-                 if not (tie and k == "lm_head.weight")}
+        state = {
+            k: v.float().numpy()
+            for k, v in model.state_dict().items()
+            if not (tie and k == "lm_head.weight")
+        }
         out[name] = (str(path), model, state)
     return out
 
@@ -177,12 +225,12 @@ def test_q_k_rows_are_put_back_in_rope_order(llamas, tmp_path):
     """A file written without llama.cpp's reordering loads into another function (the loader
     does undo a permutation), and the reordered file gives transformers' logits."""
     _, model, state = llamas["untied"]
-    wrong, _ = lj.load_gguf(write_gguf(tmp_path / "raw.gguf", state, permute=False),
-                            mesh=_mesh(1))
+    wrong, _ = lj.load_gguf(write_gguf(tmp_path / "raw.gguf", state, permute=False), mesh=_mesh(1))
     assert np.abs(np.asarray(_logits(wrong, TOKENS)) - _torch_logits(model)).max() > 1e-2
     right, _ = lj.load_gguf(write_gguf(tmp_path / "perm.gguf", state), mesh=_mesh(1))
-    np.testing.assert_allclose(np.asarray(_logits(right, TOKENS)), _torch_logits(model),
-                               atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(_logits(right, TOKENS)), _torch_logits(model), atol=1e-4, rtol=0
+    )
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1])
@@ -194,6 +242,7 @@ def test_dequantized_weights_equal_the_gguf_reference(llamas, tmp_path, qtype):
     model, _ = lj.load_gguf(write_gguf(tmp_path / "q.gguf", state, qtype=qtype), mesh=_mesh(1))
     lj.save_hf(model, tmp_path / "out")
     from safetensors.numpy import load_file
+
     back = load_file(str(tmp_path / "out" / hf.SINGLE))
     for name, w in state.items():
         w = np.ascontiguousarray(w, np.float32)
@@ -212,16 +261,33 @@ def test_k_quants(tmp_path):
     rng = np.random.default_rng(0)
     d, f, heads, v = 256, 256, 4, 320
     w = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
-    for key, x in (("llama.block_count", 1), ("llama.embedding_length", d),
-                   ("llama.feed_forward_length", f), ("llama.attention.head_count", heads),
-                   ("llama.attention.head_count_kv", heads), ("llama.context_length", 64)):
+    for key, x in (
+        ("llama.block_count", 1),
+        ("llama.embedding_length", d),
+        ("llama.feed_forward_length", f),
+        ("llama.attention.head_count", heads),
+        ("llama.attention.head_count_kv", heads),
+        ("llama.context_length", 64),
+    ):
         w.add_uint32(key, x)
     _tokenizer_kv(w, add_bos=False)
-    kinds = {Q.Q6_K: (210, [208]), Q.Q4_K: (144, [0, 2]), Q.Q5_K: (176, [0, 2]),
-             Q.Q3_K: (110, [108]), Q.Q2_K: (84, [80, 82])}  # block bytes, f16 scale offsets
-    names = ["token_embd.weight", "blk.0.attn_q.weight", "blk.0.attn_k.weight",
-             "blk.0.attn_v.weight", "blk.0.attn_output.weight", "blk.0.ffn_gate.weight",
-             "blk.0.ffn_up.weight", "blk.0.ffn_down.weight"]
+    kinds = {
+        Q.Q6_K: (210, [208]),
+        Q.Q4_K: (144, [0, 2]),
+        Q.Q5_K: (176, [0, 2]),
+        Q.Q3_K: (110, [108]),
+        Q.Q2_K: (84, [80, 82]),
+    }  # block bytes, f16 scale offsets
+    names = [
+        "token_embd.weight",
+        "blk.0.attn_q.weight",
+        "blk.0.attn_k.weight",
+        "blk.0.attn_v.weight",
+        "blk.0.attn_output.weight",
+        "blk.0.ffn_gate.weight",
+        "blk.0.ffn_up.weight",
+        "blk.0.ffn_down.weight",
+    ]
     written = {}
     for i, name in enumerate(names):
         kind = list(kinds)[i % len(kinds)]
@@ -229,7 +295,7 @@ def test_k_quants(tmp_path):
         rows = v if name == "token_embd.weight" else d
         blocks = rng.integers(0, 256, (rows, size), dtype=np.uint8)
         for off in scales:
-            blocks[:, off:off + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+            blocks[:, off : off + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
         w.add_tensor(name, blocks, raw_dtype=kind)
         written[name] = gguf.quants.dequantize(blocks, kind)
     for name in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
@@ -241,18 +307,24 @@ def test_k_quants(tmp_path):
     model, _ = lj.load_gguf(tmp_path / "k.gguf", mesh=_mesh(1))
     lj.save_hf(model, tmp_path / "out")
     from safetensors.numpy import load_file
+
     back = load_file(str(tmp_path / "out" / hf.SINGLE))
     for name, ref in written.items():
         if name == "token_embd.weight":
             hf_name = "model.embed_tokens.weight"
         else:
             part = name.split(".")[2]
-            hf_name = "model.layers.0." + next(k for k, g in _NAMES.items() if g == part) + (
-                ".weight")
+            hf_name = (
+                "model.layers.0." + next(k for k, g in _NAMES.items() if g == part) + (".weight")
+            )
         if name != "token_embd.weight" and part in ("attn_q", "attn_k"):
             H = d // heads  # file row r holds the HF row order[r]
-            order = [h * H + s * (H // 2) + j for h in range(heads) for j in range(H // 2)
-                     for s in range(2)]
+            order = [
+                h * H + s * (H // 2) + j
+                for h in range(heads)
+                for j in range(H // 2)
+                for s in range(2)
+            ]
             hf_rows = np.empty_like(ref)
             hf_rows[order] = ref
             ref = hf_rows
@@ -262,11 +334,21 @@ def test_k_quants(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Tokenizers.
 
-STRINGS = ["Hello world", " What is the capital of France?", "  two  spaces\tand\ttabs\n\n",
-           "héllo wörld ünïcödé, 日本語のテキスト, emoji 🦙🚀 and Ελληνικά",
-           "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "x<|endoftext|>y",
-           "numbers 1234567 3.14159 -42", "code: def f(x):\n    return x ** 2  # ok",
-           "\u00a0non-breaking\u2009thin space", "", " ", "\n", "the ladder<think>"]
+STRINGS = [
+    "Hello world",
+    " What is the capital of France?",
+    "  two  spaces\tand\ttabs\n\n",
+    "héllo wörld ünïcödé, 日本語のテキスト, emoji 🦙🚀 and Ελληνικά",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "x<|endoftext|>y",
+    "numbers 1234567 3.14159 -42",
+    "code: def f(x):\n    return x ** 2  # ok",
+    "\u00a0non-breaking\u2009thin space",
+    "",
+    " ",
+    "\n",
+    "the ladder<think>",
+]
 
 
 def _smollm2():
@@ -277,8 +359,9 @@ def _smollm2():
 @pytest.fixture(scope="module")
 def smollm2_tokenizers():
     file = _smollm2()
-    theirs = transformers.AutoTokenizer.from_pretrained(os.path.dirname(file),
-                                                        gguf_file=os.path.basename(file))
+    theirs = transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(file), gguf_file=os.path.basename(file)
+    )
     return gguf_tokenizer(file), theirs
 
 
@@ -287,8 +370,9 @@ def test_smollm2_tokenizer_encodes_as_transformers(smollm2_tokenizers):
     assert ours.add_bos is False and (ours.bos_id, ours.eos_id) == (1, 2)
     for s in STRINGS:
         assert ours.encode(s) == theirs(s)["input_ids"], s
-        assert ours.decode(ours.encode(s)) == theirs.decode(theirs(s)["input_ids"],
-                                                            skip_special_tokens=True), s
+        assert ours.decode(ours.encode(s)) == theirs.decode(
+            theirs(s)["input_ids"], skip_special_tokens=True
+        ), s
     assert ours.encode("hi", bos=True)[0] == 1 and ours.encode("hi", eos=True)[-1] == 2
     assert ours.chat_template == theirs.chat_template
 
@@ -312,7 +396,8 @@ def _word_tokenizer(d, *, post=False, config=None):
     tok.decoder = decoders.WordPiece()
     if post:
         tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+        )
     os.makedirs(d, exist_ok=True)
     tok.save(os.path.join(d, "tokenizer.json"))
     with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
@@ -322,9 +407,14 @@ def _word_tokenizer(d, *, post=False, config=None):
 
 @pytest.mark.parametrize("case", ["plain", "post_processor", "config_true", "config_false"])
 def test_hf_tokenizer_bos_convention_as_transformers(tmp_path, case):
-    d = _word_tokenizer(tmp_path / case, post=case == "post_processor", config={
-        "config_true": {"add_bos_token": True},
-        "config_false": {"add_bos_token": False}}.get(case))
+    d = _word_tokenizer(
+        tmp_path / case,
+        post=case == "post_processor",
+        config={
+            "config_true": {"add_bos_token": True},
+            "config_false": {"add_bos_token": False},
+        }.get(case),
+    )
     ours = HFTokenizer.from_dir(d)
     theirs = transformers.AutoTokenizer.from_pretrained(d)
     text = "the ladder overlaps"
@@ -356,10 +446,10 @@ def test_generate_and_chat_follow_the_convention(llamas, tmp_path):
     want = generate(model, [ids], max_new_tokens=4)
     assert generate(model, [prompt], tokenizer=tok, max_new_tokens=4) == [tok.decode(want[0])]
     template = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True).from_string(tok.chat_template)
+        trim_blocks=True, lstrip_blocks=True
+    ).from_string(tok.chat_template)
     got = render_chat(template, [{"role": "user", "content": "hi"}], tok)
-    text = template.render(messages=[{"role": "user", "content": "hi"}],
-                           add_generation_prompt=True)
+    text = template.render(messages=[{"role": "user", "content": "hi"}], add_generation_prompt=True)
     assert got == tok.encode(text) and got.count(tok.bos_id) == 2  # the template's two
 
 
@@ -373,8 +463,23 @@ def test_convert_gguf_writes_what_decode_serve_and_transformers_read(llamas, tmp
     direct, tok = lj.load_gguf(file, mesh=_mesh(1), residual="ladder", ladder_layers=1)
     want = np.asarray(_logits(direct, TOKENS))
     out = tmp_path / "run"
-    assert convert.main(["--gguf", file, "--out", str(out), "--tp", "2", "--residual",
-                         "ladder", "--ladder-layers", "1"]) == 0
+    assert (
+        convert.main(
+            [
+                "--gguf",
+                file,
+                "--out",
+                str(out),
+                "--tp",
+                "2",
+                "--residual",
+                "ladder",
+                "--ladder-layers",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert "read 1 GGUF file(s)" in capsys.readouterr().err
     run, run_tok = load_run(str(out), mesh=_mesh(1))
     np.testing.assert_allclose(np.asarray(_logits(run, TOKENS)), want, atol=1e-6, rtol=0)
@@ -389,10 +494,10 @@ def test_convert_gguf_writes_what_decode_serve_and_transformers_read(llamas, tmp
         assert theirs(s)["input_ids"] == tok.encode(s), s
     back = transformers.LlamaForCausalLM.from_pretrained(str(hf_out)).eval()
     standard, _ = lj.load_gguf(file, mesh=_mesh(1))
-    np.testing.assert_allclose(_torch_logits(back), np.asarray(_logits(standard, TOKENS)),
-                               atol=1e-4, rtol=0)
-    assert convert.main(["--gguf", file, "--out", str(tmp_path / "i8"), "--quantize",
-                         "int8"]) == 0
+    np.testing.assert_allclose(
+        _torch_logits(back), np.asarray(_logits(standard, TOKENS)), atol=1e-4, rtol=0
+    )
+    assert convert.main(["--gguf", file, "--out", str(tmp_path / "i8"), "--quantize", "int8"]) == 0
     q, _ = load_run(str(tmp_path / "i8"), mesh=_mesh(1))
     assert q.config.quantize == "int8"
 
@@ -406,17 +511,27 @@ def _nan(name, t):
 
 BAD = {
     "not_gguf": (lambda f, s: f.write_text("hello, not a GGUF file\n" * 10), "not a valid GGUF"),
-    "truncated": (lambda f, s: f.write_bytes(open(write_gguf(f, s), "rb").read()[:-5000]),
-                  "not a valid GGUF"),
+    "truncated": (
+        lambda f, s: f.write_bytes(open(write_gguf(f, s), "rb").read()[:-5000]),
+        "not a valid GGUF",
+    ),
     "arch": (lambda f, s: write_gguf(f, s, arch="gpt2"), "general.architecture"),
-    "missing_key": (lambda f, s: write_gguf(f, s, meta={"llama.block_count": None}),
-                    "llama.block_count"),
-    "bad_key": (lambda f, s: write_gguf(f, s, meta={"llama.embedding_length": "wide"}),
-                "llama.embedding_length"),
-    "missing_tensor": (lambda f, s: write_gguf(f, s, drop=("model.layers.1.mlp.up_proj.weight",)),
-                       "blk.1.ffn_up.weight"),
-    "shape": (lambda f, s: write_gguf(f, s, meta={"llama.feed_forward_length": 64}),
-              "blk.0.ffn_gate.weight"),
+    "missing_key": (
+        lambda f, s: write_gguf(f, s, meta={"llama.block_count": None}),
+        "llama.block_count",
+    ),
+    "bad_key": (
+        lambda f, s: write_gguf(f, s, meta={"llama.embedding_length": "wide"}),
+        "llama.embedding_length",
+    ),
+    "missing_tensor": (
+        lambda f, s: write_gguf(f, s, drop=("model.layers.1.mlp.up_proj.weight",)),
+        "blk.1.ffn_up.weight",
+    ),
+    "shape": (
+        lambda f, s: write_gguf(f, s, meta={"llama.feed_forward_length": 64}),
+        "blk.0.ffn_gate.weight",
+    ),
     "nan": (lambda f, s: write_gguf(f, s, edit=_nan), "blk.1.ffn_up.weight"),
     "vocab": (lambda f, s: write_gguf(f, s, vocab=300), "llama.vocab_size"),
     "moe": (lambda f, s: write_gguf(f, s, meta={"llama.expert_count": 8}), "llama.expert_count"),
@@ -437,18 +552,22 @@ def test_bad_gguf_is_one_line(llamas, tmp_path, capsys, case):
 
 def test_unsupported_tensor_type_and_tokenizer_are_one_line(llamas, tmp_path, capsys):
     _, _, state = llamas["untied"]
-    file = write_gguf(tmp_path / "i32.gguf", state, edit=lambda n, t: t.astype(np.int32) if (
-        n == "model.layers.0.mlp.down_proj.weight") else t)
+    file = write_gguf(
+        tmp_path / "i32.gguf",
+        state,
+        edit=lambda n, t: t.astype(np.int32) if (n == "model.layers.0.mlp.down_proj.weight") else t,
+    )
     line = one_line(capsys, convert.main(["--gguf", file, "--out", str(tmp_path / "o")]))
     assert "blk.0.ffn_down.weight" in line and "I32" in line, line
     r = gguf.GGUFReader(write_gguf(tmp_path / "ok.gguf", state))
     assert r.fields["tokenizer.ggml.model"].contents() == "gpt2"
     data = bytearray(open(tmp_path / "ok.gguf", "rb").read())
     at = data.find(b"gpt2")  # the tokenizer model's value: "gpt2" -> "t5xx" (same length)
-    data[at:at + 4] = b"t5xx"
+    data[at : at + 4] = b"t5xx"
     (tmp_path / "t5.gguf").write_bytes(bytes(data))
-    line = one_line(capsys, convert.main(["--gguf", str(tmp_path / "t5.gguf"), "--out",
-                                          str(tmp_path / "o")]))
+    line = one_line(
+        capsys, convert.main(["--gguf", str(tmp_path / "t5.gguf"), "--out", str(tmp_path / "o")])
+    )
     assert "tokenizer.ggml.model" in line, line
     assert not (tmp_path / "o").exists()
 
@@ -465,17 +584,35 @@ def test_decode_chat_on_a_gguf_file(llamas, tmp_path, capsys):
     file = write_gguf(tmp_path / "m.gguf", state)
     model, tok = lj.load_gguf(file, mesh=_mesh(1))
     template = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True).from_string(tok.chat_template)
+        trim_blocks=True, lstrip_blocks=True
+    ).from_string(tok.chat_template)
     ids = render_chat(template, [{"role": "user", "content": "the ladder"}], tok)
     want = tok.decode(lj.generate(model, [ids], max_new_tokens=5, eos_id=tok.eos_id)[0])
     capsys.readouterr()
-    assert decode.main(["--checkpoint", file, "--tp", "1", "--chat", "--temperature", "0",
-                        "--max-new-tokens", "5", "--prompt", "the ladder"]) == 0
+    assert (
+        decode.main(
+            [
+                "--checkpoint",
+                file,
+                "--tp",
+                "1",
+                "--chat",
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "5",
+                "--prompt",
+                "the ladder",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.endswith(f"the ladder\n{want}\n")
     d = _word_tokenizer(tmp_path / "plain")  # a tokenizer without a chat template
     assert HFTokenizer.from_dir(d).chat_template is None
-    line = one_line(capsys, decode.main(["--preset", "tiny", "--tp", "1", "--chat",
-                                         "--prompt", "x"]))
+    line = one_line(
+        capsys, decode.main(["--preset", "tiny", "--tp", "1", "--chat", "--prompt", "x"])
+    )
     assert "--chat" in line and "chat template" in line
 
 
@@ -490,14 +627,18 @@ def test_serve_takes_the_chat_template_from_the_tokenizer(llamas, tmp_path):
     _, _, state = llamas["tied"]
     file = write_gguf(tmp_path / "m.gguf", state)
     tok = gguf_tokenizer(file)
-    assert template(serve.parser().parse_args(["--checkpoint", file]), tok) == (
-        tok.chat_template) and "<|im_start|>" in tok.chat_template
+    assert (
+        template(serve.parser().parse_args(["--checkpoint", file]), tok) == (tok.chat_template)
+        and "<|im_start|>" in tok.chat_template
+    )
     d = _word_tokenizer(tmp_path / "hf")
     (tmp_path / "hf" / "chat_template.jinja").write_text("{{ messages[0].content }}")
     hf_tok = HFTokenizer.from_dir(d)
     assert template(serve.parser().parse_args(["--checkpoint", d]), hf_tok) == (
-        "{{ messages[0].content }}")
+        "{{ messages[0].content }}"
+    )
     (tmp_path / "t.jinja").write_text("mine")
-    args = serve.parser().parse_args(["--checkpoint", d, "--chat-template",
-                                      str(tmp_path / "t.jinja")])
+    args = serve.parser().parse_args(
+        ["--checkpoint", d, "--chat-template", str(tmp_path / "t.jinja")]
+    )
     assert template(args, hf_tok) == "mine"

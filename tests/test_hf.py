@@ -24,20 +24,46 @@ from tests.helpers import mesh as _mesh
 
 V = 128  # divisible by 1, 2, 4, 8
 GQA_SCALED = dict(  # GQA (8 query / 2 kv heads: replicated at tp=4), llama-3 scaling, untied
-    num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=500.0,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+    rope_theta=500.0,
     # small original length: all three llama-3 scaling regimes occur at head_dim 8
-    rope_scaling=dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0,
-                      high_freq_factor=4.0, original_max_position_embeddings=64))
-TIED = dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True,
-            rope_theta=10000.0, rms_norm_eps=1e-5)
+    rope_scaling=dict(
+        rope_type="llama3",
+        factor=4.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+    ),
+)
+TIED = dict(
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    tie_word_embeddings=True,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+)
 
 
 def _save_llama(path, *, dtype=None, max_shard_size=None, **kw):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**{
-        **dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-               max_position_embeddings=256, initializer_range=0.1, rms_norm_eps=1e-6,
-               bos_token_id=1, eos_token_id=2), **kw})
+    cfg = transformers.LlamaConfig(
+        **{
+            **dict(
+                vocab_size=V,
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=3,
+                max_position_embeddings=256,
+                initializer_range=0.1,
+                rms_norm_eps=1e-6,
+                bos_token_id=1,
+                eos_token_id=2,
+            ),
+            **kw,
+        }
+    )
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -112,13 +138,15 @@ def test_greedy_generation_matches_transformers(llamas):
     model, _ = lj.load_hf(path, mesh=_mesh(4))
     prompts = [[1, 17, 99, 5, 23], [1, 64, 3]]
     from ladder_jax.inference.generation import generate
+
     got = generate(model, prompts, max_new_tokens=20, temperature=0.0)  # no EOS stop
     tm.generation_config.eos_token_id = None  # nor there
     for prompt, ours in zip(prompts, got):
         with torch.no_grad():
-            out = tm.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
-                              pad_token_id=0)
-        want = out[0, len(prompt):].tolist()
+            out = tm.generate(
+                torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0
+            )
+        want = out[0, len(prompt) :].tolist()
         assert len(want) == 20 and ours == want
 
 
@@ -128,8 +156,9 @@ def test_ladder_layers_zero_reproduces_import_exactly(llamas):
     standard, _ = lj.load_hf(path, mesh=_mesh(4))
     zero, _ = lj.load_hf(path, mesh=_mesh(4), residual="ladder", ladder_layers=0)
     assert zero.config.residual == "ladder" and zero.config.ladder_layers == 0
-    np.testing.assert_array_equal(np.asarray(_logits(zero, tokens)),
-                                  np.asarray(_logits(standard, tokens)))
+    np.testing.assert_array_equal(
+        np.asarray(_logits(zero, tokens)), np.asarray(_logits(standard, tokens))
+    )
 
 
 def _torch_hybrid(tm, tokens, ladder, boundary_rule=True):
@@ -146,8 +175,9 @@ def _torch_hybrid(tm, tokens, ladder, boundary_rule=True):
     mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
 
     def attn(layer, h):
-        return layer.self_attn(layer.input_layernorm(h), position_embeddings=rope,
-                               attention_mask=mask)[0]
+        return layer.self_attn(
+            layer.input_layernorm(h), position_embeddings=rope, attention_mask=mask
+        )[0]
 
     def mlp(layer, h):
         return layer.mlp(layer.post_attention_layernorm(h))
@@ -176,16 +206,25 @@ def test_hybrid_differs_from_the_first_ladder_layer_on(llamas, tp):
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
     # The repository's independent reference agrees too.
     np.testing.assert_allclose(
-        got, np.asarray(reference.forward(_weights(model), model.config, tokens)),
-        atol=2e-5, rtol=1e-5)
+        got,
+        np.asarray(reference.forward(_weights(model), model.config, tokens)),
+        atol=2e-5,
+        rtol=1e-5,
+    )
     # The comparison can tell: the standard model, and the boundary rule left out, differ.
-    for other in (_torch_logits(tm, tokens),
-                  _torch_hybrid(tm, tokens, ladder={1, 2}, boundary_rule=False)):
+    for other in (
+        _torch_logits(tm, tokens),
+        _torch_hybrid(tm, tokens, ladder={1, 2}, boundary_rule=False),
+    ):
         assert np.abs(got - other).max() > 1e-2
     # Only-the-upper-layers check: ladder on just the last layer differs from both.
     last, _ = lj.load_hf(path, mesh=_mesh(tp), ladder_layers=1)
-    np.testing.assert_allclose(np.asarray(_logits(last, tokens)),
-                               _torch_hybrid(tm, tokens, ladder={2}), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(_logits(last, tokens)),
+        _torch_hybrid(tm, tokens, ladder={2}),
+        atol=2e-5,
+        rtol=1e-5,
+    )
 
 
 def test_round_trip_and_sharded_safetensors(llamas, tmp_path):
@@ -208,8 +247,7 @@ def test_round_trip_and_sharded_safetensors(llamas, tmp_path):
     assert plain.config.residual == "standard" and plain.config.ladder_layers is None
     # transformers reads the export (as a standard Llama: it ignores the ladder keys)
     back = transformers.LlamaForCausalLM.from_pretrained(out).eval()
-    np.testing.assert_allclose(_torch_logits(back, tokens), _torch_logits(tm, tokens),
-                               atol=1e-6)
+    np.testing.assert_allclose(_torch_logits(back, tokens), _torch_logits(tm, tokens), atol=1e-6)
 
 
 def test_sharded_bfloat16_checkpoint_from_transformers(tmp_path):
@@ -219,8 +257,9 @@ def test_sharded_bfloat16_checkpoint_from_transformers(tmp_path):
     tm = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     model, _ = lj.load_hf(tmp_path, mesh=_mesh(2))
     tokens = _tokens()
-    np.testing.assert_allclose(np.asarray(_logits(model, tokens)), _torch_logits(tm, tokens),
-                               atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(_logits(model, tokens)), _torch_logits(tm, tokens), atol=2e-5, rtol=1e-5
+    )
 
 
 def _write_st(file, tensors):
@@ -234,10 +273,12 @@ def test_safetensors_reader_returns_what_was_written_and_refuses_a_gap(tmp_path)
     import ml_dtypes
 
     rng = np.random.default_rng(0)
-    tensors = {"a": rng.standard_normal((3, 5)).astype(np.float32),
-               "b": rng.standard_normal((4,)).astype(ml_dtypes.bfloat16),
-               "c": rng.standard_normal((2, 2)).astype(np.float16),
-               "empty": np.zeros((0, 7), np.float64)}
+    tensors = {
+        "a": rng.standard_normal((3, 5)).astype(np.float32),
+        "b": rng.standard_normal((4,)).astype(ml_dtypes.bfloat16),
+        "c": rng.standard_normal((2, 2)).astype(np.float16),
+        "empty": np.zeros((0, 7), np.float64),
+    }
     _write_st(tmp_path / "ok.safetensors", tensors)
     f = hf._SafetensorsFile(str(tmp_path / "ok.safetensors"))
     for name, t in tensors.items():
@@ -246,13 +287,16 @@ def test_safetensors_reader_returns_what_was_written_and_refuses_a_gap(tmp_path)
         np.testing.assert_array_equal(got, t)
     raw = (tmp_path / "ok.safetensors").read_bytes()
     (n,) = np.frombuffer(raw[:8], "<u8")
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     header = {"a": {**header["a"], "data_offsets": [4, 4 + 60]}}  # 4 bytes nobody owns
     h = json.dumps(header).encode()
     gap = tmp_path / "gap.safetensors"
     gap.write_bytes(len(h).to_bytes(8, "little") + h + bytes(4) + tensors["a"].tobytes())
-    with pytest.raises(hf.HFError, match=r"gap\.safetensors is not a valid safetensors file "
-                                         r"\(.*\): the download or copy is damaged"):
+    with pytest.raises(
+        hf.HFError,
+        match=r"gap\.safetensors is not a valid safetensors file "
+        r"\(.*\): the download or copy is damaged",
+    ):
         hf._SafetensorsFile(str(gap))
 
 
@@ -282,8 +326,11 @@ def test_bad_input_gives_clear_errors(llamas, tmp_path):
         lj.load_hf(bad, mesh=mesh)
     name = "model.layers.2.self_attn.k_proj.weight"
     bad = variant("shape", hf_cfg, swap=name)
-    with pytest.raises(hf.HFError, match=rf"tensor '{name}' in model.safetensors has shape "
-                                         rf"\(15, 64\), but config.json implies \(16, 64\)"):
+    with pytest.raises(
+        hf.HFError,
+        match=rf"tensor '{name}' in model.safetensors has shape "
+        rf"\(15, 64\), but config.json implies \(16, 64\)",
+    ):
         lj.load_hf(bad, mesh=mesh)
     rope = {**hf_cfg, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}
     with pytest.raises(hf.HFError, match="rope scaling type 'yarn' is not supported"):
@@ -304,8 +351,9 @@ def test_tokenizer_from_tokenizer_json(llamas, tmp_path):
     for f in os.listdir(path):
         os.symlink(os.path.join(path, f), d / f)
     words = ["<unk>", "<s>", "</s>", "the", "ladder", "overlaps", "all", "reduce"]
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
-        {w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")
+    )
     tok.add_special_tokens(words[:3])  # as in a real Llama tokenizer.json
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
@@ -323,10 +371,26 @@ def test_tokenizer_from_tokenizer_json(llamas, tmp_path):
 
 def test_convert_cli_writes_a_checkpoint_init_from_reads(llamas, tmp_path):
     from ladder_jax.train import checkpoint, trainer
+
     path, _ = llamas["tied"]
     out = tmp_path / "ckpt"
-    assert convert.main(["--hf", path, "--out", str(out), "--residual", "ladder",
-                         "--ladder-layers", "2", "--tp", "2"]) == 0
+    assert (
+        convert.main(
+            [
+                "--hf",
+                path,
+                "--out",
+                str(out),
+                "--residual",
+                "ladder",
+                "--ladder-layers",
+                "2",
+                "--tp",
+                "2",
+            ]
+        )
+        == 0
+    )
     cfg = trainer.load_config([str(out / "config.yaml")])
     config = trainer.model_config(cfg)
     assert config.residual == "ladder" and config.ladder_layers == 2
@@ -348,6 +412,7 @@ def test_residual_ladder_alone_keeps_a_hybrid_runs_ladder_layers(llamas, tmp_pat
     load_hf does for a hybrid's config.json; another scheme drops them."""
     from ladder_jax.config import scheme_overrides
     from ladder_jax.train import checkpoint
+
     path, _ = llamas["gqa_scaled"]
     out = tmp_path / "hybrid"
     assert convert.main(["--hf", path, "--out", str(out), "--ladder-layers", "1"]) == 0
@@ -403,8 +468,9 @@ def test_convert_reports_what_it_read_and_shows_progress_only_on_a_tty(llamas, t
     plain = convert_cli(str(tmp_path / "a"), tty=False)
     summary = [ln for ln in plain.splitlines() if ln.startswith("read ")]
     assert summary == [ln for ln in plain.splitlines() if ln.strip()], plain  # nothing else
-    m = re.match(r"read (\d+) safetensors file\(s\), (\d+) tensors \(F32\), ([\d.,]+) MB",
-                 summary[0])
+    m = re.match(
+        r"read (\d+) safetensors file\(s\), (\d+) tensors \(F32\), ([\d.,]+) MB", summary[0]
+    )
     assert m, summary
     assert int(m.group(1)) == len(set(index.values())) > 2
     assert int(m.group(2)) == len(index)
@@ -427,9 +493,13 @@ class _AuthorsConfig(transformers.LlamaConfig):
     def __init__(self, ladder_layers=None, **kwargs):
         super().__init__(**kwargs)
         n = self.num_hidden_layers
-        self.ladder_layers = ([] if ladder_layers is None else
-                              list(range(n - ladder_layers, n))
-                              if isinstance(ladder_layers, int) else list(ladder_layers))
+        self.ladder_layers = (
+            []
+            if ladder_layers is None
+            else list(range(n - ladder_layers, n))
+            if isinstance(ladder_layers, int)
+            else list(ladder_layers)
+        )
 
 
 def _authors_dir(tmp_path, llamas, name, ladder_layers):
@@ -438,24 +508,27 @@ def _authors_dir(tmp_path, llamas, name, ladder_layers):
     d = tmp_path / name
     d.mkdir()
     cfg = json.loads((open(os.path.join(path, hf.CONFIG))).read())
-    cfg.update(model_type="llamaLadder", architectures=["LlamaLadderForCausalLM"],
-               ladder_layers=ladder_layers)
+    cfg.update(
+        model_type="llamaLadder",
+        architectures=["LlamaLadderForCausalLM"],
+        ladder_layers=ladder_layers,
+    )
     (d / hf.CONFIG).write_text(json.dumps(cfg))
     os.symlink(os.path.join(path, hf.SINGLE), d / hf.SINGLE)
     return d
 
 
 @pytest.mark.parametrize("ladder_layers, layers", [(2, {1, 2}), ([2], {2}), ([0, 2], {0, 2})])
-def test_the_authors_llamaladder_config_loads_as_its_hybrid(llamas, tmp_path, ladder_layers,
-                                                            layers):
+def test_the_authors_llamaladder_config_loads_as_its_hybrid(
+    llamas, tmp_path, ladder_layers, layers
+):
     _, tm = llamas["gqa_scaled"]  # 3 layers
     tokens = _tokens()
     d = _authors_dir(tmp_path, llamas, "authors", ladder_layers)
     model, _ = lj.load_hf(d, mesh=_mesh(2))
     assert model.config.residual == "ladder" and model.config.ladder_layer_set() == layers
     got = np.asarray(_logits(model, tokens))
-    np.testing.assert_allclose(got, _torch_hybrid(tm, tokens, ladder=layers), atol=2e-5,
-                               rtol=1e-5)
+    np.testing.assert_allclose(got, _torch_hybrid(tm, tokens, ladder=layers), atol=2e-5, rtol=1e-5)
     assert np.abs(got - _torch_logits(tm, tokens)).max() > 1e-2  # not the standard model
     # residual="ladder" alone keeps the file's layers (it used to convert every layer)
     same, _ = lj.load_hf(d, mesh=_mesh(1), residual="ladder")
@@ -463,9 +536,12 @@ def test_the_authors_llamaladder_config_loads_as_its_hybrid(llamas, tmp_path, la
     # an explicit ladder_layers naming the same layers is fine; other layers are an error
     agree = sorted(layers) if isinstance(ladder_layers, list) else ladder_layers
     assert lj.load_hf(d, mesh=_mesh(1), ladder_layers=agree)[0].config == model.config
-    with pytest.raises(hf.HFError, match=r"config.json names its ladder layers \(ladder "
-                                         r"layers \[.*\]\); ladder_layers=None \(every layer "
-                                         r"ladder\) disagrees"):
+    with pytest.raises(
+        hf.HFError,
+        match=r"config.json names its ladder layers \(ladder "
+        r"layers \[.*\]\); ladder_layers=None \(every layer "
+        r"ladder\) disagrees",
+    ):
         lj.load_hf(d, mesh=_mesh(1), residual="ladder", ladder_layers=None)
     with pytest.raises(hf.HFError, match="disagrees: leave ladder_layers out"):
         lj.load_hf(d, mesh=_mesh(1), ladder_layers=3 if ladder_layers != 3 else 1)
@@ -477,11 +553,15 @@ def test_llamaladder_without_ladder_layers_and_bad_values(llamas, tmp_path):
     standard, _ = lj.load_hf(path, mesh=_mesh(1))
     none, _ = lj.load_hf(_authors_dir(tmp_path, llamas, "none", None), mesh=_mesh(1))
     assert none.config.ladder_layer_set() == frozenset()  # their null: no ladder layers
-    np.testing.assert_array_equal(np.asarray(_logits(none, tokens)),
-                                  np.asarray(_logits(standard, tokens)))
+    np.testing.assert_array_equal(
+        np.asarray(_logits(none, tokens)), np.asarray(_logits(standard, tokens))
+    )
     for i, bad in enumerate((5, [0, 3], [1, 1], "2", True)):
-        with pytest.raises(hf.HFError, match=r"config.json: ladder_layers=.* must be N \(the "
-                                             r"upper N of the 3 layers\)"):
+        with pytest.raises(
+            hf.HFError,
+            match=r"config.json: ladder_layers=.* must be N \(the "
+            r"upper N of the 3 layers\)",
+        ):
             lj.load_hf(_authors_dir(tmp_path, llamas, f"bad{i}", bad), mesh=_mesh(1))
 
 
@@ -496,9 +576,10 @@ def test_our_recorded_hybrid_is_not_converted_whole_by_residual_ladder(llamas, t
         lj.load_hf(out, mesh=_mesh(1), ladder_layers=2)
 
 
-@pytest.mark.parametrize("changes, layers", [(dict(ladder_layers=2), [1, 2]),
-                                             (dict(ladder_layers=(0, 2)), [0, 2]),
-                                             (dict(), [0, 1, 2])])
+@pytest.mark.parametrize(
+    "changes, layers",
+    [(dict(ladder_layers=2), [1, 2]), (dict(ladder_layers=(0, 2)), [0, 2]), (dict(), [0, 1, 2])],
+)
 def test_save_hf_writes_what_the_authors_llamaladder_reads(llamas, tmp_path, changes, layers):
     path, tm = llamas["gqa_scaled"]
     model, _ = lj.load_hf(path, mesh=_mesh(1), residual="ladder", **changes)
@@ -526,8 +607,9 @@ def test_with_config_to_standard_drops_the_hybrids_ladder_layers(llamas):
     standard = lj.with_config(hybrid, residual="standard")
     assert standard.config.residual == "standard" and standard.config.ladder_layers is None
     want, _ = lj.load_hf(path, mesh=_mesh(2))
-    np.testing.assert_array_equal(np.asarray(_logits(standard, tokens)),
-                                  np.asarray(_logits(want, tokens)))
+    np.testing.assert_array_equal(
+        np.asarray(_logits(standard, tokens)), np.asarray(_logits(want, tokens))
+    )
     # ladder_layers given too still wins
     assert lj.with_config(standard, residual="ladder", ladder_layers=1).config.ladder_layers == 1
 
@@ -535,6 +617,7 @@ def test_with_config_to_standard_drops_the_hybrids_ladder_layers(llamas):
 def test_without_tokenizer_json_decode_says_so(llamas, tmp_path, capsys):
     from ladder_jax.cli import decode
     from ladder_jax.interop.tokenizer import ByteTokenizer
+
     path, _ = llamas["tied"]  # vocab 128: not the byte tokenizer's
     rc = decode.main(["--checkpoint", path, "--tp", "1", "--max-new-tokens", "2"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -548,10 +631,20 @@ def test_without_tokenizer_json_decode_says_so(llamas, tmp_path, capsys):
     assert json.loads((out / hf.CONFIG).read_text())[hf.BYTE_TOKENIZER_KEY] == "byte"
     _, tokenizer = lj.load_hf(out, mesh=_mesh(1))
     assert isinstance(tokenizer, ByteTokenizer)
-    (out / hf.CONFIG).write_text(json.dumps({
-        k: v for k, v in json.loads((out / hf.CONFIG).read_text()).items()
-        if k != hf.BYTE_TOKENIZER_KEY}))
-    assert decode.main(["--checkpoint", str(out), "--tp", "1", "--max-new-tokens", "2",
-                        "--prompt", "ab"]) == 0
+    (out / hf.CONFIG).write_text(
+        json.dumps(
+            {
+                k: v
+                for k, v in json.loads((out / hf.CONFIG).read_text()).items()
+                if k != hf.BYTE_TOKENIZER_KEY
+            }
+        )
+    )
+    assert (
+        decode.main(
+            ["--checkpoint", str(out), "--tp", "1", "--max-new-tokens", "2", "--prompt", "ab"]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     assert "has no tokenizer.json; its vocabulary (320) is byte-level" in err, err

@@ -19,14 +19,51 @@ ALLOWED = {
     "interop": {"interop", "model", "config"},
     "inference": {"inference", "model", "interop", "config", "hardware", "runtime"},
     "train": {"train", "model", "interop", "config", "hardware", "runtime"},
-    "analysis": {"analysis", "train", "inference", "model", "interop", "config", "hardware",
-                 "runtime"},
-    "evaluation": {"evaluation", "train", "inference", "model", "interop", "config", "hardware",
-                   "runtime"},
-    "api": {"api", "analysis", "evaluation", "train", "inference", "model", "interop", "config",
-            "hardware", "runtime"},
-    "experiments": {"experiments", "api", "analysis", "evaluation", "train", "inference",
-                    "model", "interop", "config", "hardware", "runtime"},
+    "analysis": {
+        "analysis",
+        "train",
+        "inference",
+        "model",
+        "interop",
+        "config",
+        "hardware",
+        "runtime",
+    },
+    "evaluation": {
+        "evaluation",
+        "train",
+        "inference",
+        "model",
+        "interop",
+        "config",
+        "hardware",
+        "runtime",
+    },
+    "api": {
+        "api",
+        "analysis",
+        "evaluation",
+        "train",
+        "inference",
+        "model",
+        "interop",
+        "config",
+        "hardware",
+        "runtime",
+    },
+    "experiments": {
+        "experiments",
+        "api",
+        "analysis",
+        "evaluation",
+        "train",
+        "inference",
+        "model",
+        "interop",
+        "config",
+        "hardware",
+        "runtime",
+    },
 }
 LIBRARY = set(ALLOWED)
 
@@ -43,8 +80,11 @@ def imported_parts(path: pathlib.Path) -> set[str]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module] if node.module != "ladder_jax" else [
-                f"ladder_jax.{a.name}" for a in node.names]
+            names = (
+                [node.module]
+                if node.module != "ladder_jax"
+                else [f"ladder_jax.{a.name}" for a in node.names]
+            )
         for n in names:
             bits = n.split(".")
             if bits[0] == "ladder_jax" and len(bits) > 1:
@@ -54,14 +94,12 @@ def imported_parts(path: pathlib.Path) -> set[str]:
 
 def library_modules():
     """Every module of the library (`train/__main__.py` is the entry-point shim of cli.train)."""
-    return [p for p in sorted(ROOT.rglob("*.py"))
-            if part(p) in LIBRARY and p.name != "__main__.py"]
+    return [p for p in sorted(ROOT.rglob("*.py")) if part(p) in LIBRARY and p.name != "__main__.py"]
 
 
 def test_every_library_module_belongs_to_a_part():
     parts = {part(p) for p in ROOT.rglob("*.py")}
-    shims = {"__init__", "decode", "convert", "overlap", "predict", "demo", "serve", "eval",
-             "cli"}
+    shims = {"__init__", "decode", "convert", "overlap", "predict", "demo", "serve", "eval", "cli"}
     assert parts - shims <= LIBRARY, parts - shims - LIBRARY
 
 
@@ -75,8 +113,9 @@ def test_nothing_low_imports_anything_high():
 
 def test_the_library_never_imports_a_command_line():
     shims = {"decode", "convert", "overlap", "predict", "demo", "serve", "eval"}
-    bad = [str(p.relative_to(ROOT)) for p in library_modules()
-           if imported_parts(p) & ({"cli"} | shims)]
+    bad = [
+        str(p.relative_to(ROOT)) for p in library_modules() if imported_parts(p) & ({"cli"} | shims)
+    ]
     assert not bad, bad
 
 

@@ -34,13 +34,18 @@ def model():
 
 
 def _client(server):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY,
-                         max_retries=0, timeout=180)
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0, timeout=180
+    )
 
 
 def _post(server, body):
-    return httpx.post(f"http://127.0.0.1:{server.port}/v1/completions", json=body,
-                      headers={"Authorization": f"Bearer {KEY}"}, timeout=180)
+    return httpx.post(
+        f"http://127.0.0.1:{server.port}/v1/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=180,
+    )
 
 
 def _log_softmax(model, ids):
@@ -66,8 +71,9 @@ def _check_top(top, lp_v, n):
 def test_echo_scores_the_prompt_like_a_forward(server, model):
     prompt = "LOVE, n. A temporary insanity"
     ids = TOK.encode(prompt)
-    r = _client(server).completions.create(model="tiny", prompt=prompt, max_tokens=0,
-                                           echo=True, logprobs=5)
+    r = _client(server).completions.create(
+        model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=5
+    )
     c = r.choices[0]
     assert c.text == prompt and c.finish_reason == "length"
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 0
@@ -87,8 +93,9 @@ def test_greedy_generation_logprobs_equal_a_forward_over_prompt_and_output(serve
     ids = TOK.encode(prompt)
     new = generation.generate(model, [ids], max_new_tokens=n, eos_id=TOK.eos_id)[0]
     client = _client(server)
-    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
-                                  logprobs=3)
+    r = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=n, temperature=0, logprobs=3
+    )
     c = r.choices[0]
     assert c.text == TOK.decode(new)
     lp_tv = _log_softmax(model, ids + new)
@@ -101,13 +108,16 @@ def test_greedy_generation_logprobs_equal_a_forward_over_prompt_and_output(serve
         _check_top(top, lp_tv[P - 1 + i], 3)
         assert abs(lp.token_logprobs[i] - max(top.values())) < ATOL  # greedy: the best
     # echo with generation: the prompt's scores, then the same generated ones
-    e = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
-                                  logprobs=3, echo=True).choices[0]
+    e = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=n, temperature=0, logprobs=3, echo=True
+    ).choices[0]
     assert e.text == prompt + c.text
     assert e.logprobs.token_logprobs[0] is None
-    np.testing.assert_allclose(e.logprobs.token_logprobs[1:],
-                               [lp_tv[t - 1, (ids + new)[t]] for t in range(1, P + len(new))],
-                               atol=ATOL)
+    np.testing.assert_allclose(
+        e.logprobs.token_logprobs[1:],
+        [lp_tv[t - 1, (ids + new)[t]] for t in range(1, P + len(new))],
+        atol=ATOL,
+    )
     assert e.logprobs.text_offset[P:] == [P - 1 + o for o in lp.text_offset]
 
 
@@ -115,17 +125,26 @@ def test_sampled_tokens_are_scored_from_the_raw_logits(server, model):
     """temperature 0.5 and top_k 5 shape the draw, not the reported log p."""
     prompt, n, seed = "The", 8, 77
     ids = TOK.encode(prompt)
-    new = generation.generate(model, [ids], max_new_tokens=n, eos_id=TOK.eos_id,
-                              sampling=Sampling(0.5, 5, None, seed))[0]
-    r = _client(server).completions.create(model="tiny", prompt=prompt, max_tokens=n,
-                                           temperature=0.5, seed=seed, logprobs=0,
-                                           extra_body={"top_k": 5})
+    new = generation.generate(
+        model, [ids], max_new_tokens=n, eos_id=TOK.eos_id, sampling=Sampling(0.5, 5, None, seed)
+    )[0]
+    r = _client(server).completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=n,
+        temperature=0.5,
+        seed=seed,
+        logprobs=0,
+        extra_body={"top_k": 5},
+    )
     c = r.choices[0]
     assert c.text == TOK.decode(new)
     lp_tv = _log_softmax(model, ids + new)
-    np.testing.assert_allclose(c.logprobs.token_logprobs,
-                               [lp_tv[len(ids) - 1 + i, t] for i, t in enumerate(new)],
-                               atol=ATOL)
+    np.testing.assert_allclose(
+        c.logprobs.token_logprobs,
+        [lp_tv[len(ids) - 1 + i, t] for i, t in enumerate(new)],
+        atol=ATOL,
+    )
     # logprobs=0: no alternatives, only the token itself
     assert all(len(top) == 1 for top in c.logprobs.top_logprobs)
 
@@ -135,8 +154,15 @@ def test_batched_prompts_as_lm_eval_sends_them(server, model):
     echo; it sums token_logprobs[ctxlen:-1]. Then text prompts through the openai client."""
     contexts = [TOK.encode("Question: 2+2=? Answer:"), TOK.encode("Sky color:")]
     conts = [list(b" 4"), list(b" blue")]
-    body = {"model": "tiny", "prompt": [c + d for c, d in zip(contexts, conts)],
-            "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
+    body = {
+        "model": "tiny",
+        "prompt": [c + d for c, d in zip(contexts, conts)],
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
     r = _post(server, body)
     assert r.status_code == 200, r.text
     choices = sorted(r.json()["choices"], key=lambda c: c["index"])
@@ -144,21 +170,24 @@ def test_batched_prompts_as_lm_eval_sends_them(server, model):
     for c, ctx, cont in zip(choices, contexts, conts):
         seq = ctx + cont
         lp_tv = _log_softmax(model, seq)
-        got = sum(c["logprobs"]["token_logprobs"][len(ctx):-1])
+        got = sum(c["logprobs"]["token_logprobs"][len(ctx) : -1])
         want = sum(lp_tv[t - 1, seq[t]] for t in range(len(ctx), len(seq)))
         assert abs(got - want) < 1e-3, (got, want)
         assert len(c["logprobs"]["tokens"]) == len(seq) + 1  # and the one generated token
         assert all(len(top) <= 2 for top in c["logprobs"]["top_logprobs"][1:])
     texts = ["ab", "LOVE, n."]
-    r = _client(server).completions.create(model="tiny", prompt=texts, max_tokens=0,
-                                           echo=True, logprobs=2)
+    r = _client(server).completions.create(
+        model="tiny", prompt=texts, max_tokens=0, echo=True, logprobs=2
+    )
     assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == texts
     for c in r.choices:
         ids = TOK.encode(texts[c.index])
         lp_tv = _log_softmax(model, ids)
-        np.testing.assert_allclose(c.logprobs.token_logprobs[1:],
-                                   [lp_tv[t - 1, ids[t]] for t in range(1, len(ids))],
-                                   atol=ATOL)
+        np.testing.assert_allclose(
+            c.logprobs.token_logprobs[1:],
+            [lp_tv[t - 1, ids[t]] for t in range(1, len(ids))],
+            atol=ATOL,
+        )
     assert r.usage.prompt_tokens == sum(len(TOK.encode(t)) for t in texts)
 
 
@@ -167,30 +196,39 @@ def test_streamed_logprobs_add_up_to_the_whole_answer(server):
     kw = dict(model="tiny", prompt="LOVE, n.", max_tokens=12, temperature=0, logprobs=2)
     whole = client.completions.create(**kw).choices[0]
     for echo in (False, True):
-        chunks = [c.choices[0] for c in client.completions.create(**kw, echo=echo, stream=True)
-                  if c.choices]
+        chunks = [
+            c.choices[0]
+            for c in client.completions.create(**kw, echo=echo, stream=True)
+            if c.choices
+        ]
         assert "".join(c.text for c in chunks) == ("LOVE, n." if echo else "") + whole.text
-        got = {k: sum((getattr(c.logprobs, k) for c in chunks if c.logprobs), [])
-               for k in ("tokens", "token_logprobs", "text_offset")}
+        got = {
+            k: sum((getattr(c.logprobs, k) for c in chunks if c.logprobs), [])
+            for k in ("tokens", "token_logprobs", "text_offset")
+        }
         skip = len(TOK.encode("LOVE, n.")) if echo else 0
         assert got["tokens"][skip:] == whole.logprobs.tokens
         assert got["token_logprobs"][skip:] == whole.logprobs.token_logprobs
-        assert [o - (8 if echo else 0) for o in got["text_offset"][skip:]] == \
-            whole.logprobs.text_offset
+        assert [
+            o - (8 if echo else 0) for o in got["text_offset"][skip:]
+        ] == whole.logprobs.text_offset
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"prompt": "x", "logprobs": 21}, "logprobs"),
-    ({"prompt": "x", "logprobs": -1}, "logprobs"),
-    ({"prompt": "x", "logprobs": True}, "logprobs"),
-    ({"prompt": "x", "logprobs": "5"}, "logprobs"),
-    ({"prompt": "x", "echo": "yes"}, "echo"),
-    ({"prompt": "x", "max_tokens": 0, "logprobs": 1}, "max_tokens"),
-    ({"prompt": "x", "max_tokens": -1, "echo": True}, "max_tokens"),
-    ({"prompt": ["ab", [1, 2, 999]], "logprobs": 1}, "prompt"),
-    ({"prompt": ["ab", ""], "echo": True, "max_tokens": 0}, "prompt"),
-    ({"prompt": ["ab", "cd"], "stream": True}, "stream"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "logprobs": -1}, "logprobs"),
+        ({"prompt": "x", "logprobs": True}, "logprobs"),
+        ({"prompt": "x", "logprobs": "5"}, "logprobs"),
+        ({"prompt": "x", "echo": "yes"}, "echo"),
+        ({"prompt": "x", "max_tokens": 0, "logprobs": 1}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": -1, "echo": True}, "max_tokens"),
+        ({"prompt": ["ab", [1, 2, 999]], "logprobs": 1}, "prompt"),
+        ({"prompt": ["ab", ""], "echo": True, "max_tokens": 0}, "prompt"),
+        ({"prompt": ["ab", "cd"], "stream": True}, "stream"),
+    ],
+)
 def test_bad_scoring_requests_are_one_openai_error(server, body, param):
     r = _post(server, {"model": "tiny", **body})
     assert r.status_code == 400, r.text
@@ -201,9 +239,11 @@ def test_bad_scoring_requests_are_one_openai_error(server, body, param):
 
 
 def test_chat_logprobs_stay_refused(server):
-    r = httpx.post(f"http://127.0.0.1:{server.port}/v1/chat/completions",
-                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                         "logprobs": True}, headers={"Authorization": f"Bearer {KEY}"})
+    r = httpx.post(
+        f"http://127.0.0.1:{server.port}/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] in ("logprobs", "messages")
 
 
@@ -218,9 +258,17 @@ def test_engine_scores_only_what_is_asked_and_keeps_greedy_tokens(model):
     engine = Engine(model, slots=4, max_len=48, steps_per_plan=2, prefills_per_step=2)
     done = threading.Semaphore(0)
     got = [[] for _ in prompts]
-    reqs = [Request(prompt=p, max_tokens=5, on_token=got[i].append,
-                    on_finish=lambda why: done.release(), logprobs=2 if i % 2 else None,
-                    echo=i == 3) for i, p in enumerate(prompts)]
+    reqs = [
+        Request(
+            prompt=p,
+            max_tokens=5,
+            on_token=got[i].append,
+            on_finish=lambda why: done.release(),
+            logprobs=2 if i % 2 else None,
+            echo=i == 3,
+        )
+        for i, p in enumerate(prompts)
+    ]
     for r in reqs:
         engine.submit(r)
     engine.start()
@@ -237,20 +285,25 @@ def test_engine_scores_only_what_is_asked_and_keeps_greedy_tokens(model):
         seq = prompts[i] + got[i]
         lp_tv = _log_softmax(model, seq)
         P = len(prompts[i])
-        np.testing.assert_allclose([s[0] for s in r.scores[:5]],
-                                   [lp_tv[P - 1 + j, t] for j, t in enumerate(got[i])],
-                                   atol=ATOL)
-        assert all(len(s[1]) == 2 and s[1][0] == np.argmax(lp_tv[P - 1 + j])
-                   for j, s in enumerate(r.scores[:5]))
+        np.testing.assert_allclose(
+            [s[0] for s in r.scores[:5]],
+            [lp_tv[P - 1 + j, t] for j, t in enumerate(got[i])],
+            atol=ATOL,
+        )
+        assert all(
+            len(s[1]) == 2 and s[1][0] == np.argmax(lp_tv[P - 1 + j])
+            for j, s in enumerate(r.scores[:5])
+        )
     assert reqs[1].prompt_scores is None
-    np.testing.assert_allclose([s[0] for s in reqs[3].prompt_scores],
-                               [_log_softmax(model, prompts[3])[t - 1, prompts[3][t]]
-                                for t in range(1, len(prompts[3]))], atol=ATOL)
+    np.testing.assert_allclose(
+        [s[0] for s in reqs[3].prompt_scores],
+        [_log_softmax(model, prompts[3])[t - 1, prompts[3][t]] for t in range(1, len(prompts[3]))],
+        atol=ATOL,
+    )
 
 
 def test_max_tokens_zero_with_echo_generates_nothing(server):
-    r = _post(server, {"model": "tiny", "prompt": [256, 72, 105], "max_tokens": 0,
-                       "echo": True})
+    r = _post(server, {"model": "tiny", "prompt": [256, 72, 105], "max_tokens": 0, "echo": True})
     assert r.status_code == 200, r.text
     c = r.json()["choices"][0]
     assert c["text"] == "Hi" and c["logprobs"] is None and c["finish_reason"] == "length"

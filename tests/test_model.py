@@ -41,10 +41,12 @@ def test_matches_reference(scheme, tp):
 @pytest.mark.parametrize("tp", [1, 8])
 def test_tied_embeddings_and_rope_scaling_match_reference(tp):
     # original_max_len small enough that all three RoPE scaling regimes occur at head_dim 8.
-    scaling = lj.RopeScaling(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                             original_max_len=64)
-    model = _model(tp, residual="ladder", tie_embeddings=True, rope_scaling=scaling,
-                   rope_theta=500.0)
+    scaling = lj.RopeScaling(
+        factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_len=64
+    )
+    model = _model(
+        tp, residual="ladder", tie_embeddings=True, rope_scaling=scaling, rope_theta=500.0
+    )
     assert model.head is None
     tokens = _tokens(T=40)
     got = np.asarray(_logits(model, tokens))
@@ -121,23 +123,27 @@ def test_param_count_formula():
         assert n == model.config.num_params()
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(residual="ladderr"), "did you mean 'ladder'"),
-    (dict(residual="ladder", ladder_layers=9), "between 0 and n_layers=4"),
-    (dict(residual="ladder", ladder_layers=[0, 0]), "distinct layer indices"),
-    (dict(residual="standard", ladder_layers=2), "only applies to residual='ladder'"),
-    (dict(n_heads=8, n_kv_heads=3), "not divisible by n_kv_heads=3"),
-    (dict(d_model=65), "set head_dim"),
-    (dict(dtype="float33"), "not a dtype"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(residual="ladderr"), "did you mean 'ladder'"),
+        (dict(residual="ladder", ladder_layers=9), "between 0 and n_layers=4"),
+        (dict(residual="ladder", ladder_layers=[0, 0]), "distinct layer indices"),
+        (dict(residual="standard", ladder_layers=2), "only applies to residual='ladder'"),
+        (dict(n_heads=8, n_kv_heads=3), "not divisible by n_kv_heads=3"),
+        (dict(d_model=65), "set head_dim"),
+        (dict(dtype="float33"), "not a dtype"),
+    ],
+)
 def test_bad_configs(kwargs, match):
     with pytest.raises(lj.ConfigError, match=match):
         lj.ModelConfig.from_preset("tiny", **kwargs)
 
 
 def test_unknown_preset_and_field():
-    with pytest.raises(lj.ConfigError,
-                       match="unknown preset 'llama-3-8B'.*did you mean 'llama-3-8b'"):
+    with pytest.raises(
+        lj.ConfigError, match="unknown preset 'llama-3-8B'.*did you mean 'llama-3-8b'"
+    ):
         lj.ModelConfig.from_preset("llama-3-8B")
     with pytest.raises(lj.ConfigError, match="did you mean 'n_layers'"):
         lj.ModelConfig.from_preset("tiny", n_layer=3)
@@ -151,8 +157,7 @@ def _grads_vs_reference(config, tp, data, B=4, T=12):
     graphdef, state = nnx.split(model)
     got = jax.jit(jax.grad(lambda s: (nnx.merge(graphdef, s)(tokens) * w).sum()))(state)
     f32 = dataclasses.replace(config, dtype="float32", param_dtype="float32")
-    weights = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32),
-                           nnx.to_pure_dict(state))
+    weights = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), nnx.to_pure_dict(state))
     want = jax.grad(lambda p: (reference.forward(p, f32, tokens) * w).sum())(weights)
     return nnx.to_pure_dict(got), want
 
@@ -163,8 +168,13 @@ def test_gradients_match_reference(scheme):
     plain reference, with a data axis, so data-parallel gradient sums are covered too."""
     got, want = _grads_vs_reference(dataclasses.replace(TINY, **scheme), tp=4, data=2)
     for (path, g), r in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-4,
-                                   atol=2e-5 * np.abs(r).max(), err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            np.asarray(g),
+            np.asarray(r),
+            rtol=2e-4,
+            atol=2e-5 * np.abs(r).max(),
+            err_msg=jax.tree_util.keystr(path),
+        )
 
 
 def test_bf16_ladder_gradients_track_the_float32_reference():
@@ -186,16 +196,25 @@ def test_checkpoints_from_before_linear_modules_load(tmp_path):
 
     model = _model(2, residual="ladder")
     want = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
-    old = {"embed": want["embed"], "final_norm": want["final_norm"],
-           "head": want["head"]["weight"], "layers": {
-               i: {"attn_norm": lw["attn_norm"], "mlp_norm": lw["mlp_norm"],
-                   "attn": {n: lw["attn"][n]["weight"] for n in "qkvo"},
-                   "mlp": {n: lw["mlp"][n]["weight"] for n in ("gate", "up", "down")}}
-               for i, lw in want["layers"].items()}}
+    old = {
+        "embed": want["embed"],
+        "final_norm": want["final_norm"],
+        "head": want["head"]["weight"],
+        "layers": {
+            i: {
+                "attn_norm": lw["attn_norm"],
+                "mlp_norm": lw["mlp_norm"],
+                "attn": {n: lw["attn"][n]["weight"] for n in "qkvo"},
+                "mlp": {n: lw["mlp"][n]["weight"] for n in ("gate", "up", "down")},
+            }
+            for i, lw in want["layers"].items()
+        },
+    }
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(str(tmp_path / "old" / "params"), old)
     fresh = _model(2, seed=1, residual="ladder")
     got = checkpoint.load_params(str(tmp_path / "old"), nnx.state(fresh))
-    jax.tree.map(np.testing.assert_array_equal,
-                 jax.tree.map(np.asarray, nnx.to_pure_dict(got)), want)
+    jax.tree.map(
+        np.testing.assert_array_equal, jax.tree.map(np.asarray, nnx.to_pure_dict(got)), want
+    )
     assert not np.array_equal(np.asarray(nnx.state(fresh)["embed"][...]), want["embed"])

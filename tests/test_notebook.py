@@ -27,8 +27,12 @@ def _execute(nb, timeout=900):
     os.environ.update(env)
     os.environ.pop("XLA_FLAGS", None)  # the notebook makes its own 8 devices
     try:
-        NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                       resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+        NotebookClient(
+            nb,
+            timeout=timeout,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(NOTEBOOKS)}},
+        ).execute()
     finally:
         for k, v in old.items():
             if v is None:
@@ -48,8 +52,12 @@ def _strip_noise(nb):
         for o in c.outputs:
             if o.get("output_type") == "stream":
                 lines = o.text.splitlines(keepends=True)
-                o.text = "".join(x for x in lines if not runtime._NOISE.search(x)
-                                 and not x.startswith("WARNING: All log messages before absl"))
+                o.text = "".join(
+                    x
+                    for x in lines
+                    if not runtime._NOISE.search(x)
+                    and not x.startswith("WARNING: All log messages before absl")
+                )
                 if not o.text.strip():
                     continue
             kept.append(o)
@@ -60,8 +68,9 @@ def _strip_noise(nb):
 def test_committed_notebooks_hold_no_start_up_chatter():
     for path in sorted(NOTEBOOKS.glob("*.ipynb")):
         nb = nbformat.read(path, as_version=4)
-        text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                       for o in c.outputs)
+        text = "".join(
+            o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs
+        )
         assert "absl::InitializeLog" not in text and "cuda drivers" not in text, path.name
 
 
@@ -75,23 +84,42 @@ def test_the_quickstart_is_committed_executed():
 
 def test_quickstart_notebook_executes(monkeypatch):
     # the training cell on fewer steps (its logging, evaluation and checkpoint in proportion)
-    nb = shrink(nbformat.read(NOTEBOOK, as_version=4), 6, steps="8", eval_every="4",
-                log_every="2", ckpt_every="8")
+    nb = shrink(
+        nbformat.read(NOTEBOOK, as_version=4),
+        6,
+        steps="8",
+        eval_every="4",
+        log_every="2",
+        ckpt_every="8",
+    )
     # the kernel is a fresh process: give it the CPU setup the tests use
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     _execute(nb)
-    outputs = {i: "".join(o.get("text", "") for o in c.outputs)
-               for i, c in enumerate(nb.cells) if c.cell_type == "code"}
+    outputs = {
+        i: "".join(o.get("text", "") for o in c.outputs)
+        for i, c in enumerate(nb.cells)
+        if c.cell_type == "code"
+    }
     text = "\n".join(outputs.values())
     assert "8 cpu devices" in text
     assert "per rank (64, 1, 8)" in text  # q split over heads
     assert "LOVE, n." in text
-    images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
-              if "image/png" in o.get("data", {})]
+    images = [
+        o
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+        if "image/png" in o.get("data", {})
+    ]
     assert len(images) == 2
-    html = [o["data"]["text/html"] for c in nb.cells if c.cell_type == "code" for o in c.outputs
-            if "text/html" in o.get("data", {})]
+    html = [
+        o["data"]["text/html"]
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+        if "text/html" in o.get("data", {})
+    ]
     assert any("ladder" in h and "63" in h for h in html)
 
 

@@ -20,8 +20,9 @@ BASE = dict(n_kv_heads=8)
 
 @functools.lru_cache(maxsize=None)
 def _report(residual, phase, ladder_layers=None):
-    config = lj.ModelConfig.from_preset("tiny", residual=residual, ladder_layers=ladder_layers,
-                                        **BASE)
+    config = lj.ModelConfig.from_preset(
+        "tiny", residual=residual, ladder_layers=ladder_layers, **BASE
+    )
     return overlap.report(config, phase=phase, tp=8, batch=1, seq=128)
 
 
@@ -43,8 +44,9 @@ def test_ladder_overlaps_all_but_the_last_of_each_pass(phase):
     if phase == "train":
         bwd = _layer_ars(rep, "backward")
         # head first, then the modules in reverse
-        assert _names(bwd) == [(None, None)] + [(i, m) for i in reversed(range(4))
-                                                for m in ("mlp", "attn")]
+        assert _names(bwd) == [(None, None)] + [
+            (i, m) for i in reversed(range(4)) for m in ("mlp", "attn")
+        ]
         assert all(r["overlapped"] for r in bwd[:-1]), [r["gemms_between"] for r in bwd]
         assert rep["backward"]["all_but_last_overlapped"]
     assert rep["forward"]["all_but_last_overlapped"]
@@ -98,13 +100,16 @@ def test_missing_plugin_says_what_to_install(monkeypatch):
         programs.gpu_mesh("h100", 8)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--batch", "0"], "batch=0 must be a positive integer"),
-    (["--tp", "0"], "tp=0 must be a positive integer"),
-    (["--seq", "-3"], "seq=-3 must be a positive integer"),
-    (["--tp", "2", "--hosts", "0"], "hosts=0 must be a positive integer"),
-    (["--tp", "4", "--hosts", "3"], "4 GPUs cannot be spread evenly over 3 hosts"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--batch", "0"], "batch=0 must be a positive integer"),
+        (["--tp", "0"], "tp=0 must be a positive integer"),
+        (["--seq", "-3"], "seq=-3 must be a positive integer"),
+        (["--tp", "2", "--hosts", "0"], "hosts=0 must be a positive integer"),
+        (["--tp", "4", "--hosts", "3"], "4 GPUs cannot be spread evenly over 3 hosts"),
+    ],
+)
 def test_cli_bad_numbers_one_line_exit_2(capsys, args, message):
     assert overlap_cli.main(["--preset", "tiny", "--phase", "decode", *args]) == 2
     captured = capsys.readouterr()
@@ -126,13 +131,37 @@ def test_dump_hlo_writes_the_program_it_reports_quietly(tmp_path):
     here.mkdir()
     path = here / "decode.hlo"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "LADDER_JAX_CACHE": str(tmp_path / "cache"),
-           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "LADDER_JAX_CACHE": str(tmp_path / "cache"),
+        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+    }
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "-m", "ladder_jax.overlap", "--preset", "tiny",
-                           "--tp", "2", "--phase", "decode", "--seq", "16", "--new-tokens", "16",
-                           "--json", "--dump-hlo", "decode.hlo"], capture_output=True, text=True,
-                          timeout=600, env=env, cwd=here)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ladder_jax.overlap",
+            "--preset",
+            "tiny",
+            "--tp",
+            "2",
+            "--phase",
+            "decode",
+            "--seq",
+            "16",
+            "--new-tokens",
+            "16",
+            "--json",
+            "--dump-hlo",
+            "decode.hlo",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=here,
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"scheduled HLO written to {path}" in proc.stderr, proc.stderr
     for noise in ("absl::InitializeLog", "cuda drivers", "CUB scratch"):
@@ -140,8 +169,13 @@ def test_dump_hlo_writes_the_program_it_reports_quietly(tmp_path):
     rep = json.loads(proc.stdout)
     text = path.read_text()
     module = hlo.Module(text)  # scheduled
-    ars = [op for ops in module.computations.values() for op in ops
-           if op.opcode in ("all-reduce-start", "all-reduce")]
+    ars = [
+        op
+        for ops in module.computations.values()
+        for op in ops
+        if op.opcode in ("all-reduce-start", "all-reduce")
+    ]
     assert len(ars) == rep["total_all_reduces"] > 0
     assert overlap.read_all_reduces(text, 64) == [
-        {k: v for k, v in r.items()} for r in rep["all_reduces"]]
+        {k: v for k, v in r.items()} for r in rep["all_reduces"]
+    ]

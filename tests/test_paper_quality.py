@@ -27,28 +27,100 @@ NOTEBOOK = ROOT / "notebooks" / "paper.ipynb"
 
 # Tiny: 4 layers (upper 2 and 3 converted), 24 steps, one seed. Every scheme and every
 # conversion is a separate compile, so shapes stay minimal.
-TINY = pq.with_changes(pq.SETTINGS["quick"], n_layers=4, d_model=32, n_heads=4, n_kv_heads=2,
-                       d_ff=64, seq_len=32, batch_size=8, steps=24, seeds=(0,),
-                       warmup_steps=2, peak_lr=1e-2, finetune_fraction=0.25,
-                       adapt_layers=(0.5, 0.75), eval_records=48, eval_batch=16)
+TINY = pq.with_changes(
+    pq.SETTINGS["quick"],
+    n_layers=4,
+    d_model=32,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=64,
+    seq_len=32,
+    batch_size=8,
+    steps=24,
+    seeds=(0,),
+    warmup_steps=2,
+    peak_lr=1e-2,
+    finetune_fraction=0.25,
+    adapt_layers=(0.5, 0.75),
+    eval_records=48,
+    eval_batch=16,
+)
 
 # The notebook's run: TINY's shapes and budgets, with the quick setting's two seeds.
-NOTEBOOK_CHANGES = dict(n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, seq_len=32,
-                        batch_size=8, steps=12, seeds=(0, 1), warmup_steps=2,
-                        finetune_fraction=0.25, adapt_layers=(0.5, 0.75), eval_records=48,
-                        eval_batch=16)
+NOTEBOOK_CHANGES = dict(
+    n_layers=4,
+    d_model=32,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=64,
+    seq_len=32,
+    batch_size=8,
+    steps=12,
+    seeds=(0, 1),
+    warmup_steps=2,
+    finetune_fraction=0.25,
+    adapt_layers=(0.5, 0.75),
+    eval_records=48,
+    eval_batch=16,
+)
 
 FIELDS = {
-    "corpus": {"setting", "corpus", "setup", "train_docs", "held_out_docs", "train_bytes",
-               "held_out_bytes", "held_out_titles", "held_out_tokens"},
-    "scratch": {"setting", "corpus", "residual", "seed", "steps", "tokens", "params",
-                "held_out_loss", "held_out_ppl", "train_loss_last", "curve", "run", "wall_s"},
-    "summary": {"residual", "seeds", "loss_mean", "loss_std", "loss_min", "loss_max",
-                "ppl_mean", "vs_standard_loss", "vs_standard_loss_std",
-                "vs_standard_ppl_ratio", "paper_wikitext_ppl"},
-    "adapt": {"setting", "corpus", "seed", "ladder_layers", "n_layers", "base_loss",
-              "zero_shot_loss", "finetuned_loss", "control_loss", "finetune_steps",
-              "finetune_tokens", "pretrain_tokens", "finetune_share", "curve", "wall_s"},
+    "corpus": {
+        "setting",
+        "corpus",
+        "setup",
+        "train_docs",
+        "held_out_docs",
+        "train_bytes",
+        "held_out_bytes",
+        "held_out_titles",
+        "held_out_tokens",
+    },
+    "scratch": {
+        "setting",
+        "corpus",
+        "residual",
+        "seed",
+        "steps",
+        "tokens",
+        "params",
+        "held_out_loss",
+        "held_out_ppl",
+        "train_loss_last",
+        "curve",
+        "run",
+        "wall_s",
+    },
+    "summary": {
+        "residual",
+        "seeds",
+        "loss_mean",
+        "loss_std",
+        "loss_min",
+        "loss_max",
+        "ppl_mean",
+        "vs_standard_loss",
+        "vs_standard_loss_std",
+        "vs_standard_ppl_ratio",
+        "paper_wikitext_ppl",
+    },
+    "adapt": {
+        "setting",
+        "corpus",
+        "seed",
+        "ladder_layers",
+        "n_layers",
+        "base_loss",
+        "zero_shot_loss",
+        "finetuned_loss",
+        "control_loss",
+        "finetune_steps",
+        "finetune_tokens",
+        "pretrain_tokens",
+        "finetune_share",
+        "curve",
+        "wall_s",
+    },
     "claim": {"claim", "paper", "measured", "reproduces"},
     "done": {"setting", "wall_s"},
 }
@@ -58,8 +130,7 @@ FIELDS = {
 def experiment(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("paper_quality"))
     emitted = []
-    results = pq.run(TINY, out, emit=emitted.append, log=lambda m: None,
-                     trainer_out=io.StringIO())
+    results = pq.run(TINY, out, emit=emitted.append, log=lambda m: None, trainer_out=io.StringIO())
     return out, results, emitted
 
 
@@ -110,10 +181,12 @@ def test_the_schemes_really_differ(experiment):
 
 def test_runs_are_the_configured_schemes(experiment):
     out, _, _ = experiment
-    for name, residual, layers in (("ladder-seed0", "ladder", None),
-                                   ("parallel-seed0", "parallel", None),
-                                   ("adapt-ladder3", "ladder", 3),
-                                   ("adapt-standard", "standard", None)):
+    for name, residual, layers in (
+        ("ladder-seed0", "ladder", None),
+        ("parallel-seed0", "parallel", None),
+        ("adapt-ladder3", "ladder", 3),
+        ("adapt-standard", "standard", None),
+    ):
         cfg = OmegaConf.load(os.path.join(out, "runs", name, "config.yaml"))
         assert (cfg.model.residual, cfg.model.ladder_layers) == (residual, layers)
         assert cfg.data.path.endswith(os.path.join("devils", "train"))
@@ -127,12 +200,13 @@ def test_held_out_loss_matches_a_plain_forward(experiment):
     out, results, _ = experiment
     row = next(r for r in results if r["kind"] == "scratch" and r["residual"] == "ladder")
     model, _ = lj.load(row["run"], mesh=mesh(1))
-    tokens = data.load_tokens(os.path.join(out, "data", "devils", "held_out"),
-                              make_tokenizer("byte"))
+    tokens = data.load_tokens(
+        os.path.join(out, "data", "devils", "held_out"), make_tokenizer("byte")
+    )
     T = TINY.seq_len
     n = (len(tokens) - 1) // T
     index = np.linspace(0, n - 1, TINY.eval_records).round().astype(int)
-    x = np.stack([tokens[i * T:i * T + T + 1] for i in index]).astype(np.int32)
+    x = np.stack([tokens[i * T : i * T + T + 1] for i in index]).astype(np.int32)
     z = np.asarray(logits(model, x[:, :-1]), np.float64)
     z -= z.max(-1, keepdims=True)
     logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
@@ -142,10 +216,13 @@ def test_held_out_loss_matches_a_plain_forward(experiment):
 
 def test_held_out_documents_are_not_trained_on(experiment):
     out, _, _ = experiment
-    train = "".join(p.read_text() for p in sorted((pathlib.Path(out) / "data" / "devils" /
-                                                   "train").glob("*.txt")))
-    held = [p.read_text() for p in (pathlib.Path(out) / "data" / "devils" /
-                                    "held_out").glob("*.txt")]
+    train = "".join(
+        p.read_text()
+        for p in sorted((pathlib.Path(out) / "data" / "devils" / "train").glob("*.txt"))
+    )
+    held = [
+        p.read_text() for p in (pathlib.Path(out) / "data" / "devils" / "held_out").glob("*.txt")
+    ]
     assert len(held) > 50
     assert not [h for h in held if h in train]
     docs = corpora.documents("devils")
@@ -162,13 +239,16 @@ def test_kjv_corpus_is_held_out_by_book():
 
 
 def test_cli_bad_input_is_one_line(capsys):
-    spec = importlib.util.spec_from_file_location("paper_quality_cli",
-                                                  ROOT / "benchmarks" / "paper_quality.py")
+    spec = importlib.util.spec_from_file_location(
+        "paper_quality_cli", ROOT / "benchmarks" / "paper_quality.py"
+    )
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
-    for args, words in ((["--quick", "--set", "stepz=3"], "stepz"),
-                        (["--quick", "--set", "corpus=wiki"], "wiki"),
-                        (["--quick", "--set", "steps"], "FIELD=VALUE")):
+    for args, words in (
+        (["--quick", "--set", "stepz=3"], "stepz"),
+        (["--quick", "--set", "corpus=wiki"], "wiki"),
+        (["--quick", "--set", "steps"], "FIELD=VALUE"),
+    ):
         assert cli.main(args) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
@@ -176,37 +256,64 @@ def test_cli_bad_input_is_one_line(capsys):
 
 def test_paper_notebook_executes(monkeypatch):
     # the quick setting on the shapes above (two seeds still, as the notebook's plots band them)
-    nb = shrink(nbformat.read(NOTEBOOK, as_version=4), 1,
-                setting=f"pq.with_changes(pq.SETTINGS['quick'], **{NOTEBOOK_CHANGES!r})")
+    nb = shrink(
+        nbformat.read(NOTEBOOK, as_version=4),
+        1,
+        setting=f"pq.with_changes(pq.SETTINGS['quick'], **{NOTEBOOK_CHANGES!r})",
+    )
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    client = NotebookClient(nb, timeout=900, kernel_name="python3",
-                            resources={"metadata": {"path": str(NOTEBOOK.parent)}})
+    client = NotebookClient(
+        nb,
+        timeout=900,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(NOTEBOOK.parent)}},
+    )
     client.execute()
-    text = "\n".join(o.get("text", "") + "".join(o.get("data", {}).get("text/markdown", ""))
-                     for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    text = "\n".join(
+        o.get("text", "") + "".join(o.get("data", {}).get("text/markdown", ""))
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+    )
     assert "| ladder |" in text and "zero-shot" in text
-    images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
-              if "image/png" in o.get("data", {})]
+    images = [
+        o
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+        if "image/png" in o.get("data", {})
+    ]
     assert len(images) == 2
 
 
-@pytest.mark.parametrize("difference, margin, within, want", [
-    (0.0004, 0.008, None, "inconclusive"),  # the spread covers it: never "yes"
-    (0.02, 0.008, None, "yes"),
-    (-0.02, 0.008, None, "no"),
-    (0.0004, 0.008, 0.0296, "yes"),  # a match: the whole interval inside +-3%
-    (0.025, 0.008, 0.0296, "inconclusive"),  # the interval straddles the band's edge
-    (0.05, 0.008, 0.0296, "no"),
-])
+@pytest.mark.parametrize(
+    "difference, margin, within, want",
+    [
+        (0.0004, 0.008, None, "inconclusive"),  # the spread covers it: never "yes"
+        (0.02, 0.008, None, "yes"),
+        (-0.02, 0.008, None, "no"),
+        (0.0004, 0.008, 0.0296, "yes"),  # a match: the whole interval inside +-3%
+        (0.025, 0.008, 0.0296, "inconclusive"),  # the interval straddles the band's edge
+        (0.05, 0.008, 0.0296, "no"),
+    ],
+)
 def test_verdict_is_inconclusive_within_the_spread(difference, margin, within, want):
     assert pq.verdict(difference, margin, within=within) == want
 
 
 def _summary(residual, mean, diff, diff_std):
-    return {"kind": "summary", "residual": residual, "seeds": 3, "loss_mean": mean,
-            "loss_std": 0.01, "vs_standard_loss": diff, "vs_standard_loss_std": diff_std,
-            "ppl_mean": math.exp(mean), "paper_wikitext_ppl": {"1.2B": 0, "3.5B": 0}}
+    return {
+        "kind": "summary",
+        "residual": residual,
+        "seeds": 3,
+        "loss_mean": mean,
+        "loss_std": 0.01,
+        "vs_standard_loss": diff,
+        "vs_standard_loss_std": diff_std,
+        "ppl_mean": math.exp(mean),
+        "paper_wikitext_ppl": {"1.2B": 0, "3.5B": 0},
+    }
 
 
 def test_a_claim_within_the_seed_spread_is_inconclusive():

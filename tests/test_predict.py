@@ -24,9 +24,17 @@ from ladder_jax.model import quant
 
 # tiny, and a mid-size model whose weights dominate its decode step
 TINY = lj.ModelConfig.from_preset("tiny")
-MID = lj.ModelConfig.from_preset("small", d_model=512, n_heads=8, n_kv_heads=8, d_ff=2048,
-                                 vocab_size=2048, n_layers=4, dtype="bfloat16",
-                                 param_dtype="bfloat16")
+MID = lj.ModelConfig.from_preset(
+    "small",
+    d_model=512,
+    n_heads=8,
+    n_kv_heads=8,
+    d_ff=2048,
+    vocab_size=2048,
+    n_layers=4,
+    dtype="bfloat16",
+    param_dtype="bfloat16",
+)
 SHAPE = dict(prompt_len=128, new_tokens=64)
 
 
@@ -35,25 +43,45 @@ SHAPE = dict(prompt_len=128, new_tokens=64)
 
 
 def test_overlapped_collective_is_hidden():
-    t = perfmodel.simulate([("compute", "a", 1.0, 0), ("start", "x", 2.0, 0),
-                          ("compute", "b", 3.0, 1), ("done", "x", 0.0, None)])
+    t = perfmodel.simulate(
+        [
+            ("compute", "a", 1.0, 0),
+            ("start", "x", 2.0, 0),
+            ("compute", "b", 3.0, 1),
+            ("done", "x", 0.0, None),
+        ]
+    )
     assert (t.seconds, t.compute_s, t.comm_s, t.exposed_comm_s) == (4.0, 4.0, 2.0, 0.0)
 
 
 def test_collective_waited_on_at_once_is_exposed():
-    t = perfmodel.simulate([("compute", "a", 1.0, 0), ("start", "x", 2.0, 0),
-                          ("done", "x", 0.0, None), ("compute", "b", 3.0, 1)])
+    t = perfmodel.simulate(
+        [
+            ("compute", "a", 1.0, 0),
+            ("start", "x", 2.0, 0),
+            ("done", "x", 0.0, None),
+            ("compute", "b", 3.0, 1),
+        ]
+    )
     assert (t.seconds, t.exposed_comm_s) == (6.0, 2.0)
 
 
 def test_partly_hidden_and_queued_collectives():
     # x (3 s) overlaps b (1 s): 2 s exposed; y queues behind x on the collective stream
-    t = perfmodel.simulate([("start", "x", 3.0, None), ("start", "y", 1.0, None),
-                          ("compute", "b", 1.0, 0), ("done", "x", 0.0, None),
-                          ("compute", "c", 0.5, 1), ("done", "y", 0.0, None)])
+    t = perfmodel.simulate(
+        [
+            ("start", "x", 3.0, None),
+            ("start", "y", 1.0, None),
+            ("compute", "b", 1.0, 0),
+            ("done", "x", 0.0, None),
+            ("compute", "c", 0.5, 1),
+            ("done", "y", 0.0, None),
+        ]
+    )
     assert t.seconds == 4.0 and t.compute_s == 1.5 and t.exposed_comm_s == 2.5
-    t = perfmodel.simulate([("compute", "a", 1.0, 0), ("sync", "s", 2.0, None),
-                          ("compute", "b", 3.0, 1)])
+    t = perfmodel.simulate(
+        [("compute", "a", 1.0, 0), ("sync", "s", 2.0, None), ("compute", "b", 3.0, 1)]
+    )
     assert (t.seconds, t.exposed_comm_s) == (6.0, 2.0)
 
 
@@ -61,24 +89,31 @@ def test_extension_adds_one_middle_layer_per_missing_layer():
     def layers(n):  # layer 0 is special (2 s), every later layer 1 s compute + 0.5 s exposed
         steps = [("compute", "l0", 2.0, 0)]
         for i in range(1, n):
-            steps += [("compute", f"m{i}", 1.0, i), ("start", f"x{i}", 1.5, i),
-                      ("done", f"x{i}", 0.0, i)]
+            steps += [
+                ("compute", f"m{i}", 1.0, i),
+                ("start", f"x{i}", 1.5, i),
+                ("done", f"x{i}", 0.0, i),
+            ]
         return steps + [("compute", "head", 0.25, None)]
 
     full = perfmodel.simulate(layers(7))
-    seconds, compute = perfmodel.extended(perfmodel.simulate(layers(3)),
-                                          perfmodel.simulate(layers(4)), 7, 4)
+    seconds, compute = perfmodel.extended(
+        perfmodel.simulate(layers(3)), perfmodel.simulate(layers(4)), 7, 4
+    )
     assert (seconds, compute) == (full.seconds, full.compute_s) == (2 + 6 * 2.5 + 0.25, 8.25)
 
 
 def test_link_model_is_ring_latency_plus_bus_bandwidth():
-    link = hardware.Link("l", "", base_latency_s=5e-6, hop_latency_s=1e-6,
-                         bus_bytes_per_s=100e9, sources="")
+    link = hardware.Link(
+        "l", "", base_latency_s=5e-6, hop_latency_s=1e-6, bus_bytes_per_s=100e9, sources=""
+    )
     assert perfmodel.collective_seconds("all-reduce", 4e6, 8, link) == pytest.approx(
-        5e-6 + 14e-6 + 4e6 * (14 / 8) / 100e9)
+        5e-6 + 14e-6 + 4e6 * (14 / 8) / 100e9
+    )
     assert perfmodel.collective_seconds("all-reduce", 0, 8, link, "tree") == pytest.approx(11e-6)
     assert perfmodel.collective_seconds("all-gather", 8e6, 4, link) == pytest.approx(
-        5e-6 + 3e-6 + 8e6 * 0.75 / 100e9)
+        5e-6 + 3e-6 + 8e6 * 0.75 / 100e9
+    )
     assert perfmodel.collective_seconds("all-reduce", 4e6, 1, link) == 0.0
 
 
@@ -129,8 +164,14 @@ ENTRY %main (a: bf16[4,1024], b: bf16[4,1], e: bf16[1000,64], i: s32[], x: bf16[
 def test_read_kernels_counts_slices_updates_and_matmuls():
     ks = perfmodel.read_kernels(HLO)
     assert [(k.kind, k.name) for k in ks] == [
-        ("compute", "f1"), ("compute", "f2"), ("compute", "g"), ("start", "ars"),
-        ("compute", "f3"), ("done", "ars"), ("sync", "ags")]
+        ("compute", "f1"),
+        ("compute", "f2"),
+        ("compute", "g"),
+        ("start", "ars"),
+        ("compute", "f3"),
+        ("done", "ars"),
+        ("sync", "ags"),
+    ]
     f1, f2, g, ars, _, _, ags = ks
     assert (f1.nbytes, f1.flops, f1.layer) == (4 * 2 + 4 * 2, 0, 0)  # update in + update out
     assert f2.nbytes == 4 + 64 * 2 + 64 * 2  # index, the sliced row, the result
@@ -146,8 +187,9 @@ def test_read_kernels_counts_slices_updates_and_matmuls():
 
 @functools.lru_cache(maxsize=None)
 def _rows(config, tp, batch, residuals=perfmodel.RESIDUALS, links=("nvlink", "pcie"), **kw):
-    return perfmodel.predict(config, tp=tp, batch=batch, links=links, residuals=residuals,
-                           **SHAPE, **kw)
+    return perfmodel.predict(
+        config, tp=tp, batch=batch, links=links, residuals=residuals, **SHAPE, **kw
+    )
 
 
 def _by(rows, **match):
@@ -163,9 +205,10 @@ def test_upper_bound_le_ladder_le_standard_and_slower_link_slower():
                 # upper_bound is a different program: XLA may fuse it into a kernel or two
                 # more than the ladder, which matters only when nothing is left to hide
                 slack = 2 * hardware.EFFICIENCY.kernel_overhead_s
-                assert (t["upper_bound"][key] <= t["ladder"][key] + slack
-                        and t["ladder"][key] < t["standard"][key]), (
-                    tp, batch, link, key, {k: v[key] for k, v in t.items()})
+                assert (
+                    t["upper_bound"][key] <= t["ladder"][key] + slack
+                    and t["ladder"][key] < t["standard"][key]
+                ), (tp, batch, link, key, {k: v[key] for k, v in t.items()})
             exposed = [t[r]["exposed_comm_s"] for r in ("upper_bound", "ladder", "standard")]
             assert exposed == sorted(exposed), (tp, batch, link, exposed)
         std = {r["link"]: r for r in _by(rows, residual="standard")}
@@ -173,29 +216,44 @@ def test_upper_bound_le_ladder_le_standard_and_slower_link_slower():
         assert std["pcie"]["prefill_s"] > std["nvlink"]["prefill_s"]
         assert std["pcie"]["exposed_comm_s"] > std["nvlink"]["exposed_comm_s"] > 0
         for r in rows:  # the paper's count: the prefill emits the first token
-            assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["new_tokens"] / (
-                r["prefill_s"] + (r["new_tokens"] - 1) * r["decode_step_s"]))
+            assert r["tokens_per_s"] == pytest.approx(
+                r["batch"]
+                * r["new_tokens"]
+                / (r["prefill_s"] + (r["new_tokens"] - 1) * r["decode_step_s"])
+            )
 
 
 def test_more_tp_means_less_compute_per_device():
     eff = dataclasses.replace(hardware.EFFICIENCY, kernel_overhead_s=0.0)
-    compute = [perfmodel.program_time(MID, phase="decode", tp=tp, batch=4, **SHAPE,
-                                    link=hardware.LINKS["nvlink"], efficiency=eff,
-                                    launch="off")["compute_s"]  # the GPU's, not the host's
-               for tp in (2, 4, 8)]
+    compute = [
+        perfmodel.program_time(
+            MID,
+            phase="decode",
+            tp=tp,
+            batch=4,
+            **SHAPE,
+            link=hardware.LINKS["nvlink"],
+            efficiency=eff,
+            launch="off",
+        )["compute_s"]  # the GPU's, not the host's
+        for tp in (2, 4, 8)
+    ]
     assert compute[0] > compute[1] > compute[2] > 0, compute
 
 
-@pytest.mark.parametrize("config, residual", [
-    (dataclasses.replace(TINY, n_layers=8), "ladder"),
-    (dataclasses.replace(MID, n_layers=8), "standard"),
-    (dataclasses.replace(MID, n_layers=8), "ladder")], ids=["tiny-ladder", "mid-standard",
-                                                            "mid-ladder"])
+@pytest.mark.parametrize(
+    "config, residual",
+    [
+        (dataclasses.replace(TINY, n_layers=8), "ladder"),
+        (dataclasses.replace(MID, n_layers=8), "standard"),
+        (dataclasses.replace(MID, n_layers=8), "ladder"),
+    ],
+    ids=["tiny-ladder", "mid-standard", "mid-ladder"],
+)
 def test_few_layers_extended_match_a_full_depth_compile(config, residual):
     cfg = dataclasses.replace(config, residual=residual)
     for link in ("nvlink", "pcie"):
-        kw = dict(tp=8, batch=2, **SHAPE, link=hardware.LINKS[link],
-                  efficiency=hardware.EFFICIENCY)
+        kw = dict(tp=8, batch=2, **SHAPE, link=hardware.LINKS[link], efficiency=hardware.EFFICIENCY)
         for phase in ("prefill", "decode"):
             few = perfmodel.program_time(cfg, phase=phase, layers_compiled=4, **kw)
             full = perfmodel.program_time(cfg, phase=phase, layers_compiled=0, **kw)
@@ -215,9 +273,25 @@ def test_few_layers_extended_match_a_full_depth_compile(config, residual):
 
 def test_cli_json_rows(capsys):
     # the programs of the grid test above, from the compile cache
-    argv = ["--preset", "tiny", "--tp", "2", "--batch", "1", "--prompt-len", "128",
-            "--new-tokens", "64", "--link", "nvlink", "pcie", "--residual", "standard",
-            "ladder", "--json"]
+    argv = [
+        "--preset",
+        "tiny",
+        "--tp",
+        "2",
+        "--batch",
+        "1",
+        "--prompt-len",
+        "128",
+        "--new-tokens",
+        "64",
+        "--link",
+        "nvlink",
+        "pcie",
+        "--residual",
+        "standard",
+        "ladder",
+        "--json",
+    ]
     assert predict_cli.main(argv) == 0
     out, err = capsys.readouterr()
     rows = [json.loads(line) for line in out.splitlines()]
@@ -225,14 +299,32 @@ def test_cli_json_rows(capsys):
     lines = err.splitlines()
     costing = [ln for ln in lines if ln.startswith("costing tiny: ")]
     assert costing[0].startswith("costing tiny: 0/4 rows") and costing[-1].startswith(
-        "costing tiny: 4/4 rows"), err
-    assert lines.index(costing[0]) > max(i for i, ln in enumerate(lines)
-                                         if ln.startswith("compiling tiny: ")), err
+        "costing tiny: 4/4 rows"
+    ), err
+    assert lines.index(costing[0]) > max(
+        i for i, ln in enumerate(lines) if ln.startswith("compiling tiny: ")
+    ), err
     assert len(rows) == 4 and {r["residual"] for r in rows} == {"standard", "ladder"}
-    keys = {"residual", "tp", "batch", "prompt_len", "new_tokens", "link", "target",
-            "prefill_s", "decode_step_s", "tokens_per_s", "tokens_per_s_per_user",
-            "exposed_comm_s", "vs_standard", "memory_per_gpu_bytes", "weights_bytes",
-            "kv_cache_bytes", "fits", "device_pool_bytes"}
+    keys = {
+        "residual",
+        "tp",
+        "batch",
+        "prompt_len",
+        "new_tokens",
+        "link",
+        "target",
+        "prefill_s",
+        "decode_step_s",
+        "tokens_per_s",
+        "tokens_per_s_per_user",
+        "exposed_comm_s",
+        "vs_standard",
+        "memory_per_gpu_bytes",
+        "weights_bytes",
+        "kv_cache_bytes",
+        "fits",
+        "device_pool_bytes",
+    }
     assert all(keys <= set(r) for r in rows)
     assert all(r["tp"] == 2 and r["batch"] == 1 and r["tokens_per_s"] > 0 for r in rows)
     assert predict_cli.main(argv[:-1]) == 0
@@ -247,8 +339,7 @@ def test_cli_json_rows(capsys):
 def _device0_bytes(arrays) -> int:
     """Bytes the first device holds of real arrays (their shards on it)."""
     dev = jax.devices()[0]
-    return sum(sh.data.nbytes for a in arrays for sh in a.addressable_shards
-               if sh.device == dev)
+    return sum(sh.data.nbytes for a in arrays for sh in a.addressable_shards if sh.device == dev)
 
 
 @pytest.mark.parametrize("residual,tp", [("standard", 1), ("ladder", 2), ("parallel", 4)])
@@ -261,8 +352,7 @@ def test_decode_memory_equals_a_consuming_decoder_and_a_real_cache_on_a_mesh(res
 
     model = tiny_model(tp, residual=residual)
     cfg = model.config
-    mem = perfmodel.decode_memory(cfg, tp=tp, batch=3, prompt_len=100, new_tokens=20,
-                                  target="h100")
+    mem = perfmodel.decode_memory(cfg, tp=tp, batch=3, prompt_len=100, new_tokens=20, target="h100")
     held = _device0_bytes(jax.tree.leaves(nnx.state(model)))
     decoder = generation.Decoder(model, consume=True)
     live = [x for x in jax.tree.leaves(nnx.state(model)) if not x.is_deleted()]
@@ -274,15 +364,35 @@ def test_decode_memory_equals_a_consuming_decoder_and_a_real_cache_on_a_mesh(res
     assert mem["memory_per_gpu_bytes"] == mem["weights_bytes"] + mem["kv_cache_bytes"]
     assert mem["device_pool_bytes"] == int(0.75 * hardware.CHIPS["h100"].memory_bytes)
     assert mem["fits"]
-    int8 = perfmodel.decode_memory(dataclasses.replace(cfg, quantize="int8"), tp=tp, batch=3,
-                                   prompt_len=100, new_tokens=20, target="h100")
+    int8 = perfmodel.decode_memory(
+        dataclasses.replace(cfg, quantize="int8"),
+        tp=tp,
+        batch=3,
+        prompt_len=100,
+        new_tokens=20,
+        target="h100",
+    )
     q = quant.quantize(tiny_model(tp, residual=residual))
     assert int8["weights_bytes"] == _device0_bytes(jax.tree.leaves(nnx.state(q))) < held
 
 
 def test_cli_table_flags_what_does_not_fit_and_a_bad_pool_is_one_line(capsys, monkeypatch):
-    argv = ["--preset", "tiny", "--tp", "2", "--batch", "1", "--prompt-len", "128",
-            "--new-tokens", "64", "--link", "nvlink", "--residual", "standard"]
+    argv = [
+        "--preset",
+        "tiny",
+        "--tp",
+        "2",
+        "--batch",
+        "1",
+        "--prompt-len",
+        "128",
+        "--new-tokens",
+        "64",
+        "--link",
+        "nvlink",
+        "--residual",
+        "standard",
+    ]
     assert predict_cli.main(argv) == 0
     out = capsys.readouterr().out
     row = next(ln for ln in out.splitlines() if ln.startswith("nvlink"))
@@ -301,8 +411,20 @@ def test_cli_table_flags_what_does_not_fit_and_a_bad_pool_is_one_line(capsys, mo
 
 def test_cli_train_step(capsys):
     config = pathlib.Path(__file__).parent.parent / "configs" / "tiny.yaml"
-    argv = ["--phase", "train", "--config", str(config), "--tp", "2", "--link", "pcie",
-            "--residual", "standard", "ladder", "--json"]
+    argv = [
+        "--phase",
+        "train",
+        "--config",
+        str(config),
+        "--tp",
+        "2",
+        "--link",
+        "pcie",
+        "--residual",
+        "standard",
+        "ladder",
+        "--json",
+    ]
     assert predict_cli.main(argv) == 0
     rows = {r["residual"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
     std, lad = rows["standard"], rows["ladder"]
@@ -311,20 +433,23 @@ def test_cli_train_step(capsys):
     assert lad["step_s"] < std["step_s"] and lad["exposed_comm_s"] < std["exposed_comm_s"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--preset", "llama-9"], "unknown preset 'llama-9'"),
-    (["--preset", "tiny", "--link", "infiniband"], "unknown link 'infiniband': choose one of"),
-    (["--preset", "tiny", "--target", "tpu"], "unknown target 'tpu': choose one of"),
-    (["--preset", "tiny", "--tp", "3"], "n_heads=8 is not divisible by tp=3"),
-    (["--preset", "tiny", "--residual", "sideways"], "unknown residual 'sideways'"),
-    (["--preset", "tiny", "--batch", "0"], "batch=0 must be a positive integer"),
-    (["--preset", "tiny", "--layers-compiled", "1"], "--layers-compiled 1: use 0"),
-    (["--preset", "tiny", "--gemm-efficiency", "1.5"], "gemm efficiency 1.5 must be in"),
-    (["--preset", "tiny", "--launch", "eager"], "unknown launch mode 'eager': choose one of"),
-    (["--phase", "train"], "--phase train needs --config"),
-    (["--phase", "train", "--config", "nope.yaml"], "config file 'nope.yaml' not found"),
-    (["--phase", "serve"], "unknown phase 'serve'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--preset", "llama-9"], "unknown preset 'llama-9'"),
+        (["--preset", "tiny", "--link", "infiniband"], "unknown link 'infiniband': choose one of"),
+        (["--preset", "tiny", "--target", "tpu"], "unknown target 'tpu': choose one of"),
+        (["--preset", "tiny", "--tp", "3"], "n_heads=8 is not divisible by tp=3"),
+        (["--preset", "tiny", "--residual", "sideways"], "unknown residual 'sideways'"),
+        (["--preset", "tiny", "--batch", "0"], "batch=0 must be a positive integer"),
+        (["--preset", "tiny", "--layers-compiled", "1"], "--layers-compiled 1: use 0"),
+        (["--preset", "tiny", "--gemm-efficiency", "1.5"], "gemm efficiency 1.5 must be in"),
+        (["--preset", "tiny", "--launch", "eager"], "unknown launch mode 'eager': choose one of"),
+        (["--phase", "train"], "--phase train needs --config"),
+        (["--phase", "train", "--config", "nope.yaml"], "config file 'nope.yaml' not found"),
+        (["--phase", "serve"], "unknown phase 'serve'"),
+    ],
+)
 def test_cli_bad_arguments_one_line_exit_2(capsys, args, message):
     assert predict_cli.main(args) == 2
     captured = capsys.readouterr()
@@ -347,17 +472,24 @@ def test_missing_cuda_plugin_is_one_line_with_the_install_hint(capsys, monkeypat
 
 def test_python_m_ladder_jax_predict_and_lj_predict():
     """The module CLI (a fresh process: no runpy warning, one line) and the notebook call."""
-    proc = subprocess.run([sys.executable, "-m", "ladder_jax.predict", "--preset", "llama-9"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ladder_jax.predict", "--preset", "llama-9"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     ours = [line for line in proc.stderr.splitlines() if "ladder_jax" in line or "error" in line]
     assert ours == [next(line for line in ours if line.startswith("error: unknown preset"))]
     assert "Traceback" not in proc.stderr and "RuntimeWarning" not in proc.stderr
     assert callable(lj.predict)
-    rows = lj.predict("tiny", tp=2, batch=1, links="pcie", residuals=["standard", "ladder"],
-                      **SHAPE)  # compiled above
+    rows = lj.predict(
+        "tiny", tp=2, batch=1, links="pcie", residuals=["standard", "ladder"], **SHAPE
+    )  # compiled above
     assert [(r["preset"], r["residual"], r["link"]) for r in rows] == [
-        ("tiny", "standard", "pcie"), ("tiny", "ladder", "pcie")]
+        ("tiny", "standard", "pcie"),
+        ("tiny", "ladder", "pcie"),
+    ]
     assert rows[1]["vs_standard"] > 1
 
 
@@ -371,36 +503,54 @@ def test_contention_slows_the_kernels_beside_a_collective_exactly():
     # a compute-bound kernel (4 s of FLOPs, 1 s of bytes, 0.5 s overhead) starts beside a 3 s
     # collective holding 50% of the SMs: overhead 0.5 s, then 2.5 s at half speed (1.25 s of
     # work), then the remaining 2.75 s at full speed
-    ops = [T("start", "x", 3.0, sm_share=0.5, hbm_share=0.0),
-           T("compute", "a", 4.5, flops_s=4.0, bytes_s=1.0), T("done", "x", 0.0)]
+    ops = [
+        T("start", "x", 3.0, sm_share=0.5, hbm_share=0.0),
+        T("compute", "a", 4.5, flops_s=4.0, bytes_s=1.0),
+        T("done", "x", 0.0),
+    ]
     t = perfmodel.simulate(ops)
     assert (t.seconds, t.compute_s, t.exposed_comm_s) == (5.75, 5.75, 0.0)
     # memory-bound kernels lose the collective's HBM share instead
-    ops = [T("start", "x", 10.0, hbm_share=0.75), T("compute", "m", 1.0, flops_s=0.1, bytes_s=1.0),
-           T("compute", "n", 2.0, flops_s=2.0, bytes_s=0.5), T("done", "x", 0.0)]
+    ops = [
+        T("start", "x", 10.0, hbm_share=0.75),
+        T("compute", "m", 1.0, flops_s=0.1, bytes_s=1.0),
+        T("compute", "n", 2.0, flops_s=2.0, bytes_s=0.5),
+        T("done", "x", 0.0),
+    ]
     t = perfmodel.simulate(ops)
     assert t.compute_s == 4.0 + 2.0 and t.seconds == 10.0  # 1 s of bytes at 1/4; n unaffected
     # the same schedule without contention, and a kernel after the collective ends: full speed
     free = [dataclasses.replace(op, sm_share=0.0, hbm_share=0.0) for op in ops]
     assert perfmodel.simulate(free).compute_s == 3.0
-    late = [T("start", "x", 1.0, sm_share=0.5), T("compute", "a", 2.0, flops_s=2.0),
-            T("done", "x", 0.0), T("compute", "b", 2.0, flops_s=2.0)]
+    late = [
+        T("start", "x", 1.0, sm_share=0.5),
+        T("compute", "a", 2.0, flops_s=2.0),
+        T("done", "x", 0.0),
+        T("compute", "b", 2.0, flops_s=2.0),
+    ]
     assert perfmodel.simulate(late).seconds == 2.0 * 0.5 + 1.5 + 2.0  # a: 1 s slowed, 1.5 s
 
 
 def test_queued_collectives_slow_each_kernel_segment_by_their_own_share():
     # x (0-1 s, 50% SMs) then y queued behind it (1-3 s, 75% SMs): a 2 s kernel does 0.5 s of
     # work beside x, 0.5 s beside y (2 s), and its last 1 s alone
-    ops = [T("start", "x", 1.0, sm_share=0.5), T("start", "y", 2.0, sm_share=0.75),
-           T("compute", "a", 2.0, flops_s=2.0), T("done", "x", 0.0), T("done", "y", 0.0)]
+    ops = [
+        T("start", "x", 1.0, sm_share=0.5),
+        T("start", "y", 2.0, sm_share=0.75),
+        T("compute", "a", 2.0, flops_s=2.0),
+        T("done", "x", 0.0),
+        T("done", "y", 0.0),
+    ]
     assert perfmodel.simulate(ops).seconds == 1.0 + 2.0 + 1.0
 
 
 def test_hierarchical_all_reduce_formula():
-    intra = hardware.Link("nv", "", base_latency_s=5e-6, hop_latency_s=1e-6,
-                          bus_bytes_per_s=400e9, sources="")
-    inter = hardware.Link("ib", "", base_latency_s=9e-6, hop_latency_s=3e-6,
-                          bus_bytes_per_s=50e9, sources="")
+    intra = hardware.Link(
+        "nv", "", base_latency_s=5e-6, hop_latency_s=1e-6, bus_bytes_per_s=400e9, sources=""
+    )
+    inter = hardware.Link(
+        "ib", "", base_latency_s=9e-6, hop_latency_s=3e-6, bus_bytes_per_s=50e9, sources=""
+    )
     n = 64e6
     # 16 ranks on 2 hosts: g = 8 per host; 2(g-1) NVLink steps + 2(h-1) network steps; the
     # slower level's bytes: max(2n(7/8) / 400e9, 2(n/8)(1/2) / 50e9)
@@ -409,17 +559,17 @@ def test_hierarchical_all_reduce_formula():
     assert got == pytest.approx(want, rel=1e-12)
     # a slow network makes the inter-host level the bound
     slow = dataclasses.replace(inter, bus_bytes_per_s=5e9)
-    assert perfmodel.collective_seconds("all-reduce", n, 16, intra, hosts=2,
-                                        inter_host=slow) == pytest.approx(
-        5e-6 + 14e-6 + 6e-6 + 2 * (n / 8) / 2 / 5e9, rel=1e-12)
+    assert perfmodel.collective_seconds(
+        "all-reduce", n, 16, intra, hosts=2, inter_host=slow
+    ) == pytest.approx(5e-6 + 14e-6 + 6e-6 + 2 * (n / 8) / 2 / 5e9, rel=1e-12)
     # one GPU per host: a flat ring over the network (no intra-host steps)
-    assert perfmodel.collective_seconds("all-reduce", n, 4, intra, hosts=4,
-                                        inter_host=inter) == pytest.approx(
-        5e-6 + 6 * 3e-6 + 2 * n * 3 / 4 / 50e9, rel=1e-12)
+    assert perfmodel.collective_seconds(
+        "all-reduce", n, 4, intra, hosts=4, inter_host=inter
+    ) == pytest.approx(5e-6 + 6 * 3e-6 + 2 * n * 3 / 4 / 50e9, rel=1e-12)
     # all-gather: one pass of each level
-    assert perfmodel.collective_seconds("all-gather", n, 16, intra, hosts=2,
-                                        inter_host=inter) == pytest.approx(
-        5e-6 + 7e-6 + 3e-6 + max(n * 7 / 8 / 400e9, (n / 8) / 2 / 50e9), rel=1e-12)
+    assert perfmodel.collective_seconds(
+        "all-gather", n, 16, intra, hosts=2, inter_host=inter
+    ) == pytest.approx(5e-6 + 7e-6 + 3e-6 + max(n * 7 / 8 / 400e9, (n / 8) / 2 / 50e9), rel=1e-12)
 
 
 KV8 = dataclasses.replace(TINY, n_kv_heads=8, residual="standard")  # no kv replication
@@ -433,14 +583,26 @@ def test_two_host_program_read_correctly():
     devices = programs.gpu_devices("h100", 4, hosts=2)
     assert [d.process_index for d in devices] == [0, 0, 1, 1]  # ids numbered host by host
     for hosts, want in ((2, 2), (1, 1)):
-        p = perfmodel.program_kernels(KV8, phase="decode", tp=4, batch=1, prompt_len=16,
-                                      new_tokens=16, target="h100", hosts=hosts)
-        starts = [k for k in p.kernels if k.kind in ("start", "sync")
-                  and k.collective == "all-reduce" and k.layer is not None]
+        p = perfmodel.program_kernels(
+            KV8,
+            phase="decode",
+            tp=4,
+            batch=1,
+            prompt_len=16,
+            new_tokens=16,
+            target="h100",
+            hosts=hosts,
+        )
+        starts = [
+            k
+            for k in p.kernels
+            if k.kind in ("start", "sync") and k.collective == "all-reduce" and k.layer is not None
+        ]
         assert len(starts) == 2 * KV8.n_layers
         assert {(k.ranks, k.hosts) for k in starts} == {(4, want)}
-    kw = dict(phase="decode", tp=4, batch=1, prompt_len=16, new_tokens=16,
-              link=hardware.LINKS["nvlink"])
+    kw = dict(
+        phase="decode", tp=4, batch=1, prompt_len=16, new_tokens=16, link=hardware.LINKS["nvlink"]
+    )
     one = perfmodel.program_time(KV8, hosts=1, **kw)
     two = perfmodel.program_time(KV8, hosts=2, **kw)
     assert two["exposed_comm_s"] > one["exposed_comm_s"] > 0  # the network is slower
@@ -452,15 +614,24 @@ def test_a100_compiles_and_costs_with_a100_figures():
     a100 = perfmodel.program_kernels(KV8, target="a100", **kw)
     assert sum(k.kind == "compute" for k in a100.kernels) > 10
     assert sum(k.collective == "all-reduce" for k in a100.kernels) >= 2 * KV8.n_layers
-    t = {target: perfmodel.program_time(KV8, target=target, link=hardware.links(target)["nvlink"],
-                                        layers_compiled=0, **kw)
-         for target in ("a100", "h100")}
+    t = {
+        target: perfmodel.program_time(
+            KV8, target=target, link=hardware.links(target)["nvlink"], layers_compiled=0, **kw
+        )
+        for target in ("a100", "h100")
+    }
     assert t["a100"]["seconds"] > 0 and t["h100"]["seconds"] > 0
     # the same kernels cost more on the A100's figures (slower HBM and matmuls); whole programs
     # compiled for the two targets may fuse a tiny model's kernels differently
     eff = hardware.EFFICIENCY
-    on = {target: sum(perfmodel.kernel_seconds(k, hardware.calibration(target).chip, eff)
-                      for k in a100.kernels if k.kind == "compute") for target in ("a100", "h100")}
+    on = {
+        target: sum(
+            perfmodel.kernel_seconds(k, hardware.calibration(target).chip, eff)
+            for k in a100.kernels
+            if k.kind == "compute"
+        )
+        for target in ("a100", "h100")
+    }
     assert on["a100"] > on["h100"] > 0, on
     cal = hardware.calibration("a100")
     assert cal.links["nvlink"].bus_bytes_per_s < hardware.LINKS["nvlink"].bus_bytes_per_s
@@ -476,14 +647,27 @@ def test_a_slower_link_never_predicts_faster():
         for scale in (1.0, 0.5, 0.1):  # intra-host, then inter-host bandwidth down
             for part in ("links", "inter_host"):
                 if part == "links":
-                    cal = base.replace(links={"*": {"bus_bytes_per_s": 360e9 * scale,
-                                                    "hop_latency_s": 0.6e-6 / scale}})
+                    cal = base.replace(
+                        links={
+                            "*": {"bus_bytes_per_s": 360e9 * scale, "hop_latency_s": 0.6e-6 / scale}
+                        }
+                    )
                 else:
-                    cal = base.replace(inter_host={"bus_bytes_per_s": 45e9 * scale,
-                                                   "hop_latency_s": 2.7e-6 / scale})
+                    cal = base.replace(
+                        inter_host={
+                            "bus_bytes_per_s": 45e9 * scale,
+                            "hop_latency_s": 2.7e-6 / scale,
+                        }
+                    )
                 for phase in ("prefill", "decode"):
-                    t = perfmodel.program_time(cfg, phase=phase, calibration=cal,
-                                               link=cal.links["nvlink"], layers_compiled=0, **kw)
+                    t = perfmodel.program_time(
+                        cfg,
+                        phase=phase,
+                        calibration=cal,
+                        link=cal.links["nvlink"],
+                        layers_compiled=0,
+                        **kw,
+                    )
                     key = (part, phase)
                     if last and key in last:
                         assert t["seconds"] >= last[key] - 1e-15, (residual, key, scale)
@@ -520,16 +704,23 @@ def test_cache_key_is_what_is_compiled(monkeypatch):
     options = lj.model.sharding.compiler_options("gpu")
 
     def key(cfg=KV8, phase="decode", new_tokens=8, **kw):
-        lowered = programs.lower_decoder(cfg, mesh, phase=phase, batch=2, prompt_len=8,
-                                         new_tokens=new_tokens)
-        return programs.program_key(lowered, **{"target": "h100", "hosts": 1,
-                                                "options": options, **kw})
+        lowered = programs.lower_decoder(
+            cfg, mesh, phase=phase, batch=2, prompt_len=8, new_tokens=new_tokens
+        )
+        return programs.program_key(
+            lowered, **{"target": "h100", "hosts": 1, "options": options, **kw}
+        )
 
     base = key()
     assert key(cfg=dataclasses.replace(KV8)) == base
-    changed = [key(cfg=dataclasses.replace(KV8, residual="ladder")), key(phase="prefill"),
-               key(new_tokens=64), key(target="a100"), key(hosts=2),
-               key(options={**options, "xla_gpu_enable_triton_gemm": False})]
+    changed = [
+        key(cfg=dataclasses.replace(KV8, residual="ladder")),
+        key(phase="prefill"),
+        key(new_tokens=64),
+        key(target="a100"),
+        key(hosts=2),
+        key(options={**options, "xla_gpu_enable_triton_gemm": False}),
+    ]
     monkeypatch.setattr(programs, "_versions", lambda: ("another jax",))
     changed.append(key())
     assert len({base, *changed}) == len(changed) + 1, changed
@@ -565,8 +756,7 @@ def test_kernel_reuse_changes_no_program(monkeypatch):
 
     mesh = programs.gpu_mesh("h100", 2)
     cfg = dataclasses.replace(KV8, residual="ladder", n_layers=2)
-    lowered = programs.lower_decoder(cfg, mesh, phase="decode", batch=2, prompt_len=8,
-                                     new_tokens=8)
+    lowered = programs.lower_decoder(cfg, mesh, phase="decode", batch=2, prompt_len=8, new_tokens=8)
     options = lj.model.sharding.compiler_options("gpu")
     plain, _ = programs._compile_text(lowered, options, what="test")
     with programs._kernel_reuse("h100") as first:
@@ -576,8 +766,10 @@ def test_kernel_reuse_changes_no_program(monkeypatch):
         with programs._kernel_reuse("h100") as third:  # concurrent again: the free file
             assert third == second
     with programs._kernel_reuse("h100") as again:  # reused, now with kernels in it
-        assert again in (first, second) and pathlib.Path(first["xla_gpu_kernel_cache_file"]
-                                                          ).stat().st_size > 0
+        assert (
+            again in (first, second)
+            and pathlib.Path(first["xla_gpu_kernel_cache_file"]).stat().st_size > 0
+        )
         reused, _ = programs._compile_text(lowered, {**options, **again}, what="test")
     assert plain == warm == reused
 
@@ -595,18 +787,23 @@ def test_lean_backend_changes_no_program(tmp_path):
         stub = pathlib.Path(lean["xla_gpu_cuda_data_dir"], "bin", "ptxas")
         assert (stub.parent.parent / "nvvm" / "libdevice").is_dir()
         version = subprocess.run([str(stub), "--version"], capture_output=True, text=True)
-        assert version.stdout == subprocess.run([real, "--version"], capture_output=True,
-                                                text=True).stdout and "ptxas" in version.stdout
+        assert (
+            version.stdout
+            == subprocess.run([real, "--version"], capture_output=True, text=True).stdout
+            and "ptxas" in version.stdout
+        )
         out = tmp_path / "k.cubin"
-        subprocess.run([str(stub), str(tmp_path / "k.ptx"), "-o", str(out), "-arch=sm_90a"],
-                       check=True)
+        subprocess.run(
+            [str(stub), str(tmp_path / "k.ptx"), "-o", str(out), "-arch=sm_90a"], check=True
+        )
         assert out.exists() and out.stat().st_size == 0
     mesh = programs.gpu_mesh("h100", 2)
     cfg = dataclasses.replace(KV8, residual="ladder", n_layers=2)
     options = lj.model.sharding.compiler_options("gpu")
     for phase in ("decode", "prefill"):
-        lowered = programs.lower_decoder(cfg, mesh, phase=phase, batch=2, prompt_len=8,
-                                         new_tokens=8)
+        lowered = programs.lower_decoder(
+            cfg, mesh, phase=phase, batch=2, prompt_len=8, new_tokens=8
+        )
         full, _ = programs._compile_text(lowered, options, what="test")
         fast, _ = programs._compile_text(lowered, {**options, **lean}, what="test")
         assert fast == full, phase
@@ -620,20 +817,49 @@ def test_lean_backend_changes_no_program(tmp_path):
 
 
 def test_cli_hosts_rows_and_bad_knobs(capsys):
-    argv = ["--preset", "tiny", "--tp", "4", "--hosts", "2", "--batch", "1", "--prompt-len",
-            "16", "--new-tokens", "16", "--residual", "standard", "--layers-compiled", "0",
-            "--json"]
-    rows = lj.predict("tiny", tp=4, hosts=2, batch=1, prompt_len=16, new_tokens=16,
-                      links="nvlink", residuals=["standard"], layers_compiled=0)
+    argv = [
+        "--preset",
+        "tiny",
+        "--tp",
+        "4",
+        "--hosts",
+        "2",
+        "--batch",
+        "1",
+        "--prompt-len",
+        "16",
+        "--new-tokens",
+        "16",
+        "--residual",
+        "standard",
+        "--layers-compiled",
+        "0",
+        "--json",
+    ]
+    rows = lj.predict(
+        "tiny",
+        tp=4,
+        hosts=2,
+        batch=1,
+        prompt_len=16,
+        new_tokens=16,
+        links="nvlink",
+        residuals=["standard"],
+        layers_compiled=0,
+    )
     assert [(r["hosts"], r["target"], r["inter_host"]) for r in rows] == [(2, "h100", "ib-ndr")]
-    for bad, message in ((["--link-latency-us", "nan"], "--link-latency-us nan: must be"),
-                         (["--link-busbw-gbs", "inf"], "--link-busbw-gbs inf: must be"),
-                         (["--link-hop-us", "-1"], "--link-hop-us -1: must be"),
-                         (["--kernel-overhead-us", "nan"], "--kernel-overhead-us nan"),
-                         (["--gemm-efficiency", "nan"], "--gemm-efficiency nan: must be"),
-                         (["--hosts", "3"], "tp=4 cannot span 3 host(s)"),
-                         (["--target", "a100", "--hardware", "/nonexistent.json"],
-                          "--hardware /nonexistent.json: cannot read it")):
+    for bad, message in (
+        (["--link-latency-us", "nan"], "--link-latency-us nan: must be"),
+        (["--link-busbw-gbs", "inf"], "--link-busbw-gbs inf: must be"),
+        (["--link-hop-us", "-1"], "--link-hop-us -1: must be"),
+        (["--kernel-overhead-us", "nan"], "--kernel-overhead-us nan"),
+        (["--gemm-efficiency", "nan"], "--gemm-efficiency nan: must be"),
+        (["--hosts", "3"], "tp=4 cannot span 3 host(s)"),
+        (
+            ["--target", "a100", "--hardware", "/nonexistent.json"],
+            "--hardware /nonexistent.json: cannot read it",
+        ),
+    ):
         assert predict_cli.main(argv + bad) == 2, bad
         captured = capsys.readouterr()
         err = captured.err.strip().splitlines()
@@ -642,9 +868,16 @@ def test_cli_hosts_rows_and_bad_knobs(capsys):
 
 def test_hardware_file_replaces_the_figures_it_names(tmp_path):
     path = tmp_path / "gpu.json"
-    path.write_text(json.dumps({"target": "h100", "efficiency": {"gemm": 0.5},
-                                "links": {"nvlink": {"bus_bytes_per_s": 100e9}},
-                                "measured": {"note": "kept, ignored"}}))
+    path.write_text(
+        json.dumps(
+            {
+                "target": "h100",
+                "efficiency": {"gemm": 0.5},
+                "links": {"nvlink": {"bus_bytes_per_s": 100e9}},
+                "measured": {"note": "kept, ignored"},
+            }
+        )
+    )
     cal = hardware.Calibration.load(str(path))
     assert cal.efficiency.gemm == 0.5 and cal.efficiency.memory == hardware.EFFICIENCY.memory
     assert cal.links["nvlink"].bus_bytes_per_s == 100e9 and cal.source == str(path)
@@ -679,27 +912,37 @@ def _divides(name, tp):
 
 # every preset at tp 8 (all divide it), 405b at tp 16 over two hosts, and the paper's 3b (the
 # preset that crashed) at every tp it divides; one layer each (a compile is mostly fixed cost)
-PRESET_TPS = sorted({(name, 8) for name in lj.PRESETS} | {("llama-3.1-405b", 16)}
-                    | {("3b", tp) for tp in (1, 2, 4) if _divides("3b", tp)})
+PRESET_TPS = sorted(
+    {(name, 8) for name in lj.PRESETS}
+    | {("llama-3.1-405b", 16)}
+    | {("3b", tp) for tp in (1, 2, 4) if _divides("3b", tp)}
+)
 
 
 @pytest.mark.parametrize("preset, tp", PRESET_TPS, ids=[f"{p}-tp{t}" for p, t in PRESET_TPS])
 def test_presets_compile_at_small_depth(preset, tp):
     assert _divides(preset, tp)
-    config = dataclasses.replace(lj.ModelConfig.from_preset(preset, residual="ladder"),
-                                 n_layers=1)
-    prog = perfmodel.program_kernels(config, phase="prefill", tp=tp, batch=1, prompt_len=16,
-                                     new_tokens=16, target="h100", hosts=1 + (tp > 8))
+    config = dataclasses.replace(lj.ModelConfig.from_preset(preset, residual="ladder"), n_layers=1)
+    prog = perfmodel.program_kernels(
+        config,
+        phase="prefill",
+        tp=tp,
+        batch=1,
+        prompt_len=16,
+        new_tokens=16,
+        target="h100",
+        hosts=1 + (tp > 8),
+    )
     assert sum(k.collective == "all-reduce" for k in prog.kernels) >= 2 * (tp > 1), (preset, tp)
     assert sum(k.flops > 0 for k in prog.kernels) >= 4, (preset, tp)
 
 
 def test_3b_at_tp8_compiles_with_cublas_gemms_where_triton_cannot_tile():
     """The shape that crashed: 3b, tp 8, 4 x 1024 prompt tokens (a 288-wide contraction)."""
-    config = dataclasses.replace(lj.ModelConfig.from_preset("3b", residual="standard"),
-                                 n_layers=1)
-    prog = perfmodel.program_kernels(config, phase="prefill", tp=8, batch=4, prompt_len=1024,
-                                     new_tokens=512, target="h100")
+    config = dataclasses.replace(lj.ModelConfig.from_preset("3b", residual="standard"), n_layers=1)
+    prog = perfmodel.program_kernels(
+        config, phase="prefill", tp=8, batch=4, prompt_len=1024, new_tokens=512, target="h100"
+    )
     # it compiles (with the fused attention the prefill may no longer need the cuBLAS
     # fallback; where it does, the program says so)
     assert prog.fallback in (None, "cublas-gemm"), prog.fallback
@@ -712,17 +955,32 @@ def test_3b_at_tp8_compiles_with_cublas_gemms_where_triton_cannot_tile():
 
 
 def _work_row(residual, tokens_per_s, hbm, flops=1e9, kernels=100):
-    return {"residual": residual, "link": "nvlink", "tp": 8, "batch": 1, "new_tokens": 4,
-            "tokens_per_s": tokens_per_s, "prefill_hbm_bytes": 4 * hbm, "prefill_flops": flops,
-            "decode_step_hbm_bytes": hbm, "decode_step_flops": flops,
-            "decode_step_kernels_full": kernels, "weights_bytes": 1e9}
+    return {
+        "residual": residual,
+        "link": "nvlink",
+        "tp": 8,
+        "batch": 1,
+        "new_tokens": 4,
+        "tokens_per_s": tokens_per_s,
+        "prefill_hbm_bytes": 4 * hbm,
+        "prefill_flops": flops,
+        "decode_step_hbm_bytes": hbm,
+        "decode_step_flops": flops,
+        "decode_step_kernels_full": kernels,
+        "weights_bytes": 1e9,
+    }
 
 
 def test_above_upper_bound_is_explained_by_less_work_or_called_a_defect():
     ub = _work_row("upper_bound", 100.0, 2e9)
-    rows = perfmodel.mark_above_upper_bound([
-        _work_row("standard", 80.0, 2e9), ub, _work_row("parallel", 120.0, 1e9, kernels=90),
-        _work_row("ladder", 110.0, 2e9)])
+    rows = perfmodel.mark_above_upper_bound(
+        [
+            _work_row("standard", 80.0, 2e9),
+            ub,
+            _work_row("parallel", 120.0, 1e9, kernels=90),
+            _work_row("ladder", 110.0, 2e9),
+        ]
+    )
     notes = {r["residual"]: r.get("above_upper_bound") for r in rows}
     assert notes["standard"] is None and notes["upper_bound"] is None
     # (4 x 1e9 + 3 x 1e9) / 4 tokens = 1.75 GB per token against 3.5 GB; 90 against 100 kernels
@@ -739,11 +997,18 @@ def test_a100_no_scheme_above_upper_bound_unless_its_program_does_less_work():
     product; parallel's single input projection is one GEMM. Whatever XLA does, a row above
     upper_bound must say so, with less HBM traffic than upper_bound in its programs, and no
     decode step moves less than its layers' and head's weight shards (from the shapes)."""
-    cfg = dataclasses.replace(lj.ModelConfig.from_preset("llama-2-7b"), n_layers=2,
-                              vocab_size=4096)
-    rows = perfmodel.predict(cfg, tp=8, batch=1, links=("nvlink",), target="a100",
-                             residuals=("parallel", "upper_bound"), prompt_len=16,
-                             new_tokens=16, layers_compiled=0)
+    cfg = dataclasses.replace(lj.ModelConfig.from_preset("llama-2-7b"), n_layers=2, vocab_size=4096)
+    rows = perfmodel.predict(
+        cfg,
+        tp=8,
+        batch=1,
+        links=("nvlink",),
+        target="a100",
+        residuals=("parallel", "upper_bound"),
+        prompt_len=16,
+        new_tokens=16,
+        layers_compiled=0,
+    )
     by = {r["residual"]: r for r in rows}
     ub, par = by["upper_bound"], by["parallel"]
     d, f, hd = cfg.d_model, cfg.d_ff, cfg.d_model // cfg.n_heads
@@ -763,18 +1028,33 @@ def test_a100_no_scheme_above_upper_bound_unless_its_program_does_less_work():
 # ---------------------------------------------------------------------------------------------
 # Collectives across hosts as NCCL times and picks them (hardware.NCCL, perfmodel.nccl_seconds).
 
-NV = hardware.Link("nv", "", base_latency_s=0, hop_latency_s=0.6e-6, bus_bytes_per_s=400e9,
-                   sources="")
-NET = hardware.Link("ib", "", base_latency_s=0, hop_latency_s=2.7e-6, bus_bytes_per_s=50e9,
-                    sources="", channels=16, hw="net")
+NV = hardware.Link(
+    "nv", "", base_latency_s=0, hop_latency_s=0.6e-6, bus_bytes_per_s=400e9, sources=""
+)
+NET = hardware.Link(
+    "ib",
+    "",
+    base_latency_s=0,
+    hop_latency_s=2.7e-6,
+    bus_bytes_per_s=50e9,
+    sources="",
+    channels=16,
+    hw="net",
+)
 
 
 def test_nccl_picks_the_tree_for_tiny_messages_across_hosts():
     # 16 ranks on 2 hosts, nothing to move: every (algorithm, protocol) by NCCL's figures, us
-    ring = {"LL": 6.6 + 28 * max(0.6, 1.0) + 2 * 2.7,  # an intra step waits the net overhead
-            "LL128": 14.0 + 28 * 1.9 + 2 * 4.0, "Simple": 8.4 + 28 * 3.4 + 2 * 14.0}
-    tree = {"LL": 6.8 + 2 * (7 * 0.6 + 1 * 5.0), "LL128": 14.0 + 2 * (7 * 1.25 + 8.5),
-            "Simple": 8.4 + 2 * (7 * 4.0 + 14.0)}
+    ring = {
+        "LL": 6.6 + 28 * max(0.6, 1.0) + 2 * 2.7,  # an intra step waits the net overhead
+        "LL128": 14.0 + 28 * 1.9 + 2 * 4.0,
+        "Simple": 8.4 + 28 * 3.4 + 2 * 14.0,
+    }
+    tree = {
+        "LL": 6.8 + 2 * (7 * 0.6 + 1 * 5.0),
+        "LL128": 14.0 + 2 * (7 * 1.25 + 8.5),
+        "Simple": 8.4 + 2 * (7 * 4.0 + 14.0),
+    }
     assert min([*ring.values(), *tree.values()]) == tree["LL"] == pytest.approx(25.2)
     s, how = perfmodel.nccl_seconds("all-reduce", 0, 16, NV, hosts=2, inter_host=NET)
     assert (s, how) == (pytest.approx(25.2e-6, rel=1e-12), "tree/LL")
@@ -791,12 +1071,13 @@ def test_nccl_large_messages_pay_the_protocol_share_of_the_hierarchy_bandwidth()
     n = 64e6  # 16 ranks on 2 hosts: the NVLink level bounds (280 us against 160 us on IB)
     bw = max(2 * n * 7 / 8 / 400e9, 2 * (n / 8) / 2 / 50e9)
     assert bw == pytest.approx(280e-6)
-    want = {"ring/Simple": (8.4 + 28 * 3.4 + 2 * 14.0) * 1.4e-6 + bw,  # the ring's plateau
-            "ring/LL128": (14.0 + 28 * 1.9 + 2 * 4.0) * 1e-6 + bw / 0.92,
-            "tree/LL128": (14.0 + 2 * (7 * 1.25 + 8.5)) * 1e-6 + bw * (2 / 1.875) / (
-                0.92 * 120 / 128),
-            "tree/Simple": (8.4 + 2 * (7 * 4.0 + 14.0)) * 1e-6 + bw * (2 / 1.875) / 0.92,
-            "ring/LL": (6.6 + 28 + 5.4) * 1e-6 + n * 1.875 / 39e9}  # LL's cap across hosts
+    want = {
+        "ring/Simple": (8.4 + 28 * 3.4 + 2 * 14.0) * 1.4e-6 + bw,  # the ring's plateau
+        "ring/LL128": (14.0 + 28 * 1.9 + 2 * 4.0) * 1e-6 + bw / 0.92,
+        "tree/LL128": (14.0 + 2 * (7 * 1.25 + 8.5)) * 1e-6 + bw * (2 / 1.875) / (0.92 * 120 / 128),
+        "tree/Simple": (8.4 + 2 * (7 * 4.0 + 14.0)) * 1e-6 + bw * (2 / 1.875) / 0.92,
+        "ring/LL": (6.6 + 28 + 5.4) * 1e-6 + n * 1.875 / 39e9,
+    }  # LL's cap across hosts
     best = min(want, key=want.get)
     s, how = perfmodel.nccl_seconds("all-reduce", n, 16, NV, hosts=2, inter_host=NET)
     assert (s, how) == (pytest.approx(want[best], rel=1e-12), best) and best == "ring/LL128"
@@ -816,50 +1097,74 @@ def test_nccl_collectives_never_faster_with_more_bytes_hosts_or_slower_links():
             for hosts in (2, 4, 8, 16):
                 times = []
                 for n in sizes:
-                    k = perfmodel.Kernel("start", "x", nbytes=n, collective=coll, ranks=16,
-                                         hosts=hosts)
+                    k = perfmodel.Kernel(
+                        "start", "x", nbytes=n, collective=coll, ranks=16, hosts=hosts
+                    )
                     [t] = perfmodel.costed([k], calibration=cal, link=link, contention=False)
                     times.append(t.seconds)
                 assert times == sorted(times), (coll, link.name, hosts, times)
                 if last_hosts and link.name == "nvlink":  # (P2P off, a host's own PCIe path
                     # is slower than the network: spreading over more hosts may then help)
-                    assert all(a >= b for a, b in zip(times, last_hosts)), (coll, link.name,
-                                                                             hosts)
+                    assert all(a >= b for a, b in zip(times, last_hosts)), (coll, link.name, hosts)
                 last_hosts = times
             for n in sizes:  # a slower link (either level) never makes it faster
-                base = perfmodel.nccl_seconds(coll, n, 16, link, hosts=2,
-                                              inter_host=cal.inter_host)[0]
+                base = perfmodel.nccl_seconds(
+                    coll, n, 16, link, hosts=2, inter_host=cal.inter_host
+                )[0]
                 for scale in (0.5, 0.1):
-                    slow = dataclasses.replace(link, bus_bytes_per_s=link.bus_bytes_per_s * scale,
-                                               hop_latency_s=link.hop_latency_s / scale)
+                    slow = dataclasses.replace(
+                        link,
+                        bus_bytes_per_s=link.bus_bytes_per_s * scale,
+                        hop_latency_s=link.hop_latency_s / scale,
+                    )
                     slow_net = dataclasses.replace(
-                        cal.inter_host, bus_bytes_per_s=cal.inter_host.bus_bytes_per_s * scale,
-                        hop_latency_s=cal.inter_host.hop_latency_s / scale)
-                    assert perfmodel.nccl_seconds(coll, n, 16, slow, hosts=2,
-                                                  inter_host=cal.inter_host)[0] >= base
-                    assert perfmodel.nccl_seconds(coll, n, 16, link, hosts=2,
-                                                  inter_host=slow_net)[0] >= base
+                        cal.inter_host,
+                        bus_bytes_per_s=cal.inter_host.bus_bytes_per_s * scale,
+                        hop_latency_s=cal.inter_host.hop_latency_s / scale,
+                    )
+                    assert (
+                        perfmodel.nccl_seconds(
+                            coll, n, 16, slow, hosts=2, inter_host=cal.inter_host
+                        )[0]
+                        >= base
+                    )
+                    assert (
+                        perfmodel.nccl_seconds(coll, n, 16, link, hosts=2, inter_host=slow_net)[0]
+                        >= base
+                    )
 
 
 # ---------------------------------------------------------------------------------------------
 # The host: launch costs, command buffers (issue: small models at high tp).
 
-LAUNCH = hardware.Launch(kernel_s=2.0, graph_s=3.0, stream_gap_s=0.5, collective_s=4.0,
-                         step_s=10.0, min_graph=5, sources="")
+LAUNCH = hardware.Launch(
+    kernel_s=2.0,
+    graph_s=3.0,
+    stream_gap_s=0.5,
+    collective_s=4.0,
+    step_s=10.0,
+    min_graph=5,
+    sources="",
+)
 
 
 def _kernels(kinds: str) -> list:
     """c: compute, s: collective start, d: its done, y: a blocking collective."""
     kind = {"c": "compute", "s": "start", "d": "done", "y": "sync"}
-    return [perfmodel.Kernel(kind[k], "x" if k in "sd" else f"k{i}", collective="all-reduce")
-            for i, k in enumerate(kinds)]
+    return [
+        perfmodel.Kernel(kind[k], "x" if k in "sd" else f"k{i}", collective="all-reduce")
+        for i, k in enumerate(kinds)
+    ]
 
 
 def test_launch_plan_graphs_long_runs_and_launches_the_rest_one_by_one():
     ks = _kernels("cccccsccdcy")
     graphs = perfmodel.launch_plan(ks, LAUNCH, "graphs")
     assert graphs == [(3.0, True)] + [(0.0, True)] * 4 + [(4.0, False)] + [(2.0, False)] * 2 + [
-        (0.0, False), (2.0, False), (4.0, False)]
+        (0.0, False),
+        (2.0, False),
+        (4.0, False),
+    ]
     streams = perfmodel.launch_plan(ks, LAUNCH, "streams")
     assert [s for s, _ in streams] == [2.0] * 5 + [4.0, 2.0, 2.0, 0.0, 2.0, 4.0]
     assert not any(g for _, g in streams)
@@ -871,20 +1176,29 @@ def test_launch_plan_graphs_long_runs_and_launches_the_rest_one_by_one():
 def test_the_gpu_waits_for_the_host_exactly():
     # two 1 s kernels issued 2 s apart: the first runs 2-3 s, the second 4-5 s; the host's
     # dispatch (1 s) ends the call at 5 s too; with a 3 s dispatch the host's 7 s is the step
-    ops = [T("compute", "a", 1.0, flops_s=1.0, issue_s=2.0),
-           T("compute", "b", 1.0, flops_s=1.0, issue_s=2.0)]
+    ops = [
+        T("compute", "a", 1.0, flops_s=1.0, issue_s=2.0),
+        T("compute", "b", 1.0, flops_s=1.0, issue_s=2.0),
+    ]
     t = perfmodel.simulate(ops, step_s=1.0)
     assert (t.seconds, t.compute_s, t.exposed_comm_s) == (5.0, 5.0, 0.0)
     assert perfmodel.simulate(ops, step_s=3.0).seconds == 7.0
     # a collective is issued after the kernel before it (host 2 s + 1 s), runs 3-7 s; c waits
-    ops = [T("compute", "a", 1.0, flops_s=1.0, issue_s=2.0), T("start", "x", 4.0, issue_s=1.0),
-           T("compute", "c", 1.0, flops_s=1.0), T("done", "x", 0.0)]
+    ops = [
+        T("compute", "a", 1.0, flops_s=1.0, issue_s=2.0),
+        T("start", "x", 4.0, issue_s=1.0),
+        T("compute", "c", 1.0, flops_s=1.0),
+        T("done", "x", 0.0),
+    ]
     t = perfmodel.simulate(ops)
     assert (t.seconds, t.compute_s, t.comm_s) == (7.0, 4.0, 4.0)
     # a host that issues each op while the one before runs is hidden: the GPU alone, 5 s
     fast = [dataclasses.replace(op, issue_s=s) for op, s in zip(ops, (0.0, 0.5, 0.5, 0.0))]
-    assert perfmodel.simulate(fast).seconds == perfmodel.simulate(
-        [dataclasses.replace(op, issue_s=0.0) for op in ops]).seconds == 5.0
+    assert (
+        perfmodel.simulate(fast).seconds
+        == perfmodel.simulate([dataclasses.replace(op, issue_s=0.0) for op in ops]).seconds
+        == 5.0
+    )
 
 
 def test_costed_kernels_outside_a_command_buffer_pay_the_stream_gap():
@@ -901,22 +1215,36 @@ def test_costed_kernels_outside_a_command_buffer_pay_the_stream_gap():
 
 
 def test_host_costs_never_predict_faster_and_off_is_the_gpu_alone():
-    kw = dict(phase="decode", tp=4, batch=1, prompt_len=16, new_tokens=16,
-              link=hardware.LINKS["nvlink"], layers_compiled=0)
+    kw = dict(
+        phase="decode",
+        tp=4,
+        batch=1,
+        prompt_len=16,
+        new_tokens=16,
+        link=hardware.LINKS["nvlink"],
+        layers_compiled=0,
+    )
     for residual in ("standard", "ladder"):
         cfg = dataclasses.replace(KV8, residual=residual)
-        t = {m: perfmodel.program_time(cfg, launch=m, **kw)["seconds"]
-             for m in hardware.LAUNCH_MODES}
-        kernels = perfmodel.program_kernels(cfg, phase="decode", tp=4, batch=1, prompt_len=16,
-                                            new_tokens=16, target="h100").kernels
-        alone = perfmodel.simulate(perfmodel.costed(kernels, calibration=hardware.calibration(
-            "h100"), link=hardware.LINKS["nvlink"])).seconds
+        t = {
+            m: perfmodel.program_time(cfg, launch=m, **kw)["seconds"] for m in hardware.LAUNCH_MODES
+        }
+        kernels = perfmodel.program_kernels(
+            cfg, phase="decode", tp=4, batch=1, prompt_len=16, new_tokens=16, target="h100"
+        ).kernels
+        alone = perfmodel.simulate(
+            perfmodel.costed(
+                kernels, calibration=hardware.calibration("h100"), link=hardware.LINKS["nvlink"]
+            )
+        ).seconds
         assert t["off"] == alone
         assert t["off"] <= t["graphs"] <= t["streams"], (residual, t)
         # a slower host never predicts a faster step
         slow = hardware.calibration("h100").replace(launch={"kernel_s": 20e-6})
-        assert perfmodel.program_time(cfg, launch="streams", calibration=slow, **kw)[
-            "seconds"] >= t["streams"]
+        assert (
+            perfmodel.program_time(cfg, launch="streams", calibration=slow, **kw)["seconds"]
+            >= t["streams"]
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -926,8 +1254,11 @@ def test_host_costs_never_predict_faster_and_off_is_the_gpu_alone():
 def test_a_collective_moves_its_data_slower_beside_a_running_kernel_exactly():
     # x: 1 s of latency then 2 s of data; beside a 4 s kernel its data moves at half speed:
     # latency 0-1 s, 1.5 s of data in 1-4 s, the last 0.5 s alone: it ends at 4.5 s
-    ops = [T("start", "x", 3.0, latency_s=1.0), T("compute", "a", 4.0, flops_s=4.0),
-           T("done", "x", 0.0)]
+    ops = [
+        T("start", "x", 3.0, latency_s=1.0),
+        T("compute", "a", 4.0, flops_s=4.0),
+        T("done", "x", 0.0),
+    ]
     t = perfmodel.simulate(ops, copy_rate=0.5)
     assert (t.seconds, t.compute_s, t.comm_s) == (4.5, 4.0, 4.5)
     assert perfmodel.simulate(ops).seconds == 4.0  # one way only: x ends at 3 s
@@ -950,9 +1281,17 @@ def test_contention_both_ways_at_rate_one_is_the_one_way_replay():
             r = rng.random()
             if r < 0.3:
                 seconds = rng.uniform(0.1, 3)
-                ops.append(T("start", f"c{i}", seconds, latency_s=rng.uniform(0, seconds),
-                             sm_share=rng.uniform(0, 0.5), hbm_share=rng.uniform(0, 0.5),
-                             issue_s=rng.uniform(0, 0.3)))
+                ops.append(
+                    T(
+                        "start",
+                        f"c{i}",
+                        seconds,
+                        latency_s=rng.uniform(0, seconds),
+                        sm_share=rng.uniform(0, 0.5),
+                        hbm_share=rng.uniform(0, 0.5),
+                        issue_s=rng.uniform(0, 0.3),
+                    )
+                )
                 open_.append(f"c{i}")
             elif r < 0.45 and open_:
                 ops.append(T("done", open_.pop(rng.randrange(len(open_))), 0.0))
@@ -960,8 +1299,16 @@ def test_contention_both_ways_at_rate_one_is_the_one_way_replay():
                 ops.append(T("sync", f"s{i}", rng.uniform(0.1, 1)))
             else:
                 f, b = rng.uniform(0, 2), rng.uniform(0, 2)
-                ops.append(T("compute", f"k{i}", max(f, b) + 0.1, flops_s=f, bytes_s=b,
-                             issue_s=rng.uniform(0, 0.3)))
+                ops.append(
+                    T(
+                        "compute",
+                        f"k{i}",
+                        max(f, b) + 0.1,
+                        flops_s=f,
+                        bytes_s=b,
+                        issue_s=rng.uniform(0, 0.3),
+                    )
+                )
         ops += [T("done", n, 0.0) for n in open_]
         one, both = perfmodel.simulate(ops), perfmodel._Replay(1.0).run(ops, 0.0)
         assert both.seconds == pytest.approx(one.seconds, rel=1e-12, abs=1e-12)
@@ -971,13 +1318,22 @@ def test_contention_both_ways_at_rate_one_is_the_one_way_replay():
 
 
 def test_prefill_collectives_are_slowed_beside_kernels_and_the_ablation_is_exact():
-    kw = dict(phase="prefill", tp=4, batch=1, prompt_len=16, new_tokens=16,
-              link=hardware.LINKS["nvlink"], layers_compiled=0, launch="off")
+    kw = dict(
+        phase="prefill",
+        tp=4,
+        batch=1,
+        prompt_len=16,
+        new_tokens=16,
+        link=hardware.LINKS["nvlink"],
+        layers_compiled=0,
+        launch="off",
+    )
     cfg = dataclasses.replace(KV8, residual="ladder")
     one_way = perfmodel.program_time(cfg, copy_contention=False, **kw)
     both = perfmodel.program_time(cfg, **kw)
-    kernels = perfmodel.program_kernels(cfg, phase="prefill", tp=4, batch=1, prompt_len=16,
-                                        new_tokens=16, target="h100").kernels
+    kernels = perfmodel.program_kernels(
+        cfg, phase="prefill", tp=4, batch=1, prompt_len=16, new_tokens=16, target="h100"
+    ).kernels
     cal = hardware.calibration("h100")
     ops = perfmodel.costed(kernels, calibration=cal, link=hardware.LINKS["nvlink"])
     assert one_way["seconds"] == perfmodel.simulate(ops).seconds

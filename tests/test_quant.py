@@ -32,10 +32,22 @@ from ladder_jax.train import data, trainer
 from tests.helpers import SCHEMES, TINY, logits, mesh
 
 SEQ, EVAL_FRACTION = 64, 0.05
-TRAIN = ["model.n_layers=2", f"data.seq_len={SEQ}", "data.batch_size=16", "steps=150",
-         "eval_every=0", "ckpt_every=0", "eval_batches=2", "progress=none", "log_every=1000",
-         "optim.warmup_steps=10", "optim.peak_lr=3e-3", "mesh.tp=1", "mesh.data=1",
-         f"data.eval_fraction={EVAL_FRACTION}"]
+TRAIN = [
+    "model.n_layers=2",
+    f"data.seq_len={SEQ}",
+    "data.batch_size=16",
+    "steps=150",
+    "eval_every=0",
+    "ckpt_every=0",
+    "eval_batches=2",
+    "progress=none",
+    "log_every=1000",
+    "optim.warmup_steps=10",
+    "optim.peak_lr=3e-3",
+    "mesh.tp=1",
+    "mesh.data=1",
+    f"data.eval_fraction={EVAL_FRACTION}",
+]
 
 # Per position: ||int8 logits - float logits|| / ||float logits|| over the vocabulary.
 REL_ERROR_PER_POSITION = 0.01  # measured: max 0.0021, mean 0.0011 over 512 positions
@@ -73,9 +85,11 @@ def test_int8_tracks_float_on_a_trained_model(run, held_out):
     agree = np.mean(q.argmax(-1) == f.argmax(-1))
     assert agree >= 0.95, agree
     loss_f, loss_q = _loss(f, targets), _loss(q, targets)
-    print(f"int8 vs float on {rel.size} held-out positions: relative logit error max "
-          f"{rel.max():.4f} mean {rel.mean():.4f}; greedy agreement {agree:.4f}; held-out loss "
-          f"{loss_f:.4f} float, {loss_q:.4f} int8 ({100 * (loss_q / loss_f - 1):+.3f}%)")
+    print(
+        f"int8 vs float on {rel.size} held-out positions: relative logit error max "
+        f"{rel.max():.4f} mean {rel.mean():.4f}; greedy agreement {agree:.4f}; held-out loss "
+        f"{loss_f:.4f} float, {loss_q:.4f} int8 ({100 * (loss_q / loss_f - 1):+.3f}%)"
+    )
     assert abs(loss_q - loss_f) <= 0.01 * loss_f, (loss_f, loss_q)
     # the check can fail: int8 is not the float model, and a cruder rounding is caught
     assert rel.mean() > 1e-4
@@ -83,8 +97,9 @@ def test_int8_tracks_float_on_a_trained_model(run, held_out):
     for layer in crude.layers:
         layer.mlp.down.scale[...] = layer.mlp.down.scale[...] * 1.5
     worse = np.asarray(logits(crude, tokens))
-    assert (np.linalg.norm(worse - f, axis=-1) / np.linalg.norm(f, axis=-1)).max() > \
-        REL_ERROR_PER_POSITION
+    assert (
+        np.linalg.norm(worse - f, axis=-1) / np.linalg.norm(f, axis=-1)
+    ).max() > REL_ERROR_PER_POSITION
 
 
 def test_quantized_weights_are_int8_with_scales_sharded_like_them():
@@ -106,14 +121,18 @@ def test_quantized_weights_are_int8_with_scales_sharded_like_them():
     # independent reference: numpy's per-output-channel rounding of the float weight
     w = np.asarray(model.layers[0].attn.o.weight[...])
     scale = np.abs(w).max(axis=(0, 1), keepdims=True) / 127
-    np.testing.assert_array_equal(np.asarray(attn.o.weight[...]),
-                                  np.round(w / scale).astype(np.int8))
+    np.testing.assert_array_equal(
+        np.asarray(attn.o.weight[...]), np.round(w / scale).astype(np.int8)
+    )
     np.testing.assert_allclose(np.asarray(attn.o.scale[...]), scale, rtol=1e-6)
     # a quantized preset draws the same weights and quantizes them
-    direct = lj.Transformer(dataclasses.replace(TINY, quantize="int8"),
-                            mesh=mesh(4), rngs=nnx.Rngs(0))
-    np.testing.assert_array_equal(np.asarray(direct.layers[1].mlp.up.weight[...]),
-                                  np.asarray(qmodel.layers[1].mlp.up.weight[...]))
+    direct = lj.Transformer(
+        dataclasses.replace(TINY, quantize="int8"), mesh=mesh(4), rngs=nnx.Rngs(0)
+    )
+    np.testing.assert_array_equal(
+        np.asarray(direct.layers[1].mlp.up.weight[...]),
+        np.asarray(qmodel.layers[1].mlp.up.weight[...]),
+    )
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
@@ -121,12 +140,16 @@ def test_int8_tp4_equals_tp1(scheme):
     """Quantizing is mesh-independent (same int8 values and scales at tp 1 and 4) and the
     sharded int8 forward equals the unsharded one, kv heads replicated (K=4 < tp=8) too."""
     tokens = np.random.default_rng(0).integers(0, 320, (2, 24))
-    one = quant.quantize(lj.Transformer(dataclasses.replace(TINY, **SCHEMES[scheme]),
-                                        mesh=mesh(1), rngs=nnx.Rngs(1)))
+    one = quant.quantize(
+        lj.Transformer(dataclasses.replace(TINY, **SCHEMES[scheme]), mesh=mesh(1), rngs=nnx.Rngs(1))
+    )
     ref = np.asarray(logits(one, tokens))
     for tp in (4, 8) if scheme == "ladder" else (4,):
-        many = quant.quantize(lj.Transformer(dataclasses.replace(one.config, quantize=None),
-                                             mesh=mesh(tp), rngs=nnx.Rngs(1)))
+        many = quant.quantize(
+            lj.Transformer(
+                dataclasses.replace(one.config, quantize=None), mesh=mesh(tp), rngs=nnx.Rngs(1)
+            )
+        )
         for a, b in zip(jax.tree.leaves(nnx.state(one)), jax.tree.leaves(nnx.state(many))):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         np.testing.assert_allclose(np.asarray(logits(many, tokens)), ref, rtol=2e-5, atol=2e-5)
@@ -157,7 +180,7 @@ def test_store_quantized_then_load_and_generate(run, tmp_path):
     seq = list(ids)
     for _ in range(12):
         seq.append(int(np.asarray(logits(stored, np.array([seq])))[0, -1].argmax()))
-    assert generation.generate(stored, [ids], max_new_tokens=12)[0] == seq[len(ids):]
+    assert generation.generate(stored, [ids], max_new_tokens=12)[0] == seq[len(ids) :]
 
 
 def test_float_only_paths_refuse_quantized_weights(run, tmp_path, capsys):
@@ -165,13 +188,15 @@ def test_float_only_paths_refuse_quantized_weights(run, tmp_path, capsys):
     assert convert_cli.main(["--checkpoint", run, "--out", out, "--quantize", "int8"]) == 0
     capsys.readouterr()
     # training from it
-    cfg = trainer.load_config(TRAIN + [f"run_dir={tmp_path}", "name=ft", f"init_from={out}",
-                                       "steps=1"])
+    cfg = trainer.load_config(
+        TRAIN + [f"run_dir={tmp_path}", "name=ft", f"init_from={out}", "steps=1"]
+    )
     with pytest.raises(ConfigError, match=r"is quantized .* decoding only"):
         trainer.run(cfg)
     with pytest.raises(ConfigError, match=r"model.quantize=int8: training runs on float"):
-        trainer.run(trainer.load_config(TRAIN + [f"run_dir={tmp_path}", "name=q",
-                                                 "model.quantize=int8"]))
+        trainer.run(
+            trainer.load_config(TRAIN + [f"run_dir={tmp_path}", "name=q", "model.quantize=int8"])
+        )
     assert not os.path.exists(tmp_path / "q")
     # exporting it to the Hugging Face layout: one line, nothing written
     hf_out = str(tmp_path / "hf")
@@ -179,8 +204,10 @@ def test_float_only_paths_refuse_quantized_weights(run, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is quantized (int8): --to-hf writes float" in err
     assert not os.path.exists(hf_out)
-    assert convert_cli.main(["--checkpoint", run, "--out", hf_out, "--to-hf",
-                             "--quantize", "int8"]) == 2
+    assert (
+        convert_cli.main(["--checkpoint", run, "--out", hf_out, "--to-hf", "--quantize", "int8"])
+        == 2
+    )
     assert "the Hugging Face layout holds float" in capsys.readouterr().err
     assert not os.path.exists(hf_out)
     with pytest.raises(ConfigError, match="save_hf .* quantized"):
@@ -189,15 +216,20 @@ def test_float_only_paths_refuse_quantized_weights(run, tmp_path, capsys):
         quant.quantize(lj.load(out, tp=1)[0])
 
 
-@pytest.mark.parametrize("argv", [
-    ["--quantize", "int4"],
-    ["--quantize", "int4", "--benchmark"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--quantize", "int4"],
+        ["--quantize", "int4", "--benchmark"],
+    ],
+)
 def test_unknown_mode_is_one_line_naming_the_modes(argv, capsys):
     assert decode_cli.main(argv + ["--tp", "1"]) == 2
     err = capsys.readouterr().err
-    assert err == ("error: --quantize int4 is not a quantization mode: choose int8 (or none, "
-                   "for float weights)\n")
+    assert err == (
+        "error: --quantize int4 is not a quantization mode: choose int8 (or none, "
+        "for float weights)\n"
+    )
     with pytest.raises(ConfigError, match="quantize='int4' is not a quantization mode"):
         lj.ModelConfig.from_preset("tiny", quantize="int4")
     with pytest.raises(ConfigError, match="int4"):
@@ -205,11 +237,32 @@ def test_unknown_mode_is_one_line_naming_the_modes(argv, capsys):
 
 
 def test_decode_cli_int8(capsys):
-    assert decode_cli.main(["--quantize", "int8", "--tp", "2", "--max-new-tokens", "4",
-                            "--temperature", "0"]) == 0
+    assert (
+        decode_cli.main(
+            ["--quantize", "int8", "--tp", "2", "--max-new-tokens", "4", "--temperature", "0"]
+        )
+        == 0
+    )
     assert "weights int8" in capsys.readouterr().out
-    assert decode_cli.main(["--quantize", "int8", "--tp", "2", "--benchmark", "--json",
-                            "--batch", "4", "--prompt-len", "8", "--max-new-tokens", "3"]) == 0
+    assert (
+        decode_cli.main(
+            [
+                "--quantize",
+                "int8",
+                "--tp",
+                "2",
+                "--benchmark",
+                "--json",
+                "--batch",
+                "4",
+                "--prompt-len",
+                "8",
+                "--max-new-tokens",
+                "3",
+            ]
+        )
+        == 0
+    )
     assert '"quantize": "int8"' in capsys.readouterr().out
 
 
@@ -218,25 +271,41 @@ def test_decode_cli_int8(capsys):
 
 # Wide enough that weights dominate what a decode step reads (and that XLA reads each int8
 # weight straight into its matmul kernel at one token per row); 2 layers, tp=2.
-WIDE = dict(vocab_size=4096, d_model=2048, n_layers=2, n_heads=16, n_kv_heads=8, d_ff=8192,
-            max_seq_len=256, dtype="bfloat16", param_dtype="bfloat16")
+WIDE = dict(
+    vocab_size=4096,
+    d_model=2048,
+    n_layers=2,
+    n_heads=16,
+    n_kv_heads=8,
+    d_ff=8192,
+    max_seq_len=256,
+    dtype="bfloat16",
+    param_dtype="bfloat16",
+)
 
 
 @functools.lru_cache(maxsize=None)
 def _decode_hlo(quantize):
     config = lj.ModelConfig.from_preset("tiny", **WIDE)
-    text, _ = programs.compile_program(config, phase="decode", tp=2, batch=1, seq=16,
-                                       new_tokens=16, quantize=quantize)
+    text, _ = programs.compile_program(
+        config, phase="decode", tp=2, batch=1, seq=16, new_tokens=16, quantize=quantize
+    )
     return dataclasses.replace(config, quantize=quantize), text
 
 
 def _weight_bytes(config, text):
     """Bytes of the ENTRY parameters that are weights, per GPU (jit's arguments are the
     state's leaves first, in order)."""
-    n = len(jax.tree.leaves(nnx.state(fuse_inputs(nnx.merge(*abstract(
-        config, programs.gpu_mesh("h100", 2)))))))  # decoding's fused model
-    params = {int(op.text.split("parameter(")[1].split(")")[0]): op
-              for op in hlo.computations(text)["ENTRY"] if op.opcode == "parameter"}
+    n = len(
+        jax.tree.leaves(
+            nnx.state(fuse_inputs(nnx.merge(*abstract(config, programs.gpu_mesh("h100", 2)))))
+        )
+    )  # decoding's fused model
+    params = {
+        int(op.text.split("parameter(")[1].split(")")[0]): op
+        for op in hlo.computations(text)["ENTRY"]
+        if op.opcode == "parameter"
+    }
     return sum(hlo.nbytes(params[i].shape) for i in range(n))
 
 
@@ -257,32 +326,42 @@ def test_int8_decode_program_reads_int8_weights():
             users.setdefault(name, []).append(op)
 
     def readers(name):
-        return [r for u in users.get(name, ()) for r in (
-            readers(u.name) if u.opcode == "bitcast" else [u])]
+        return [
+            r
+            for u in users.get(name, ())
+            for r in (readers(u.name) if u.opcode == "bitcast" else [u])
+        ]
 
     s8 = [op.name for op in entry if op.opcode == "parameter" and op.shape.startswith("s8[")]
     assert len(s8) == 2 * 4 + 1  # q/k/v, o, gate/up, down a layer (fused) and the head
     for name in s8:
         assert readers(name) and all(r.is_matmul() for r in readers(name)), (
-            name, [(r.name, r.op_name) for r in readers(name)])
-    read = lambda text: sum(k.nbytes for k in perfmodel.read_kernels(text)  # noqa: E731
-                            if k.kind == "compute")
-    print(f"decode step per GPU: weights {wb / 1e6:.1f} MB bf16, {wq / 1e6:.1f} MB int8; "
-          f"kernel bytes {read(bf16) / 1e6:.1f} MB bf16, {read(int8) / 1e6:.1f} MB int8")
+            name,
+            [(r.name, r.op_name) for r in readers(name)],
+        )
+
+    def read(text):
+        return sum(k.nbytes for k in perfmodel.read_kernels(text) if k.kind == "compute")
+
+    print(
+        f"decode step per GPU: weights {wb / 1e6:.1f} MB bf16, {wq / 1e6:.1f} MB int8; "
+        f"kernel bytes {read(bf16) / 1e6:.1f} MB bf16, {read(int8) / 1e6:.1f} MB int8"
+    )
     assert read(int8) < 0.6 * read(bf16), (read(int8), read(bf16))
 
 
 def test_ladder_overlap_holds_on_the_int8_decode_program():
-    config = lj.ModelConfig.from_preset("tiny", residual="ladder", n_kv_heads=8,
-                                        quantize="int8")
+    config = lj.ModelConfig.from_preset("tiny", residual="ladder", n_kv_heads=8, quantize="int8")
     rep = overlap.report(config, phase="decode", tp=8, batch=1, seq=128)
     assert "s8[" in str(rep["preset_config"]) or rep["preset_config"]["quantize"] == "int8"
     fwd = [a for a in rep["all_reduces"] if a["kind"] in ("module", "head")]
     assert [(a["layer"], a["module"]) for a in fwd] == [
-        (i, m) for i in range(4) for m in ("attn", "mlp")]
+        (i, m) for i in range(4) for m in ("attn", "mlp")
+    ]
     assert [a["overlapped"] for a in fwd] == [True] * 7 + [False]
-    std = overlap.report(dataclasses.replace(config, residual="standard"), phase="decode",
-                         tp=8, batch=1, seq=128)  # the control
+    std = overlap.report(
+        dataclasses.replace(config, residual="standard"), phase="decode", tp=8, batch=1, seq=128
+    )  # the control
     assert not any(a["overlapped"] for a in std["all_reduces"] if a["kind"] == "module")
 
 
@@ -298,5 +377,6 @@ def test_int8_fused_projections_equal_the_separate_ones(tp):
     assert fused.layers[0].attn.q is None and qkv.weight.dtype == jnp.int8
     assert qkv.scale is not None and qkv.scale.dtype == jnp.float32
     tokens = np.random.default_rng(0).integers(0, 320, (2, 24))
-    np.testing.assert_allclose(np.asarray(logits(fused, tokens)),
-                               np.asarray(logits(model, tokens)), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(
+        np.asarray(logits(fused, tokens)), np.asarray(logits(model, tokens)), rtol=2e-5, atol=2e-5
+    )

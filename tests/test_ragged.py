@@ -24,16 +24,21 @@ B, N, K, H, S = 4, 8, 2, 16, 200  # S not a multiple of the block (16): the last
 
 def _inputs(T, seed=0):
     keys = jax.random.split(jax.random.key(seed), 3)
-    return (jax.random.normal(keys[0], (B, T, N, H)), jax.random.normal(keys[1], (B, K, H, S)),
-            jax.random.normal(keys[2], (B, K, S, H)))
+    return (
+        jax.random.normal(keys[0], (B, T, N, H)),
+        jax.random.normal(keys[1], (B, K, H, S)),
+        jax.random.normal(keys[2], (B, K, S, H)),
+    )
 
 
 def _poison(k_bkhs, v_bksh, first_unread_b):
     """NaN in every slot from first_unread[b] on, in row b's keys and values."""
     slot = jnp.arange(S)
     bad_bs = slot[None, :] >= jnp.asarray(first_unread_b)[:, None]
-    return (jnp.where(bad_bs[:, None, None, :], jnp.nan, k_bkhs),
-            jnp.where(bad_bs[:, None, :, None], jnp.nan, v_bksh))
+    return (
+        jnp.where(bad_bs[:, None, None, :], jnp.nan, k_bkhs),
+        jnp.where(bad_bs[:, None, :, None], jnp.nan, v_bksh),
+    )
 
 
 @pytest.mark.parametrize("kernel", ["matmul", "pallas"])
@@ -53,7 +58,8 @@ def test_ragged_decode_attention_equals_the_reference(kernel, T):
         read_b = np.full(B, read_b.max())
     k, v = _poison(k, v, np.minimum(read_b, S))
     got = jax.jit(lambda *a: ragged.attend_filled(*a, kernel=kernel, interpret=True))(
-        q, k, v, pos_bt)
+        q, k, v, pos_bt
+    )
     want = reference.cache_attention(q, k, v, np.asarray(pos_bt))
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0)
 
@@ -63,15 +69,20 @@ def test_a_head_width_triton_cannot_block_takes_the_xla_loop():
     alike) runs the XLA loop even where the model asks for the kernel, and still equals the
     reference attention; a width of 16 runs the kernel."""
     keys = jax.random.split(jax.random.key(1), 3)
-    q, k, v = (jax.random.normal(keys[0], (2, 1, 4, 24)),
-               jax.random.normal(keys[1], (2, 2, 24, 64)),
-               jax.random.normal(keys[2], (2, 2, 64, 24)))
+    q, k, v = (
+        jax.random.normal(keys[0], (2, 1, 4, 24)),
+        jax.random.normal(keys[1], (2, 2, 24, 64)),
+        jax.random.normal(keys[2], (2, 2, 64, 24)),
+    )
     pos_bt = jnp.asarray([[5], [40]], jnp.int32)
     f = lambda *a: ragged.attend_filled(*a, kernel="pallas", interpret=True)  # noqa: E731
     assert "pallas_call" not in str(jax.make_jaxpr(f)(q, k, v, pos_bt))
-    np.testing.assert_allclose(np.asarray(jax.jit(f)(q, k, v, pos_bt)),
-                               reference.cache_attention(q, k, v, np.asarray(pos_bt)),
-                               atol=1e-5, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(jax.jit(f)(q, k, v, pos_bt)),
+        reference.cache_attention(q, k, v, np.asarray(pos_bt)),
+        atol=1e-5,
+        rtol=0,
+    )
     q16, k16, v16 = q[..., :16], k[:, :, :16], v[..., :16]
     assert "pallas_call" in str(jax.make_jaxpr(f)(q16, k16, v16, pos_bt))
 
@@ -90,14 +101,17 @@ def test_cached_decode_of_a_ragged_batch_equals_the_full_forward(tp):
     step_fn = nnx.jit(lambda m, t, p, c: m.forward_cached(t, p, c))
     cache = KVCache.init(model.config, model.mesh, B, 256)
     unread = ragged.key_block(256) * 2  # the longest row ends at slot 42 < 64
-    cache = KVCache(*(tuple(_poison_slots(x, unread, axis) for x in xs)
-                      for xs, axis in ((cache.k, 3), (cache.v, 2))))
+    cache = KVCache(
+        *(
+            tuple(_poison_slots(x, unread, axis) for x in xs)
+            for xs, axis in ((cache.k, 3), (cache.v, 2))
+        )
+    )
     _, layers = step_fn(model, prompt, None, cache.layers())
     got = []
     for i in range(steps):
         pos_b = (lengths + i).astype(np.int32)
-        logits, layers = step_fn(model, seqs[np.arange(B), pos_b][:, None], pos_b[:, None],
-                                 layers)
+        logits, layers = step_fn(model, seqs[np.arange(B), pos_b][:, None], pos_b[:, None], layers)
         got.append(np.asarray(logits)[:, 0])
     full = np.asarray(helpers.logits(model, seqs))
     want = np.stack([full[np.arange(B), lengths + i] for i in range(steps)])
@@ -114,10 +128,12 @@ def test_the_h100_decode_step_holds_the_ragged_kernel_per_layer():
     """The deviceless H100 decode program attends through one `ragged_decode_attention`
     Triton call per layer, whose cache operands are the cache as it lies (no copy)."""
     config = helpers.TINY
-    hlo = programs.compile_program(config, phase="decode", tp=2, batch=8, seq=32,
-                                   new_tokens=32, cache=False)[0]
-    calls = [line for line in hlo.splitlines()
-             if "xla.gpu.triton" in line and ragged.KERNEL_NAME in line]
+    hlo = programs.compile_program(
+        config, phase="decode", tp=2, batch=8, seq=32, new_tokens=32, cache=False
+    )[0]
+    calls = [
+        line for line in hlo.splitlines() if "xla.gpu.triton" in line and ragged.KERNEL_NAME in line
+    ]
     assert len(calls) == config.n_layers
 
 
@@ -130,9 +146,18 @@ def test_the_kernel_compiles_for_h100_at_llama_shapes_with_tensor_core_dots():
     def arg(shape, dtype=jnp.bfloat16):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharded)
 
-    hlo = jax.jit(lambda *a: ragged.attend_filled(*a, kernel="pallas")).lower(
-        arg((16, 1, 32, 128)), arg((16, 8, 128, 8192)), arg((16, 8, 8192, 128)),
-        arg((16, 1), jnp.int32)).compile().as_text()
-    calls = [line for line in hlo.splitlines() if ragged.KERNEL_NAME in line
-             and "custom-call(" in line]
+    hlo = (
+        jax.jit(lambda *a: ragged.attend_filled(*a, kernel="pallas"))
+        .lower(
+            arg((16, 1, 32, 128)),
+            arg((16, 8, 128, 8192)),
+            arg((16, 8, 8192, 128)),
+            arg((16, 1), jnp.int32),
+        )
+        .compile()
+        .as_text()
+    )
+    calls = [
+        line for line in hlo.splitlines() if ragged.KERNEL_NAME in line and "custom-call(" in line
+    ]
     assert len(calls) == 1

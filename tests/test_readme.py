@@ -21,18 +21,21 @@ README = ROOT / "README.md"
 # docs/ pages in reading order (their examples continue from README's); others follow by name
 DOCS = ("training.md", "inference.md", "analysis.md", "architecture.md", "results.md")
 # Appended to each train command, before README's own overrides (so those win).
-TRAIN = ("steps=2 log_every=1 eval_every=0 eval_batches=1 ckpt_every=0 model.n_layers=1 "
-         "data.seq_len=16 data.batch_size=4 bench_steps=1 progress=lines")
+TRAIN = (
+    "steps=2 log_every=1 eval_every=0 eval_batches=1 ckpt_every=0 model.n_layers=1 "
+    "data.seq_len=16 data.batch_size=4 bench_steps=1 progress=lines"
+)
 # Appended at the end of each decode command (argparse: the last value wins).
 DECODE = "--max-new-tokens 4"
 DECODE_BENCH = "--preset tiny --batch 2 --prompt-len 8 --max-new-tokens 3"  # if one is marked
 
 
-
 def pages() -> list[pathlib.Path]:
     """README.md, then docs/*.md in reading order."""
-    docs = sorted((ROOT / "docs").glob("*.md"), key=lambda p: (
-        DOCS.index(p.name) if p.name in DOCS else len(DOCS), p.name))
+    docs = sorted(
+        (ROOT / "docs").glob("*.md"),
+        key=lambda p: (DOCS.index(p.name) if p.name in DOCS else len(DOCS), p.name),
+    )
     return [README, *docs]
 
 
@@ -81,7 +84,8 @@ def test_every_train_example_in_the_docs_has_a_name_of_its_own():
 def test_docs_cpu_commands_run_in_order(tmp_path):
     by_page = {p.name: cpu_blocks(p.read_text()) for p in pages()}
     assert len(by_page["README.md"]) >= 2 and len(by_page["training.md"]) >= 2, (
-        "the <!-- cpu --> markers are gone")
+        "the <!-- cpu --> markers are gone"
+    )
     blocks = [b for p in pages() for b in by_page[p.name]]
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
@@ -90,8 +94,14 @@ def test_docs_cpu_commands_run_in_order(tmp_path):
     logs = []
     for block in blocks:
         script = "\n".join(shrink(c, free_port()) for c in commands(block))
-        p = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=env, text=True,
-                           capture_output=True, timeout=900)
+        p = subprocess.run(
+            ["bash", "-e", "-c", script],
+            cwd=tmp_path,
+            env=env,
+            text=True,
+            capture_output=True,
+            timeout=900,
+        )
         assert p.returncode == 0, (script, p.stdout[-3000:], p.stderr[-3000:])
         assert "Traceback" not in p.stderr, (script, p.stderr[-3000:])
         logs.append((script, p.stdout, p.stderr))
@@ -108,8 +118,12 @@ def test_docs_cpu_commands_run_in_order(tmp_path):
     assert re.search(r"mesh:\n  tp: 2\n  data: 2", cfg), cfg
     assert "residual: ladder" in (runs / "tiny-ladder" / "config.yaml").read_text()
     bench = json.loads((runs / "tiny-bench" / "benchmark.json").read_text())
-    assert {r["residual"] for r in bench["results"]} == {"standard", "parallel", "ladder",
-                                                         "upper_bound"}
+    assert {r["residual"] for r in bench["results"]} == {
+        "standard",
+        "parallel",
+        "ladder",
+        "upper_bound",
+    }
     assert "tp=1 has no all-reduce to overlap" in out
     # decode: the text, then the speed on stderr
     decode = [(o, e) for s, o, e in logs if "ladder_jax.decode --checkpoint runs/tiny" in s]

@@ -22,9 +22,18 @@ from ladder_jax.train.lock import RunBusy, RunLock
 from ladder_jax.train.step import TrainState
 from tests.helpers import committed, free_port, last_step, one_line
 
-SMALL = ["model.n_layers=2", "data.seq_len=32", "data.batch_size=8", "eval_batches=2",
-         "progress=none", "log_every=1000", "mesh.data=1", "eval_every=0", "ckpt_every=2",
-         "tensorboard=false"]
+SMALL = [
+    "model.n_layers=2",
+    "data.seq_len=32",
+    "data.batch_size=8",
+    "eval_batches=2",
+    "progress=none",
+    "log_every=1000",
+    "mesh.data=1",
+    "eval_every=0",
+    "ckpt_every=2",
+    "tensorboard=false",
+]
 
 
 def snapshot(path):
@@ -44,8 +53,14 @@ def rows(run):
 
 def cli(*args, env=None, **kw):
     env = {**(os.environ if env is None else env), "JAX_PLATFORMS": "cpu"}
-    return subprocess.Popen([sys.executable, "-m", "ladder_jax.train", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "ladder_jax.train", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +79,9 @@ def copy_run(trained, tmp_path):
 @pytest.fixture(scope="module")
 def target(trained):
     """A Trainer of the same config: the restore targets (its state and data iterator)."""
-    return trainer.Trainer(trainer.load_config(SMALL + ["steps=4", f"run_dir={trained.parent}",
-                                                        "name=unused"]))
+    return trainer.Trainer(
+        trainer.load_config(SMALL + ["steps=4", f"run_dir={trained.parent}", "name=unused"])
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,8 +89,12 @@ def target(trained):
 
 
 def _data_file(step_dir, item):
-    files = [os.path.join(d, f) for d, _, fs in os.walk(step_dir / item) for f in fs
-             if f"{os.sep}d{os.sep}" in os.path.join(d, f)]
+    files = [
+        os.path.join(d, f)
+        for d, _, fs in os.walk(step_dir / item)
+        for f in fs
+        if f"{os.sep}d{os.sep}" in os.path.join(d, f)
+    ]
     return max(files, key=os.path.getsize)
 
 
@@ -87,25 +107,35 @@ def _flip(file):
 
 
 DAMAGE = {  # name: (damage to checkpoints/<step>, what the skip says)
-    "manifest_removed": (lambda c: os.remove(c / "params" / "manifest.ocdbt"),
-                         "params/manifest.ocdbt is missing"),
-    "data_truncated": (lambda c: os.truncate(_data_file(c, "params"),
-                                             os.path.getsize(_data_file(c, "params")) // 2),
-                       "(truncated or overwritten)"),
+    "manifest_removed": (
+        lambda c: os.remove(c / "params" / "manifest.ocdbt"),
+        "params/manifest.ocdbt is missing",
+    ),
+    "data_truncated": (
+        lambda c: os.truncate(
+            _data_file(c, "params"), os.path.getsize(_data_file(c, "params")) // 2
+        ),
+        "(truncated or overwritten)",
+    ),
     "bit_flipped": (lambda c: _flip(_data_file(c, "opt_state")), "is corrupt"),
     "metadata_removed": (lambda c: os.remove(c / "meta" / "metadata"), "no meta/metadata"),
-    "metadata_garbled": (lambda c: (c / "meta" / "metadata").write_text('{"step": 4, "con'),
-                         "meta/metadata is unreadable"),
-    "iterator_removed": (lambda c: os.remove(c / "data" / "process_0-of-1.json"),
-                         "data/process_0-of-1.json is missing"),
-    "checksums_garbled": (lambda c: (c / checkpoint.CHECKSUMS).write_text("[1"),
-                          "checksums.json is unreadable"),
+    "metadata_garbled": (
+        lambda c: (c / "meta" / "metadata").write_text('{"step": 4, "con'),
+        "meta/metadata is unreadable",
+    ),
+    "iterator_removed": (
+        lambda c: os.remove(c / "data" / "process_0-of-1.json"),
+        "data/process_0-of-1.json is missing",
+    ),
+    "checksums_garbled": (
+        lambda c: (c / checkpoint.CHECKSUMS).write_text("[1"),
+        "checksums.json is unreadable",
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(DAMAGE))
-def test_damaged_checkpoint_is_refused_and_the_older_one_restores(trained, target, tmp_path,
-                                                                  name):
+def test_damaged_checkpoint_is_refused_and_the_older_one_restores(trained, target, tmp_path, name):
     run = copy_run(trained, tmp_path)
     damage, says = DAMAGE[name]
     damage(run / "checkpoints" / "4")
@@ -123,7 +153,8 @@ def test_damaged_checkpoint_is_refused_and_the_older_one_restores(trained, targe
 
 
 def test_stray_empty_checkpoint_is_skipped_and_a_read_only_resume_writes_nothing(
-        trained, tmp_path, capsys):
+    trained, tmp_path, capsys
+):
     run = copy_run(trained, tmp_path)
     os.makedirs(run / "checkpoints" / "99")
     before = snapshot(run)
@@ -139,8 +170,12 @@ def test_stray_empty_checkpoint_is_skipped_and_a_read_only_resume_writes_nothing
 def test_nothing_to_do_changes_nothing(trained, tmp_path, capsys, extra):
     run = copy_run(trained, tmp_path)
     before = snapshot(run)
-    assert train_cli.main(SMALL + ["steps=3", f"run_dir={tmp_path}", "name=run",
-                                   "tensorboard=true", *extra]) == 0
+    assert (
+        train_cli.main(
+            SMALL + ["steps=3", f"run_dir={tmp_path}", "name=run", "tensorboard=true", *extra]
+        )
+        == 0
+    )
     assert "nothing to do" in capsys.readouterr().out
     assert snapshot(run) == before  # config.yaml not rewritten, no TensorBoard file
 
@@ -150,8 +185,7 @@ def test_no_checkpoint_verifies_is_one_line_and_changes_nothing(trained, tmp_pat
     _flip(_data_file(run / "checkpoints" / "4", "params"))
     os.remove(run / "checkpoints" / "2" / "meta" / "metadata")
     before = snapshot(run)
-    line = one_line(capsys, train_cli.main(SMALL + ["steps=6", f"run_dir={tmp_path}",
-                                                    "name=run"]))
+    line = one_line(capsys, train_cli.main(SMALL + ["steps=6", f"run_dir={tmp_path}", "name=run"]))
     assert "no checkpoint in" in line and "4: " in line and "2: no meta/metadata" in line
     assert "new name=" in line and "move the damaged ones" in line, line
     assert snapshot(run) == before
@@ -177,10 +211,25 @@ def test_resume_past_a_damaged_checkpoint_is_bit_exact_and_keeps_it(trained, tmp
 def test_disk_full_during_an_async_save_stops_with_one_line(trained, tmp_path):
     run = copy_run(trained, tmp_path)
     # files may not grow past 64 KiB (ulimit -f): the next checkpoint's cannot be written
-    p = subprocess.Popen(["bash", "-c", 'ulimit -f 64 && exec "$@"', "bash", sys.executable,
-                          "-m", "ladder_jax.train", *SMALL, "steps=12", f"run_dir={tmp_path}",
-                          "name=run"], env={**os.environ, "JAX_PLATFORMS": "cpu"},
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            "bash",
+            "-c",
+            'ulimit -f 64 && exec "$@"',
+            "bash",
+            sys.executable,
+            "-m",
+            "ladder_jax.train",
+            *SMALL,
+            "steps=12",
+            f"run_dir={tmp_path}",
+            "name=run",
+        ],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out, err = p.communicate(timeout=600)
     assert p.returncode == 1, (out, err)
     assert "Traceback" not in out + err, err
@@ -217,8 +266,9 @@ def test_lock_names_its_holder_and_a_dead_holder_is_stale(tmp_path):
     assert os.listdir(run) == []
 
 
-def test_a_run_directory_made_by_another_trainer_meanwhile_is_taken_not_a_crash(tmp_path,
-                                                                                 monkeypatch):
+def test_a_run_directory_made_by_another_trainer_meanwhile_is_taken_not_a_crash(
+    tmp_path, monkeypatch
+):
     """Two trainers started at once both find the run directory missing; the one whose mkdir
     comes second gets the lock (or RunBusy), never FileExistsError, and never removes the
     directory the other made."""
@@ -250,8 +300,9 @@ def test_a_refused_trainer_names_the_holder_that_has_just_locked(tmp_path, befor
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     if before:
-        (run / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid,
-                                               "started": "then"}))
+        (run / ".lock").write_text(
+            json.dumps({"host": socket.gethostname(), "pid": dead.pid, "started": "then"})
+        )
     fd = os.open(run / ".lock", os.O_RDWR | os.O_CREAT)
     name = json.dumps({"host": "elsewhere", "pid": 4242, "started": "now"}).encode()
     timer = threading.Timer(0.3, lambda: (os.pwrite(fd, name, 0), os.ftruncate(fd, len(name))))
@@ -286,8 +337,10 @@ def test_two_trainers_one_runs_and_kill_9_then_rerun_resumes_bit_exact(tmp_path,
     out, err = loser.communicate()
     assert loser.returncode == 2 and "Traceback" not in err
     line = err.strip().splitlines()[-1]
-    assert line.startswith(f"error: {tmp_path / 'both'} is in use by another trainer (pid "
-                           f"{winner.pid} on host {os.uname().nodename}, started "), line
+    assert line.startswith(
+        f"error: {tmp_path / 'both'} is in use by another trainer (pid "
+        f"{winner.pid} on host {os.uname().nodename}, started "
+    ), line
     assert line.endswith("wait for it to finish, stop it, or give this run a new name="), line
     before = rows(tmp_path / "both")
     assert (tmp_path / "both" / ".lock").exists()  # stale: its holder is dead
@@ -311,13 +364,26 @@ def test_two_trainers_one_runs_and_kill_9_then_rerun_resumes_bit_exact(tmp_path,
 def test_resume_on_two_processes_reshards_the_data_iterator(trained, tmp_path):
     one = copy_run(trained, tmp_path / "one")
     two = copy_run(trained, tmp_path / "two")
-    ref = trainer.run(trainer.load_config(SMALL + ["steps=6", f"run_dir={one.parent}",
-                                                   "name=run"]))["losses"]
+    ref = trainer.run(
+        trainer.load_config(SMALL + ["steps=6", f"run_dir={one.parent}", "name=run"])
+    )["losses"]
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [cli(*SMALL, "steps=6", f"run_dir={two.parent}", "name=run", "mesh.cpu_devices=1",
-                 "mesh.data=2", f"dist.coordinator_address=127.0.0.1:{port}",
-                 "dist.num_processes=2", f"dist.process_id={i}", env=env) for i in range(2)]
+    procs = [
+        cli(
+            *SMALL,
+            "steps=6",
+            f"run_dir={two.parent}",
+            "name=run",
+            "mesh.cpu_devices=1",
+            "mesh.data=2",
+            f"dist.coordinator_address=127.0.0.1:{port}",
+            "dist.num_processes=2",
+            f"dist.process_id={i}",
+            env=env,
+        )
+        for i in range(2)
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]

@@ -18,8 +18,11 @@ from ladder_jax.train import step
 from tests.helpers import SCHEMES, TINY, loss_and_grads
 
 
-@pytest.mark.parametrize("layout", [(1, 2, False), (4, 2, False), (4, 2, True)],
-                         ids=["tp1-data2", "tp4-data2", "tp4-data2-fsdp"])
+@pytest.mark.parametrize(
+    "layout",
+    [(1, 2, False), (4, 2, False), (4, 2, True)],
+    ids=["tp1-data2", "tp4-data2", "tp4-data2-fsdp"],
+)
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_remat_keeps_loss_and_gradients(scheme, layout):
     tp, data, fsdp = layout
@@ -27,8 +30,9 @@ def test_remat_keeps_loss_and_gradients(scheme, layout):
     loss0, grads0 = loss_and_grads(base, tp, data, fsdp)
     loss1, grads1 = loss_and_grads(dataclasses.replace(base, remat="module"), tp, data, fsdp)
     np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
-                 grads1, grads0)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads1, grads0
+    )
     assert max(float(np.abs(g).max()) for g in jax.tree.leaves(grads0)) > 0
 
 
@@ -61,7 +65,8 @@ def test_ladder_backward_still_overlaps_with_remat():
     config = dataclasses.replace(TINY, residual="ladder", n_kv_heads=8, remat="module")
     rep = overlap.report(config, phase="train", tp=8, batch=1, seq=128)
     for pass_ in ("forward", "backward"):
-        ars = [r for r in rep["all_reduces"]
-               if r["pass"] == pass_ and r["kind"] in ("module", "head")]
+        ars = [
+            r for r in rep["all_reduces"] if r["pass"] == pass_ and r["kind"] in ("module", "head")
+        ]
         assert len(ars) == 8 + (pass_ == "backward"), [(r["layer"], r["module"]) for r in ars]
         assert all(r["overlapped"] for r in ars[:-1]), [r["gemms_between"] for r in ars]

@@ -22,15 +22,29 @@ from ladder_jax.train.step import TrainState
 from tests.helpers import tiny_model
 
 TOK = ByteTokenizer()
-SMALL = ["model.n_layers=2", "data.seq_len=32", "data.batch_size=8", "eval_batches=2",
-         "progress=lines", "log_every=1000", "optim.warmup_steps=1", "mesh.data=1",
-         "tensorboard=false", "eval_every=0"]
+SMALL = [
+    "model.n_layers=2",
+    "data.seq_len=32",
+    "data.batch_size=8",
+    "eval_batches=2",
+    "progress=lines",
+    "log_every=1000",
+    "optim.warmup_steps=1",
+    "mesh.data=1",
+    "tensorboard=false",
+    "eval_every=0",
+]
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
 
 
 def _module(name, *args, timeout=300):
-    return subprocess.run([sys.executable, "-m", f"ladder_jax.{name}", *args],
-                          capture_output=True, text=True, timeout=timeout, env=ENV)
+    return subprocess.run(
+        [sys.executable, "-m", f"ladder_jax.{name}", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=ENV,
+    )
 
 
 def _one_line_error(r, code=2):
@@ -62,7 +76,8 @@ def test_exit_3_marks_the_poisoned_checkpoint_and_resume_skips_it(tmp_path):
     r = _module("train", *SMALL, *run, "optim.peak_lr=3e-3", "steps=4", "accept_changes=true")
     assert r.returncode == 0, r.stderr + r.stdout
     assert f"skipped damaged checkpoint {ckpts}/2: its weights gave non-finite losses" in (
-        r.stdout), r.stdout
+        r.stdout
+    ), r.stdout
     assert f"resumed from {ckpts}/1" in r.stdout
     rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert [x["step"] for x in rows] == [1, 2, 3, 4]
@@ -70,11 +85,15 @@ def test_exit_3_marks_the_poisoned_checkpoint_and_resume_skips_it(tmp_path):
 
 
 def test_a_checkpoint_with_nan_weights_is_skipped_on_resume(tmp_path):
-    cfg = trainer.load_config(SMALL + [f"run_dir={tmp_path}", "name=run", "steps=1",
-                                       "optim.peak_lr=3e-3"])
+    cfg = trainer.load_config(
+        SMALL + [f"run_dir={tmp_path}", "name=run", "steps=1", "optim.peak_lr=3e-3"]
+    )
     trainer.run(cfg)
-    t = trainer.Trainer(trainer.load_config(SMALL + [f"run_dir={tmp_path}", "name=run",
-                                                     "steps=3", "optim.peak_lr=3e-3"]))
+    t = trainer.Trainer(
+        trainer.load_config(
+            SMALL + [f"run_dir={tmp_path}", "name=run", "steps=3", "optim.peak_lr=3e-3"]
+        )
+    )
     ckpt = checkpoint.Checkpointer(str(tmp_path / "run" / "checkpoints"))
     state, meta = ckpt.restore(1, t.state, t.data_iter)
     nan = jax.tree.map(lambda x: x * jnp.nan, state.params)
@@ -83,7 +102,8 @@ def test_a_checkpoint_with_nan_weights_is_skipped_on_resume(tmp_path):
     ckpt.close()
     with pytest.raises(checkpoint.DamagedCheckpoint, match="not finite"):
         checkpoint.Checkpointer(str(tmp_path / "run" / "checkpoints")).restore(
-            2, t.state, t.data_iter)
+            2, t.state, t.data_iter
+        )
     out = t.train()
     assert out["exit"] == "done" and sorted(out["losses"]) == [1, 2, 3]
     assert os.path.isdir(tmp_path / "run" / "checkpoints" / "2.damaged")
@@ -108,8 +128,19 @@ def test_decode_cli_refuses_nan_weights_in_one_line(tmp_path):
     with open(tmp_path / "config.yaml", "w") as f:
         f.write(OmegaConf.to_yaml(OmegaConf.create(train_config(model.config, None))))
     _save_checkpoint(model, str(tmp_path), {"step": 0})
-    r = _module("decode", "--checkpoint", str(tmp_path), "--prompt", "Once", "--tp", "1",
-                "--max-new-tokens", "4", "--temperature", "0")
+    r = _module(
+        "decode",
+        "--checkpoint",
+        str(tmp_path),
+        "--prompt",
+        "Once",
+        "--tp",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--temperature",
+        "0",
+    )
     line = _one_line_error(r)
     assert "logits are NaN or infinite" in line
     assert "\x00" not in r.stdout
@@ -129,14 +160,17 @@ def test_server_answers_nan_logits_with_an_error():
             r = client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4})
             assert r.status_code == 500, r.text
             assert "logits are NaN" in r.json()["error"]["message"]
-            r = client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4,
-                                                     "stream": True})
+            r = client.post(
+                "/v1/completions", json={"prompt": "Once", "max_tokens": 4, "stream": True}
+            )
             events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
             assert events and "logits are NaN" in events[-1]["error"]["message"], r.text
             assert "[DONE]" not in r.text
             metrics = client.get("/metrics").text
-            assert ('ladder_requests_total{endpoint="completions",status="500"} 2.0'
-                    in metrics.splitlines()), metrics
+            assert (
+                'ladder_requests_total{endpoint="completions",status="500"} 2.0'
+                in metrics.splitlines()
+            ), metrics
         assert engine.busy == 0 and engine.error is None
     finally:
         engine.drain(5)
@@ -153,9 +187,15 @@ def llama_dir(tmp_path_factory):
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("llama")
-    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=96,
-                                   num_hidden_layers=3, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=256)
+    cfg = transformers.LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     return path
 
@@ -177,21 +217,29 @@ def test_load_hf_residual_ladder_keeps_a_llama_configs_ladder_layers(tmp_path, l
 
     mesh = lj.make_mesh(tp=1, devices=jax.devices()[:1])
     plain = _with_config(tmp_path, llama_dir, "plain", ladder_layers=2)
-    authors = _with_config(tmp_path, llama_dir, "authors", ladder_layers=2,
-                           model_type="llamaLadder")
+    authors = _with_config(
+        tmp_path, llama_dir, "authors", ladder_layers=2, model_type="llamaLadder"
+    )
     want = lj.load_hf(authors, mesh=mesh)[0].config  # the authors' convention: upper 2 layers
     assert want.ladder_layer_set() == {1, 2}
     got = lj.load_hf(plain, mesh=mesh, residual="ladder")[0].config
     assert got.ladder_layer_set() == {1, 2} and got == want
 
 
-@pytest.mark.parametrize("changes", [
-    {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-     "rope_scaling": {"type": "linear", "factor": 4.0}},
-    {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
-    {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
-     "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
-])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "rope_scaling": {"type": "linear", "factor": 4.0},
+        },
+        {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+        {
+            "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0},
+        },
+    ],
+)
 def test_rope_scaling_beside_default_rope_parameters_is_refused(tmp_path, llama_dir, changes):
     d = _with_config(tmp_path, llama_dir, "rope", **changes)
     r = _module("convert", "--hf", str(d), "--out", str(tmp_path / "out"))
@@ -202,9 +250,11 @@ def test_rope_scaling_beside_default_rope_parameters_is_refused(tmp_path, llama_
 
 # -- the server and careless or hostile clients ----------------------------------------------
 
-RAISING = ("{% if messages[0].role != 'user' %}{{ raise_exception('Conversations must start "
-           "with a user message') }}{% endif %}{% for m in messages %}{{ m.content }}"
-           "{% endfor %}")
+RAISING = (
+    "{% if messages[0].role != 'user' %}{{ raise_exception('Conversations must start "
+    "with a user message') }}{% endif %}{% for m in messages %}{{ m.content }}"
+    "{% endfor %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -217,8 +267,9 @@ def app_client():
     engine = Engine(tiny_model(1), slots=2, max_len=48)
     engine.start()
     try:
-        with TestClient(create_app(engine, TOK, model_name="m", api_key="k",
-                                   chat_template=RAISING)) as client:
+        with TestClient(
+            create_app(engine, TOK, model_name="m", api_key="k", chat_template=RAISING)
+        ) as client:
             client.headers["Authorization"] = "Bearer k"
             yield client
     finally:
@@ -226,8 +277,11 @@ def app_client():
 
 
 def _requests_total(client) -> dict:
-    rows = [x for x in client.get("/metrics").text.splitlines()
-            if x.startswith("ladder_requests_total{")]
+    rows = [
+        x
+        for x in client.get("/metrics").text.splitlines()
+        if x.startswith("ladder_requests_total{")
+    ]
     return {x.split(" ")[0]: float(x.split(" ")[1]) for x in rows}
 
 
@@ -241,22 +295,27 @@ def _openai_error(r, status):
 def test_bearer_scheme_is_case_insensitive(app_client):
     body = {"prompt": "Once", "max_tokens": 2, "temperature": 0}
     for scheme in ("bearer", "BEARER", "Bearer"):
-        r = app_client.post("/v1/completions", json=body,
-                            headers={"Authorization": f"{scheme} k"})
+        r = app_client.post("/v1/completions", json=body, headers={"Authorization": f"{scheme} k"})
         assert r.status_code == 200, (scheme, r.text)
-    assert _openai_error(app_client.post("/v1/completions", json=body, headers={
-        "Authorization": "bearer kk"}), 401)
+    assert _openai_error(
+        app_client.post("/v1/completions", json=body, headers={"Authorization": "bearer kk"}), 401
+    )
 
 
-@pytest.mark.parametrize("body, match", [
-    ("[" * 200_000 + "]" * 200_000, "nests too deeply"),
-    ('{"prompt": "Once", "max_tokens": ' + "9" * 5000 + "}", "digits"),
-    ('{"prompt": "Once", "seed": -' + "1" * 5000 + "}", "digits"),
-], ids=["200000-deep", "5000-digit-int", "5000-digit-negative-int"])
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        ("[" * 200_000 + "]" * 200_000, "nests too deeply"),
+        ('{"prompt": "Once", "max_tokens": ' + "9" * 5000 + "}", "digits"),
+        ('{"prompt": "Once", "seed": -' + "1" * 5000 + "}", "digits"),
+    ],
+    ids=["200000-deep", "5000-digit-int", "5000-digit-negative-int"],
+)
 def test_pathological_json_is_a_counted_400(app_client, body, match):
     before = _requests_total(app_client)
-    r = app_client.post("/v1/completions", content=body,
-                        headers={"Content-Type": "application/json"})
+    r = app_client.post(
+        "/v1/completions", content=body, headers={"Content-Type": "application/json"}
+    )
     assert match in _openai_error(r, 400)
     after = _requests_total(app_client)
     key = 'ladder_requests_total{endpoint="completions",status="400"}'
@@ -264,19 +323,24 @@ def test_pathological_json_is_a_counted_400(app_client, body, match):
 
 
 def test_a_long_chat_without_max_tokens_is_told_the_prompt_is_too_long(app_client):
-    r = app_client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "x" * 60}]})
+    r = app_client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 60}]}
+    )
     message = _openai_error(r, 400)
     assert "max_tokens" not in message and "61 tokens" in message, message
     assert r.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_a_template_raise_exception_is_the_templates_message(app_client):
-    r = app_client.post("/v1/chat/completions", json={
-        "messages": [{"role": "system", "content": "hi"}], "max_tokens": 2})
+    r = app_client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "system", "content": "hi"}], "max_tokens": 2},
+    )
     assert "Conversations must start with a user message" in _openai_error(r, 400)
-    r = app_client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    r = app_client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
     assert r.status_code == 200, r.text
 
 
@@ -320,8 +384,13 @@ def _serve_args(tmp_path, llama_dir):
 
 def test_serve_start_up_errors_are_one_line(tmp_path, llama_dir):
     for args, env, match in _serve_args(tmp_path, llama_dir):
-        r = subprocess.run([sys.executable, "-m", "ladder_jax.serve", "--no-warmup", *args],
-                           capture_output=True, text=True, timeout=300, env={**ENV, **env})
+        r = subprocess.run(
+            [sys.executable, "-m", "ladder_jax.serve", "--no-warmup", *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**ENV, **env},
+        )
         line = _one_line_error(r)
         assert match in line, (args, line)
 
@@ -342,10 +411,30 @@ def test_partial_requests_time_out_and_a_real_one_gets_through(tmp_path):
     log = open(tmp_path / "server.log", "w")
 
     proc = subprocess.Popen(  # the shell sets the limit, then becomes the server (exec)
-        ["sh", "-c", 'ulimit -n 256 && exec "$@"', "sh", sys.executable, "-m",
-         "ladder_jax.serve", "--preset", "tiny", "--max-len", "64", "--slots", "2",
-         "--no-warmup", "--port", str(port), "--request-timeout", "3"],
-        stdout=log, stderr=subprocess.STDOUT, env=ENV)
+        [
+            "sh",
+            "-c",
+            'ulimit -n 256 && exec "$@"',
+            "sh",
+            sys.executable,
+            "-m",
+            "ladder_jax.serve",
+            "--preset",
+            "tiny",
+            "--max-len",
+            "64",
+            "--slots",
+            "2",
+            "--no-warmup",
+            "--port",
+            str(port),
+            "--request-timeout",
+            "3",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=ENV,
+    )
     url = f"http://127.0.0.1:{port}"
     held = []
     try:
@@ -360,16 +449,22 @@ def test_partial_requests_time_out_and_a_real_one_gets_through(tmp_path):
                 time.sleep(0.5)
         for i in range(300):
             s = socket.create_connection(("127.0.0.1", port), timeout=10)
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" if i % 2 else
-                      b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                      b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                if i % 2
+                else b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                b'application/json\r\nContent-Length: 100\r\n\r\n{"prompt": '
+            )
             held.append(s)
         # while the files last, libuv accepts and drops new connections: a client retries
         deadline, r = time.monotonic() + 30, None
         while r is None and time.monotonic() < deadline:
             try:
-                r = httpx.post(f"{url}/v1/completions", timeout=60,
-                               json={"prompt": "Once", "max_tokens": 3, "temperature": 0})
+                r = httpx.post(
+                    f"{url}/v1/completions",
+                    timeout=60,
+                    json={"prompt": "Once", "max_tokens": 3, "temperature": 0},
+                )
             except httpx.TransportError:
                 time.sleep(0.5)
         assert r is not None and r.status_code == 200, r and r.text
@@ -381,8 +476,11 @@ def test_partial_requests_time_out_and_a_real_one_gets_through(tmp_path):
             except ConnectionResetError:
                 pass
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
-        cut = [x for x in metrics.splitlines()
-               if x.startswith("ladder_requests_total{") and 'status="499"' in x]
+        cut = [
+            x
+            for x in metrics.splitlines()
+            if x.startswith("ladder_requests_total{") and 'status="499"' in x
+        ]
         assert cut and float(cut[0].split()[-1]) >= 1, metrics
     finally:
         for s in held:
@@ -402,11 +500,26 @@ def _train_procs(tmp_path, per_process, env=None):
     from tests.helpers import free_port
 
     port = free_port()
-    return [subprocess.Popen(
-        [sys.executable, "-m", "ladder_jax.train", *TWO, f"run_dir={tmp_path}", "name=run",
-         f"dist.coordinator_address=127.0.0.1:{port}", f"dist.process_id={i}", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**ENV, **(env or {})})
-        for i, extra in enumerate(per_process)]
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ladder_jax.train",
+                *TWO,
+                f"run_dir={tmp_path}",
+                "name=run",
+                f"dist.coordinator_address=127.0.0.1:{port}",
+                f"dist.process_id={i}",
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**ENV, **(env or {})},
+        )
+        for i, extra in enumerate(per_process)
+    ]
 
 
 def _finish(procs, timeout):
@@ -423,8 +536,9 @@ def _finish(procs, timeout):
 
 
 def test_two_trainers_with_another_learning_rate_refuse_to_start(tmp_path):
-    procs = _train_procs(tmp_path, [["steps=3", "optim.peak_lr=3e-3"],
-                                    ["steps=3", "optim.peak_lr=1e-3"]])
+    procs = _train_procs(
+        tmp_path, [["steps=3", "optim.peak_lr=3e-3"], ["steps=3", "optim.peak_lr=1e-3"]]
+    )
     lead, follower = _finish(procs, 180)
     line = _one_line_error(follower)
     assert "process 1 was started with another training config than process 0" in line
@@ -437,13 +551,37 @@ def test_two_servers_with_other_slots_refuse_to_start(tmp_path):
     from tests.helpers import free_port
 
     port = free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "ladder_jax.serve", "--preset", "tiny", "--max-len", "64",
-         "--no-warmup", "--cpu-devices", "1", "--coordinator", f"127.0.0.1:{port}",
-         "--num-processes", "2", "--process-id", str(i), "--slots", slots,
-         "--port", str(free_port())],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-        for i, slots in enumerate(["4", "8"])]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ladder_jax.serve",
+                "--preset",
+                "tiny",
+                "--max-len",
+                "64",
+                "--no-warmup",
+                "--cpu-devices",
+                "1",
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+                "--slots",
+                slots,
+                "--port",
+                str(free_port()),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=ENV,
+        )
+        for i, slots in enumerate(["4", "8"])
+    ]
     lead, follower = _finish(procs, 180)
     assert "flags.slots is 4 there, 8 here" in _one_line_error(follower)
     _one_line_error(lead)
@@ -453,8 +591,7 @@ def test_a_process_started_alone_gives_up_in_one_line(tmp_path):
     import time
 
     t0 = time.monotonic()
-    (r,) = _finish(_train_procs(tmp_path, [["steps=3"]], env={"LADDER_PEER_TIMEOUT": "5"}),
-                   120)
+    (r,) = _finish(_train_procs(tmp_path, [["steps=3"]], env={"LADDER_PEER_TIMEOUT": "5"}), 120)
     line = _one_line_error(r)
     assert "did not all meet at the coordinator" in line and "within 5 s" in line, line
     assert time.monotonic() - t0 < 90
@@ -464,8 +601,9 @@ def test_sigterm_ends_a_trainer_blocked_in_a_collective(tmp_path):
     import signal
     import time
 
-    procs = _train_procs(tmp_path, [["steps=100000", "ckpt_every=0"]] * 2,
-                         env={"LADDER_STOP_GRACE": "5"})
+    procs = _train_procs(
+        tmp_path, [["steps=100000", "ckpt_every=0"]] * 2, env={"LADDER_STOP_GRACE": "5"}
+    )
     try:
         metrics_file = tmp_path / "run" / "metrics.jsonl"
         deadline = time.monotonic() + 240
@@ -495,8 +633,9 @@ def test_a_peer_killed_mid_run_ends_the_survivor_in_one_line(tmp_path, victim):
     margin), one line naming the peer, instead of jaxlib's C++ stack or a Gloo traceback."""
     import time
 
-    procs = _train_procs(tmp_path, [["steps=100000", "ckpt_every=0"]] * 2,
-                         env={"LADDER_PEER_TIMEOUT": "10"})
+    procs = _train_procs(
+        tmp_path, [["steps=100000", "ckpt_every=0"]] * 2, env={"LADDER_PEER_TIMEOUT": "10"}
+    )
     try:
         metrics_file = tmp_path / "run" / "metrics.jsonl"
         deadline = time.monotonic() + 240
@@ -512,8 +651,9 @@ def test_a_peer_killed_mid_run_ends_the_survivor_in_one_line(tmp_path, victim):
             pytest.fail(f"process {1 - victim} still running 60 s after its peer died")
         assert time.monotonic() - t0 < 60
         # exit 1 from the watch; 6 where jaxlib aborts on losing the coordinator
-        line = _one_line_error(subprocess.CompletedProcess([], survivor.returncode, "", err),
-                               code=1 if victim else 6)
+        line = _one_line_error(
+            subprocess.CompletedProcess([], survivor.returncode, "", err), code=1 if victim else 6
+        )
         assert len(err.strip().splitlines()) == 1, err[-3000:]
         who = "process(es) 1 stopped answering" if victim else "lost process 0, the coordinator"
         assert f"process {1 - victim} of 2: {who}" in line, line
@@ -525,12 +665,33 @@ def test_a_peer_killed_mid_run_ends_the_survivor_in_one_line(tmp_path, victim):
 
 
 def _decode_procs(pairs, port, env=None, args=()):
-    return [subprocess.Popen(
-        [sys.executable, "-m", "ladder_jax.decode", "--preset", "tiny", "--cpu-devices", "1",
-         "--max-new-tokens", "2", "--coordinator", f"127.0.0.1:{port}",
-         "--num-processes", str(n), "--process-id", str(i), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**ENV, "LADDER_PEER_TIMEOUT": "5", **(env or {})}) for n, i in pairs]
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ladder_jax.decode",
+                "--preset",
+                "tiny",
+                "--cpu-devices",
+                "1",
+                "--max-new-tokens",
+                "2",
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                str(n),
+                "--process-id",
+                str(i),
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**ENV, "LADDER_PEER_TIMEOUT": "5", **(env or {})},
+        )
+        for n, i in pairs
+    ]
 
 
 def test_another_num_processes_is_refused_in_one_line():
@@ -567,38 +728,50 @@ def test_a_process_id_given_twice_is_refused_in_one_line():
         first.wait()
 
 
-
 def test_two_decoders_with_another_seed_refuse_to_start():
     from tests.helpers import free_port
 
     port = free_port()
-    lead, follower = _finish([_decode_procs([(2, 0)], port)[0],
-                              _decode_procs([(2, 1)], port, args=["--seed", "1"])[0]], 180)
+    lead, follower = _finish(
+        [_decode_procs([(2, 0)], port)[0], _decode_procs([(2, 1)], port, args=["--seed", "1"])[0]],
+        180,
+    )
     assert "flags.seed is 0 there, 1 here" in _one_line_error(follower)
     assert "another model or decoding flags" in _one_line_error(lead)
 
 
-@pytest.mark.parametrize("cut", [0, 5, 40, 94, 95, 96])
-def test_the_stdout_filter_drops_whole_gloo_lines_however_they_arrive(cut):
+GLOO = (
+    b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n"
+)
+# two threads' lines as Gloo printed them into one pipe, their pieces interleaved
+TANGLED = (
+    b"[Gloo] Rank [Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected "
+    b"peer ranks is : 1\n1 is connected to 3 peer ranks. Expected number of connected peer "
+    b"ranks is : 3\n"
+)
+
+
+@pytest.mark.parametrize("cut", [0, 5, 40, 94, 95, 96, 110, 200])
+def test_the_stdout_filter_drops_gloo_lines_however_they_arrive(cut):
     """The child process that filters a multi-process CPU job's stdout gets Gloo's connection
-    line cut into two writes at `cut` bytes (inside the head, inside the line, right before and
-    after its newline): the line goes, newline included, and nothing else does, partial lines
-    and a last line without a newline kept."""
+    lines (one whole, then two tangled by two threads) cut into two writes at `cut` bytes: they
+    go, newlines included, and nothing else does, lines that only start like them, partial
+    lines, numbers and a last line without a newline kept."""
     from ladder_jax import runtime
 
-    gloo = (b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer "
-            b"ranks is : 1\n")
-    text = b"first\n[Gl" + b"ad line\n" + gloo + gloo + b"last"
+    text = b"first\n[Gl" + b"ad line\n" + GLOO + TANGLED + b"42\nlast"
     start = len(b"first\n[Glad line\n")
-    writes = [text[:start + cut], text[start + cut:]]
-    p = subprocess.Popen([sys.executable, "-c", runtime._STDOUT_FILTER,
-                          runtime._GLOO.pattern.decode("latin-1")],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    p.stdin.write(writes[0])
+    p = subprocess.Popen(
+        [sys.executable, "-c", runtime._STDOUT_FILTER]
+        + [x.decode("latin-1") for x in runtime._GLOO],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    p.stdin.write(text[: start + cut])
     p.stdin.flush()
     # the lines before the cut come out once the filter has read the first write alone
     assert p.stdout.read(start) == b"first\n[Glad line\n"
-    p.stdin.write(writes[1])
+    p.stdin.write(text[start + cut :])
     p.stdin.close()
-    assert p.stdout.read() == b"last"
+    assert p.stdout.read() == b"42\nlast"
     assert p.wait(30) == 0

@@ -18,9 +18,18 @@ from ladder_jax.cli import predict as predict_cli
 from ladder_jax.inference import generation
 from ladder_jax.model.transformer import abstract, fuse_inputs
 
-CFG = lj.ModelConfig.from_preset("small", d_model=1024, n_heads=8, n_kv_heads=8, d_ff=4096,
-                                 vocab_size=2000, n_layers=4, dtype="bfloat16",
-                                 param_dtype="bfloat16", residual="standard")
+CFG = lj.ModelConfig.from_preset(
+    "small",
+    d_model=1024,
+    n_heads=8,
+    n_kv_heads=8,
+    d_ff=4096,
+    vocab_size=2000,
+    n_layers=4,
+    dtype="bfloat16",
+    param_dtype="bfloat16",
+    residual="standard",
+)
 SHAPE = dict(prompt_len=128, new_tokens=64, target="h100")
 CASES = [(1, None), (1, "int8"), (8, None), (8, "int8")]
 
@@ -50,19 +59,30 @@ def test_decode_layer_moves_the_minimum(tp, quantize):
     assert 1.0 <= r["bytes_vs_minimum"] < 1.05, r["layer_kernels"]
     # every weight of the deeper program's layers goes into one matmul kernel, and no other
     # kernel reads it (a multiply-reduce of a weight writes a weight-sized product)
-    text, _ = programs.compile_program(dataclasses.replace(cfg, n_layers=2), phase="decode",
-                                       tp=tp, batch=1,
-                                       seq=SHAPE["prompt_len"], new_tokens=SHAPE["new_tokens"])
+    text, _ = programs.compile_program(
+        dataclasses.replace(cfg, n_layers=2),
+        phase="decode",
+        tp=tp,
+        batch=1,
+        seq=SHAPE["prompt_len"],
+        new_tokens=SHAPE["new_tokens"],
+    )
     module = hlo.Module(text)
     mesh = programs.gpu_mesh("h100", tp)
-    n_weights = len(jax.tree.leaves(nnx.state(fuse_inputs(nnx.merge(*abstract(
-        dataclasses.replace(cfg, n_layers=2), mesh))))))  # the program's first arguments
-    alias = {op.name: op.name for op in module.entry
-             if op.opcode == "parameter" and int(re.search(r"parameter\((\d+)\)",
-                                                           op.text).group(1)) < n_weights
-             and op.shape.startswith(("bf16", "s8"))  # weights (int8 scales are f32)
-             and len(op.dims) >= 2  # not the embedding or the head's block:
-             and not {cfg.vocab_size, cfg.vocab_size // tp} & set(op.dims)}
+    n_weights = len(
+        jax.tree.leaves(
+            nnx.state(fuse_inputs(nnx.merge(*abstract(dataclasses.replace(cfg, n_layers=2), mesh))))
+        )
+    )  # the program's first arguments
+    alias = {
+        op.name: op.name
+        for op in module.entry
+        if op.opcode == "parameter"
+        and int(re.search(r"parameter\((\d+)\)", op.text).group(1)) < n_weights
+        and op.shape.startswith(("bf16", "s8"))  # weights (int8 scales are f32)
+        and len(op.dims) >= 2  # not the embedding or the head's block:
+        and not {cfg.vocab_size, cfg.vocab_size // tp} & set(op.dims)
+    }
     readers: dict[str, list] = {}
     for op in module.entry:
         if op.opcode == "bitcast" and op.operands and op.operands[0] in alias:
@@ -81,15 +101,23 @@ def test_decode_layer_moves_the_minimum(tp, quantize):
 def test_predict_rows_carry_the_report():
     """`predict` rows (the Python API and --json) hold the report, and the roofline fraction
     is the minimum step bytes at the chip's bandwidth over the predicted step."""
-    rows = perfmodel.predict(CFG, tp=8, batch=1, prompt_len=128, new_tokens=64,
-                             residuals=("standard",), layers_compiled=2)
+    rows = perfmodel.predict(
+        CFG,
+        tp=8,
+        batch=1,
+        prompt_len=128,
+        new_tokens=64,
+        residuals=("standard",),
+        layers_compiled=2,
+    )
     (r,) = rows
     chip = lj.hardware.CHIPS["h100"]
     assert r["layer_min_bytes"] == hand_minimum(CFG, 8, 1)
     head = 2 * CFG.d_model + 2 * CFG.d_model * CFG.vocab_size // 8  # final norm, head block
     assert r["step_min_bytes"] == CFG.n_layers * hand_minimum(CFG, 8, 1) + head
     assert r["roofline_fraction"] == pytest.approx(
-        r["step_min_bytes"] / chip.hbm_bytes_per_s / r["decode_step_s"])
+        r["step_min_bytes"] / chip.hbm_bytes_per_s / r["decode_step_s"]
+    )
     assert 0 < r["roofline_fraction"] < 1 and r["kernels_per_layer"] >= 4
     table = roofline.format_table(rows)
     assert re.search(r"\n\s+8\s+1 standard .* 1\.0\dx", table), table
@@ -100,16 +128,33 @@ def test_predict_max_len_reads_the_filled_slots_and_holds_them_all(capsys):
     step reads the request's filled slots only, so its bytes grow by far less than the empty
     slots it was given (reading them would add their every byte); the minimum stays the
     request's."""
-    argv = ["--preset", "tiny", "--tp", "2", "--batch", "2", "--prompt-len", "128",
-            "--new-tokens", "64", "--link", "pcie", "--residual", "standard", "--json",
-            "--layers-compiled", "0"]  # the full depth only: two programs a run
+    argv = [
+        "--preset",
+        "tiny",
+        "--tp",
+        "2",
+        "--batch",
+        "2",
+        "--prompt-len",
+        "128",
+        "--new-tokens",
+        "64",
+        "--link",
+        "pcie",
+        "--residual",
+        "standard",
+        "--json",
+        "--layers-compiled",
+        "0",
+    ]  # the full depth only: two programs a run
     rows = {}
     for slots in (None, 1024):
         assert predict_cli.main(argv + ([] if slots is None else ["--max-len", str(slots)])) == 0
         (rows[slots],) = map(json.loads, capsys.readouterr().out.splitlines())
     cfg = lj.ModelConfig.from_preset("tiny")
-    per_slot = cfg.n_layers * 2 * 2 * (cfg.n_kv_heads // 2) * cfg.head_dim * np.dtype(
-        cfg.dtype).itemsize  # layers, k and v, rows, kv heads per GPU
+    per_slot = (
+        cfg.n_layers * 2 * 2 * (cfg.n_kv_heads // 2) * cfg.head_dim * np.dtype(cfg.dtype).itemsize
+    )  # layers, k and v, rows, kv heads per GPU
     default = generation.cache_length(cfg, 128, 64)
     assert rows[None]["slots"] is None and rows[1024]["slots"] == 1024
     assert rows[None]["kv_cache_bytes"] == per_slot * default
@@ -121,28 +166,60 @@ def test_predict_max_len_reads_the_filled_slots_and_holds_them_all(capsys):
 
 def test_lj_predict_quantize_equals_the_command_line(capsys):
     """`lj.predict(..., quantize="int8")` is `predict --quantize int8`: the same rows."""
-    argv = ["--preset", "tiny", "--tp", "2", "--batch", "1", "--prompt-len", "128",
-            "--new-tokens", "64", "--link", "pcie", "--residual", "standard", "--json",
-            "--quantize", "int8"]
+    argv = [
+        "--preset",
+        "tiny",
+        "--tp",
+        "2",
+        "--batch",
+        "1",
+        "--prompt-len",
+        "128",
+        "--new-tokens",
+        "64",
+        "--link",
+        "pcie",
+        "--residual",
+        "standard",
+        "--json",
+        "--quantize",
+        "int8",
+    ]
     assert predict_cli.main(argv) == 0
     (cli,) = map(json.loads, capsys.readouterr().out.splitlines())
-    (api,) = lj.predict("tiny", tp=2, batch=1, prompt_len=128, new_tokens=64, links="pcie",
-                        residuals=["standard"], quantize="int8")
+    (api,) = lj.predict(
+        "tiny",
+        tp=2,
+        batch=1,
+        prompt_len=128,
+        new_tokens=64,
+        links="pcie",
+        residuals=["standard"],
+        quantize="int8",
+    )
     assert api["quantize"] == cli["quantize"] == "int8"
     assert api == pytest.approx(cli)
-    (bf,) = lj.predict("tiny", tp=2, batch=1, prompt_len=128, new_tokens=64, links="pcie",
-                       residuals=["standard"])
+    (bf,) = lj.predict(
+        "tiny", tp=2, batch=1, prompt_len=128, new_tokens=64, links="pcie", residuals=["standard"]
+    )
     assert bf["quantize"] is None and api["weights_bytes"] < bf["weights_bytes"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--max-len", "1000"], "--max-len 1000: a row must hold the prompt and the new tokens, "
-                            "at least 1536"),
-    (["--max-len", "0"], "--max-len 0: a row must hold"),
-    (["--max-len", "x"], "--max-len: invalid int value 'x'"),
-    (["--phase", "train", "--config", "configs/tiny.yaml", "--max-len", "64"],
-     "--max-len 64 is for decoding"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--max-len", "1000"],
+            "--max-len 1000: a row must hold the prompt and the new tokens, at least 1536",
+        ),
+        (["--max-len", "0"], "--max-len 0: a row must hold"),
+        (["--max-len", "x"], "--max-len: invalid int value 'x'"),
+        (
+            ["--phase", "train", "--config", "configs/tiny.yaml", "--max-len", "64"],
+            "--max-len 64 is for decoding",
+        ),
+    ],
+)
 def test_predict_bad_max_len_is_one_line_exit_2(capsys, args, message):
     try:  # argparse's own errors exit; ours return
         rc = predict_cli.main(["--preset", "tiny"] + args)
@@ -154,11 +231,14 @@ def test_predict_bad_max_len_is_one_line_exit_2(capsys, args, message):
     assert captured.out == "" and len(err) == 1 and message in err[0], err
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(quantize="int4"), "quantize='int4' is not a quantization mode"),
-    (dict(slots=100, prompt_len=128, new_tokens=64), "slots=100 cannot hold the prompt"),
-    (dict(slots=0), "slots=0 must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(quantize="int4"), "quantize='int4' is not a quantization mode"),
+        (dict(slots=100, prompt_len=128, new_tokens=64), "slots=100 cannot hold the prompt"),
+        (dict(slots=0), "slots=0 must be a positive integer"),
+    ],
+)
 def test_lj_predict_bad_quantize_or_slots_raise_before_compiling(kwargs, message):
     with pytest.raises((lj.ConfigError, perfmodel.PredictError), match=re.escape(message)):
         lj.predict("tiny", tp=2, links="pcie", residuals=["standard"], **kwargs)
@@ -179,7 +259,8 @@ def test_the_decode_step_launches_as_cuda_graphs_broken_only_at_collectives():
     assert eight["kernels_outside"] <= 4, eight
     # a graph after each of the layers' two all-reduces, none without a collective before it
     assert 2 * cfg.n_layers <= eight["graphs"] <= eight["collectives"] + 1, eight
-    off = roofline.command_buffers(cfg, tp=1, batch=1, **SHAPE,
-                                   options={"xla_gpu_enable_command_buffer": ""})
+    off = roofline.command_buffers(
+        cfg, tp=1, batch=1, **SHAPE, options={"xla_gpu_enable_command_buffer": ""}
+    )
     assert off["graphs"] == 0, off  # the graph's kernels are launched one by one instead
     assert off["kernels_outside"] == one["graph_kernels"][0] + one["kernels_outside"], off

@@ -39,9 +39,19 @@ TOK = ByteTokenizer()
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     (tmp / "chat.jinja").write_text(TEMPLATE)
-    with running_server(tmp, "--tp", "2", "--slots", "8", "--max-request-bytes", "65536",
-                        "--drain-seconds", "3", "--chat-template",
-                        str(tmp / "chat.jinja")) as proc:
+    with running_server(
+        tmp,
+        "--tp",
+        "2",
+        "--slots",
+        "8",
+        "--max-request-bytes",
+        "65536",
+        "--drain-seconds",
+        "3",
+        "--chat-template",
+        str(tmp / "chat.jinja"),
+    ) as proc:
         yield proc
 
 
@@ -51,8 +61,9 @@ def model():
 
 
 def _client(server, **kw):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY,
-                         max_retries=0, timeout=120, **kw)
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0, timeout=120, **kw
+    )
 
 
 def _offline(model, prompts, max_tokens):
@@ -70,15 +81,22 @@ def test_completions_and_stream_equal_offline_greedy(server, model):
     for prompt, expected in zip(prompts, want):
         r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
         assert r.choices[0].text == expected
-        assert r.usage.prompt_tokens == len(TOK.encode(prompt) if isinstance(prompt, str)
-                                            else prompt)
+        assert r.usage.prompt_tokens == len(
+            TOK.encode(prompt) if isinstance(prompt, str) else prompt
+        )
         assert r.usage.completion_tokens <= 12
-        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
-                                                temperature=0, stream=True,
-                                                stream_options={"include_usage": True}))
+        chunks = list(
+            client.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
-        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length",
-                                                                                  "stop")
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
         assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
 
@@ -86,12 +104,12 @@ def test_32_concurrent_requests_each_equal_their_offline_result(server, model):
     prompts = ["x" * (1 + 2 * i) if i % 2 else [256] + list(range(65, 66 + i)) for i in range(32)]
     max_tokens = [2 + i % 9 for i in range(32)]
     want = _offline(model, prompts, max_tokens)
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY,
-                                max_retries=0, timeout=240)
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0, timeout=240
+    )
 
     async def one(p, m):
-        r = await client.completions.create(model="tiny", prompt=p, max_tokens=m,
-                                            temperature=0)
+        r = await client.completions.create(model="tiny", prompt=p, max_tokens=m, temperature=0)
         return r.choices[0].text
 
     async def all_of():
@@ -104,11 +122,18 @@ def test_32_concurrent_requests_each_equal_their_offline_result(server, model):
 
 def test_seeded_sampling_is_reproducible_and_equals_generate(server, model):
     client = _client(server)
-    kw = dict(model="tiny", prompt="Once", max_tokens=8, temperature=1.0, seed=1234,
-              extra_body={"top_k": 50})
+    kw = dict(
+        model="tiny",
+        prompt="Once",
+        max_tokens=8,
+        temperature=1.0,
+        seed=1234,
+        extra_body={"top_k": 50},
+    )
     a, b = (client.completions.create(**kw).choices[0].text for _ in range(2))
-    want = generation.generate(model, ["Once"], max_new_tokens=8, tokenizer=TOK,
-                               sampling=Sampling(1.0, 50, None, 1234))[0]
+    want = generation.generate(
+        model, ["Once"], max_new_tokens=8, tokenizer=TOK, sampling=Sampling(1.0, 50, None, 1234)
+    )[0]
     assert a == b == want
     other = client.completions.create(**{**kw, "seed": 99}).choices[0].text
     assert other != a
@@ -117,13 +142,16 @@ def test_seeded_sampling_is_reproducible_and_equals_generate(server, model):
 def test_chat_uses_the_template(server, model):
     client = _client(server)
     messages = [{"role": "user", "content": "Hi"}]
-    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
-                                       temperature=0)
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
     rendered = "<user>Hi\n<assistant>"
     assert r.choices[0].message.content == _offline(model, [rendered], [6])[0]
     assert r.usage.prompt_tokens == len(TOK.encode(rendered))
-    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True)]
+    pieces = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True
+        )
+    ]
     assert "".join(pieces) == r.choices[0].message.content
 
 
@@ -131,19 +159,25 @@ def test_stop_strings_end_the_text_before_them(server, model):
     client = _client(server)
     full = _offline(model, ["LOVE, n."], [12])[0]
     stop = full[3:5]
-    r = client.completions.create(model="tiny", prompt="LOVE, n.", max_tokens=12,
-                                  temperature=0, stop=[stop])
-    assert r.choices[0].text == full[:full.find(stop)] and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(
+        model="tiny", prompt="LOVE, n.", max_tokens=12, temperature=0, stop=[stop]
+    )
+    assert r.choices[0].text == full[: full.find(stop)] and r.choices[0].finish_reason == "stop"
 
 
 def test_models_metrics_and_health(server):
     client = _client(server)
     assert [m.id for m in client.models.list().data] == ["tiny"]
-    text = httpx.get(f"http://127.0.0.1:{server.port}/metrics",
-                     headers={"Authorization": f"Bearer {KEY}"}).text
-    for name in ("ladder_requests_total", "ladder_generation_tokens_total",
-                 "ladder_queue_depth", "ladder_slots_busy",
-                 "ladder_time_to_first_token_seconds_count"):
+    text = httpx.get(
+        f"http://127.0.0.1:{server.port}/metrics", headers={"Authorization": f"Bearer {KEY}"}
+    ).text
+    for name in (
+        "ladder_requests_total",
+        "ladder_generation_tokens_total",
+        "ladder_queue_depth",
+        "ladder_slots_busy",
+        "ladder_time_to_first_token_seconds_count",
+    ):
         assert name in text, text
     health = httpx.get(f"http://127.0.0.1:{server.port}/health").json()
     assert health["status"] == "ok" and health["slots"] == 8
@@ -157,33 +191,44 @@ def _in_process(steps=0, slots=8):
 
     from ladder_jax.inference.server import App
 
-    engine = SimpleNamespace(length=16, error=None, steps=steps, waiting=1, busy=2, slots=slots,
-                             config=SimpleNamespace(vocab_size=300))
+    engine = SimpleNamespace(
+        length=16,
+        error=None,
+        steps=steps,
+        waiting=1,
+        busy=2,
+        slots=slots,
+        config=SimpleNamespace(vocab_size=300),
+    )
     return TestClient(App(engine, TOK, model_name="tiny").starlette())
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("temperature", "hot", "temperature='hot' must be a number from 0 to 2"),
-    ("temperature", True, "temperature=True must be a number from 0 to 2"),
-    ("top_p", 0, "top_p=0 must be in (0, 1]"),
-    ("top_k", 301, "top_k=301 must be an integer from 1 to 300 (or -1: off)"),
-    ("top_k", -2, "top_k=-2 must be an integer from 1 to 300 (or -1: off)"),
-    ("seed", 1.0, "seed=1.0 must be an integer from 0 to 2**32 - 1"),
-    ("stop", ["a", ""], "stop must be a non-empty string or a list of up to 4 of them"),
-    ("stop", ["a"] * 5, "stop must be a non-empty string or a list of up to 4 of them"),
-    ("stream", 1, "stream=1 must be true or false"),
-    ("stream_options", {"x": 1}, "stream_options may only hold include_usage"),
-    ("logprobs", True, "logprobs=True must be an integer from 0 to 20 (or null)"),
-    ("echo", "yes", "echo='yes' must be true or false"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("temperature", "hot", "temperature='hot' must be a number from 0 to 2"),
+        ("temperature", True, "temperature=True must be a number from 0 to 2"),
+        ("top_p", 0, "top_p=0 must be in (0, 1]"),
+        ("top_k", 301, "top_k=301 must be an integer from 1 to 300 (or -1: off)"),
+        ("top_k", -2, "top_k=-2 must be an integer from 1 to 300 (or -1: off)"),
+        ("seed", 1.0, "seed=1.0 must be an integer from 0 to 2**32 - 1"),
+        ("stop", ["a", ""], "stop must be a non-empty string or a list of up to 4 of them"),
+        ("stop", ["a"] * 5, "stop must be a non-empty string or a list of up to 4 of them"),
+        ("stream", 1, "stream=1 must be true or false"),
+        ("stream_options", {"x": 1}, "stream_options may only hold include_usage"),
+        ("logprobs", True, "logprobs=True must be an integer from 0 to 20 (or null)"),
+        ("echo", "yes", "echo='yes' must be true or false"),
+    ],
+)
 def test_each_checked_field_is_one_openai_error(field, value, message):
     """In-process: a wrong field is a 400 in OpenAI's shape with its one-line message, also
     beside a second wrong field checked later (the first wrong field is named)."""
     later = {"echo": "no"} if field == "logprobs" else {"stream_options": 5}
     body = {"prompt": "x", "max_tokens": 2, field: value, **({} if field in later else later)}
     r = _in_process().post("/v1/completions", json=body)
-    assert r.status_code == 400 and r.json() == {"error": {
-        "message": message, "type": "invalid_request_error", "param": field, "code": None}}
+    assert r.status_code == 400 and r.json() == {
+        "error": {"message": message, "type": "invalid_request_error", "param": field, "code": None}
+    }
 
 
 def test_two_apps_in_one_process_count_apart():
@@ -194,8 +239,11 @@ def test_two_apps_in_one_process_count_apart():
 
     def scraped(client):
         text = client.get("/metrics").text
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for f in text_string_to_metric_families(text) for s in f.samples}
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+        }
 
     a, b = _in_process(steps=7, slots=8), _in_process(steps=0, slots=4)
     for _ in range(2):
@@ -215,16 +263,29 @@ def test_two_apps_in_one_process_count_apart():
 
 
 def _steps(server):
-    text = httpx.get(f"http://127.0.0.1:{server.port}/metrics",
-                     headers={"Authorization": f"Bearer {KEY}"}).text
-    return int(float(next(ln.split()[-1] for ln in text.splitlines()
-                          if ln.startswith("ladder_decode_steps_total"))))
+    text = httpx.get(
+        f"http://127.0.0.1:{server.port}/metrics", headers={"Authorization": f"Bearer {KEY}"}
+    ).text
+    return int(
+        float(
+            next(
+                ln.split()[-1]
+                for ln in text.splitlines()
+                if ln.startswith("ladder_decode_steps_total")
+            )
+        )
+    )
 
 
 def test_a_disconnect_frees_the_slot(server):
     url = f"http://127.0.0.1:{server.port}/v1/completions"
-    body = {"model": "tiny", "prompt": "a", "max_tokens": MAX_LEN - 8, "temperature": 0,
-            "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": "a",
+        "max_tokens": MAX_LEN - 8,
+        "temperature": 0,
+        "stream": True,
+    }
     # the state the test needs: the request still generating when the client goes (on a busy
     # machine the server can finish all its tokens before this process reads the first line:
     # then the try proves nothing and the next one runs)
@@ -246,18 +307,17 @@ def test_a_disconnect_frees_the_slot(server):
         break
     else:
         pytest.fail("every request finished before its client closed it")
-    r = _client(server).completions.create(model="tiny", prompt="b", max_tokens=2,
-                                           temperature=0)
+    r = _client(server).completions.create(model="tiny", prompt="b", max_tokens=2, temperature=0)
     assert r.choices[0].finish_reason in ("length", "stop")
 
 
 def _answered(server, status) -> int:
     """ladder_requests_total of /v1/completions with `status`, from /metrics."""
-    text = httpx.get(f"http://127.0.0.1:{server.port}/metrics",
-                     headers={"Authorization": f"Bearer {KEY}"}).text
+    text = httpx.get(
+        f"http://127.0.0.1:{server.port}/metrics", headers={"Authorization": f"Bearer {KEY}"}
+    ).text
     row = f'ladder_requests_total{{endpoint="completions",status="{status}"}} '
-    return next((int(float(ln[len(row):])) for ln in text.splitlines() if ln.startswith(row)),
-                0)
+    return next((int(float(ln[len(row) :])) for ln in text.splitlines() if ln.startswith(row)), 0)
 
 
 @pytest.mark.parametrize("scored", [False, True], ids=["plain", "logprobs"])
@@ -265,8 +325,14 @@ def test_a_dropped_stream_is_counted_499(server, scored):
     """A client that closes a stream mid-answer: one more 499 in ladder_requests_total (a
     plain stream and a scored one, which have their own paths), no 200."""
     url = f"http://127.0.0.1:{server.port}/v1/completions"
-    body = {"model": "tiny", "prompt": "a", "max_tokens": MAX_LEN - 8, "temperature": 0,
-            "stream": True, **({"logprobs": 1} if scored else {})}
+    body = {
+        "model": "tiny",
+        "prompt": "a",
+        "max_tokens": MAX_LEN - 8,
+        "temperature": 0,
+        "stream": True,
+        **({"logprobs": 1} if scored else {}),
+    }
     for _ in range(5):  # until a stream is dropped while it generates (see above)
         dropped, whole = _answered(server, 499), _answered(server, 200)
         with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as http:
@@ -281,21 +347,27 @@ def test_a_dropped_stream_is_counted_499(server, scored):
     assert _answered(server, 499) == dropped + 1 and _answered(server, 200) == whole
 
 
-@pytest.mark.parametrize("body, status, param", [
-    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-    ({"prompt": "x" * 200, "max_tokens": 4}, 400, "prompt"),
-    ({"prompt": "x", "bogus": 1}, 400, "bogus"),
-    ({"prompt": "x", "n": 2}, 400, "n"),
-    ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
-    ({"prompt": [1, 2, 999]}, 400, "prompt"),
-    ({"prompt": "x", "seed": 2**40}, 400, "seed"),
-    ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
-    ({"prompt": "x" * 70000}, 413, None),
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "x" * 200, "max_tokens": 4}, 400, "prompt"),
+        ({"prompt": "x", "bogus": 1}, 400, "bogus"),
+        ({"prompt": "x", "n": 2}, 400, "n"),
+        ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+        ({"prompt": [1, 2, 999]}, 400, "prompt"),
+        ({"prompt": "x", "seed": 2**40}, 400, "seed"),
+        ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+        ({"prompt": "x" * 70000}, 413, None),
+    ],
+)
 def test_bad_requests_get_their_status_and_the_server_stays_up(server, body, status, param):
-    r = httpx.post(f"http://127.0.0.1:{server.port}/v1/completions",
-                   json={"model": "tiny", **body}, headers={"Authorization": f"Bearer {KEY}"},
-                   timeout=60)
+    r = httpx.post(
+        f"http://127.0.0.1:{server.port}/v1/completions",
+        json={"model": "tiny", **body},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+    )
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["message"], err
@@ -318,15 +390,25 @@ def test_malformed_json_unknown_route_and_the_api_key(server):
     assert httpx.get(f"{base}/v1/models").status_code == 401
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         _client(server).completions.create(model="tiny", prompt="x", max_tokens=-1)
-    assert _client(server).completions.create(model="tiny", prompt="x", max_tokens=2,
-                                              temperature=0).choices[0].text is not None
+    assert (
+        _client(server)
+        .completions.create(model="tiny", prompt="x", max_tokens=2, temperature=0)
+        .choices[0]
+        .text
+        is not None
+    )
 
 
 def test_sigterm_drains_and_exits_0(server):
     """Last in the file: stops the shared server."""
     url = f"http://127.0.0.1:{server.port}/v1/completions"
-    body = {"model": "tiny", "prompt": "a", "max_tokens": MAX_LEN - 8, "temperature": 0,
-            "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": "a",
+        "max_tokens": MAX_LEN - 8,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as http:
         with http.stream("POST", url, json=body) as r:
             lines = r.iter_lines()
@@ -341,21 +423,38 @@ def test_sigterm_drains_and_exits_0(server):
 
 def test_two_process_server_answers_like_one_process(tmp_path, model):
     coordinator, port = free_port(), free_port()
-    common = ["--tp", "4", "--cpu-devices", "2", "--slots", "4", "--port", str(port),
-              "--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2"]
+    common = [
+        "--tp",
+        "4",
+        "--cpu-devices",
+        "2",
+        "--slots",
+        "4",
+        "--port",
+        str(port),
+        "--coordinator",
+        f"127.0.0.1:{coordinator}",
+        "--num-processes",
+        "2",
+    ]
     procs = [start_server(tmp_path, f"p{i}", *common, "--process-id", str(i)) for i in range(2)]
     try:
         wait_healthy(procs[0], port)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                               max_retries=0, timeout=240)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=240
+        )
         prompts, max_tokens = ["LOVE, n.", "Hello there"], [8, 5]
         want = _offline(model, prompts, max_tokens)
-        got = [client.completions.create(model="tiny", prompt=p, max_tokens=m,
-                                         temperature=0).choices[0].text
-               for p, m in zip(prompts, max_tokens)]
+        got = [
+            client.completions.create(model="tiny", prompt=p, max_tokens=m, temperature=0)
+            .choices[0]
+            .text
+            for p, m in zip(prompts, max_tokens)
+        ]
         assert got == want
-        stream = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=8,
-                                           temperature=0, stream=True)
+        stream = client.completions.create(
+            model="tiny", prompt=prompts[0], max_tokens=8, temperature=0, stream=True
+        )
         assert "".join(c.choices[0].text for c in stream) == want[0]
         assert stop_server(procs[0]) == 0, procs[0].log.read_text()
         assert procs[1].wait(60) == 0, procs[1].log.read_text()
@@ -370,9 +469,22 @@ def test_sigterm_to_the_follower_stops_both_processes(tmp_path):
     """SIGTERM to process 1 of a healthy two-process server: process 0 is asked to drain
     (through the coordination service, said in its log) and both exit 0 within the bound."""
     coordinator, port = free_port(), free_port()
-    common = ["--tp", "2", "--cpu-devices", "1", "--slots", "2", "--port", str(port),
-              "--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2",
-              "--drain-seconds", "1"]
+    common = [
+        "--tp",
+        "2",
+        "--cpu-devices",
+        "1",
+        "--slots",
+        "2",
+        "--port",
+        str(port),
+        "--coordinator",
+        f"127.0.0.1:{coordinator}",
+        "--num-processes",
+        "2",
+        "--drain-seconds",
+        "1",
+    ]
     procs = [start_server(tmp_path, f"p{i}", *common, "--process-id", str(i)) for i in range(2)]
     try:
         wait_healthy(procs[0], port)
@@ -388,8 +500,9 @@ def test_sigterm_to_the_follower_stops_both_processes(tmp_path):
 
 
 @pytest.mark.parametrize("steps_per_plan,prefills_per_step", [(1, 1), (3, 1), (1, 3)])
-def test_engine_in_process_equals_generate_with_multi_step_plans(model, steps_per_plan,
-                                                                 prefills_per_step):
+def test_engine_in_process_equals_generate_with_multi_step_plans(
+    model, steps_per_plan, prefills_per_step
+):
     """The engine without HTTP: 4 slots, 10 requests (prompt lengths 1..19, max_tokens 1..9,
     more requests than slots, so rows are reused mid-plan); each request's tokens equal its
     offline greedy tokens, whether the engine runs one decode step per plan or three, and
@@ -402,8 +515,13 @@ def test_engine_in_process_equals_generate_with_multi_step_plans(model, steps_pe
     prompts = [[256] + list(range(40 + i, 40 + 3 * i)) for i in range(10)]
     max_tokens = [1 + (3 * i) % 9 for i in range(10)]
     want = generation.generate(model, prompts, max_new_tokens=max(max_tokens))
-    engine = Engine(model, slots=4, max_len=48, steps_per_plan=steps_per_plan,
-                    prefills_per_step=prefills_per_step)
+    engine = Engine(
+        model,
+        slots=4,
+        max_len=48,
+        steps_per_plan=steps_per_plan,
+        prefills_per_step=prefills_per_step,
+    )
     groups, prefill_slots = [], engine.decoder.prefill_slots
 
     def counted(cache, slots_n, *rest):
@@ -417,9 +535,15 @@ def test_engine_in_process_equals_generate_with_multi_step_plans(model, steps_pe
         reasons[i] = why
         done.release()
 
-    reqs = [Request(prompt=p, max_tokens=m, on_token=got[i].append,
-                    on_finish=lambda why, i=i: finish(i, why))
-            for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+    reqs = [
+        Request(
+            prompt=p,
+            max_tokens=m,
+            on_token=got[i].append,
+            on_finish=lambda why, i=i: finish(i, why),
+        )
+        for i, (p, m) in enumerate(zip(prompts, max_tokens))
+    ]
     for r in reqs:  # all queued before the loop starts: its first plan admits a full group
         engine.submit(r)
     engine.start()
@@ -446,15 +570,17 @@ def test_chat_template_sees_the_tokenizers_bos_and_eos(tmp_path):
     from ladder_jax.interop.tokenizer import HFTokenizer
 
     words = ["<unk>", "<s>", "</s>", "user", "hi", "assistant"]
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
-        {w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")
+    )
     tok.add_special_tokens(words[:3])
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
     hf_tok = HFTokenizer(str(tmp_path / "tokenizer.json"), bos_id=1, eos_id=2)
     template = jinja2.sandbox.ImmutableSandboxedEnvironment().from_string(
         "{{ bos_token }}{% for m in messages %}{{ m.role }} {{ m.content }} {{ eos_token }} "
-        "{% endfor %}assistant")
+        "{% endfor %}assistant"
+    )
     messages = [{"role": "user", "content": "hi"}]
     assert render_chat(template, messages, hf_tok) == [1, 3, 4, 2, 5]
     assert render_chat(template, messages, TOK) == [256] + list(b"user hi  assistant")
@@ -467,10 +593,30 @@ def test_warmup_says_what_it_compiles_and_sigterm_ends_an_idle_server_at_once(tm
     exits 0 within seconds of SIGTERM (the interpreter's teardown is skipped)."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ladder_jax.serve", "--preset", "tiny", "--max-len", "16",
-         "--slots", "2", "--prefills-per-step", "1", "--steps-per-plan", "1", "--tp", "1",
-         "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+        [
+            sys.executable,
+            "-m",
+            "ladder_jax.serve",
+            "--preset",
+            "tiny",
+            "--max-len",
+            "16",
+            "--slots",
+            "2",
+            "--prefills-per-step",
+            "1",
+            "--steps-per-plan",
+            "1",
+            "--tp",
+            "1",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
+    )
     try:
         err = []
         for line in proc.stderr:  # the warm-up's lines come before the server's first
@@ -500,27 +646,60 @@ def test_plan_round_trips_through_its_array_bit_for_bit():
     B, admit, length = 3, 2, 16
     odd = np.array([-0.0, 1e-45, np.inf], np.float32)
     nan = np.array([0x7FC00123], np.int32).view(np.float32)  # a NaN with a payload
-    rows = RowSampling(np.array([[1, 2**32 - 1], [3, 4], [5, 6]], np.uint32), odd,
-                       np.array([0, 40, 1], np.int32), np.array([1.0, 0.9, 0.25], np.float32))
-    one = RowSampling(np.array([[7, 2**31]], np.uint32), nan, np.array([5], np.int32),
-                      np.array([0.5], np.float32))
-    plan = Plan(True, 2, np.array([9, 8, 7], np.int32), np.array([4, 0, 11], np.int32), rows,
-                np.array([1, 0, 3], np.int32), np.array([True, False, True]),
-                [Admission(1, np.array([10, 20, 30], np.int32), one, True)])
+    rows = RowSampling(
+        np.array([[1, 2**32 - 1], [3, 4], [5, 6]], np.uint32),
+        odd,
+        np.array([0, 40, 1], np.int32),
+        np.array([1.0, 0.9, 0.25], np.float32),
+    )
+    one = RowSampling(
+        np.array([[7, 2**31]], np.uint32), nan, np.array([5], np.int32), np.array([0.5], np.float32)
+    )
+    plan = Plan(
+        True,
+        2,
+        np.array([9, 8, 7], np.int32),
+        np.array([4, 0, 11], np.int32),
+        rows,
+        np.array([1, 0, 3], np.int32),
+        np.array([True, False, True]),
+        [Admission(1, np.array([10, 20, 30], np.int32), one, True)],
+    )
     arr = plan.to_array(admit, length)
     assert arr.dtype == np.int32 and arr.shape == (3 + 9 * B + admit * (8 + length),)
     assert arr[:3].tolist() == [1, 2, 1]
-    slot1 = arr[3 + 9:3 + 18]  # token, position, key (2), temperature, top_k, top_p, count, busy
-    assert slot1.tolist() == [8, 0, 3, 4, np.float32(1e-45).view(np.int32), 40,
-                              np.float32(0.9).view(np.int32), 0, 0]
+    slot1 = arr[3 + 9 : 3 + 18]  # token, position, key (2), temperature, top_k, top_p, count, busy
+    assert slot1.tolist() == [
+        8,
+        0,
+        3,
+        4,
+        np.float32(1e-45).view(np.int32),
+        40,
+        np.float32(0.9).view(np.int32),
+        0,
+        0,
+    ]
     o = 3 + 9 * B
-    assert arr[o:o + 8].tolist() == [1, 3, 7, -2**31, 0x7FC00123, 5,
-                                     np.float32(0.5).view(np.int32), 1]
-    assert arr[o + 8:o + 11].tolist() == [10, 20, 30] and not arr[o + 11:].any()
+    assert arr[o : o + 8].tolist() == [
+        1,
+        3,
+        7,
+        -(2**31),
+        0x7FC00123,
+        5,
+        np.float32(0.5).view(np.int32),
+        1,
+    ]
+    assert arr[o + 8 : o + 11].tolist() == [10, 20, 30] and not arr[o + 11 :].any()
     back = Plan.from_array(arr, B, length)
     assert (back.run, back.decode, len(back.admissions)) == (True, 2, 1)
-    for got, want in [(back.tokens_b, plan.tokens_b), (back.positions_b, plan.positions_b),
-                      (back.count_b, plan.count_b), (back.busy_b, plan.busy_b)]:
+    for got, want in [
+        (back.tokens_b, plan.tokens_b),
+        (back.positions_b, plan.positions_b),
+        (back.count_b, plan.count_b),
+        (back.busy_b, plan.busy_b),
+    ]:
         np.testing.assert_array_equal(got, want)
     for got, want in [(back.rows, rows), (back.admissions[0].rows, one)]:
         for field in ("keys", "temperature", "top_k", "top_p"):
@@ -528,6 +707,13 @@ def test_plan_round_trips_through_its_array_bit_for_bit():
             assert g.dtype == w.dtype and g.tobytes() == w.tobytes(), field
     a = back.admissions[0]
     assert (a.slot, a.prompt.tolist(), a.scored) == (1, [10, 20, 30], True)
-    stop = Plan(False, 0, *(np.zeros(B, np.int32),) * 2, RowSampling.empty(B),
-                np.zeros(B, np.int32), np.zeros(B, bool), [])
+    stop = Plan(
+        False,
+        0,
+        *(np.zeros(B, np.int32),) * 2,
+        RowSampling.empty(B),
+        np.zeros(B, np.int32),
+        np.zeros(B, bool),
+        [],
+    )
     assert not Plan.from_array(stop.to_array(admit, length), B, length).run

@@ -28,12 +28,17 @@ def _loss_and_grads(config, tp, data, tokens, targets):
             logits = nnx.merge(graphdef, state)(tokens)
             logp = jax.nn.log_softmax(logits, -1)
             return -jnp.take_along_axis(logp, targets[..., None], -1).mean(), logits
+
         (value, logits), g = jax.value_and_grad(loss, has_aux=True)(state)
         return value, logits, g
 
     value, logits, g = run(state)
-    return (np.asarray(value), np.asarray(logits), jax.tree.map(np.asarray, nnx.to_pure_dict(g)),
-            jax.tree.map(np.asarray, nnx.to_pure_dict(state)))
+    return (
+        np.asarray(value),
+        np.asarray(logits),
+        jax.tree.map(np.asarray, nnx.to_pure_dict(g)),
+        jax.tree.map(np.asarray, nnx.to_pure_dict(state)),
+    )
 
 
 @pytest.fixture(scope="module", params=list(SCHEMES), ids=list(SCHEMES))
@@ -57,8 +62,9 @@ def test_same_weights_logits_and_grads(by_layout, layout):
     assert len(flat0) == len(flat)
     for (path, g0), g in zip(flat0, flat):
         scale = np.abs(g0).max()
-        np.testing.assert_allclose(g, g0, atol=1e-5 * max(scale, 1e-3), rtol=1e-4,
-                                   err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            g, g0, atol=1e-5 * max(scale, 1e-3), rtol=1e-4, err_msg=jax.tree_util.keystr(path)
+        )
 
 
 def test_gradients_are_not_trivially_zero(by_layout):
@@ -82,12 +88,15 @@ def test_weights_are_stored_sharded():
     assert model8.layers[0].attn.kv_replicated
 
 
-@pytest.mark.parametrize("changes, tp, match", [
-    (dict(n_heads=6, n_kv_heads=6, d_model=48), 4, r"n_heads=6 is not divisible by tp=4"),
-    (dict(n_heads=12, n_kv_heads=6, d_model=96), 4, r"n_kv_heads=6 is not divisible by tp=4"),
-    (dict(n_heads=8, n_kv_heads=8, d_ff=100), 8, r"d_ff=100 is not divisible by tp=8"),
-    (dict(vocab_size=300), 8, r"vocab_size=300 .* pad vocab_size to 304"),
-])
+@pytest.mark.parametrize(
+    "changes, tp, match",
+    [
+        (dict(n_heads=6, n_kv_heads=6, d_model=48), 4, r"n_heads=6 is not divisible by tp=4"),
+        (dict(n_heads=12, n_kv_heads=6, d_model=96), 4, r"n_kv_heads=6 is not divisible by tp=4"),
+        (dict(n_heads=8, n_kv_heads=8, d_ff=100), 8, r"d_ff=100 is not divisible by tp=8"),
+        (dict(vocab_size=300), 8, r"vocab_size=300 .* pad vocab_size to 304"),
+    ],
+)
 def test_unshardable_configs_fail_at_construction(changes, tp, match):
     config = dataclasses.replace(TINY, **changes)
     with pytest.raises(lj.ShardingError, match=match):

@@ -22,9 +22,17 @@ from ladder_jax.train import checkpoint, data, step, trainer
 from tests import helpers
 from tests.helpers import free_port, last_step
 
-SMALL = ["model.n_layers=2", "data.seq_len=32", "data.batch_size=8", "eval_batches=2",
-         "progress=lines", "log_every=1000", "optim.warmup_steps=5", "optim.peak_lr=3e-3",
-         "mesh.data=1"]
+SMALL = [
+    "model.n_layers=2",
+    "data.seq_len=32",
+    "data.batch_size=8",
+    "eval_batches=2",
+    "progress=lines",
+    "log_every=1000",
+    "optim.warmup_steps=5",
+    "optim.peak_lr=3e-3",
+    "mesh.data=1",
+]
 
 
 def config(tmp_path, *overrides, name="run"):
@@ -37,8 +45,14 @@ def metrics(tmp_path, name="run"):
 
 
 def cli(*args, env=None, **kw):
-    return subprocess.Popen([sys.executable, "-m", "ladder_jax.train", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "ladder_jax.train", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 def test_loss_falls_on_embedded_corpus(tmp_path, capsys):
@@ -65,10 +79,16 @@ def tp1_losses(tmp_path_factory):
     return trainer.run(config(path, "steps=4", "eval_every=0", name="ref"))["losses"]
 
 
-@pytest.mark.parametrize("mesh", [("mesh.tp=2", "mesh.data=1"), ("mesh.tp=1", "mesh.data=2"),
-                                  ("mesh.tp=2", "mesh.data=2"),
-                                  ("mesh.tp=2", "mesh.data=2", "mesh.fsdp=true"),
-                                  ("mesh.tp=2", "mesh.data=2", "loss_chunk=12")])
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        ("mesh.tp=2", "mesh.data=1"),
+        ("mesh.tp=1", "mesh.data=2"),
+        ("mesh.tp=2", "mesh.data=2"),
+        ("mesh.tp=2", "mesh.data=2", "mesh.fsdp=true"),
+        ("mesh.tp=2", "mesh.data=2", "loss_chunk=12"),
+    ],
+)
 def test_mesh_gives_same_losses(tmp_path, mesh, tp1_losses):
     ref = tp1_losses
     got = trainer.run(config(tmp_path, "steps=4", "eval_every=0", *mesh))["losses"]
@@ -76,15 +96,15 @@ def test_mesh_gives_same_losses(tmp_path, mesh, tp1_losses):
     np.testing.assert_allclose([got[s] for s in got], [ref[s] for s in ref], rtol=2e-5)
 
 
-@pytest.mark.parametrize("tie,chunk,masked,tp,data", [(True, 12, True, 2, 2),
-                                                      (False, 8, False, 1, 1)])
+@pytest.mark.parametrize(
+    "tie,chunk,masked,tp,data", [(True, 12, True, 2, 2), (False, 8, False, 1, 1)]
+)
 def test_chunked_cross_entropy_equals_the_plain_formula(tie, chunk, masked, tp, data):
     """The chunked loss against log-softmax over the whole logits of the full forward: the
     loss and every gradient, tied and untied heads, a chunk that does not divide T (padded),
     a mask, a sharded mesh."""
     cfg = ModelConfig.from_preset("tiny", n_layers=2, tie_embeddings=tie)
-    graphdef, params = nnx.split(Transformer(cfg, mesh=helpers.mesh(tp, data),
-                                             rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(Transformer(cfg, mesh=helpers.mesh(tp, data), rngs=nnx.Rngs(0)))
     tokens = jax.random.randint(jax.random.key(5), (4, 33), 0, cfg.vocab_size)
     mask = (jax.random.uniform(jax.random.key(6), (4, 32)) > 0.3).astype(jnp.float32)
     mask = mask if masked else jnp.ones((4, 32))
@@ -94,14 +114,16 @@ def test_chunked_cross_entropy_equals_the_plain_formula(tie, chunk, masked, tp, 
         nll_bt = -jnp.take_along_axis(logp_btv, tokens[:, 1:, None], axis=-1)[..., 0]
         return (nll_bt * mask).sum() / mask.sum()
 
-    chunked = lambda p: step.loss_fn(graphdef, p, tokens[:, :-1], tokens[:, 1:],  # noqa: E731
-                                     mask if masked else None, loss_chunk=chunk)
-    (want, want_g), (got, got_g) = [jax.jit(jax.value_and_grad(f))(params)
-                                    for f in (plain, chunked)]
+    def chunked(p):
+        m = mask if masked else None
+        return step.loss_fn(graphdef, p, tokens[:, :-1], tokens[:, 1:], m, loss_chunk=chunk)
+
+    (want, want_g), (got, got_g) = [
+        jax.jit(jax.value_and_grad(f))(params) for f in (plain, chunked)
+    ]
     assert float(got) == pytest.approx(float(want), rel=1e-6)
     want_g, got_g = (nnx.to_pure_dict(g) for g in (want_g, got_g))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7),
-                 got_g, want_g)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), got_g, want_g)
     norm = lambda g: float(optax.tree.norm(g))  # noqa: E731
     assert norm(got_g) == pytest.approx(norm(want_g), rel=1e-5) and norm(want_g) > 0
 
@@ -110,8 +132,9 @@ def test_grad_accumulation_equals_big_batch(tmp_path):
     big = trainer.run(config(tmp_path, "steps=3", "data.batch_size=8", name="big"))
     acc = trainer.run(config(tmp_path, "steps=3", "data.batch_size=4", "data.grad_accum=2"))
     # Same records (the iterator's batch is batch_size x grad_accum), same mean gradient.
-    np.testing.assert_allclose(list(acc["losses"].values()), list(big["losses"].values()),
-                               rtol=2e-5)
+    np.testing.assert_allclose(
+        list(acc["losses"].values()), list(big["losses"].values()), rtol=2e-5
+    )
 
 
 def test_sigterm_then_rerun_equals_uninterrupted(tmp_path):
@@ -133,8 +156,7 @@ def test_sigterm_then_rerun_equals_uninterrupted(tmp_path):
     assert proc.returncode == 0, err
     assert "resumed from" in out and f"/{cut} " in out
     resumed = metrics(tmp_path, "cut")
-    ref = trainer.run(config(tmp_path, "steps=300", "ckpt_every=100", "eval_every=0",
-                           name="ref"))
+    ref = trainer.run(config(tmp_path, "steps=300", "ckpt_every=100", "eval_every=0", name="ref"))
     ref_rows = metrics(tmp_path, "ref")
     assert [r["step"] for r in resumed] == list(range(1, 301))
     # the data iterator neither repeated nor skipped a batch...
@@ -149,8 +171,9 @@ def test_resume_on_another_mesh_and_init_from(tmp_path):
     trainer.run(config(tmp_path, "steps=3", "mesh.tp=2", "mesh.data=1", *base))
     # same run directory, more steps, tp 2 -> 4: resumes from step 3 on the new mesh
     b = trainer.run(config(tmp_path, "steps=5", "mesh.tp=4", "mesh.data=1", *base))
-    np.testing.assert_allclose([b["losses"][s] for s in (4, 5)],
-                               [a["losses"][s] for s in (4, 5)], rtol=2e-5)
+    np.testing.assert_allclose(
+        [b["losses"][s] for s in (4, 5)], [a["losses"][s] for s in (4, 5)], rtol=2e-5
+    )
     # weights only: step 1 of a new run evaluates the loaded weights
     c = trainer.run(config(tmp_path, "steps=1", f"init_from={tmp_path}/ref", *base, name="ft"))
     assert c["losses"][1] < a["losses"][1] - 0.5
@@ -164,8 +187,11 @@ def test_nonfinite_gradient_is_skipped_and_params_unchanged():
     opt_state = optimizer.init(params)
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
     shardings = step.shardings_of(params)
-    fn = jax.jit(lambda p, o, t, m: step.train_step(graphdef, p, o, t, t, optimizer=optimizer,
-                                                    shardings=shardings, mask_bt=m))
+    fn = jax.jit(
+        lambda p, o, t, m: step.train_step(
+            graphdef, p, o, t, t, optimizer=optimizer, shardings=shardings, mask_bt=m
+        )
+    )
     before = jax.tree.map(np.asarray, (params, opt_state))
     nan_mask = jnp.full(tokens.shape, jnp.nan)  # poisons the loss and every gradient
     p2, o2, m = fn(params, opt_state, tokens, nan_mask)
@@ -179,8 +205,15 @@ def test_nonfinite_gradient_is_skipped_and_params_unchanged():
 
 def test_too_many_nonfinite_steps_stop_with_last_checkpoint_intact(tmp_path):
     # An absurd learning rate blows the weights up at step 1; every later loss is non-finite.
-    cfg = config(tmp_path, "steps=20", "optim.peak_lr=1e30", "optim.warmup_steps=1",
-                 "ckpt_every=1", "max_bad_steps=3", "eval_every=0")
+    cfg = config(
+        tmp_path,
+        "steps=20",
+        "optim.peak_lr=1e30",
+        "optim.warmup_steps=1",
+        "ckpt_every=1",
+        "max_bad_steps=3",
+        "eval_every=0",
+    )
     with pytest.raises(trainer.NonFiniteError, match="3 non-finite steps in a row"):
         trainer.run(cfg)
     rows = metrics(tmp_path)
@@ -191,17 +224,27 @@ def test_too_many_nonfinite_steps_stop_with_last_checkpoint_intact(tmp_path):
     ckpts.close()
 
 
-@pytest.mark.parametrize("args,message", [
-    (["optim.peak_lrr=1e-3"], "unknown config key 'optim.peak_lrr' (did you mean "
-                              "'optim.peak_lr'?)"),
-    (["stepz=10"], "did you mean 'steps'?"),
-    (["steps=many"], "config key 'steps' must be int, got 'many'"),
-    (["mesh.tp=1", "mesh.data=2", "data.batch_size=3"], "batch size 3 is not divisible by the "
-                                                         "data axis (2)"),
-    (["mesh.tp=3", "mesh.data=1"], "n_heads=8 is not divisible by tp=3: use a tp that divides 8 "
-                                   "(set by mesh.tp; e.g. mesh.tp=2)"),
-    (["loss_chunk=-8"], "loss_chunk=-8 must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["optim.peak_lrr=1e-3"],
+            "unknown config key 'optim.peak_lrr' (did you mean 'optim.peak_lr'?)",
+        ),
+        (["stepz=10"], "did you mean 'steps'?"),
+        (["steps=many"], "config key 'steps' must be int, got 'many'"),
+        (
+            ["mesh.tp=1", "mesh.data=2", "data.batch_size=3"],
+            "batch size 3 is not divisible by the data axis (2)",
+        ),
+        (
+            ["mesh.tp=3", "mesh.data=1"],
+            "n_heads=8 is not divisible by tp=3: use a tp that divides 8 "
+            "(set by mesh.tp; e.g. mesh.tp=2)",
+        ),
+        (["loss_chunk=-8"], "loss_chunk=-8 must be >= 0"),
+    ],
+)
 def test_bad_config_is_a_clear_error(args, message):
     proc = cli(*args, "steps=1")
     out, err = proc.communicate(timeout=120)
@@ -216,9 +259,19 @@ def test_two_processes_equal_one(tmp_path):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
-    procs = [cli(*common, f"run_dir={tmp_path}", "name=two", "mesh.cpu_devices=2",
-                 f"dist.coordinator_address=127.0.0.1:{port}", "dist.num_processes=2",
-                 f"dist.process_id={i}", env=env) for i in range(2)]
+    procs = [
+        cli(
+            *common,
+            f"run_dir={tmp_path}",
+            "name=two",
+            "mesh.cpu_devices=2",
+            f"dist.coordinator_address=127.0.0.1:{port}",
+            "dist.num_processes=2",
+            f"dist.process_id={i}",
+            env=env,
+        )
+        for i in range(2)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
@@ -229,8 +282,7 @@ def test_two_processes_equal_one(tmp_path):
     assert "on 2 process(es)" in ours[0][0]
     assert not any(w in ln for ln in ours[1] for w in ("process(es)", "step ", "done:")), ours[1]
     got = metrics(tmp_path, "two")
-    np.testing.assert_allclose([r["loss"] for r in got], [ref[s] for s in (1, 2, 3)],
-                               rtol=2e-5)
+    np.testing.assert_allclose([r["loss"] for r in got], [ref[s] for s in (1, 2, 3)], rtol=2e-5)
     assert len(os.listdir(tmp_path / "two" / "tensorboard")) == 1  # process 0's events only
 
 
@@ -260,7 +312,11 @@ def test_shipped_configs_parse(name):
     if name != "tiny":  # the paper's recipe: ~4M tokens per step, bf16 compute, AdamW
         assert cfg.data.batch_size * cfg.data.grad_accum * cfg.data.seq_len == 4 * 2**20
         assert (mc.dtype, cfg.optim.peak_lr, cfg.optim.b2, cfg.optim.eps) == (
-            "bfloat16", 3e-4, 0.95, 1e-10)
+            "bfloat16",
+            3e-4,
+            0.95,
+            1e-10,
+        )
 
 
 def test_tensorboard_scalars_equal_the_jsonl_rows(tmp_path):
@@ -271,8 +327,15 @@ def test_tensorboard_scalars_equal_the_jsonl_rows(tmp_path):
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/eval_loss",
-            "train/eval_ppl", "train/skipped"} <= tags, tags
+    assert {
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens_per_s",
+        "train/eval_loss",
+        "train/eval_ppl",
+        "train/skipped",
+    } <= tags, tags
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "eval_loss"):
         got = {e.step: e.value for e in events.Scalars(f"train/{key}")}
         want = {r["step"]: r[key] for r in rows if r.get(key) is not None}
@@ -285,12 +348,24 @@ def test_tensorboard_scalars_equal_the_jsonl_rows(tmp_path):
 def test_fit_keywords_resolve_like_the_command_line():
     from ladder_jax import api
 
-    got = api.fit_config("configs/tiny.yaml", model__ladder_layers=[1, 3],
-                         model__residual="ladder", optim__peak_lr=1e-3, data__path=None,
-                         mesh__fsdp=True)
-    want = trainer.load_config(["configs/tiny.yaml", "model.ladder_layers=[1,3]",
-                              "model.residual=ladder", "optim.peak_lr=1e-3", "data.path=null",
-                              "mesh.fsdp=true"])
+    got = api.fit_config(
+        "configs/tiny.yaml",
+        model__ladder_layers=[1, 3],
+        model__residual="ladder",
+        optim__peak_lr=1e-3,
+        data__path=None,
+        mesh__fsdp=True,
+    )
+    want = trainer.load_config(
+        [
+            "configs/tiny.yaml",
+            "model.ladder_layers=[1,3]",
+            "model.residual=ladder",
+            "optim.peak_lr=1e-3",
+            "data.path=null",
+            "mesh.fsdp=true",
+        ]
+    )
     assert got == want
     assert trainer.model_config(got).ladder_layers == (1, 3) and got.optim.peak_lr == 1e-3
     with pytest.raises(trainer.ConfigError, match="did you mean 'optim.peak_lr'"):
@@ -309,9 +384,13 @@ def test_cpu_hosts_split_the_batch_over_one_device_per_core(tmp_path, monkeypatc
         return config_lib.load_config([tiny, f"run_dir={tmp_path}", *over])
 
     assert cfg().mesh.data is None  # the embedded default leaves it to the host
-    for cores, over, want in [(2, [], 2), (1, [], 1), (8, ["mesh.tp=2"], 4),
-                              (8, ["mesh.tp=2", "data.batch_size=6"], 3),
-                              (3, ["data.batch_size=16"], 2)]:
+    for cores, over, want in [
+        (2, [], 2),
+        (1, [], 1),
+        (8, ["mesh.tp=2"], 4),
+        (8, ["mesh.tp=2", "data.batch_size=6"], 3),
+        (3, ["data.batch_size=16"], 2),
+    ]:
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
         assert trainer_module.cpu_data_parallel(cfg(*over)) == want, (cores, over)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})

@@ -20,8 +20,15 @@ import numpy as np
 
 ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8\w*)\[([\d,]*)\]")
 SCOPE = re.compile(r"layer(\d+)\.(attn|mlp|parallel)")
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
-               "all-to-all", "collective-broadcast", "ragged-all-to-all")
+COLLECTIVES = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "collective-permute",
+    "all-to-all",
+    "collective-broadcast",
+    "ragged-all-to-all",
+)
 
 
 class HloError(ValueError):
@@ -31,8 +38,13 @@ class HloError(ValueError):
 def nbytes(shape: str) -> int:
     total = 0
     for dtype, dims in ARRAY.findall(shape):
-        bits = 8 if dtype == "pred" else 16 if dtype == "bf16" else int(
-            re.match(r"[a-z]+?(\d+)", dtype).group(1))
+        bits = (
+            8
+            if dtype == "pred"
+            else 16
+            if dtype == "bf16"
+            else int(re.match(r"[a-z]+?(\d+)", dtype).group(1))
+        )
         size = max(1, bits // 8)
         n = 1
         for d in filter(None, dims.split(",")):
@@ -110,8 +122,11 @@ class Op:
         if self.opcode == "custom-call":
             return bool(re.search(r'custom_call_target="__cu(blas|dnn)[^"]*', self.text))
         if self.opcode == "fusion":
-            return (self.name.startswith(("gemm_fusion", "triton_gemm", "cublas"))
-                    or "__triton_gemm" in self.text or self.op_name.endswith("dot_general"))
+            return (
+                self.name.startswith(("gemm_fusion", "triton_gemm", "cublas"))
+                or "__triton_gemm" in self.text
+                or self.op_name.endswith("dot_general")
+            )
         return False
 
 
@@ -154,24 +169,41 @@ class Module:
 
     def loop_bodies(self) -> set[str]:
         """The computations that run as a while loop's body."""
-        return {body for ops in self.computations.values() for op in ops if op.opcode == "while"
-                for body in re.findall(r"body=%?([\w.\-]+)", op.text)}
+        return {
+            body
+            for ops in self.computations.values()
+            for op in ops
+            if op.opcode == "while"
+            for body in re.findall(r"body=%?([\w.\-]+)", op.text)
+        }
 
     def collective(self, op: Op) -> str | None:
         """Which collective `op` is or starts (an `async-start` says through the computation
         it wraps); None for anything else (`*-done` included)."""
         base = op.opcode.removesuffix("-start")
         if base == "async":
-            base = next((o.opcode for o in self.computations.get(self.called(op), ())
-                         if o.opcode in COLLECTIVES), "")
+            base = next(
+                (
+                    o.opcode
+                    for o in self.computations.get(self.called(op), ())
+                    if o.opcode in COLLECTIVES
+                ),
+                "",
+            )
         return base if base in COLLECTIVES else None
 
     def done_of(self, comp: str, index: int) -> int | None:
         """Index in `comp` of the `*-done` that finishes the async op at `index`."""
         ops = self.computations[comp]
         name = ops[index].name
-        return next((j for j in range(index + 1, len(ops)) if ops[j].opcode.endswith("-done")
-                     and ops[j].operands[:1] == [name]), None)
+        return next(
+            (
+                j
+                for j in range(index + 1, len(ops))
+                if ops[j].opcode.endswith("-done") and ops[j].operands[:1] == [name]
+            ),
+            None,
+        )
 
 
 _HEAD = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
@@ -184,7 +216,7 @@ def parse_instruction(line: str) -> Op | None:
     m = _HEAD.match(line)
     if not m:
         return None
-    rest = line[m.end():]
+    rest = line[m.end() :]
     if rest.startswith("("):
         depth = 0
         for end, ch in enumerate(rest):
@@ -192,7 +224,7 @@ def parse_instruction(line: str) -> Op | None:
             depth -= ch == ")"
             if depth == 0:
                 break
-        shape, rest = rest[:end + 1], rest[end + 1:]
+        shape, rest = rest[: end + 1], rest[end + 1 :]
     else:
         shape, _, rest = rest.partition(" ")
         rest = " " + rest
@@ -221,18 +253,28 @@ def first_replica_group(text: str) -> list[int] | None:
         return [int(x) for x in m.group(1).split(",") if x]
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
     if m:
-        ids = _iota([int(x) for x in m.group(3).split(",")],
-                    [int(x) for x in m.group(4).split(",")] if m.group(4) else None)
+        ids = _iota(
+            [int(x) for x in m.group(3).split(",")],
+            [int(x) for x in m.group(4).split(",")] if m.group(4) else None,
+        )
         return ids.reshape(int(m.group(1)), int(m.group(2)))[0].tolist()
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\]"
-                  r"(?:T\(([\d,]+)\))?\))? \{([^}]*)\}", text)
+    m = re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\]"
+        r"(?:T\(([\d,]+)\))?\))? \{([^}]*)\}",
+        text,
+    )
     if m:
         axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
         names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
         n = int(np.prod(sizes))
-        ids = (_iota([int(x) for x in m.group(2).split(",")],
-                     [int(x) for x in m.group(3).split(",")] if m.group(3) else None)
-               if m.group(2) else np.arange(n)).reshape(sizes)
+        ids = (
+            _iota(
+                [int(x) for x in m.group(2).split(",")],
+                [int(x) for x in m.group(3).split(",")] if m.group(3) else None,
+            )
+            if m.group(2)
+            else np.arange(n)
+        ).reshape(sizes)
         along = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(4))]
         index = tuple(slice(None) if i in along else 0 for i in range(len(sizes)))
         return ids[index].reshape(-1).tolist()

@@ -58,8 +58,20 @@ class Kernel:
     hosts: int = 1
 
 
-_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
-         "replica-id", "opt-barrier", "after-all", "add-dependency", "domain", "iota"}
+_FREE = {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "partition-id",
+    "replica-id",
+    "opt-barrier",
+    "after-all",
+    "add-dependency",
+    "domain",
+    "iota",
+}
 _SLICES = {"dynamic-slice", "slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # operand 0 updated in place: the update
 
@@ -89,8 +101,11 @@ def _fusion_cost(module: hlo.Module, op: hlo.Op) -> tuple[float, float]:
     for o in body:
         for pos, name in enumerate(o.operands):
             users.setdefault(name, []).append((o, pos))
-    params = {int(re.search(r"parameter\((\d+)\)", o.text).group(1)): o
-              for o in body if o.opcode == "parameter"}
+    params = {
+        int(re.search(r"parameter\((\d+)\)", o.text).group(1)): o
+        for o in body
+        if o.opcode == "parameter"
+    }
     nbytes = 0.0
     for k, name in enumerate(op.operands):
         uses = _through_bitcasts(params[k].name, users)
@@ -141,10 +156,10 @@ def _flash_flops(op_name: str, operands: list) -> float:
     over the causal fraction of the T x S scores (the kernel skips the blocks above the
     diagonal). Other Triton kernels (the backward's preprocessing) count none."""
     scope = op_name.rsplit("/", 2)[-2] if "/" in op_name else ""
-    matmuls = (2 if scope == "mha_forward" else
-               5 if scope in ("mha_backward", "jvp(mha_backward)") else 0)
-    if not matmuls or len(operands) < 2 or any(o is None or len(o.dims) != 4
-                                                for o in operands[:2]):
+    matmuls = (
+        2 if scope == "mha_forward" else 5 if scope in ("mha_backward", "jvp(mha_backward)") else 0
+    )
+    if not matmuls or len(operands) < 2 or any(o is None or len(o.dims) != 4 for o in operands[:2]):
         return 0.0
     (b, t, h, d), s = operands[0].dims, operands[1].dims[1]
     if t > s:
@@ -169,8 +184,9 @@ def _through_bitcasts(name, users) -> list:
     return out
 
 
-def read_kernels(text: str, *, devices: int = 1, gpus_per_host: int | None = None,
-                 filled: float = 1.0) -> list[Kernel]:
+def read_kernels(
+    text: str, *, devices: int = 1, gpus_per_host: int | None = None, filled: float = 1.0
+) -> list[Kernel]:
     """The ENTRY computation of a scheduled module as Kernels, in schedule order. A
     collective's ranks and hosts come from its replica group (device ids numbered host by host,
     `gpus_per_host` each; no group: all `devices`). `filled`: the fraction of the KV cache's
@@ -196,18 +212,35 @@ def read_kernels(text: str, *, devices: int = 1, gpus_per_host: int | None = Non
             if kind == "sync":
                 sync.add(op.name)
             group = op.replica_group or list(range(devices))
-            kernels.append(Kernel(kind, op.name, nbytes=_collective_bytes(module, op),
-                                  collective=collective, layer=op.layer, ranks=len(group),
-                                  hosts=len({d // per_host for d in group})))
+            kernels.append(
+                Kernel(
+                    kind,
+                    op.name,
+                    nbytes=_collective_bytes(module, op),
+                    collective=collective,
+                    layer=op.layer,
+                    ranks=len(group),
+                    hosts=len({d // per_host for d in group}),
+                )
+            )
         elif code.endswith("-start") and code != "copy-start":  # an async op of no known kind
             kind = "sync" if op.is_sync else "start"
             if kind == "sync":
                 sync.add(op.name)
-            kernels.append(Kernel(kind, op.name, nbytes=_collective_bytes(module, op),
-                                  collective="other", layer=op.layer, ranks=devices))
+            kernels.append(
+                Kernel(
+                    kind,
+                    op.name,
+                    nbytes=_collective_bytes(module, op),
+                    collective="other",
+                    layer=op.layer,
+                    ranks=devices,
+                )
+            )
         else:
-            flops, nbytes = (_fusion_cost(module, op) if code == "fusion"
-                             else _plain_cost(module, op, filled))
+            flops, nbytes = (
+                _fusion_cost(module, op) if code == "fusion" else _plain_cost(module, op, filled)
+            )
             kernels.append(Kernel("compute", op.name, flops, nbytes, layer=op.layer))
     return kernels
 
@@ -238,9 +271,16 @@ def _ring(collective: str, ranks: int, algorithm: str) -> tuple[int, float]:
     return 1, 1.0
 
 
-def collective_seconds(collective: str, nbytes: float, ranks: int, link: hardware.Link,
-                       algorithm: str = "ring", *, hosts: int = 1,
-                       inter_host: hardware.Link | None = None) -> float:
+def collective_seconds(
+    collective: str,
+    nbytes: float,
+    ranks: int,
+    link: hardware.Link,
+    algorithm: str = "ring",
+    *,
+    hosts: int = 1,
+    inter_host: hardware.Link | None = None,
+) -> float:
     """NCCL-style time of one collective of `nbytes` over `ranks` GPUs: a ring (or tree) on
     `link` within one host; across `hosts` hosts, hierarchical (module doc, step 4): g =
     ranks / hosts GPUs per host on `link`, the hosts joined by `inter_host` (per GPU)."""
@@ -248,22 +288,36 @@ def collective_seconds(collective: str, nbytes: float, ranks: int, link: hardwar
         return 0.0
     if hosts <= 1:
         steps, traffic = _ring(collective, ranks, algorithm)
-        return link.base_latency_s + steps * link.hop_latency_s + nbytes * traffic / (
-            link.bus_bytes_per_s)
+        return (
+            link.base_latency_s
+            + steps * link.hop_latency_s
+            + nbytes * traffic / (link.bus_bytes_per_s)
+        )
     if inter_host is None:
         raise PredictError("a collective across hosts needs an inter-host link")
     g = ranks // hosts
     intra_steps, intra = _ring(collective, g, algorithm)
     inter_steps, inter = _ring(collective, hosts, algorithm)
-    return (link.base_latency_s + intra_steps * link.hop_latency_s
-            + inter_steps * inter_host.hop_latency_s
-            + max(nbytes * intra / link.bus_bytes_per_s,
-                  nbytes / g * inter / inter_host.bus_bytes_per_s))
+    return (
+        link.base_latency_s
+        + intra_steps * link.hop_latency_s
+        + inter_steps * inter_host.hop_latency_s
+        + max(
+            nbytes * intra / link.bus_bytes_per_s, nbytes / g * inter / inter_host.bus_bytes_per_s
+        )
+    )
 
 
-def nccl_seconds(collective: str, nbytes: float, ranks: int, link: hardware.Link, *,
-                 hosts: int, inter_host: hardware.Link,
-                 tuning: hardware.NcclTuning = hardware.NCCL) -> tuple[float, str]:
+def nccl_seconds(
+    collective: str,
+    nbytes: float,
+    ranks: int,
+    link: hardware.Link,
+    *,
+    hosts: int,
+    inter_host: hardware.Link,
+    tuning: hardware.NcclTuning = hardware.NCCL,
+) -> tuple[float, str]:
     """(seconds, "algorithm/protocol") of one collective over `ranks` GPUs on `hosts` > 1 hosts
     as NCCL's cost model (`hardware.NcclTuning`) times and picks it: ring or (all-reduce) tree,
     each in LL, LL128 and Simple; the fastest. The bandwidth term is the hierarchy's
@@ -272,10 +326,14 @@ def nccl_seconds(collective: str, nbytes: float, ranks: int, link: hardware.Link
     ring/LL step (`hop_latency_s`); a ring step within a host waits at least the network
     overhead, since every step of a ring that crosses hosts goes through the proxy."""
     g = ranks // hosts
-    ring_bw = collective_seconds(collective, nbytes, ranks,
-                                 dataclasses.replace(link, base_latency_s=0, hop_latency_s=0),
-                                 hosts=hosts, inter_host=dataclasses.replace(
-                                     inter_host, base_latency_s=0, hop_latency_s=0))
+    ring_bw = collective_seconds(
+        collective,
+        nbytes,
+        ranks,
+        dataclasses.replace(link, base_latency_s=0, hop_latency_s=0),
+        hosts=hosts,
+        inter_host=dataclasses.replace(inter_host, base_latency_s=0, hop_latency_s=0),
+    )
     steps, traffic = _ring(collective, ranks, "ring")
     inter_steps = _ring(collective, hosts, "ring")[0]
     base, step, share = tuning.base_latency_s, tuning.step_latency_s, tuning.protocol_share
@@ -287,13 +345,16 @@ def nccl_seconds(collective: str, nbytes: float, ranks: int, link: hardware.Link
     ll_cap = tuning.ll_bus_bytes_per_s[min(hosts, 3)]
     options = []
     for proto in ("LL", "LL128", "Simple"):
-        intra = max(lat(link, "ring", proto),
-                    tuning.net_overhead_s * (3 if proto == "Simple" else 1))
+        intra = max(
+            lat(link, "ring", proto), tuning.net_overhead_s * (3 if proto == "Simple" else 1)
+        )
         inter = lat(inter_host, "tree" if g == 1 else "ring", proto)
-        latency = (base[("ring", proto)] + (steps - inter_steps) * intra
-                   + inter_steps * inter)
-        if (proto == "Simple" and collective == "all-reduce"
-                and nbytes / (inter_host.channels * ranks) >= 64):
+        latency = base[("ring", proto)] + (steps - inter_steps) * intra + inter_steps * inter
+        if (
+            proto == "Simple"
+            and collective == "all-reduce"
+            and nbytes / (inter_host.channels * ranks) >= 64
+        ):
             latency *= tuning.ring_plateau
         moved = ring_bw / share[("ring", proto)]
         if proto == "LL":
@@ -302,7 +363,8 @@ def nccl_seconds(collective: str, nbytes: float, ranks: int, link: hardware.Link
         if collective == "all-reduce":
             latency = base[("tree", proto)] + 2 * (
                 (g - 1) * lat(link, "tree", proto)
-                + math.ceil(math.log2(hosts)) * lat(inter_host, "tree", proto))
+                + math.ceil(math.log2(hosts)) * lat(inter_host, "tree", proto)
+            )
             moved = ring_bw * (2 / traffic) / share[("tree", proto)]
             if proto == "LL":
                 moved = max(moved, 2 * nbytes / ll_cap)
@@ -334,8 +396,7 @@ class Timed:
     latency_s: float = 0.0  # of a collective's `seconds`, the part that moves no data
 
 
-def launch_plan(kernels, launch: hardware.Launch, mode: str = "graphs"
-                ) -> list[tuple[float, bool]]:
+def launch_plan(kernels, launch: hardware.Launch, mode: str = "graphs") -> list[tuple[float, bool]]:
     """(host seconds to issue it, whether it runs in a command buffer) of each kernel of a
     schedule (`hardware.Launch`). "graphs": a run of at least `launch.min_graph` compute
     kernels between collective ops is one command buffer (its first kernel carries the graph
@@ -344,8 +405,9 @@ def launch_plan(kernels, launch: hardware.Launch, mode: str = "graphs"
     costed as graph nodes, as before this model). Collective starts and blocking collectives
     cost `launch.collective_s`, a done nothing (a stream wait)."""
     if mode not in hardware.LAUNCH_MODES:
-        raise PredictError(f"unknown launch mode {mode!r}: choose one of "
-                           f"{', '.join(hardware.LAUNCH_MODES)}")
+        raise PredictError(
+            f"unknown launch mode {mode!r}: choose one of {', '.join(hardware.LAUNCH_MODES)}"
+        )
     if mode == "off":
         return [(0.0, True)] * len(kernels)
     out = [(0.0, False)] * len(kernels)
@@ -354,8 +416,9 @@ def launch_plan(kernels, launch: hardware.Launch, mode: str = "graphs"
     def close():
         graph = mode == "graphs" and len(run) >= launch.min_graph
         for j, i in enumerate(run):
-            out[i] = ((launch.graph_s if j == 0 else 0.0, True) if graph
-                      else (launch.kernel_s, False))
+            out[i] = (
+                (launch.graph_s if j == 0 else 0.0, True) if graph else (launch.kernel_s, False)
+            )
         run.clear()
 
     for i, k in enumerate(kernels):
@@ -369,9 +432,15 @@ def launch_plan(kernels, launch: hardware.Launch, mode: str = "graphs"
     return out
 
 
-def costed(kernels, *, calibration: hardware.Calibration, link: hardware.Link,
-           algorithm: str = "nccl", contention: bool = True, launch: str = "off"
-           ) -> list[Timed]:
+def costed(
+    kernels,
+    *,
+    calibration: hardware.Calibration,
+    link: hardware.Link,
+    algorithm: str = "nccl",
+    contention: bool = True,
+    launch: str = "off",
+) -> list[Timed]:
     """What `simulate` replays: every kernel timed with `calibration` (intra-host `link`).
     `algorithm`: "nccl" times a collective whose group spans hosts as NCCL picks it
     (`nccl_seconds`) and one within a host as a ring; "ring" / "tree": that everywhere
@@ -385,30 +454,70 @@ def costed(kernels, *, calibration: hardware.Calibration, link: hardware.Link,
         if k.kind == "compute":
             flops_s, bytes_s = _roofline(k, chip, eff)
             gap = eff.kernel_overhead_s + (0.0 if plan[i][1] else cal.launch.stream_gap_s)
-            out.append(Timed("compute", k.name, max(flops_s, bytes_s) + gap,
-                             k.layer, flops_s, bytes_s, issue_s=issue[i]))
+            out.append(
+                Timed(
+                    "compute",
+                    k.name,
+                    max(flops_s, bytes_s) + gap,
+                    k.layer,
+                    flops_s,
+                    bytes_s,
+                    issue_s=issue[i],
+                )
+            )
         elif k.kind == "done":
             out.append(Timed("done", k.name, 0.0, k.layer))
         else:
-            if algorithm == "nccl" and k.hosts > 1 and k.collective in (
-                    "all-reduce", "all-gather", "reduce-scatter"):
-                s, lat = (nccl_seconds(k.collective, n, k.ranks, link, hosts=k.hosts,
-                                       inter_host=cal.inter_host, tuning=cal.nccl)[0]
-                          for n in (k.nbytes, 0.0))
+            if (
+                algorithm == "nccl"
+                and k.hosts > 1
+                and k.collective in ("all-reduce", "all-gather", "reduce-scatter")
+            ):
+                s, lat = (
+                    nccl_seconds(
+                        k.collective,
+                        n,
+                        k.ranks,
+                        link,
+                        hosts=k.hosts,
+                        inter_host=cal.inter_host,
+                        tuning=cal.nccl,
+                    )[0]
+                    for n in (k.nbytes, 0.0)
+                )
             else:
-                s, lat = (collective_seconds(k.collective, n, k.ranks, link,
-                                             "ring" if algorithm == "nccl" else algorithm,
-                                             hosts=k.hosts, inter_host=cal.inter_host)
-                          for n in (k.nbytes, 0.0))
+                s, lat = (
+                    collective_seconds(
+                        k.collective,
+                        n,
+                        k.ranks,
+                        link,
+                        "ring" if algorithm == "nccl" else algorithm,
+                        hosts=k.hosts,
+                        inter_host=cal.inter_host,
+                    )
+                    for n in (k.nbytes, 0.0)
+                )
             sm = hbm = 0.0
             if contention and s > 0:
                 channels = min(link.channels, max(1, math.ceil(k.nbytes / con.bytes_per_channel)))
                 sm = min(channels / chip.sms, 0.9)
                 rate = bus_bytes(k.collective, k.nbytes, k.ranks, algorithm) / s
-                hbm = min(con.hbm_bytes_per_bus_byte * rate
-                          / (chip.hbm_bytes_per_s * eff.memory), 0.9)
-            out.append(Timed(k.kind, k.name, s, k.layer, sm_share=sm, hbm_share=hbm,
-                             issue_s=issue[i], latency_s=min(lat, s)))
+                hbm = min(
+                    con.hbm_bytes_per_bus_byte * rate / (chip.hbm_bytes_per_s * eff.memory), 0.9
+                )
+            out.append(
+                Timed(
+                    k.kind,
+                    k.name,
+                    s,
+                    k.layer,
+                    sm_share=sm,
+                    hbm_share=hbm,
+                    issue_s=issue[i],
+                    latency_s=min(lat, s),
+                )
+            )
     return out
 
 
@@ -528,8 +637,9 @@ class _Replay:
         """Runs the queue, nothing beside it, until collective `name` has ended (None: all);
         its end (popped), or the stream's clock."""
         while self.queue and (name is None or name not in self.ends):
-            self.advance(max(self.t, self.queue[0][1]) + self.head_left(self.queue[0], False),
-                         False)
+            self.advance(
+                max(self.t, self.queue[0][1]) + self.head_left(self.queue[0], False), False
+            )
         return self.t if name is None else self.ends.pop(name)
 
     def kernel(self, op: Timed, start: float) -> float:
@@ -611,13 +721,16 @@ def _run_kernel(op: Timed, now: float, flights) -> float:
     return t + left * work
 
 
-def extended(shallow: Timeline, deep: Timeline, n_layers: int, deep_layers: int
-             ) -> tuple[float, float]:
+def extended(
+    shallow: Timeline, deep: Timeline, n_layers: int, deep_layers: int
+) -> tuple[float, float]:
     """(seconds, compute seconds) at `n_layers`, from timelines of `deep_layers - 1` and
     `deep_layers` layers: each missing layer adds their difference."""
     extra = n_layers - deep_layers
-    return (deep.seconds + extra * (deep.seconds - shallow.seconds),
-            deep.compute_s + extra * (deep.compute_s - shallow.compute_s))
+    return (
+        deep.seconds + extra * (deep.seconds - shallow.seconds),
+        deep.compute_s + extra * (deep.compute_s - shallow.compute_s),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -630,8 +743,7 @@ class Program:
     fallback: str | None = None
 
 
-def decode_fill(config, *, prompt_len: int, new_tokens: int, slots: int | None = None
-                ) -> float:
+def decode_fill(config, *, prompt_len: int, new_tokens: int, slots: int | None = None) -> float:
     """The fraction of a decode cache's slots that the average step of a request reads: its
     mid-decode length, prompt_len + new_tokens / 2, over the slots per row (`slots`, or what
     `decode` sizes for the request: then about 1 - new_tokens / 2 / slots)."""
@@ -642,34 +754,60 @@ def decode_fill(config, *, prompt_len: int, new_tokens: int, slots: int | None =
 
 
 @functools.lru_cache(maxsize=None)
-def program_kernels(config, *, phase: str, tp: int, batch: int, prompt_len: int,
-                    new_tokens: int, target: str, hosts: int = 1,
-                    slots: int | None = None) -> Program:
+def program_kernels(
+    config,
+    *,
+    phase: str,
+    tp: int,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    target: str,
+    hosts: int = 1,
+    slots: int | None = None,
+) -> Program:
     """The compiled program's kernels (compiled once per process and shape; the persistent
     cache of `ladder_jax.analysis.programs` keeps them across processes). `slots`: the decode
     cache's slots per row (default: sized for the request), of which the decode step's
     attention reads the request's average filled length (`decode_fill`)."""
-    text, _ = programs.compile_program(config, phase=phase, tp=tp, batch=batch, seq=prompt_len,
-                                       target=target, new_tokens=new_tokens, hosts=hosts,
-                                       **({"slots": slots} if slots is not None else {}))
+    text, _ = programs.compile_program(
+        config,
+        phase=phase,
+        tp=tp,
+        batch=batch,
+        seq=prompt_len,
+        target=target,
+        new_tokens=new_tokens,
+        hosts=hosts,
+        **({"slots": slots} if slots is not None else {}),
+    )
     fallback = programs.LAST["fallback"]
-    filled = (decode_fill(config, prompt_len=prompt_len, new_tokens=new_tokens, slots=slots)
-              if phase == "decode" else 1.0)
-    return Program(tuple(read_kernels(text, devices=tp, gpus_per_host=tp // hosts,
-                                      filled=filled)), fallback)
+    filled = (
+        decode_fill(config, prompt_len=prompt_len, new_tokens=new_tokens, slots=slots)
+        if phase == "decode"
+        else 1.0
+    )
+    return Program(
+        tuple(read_kernels(text, devices=tp, gpus_per_host=tp // hosts, filled=filled)), fallback
+    )
 
 
 def check_layers_compiled(layers_compiled: int) -> None:
     if layers_compiled != 0 and layers_compiled < 2:
-        raise PredictError(f"--layers-compiled {layers_compiled}: use 0 (full depth) or >= 2 "
-                           f"(that many layers and one fewer are compiled; 4 is accurate)")
+        raise PredictError(
+            f"--layers-compiled {layers_compiled}: use 0 (full depth) or >= 2 "
+            f"(that many layers and one fewer are compiled; 4 is accurate)"
+        )
 
 
 def compiled_depths(config, layers_compiled: int) -> list[int]:
     """The depths compiled for `config`: all layers, or `layers_compiled` and one fewer."""
     check_layers_compiled(layers_compiled)
-    if (not layers_compiled or config.ladder_layers is not None
-            or config.n_layers <= layers_compiled):
+    if (
+        not layers_compiled
+        or config.ladder_layers is not None
+        or config.n_layers <= layers_compiled
+    ):
         return [config.n_layers]
     return [layers_compiled - 1, layers_compiled]
 
@@ -705,17 +843,33 @@ def _compile_one(task: dict) -> bool:
 
 
 def _tasks(config, phases, depths, **shape) -> list[dict]:
-    return [dict(config=dataclasses.replace(config, n_layers=d), phase=p, **shape)
-            for p in phases for d in depths]
+    return [
+        dict(config=dataclasses.replace(config, n_layers=d), phase=p, **shape)
+        for p in phases
+        for d in depths
+    ]
 
 
-def program_time(config, *, phase: str, tp: int, batch: int, prompt_len: int, new_tokens: int,
-                 target: str = "h100", link: hardware.Link,
-                 efficiency: hardware.Efficiency | None = None,
-                 calibration: hardware.Calibration | None = None, hosts: int = 1,
-                 layers_compiled: int = 4, algorithm: str = "nccl",
-                 contention: bool = True, slots: int | None = None,
-                 launch: str = "graphs", copy_contention: bool = True) -> dict:
+def program_time(
+    config,
+    *,
+    phase: str,
+    tp: int,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    target: str = "h100",
+    link: hardware.Link,
+    efficiency: hardware.Efficiency | None = None,
+    calibration: hardware.Calibration | None = None,
+    hosts: int = 1,
+    layers_compiled: int = 4,
+    algorithm: str = "nccl",
+    contention: bool = True,
+    slots: int | None = None,
+    launch: str = "graphs",
+    copy_contention: bool = True,
+) -> dict:
     """Predicted seconds, compute seconds and exposed communication of one program; `slots`:
     the decode cache's slots per row (`program_kernels`); `launch`: how the host issues its
     kernels (`launch_plan`; "off" leaves the host out); `copy_contention`: a collective's copies
@@ -728,17 +882,33 @@ def program_time(config, *, phase: str, tp: int, batch: int, prompt_len: int, ne
     timelines, program, works = [], Program(()), []
     fallbacks = set()
     for depth in depths:
-        program = program_kernels(dataclasses.replace(config, n_layers=depth), phase=phase,
-                                  tp=tp, batch=batch, prompt_len=prompt_len,
-                                  new_tokens=new_tokens, target=target, hosts=hosts,
-                                  **({"slots": slots} if slots is not None else {}))
+        program = program_kernels(
+            dataclasses.replace(config, n_layers=depth),
+            phase=phase,
+            tp=tp,
+            batch=batch,
+            prompt_len=prompt_len,
+            new_tokens=new_tokens,
+            target=target,
+            hosts=hosts,
+            **({"slots": slots} if slots is not None else {}),
+        )
         fallbacks.add(program.fallback)
         works.append(work(program.kernels))
-        timelines.append(simulate(
-            costed(program.kernels, calibration=cal, link=link, algorithm=algorithm,
-                   contention=contention, launch=launch),
-            step_s=0.0 if launch == "off" else cal.launch.step_s,
-            copy_rate=cal.contention.copy_rate if contention and copy_contention else 1.0))
+        timelines.append(
+            simulate(
+                costed(
+                    program.kernels,
+                    calibration=cal,
+                    link=link,
+                    algorithm=algorithm,
+                    contention=contention,
+                    launch=launch,
+                ),
+                step_s=0.0 if launch == "off" else cal.launch.step_s,
+                copy_rate=cal.contention.copy_rate if contention and copy_contention else 1.0,
+            )
+        )
     if full:
         seconds, compute = timelines[0].seconds, timelines[0].compute_s
         done = works[0]
@@ -748,17 +918,25 @@ def program_time(config, *, phase: str, tp: int, batch: int, prompt_len: int, ne
         extra = config.n_layers - layers_compiled
         done = {k: works[1][k] + extra * (works[1][k] - works[0][k]) for k in works[1]}
     fallbacks.discard(None)
-    return {"seconds": seconds, "compute_s": compute, "exposed_comm_s": seconds - compute,
-            "kernels": sum(k.kind == "compute" for k in program.kernels),
-            "work": done, "layers_compiled": depths,
-            "fallback": ",".join(sorted(fallbacks)) or None}
+    return {
+        "seconds": seconds,
+        "compute_s": compute,
+        "exposed_comm_s": seconds - compute,
+        "kernels": sum(k.kind == "compute" for k in program.kernels),
+        "work": done,
+        "layers_compiled": depths,
+        "fallback": ",".join(sorted(fallbacks)) or None,
+    }
 
 
 def work(kernels) -> dict:
     """What a program's compute kernels do, per GPU: HBM bytes, FLOPs and kernel count."""
     compute = [k for k in kernels if k.kind == "compute"]
-    return {"hbm_bytes": sum(k.nbytes for k in compute), "flops": sum(k.flops for k in compute),
-            "kernels": len(compute)}
+    return {
+        "hbm_bytes": sum(k.nbytes for k in compute),
+        "flops": sum(k.flops for k in compute),
+        "kernels": len(compute),
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -801,25 +979,33 @@ class Sweep:
     def check(self, config, *, phase: str = "generate") -> None:
         """Every field, before anything compiles: one line naming the fix."""
         if self.target not in hardware.TARGETS:
-            raise PredictError(f"unknown target {self.target!r}: choose one of "
-                               f"{', '.join(hardware.TARGETS)}")
+            raise PredictError(
+                f"unknown target {self.target!r}: choose one of {', '.join(hardware.TARGETS)}"
+            )
         for name in self.links:
             if name not in self.calibration.links:
-                raise PredictError(f"unknown link {name!r}: choose one of "
-                                   f"{', '.join(self.calibration.links)}")
+                raise PredictError(
+                    f"unknown link {name!r}: choose one of {', '.join(self.calibration.links)}"
+                )
         for r in self.residuals:
             if r not in RESIDUALS:
-                raise PredictError(f"unknown residual {r!r}: choose one of "
-                                   f"{', '.join(RESIDUALS)} or all")
+                raise PredictError(
+                    f"unknown residual {r!r}: choose one of {', '.join(RESIDUALS)} or all"
+                )
         if self.algorithm not in ALGORITHMS:
-            raise PredictError(f"unknown algorithm {self.algorithm!r}: choose one of "
-                               f"{', '.join(ALGORITHMS)}")
+            raise PredictError(
+                f"unknown algorithm {self.algorithm!r}: choose one of {', '.join(ALGORITHMS)}"
+            )
         if self.launch not in hardware.LAUNCH_MODES:
-            raise PredictError(f"unknown launch mode {self.launch!r}: choose one of "
-                               f"{', '.join(hardware.LAUNCH_MODES)}")
+            raise PredictError(
+                f"unknown launch mode {self.launch!r}: choose one of "
+                f"{', '.join(hardware.LAUNCH_MODES)}"
+            )
         check_layers_compiled(self.layers_compiled)
-        ints = [("prompt_len" if phase == "generate" else "seq_len", self.prompt_len),
-                ("gpus_per_host", self.gpus_per_host)]
+        ints = [
+            ("prompt_len" if phase == "generate" else "seq_len", self.prompt_len),
+            ("gpus_per_host", self.gpus_per_host),
+        ]
         if phase == "generate":
             ints.append(("new_tokens", self.new_tokens))
         ints += [("tp", t) for t in self.tp] + [("batch", b) for b in self.batch]
@@ -831,24 +1017,43 @@ class Sweep:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise PredictError(f"{name}={v!r} must be a positive integer")
         if self.slots is not None and self.slots < self.prompt_len + self.new_tokens:
-            raise PredictError(f"slots={self.slots} cannot hold the prompt and the new tokens: "
-                               f"use at least {self.prompt_len + self.new_tokens} "
-                               f"(prompt_len + new_tokens)")
+            raise PredictError(
+                f"slots={self.slots} cannot hold the prompt and the new tokens: "
+                f"use at least {self.prompt_len + self.new_tokens} "
+                f"(prompt_len + new_tokens)"
+            )
         for t in self.tp:
             h = self.hosts_for(t)
             if t % h or t // h > self.gpus_per_host:
                 raise PredictError(
                     f"tp={t} cannot span {h} host(s) of {self.gpus_per_host} GPUs evenly: "
-                    f"use --hosts H with tp/H a whole number <= --gpus-per-host")
+                    f"use --hosts H with tp/H a whole number <= --gpus-per-host"
+                )
             sharding.check_divisible(config, t)
         check_calibration(self.calibration)
 
 
-def check(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int, link: str,
-          target: str, residual: str) -> None:
+def check(
+    config,
+    *,
+    tp: int,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    link: str,
+    target: str,
+    residual: str,
+) -> None:
     """Every argument of one prediction, before anything compiles: one line naming the fix."""
-    Sweep(tp=tp, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, links=link,
-          target=target, residuals=residual).check(config)
+    Sweep(
+        tp=tp,
+        batch=batch,
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        links=link,
+        target=target,
+        residuals=residual,
+    ).check(config)
 
 
 def _sweep(sweep: Sweep | None, efficiency=None, link_overrides=None, **fields) -> Sweep:
@@ -856,8 +1061,9 @@ def _sweep(sweep: Sweep | None, efficiency=None, link_overrides=None, **fields) 
     calibration figures)."""
     sweep = dataclasses.replace(sweep, **fields) if sweep else Sweep(**fields)
     if sweep.target not in hardware.TARGETS:
-        raise PredictError(f"unknown target {sweep.target!r}: choose one of "
-                           f"{', '.join(hardware.TARGETS)}")
+        raise PredictError(
+            f"unknown target {sweep.target!r}: choose one of {', '.join(hardware.TARGETS)}"
+        )
     if sweep.calibration.target != sweep.target:
         sweep = dataclasses.replace(sweep, calibration=hardware.calibration(sweep.target))
     if efficiency is not None or link_overrides:
@@ -877,9 +1083,17 @@ def _checked(fn):
         raise PredictError(str(e)) from None
 
 
-def predict(config, sweep: Sweep | None = None, *, jobs: int | None = None, progress=None,
-            name: str | None = None, efficiency: hardware.Efficiency | None = None,
-            link_overrides: dict | None = None, **fields) -> list[dict]:
+def predict(
+    config,
+    sweep: Sweep | None = None,
+    *,
+    jobs: int | None = None,
+    progress=None,
+    name: str | None = None,
+    efficiency: hardware.Efficiency | None = None,
+    link_overrides: dict | None = None,
+    **fields,
+) -> list[dict]:
     """One row per (tp, batch, residual, link) of `sweep` (or a Sweep of `fields`): predicted
     prefill and decode-step seconds, tokens/s (all users and per user) and exposed
     communication. `config` is a ModelConfig (its `residual` is replaced by each of the
@@ -893,16 +1107,48 @@ def predict(config, sweep: Sweep | None = None, *, jobs: int | None = None, prog
     sweep.check(config)
     pool_fraction()  # a bad XLA_PYTHON_CLIENT_MEM_FRACTION before anything compiles
     programs.check_plugin()
-    base = dataclasses.replace(config, max_seq_len=max(config.max_seq_len, sweep.slots or 0,
-                                                       sweep.prompt_len + sweep.new_tokens))
-    cases = [(t, b, dataclasses.replace(base, residual=r, ladder_layers=(
-        base.ladder_layers if r == "ladder" else None))) for t in sweep.tp for b in sweep.batch
-        for r in sweep.residuals]
-    shape = dict(prompt_len=sweep.prompt_len, new_tokens=sweep.new_tokens, target=sweep.target,
-                 **({"slots": sweep.slots} if sweep.slots is not None else {}))
-    _compiled(name, lambda: compile_all([task for t, b, cfg in cases for task in _tasks(
-        cfg, ("prefill", "decode"), compiled_depths(cfg, sweep.layers_compiled), tp=t, batch=b,
-        hosts=sweep.hosts_for(t), **shape)], jobs, progress))
+    base = dataclasses.replace(
+        config,
+        max_seq_len=max(config.max_seq_len, sweep.slots or 0, sweep.prompt_len + sweep.new_tokens),
+    )
+    cases = [
+        (
+            t,
+            b,
+            dataclasses.replace(
+                base, residual=r, ladder_layers=(base.ladder_layers if r == "ladder" else None)
+            ),
+        )
+        for t in sweep.tp
+        for b in sweep.batch
+        for r in sweep.residuals
+    ]
+    shape = dict(
+        prompt_len=sweep.prompt_len,
+        new_tokens=sweep.new_tokens,
+        target=sweep.target,
+        **({"slots": sweep.slots} if sweep.slots is not None else {}),
+    )
+    _compiled(
+        name,
+        lambda: compile_all(
+            [
+                task
+                for t, b, cfg in cases
+                for task in _tasks(
+                    cfg,
+                    ("prefill", "decode"),
+                    compiled_depths(cfg, sweep.layers_compiled),
+                    tp=t,
+                    batch=b,
+                    hosts=sweep.hosts_for(t),
+                    **shape,
+                )
+            ],
+            jobs,
+            progress,
+        ),
+    )
     rows, n, t0 = [], len(cases) * len(sweep.links), time.perf_counter()
     for t, b, cfg in cases:
         for link_name in sweep.links:
@@ -910,20 +1156,46 @@ def predict(config, sweep: Sweep | None = None, *, jobs: int | None = None, prog
                 k = len(rows)
                 eta = (time.perf_counter() - t0) / k * (n - k) if k else None
                 progress(k, n, eta, "costing")
-            kw = dict(tp=t, batch=b, **shape, link=sweep.calibration.links[link_name],
-                      calibration=sweep.calibration, hosts=sweep.hosts_for(t),
-                      layers_compiled=sweep.layers_compiled, algorithm=sweep.algorithm,
-                      contention=sweep.contention, launch=sweep.launch,
-                      copy_contention=sweep.copy_contention)
+            kw = dict(
+                tp=t,
+                batch=b,
+                **shape,
+                link=sweep.calibration.links[link_name],
+                calibration=sweep.calibration,
+                hosts=sweep.hosts_for(t),
+                layers_compiled=sweep.layers_compiled,
+                algorithm=sweep.algorithm,
+                contention=sweep.contention,
+                launch=sweep.launch,
+                copy_contention=sweep.copy_contention,
+            )
             pre = program_time(cfg, phase="prefill", **kw)
             step = program_time(cfg, phase="decode", **kw)
-            rows.append({**_row(cfg, sweep, t, b, link_name, pre, step), **decode_memory(
-                cfg, tp=t, batch=b, prompt_len=sweep.prompt_len, new_tokens=sweep.new_tokens,
-                target=sweep.target, hosts=sweep.hosts_for(t), slots=sweep.slots),
-                **roofline.roofline_fields(
-                cfg, tp=t, batch=b, **shape, hosts=sweep.hosts_for(t),
-                layers_compiled=sweep.layers_compiled, decode_step_s=step["seconds"],
-                calibration=sweep.calibration)})
+            rows.append(
+                {
+                    **_row(cfg, sweep, t, b, link_name, pre, step),
+                    **decode_memory(
+                        cfg,
+                        tp=t,
+                        batch=b,
+                        prompt_len=sweep.prompt_len,
+                        new_tokens=sweep.new_tokens,
+                        target=sweep.target,
+                        hosts=sweep.hosts_for(t),
+                        slots=sweep.slots,
+                    ),
+                    **roofline.roofline_fields(
+                        cfg,
+                        tp=t,
+                        batch=b,
+                        **shape,
+                        hosts=sweep.hosts_for(t),
+                        layers_compiled=sweep.layers_compiled,
+                        decode_step_s=step["seconds"],
+                        calibration=sweep.calibration,
+                    ),
+                }
+            )
     if progress:
         progress(n, n, None, "costing")
     return mark_above_upper_bound(rows)
@@ -943,21 +1215,50 @@ def mark_above_upper_bound(rows: list[dict]) -> list[dict]:
         if bound is None or r is bound or r["tokens_per_s"] <= bound["tokens_per_s"]:
             out.append(r)
             continue
-        less = [f"{what} {mine:.3g} vs {theirs:.3g}{unit}" for what, unit, mine, theirs in (
-            ("HBM", " GB", _per_token(r, "hbm_bytes") / 1e9, _per_token(bound, "hbm_bytes") / 1e9),
-            ("compute", " GFLOP", _per_token(r, "flops") / 1e9, _per_token(bound, "flops") / 1e9),
-            ("decode step", " kernels", r["decode_step_kernels_full"],
-             bound["decode_step_kernels_full"]))
-            if mine < theirs * (1 - 1e-3)]
-        weights = (f"; the weights are {r['weights_bytes'] / 1e9:.3g} GB per GPU"
-                   if r.get("weights_bytes") else "")
-        note = (f"{r['residual']} tp={r['tp']} batch={r['batch']} {r['link']}: predicted "
+        less = [
+            f"{what} {mine:.3g} vs {theirs:.3g}{unit}"
+            for what, unit, mine, theirs in (
+                (
+                    "HBM",
+                    " GB",
+                    _per_token(r, "hbm_bytes") / 1e9,
+                    _per_token(bound, "hbm_bytes") / 1e9,
+                ),
+                (
+                    "compute",
+                    " GFLOP",
+                    _per_token(r, "flops") / 1e9,
+                    _per_token(bound, "flops") / 1e9,
+                ),
+                (
+                    "decode step",
+                    " kernels",
+                    r["decode_step_kernels_full"],
+                    bound["decode_step_kernels_full"],
+                ),
+            )
+            if mine < theirs * (1 - 1e-3)
+        ]
+        weights = (
+            f"; the weights are {r['weights_bytes'] / 1e9:.3g} GB per GPU"
+            if r.get("weights_bytes")
+            else ""
+        )
+        note = (
+            (
+                f"{r['residual']} tp={r['tp']} batch={r['batch']} {r['link']}: predicted "
                 f"{r['tokens_per_s'] / bound['tokens_per_s']:.2f}x upper_bound because its "
-                f"compiled programs do less per GPU and token (" + ", ".join(less) + weights
+                f"compiled programs do less per GPU and token ("
+                + ", ".join(less)
+                + weights
                 + "): XLA compiled the two differently; the residual scheme is not the cause"
-                ) if less else (
+            )
+            if less
+            else (
                 f"{r['residual']} tp={r['tp']} batch={r['batch']} {r['link']}: predicted above "
-                f"upper_bound with no less work: a costing defect, please report it")
+                f"upper_bound with no less work: a costing defect, please report it"
+            )
+        )
         out.append({**r, "above_upper_bound": note})
     return out
 
@@ -1004,8 +1305,17 @@ def _weight_bytes(config, tp: int, target: str, hosts: int) -> int:
     return sum(_device_bytes(x) for x in jax.tree.leaves(nnx.state(fused)))
 
 
-def decode_memory(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int,
-                  target: str, hosts: int = 1, slots: int | None = None) -> dict:
+def decode_memory(
+    config,
+    *,
+    tp: int,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    target: str,
+    hosts: int = 1,
+    slots: int | None = None,
+) -> dict:
     """What `decode` and `serve` hold per GPU of `target` (bytes): the weights as they decode
     with them (input projections fused in place; int8 weights as stored) and the KV cache
     sized for prompt + new tokens (or `slots` per row), against the pool jax's allocator takes
@@ -1016,15 +1326,23 @@ def decode_memory(config, *, tp: int, batch: int, prompt_len: int, new_tokens: i
     from ladder_jax.inference import generation
 
     weights = _weight_bytes(config, tp, target, hosts)
-    cache = generation.KVCache.abstract(config, programs.gpu_mesh(target, tp, hosts=hosts),
-                                        batch, slots or generation.cache_length(
-                                            config, prompt_len, new_tokens))
+    cache = generation.KVCache.abstract(
+        config,
+        programs.gpu_mesh(target, tp, hosts=hosts),
+        batch,
+        slots or generation.cache_length(config, prompt_len, new_tokens),
+    )
     kv = sum(_device_bytes(x) for x in (*cache.k, *cache.v))
     capacity = hardware.CHIPS[target].memory_bytes
     pool = int(pool_fraction() * capacity)
-    return {"weights_bytes": weights, "kv_cache_bytes": kv, "memory_per_gpu_bytes": weights + kv,
-            "device_pool_bytes": pool, "device_memory_bytes": capacity,
-            "fits": weights + kv <= pool}
+    return {
+        "weights_bytes": weights,
+        "kv_cache_bytes": kv,
+        "memory_per_gpu_bytes": weights + kv,
+        "device_pool_bytes": pool,
+        "device_memory_bytes": capacity,
+        "fits": weights + kv <= pool,
+    }
 
 
 def _compiled(name, fn):
@@ -1035,44 +1353,96 @@ def _compiled(name, fn):
         raise PredictError(f"{name or 'the model'}: {e}") from None
 
 
-def predict_train(config, sweep: Sweep | None = None, *, batch: int, seq_len: int,
-                  grad_accum: int = 1, jobs: int | None = None, progress=None,
-                  name: str | None = None, efficiency: hardware.Efficiency | None = None,
-                  link_overrides: dict | None = None, **fields) -> list[dict]:
+def predict_train(
+    config,
+    sweep: Sweep | None = None,
+    *,
+    batch: int,
+    seq_len: int,
+    grad_accum: int = 1,
+    jobs: int | None = None,
+    progress=None,
+    name: str | None = None,
+    efficiency: hardware.Efficiency | None = None,
+    link_overrides: dict | None = None,
+    **fields,
+) -> list[dict]:
     """One row per (tp, residual, link) for a training step of `batch` sequences of
     `seq_len` tokens, `grad_accum` times (see the module doc)."""
-    sweep = _sweep(sweep, efficiency, link_overrides, batch=(batch,), prompt_len=seq_len,
-                   **fields)
+    sweep = _sweep(sweep, efficiency, link_overrides, batch=(batch,), prompt_len=seq_len, **fields)
     sweep.check(config, phase="train")
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
         raise PredictError(f"grad_accum={grad_accum!r} must be a positive integer")
     programs.check_plugin()
-    cases = [(t, dataclasses.replace(config, residual=r, ladder_layers=(
-        config.ladder_layers if r == "ladder" else None))) for t in sweep.tp
-        for r in sweep.residuals]
+    cases = [
+        (
+            t,
+            dataclasses.replace(
+                config, residual=r, ladder_layers=(config.ladder_layers if r == "ladder" else None)
+            ),
+        )
+        for t in sweep.tp
+        for r in sweep.residuals
+    ]
     shape = dict(batch=batch, prompt_len=seq_len, new_tokens=1, target=sweep.target)
-    _compiled(name, lambda: compile_all([task for t, cfg in cases for task in _tasks(
-        cfg, ("train",), compiled_depths(cfg, sweep.layers_compiled), tp=t,
-        hosts=sweep.hosts_for(t), **shape)], jobs, progress))
+    _compiled(
+        name,
+        lambda: compile_all(
+            [
+                task
+                for t, cfg in cases
+                for task in _tasks(
+                    cfg,
+                    ("train",),
+                    compiled_depths(cfg, sweep.layers_compiled),
+                    tp=t,
+                    hosts=sweep.hosts_for(t),
+                    **shape,
+                )
+            ],
+            jobs,
+            progress,
+        ),
+    )
     rows = []
     for t, cfg in cases:
         for link_name in sweep.links:
-            step = program_time(cfg, phase="train", tp=t, **shape,
-                                link=sweep.calibration.links[link_name],
-                                calibration=sweep.calibration, hosts=sweep.hosts_for(t),
-                                layers_compiled=sweep.layers_compiled,
-                                algorithm=sweep.algorithm, contention=sweep.contention,
-                                launch=sweep.launch, copy_contention=sweep.copy_contention)
+            step = program_time(
+                cfg,
+                phase="train",
+                tp=t,
+                **shape,
+                link=sweep.calibration.links[link_name],
+                calibration=sweep.calibration,
+                hosts=sweep.hosts_for(t),
+                layers_compiled=sweep.layers_compiled,
+                algorithm=sweep.algorithm,
+                contention=sweep.contention,
+                launch=sweep.launch,
+                copy_contention=sweep.copy_contention,
+            )
             step_s = grad_accum * step["seconds"]
-            rows.append({
-                "phase": "train", "residual": cfg.residual, "ladder_layers": cfg.ladder_layers,
-                "tp": t, "hosts": sweep.hosts_for(t), "batch": batch, "seq_len": seq_len,
-                "grad_accum": grad_accum, "link": link_name, "target": sweep.target,
-                "step_s": step_s, "tokens_per_s": grad_accum * batch * seq_len / step_s,
-                "exposed_comm_s": grad_accum * step["exposed_comm_s"],
-                "compute_s": grad_accum * step["compute_s"],
-                "layers_compiled": step["layers_compiled"], "n_layers": cfg.n_layers,
-                "fallback": step["fallback"]})
+            rows.append(
+                {
+                    "phase": "train",
+                    "residual": cfg.residual,
+                    "ladder_layers": cfg.ladder_layers,
+                    "tp": t,
+                    "hosts": sweep.hosts_for(t),
+                    "batch": batch,
+                    "seq_len": seq_len,
+                    "grad_accum": grad_accum,
+                    "link": link_name,
+                    "target": sweep.target,
+                    "step_s": step_s,
+                    "tokens_per_s": grad_accum * batch * seq_len / step_s,
+                    "exposed_comm_s": grad_accum * step["exposed_comm_s"],
+                    "compute_s": grad_accum * step["compute_s"],
+                    "layers_compiled": step["layers_compiled"],
+                    "n_layers": cfg.n_layers,
+                    "fallback": step["fallback"],
+                }
+            )
     return rows
 
 
@@ -1087,24 +1457,38 @@ def _row(cfg, sweep: Sweep, tp, batch, link, pre, step) -> dict:
     hosts = sweep.hosts_for(tp)
     fallback = ",".join(sorted({f for f in (pre["fallback"], step["fallback"]) if f})) or None
     return {
-        "residual": cfg.residual, "ladder_layers": cfg.ladder_layers, "tp": tp, "batch": batch,
-        "prompt_len": sweep.prompt_len, "new_tokens": new_tokens, "link": link,
-        "target": sweep.target, "hosts": hosts, "quantize": cfg.quantize,
+        "residual": cfg.residual,
+        "ladder_layers": cfg.ladder_layers,
+        "tp": tp,
+        "batch": batch,
+        "prompt_len": sweep.prompt_len,
+        "new_tokens": new_tokens,
+        "link": link,
+        "target": sweep.target,
+        "hosts": hosts,
+        "quantize": cfg.quantize,
         "inter_host": sweep.calibration.inter_host.name if hosts > 1 else None,
-        "prefill_s": pre["seconds"], "decode_step_s": step["seconds"],
-        "tokens_per_s": tokens_per_s, "tokens_per_s_per_user": tokens_per_s / batch,
+        "prefill_s": pre["seconds"],
+        "decode_step_s": step["seconds"],
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_user": tokens_per_s / batch,
         "exposed_comm_s": pre["exposed_comm_s"] + (new_tokens - 1) * step["exposed_comm_s"],
         "prefill_exposed_comm_s": pre["exposed_comm_s"],
         "decode_step_exposed_comm_s": step["exposed_comm_s"],
         "decode_step_compute_s": step["compute_s"],
-        "decode_step_kernels": step["kernels"], "layers_compiled": step["layers_compiled"],
+        "decode_step_kernels": step["kernels"],
+        "layers_compiled": step["layers_compiled"],
         "decode_step_hbm_bytes": step["work"]["hbm_bytes"],
         "decode_step_flops": step["work"]["flops"],
         "decode_step_kernels_full": step["work"]["kernels"],
-        "prefill_hbm_bytes": pre["work"]["hbm_bytes"], "prefill_flops": pre["work"]["flops"],
-        "n_layers": cfg.n_layers, "contention": sweep.contention, "launch": sweep.launch,
+        "prefill_hbm_bytes": pre["work"]["hbm_bytes"],
+        "prefill_flops": pre["work"]["flops"],
+        "n_layers": cfg.n_layers,
+        "contention": sweep.contention,
+        "launch": sweep.launch,
         "copy_contention": sweep.contention and sweep.copy_contention,
-        "fallback": fallback, "slots": sweep.slots,
+        "fallback": fallback,
+        "slots": sweep.slots,
         "calibration": sweep.calibration.source,
     }
 
@@ -1113,36 +1497,49 @@ def with_ratios(rows: list[dict]) -> list[dict]:
     """Adds `vs_standard`: tokens/s over the standard row of the same link, tp and batch."""
     key = lambda r: (r["link"], r["tp"], r["batch"])  # noqa: E731
     std = {key(r): r["tokens_per_s"] for r in rows if r["residual"] == "standard"}
-    return [{**r, "vs_standard": r["tokens_per_s"] / std[key(r)] if key(r) in std else None}
-            for r in rows]
+    return [
+        {**r, "vs_standard": r["tokens_per_s"] / std[key(r)] if key(r) in std else None}
+        for r in rows
+    ]
 
 
 def format_train_table(rows: list[dict]) -> str:
-    lines = [f"{'link':<7} {'tp':>3} {'residual':<12} {'step ms':>10} {'exposed ms':>10} "
-             f"{'tokens/s':>10} {'vs standard':>11}"]
+    lines = [
+        f"{'link':<7} {'tp':>3} {'residual':<12} {'step ms':>10} {'exposed ms':>10} "
+        f"{'tokens/s':>10} {'vs standard':>11}"
+    ]
     for r in with_ratios(rows):
         ratio = "-" if r["vs_standard"] is None else f"{r['vs_standard']:.3f}x"
-        lines.append(f"{r['link']:<7} {r['tp']:>3} {r['residual']:<12} {r['step_s'] * 1e3:>10.1f} "
-                     f"{r['exposed_comm_s'] * 1e3:>10.1f} {r['tokens_per_s']:>10.0f} {ratio:>11}")
+        lines.append(
+            f"{r['link']:<7} {r['tp']:>3} {r['residual']:<12} {r['step_s'] * 1e3:>10.1f} "
+            f"{r['exposed_comm_s'] * 1e3:>10.1f} {r['tokens_per_s']:>10.0f} {ratio:>11}"
+        )
     return "\n".join(lines)
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'link':<7} {'tp':>3} {'batch':>5} {'residual':<12} {'prefill ms':>10} "
-             f"{'decode ms/tok':>13} {'exposed ms/tok':>14} {'tokens/s':>10} "
-             f"{'tok/s/user':>10} {'vs standard':>11} {'GiB/GPU':>7}"]
+    lines = [
+        f"{'link':<7} {'tp':>3} {'batch':>5} {'residual':<12} {'prefill ms':>10} "
+        f"{'decode ms/tok':>13} {'exposed ms/tok':>14} {'tokens/s':>10} "
+        f"{'tok/s/user':>10} {'vs standard':>11} {'GiB/GPU':>7}"
+    ]
     order = {name: i for i, name in enumerate(hardware.LINKS)}
     rows = sorted(with_ratios(rows), key=lambda r: (order.get(r["link"], 99), r["tp"], r["batch"]))
     for r in rows:
         ratio = "-" if r["vs_standard"] is None else f"{r['vs_standard']:.3f}x"
-        mem = ("" if "memory_per_gpu_bytes" not in r else
-               f" {r['memory_per_gpu_bytes'] / 2**30:>7.1f}" + ("" if r["fits"] else
-                                                                " does not fit"))
-        lines.append(f"{r['link']:<7} {r['tp']:>3} {r['batch']:>5} {r['residual']:<12} "
-                     f"{r['prefill_s'] * 1e3:>10.1f} {r['decode_step_s'] * 1e3:>13.3f} "
-                     f"{r['decode_step_exposed_comm_s'] * 1e3:>14.3f} "
-                     f"{r['tokens_per_s']:>10.1f} {r['tokens_per_s_per_user']:>10.1f} "
-                     f"{ratio:>11}{mem}")
+        mem = (
+            ""
+            if "memory_per_gpu_bytes" not in r
+            else f" {r['memory_per_gpu_bytes'] / 2**30:>7.1f}"
+            + ("" if r["fits"] else " does not fit")
+        )
+        lines.append(
+            f"{r['link']:<7} {r['tp']:>3} {r['batch']:>5} {r['residual']:<12} "
+            f"{r['prefill_s'] * 1e3:>10.1f} {r['decode_step_s'] * 1e3:>13.3f} "
+            f"{r['decode_step_exposed_comm_s'] * 1e3:>14.3f} "
+            f"{r['tokens_per_s']:>10.1f} {r['tokens_per_s_per_user']:>10.1f} "
+            f"{ratio:>11}{mem}"
+        )
     return "\n".join(lines)
 
 
@@ -1152,13 +1549,17 @@ def memory_note(rows: list[dict]) -> str:
     if first is None:
         return ""
     chip, pool = hardware.CHIPS[first["target"]], first["device_pool_bytes"]
-    note = (f"GiB/GPU: weights (input projections fused in place) + KV cache per GPU, "
-            f"temporaries not counted; jax's pool on the {chip.name} is {pool / 2**30:.1f} GiB "
-            f"({pool / chip.memory_bytes:.2f} of {chip.memory_bytes / 2**30:.1f} GiB: "
-            f"XLA_PYTHON_CLIENT_MEM_FRACTION)")
+    note = (
+        f"GiB/GPU: weights (input projections fused in place) + KV cache per GPU, "
+        f"temporaries not counted; jax's pool on the {chip.name} is {pool / 2**30:.1f} GiB "
+        f"({pool / chip.memory_bytes:.2f} of {chip.memory_bytes / 2**30:.1f} GiB: "
+        f"XLA_PYTHON_CLIENT_MEM_FRACTION)"
+    )
     if any(not r["fits"] for r in rows if "fits" in r):
-        note += ("\ndoes not fit: more than the pool; more GPUs (--tp), a shorter cache, int8, "
-                 "or a larger XLA_PYTHON_CLIENT_MEM_FRACTION")
+        note += (
+            "\ndoes not fit: more than the pool; more GPUs (--tp), a shorter cache, int8, "
+            "or a larger XLA_PYTHON_CLIENT_MEM_FRACTION"
+        )
     return note
 
 
@@ -1174,7 +1575,8 @@ def summary(rows: list[dict]) -> str:
         by.setdefault((link, tp, b), {})[res] = v
     return "\n".join(
         f"{link} tp={tp} batch={b}: " + ", ".join(f"{k}/standard {v:.3f}" for k, v in d.items())
-        for (link, tp, b), d in by.items())
+        for (link, tp, b), d in by.items()
+    )
 
 
 def check_calibration(cal: hardware.Calibration) -> None:
@@ -1184,14 +1586,17 @@ def check_calibration(cal: hardware.Calibration) -> None:
         if not (math.isfinite(v) and 0 < v <= 1):
             raise PredictError(f"{name} {v} must be in (0, 1]")
     if not (math.isfinite(eff.kernel_overhead_s) and eff.kernel_overhead_s >= 0):
-        raise PredictError(f"kernel overhead {eff.kernel_overhead_s * 1e6:g} us must be a "
-                           f"finite number >= 0")
+        raise PredictError(
+            f"kernel overhead {eff.kernel_overhead_s * 1e6:g} us must be a finite number >= 0"
+        )
     for link in [*cal.links.values(), cal.inter_host]:
         for k in ("base_latency_s", "hop_latency_s", "bus_bytes_per_s"):
             v = getattr(link, k)
             if not math.isfinite(v) or v < 0 or (k == "bus_bytes_per_s" and v == 0):
-                raise PredictError(f"link {link.name} {k}={v} must be a finite number "
-                                   f"{'> 0' if k == 'bus_bytes_per_s' else '>= 0'}")
+                raise PredictError(
+                    f"link {link.name} {k}={v} must be a finite number "
+                    f"{'> 0' if k == 'bus_bytes_per_s' else '>= 0'}"
+                )
     if not (math.isfinite(cal.contention.copy_rate) and 0 < cal.contention.copy_rate <= 1):
         raise PredictError(f"contention copy_rate={cal.contention.copy_rate} must be in (0, 1]")
     for f in dataclasses.fields(cal.launch):
@@ -1211,9 +1616,14 @@ def check_knobs(eff: hardware.Efficiency, link_overrides: dict) -> None:
             raise PredictError(f"{name} {v} must be in (0, 1]")
     if not (math.isfinite(eff.kernel_overhead_s) and eff.kernel_overhead_s >= 0):
         raise PredictError("--kernel-overhead-us must be a finite number >= 0")
-    flags = {"base_latency_s": "--link-latency-us", "hop_latency_s": "--link-hop-us",
-             "bus_bytes_per_s": "--link-busbw-gbs"}
+    flags = {
+        "base_latency_s": "--link-latency-us",
+        "hop_latency_s": "--link-hop-us",
+        "bus_bytes_per_s": "--link-busbw-gbs",
+    }
     for k, v in link_overrides.items():
         if not math.isfinite(v) or v < 0 or (k == "bus_bytes_per_s" and v == 0):
-            raise PredictError(f"{flags.get(k, k)} {v:g}: must be a finite number "
-                               f"{'> 0' if k == 'bus_bytes_per_s' else '>= 0'}")
+            raise PredictError(
+                f"{flags.get(k, k)} {v:g}: must be a finite number "
+                f"{'> 0' if k == 'bus_bytes_per_s' else '>= 0'}"
+            )

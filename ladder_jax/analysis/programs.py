@@ -12,7 +12,6 @@ backend runs lean (no LLVM optimization, no machine code), which leaves the sche
 (tested). See docs/analysis.md.
 """
 
-
 from __future__ import annotations
 
 import atexit
@@ -47,9 +46,11 @@ from ladder_jax.model import sharding
 from ladder_jax.model.transformer import abstract
 from ladder_jax.train import step
 
-PLUGIN_HINT = ('deviceless GPU compilation needs the CUDA PJRT plugin at the jax version in use: '
-               'pip install "jax-cuda12-plugin=={v}" "jax-cuda12-pjrt=={v}"  '
-               '(or: pip install -e ".[analysis]"); no GPU or CUDA libraries are needed')
+PLUGIN_HINT = (
+    "deviceless GPU compilation needs the CUDA PJRT plugin at the jax version in use: "
+    'pip install "jax-cuda12-plugin=={v}" "jax-cuda12-pjrt=={v}"  '
+    '(or: pip install -e ".[analysis]"); no GPU or CUDA libraries are needed'
+)
 
 
 class OverlapError(RuntimeError):
@@ -61,24 +62,31 @@ def gpu_devices(target: str, n: int, *, hosts: int = 1) -> list:
     plugin's topology `1 x hosts x n/hosts` (one slice). No GPU needed."""
 
     if target not in hardware.TARGETS:
-        raise OverlapError(f"unknown target {target!r}: choose one of "
-                           f"{', '.join(hardware.TARGETS)}")
+        raise OverlapError(
+            f"unknown target {target!r}: choose one of {', '.join(hardware.TARGETS)}"
+        )
     if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1:
         raise OverlapError(f"hosts={hosts!r} must be a positive integer")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise OverlapError(f"{n!r} GPUs: tp (and data) must be positive integers")
     if n % hosts:
-        raise OverlapError(f"{n} GPUs cannot be spread evenly over {hosts} hosts: use a GPU "
-                           f"count that {hosts} divides (or other --hosts)")
+        raise OverlapError(
+            f"{n} GPUs cannot be spread evenly over {hosts} hosts: use a GPU "
+            f"count that {hosts} divides (or other --hosts)"
+        )
     check_plugin()
     try:
         with runtime.quiet():  # the plugin's start-up lines on a host without a GPU
             topo = topologies.get_topology_desc(
-                platform="cuda", target_config=hardware.gpu_target_config(target),
-                topology=f"1x{hosts}x{n // hosts}")
+                platform="cuda",
+                target_config=hardware.gpu_target_config(target),
+                topology=f"1x{hosts}x{n // hosts}",
+            )
     except Exception as e:  # the plugin's errors are plain RuntimeErrors
-        raise OverlapError(f"could not describe {hosts} hosts x {n // hosts} {target}: {e}\n"
-                           + PLUGIN_HINT.format(v=jax.__version__)) from None
+        raise OverlapError(
+            f"could not describe {hosts} hosts x {n // hosts} {target}: {e}\n"
+            + PLUGIN_HINT.format(v=jax.__version__)
+        ) from None
     return list(topo.devices)
 
 
@@ -88,8 +96,11 @@ def gpu_mesh(target: str, tp: int, *, data: int = 1, hosts: int = 1):
     GPUs per host."""
 
     devices = gpu_devices(target, data * tp, hosts=hosts)
-    return Mesh(np.array(devices).reshape(data, tp), ("data", "tp"),
-                axis_types=(AxisType.Auto, AxisType.Auto))
+    return Mesh(
+        np.array(devices).reshape(data, tp),
+        ("data", "tp"),
+        axis_types=(AxisType.Auto, AxisType.Auto),
+    )
 
 
 def check_plugin() -> None:
@@ -103,8 +114,17 @@ def check_plugin() -> None:
         raise OverlapError(PLUGIN_HINT.format(v=jax.__version__))
 
 
-def lower_decoder(config, mesh, *, phase: str, batch: int, prompt_len: int, new_tokens: int,
-                  quantize: str | None = None, slots: int | None = None):
+def lower_decoder(
+    config,
+    mesh,
+    *,
+    phase: str,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    quantize: str | None = None,
+    slots: int | None = None,
+):
     """The lowered `Decoder` prefill or one-token step (KV cache, per-row sampling) of `config`
     on `mesh`, from shapes: the cache holds `prompt_len + new_tokens` (rounded as `decode`
     does), or `slots` per row (a server's `--max-len`). Sampling settings are runtime arrays,
@@ -117,15 +137,18 @@ def lower_decoder(config, mesh, *, phase: str, batch: int, prompt_len: int, new_
     cache = generation.KVCache.abstract(config, mesh, batch, S)
 
     def rows_of(dtype, *shape):
-        return jax.ShapeDtypeStruct((batch, *shape), dtype, sharding=NamedSharding(
-            mesh, P("data", *(None,) * len(shape))))
+        return jax.ShapeDtypeStruct(
+            (batch, *shape), dtype, sharding=NamedSharding(mesh, P("data", *(None,) * len(shape)))
+        )
 
     rows = rows_of(jnp.int32)
-    settings = generation.Rows(rows_of(jnp.uint32, 2), rows_of(jnp.float32),
-                               rows_of(jnp.int32), rows_of(jnp.float32))
+    settings = generation.Rows(
+        rows_of(jnp.uint32, 2), rows_of(jnp.float32), rows_of(jnp.int32), rows_of(jnp.float32)
+    )
     if phase == "prefill":
-        tokens = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32,
-                                      sharding=NamedSharding(mesh, P("data", None)))
+        tokens = jax.ShapeDtypeStruct(
+            (batch, prompt_len), jnp.int32, sharding=NamedSharding(mesh, P("data", None))
+        )
         return decoder.lower_prefill(cache, tokens, rows, settings)
     return decoder.lower_decode(cache, rows, rows, settings, rows)
 
@@ -134,9 +157,20 @@ class CompileError(OverlapError):
     """XLA's GPU compiler failed on a program: one line naming the phase, tp and target."""
 
 
-def compile_program(config, *, phase: str, tp: int, batch: int, seq: int, target: str = "h100",
-                    new_tokens: int = 512, hosts: int = 1, cache: bool = True,
-                    quantize: str | None = None, slots: int | None = None) -> tuple:
+def compile_program(
+    config,
+    *,
+    phase: str,
+    tp: int,
+    batch: int,
+    seq: int,
+    target: str = "h100",
+    new_tokens: int = 512,
+    hosts: int = 1,
+    cache: bool = True,
+    quantize: str | None = None,
+    slots: int | None = None,
+) -> tuple:
     """Compiles `phase` of `config` for `tp` GPUs of `target` on `hosts` hosts; returns
     (scheduled hlo_text, seconds). `seq` is the prompt (prefill, decode) or training length;
     `new_tokens` sizes the decode cache (`slots`: that many per row instead, as a server sized
@@ -148,12 +182,18 @@ def compile_program(config, *, phase: str, tp: int, batch: int, seq: int, target
     if quantize is not None:
         config = dataclasses.replace(config, quantize=quantize)
     if phase == "train" and config.quantize is not None:
-        raise OverlapError(f"quantize={config.quantize!r} is for decoding: the train phase "
-                           f"runs float weights")
+        raise OverlapError(
+            f"quantize={config.quantize!r} is for decoding: the train phase runs float weights"
+        )
     if phase not in PHASES:
         raise OverlapError(f"unknown phase {phase!r}: choose one of {', '.join(PHASES)}")
-    for name, v in (("tp", tp), ("batch", batch), ("seq", seq), ("new_tokens", new_tokens),
-                    *((("slots", slots),) if slots is not None else ())):
+    for name, v in (
+        ("tp", tp),
+        ("batch", batch),
+        ("seq", seq),
+        ("new_tokens", new_tokens),
+        *((("slots", slots),) if slots is not None else ()),
+    ):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise OverlapError(f"{name}={v!r} must be a positive integer")
     mesh = gpu_mesh(target, tp, hosts=hosts)
@@ -161,12 +201,22 @@ def compile_program(config, *, phase: str, tp: int, batch: int, seq: int, target
     options = sharding.compiler_options("gpu")
     t0 = time.perf_counter()
     if phase in ("prefill", "decode"):
-        lowered = lower_decoder(config, mesh, phase=phase, batch=batch, prompt_len=seq,
-                                new_tokens=new_tokens, slots=slots)
+        lowered = lower_decoder(
+            config,
+            mesh,
+            phase=phase,
+            batch=batch,
+            prompt_len=seq,
+            new_tokens=new_tokens,
+            slots=slots,
+        )
     else:
         lowered = train_program(config, mesh, batch=batch, seq_len=seq)
-    path = _cache_path(program_key(lowered, target=target, hosts=hosts, options=options)
-                       ) if cache else None
+    path = (
+        _cache_path(program_key(lowered, target=target, hosts=hosts, options=options))
+        if cache
+        else None
+    )
     if path and os.path.exists(path):
         with gzip.open(path, "rt") as f:
             fallback, _, hlo = f.read().partition("\n")
@@ -174,8 +224,11 @@ def compile_program(config, *, phase: str, tp: int, batch: int, seq: int, target
         CACHE_STATS["hits"] += 1
         return hlo, time.perf_counter() - t0
     with _kernel_reuse(target) as reuse:
-        hlo, fallback = _compile_text(lowered, {**options, **reuse, **_analysis_options()},
-                                      what=f"the {phase} program at tp={tp} on {target}")
+        hlo, fallback = _compile_text(
+            lowered,
+            {**options, **reuse, **_analysis_options()},
+            what=f"the {phase} program at tp={tp} on {target}",
+        )
     LAST.update(hit=False, fallback=fallback)
     CACHE_STATS["misses"] += 1
     if path:
@@ -200,8 +253,13 @@ def _kernel_reuse(target: str):
     with _KERNEL_LOCK:
         d = _scratch_dir()
         free = _KERNEL_FILES.setdefault(target, [])
-        path = free.pop() if free else os.path.join(  # a new name, whether XLA wrote it yet or not
-            d, f"{target}-{next(_KERNEL_NAMES)}.kernels")
+        path = (
+            free.pop()
+            if free
+            else os.path.join(  # a new name, whether XLA wrote it yet or not
+                d, f"{target}-{next(_KERNEL_NAMES)}.kernels"
+            )
+        )
     try:
         yield {"xla_gpu_kernel_cache_file": path}
     finally:
@@ -252,8 +310,10 @@ def _analysis_options() -> dict:
     found, `xla_gpu_cuda_data_dir` at a folder whose `ptxas` assembles nothing."""
     with _KERNEL_LOCK:
         cuda = _stub_cuda(_scratch_dir())
-    return {"xla_backend_optimization_level": 0,
-            **({"xla_gpu_cuda_data_dir": cuda} if cuda else {})}
+    return {
+        "xla_backend_optimization_level": 0,
+        **({"xla_gpu_cuda_data_dir": cuda} if cuda else {}),
+    }
 
 
 @functools.lru_cache(maxsize=1)
@@ -262,10 +322,16 @@ def _stub_cuda(parent: str) -> str | None:
     linked to the real toolkit; None without one. Made once; call with `_KERNEL_LOCK` held."""
     roots = _cuda_roots()
     ptxas = shutil.which("ptxas") or next(
-        (p for p in (os.path.join(r, "bin", "ptxas") for r in roots) if os.access(p, os.X_OK)),
-        None)
-    nvvm = next((os.path.join(r, "nvvm") for r in roots
-                 if os.path.isdir(os.path.join(r, "nvvm", "libdevice"))), None)
+        (p for p in (os.path.join(r, "bin", "ptxas") for r in roots) if os.access(p, os.X_OK)), None
+    )
+    nvvm = next(
+        (
+            os.path.join(r, "nvvm")
+            for r in roots
+            if os.path.isdir(os.path.join(r, "nvvm", "libdevice"))
+        ),
+        None,
+    )
     if not ptxas or not nvvm or "'" in ptxas:
         return None
     root = os.path.join(parent, "cuda")
@@ -289,16 +355,20 @@ def _compile_text(lowered, options: dict, *, what: str) -> tuple[str, str | None
             return lowered.compile(compiler_options=options).as_text(), None
     except Exception as e:  # XLA's errors are JaxRuntimeErrors with the whole message
         if _TILING not in str(e):
-            raise CompileError(f"XLA's GPU compiler failed on {what}: "
-                               f"{str(e).strip().splitlines()[0][:300]}") from None
+            raise CompileError(
+                f"XLA's GPU compiler failed on {what}: {str(e).strip().splitlines()[0][:300]}"
+            ) from None
     try:
         with runtime.quiet():
-            text = lowered.compile(compiler_options={**options,
-                                                     "xla_gpu_enable_triton_gemm": False})
+            text = lowered.compile(
+                compiler_options={**options, "xla_gpu_enable_triton_gemm": False}
+            )
             return text.as_text(), "cublas-gemm"
     except Exception as e:
-        raise CompileError(f"XLA's GPU compiler failed on {what}, with Triton GEMMs and with "
-                           f"cuBLAS GEMMs: {str(e).strip().splitlines()[0][:300]}") from None
+        raise CompileError(
+            f"XLA's GPU compiler failed on {what}, with Triton GEMMs and with "
+            f"cuBLAS GEMMs: {str(e).strip().splitlines()[0][:300]}"
+        ) from None
 
 
 def cache_dir() -> str | None:
@@ -318,9 +388,17 @@ def program_key(lowered, *, target: str, hosts: int, options: dict) -> str:
     (its description and the hosts its GPUs are spread over). Equal keys, equal programs.
 
         key = program_key(lowered, target="h100", hosts=1, options=options)"""
-    blob = json.dumps({"versions": _versions(), "options": options, "hosts": hosts,
-                       "target": target, "target_config": hardware.gpu_target_config(target)},
-                      sort_keys=True, default=str)
+    blob = json.dumps(
+        {
+            "versions": _versions(),
+            "options": options,
+            "hosts": hosts,
+            "target": target,
+            "target_config": hardware.gpu_target_config(target),
+        },
+        sort_keys=True,
+        default=str,
+    )
     h = hashlib.sha256(blob.encode())
     h.update(lowered.as_text().encode())
     return h.hexdigest()[:32]
@@ -347,16 +425,27 @@ def _write_cache(path: str, text: str) -> None:
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-        with os.fdopen(fd, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb",
-                                                       compresslevel=3) as f:
+        with (
+            os.fdopen(fd, "wb") as raw,
+            gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=3) as f,
+        ):
             f.write(text.encode())
         os.replace(tmp, path)
     except OSError:
         pass
 
 
-def train_program(config, mesh, *, batch: int, seq_len: int, grad_accum: int = 1,
-                  optim=None, total_steps: int = 10_000, fsdp: bool = False):
+def train_program(
+    config,
+    mesh,
+    *,
+    batch: int,
+    seq_len: int,
+    grad_accum: int = 1,
+    optim=None,
+    total_steps: int = 10_000,
+    fsdp: bool = False,
+):
     """The lowered training step the trainer runs (`ladder_jax.train.step.make_train_step`,
     jitted with the package's options): weights stored as trained (`fsdp`), AdamW moments
     stored like their params, a batch of `grad_accum` x `batch` sequences of `seq_len` + 1
@@ -368,17 +457,26 @@ def train_program(config, mesh, *, batch: int, seq_len: int, grad_accum: int = 1
     # shardings: moments left replicated would put the whole model's AdamW state on every GPU,
     # and past XLA's memory limit the scheduler stops overlapping collectives)
     opt_state = jax.eval_shape(optimizer.init, params)
-    opt_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                             opt_state, step.opt_state_shardings(optimizer, opt_state, params,
-                                                                 mesh))
-    tokens = jax.ShapeDtypeStruct((grad_accum, batch, seq_len + 1), jnp.int32,
-                                  sharding=NamedSharding(mesh, P(None, sharding.DATA, None)))
+    opt_state = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        opt_state,
+        step.opt_state_shardings(optimizer, opt_state, params, mesh),
+    )
+    tokens = jax.ShapeDtypeStruct(
+        (grad_accum, batch, seq_len + 1),
+        jnp.int32,
+        sharding=NamedSharding(mesh, P(None, sharding.DATA, None)),
+    )
     train_step = step.make_train_step(
-        graphdef, optimizer=optimizer, grad_clip=optim.grad_clip,
+        graphdef,
+        optimizer=optimizer,
+        grad_clip=optim.grad_clip,
         param_shardings=[x.sharding for x in jax.tree.leaves(params)],
-        opt_shardings=[x.sharding for x in jax.tree.leaves(opt_state)])
+        opt_shardings=[x.sharding for x in jax.tree.leaves(opt_state)],
+    )
     return sharding.jit(train_step, platform="gpu", donate_argnums=(0, 1)).lower(
-        params, opt_state, tokens)
+        params, opt_state, tokens
+    )
 
 
 def compile_train_config(cfg, *, hosts: int = 1, gpus_per_host: int = 8, target: str = "h100"):
@@ -389,24 +487,33 @@ def compile_train_config(cfg, *, hosts: int = 1, gpus_per_host: int = 8, target:
     `data.batch_size` x `data.seq_len`) and rematerialization, the step function the trainer
     jits (`step.make_train_step`) with the same options. Returns (compiled, mesh, seconds)."""
 
-
     model_config = config_lib.check(cfg)
     n = hosts * gpus_per_host
     tp = cfg.mesh.tp
     if cfg.mesh.data is not None and cfg.mesh.data * tp != n:
-        raise OverlapError(f"mesh.data={cfg.mesh.data} x mesh.tp={tp} = {cfg.mesh.data * tp} "
-                           f"GPUs, but {hosts} hosts x {gpus_per_host} = {n}: set --hosts or "
-                           f"mesh.data")
+        raise OverlapError(
+            f"mesh.data={cfg.mesh.data} x mesh.tp={tp} = {cfg.mesh.data * tp} "
+            f"GPUs, but {hosts} hosts x {gpus_per_host} = {n}: set --hosts or "
+            f"mesh.data"
+        )
     if n % tp:
         raise OverlapError(f"mesh.tp={tp} does not divide the {n} GPUs")
     data = n // tp
     mesh = gpu_mesh(target, tp, data=data, hosts=hosts)
     sharding.check_batch(cfg.data.batch_size, mesh)
     t0 = time.perf_counter()
-    lowered = train_program(model_config, mesh, batch=cfg.data.batch_size,
-                            seq_len=cfg.data.seq_len, grad_accum=cfg.data.grad_accum,
-                            optim=cfg.optim, total_steps=cfg.steps, fsdp=cfg.mesh.fsdp)
+    lowered = train_program(
+        model_config,
+        mesh,
+        batch=cfg.data.batch_size,
+        seq_len=cfg.data.seq_len,
+        grad_accum=cfg.data.grad_accum,
+        optim=cfg.optim,
+        total_steps=cfg.steps,
+        fsdp=cfg.mesh.fsdp,
+    )
     with runtime.quiet():  # the lean backend (module doc: compile time); nothing runs it
-        compiled = lowered.compile(compiler_options={**sharding.compiler_options("gpu"),
-                                                     **_analysis_options()})
+        compiled = lowered.compile(
+            compiler_options={**sharding.compiler_options("gpu"), **_analysis_options()}
+        )
     return compiled, mesh, time.perf_counter() - t0

@@ -33,8 +33,16 @@ def _device_bytes(x) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def layer_minimum(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int,
-                  target: str = "h100", hosts: int = 1) -> dict:
+def layer_minimum(
+    config,
+    *,
+    tp: int,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    target: str = "h100",
+    hosts: int = 1,
+) -> dict:
     """Bytes one GPU must read per layer of a decode step: `weights_bytes` (layer 0's weights
     as decoding holds them, a replicated kv head counted once: the one the GPU reads) and
     `kv_cache_bytes` (the layer's K and V blocks of the slots the average step of the request
@@ -55,25 +63,46 @@ def layer_minimum(config, *, tp: int, batch: int, prompt_len: int, new_tokens: i
         for v in (node.weight, node.scale):
             if v is not None:
                 weights += _device_bytes(v.get_value()) // share
-    linear_ids = {id(v) for _, n in nnx.iter_graph(layer) if isinstance(n, Linear)
-                  for v in (n.weight, n.scale) if v is not None}
+    linear_ids = {
+        id(v)
+        for _, n in nnx.iter_graph(layer)
+        if isinstance(n, Linear)
+        for v in (n.weight, n.scale)
+        if v is not None
+    }
     for _, node in nnx.iter_graph(layer):  # norms and anything else not in a Linear
         if isinstance(node, nnx.Variable) and id(node) not in linear_ids:
             weights += _device_bytes(node.get_value())
-    cache = generation.KVCache.abstract(config, mesh, batch, generation.cache_length(
-        config, prompt_len, new_tokens))
+    cache = generation.KVCache.abstract(
+        config, mesh, batch, generation.cache_length(config, prompt_len, new_tokens)
+    )
     kv = _device_bytes(cache.k[0]) + _device_bytes(cache.v[0])
     kv = round(kv * perfmodel.decode_fill(config, prompt_len=prompt_len, new_tokens=new_tokens))
     return {"weights_bytes": weights, "kv_cache_bytes": kv}
 
 
-def step_minimum(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int,
-                 target: str = "h100", hosts: int = 1) -> int:
+def step_minimum(
+    config,
+    *,
+    tp: int,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    target: str = "h100",
+    hosts: int = 1,
+) -> int:
     """Bytes one GPU must read per decode step: every layer's minimum (`layer_minimum`), the
     final norm and the LM head's block (the tied embedding's vocab rows); an untied
     embedding's table is only gathered from, and is not counted."""
-    per_layer = layer_minimum(config, tp=tp, batch=batch, prompt_len=prompt_len,
-                              new_tokens=new_tokens, target=target, hosts=hosts)
+    per_layer = layer_minimum(
+        config,
+        tp=tp,
+        batch=batch,
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        target=target,
+        hosts=hosts,
+    )
     head = _head_bytes(config, tp, target, hosts)
     return config.n_layers * (per_layer["weights_bytes"] + per_layer["kv_cache_bytes"]) + head
 
@@ -84,8 +113,11 @@ def _head_bytes(config, tp: int, target: str, hosts: int) -> int:
 
     mesh = programs.gpu_mesh(target, tp, hosts=hosts)
     model = nnx.merge(*abstract(dataclasses.replace(config, n_layers=1), mesh))
-    out = _device_bytes(model.final_norm.scale.get_value()) if hasattr(
-        model.final_norm, "scale") else 0
+    out = (
+        _device_bytes(model.final_norm.scale.get_value())
+        if hasattr(model.final_norm, "scale")
+        else 0
+    )
     if model.head is None:
         return out + _device_bytes(model.embed.get_value())
     for v in (model.head.weight, model.head.scale):
@@ -94,9 +126,18 @@ def _head_bytes(config, tp: int, target: str, hosts: int) -> int:
     return out
 
 
-def layer_report(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int,
-                 target: str = "h100", hosts: int = 1, layers_compiled: int = 4,
-                 slots: int | None = None) -> dict:
+def layer_report(
+    config,
+    *,
+    tp: int,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    target: str = "h100",
+    hosts: int = 1,
+    layers_compiled: int = 4,
+    slots: int | None = None,
+) -> dict:
     """One decode program's layer against the roofline: `layer_bytes` (HBM bytes its kernels
     read and write), `layer_min_bytes`, `bytes_vs_minimum`, `kernels_per_layer` (compute
     kernels), `collectives_per_layer`, `step_bytes` (the whole step at full depth) and
@@ -108,15 +149,32 @@ def layer_report(config, *, tp: int, batch: int, prompt_len: int, new_tokens: in
     minimum stays the request's own cache, which is all the ragged attention should read.
     Compiles (or reads from the cache) the programs."""
     depths = perfmodel.compiled_depths(config, layers_compiled)
-    progs = [perfmodel.program_kernels(
-        dataclasses.replace(config, n_layers=d), phase="decode", tp=tp, batch=batch,
-        prompt_len=prompt_len, new_tokens=new_tokens, target=target, hosts=hosts,
-        **({"slots": slots} if slots is not None else {})) for d in depths]
+    progs = [
+        perfmodel.program_kernels(
+            dataclasses.replace(config, n_layers=d),
+            phase="decode",
+            tp=tp,
+            batch=batch,
+            prompt_len=prompt_len,
+            new_tokens=new_tokens,
+            target=target,
+            hosts=hosts,
+            **({"slots": slots} if slots is not None else {}),
+        )
+        for d in depths
+    ]
     compute = [[k for k in p.kernels if k.kind == "compute"] for p in progs]
     colls = [sum(k.kind in ("start", "sync") for k in p.kernels) for p in progs]
     total = [sum(k.nbytes for k in c) for c in compute]
-    minimum = layer_minimum(config, tp=tp, batch=batch, prompt_len=prompt_len,
-                            new_tokens=new_tokens, target=target, hosts=hosts)
+    minimum = layer_minimum(
+        config,
+        tp=tp,
+        batch=batch,
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        target=target,
+        hosts=hosts,
+    )
     low = minimum["weights_bytes"] + minimum["kv_cache_bytes"]
     n = config.n_layers
     if len(depths) == 2:
@@ -124,74 +182,147 @@ def layer_report(config, *, tp: int, batch: int, prompt_len: int, new_tokens: in
         collectives, per_layer = colls[1] - colls[0], "difference"
         step = total[1] + (n - depths[1]) * nbytes
     else:
-        head = step_minimum(config, tp=tp, batch=batch, prompt_len=prompt_len,
-                            new_tokens=new_tokens, target=target, hosts=hosts) - n * low
+        head = (
+            step_minimum(
+                config,
+                tp=tp,
+                batch=batch,
+                prompt_len=prompt_len,
+                new_tokens=new_tokens,
+                target=target,
+                hosts=hosts,
+            )
+            - n * low
+        )
         step = total[0]
         nbytes, kernels = (step - head) / n, len(compute[0]) / n
         collectives, per_layer = colls[0] / n, "step over layers"
     last = [(k.name, k.nbytes) for k in compute[-1] if k.layer == depths[-1] - 1]
-    return {"layer_bytes": nbytes, "layer_min_bytes": low,
-            "layer_weights_bytes": minimum["weights_bytes"],
-            "layer_kv_cache_bytes": minimum["kv_cache_bytes"],
-            "bytes_vs_minimum": nbytes / low, "kernels_per_layer": kernels,
-            "collectives_per_layer": collectives, "step_bytes": step,
-            "per_layer": per_layer, "layer_kernels": last}
+    return {
+        "layer_bytes": nbytes,
+        "layer_min_bytes": low,
+        "layer_weights_bytes": minimum["weights_bytes"],
+        "layer_kv_cache_bytes": minimum["kv_cache_bytes"],
+        "bytes_vs_minimum": nbytes / low,
+        "kernels_per_layer": kernels,
+        "collectives_per_layer": collectives,
+        "step_bytes": step,
+        "per_layer": per_layer,
+        "layer_kernels": last,
+    }
 
 
-def roofline_fields(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int,
-                    target: str, hosts: int, layers_compiled: int, decode_step_s: float,
-                    calibration: hardware.Calibration | None = None,
-                    slots: int | None = None) -> dict:
+def roofline_fields(
+    config,
+    *,
+    tp: int,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    target: str,
+    hosts: int,
+    layers_compiled: int,
+    decode_step_s: float,
+    calibration: hardware.Calibration | None = None,
+    slots: int | None = None,
+) -> dict:
     """The report's fields of one `predict` row (docs/analysis.md#the-roofline-report): the
     layer's bytes and kernels (`layer_report`), the step's bytes and minimum, the roofline's
     step time (the minimum at the chip's HBM bandwidth) and `roofline_fraction`, that time over
     the predicted `decode_step_s`."""
-    rep = layer_report(config, tp=tp, batch=batch, prompt_len=prompt_len,
-                       new_tokens=new_tokens, target=target, hosts=hosts,
-                       layers_compiled=layers_compiled, slots=slots)
+    rep = layer_report(
+        config,
+        tp=tp,
+        batch=batch,
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        target=target,
+        hosts=hosts,
+        layers_compiled=layers_compiled,
+        slots=slots,
+    )
     chip = calibration.chip if calibration is not None else hardware.CHIPS[target]
-    low = step_minimum(config, tp=tp, batch=batch, prompt_len=prompt_len,
-                       new_tokens=new_tokens, target=target, hosts=hosts)
+    low = step_minimum(
+        config,
+        tp=tp,
+        batch=batch,
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        target=target,
+        hosts=hosts,
+    )
     roof_s = low / chip.hbm_bytes_per_s
-    return {"layer_bytes": rep["layer_bytes"], "layer_min_bytes": rep["layer_min_bytes"],
-            "bytes_vs_minimum": rep["bytes_vs_minimum"],
-            "kernels_per_layer": rep["kernels_per_layer"],
-            "collectives_per_layer": rep["collectives_per_layer"],
-            "step_bytes": rep["step_bytes"], "step_min_bytes": low,
-            "roofline_step_s": roof_s, "roofline_fraction": roof_s / decode_step_s}
+    return {
+        "layer_bytes": rep["layer_bytes"],
+        "layer_min_bytes": rep["layer_min_bytes"],
+        "bytes_vs_minimum": rep["bytes_vs_minimum"],
+        "kernels_per_layer": rep["kernels_per_layer"],
+        "collectives_per_layer": rep["collectives_per_layer"],
+        "step_bytes": rep["step_bytes"],
+        "step_min_bytes": low,
+        "roofline_step_s": roof_s,
+        "roofline_fraction": roof_s / decode_step_s,
+    }
 
 
 def format_table(rows: list[dict]) -> str:
     """The roofline report of `predict` rows (one line per tp, batch and scheme)."""
-    lines = [f"{'tp':>3} {'batch':>5} {'residual':<12} {'MB/layer':>9} {'minimum':>9} "
-             f"{'x min':>6} {'kernels/layer':>13} {'roofline ms':>11} {'of roofline':>11}"]
+    lines = [
+        f"{'tp':>3} {'batch':>5} {'residual':<12} {'MB/layer':>9} {'minimum':>9} "
+        f"{'x min':>6} {'kernels/layer':>13} {'roofline ms':>11} {'of roofline':>11}"
+    ]
     seen = set()
     for r in sorted(rows, key=lambda r: (r["tp"], r["batch"])):
         key = (r["tp"], r["batch"], r["residual"], r["link"])
         if "layer_bytes" not in r or key[:3] in seen:
             continue
         seen.add(key[:3])
-        lines.append(f"{r['tp']:>3} {r['batch']:>5} {r['residual']:<12} "
-                     f"{r['layer_bytes'] / 1e6:>9.2f} {r['layer_min_bytes'] / 1e6:>9.2f} "
-                     f"{r['bytes_vs_minimum']:>5.2f}x {r['kernels_per_layer']:>13g} "
-                     f"{r['roofline_step_s'] * 1e3:>11.3f} {r['roofline_fraction']:>11.2f}")
-    return ("decode step vs the HBM roofline (per GPU; a layer = the compiled d minus d-1 "
-            "layers; fraction: minimum bytes at the HBM bandwidth / predicted step)\n"
-            + "\n".join(lines))
+        lines.append(
+            f"{r['tp']:>3} {r['batch']:>5} {r['residual']:<12} "
+            f"{r['layer_bytes'] / 1e6:>9.2f} {r['layer_min_bytes'] / 1e6:>9.2f} "
+            f"{r['bytes_vs_minimum']:>5.2f}x {r['kernels_per_layer']:>13g} "
+            f"{r['roofline_step_s'] * 1e3:>11.3f} {r['roofline_fraction']:>11.2f}"
+        )
+    return (
+        "decode step vs the HBM roofline (per GPU; a layer = the compiled d minus d-1 "
+        "layers; fraction: minimum bytes at the HBM bandwidth / predicted step)\n"
+        + "\n".join(lines)
+    )
 
 
-def hlo_text(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int,
-             target: str = "h100", layers: int = 4) -> str:
+def hlo_text(
+    config,
+    *,
+    tp: int,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    target: str = "h100",
+    layers: int = 4,
+) -> str:
     """The scheduled HLO of the decode step at `layers` layers (for reading what XLA did)."""
-    text, _ = programs.compile_program(dataclasses.replace(config, n_layers=layers),
-                                       phase="decode", tp=tp, batch=batch, seq=prompt_len,
-                                       target=target, new_tokens=new_tokens)
+    text, _ = programs.compile_program(
+        dataclasses.replace(config, n_layers=layers),
+        phase="decode",
+        tp=tp,
+        batch=batch,
+        seq=prompt_len,
+        target=target,
+        new_tokens=new_tokens,
+    )
     return text
 
 
-
-def command_buffers(config, *, tp: int, batch: int, prompt_len: int, new_tokens: int,
-                    target: str = "h100", options: dict | None = None) -> dict:
+def command_buffers(
+    config,
+    *,
+    tp: int,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    target: str = "h100",
+    options: dict | None = None,
+) -> dict:
     """How the compiled decode step would launch on a GPU: XLA wraps runs of kernels into
     command buffers (CUDA graphs) after its thunk passes, which the scheduled HLO does not show;
     this compiles the step once more with XLA's dump and reads its thunk sequence.
@@ -210,15 +341,22 @@ def command_buffers(config, *, tp: int, batch: int, prompt_len: int, new_tokens:
     from ladder_jax.model import sharding
 
     mesh = programs.gpu_mesh(target, tp)
-    lowered = programs.lower_decoder(config, mesh, phase="decode", batch=batch,
-                                     prompt_len=prompt_len, new_tokens=new_tokens)
+    lowered = programs.lower_decoder(
+        config, mesh, phase="decode", batch=batch, prompt_len=prompt_len, new_tokens=new_tokens
+    )
     d = tempfile.mkdtemp(prefix="ladder_jax_thunks_")
     try:
-        opts = {**sharding.compiler_options("gpu"), **programs._analysis_options(),
-                **(options or {}), "xla_dump_to": d}
+        opts = {
+            **sharding.compiler_options("gpu"),
+            **programs._analysis_options(),
+            **(options or {}),
+            "xla_dump_to": d,
+        }
         programs._compile_text(lowered, opts, what=f"the decode program at tp={tp} on {target}")
-        found = {os.path.basename(p).rsplit(".", 2)[-2]: p
-                 for p in glob.glob(os.path.join(d, "*.thunk_sequence*.txt"))}
+        found = {
+            os.path.basename(p).rsplit(".", 2)[-2]: p
+            for p in glob.glob(os.path.join(d, "*.thunk_sequence*.txt"))
+        }
         # without a thunk pass to run (command buffers off) XLA dumps the sequence once
         path = found.get("thunk_sequence_after_thunk_passes", found.get("thunk_sequence"))
         if path is None:
@@ -240,7 +378,11 @@ def command_buffers(config, *, tp: int, batch: int, prompt_len: int, new_tokens:
                 top.append(kind.group(2))
         elif inside and kind.group(2) in ("kCustomKernel", "kKernel", "kGemm", "kCublasLtMatmul"):
             graphs[-1] += 1
-    return {"graphs": len(graphs), "graph_kernels": graphs,
-            "kernels_outside": sum(k in ("kCustomKernel", "kKernel", "kGemm", "kCublasLtMatmul")
-                                   for k in top),
-            "collectives": sum(k == "kAsyncStart" for k in top)}
+    return {
+        "graphs": len(graphs),
+        "graph_kernels": graphs,
+        "kernels_outside": sum(
+            k in ("kCustomKernel", "kKernel", "kGemm", "kCublasLtMatmul") for k in top
+        ),
+        "collectives": sum(k == "kAsyncStart" for k in top),
+    }

@@ -26,15 +26,21 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action):
         text = action.help or ""
         default = action.default
-        if ("default" in text.lower() or default is None or default is argparse.SUPPRESS
-                or isinstance(default, bool) or not action.option_strings):
+        if (
+            "default" in text.lower()
+            or default is None
+            or default is argparse.SUPPRESS
+            or isinstance(default, bool)
+            or not action.option_strings
+        ):
             return text
         shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
         return f"{text} (default: {shown})".strip()
 
 
-class EveryDefaultFormatter(argparse.ArgumentDefaultsHelpFormatter,
-                            argparse.RawDescriptionHelpFormatter):
+class EveryDefaultFormatter(
+    argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter
+):
     """Every flag's default in its help, None included (the flag's text says what None means):
     overlap's and predict's many optional knobs."""
 
@@ -57,8 +63,7 @@ class ArgumentParser(argparse.ArgumentParser):
             close = difflib.get_close_matches(unknown.group(1).split("=")[0], options, n=1)
             message += f" (did you mean {close[0]}?)" if close else " (see --help)"
         elif choice:
-            action = next((a for a in self._actions if choice.group(1) in a.option_strings),
-                          None)
+            action = next((a for a in self._actions if choice.group(1) in a.option_strings), None)
             names = [str(c) for c in (action.choices or [])] if action else []
             close = difflib.get_close_matches(choice.group(2), names, n=1)
             if close:
@@ -79,12 +84,19 @@ def setup_devices(args):
     from ladder_jax.model import sharding
     from ladder_jax.train import checkpoint
 
-    shape = (checkpoint.run_model_config(args.checkpoint) if args.checkpoint
-             else ModelConfig.from_preset(args.preset))
-    runtime.setup(cpu_devices=args.cpu_devices or args.tp or sharding.default_tp(
-                      shape, runtime.cpu_cores(), backend="cpu")[0],
-                  coordinator=args.coordinator, num_processes=args.num_processes,
-                  process_id=args.process_id)
+    shape = (
+        checkpoint.run_model_config(args.checkpoint)
+        if args.checkpoint
+        else ModelConfig.from_preset(args.preset)
+    )
+    runtime.setup(
+        cpu_devices=args.cpu_devices
+        or args.tp
+        or sharding.default_tp(shape, runtime.cpu_cores(), backend="cpu")[0],
+        coordinator=args.coordinator,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+    )
     return shape
 
 

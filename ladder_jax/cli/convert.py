@@ -99,12 +99,21 @@ def _save_checkpoint(model, out: str, meta: dict) -> None:
 
     directory = os.path.abspath(os.path.join(out, "checkpoints"))
     manager = ocp.CheckpointManager(
-        directory, options=ocp.CheckpointManagerOptions(create=True),
-        item_handlers={"params": ocp.StandardCheckpointHandler(),
-                       "meta": ocp.JsonCheckpointHandler()})
-    manager.save(0, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(model))),
-        meta=ocp.args.JsonSave(meta)), force=True)
+        directory,
+        options=ocp.CheckpointManagerOptions(create=True),
+        item_handlers={
+            "params": ocp.StandardCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler(),
+        },
+    )
+    manager.save(
+        0,
+        args=ocp.args.Composite(
+            params=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(model))),
+            meta=ocp.args.JsonSave(meta),
+        ),
+        force=True,
+    )
     manager.wait_until_finished()
     manager.close()
 
@@ -115,46 +124,85 @@ def _progress_bar(transfer, verb: str):
     if not sys.stderr.isatty():
         yield
         return
-    with Progress(TextColumn(f"{verb} {{task.fields[tensors]}}"), BarColumn(), DownloadColumn(),
-                  TransferSpeedColumn(), TimeRemainingColumn(), transient=True,
-                  console=Console(stderr=True)) as bar:
+    with Progress(
+        TextColumn(f"{verb} {{task.fields[tensors]}}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        transient=True,
+        console=Console(stderr=True),
+    ) as bar:
         task = bar.add_task(verb, total=None, tensors="")
 
         def update(t):
-            bar.update(task, total=t.total_bytes, completed=t.bytes,
-                       tensors=f"{t.tensors}/{t.total_tensors} tensors")
+            bar.update(
+                task,
+                total=t.total_bytes,
+                completed=t.bytes,
+                tensors=f"{t.tensors}/{t.total_tensors} tensors",
+            )
 
         transfer.on_tensor = update
         yield
 
 
 def main(argv=None) -> int:
-    p = ArgumentParser(prog="python -m ladder_jax.convert",
-                       description=__doc__.split("\n\n")[0],
-                       epilog=__doc__.split("\n\n", 1)[1])
+    p = ArgumentParser(
+        prog="python -m ladder_jax.convert",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--hf", help="a local Hugging Face Llama directory (config.json + "
-                                  "safetensors; the authors' llamaLadder hybrids too)")
-    src.add_argument("--gguf", help="a local GGUF Llama file (llama.cpp's format, quantized "
-                                    "or not; its tokenizer and chat template too)")
+    src.add_argument(
+        "--hf",
+        help="a local Hugging Face Llama directory (config.json + "
+        "safetensors; the authors' llamaLadder hybrids too)",
+    )
+    src.add_argument(
+        "--gguf",
+        help="a local GGUF Llama file (llama.cpp's format, quantized "
+        "or not; its tokenizer and chat template too)",
+    )
     src.add_argument("--checkpoint", help="a training run directory (its latest checkpoint)")
     p.add_argument("--out", required=True, help="output directory (new or empty)")
-    p.add_argument("--to-hf", action="store_true",
-                   help="write the Hugging Face layout instead of a training-run checkpoint")
-    p.add_argument("--residual", choices=RESIDUALS,
-                   help="residual scheme of the result (default: the source's)")
-    p.add_argument("--ladder-layers", default=None,
-                   help="ladder only: N (upper N layers) or a comma list of layer indices")
-    p.add_argument("--param-dtype", default="float32",
-                   help="the weights' dtype in the result, e.g. bfloat16")
-    p.add_argument("--max-shard-bytes", type=int, default=5 * 2**30,
-                   help="--to-hf: largest safetensors file in bytes (default 5 GiB)")
-    p.add_argument("--tp", type=int, default=1,
-                   help="devices to spread the weights over while converting (host memory: "
-                        "one tensor at a time either way)")
-    p.add_argument("--quantize", default=None, metavar="MODE",
-                   help="int8: store weight-only int8 linear weights, for decoding "
-                        "(not with --to-hf)")
+    p.add_argument(
+        "--to-hf",
+        action="store_true",
+        help="write the Hugging Face layout instead of a training-run checkpoint",
+    )
+    p.add_argument(
+        "--residual",
+        choices=RESIDUALS,
+        help="residual scheme of the result (default: the source's)",
+    )
+    p.add_argument(
+        "--ladder-layers",
+        default=None,
+        help="ladder only: N (upper N layers) or a comma list of layer indices",
+    )
+    p.add_argument(
+        "--param-dtype", default="float32", help="the weights' dtype in the result, e.g. bfloat16"
+    )
+    p.add_argument(
+        "--max-shard-bytes",
+        type=int,
+        default=5 * 2**30,
+        help="--to-hf: largest safetensors file in bytes (default 5 GiB)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="devices to spread the weights over while converting (host memory: "
+        "one tensor at a time either way)",
+    )
+    p.add_argument(
+        "--quantize",
+        default=None,
+        metavar="MODE",
+        help="int8: store weight-only int8 linear weights, for decoding (not with --to-hf)",
+    )
     args = p.parse_args(argv)
     transfer = hf.Transfer()
     try:
@@ -162,48 +210,73 @@ def main(argv=None) -> int:
         if args.tp <= 0 or args.tp > len(jax.devices()):
             raise ConfigError(f"--tp {args.tp}: between 1 and {len(jax.devices())}")
         if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
-            raise ConfigError(f"--out {args.out!r} exists and is not an empty directory: choose "
-                              f"a new directory")
+            raise ConfigError(
+                f"--out {args.out!r} exists and is not an empty directory: choose a new directory"
+            )
         if args.max_shard_bytes <= 0:
-            raise ConfigError(f"--max-shard-bytes {args.max_shard_bytes} must be a positive "
-                              f"number of bytes (default {5 * 2**30}, 5 GiB)")
+            raise ConfigError(
+                f"--max-shard-bytes {args.max_shard_bytes} must be a positive "
+                f"number of bytes (default {5 * 2**30}, 5 GiB)"
+            )
         _check_param_dtype(args.param_dtype)
         check_writable(args.out, f"--out {args.out!r}")
         check_quantize(args.quantize, "--quantize")
         if args.quantize and args.to_hf:
-            raise ConfigError(f"--quantize {args.quantize} with --to-hf: the Hugging Face "
-                              f"layout holds float Llama weights; drop one of them")
-        mesh = sharding.make_mesh(tp=args.tp, devices=jax.devices()[:args.tp])
+            raise ConfigError(
+                f"--quantize {args.quantize} with --to-hf: the Hugging Face "
+                f"layout holds float Llama weights; drop one of them"
+            )
+        mesh = sharding.make_mesh(tp=args.tp, devices=jax.devices()[: args.tp])
         ladder_layers = parse_ladder_layers(args.ladder_layers)
         if args.hf or args.gguf:
             kw = {} if ladder_layers is None else {"ladder_layers": ladder_layers}
             load, source = (hf.load_hf, args.hf) if args.hf else (gguf.load_gguf, args.gguf)
             transfer.kind = "safetensors" if args.hf else "GGUF"
             with _progress_bar(transfer, "reading"):
-                model, tokenizer = load(source, mesh=mesh, residual=args.residual,
-                                        param_dtype=args.param_dtype, transfer=transfer,
-                                        quantize=args.quantize, **kw)
+                model, tokenizer = load(
+                    source,
+                    mesh=mesh,
+                    residual=args.residual,
+                    param_dtype=args.param_dtype,
+                    transfer=transfer,
+                    quantize=args.quantize,
+                    **kw,
+                )
             print(transfer.summary("read"), file=sys.stderr)
         else:
-            model, tokenizer = load_run(args.checkpoint, mesh=mesh, what="--checkpoint",
-                                        quantize=args.quantize,
-                                        **scheme_overrides(args.residual, ladder_layers))
+            model, tokenizer = load_run(
+                args.checkpoint,
+                mesh=mesh,
+                what="--checkpoint",
+                quantize=args.quantize,
+                **scheme_overrides(args.residual, ladder_layers),
+            )
         if args.to_hf and model.config.quantize:
-            raise ConfigError(f"--checkpoint {args.checkpoint!r} is quantized "
-                              f"({model.config.quantize}): --to-hf writes float Llama weights; "
-                              f"convert its float source")
+            raise ConfigError(
+                f"--checkpoint {args.checkpoint!r} is quantized "
+                f"({model.config.quantize}): --to-hf writes float Llama weights; "
+                f"convert its float source"
+            )
         os.makedirs(args.out, exist_ok=True)
         if args.to_hf:
             written = hf.Transfer()
             with _progress_bar(written, "writing"):
-                hf.save_hf(model, args.out, tokenizer=tokenizer,
-                           max_shard_bytes=args.max_shard_bytes, transfer=written)
+                hf.save_hf(
+                    model,
+                    args.out,
+                    tokenizer=tokenizer,
+                    max_shard_bytes=args.max_shard_bytes,
+                    transfer=written,
+                )
             print(written.summary("wrote"), file=sys.stderr)
             if isinstance(tokenizer, ByteTokenizer):
-                print(f"note: a byte-level model: no tokenizer.json is written (there is no "
-                      f"such file for it); config.json records \"{hf.BYTE_TOKENIZER_KEY}\": "
-                      f"\"byte\", which load_hf and decode read back (ids 0-255 are the UTF-8 "
-                      f"bytes, BOS {tokenizer.bos_id}, EOS {tokenizer.eos_id})", file=sys.stderr)
+                print(
+                    f"note: a byte-level model: no tokenizer.json is written (there is no "
+                    f'such file for it); config.json records "{hf.BYTE_TOKENIZER_KEY}": '
+                    f'"byte", which load_hf and decode read back (ids 0-255 are the UTF-8 '
+                    f"bytes, BOS {tokenizer.bos_id}, EOS {tokenizer.eos_id})",
+                    file=sys.stderr,
+                )
         else:
             tok_path = None
             if isinstance(tokenizer, HFTokenizer):  # the byte one has no file
@@ -212,9 +285,16 @@ def main(argv=None) -> int:
             doc = train_config(model.config, tok_path)
             with open(os.path.join(args.out, "config.yaml"), "w") as f:
                 f.write(OmegaConf.to_yaml(OmegaConf.create(doc)))
-            _save_checkpoint(model, args.out, {
-                "step": 0, "config": doc, "model_config": dataclasses.asdict(model.config),
-                "source": os.path.abspath(args.hf or args.gguf or args.checkpoint)})
+            _save_checkpoint(
+                model,
+                args.out,
+                {
+                    "step": 0,
+                    "config": doc,
+                    "model_config": dataclasses.asdict(model.config),
+                    "source": os.path.abspath(args.hf or args.gguf or args.checkpoint),
+                },
+            )
     except UsageError as e:  # HFError and ShardingError included
         print(f"error: {e}", file=sys.stderr)
         return 2

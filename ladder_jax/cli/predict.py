@@ -50,71 +50,144 @@ from ladder_jax.config import (
 
 
 def parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="python -m ladder_jax.predict", description=__doc__,
-                       formatter_class=EveryDefaultFormatter)
+    p = ArgumentParser(
+        prog="python -m ladder_jax.predict",
+        description=__doc__,
+        formatter_class=EveryDefaultFormatter,
+    )
     p.add_argument("--preset", default="llama-3-70b", help="model preset (ladder_jax.PRESETS)")
-    p.add_argument("--residual", nargs="+", default=["all"],
-                   help=f"schemes: {', '.join(RESIDUALS)}, or all")
-    p.add_argument("--ladder-layers", default=None,
-                   help="ladder only: N (upper N layers) or a comma list (compiled at full depth)")
-    p.add_argument("--phase", default="generate",
-                   help="generate (prefill + decode) or train (needs --config)")
+    p.add_argument(
+        "--residual", nargs="+", default=["all"], help=f"schemes: {', '.join(RESIDUALS)}, or all"
+    )
+    p.add_argument(
+        "--ladder-layers",
+        default=None,
+        help="ladder only: N (upper N layers) or a comma list (compiled at full depth)",
+    )
+    p.add_argument(
+        "--phase", default="generate", help="generate (prefill + decode) or train (needs --config)"
+    )
     p.add_argument("--config", default=None, help="train: a training config (YAML)")
-    p.add_argument("--tp", type=int, nargs="+", default=None,
-                   help="tensor-parallel sizes (None: 8; train: the config's mesh.tp)")
+    p.add_argument(
+        "--tp",
+        type=int,
+        nargs="+",
+        default=None,
+        help="tensor-parallel sizes (None: 8; train: the config's mesh.tp)",
+    )
     p.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes (generate)")
     p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens (generate)")
-    p.add_argument("--new-tokens", type=int, default=512,
-                   help="generated tokens; the KV cache holds prompt + new tokens")
-    p.add_argument("--max-len", type=int, default=None, metavar="N",
-                   help="KV cache slots per row, as `serve --max-len N` holds them (None: sized "
-                        "for the prompt and new tokens); the decode step reads the filled ones")
-    p.add_argument("--link", nargs="+", default=["nvlink"],
-                   help="intra-host interconnects: nvlink, pcie (P2P disabled); the target's "
-                        "generation (hardware.LINKS / A100_LINKS)")
+    p.add_argument(
+        "--new-tokens",
+        type=int,
+        default=512,
+        help="generated tokens; the KV cache holds prompt + new tokens",
+    )
+    p.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="KV cache slots per row, as `serve --max-len N` holds them (None: sized "
+        "for the prompt and new tokens); the decode step reads the filled ones",
+    )
+    p.add_argument(
+        "--link",
+        nargs="+",
+        default=["nvlink"],
+        help="intra-host interconnects: nvlink, pcie (P2P disabled); the target's "
+        "generation (hardware.LINKS / A100_LINKS)",
+    )
     p.add_argument("--target", default="h100", help=f"GPU: {', '.join(hardware.TARGETS)}")
-    p.add_argument("--hosts", type=int, default=None,
-                   help="hosts each tp group spans (None: ceil(tp / gpus-per-host)); across "
-                        "hosts collectives are hierarchical over InfiniBand (hardware.INTER_HOST)")
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=None,
+        help="hosts each tp group spans (None: ceil(tp / gpus-per-host)); across "
+        "hosts collectives are hierarchical over InfiniBand (hardware.INTER_HOST)",
+    )
     p.add_argument("--gpus-per-host", type=int, default=8, help="GPUs per host")
-    p.add_argument("--hardware", default=None, metavar="FILE",
-                   help="calibration file (JSON) written by benchmarks/calibrate_gpu.py on a "
-                        "real GPU; replaces the public figures it names")
-    p.add_argument("--no-contention", action="store_true",
-                   help="collectives in flight take nothing from the kernels beside them")
-    p.add_argument("--no-copy-contention", action="store_true",
-                   help="collectives beside a running kernel move their data at full speed "
-                        "(contention one way only, the ablation; hardware.CONTENTION.copy_rate)")
-    p.add_argument("--launch", default="graphs",
-                   help="how the host issues kernels: graphs (XLA's command buffers between "
-                        "collectives), streams (one launch each), off (host costs left out; "
-                        "hardware.LAUNCH)")
-    p.add_argument("--algorithm", default="nccl",
-                   help="collectives: nccl (across hosts NCCL's own choice of ring or tree and "
-                        "protocol, hardware.NCCL; one host: ring), or ring or tree everywhere")
-    p.add_argument("--layers-compiled", type=int, default=4,
-                   help="compile this many layers and one fewer, extend to full depth "
-                        "(0: compile all)")
-    p.add_argument("--gemm-efficiency", type=float, default=None,
-                   help=f"fraction of dense bf16 peak (None: the target's, h100 "
-                        f"{hardware.EFFICIENCY.gemm})")
-    p.add_argument("--memory-efficiency", type=float, default=None,
-                   help=f"fraction of HBM bandwidth (None: the target's, h100 "
-                        f"{hardware.EFFICIENCY.memory})")
-    p.add_argument("--kernel-overhead-us", type=float, default=None,
-                   help=f"fixed cost per kernel (None: the target's, h100 "
-                        f"{hardware.EFFICIENCY.kernel_overhead_s * 1e6:g})")
-    p.add_argument("--link-latency-us", type=float, default=None,
-                   help="override the links' base latency per collective")
-    p.add_argument("--link-hop-us", type=float, default=None,
-                   help="override the links' latency per ring step")
-    p.add_argument("--link-busbw-gbs", type=float, default=None,
-                   help="override the links' bus bandwidth (nccl-tests busbw, GB/s)")
-    p.add_argument("--jobs", type=int, default=None,
-                   help="programs compiled at a time, in threads (None: 1)")
+    p.add_argument(
+        "--hardware",
+        default=None,
+        metavar="FILE",
+        help="calibration file (JSON) written by benchmarks/calibrate_gpu.py on a "
+        "real GPU; replaces the public figures it names",
+    )
+    p.add_argument(
+        "--no-contention",
+        action="store_true",
+        help="collectives in flight take nothing from the kernels beside them",
+    )
+    p.add_argument(
+        "--no-copy-contention",
+        action="store_true",
+        help="collectives beside a running kernel move their data at full speed "
+        "(contention one way only, the ablation; hardware.CONTENTION.copy_rate)",
+    )
+    p.add_argument(
+        "--launch",
+        default="graphs",
+        help="how the host issues kernels: graphs (XLA's command buffers between "
+        "collectives), streams (one launch each), off (host costs left out; "
+        "hardware.LAUNCH)",
+    )
+    p.add_argument(
+        "--algorithm",
+        default="nccl",
+        help="collectives: nccl (across hosts NCCL's own choice of ring or tree and "
+        "protocol, hardware.NCCL; one host: ring), or ring or tree everywhere",
+    )
+    p.add_argument(
+        "--layers-compiled",
+        type=int,
+        default=4,
+        help="compile this many layers and one fewer, extend to full depth (0: compile all)",
+    )
+    p.add_argument(
+        "--gemm-efficiency",
+        type=float,
+        default=None,
+        help=f"fraction of dense bf16 peak (None: the target's, h100 {hardware.EFFICIENCY.gemm})",
+    )
+    p.add_argument(
+        "--memory-efficiency",
+        type=float,
+        default=None,
+        help=f"fraction of HBM bandwidth (None: the target's, h100 {hardware.EFFICIENCY.memory})",
+    )
+    p.add_argument(
+        "--kernel-overhead-us",
+        type=float,
+        default=None,
+        help=f"fixed cost per kernel (None: the target's, h100 "
+        f"{hardware.EFFICIENCY.kernel_overhead_s * 1e6:g})",
+    )
+    p.add_argument(
+        "--link-latency-us",
+        type=float,
+        default=None,
+        help="override the links' base latency per collective",
+    )
+    p.add_argument(
+        "--link-hop-us", type=float, default=None, help="override the links' latency per ring step"
+    )
+    p.add_argument(
+        "--link-busbw-gbs",
+        type=float,
+        default=None,
+        help="override the links' bus bandwidth (nccl-tests busbw, GB/s)",
+    )
+    p.add_argument(
+        "--jobs", type=int, default=None, help="programs compiled at a time, in threads (None: 1)"
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per row")
-    p.add_argument("--quantize", default=None, metavar="MODE",
-                   help="int8: the programs with weight-only int8 linear weights (generate)")
+    p.add_argument(
+        "--quantize",
+        default=None,
+        metavar="MODE",
+        help="int8: the programs with weight-only int8 linear weights (generate)",
+    )
     return p
 
 
@@ -140,17 +213,22 @@ def main(argv=None) -> int:
         print(format_train_table(rows))
     else:
         hosts = sorted({r["hosts"] for r in rows})
-        print(f"{args.preset}{f', {args.quantize} weights' if args.quantize else ''}, "
-              f"prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-              f"{f'{args.max_len} slots per row, ' if args.max_len else ''}"
-              f"{args.target}, hosts per tp group {'/'.join(map(str, hosts))}"
-              f"{'' if args.no_contention else ', with contention'}, launch "
-              f"{args.launch}; predicted in "
-              f"{time.perf_counter() - t0:.0f} s")
+        print(
+            f"{args.preset}{f', {args.quantize} weights' if args.quantize else ''}, "
+            f"prompt {args.prompt_len}, {args.new_tokens} new tokens, "
+            f"{f'{args.max_len} slots per row, ' if args.max_len else ''}"
+            f"{args.target}, hosts per tp group {'/'.join(map(str, hosts))}"
+            f"{'' if args.no_contention else ', with contention'}, launch "
+            f"{args.launch}; predicted in "
+            f"{time.perf_counter() - t0:.0f} s"
+        )
         print(format_table(rows))
         print(roofline.format_table(rows))
-        for s in (memory_note(rows), summary(rows), *sorted({r["above_upper_bound"] for r in rows
-                                                            if r.get("above_upper_bound")})):
+        for s in (
+            memory_note(rows),
+            summary(rows),
+            *sorted({r["above_upper_bound"] for r in rows if r.get("above_upper_bound")}),
+        ):
             if s:
                 print(s)
     return 0
@@ -162,67 +240,122 @@ def _finite(name: str, v, low: float | None = None, *, positive=False):
         return None
     positive = positive or low is None
     if not math.isfinite(v) or (low is not None and v < low) or (positive and v <= 0):
-        raise PredictError(f"{name} {v:g}: must be a finite number "
-                           f"{'> 0' if positive else f'>= {low:g}'}")
+        raise PredictError(
+            f"{name} {v:g}: must be a finite number {'> 0' if positive else f'>= {low:g}'}"
+        )
     return v
 
 
 def _rows(args, show) -> tuple[list[dict], str]:
     check_quantize(args.quantize, "--quantize")
     if args.quantize and args.phase == "train":
-        raise PredictError(f"--quantize {args.quantize} is for decoding: drop it with --phase "
-                           f"train")
+        raise PredictError(
+            f"--quantize {args.quantize} is for decoding: drop it with --phase train"
+        )
     if args.max_len is not None:
         if args.phase == "train":
-            raise PredictError(f"--max-len {args.max_len} is for decoding: drop it with "
-                               f"--phase train")
+            raise PredictError(
+                f"--max-len {args.max_len} is for decoding: drop it with --phase train"
+            )
         if args.max_len < args.prompt_len + args.new_tokens:
-            raise PredictError(f"--max-len {args.max_len}: a row must hold the prompt and the "
-                               f"new tokens, at least {args.prompt_len + args.new_tokens} "
-                               f"(--prompt-len + --new-tokens)")
+            raise PredictError(
+                f"--max-len {args.max_len}: a row must hold the prompt and the "
+                f"new tokens, at least {args.prompt_len + args.new_tokens} "
+                f"(--prompt-len + --new-tokens)"
+            )
     config = ModelConfig.from_preset(args.preset, quantize=args.quantize)
     if args.ladder_layers is not None:
-        config = dataclasses.replace(config, residual="ladder",
-                                     ladder_layers=parse_ladder_layers(args.ladder_layers))
+        config = dataclasses.replace(
+            config, residual="ladder", ladder_layers=parse_ladder_layers(args.ladder_layers)
+        )
     residuals = RESIDUALS if args.residual == ["all"] else tuple(args.residual)
     if args.target not in hardware.TARGETS:
-        raise PredictError(f"unknown target {args.target!r}: choose one of "
-                           f"{', '.join(hardware.TARGETS)}")
-    cal = (hardware.Calibration.load(args.hardware, args.target) if args.hardware
-           else hardware.calibration(args.target))
-    eff = dataclasses.replace(cal.efficiency, **{k: v for k, v in (
-        ("gemm", _finite("--gemm-efficiency", args.gemm_efficiency)),
-        ("memory", _finite("--memory-efficiency", args.memory_efficiency)),
-        ("kernel_overhead_s", None if args.kernel_overhead_us is None
-         else _finite("--kernel-overhead-us", args.kernel_overhead_us, 0) * 1e-6))
-        if v is not None})
-    overrides = {k: v for k, v in (
-        ("base_latency_s", None if args.link_latency_us is None
-         else _finite("--link-latency-us", args.link_latency_us, 0) * 1e-6),
-        ("hop_latency_s", None if args.link_hop_us is None
-         else _finite("--link-hop-us", args.link_hop_us, 0) * 1e-6),
-        ("bus_bytes_per_s", None if args.link_busbw_gbs is None
-         else _finite("--link-busbw-gbs", args.link_busbw_gbs, positive=True) * 1e9))
-        if v is not None}
+        raise PredictError(
+            f"unknown target {args.target!r}: choose one of {', '.join(hardware.TARGETS)}"
+        )
+    cal = (
+        hardware.Calibration.load(args.hardware, args.target)
+        if args.hardware
+        else hardware.calibration(args.target)
+    )
+    eff = dataclasses.replace(
+        cal.efficiency,
+        **{
+            k: v
+            for k, v in (
+                ("gemm", _finite("--gemm-efficiency", args.gemm_efficiency)),
+                ("memory", _finite("--memory-efficiency", args.memory_efficiency)),
+                (
+                    "kernel_overhead_s",
+                    None
+                    if args.kernel_overhead_us is None
+                    else _finite("--kernel-overhead-us", args.kernel_overhead_us, 0) * 1e-6,
+                ),
+            )
+            if v is not None
+        },
+    )
+    overrides = {
+        k: v
+        for k, v in (
+            (
+                "base_latency_s",
+                None
+                if args.link_latency_us is None
+                else _finite("--link-latency-us", args.link_latency_us, 0) * 1e-6,
+            ),
+            (
+                "hop_latency_s",
+                None
+                if args.link_hop_us is None
+                else _finite("--link-hop-us", args.link_hop_us, 0) * 1e-6,
+            ),
+            (
+                "bus_bytes_per_s",
+                None
+                if args.link_busbw_gbs is None
+                else _finite("--link-busbw-gbs", args.link_busbw_gbs, positive=True) * 1e9,
+            ),
+        )
+        if v is not None
+    }
     check_knobs(eff, overrides)
     cal = dataclasses.replace(cal, efficiency=eff)
     if overrides:
         cal = cal.replace(links={"*": overrides})
-    sweep = Sweep(links=tuple(args.link), target=args.target, residuals=residuals,
-                  hosts=args.hosts, gpus_per_host=args.gpus_per_host,
-                  layers_compiled=args.layers_compiled, algorithm=args.algorithm,
-                  contention=not args.no_contention, calibration=cal, launch=args.launch,
-                  copy_contention=not args.no_copy_contention)
+    sweep = Sweep(
+        links=tuple(args.link),
+        target=args.target,
+        residuals=residuals,
+        hosts=args.hosts,
+        gpus_per_host=args.gpus_per_host,
+        layers_compiled=args.layers_compiled,
+        algorithm=args.algorithm,
+        contention=not args.no_contention,
+        calibration=cal,
+        launch=args.launch,
+        copy_contention=not args.no_copy_contention,
+    )
     common = dict(jobs=args.jobs, progress=show)
     if args.phase == "train":
         config, train_kw = _train_setup(args)
         tp = train_kw.pop("tp")
-        return predict_train(config, dataclasses.replace(sweep, tp=tuple(args.tp or tp)),
-                             name=args.config, **train_kw, **common), args.config
+        return predict_train(
+            config,
+            dataclasses.replace(sweep, tp=tuple(args.tp or tp)),
+            name=args.config,
+            **train_kw,
+            **common,
+        ), args.config
     if args.phase == "generate":
-        sweep = dataclasses.replace(sweep, tp=tuple(args.tp or [8]), batch=tuple(args.batch),
-                                    prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                                    slots=args.max_len)
+        sweep = dataclasses.replace(
+            sweep,
+            tp=tuple(args.tp or [8]),
+            batch=tuple(args.batch),
+            prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens,
+            slots=args.max_len,
+        )
         return predict(config, sweep, name=args.preset, **common), args.preset
     raise PredictError(f"unknown phase {args.phase!r}: choose generate or train")
 
@@ -236,8 +369,9 @@ class _Progress:
         self.name, self.live = name, sys.stderr.isatty()
         self.width, self.every_s, self.last = 0, every_s, 0.0
 
-    def __call__(self, done: int, total: int, eta_s: float | None,
-                 stage: str = "compiling") -> None:
+    def __call__(
+        self, done: int, total: int, eta_s: float | None, stage: str = "compiling"
+    ) -> None:
         eta = "" if eta_s is None or done == total else f", about {_duration(eta_s)} left"
         what = "programs" if stage == "compiling" else "rows (reading the compiled programs)"
         line = f"{stage} {self.name}: {done}/{total} {what}{eta}"
@@ -266,14 +400,20 @@ def _train_setup(args) -> tuple:
     cfg = load_config([args.config])
     data = cfg.mesh.data or 1
     if cfg.data.batch_size % data:
-        raise PredictError(f"data.batch_size={cfg.data.batch_size} is not divisible by "
-                           f"mesh.data={data}")
+        raise PredictError(
+            f"data.batch_size={cfg.data.batch_size} is not divisible by mesh.data={data}"
+        )
     config = model_config(cfg)
     if args.ladder_layers is not None:
-        config = dataclasses.replace(config, residual="ladder",
-                                     ladder_layers=parse_ladder_layers(args.ladder_layers))
-    return config, dict(tp=[cfg.mesh.tp], batch=cfg.data.batch_size // data,
-                        seq_len=cfg.data.seq_len, grad_accum=cfg.data.grad_accum)
+        config = dataclasses.replace(
+            config, residual="ladder", ladder_layers=parse_ladder_layers(args.ladder_layers)
+        )
+    return config, dict(
+        tp=[cfg.mesh.tp],
+        batch=cfg.data.batch_size // data,
+        seq_len=cfg.data.seq_len,
+        grad_accum=cfg.data.grad_accum,
+    )
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ try:  # the serve extra; its absence is one line at start-up, not a traceback
     import uvicorn
 
     from ladder_jax.inference.server import compile_chat_template, create_app, deadline_protocol
+
     _MISSING = None
 except ImportError as e:
     _MISSING = e.name
@@ -80,61 +81,120 @@ def exit_now(code: int) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
-        prog="python -m ladder_jax.serve", description=__doc__.split("\n\n")[0],
+        prog="python -m ladder_jax.serve",
+        description=__doc__.split("\n\n")[0],
         epilog="Multi-host: start one process per host with --coordinator HOST:PORT "
-               "--num-processes N --process-id I (or JAX_COORDINATOR_ADDRESS, "
-               "JAX_NUM_PROCESSES, JAX_PROCESS_ID); process 0 serves HTTP and broadcasts "
-               "each step's plan, tensor parallelism spans all processes' devices.")
+        "--num-processes N --process-id I (or JAX_COORDINATOR_ADDRESS, "
+        "JAX_NUM_PROCESSES, JAX_PROCESS_ID); process 0 serves HTTP and broadcasts "
+        "each step's plan, tensor parallelism spans all processes' devices.",
+    )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", default="tiny",
-                     help="model preset with random weights, for benchmarks (default: tiny)")
-    src.add_argument("--checkpoint", help="a training run, checkpoint or Hugging Face directory, "
-                                           "or a .gguf file")
+    src.add_argument(
+        "--preset",
+        default="tiny",
+        help="model preset with random weights, for benchmarks (default: tiny)",
+    )
+    src.add_argument(
+        "--checkpoint", help="a training run, checkpoint or Hugging Face directory, or a .gguf file"
+    )
     p.add_argument("--seed", type=int, default=0, help="--preset: the weights' seed")
-    p.add_argument("--residual", default=None, choices=list(RESIDUALS),
-                   help="residual scheme (default: the preset's / checkpoint's)")
+    p.add_argument(
+        "--residual",
+        default=None,
+        choices=list(RESIDUALS),
+        help="residual scheme (default: the preset's / checkpoint's)",
+    )
     p.add_argument("--ladder-layers", default=None, help="ladder only: N or a comma list")
-    p.add_argument("--tp", type=int, default=None,
-                   help="tensor-parallel size (default: the largest that divides the model's "
-                        "heads and the devices, on a CPU host also its cores; said on stderr)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor-parallel size (default: the largest that divides the model's "
+        "heads and the devices, on a CPU host also its cores; said on stderr)",
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
-    p.add_argument("--model-name", default=None,
-                   help="the model id clients name (default: the checkpoint directory's name "
-                        "or the preset)")
-    p.add_argument("--slots", type=int, default=16,
-                   help="requests decoded together (rows of the KV cache)")
-    p.add_argument("--max-queue", type=int, default=64,
-                   help="requests that may wait for a slot; more get 503")
-    p.add_argument("--max-len", type=int, default=None,
-                   help="positions per request, prompt + max_tokens (default: max_seq_len, "
-                        "or what fits in half the free memory)")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="largest max_tokens a request may ask (default: --max-len - 1)")
-    p.add_argument("--max-request-bytes", type=int, default=1 << 20,
-                   help="largest request body (default 1 MiB); more get 413")
-    p.add_argument("--request-timeout", type=float, default=30.0,
-                   help="seconds a connection has to send a whole request (line, headers, "
-                        "body) once open or after its previous response; then it is closed")
-    p.add_argument("--prefills-per-step", type=int, default=4,
-                   help="new requests admitted between two decode steps, prefilled together "
-                        "(those of one prompt-length bucket in one program)")
-    p.add_argument("--steps-per-plan", type=int, default=2,
-                   help="decode steps run as one program between two scheduling rounds "
-                        "(multi-step scheduling: fewer host round trips per token; a new "
-                        "request waits at most this many steps to start)")
-    p.add_argument("--drain-seconds", type=float, default=10.0,
-                   help="on SIGTERM, how long running requests may finish")
-    p.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template file (default: the checkpoint's "
-                        "tokenizer_config.json chat_template or a GGUF file's, if any)")
-    p.add_argument("--no-warmup", action="store_true",
-                   help="compile programs on first use instead of before serving")
-    runtime.add_arguments(p, cpu_devices_help="on a CPU host, fake devices to split it into "
-                                              "(default: --tp, else the default tp)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})",
+    )
+    p.add_argument(
+        "--model-name",
+        default=None,
+        help="the model id clients name (default: the checkpoint directory's name or the preset)",
+    )
+    p.add_argument(
+        "--slots", type=int, default=16, help="requests decoded together (rows of the KV cache)"
+    )
+    p.add_argument(
+        "--max-queue", type=int, default=64, help="requests that may wait for a slot; more get 503"
+    )
+    p.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        help="positions per request, prompt + max_tokens (default: max_seq_len, "
+        "or what fits in half the free memory)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="largest max_tokens a request may ask (default: --max-len - 1)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=1 << 20,
+        help="largest request body (default 1 MiB); more get 413",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a connection has to send a whole request (line, headers, "
+        "body) once open or after its previous response; then it is closed",
+    )
+    p.add_argument(
+        "--prefills-per-step",
+        type=int,
+        default=4,
+        help="new requests admitted between two decode steps, prefilled together "
+        "(those of one prompt-length bucket in one program)",
+    )
+    p.add_argument(
+        "--steps-per-plan",
+        type=int,
+        default=2,
+        help="decode steps run as one program between two scheduling rounds "
+        "(multi-step scheduling: fewer host round trips per token; a new "
+        "request waits at most this many steps to start)",
+    )
+    p.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, how long running requests may finish",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file (default: the checkpoint's "
+        "tokenizer_config.json chat_template or a GGUF file's, if any)",
+    )
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="compile programs on first use instead of before serving",
+    )
+    runtime.add_arguments(
+        p,
+        cpu_devices_help="on a CPU host, fake devices to split it into "
+        "(default: --tp, else the default tp)",
+    )
     return p
 
 
@@ -153,16 +213,18 @@ def _note(*a, **kw) -> None:
 
 
 def _check(args) -> None:
-    for flag, v, low in (("--slots", args.slots, 1), ("--max-queue", args.max_queue, 0),
-                         ("--prefills-per-step", args.prefills_per_step, 1),
-                         ("--steps-per-plan", args.steps_per_plan, 1),
-                         ("--max-request-bytes", args.max_request_bytes, 1),
-                         ("--port", args.port, 0)):
+    for flag, v, low in (
+        ("--slots", args.slots, 1),
+        ("--max-queue", args.max_queue, 0),
+        ("--prefills-per-step", args.prefills_per_step, 1),
+        ("--steps-per-plan", args.steps_per_plan, 1),
+        ("--max-request-bytes", args.max_request_bytes, 1),
+        ("--port", args.port, 0),
+    ):
         if v < low:
             raise ConfigError(f"{flag} {v}: must be >= {low}")
     if args.max_len is not None and args.max_len < 2:
-        raise ConfigError(f"--max-len {args.max_len}: must be >= 2 (a prompt token and a new "
-                          f"one)")
+        raise ConfigError(f"--max-len {args.max_len}: must be >= 2 (a prompt token and a new one)")
     if not args.request_timeout > 0:
         raise ConfigError(f"--request-timeout {args.request_timeout}: must be > 0 seconds")
     if args.drain_seconds < 0:
@@ -170,7 +232,7 @@ def _check(args) -> None:
     if args.chat_template and not os.path.isfile(args.chat_template):
         raise ConfigError(f"--chat-template {args.chat_template}: no such file")
     if _MISSING:
-        raise ConfigError(f"the server needs {_MISSING}: pip install -e \".[serve]\"")
+        raise ConfigError(f'the server needs {_MISSING}: pip install -e ".[serve]"')
 
 
 def _chat_template(args) -> str | None:
@@ -181,7 +243,8 @@ def _chat_template(args) -> str | None:
         path = args.chat_template
         template = _read_text(path, "--chat-template")
     elif args.checkpoint and os.path.isfile(
-            path := os.path.join(args.checkpoint, "tokenizer_config.json")):
+        path := os.path.join(args.checkpoint, "tokenizer_config.json")
+    ):
         try:
             doc = json.loads(_read_text(path, "the checkpoint's"))
         except ValueError as e:
@@ -199,8 +262,9 @@ def _compiled(template: str, where: str) -> str:
     try:
         compile_chat_template(template)
     except jinja2.TemplateSyntaxError as e:
-        raise ConfigError(f"{where}: the chat template is not valid Jinja (line {e.lineno}: "
-                          f"{e.message})") from None
+        raise ConfigError(
+            f"{where}: the chat template is not valid Jinja (line {e.lineno}: {e.message})"
+        ) from None
     return template
 
 
@@ -209,8 +273,9 @@ def _read_text(path: str, what: str) -> str:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{what} {path}: byte {e.start} is not UTF-8: a chat template is "
-                          f"a text file") from None
+        raise ConfigError(
+            f"{what} {path}: byte {e.start} is not UTF-8: a chat template is a text file"
+        ) from None
     except OSError as e:
         raise ConfigError(f"{what} {path}: cannot read it ({e.strerror or e})") from None
     if "\x00" in text:
@@ -218,9 +283,21 @@ def _read_text(path: str, what: str) -> str:
     return text
 
 
-_PER_PROCESS = {"coordinator", "num_processes", "process_id", "cpu_devices", "host", "port",
-                "api_key", "model_name", "max_request_bytes", "request_timeout",
-                "drain_seconds", "chat_template", "max_tokens"}  # process 0's (HTTP) or
+_PER_PROCESS = {
+    "coordinator",
+    "num_processes",
+    "process_id",
+    "cpu_devices",
+    "host",
+    "port",
+    "api_key",
+    "model_name",
+    "max_request_bytes",
+    "request_timeout",
+    "drain_seconds",
+    "chat_template",
+    "max_tokens",
+}  # process 0's (HTTP) or
 # this host's own
 
 
@@ -228,8 +305,10 @@ def _run_settings(args) -> dict:
     """What every process of a multi-process server must agree on: the flags that shape the
     model, the cache and the batching, and which weights files were found."""
     flags = {k: v for k, v in vars(args).items() if k not in _PER_PROCESS}
-    return {"flags": flags, "weights": checkpoint.weights_identity(args.checkpoint)
-            if args.checkpoint else None}
+    return {
+        "flags": flags,
+        "weights": checkpoint.weights_identity(args.checkpoint) if args.checkpoint else None,
+    }
 
 
 def _default_max_len(model, slots: int) -> int | None:
@@ -238,8 +317,13 @@ def _default_max_len(model, slots: int) -> int | None:
     on stderr naming --max-len; a ConfigError when not even 64 fit."""
     c, mesh = model.config, model.mesh
     sample = KVCache.abstract(c, mesh, slots, 64)
-    per_device = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                     for x in (*sample.k, *sample.v)) / 64
+    per_device = (
+        sum(
+            math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+            for x in (*sample.k, *sample.v)
+        )
+        / 64
+    )
     device = mesh.devices.flat[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and "bytes_limit" in stats:
@@ -247,20 +331,29 @@ def _default_max_len(model, slots: int) -> int | None:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     else:  # CPU devices share the host's memory
         local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-        what, per_position, free = "of host memory", per_device * local, (
-            runtime.available_memory())
+        what, per_position, free = (
+            "of host memory",
+            per_device * local,
+            (runtime.available_memory()),
+        )
     if free is None or per_position * c.max_seq_len <= free / 2:
         return None
     fit = int(free / 2 // per_position) // 64 * 64
     need = f"{per_position * c.max_seq_len / 2**30:,.1f} GiB {what}, {free / 2**30:.1f} GiB free"
     if fit < 64:
-        raise ConfigError(f"a KV cache of {slots} slots has no room: even 64 positions per "
-                          f"request need more than half the free memory ({need} for the "
-                          f"model's {c.max_seq_len}); lower --slots or use a smaller model")
+        raise ConfigError(
+            f"a KV cache of {slots} slots has no room: even 64 positions per "
+            f"request need more than half the free memory ({need} for the "
+            f"model's {c.max_seq_len}); lower --slots or use a smaller model"
+        )
     if fit < c.max_seq_len:
-        print(f"note: {fit} positions per request (--max-len), not the model's max_seq_len="
-              f"{c.max_seq_len}: a cache of {slots} slots that long needs {need}; give "
-              f"--max-len to choose", file=sys.stderr, flush=True)
+        print(
+            f"note: {fit} positions per request (--max-len), not the model's max_seq_len="
+            f"{c.max_seq_len}: a cache of {slots} slots that long needs {need}; give "
+            f"--max-len to choose",
+            file=sys.stderr,
+            flush=True,
+        )
         return fit
     return None
 
@@ -272,13 +365,16 @@ def _api_key(args) -> str | None:
         if key is None:
             continue
         if not key:
-            raise ConfigError(f"{what} is empty (an unset variable?): give a key, or leave "
-                              f"{what} out to serve without one")
-        bad = next((c for c in key if not (c.isascii() and c.isprintable()) or c.isspace()),
-                   None)
+            raise ConfigError(
+                f"{what} is empty (an unset variable?): give a key, or leave "
+                f"{what} out to serve without one"
+            )
+        bad = next((c for c in key if not (c.isascii() and c.isprintable()) or c.isspace()), None)
         if bad is not None:
-            raise ConfigError(f"{what} holds {bad!r}: a key is printable ASCII without spaces "
-                              f"(what an Authorization header can carry)")
+            raise ConfigError(
+                f"{what} holds {bad!r}: a key is printable ASCII without spaces "
+                f"(what an Authorization header can carry)"
+            )
         return key
     return None
 
@@ -302,8 +398,10 @@ def _run(args) -> int:
     tp, why = choose_tp(args.tp, shape)
     n = jax.device_count()
     if jax.process_count() > 1 and tp != n:
-        raise ConfigError(f"--tp {tp}: with {jax.process_count()} processes the model must "
-                          f"span all {n} devices (--tp {n})")
+        raise ConfigError(
+            f"--tp {tp}: with {jax.process_count()} processes the model must "
+            f"span all {n} devices (--tp {n})"
+        )
     sharding.check_divisible(shape, tp, flag="--tp")
     mesh = sharding.make_mesh(tp=tp, data=1, devices=jax.devices()[:tp])
     overrides = scheme_overrides(args.residual, parse_ladder_layers(args.ladder_layers))
@@ -317,17 +415,26 @@ def _run(args) -> int:
         model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(args.seed))
         tokenizer, name = ByteTokenizer(), args.model_name or args.preset
     if model.config.vocab_size < tokenizer.vocab_size:
-        raise ConfigError(f"the model has vocab_size={model.config.vocab_size}, too small for "
-                          f"its tokenizer ({tokenizer.vocab_size} tokens)")
+        raise ConfigError(
+            f"the model has vocab_size={model.config.vocab_size}, too small for "
+            f"its tokenizer ({tokenizer.vocab_size} tokens)"
+        )
     template = template or _tokenizer_template(tokenizer)
 
     max_len = args.max_len or _default_max_len(model, args.slots)
-    engine = Engine(model, slots=args.slots, max_len=max_len, max_queue=args.max_queue,
-                    prefills_per_step=args.prefills_per_step, steps_per_plan=args.steps_per_plan,
-                    consume=True)  # fused in place: nothing else uses the model
+    engine = Engine(
+        model,
+        slots=args.slots,
+        max_len=max_len,
+        max_queue=args.max_queue,
+        prefills_per_step=args.prefills_per_step,
+        steps_per_plan=args.steps_per_plan,
+        consume=True,
+    )  # fused in place: nothing else uses the model
     if args.max_tokens is not None and not 1 <= args.max_tokens < engine.length:
-        raise ConfigError(f"--max-tokens {args.max_tokens}: between 1 and {engine.length - 1} "
-                          f"(--max-len)")
+        raise ConfigError(
+            f"--max-tokens {args.max_tokens}: between 1 and {engine.length - 1} (--max-len)"
+        )
     if why and jax.process_index() == 0:  # once the input is checked: a bad flag is one line
         print(f"note: {why}", file=sys.stderr, flush=True)
     if not args.no_warmup:
@@ -368,7 +475,8 @@ def _ask_stop(signum: int) -> None:
 
     try:
         distributed.global_state.client.key_value_set(
-            f"{STOP_KEY}{jax.process_index()}", signal.Signals(signum).name)
+            f"{STOP_KEY}{jax.process_index()}", signal.Signals(signum).name
+        )
     except jax.errors.JaxRuntimeError:  # process 0 is gone: the bound in `_follow` ends us
         pass
 
@@ -398,9 +506,13 @@ def _follow(engine, bound_s: float) -> int:
             worker.join(0.2)
         if worker.is_alive():
             why = "a second signal" if len(got) > 1 else f"no stop from process 0 in {bound_s:g} s"
-            print(f"error: process {jax.process_index()} stopped by "
-                  f"{signal.Signals(got[0]).name} ({why}): process 0 may still be serving; "
-                  f"stop it too", file=sys.stderr, flush=True)
+            print(
+                f"error: process {jax.process_index()} stopped by "
+                f"{signal.Signals(got[0]).name} ({why}): process 0 may still be serving; "
+                f"stop it too",
+                file=sys.stderr,
+                flush=True,
+            )
             sys.stdout.flush()
             os._exit(1)  # the follower thread is blocked in a collective: no clean exit
     if failure:
@@ -417,30 +529,44 @@ def _warmup(engine) -> None:
     prefills = [p for p in programs if p[1]]
     groups = sorted({n for n, _ in prefills})
     buckets = sorted({t for _, t in prefills})
-    _note(f"warm-up: compiling {len(programs)} programs before serving (--no-warmup: compile "
-          f"each on first use instead): prefill of {'/'.join(map(str, groups))} prompt(s) x "
-          f"{len(buckets)} prompt lengths ({buckets[0]}..{buckets[-1]} tokens), then the "
-          f"decode round ({engine.slots} slots, {engine.steps_per_plan} step(s))",
-          file=sys.stderr)
+    _note(
+        f"warm-up: compiling {len(programs)} programs before serving (--no-warmup: compile "
+        f"each on first use instead): prefill of {'/'.join(map(str, groups))} prompt(s) x "
+        f"{len(buckets)} prompt lengths ({buckets[0]}..{buckets[-1]} tokens), then the "
+        f"decode round ({engine.slots} slots, {engine.steps_per_plan} step(s))",
+        file=sys.stderr,
+    )
     start = time.perf_counter()
 
     def progress(k, n):
         N, T = programs[k - 1]
         what = f"prefill {N} x {T} tokens" if T else "decode round"
-        _note(f"warm-up {k}/{n}: {what} ({time.perf_counter() - start:.1f} s)",
-              file=sys.stderr)
+        _note(f"warm-up {k}/{n}: {what} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
 
     engine.warmup(progress)
 
 
 def _serve(args, engine, tokenizer, name, api_key, template) -> int:
-    app = create_app(engine, tokenizer, model_name=name, api_key=api_key,
-                     max_request_bytes=args.max_request_bytes, max_tokens_limit=args.max_tokens,
-                     chat_template=template)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5,
-        http=deadline_protocol(args.request_timeout),  # partial requests: closed in time
-        h11_max_incomplete_event_size=MAX_HEADER_BYTES))  # a longer head: 400
+    app = create_app(
+        engine,
+        tokenizer,
+        model_name=name,
+        api_key=api_key,
+        max_request_bytes=args.max_request_bytes,
+        max_tokens_limit=args.max_tokens,
+        chat_template=template,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+            http=deadline_protocol(args.request_timeout),  # partial requests: closed in time
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        )
+    )  # a longer head: 400
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -453,14 +579,21 @@ def _serve(args, engine, tokenizer, name, api_key, template) -> int:
     while not (stop.wait(0.2) or not http.is_alive() or (asked := _stop_requests())):
         if server.started and not announced:
             announced = True
-            print(f"serving {name!r} on http://{args.host}:{args.port} ({engine.slots} slots, "
-                  f"{engine.length} positions each, tp={sharding.tp_size(engine.mesh)}, "
-                  f"{jax.process_count()} process(es))", flush=True)
+            print(
+                f"serving {name!r} on http://{args.host}:{args.port} ({engine.slots} slots, "
+                f"{engine.length} positions each, tp={sharding.tp_size(engine.mesh)}, "
+                f"{jax.process_count()} process(es))",
+                flush=True,
+            )
     if not http.is_alive() and not server.started:
         engine.drain(0)
         raise ConfigError(f"could not serve on {args.host}:{args.port} (is the port in use?)")
-    print(f"draining: up to {args.drain_seconds:g} s for {engine.busy} running request(s)"
-          + (f" (asked by {', '.join(asked)})" if asked else ""), file=sys.stderr, flush=True)
+    print(
+        f"draining: up to {args.drain_seconds:g} s for {engine.busy} running request(s)"
+        + (f" (asked by {', '.join(asked)})" if asked else ""),
+        file=sys.stderr,
+        flush=True,
+    )
     app.state.drain()
     engine.drain(args.drain_seconds)
     server.should_exit = True

@@ -47,8 +47,15 @@ def help_text(columns: int = 100) -> str:
             lines.append(f"\n{key}: {text}")
             continue
         head = f"  {key:<{width}}{_default(default):<10} "
-        lines.append(textwrap.fill(text, columns, initial_indent=head.ljust(len(indent)),
-                                   subsequent_indent=indent, break_on_hyphens=False))
+        lines.append(
+            textwrap.fill(
+                text,
+                columns,
+                initial_indent=head.ljust(len(indent)),
+                subsequent_indent=indent,
+                break_on_hyphens=False,
+            )
+        )
     return USAGE + "\n".join(lines) + "\n" + NOTES
 
 

@@ -19,6 +19,19 @@ from ladder_jax.evaluation.tasks import (
     load_task,
 )
 
-__all__ = ["METRICS", "accuracy", "predictions", "Score", "Scorer", "encode_pair",
-           "EvalResults", "run", "DEFAULT_REGIME", "DEFAULT_TASKS", "Doc", "Task", "TaskError",
-           "load_task"]
+__all__ = [
+    "METRICS",
+    "accuracy",
+    "predictions",
+    "Score",
+    "Scorer",
+    "encode_pair",
+    "EvalResults",
+    "run",
+    "DEFAULT_REGIME",
+    "DEFAULT_TASKS",
+    "Doc",
+    "Task",
+    "TaskError",
+    "load_task",
+]

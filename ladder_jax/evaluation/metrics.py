@@ -30,8 +30,11 @@ METRICS = ("acc_raw", "acc_per_token", "acc_per_char", "acc_uncond")
 def predictions(loglik, tokens, chars, uncond_loglik=None) -> dict[str, int]:
     """The index each metric picks among one doc's choices (module docstring)."""
     ll = np.asarray(loglik, np.float64)
-    scores = {"acc_raw": ll, "acc_per_token": ll / np.asarray(tokens, np.float64),
-              "acc_per_char": ll / np.asarray(chars, np.float64)}
+    scores = {
+        "acc_raw": ll,
+        "acc_per_token": ll / np.asarray(tokens, np.float64),
+        "acc_per_char": ll / np.asarray(chars, np.float64),
+    }
     if uncond_loglik is not None:
         scores["acc_uncond"] = ll - np.asarray(uncond_loglik, np.float64)
     return {m: int(np.argmax(s)) for m, s in scores.items()}

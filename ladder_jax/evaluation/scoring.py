@@ -63,19 +63,22 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
     if not context:
         prefix = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
         if prefix is None:
-            raise ConfigError("an empty context needs a BOS or EOS token to start from, and "
-                              "this tokenizer has neither")
+            raise ConfigError(
+                "an empty context needs a BOS or EOS token to start from, and "
+                "this tokenizer has neither"
+            )
         return [prefix], list(tokenizer.encode(continuation, bos=False))
     bos = getattr(tokenizer, "add_bos", True)
     ctx = list(tokenizer.encode(context, bos=bos))
-    cont = list(tokenizer.encode(context + continuation, bos=bos))[len(ctx):]
+    cont = list(tokenizer.encode(context + continuation, bos=bos))[len(ctx) :]
     if not cont:
         cont = list(tokenizer.encode(continuation, bos=False))
     if not cont:
         raise ConfigError(f"the continuation {continuation!r} encodes to no tokens")
     if not ctx:
-        raise ConfigError(f"the context {context[:40]!r} encodes to no tokens and this "
-                          f"tokenizer adds no BOS")
+        raise ConfigError(
+            f"the context {context[:40]!r} encodes to no tokens and this tokenizer adds no BOS"
+        )
     return ctx, cont
 
 
@@ -108,9 +111,11 @@ def _programs(graphdef, treedef, mesh):
         return lp_nt, jnp.argmax(logits_ntv, axis=-1) == targets_nt
 
     replicated, cached = NamedSharding(mesh, P()), NamedSharding(mesh, sharding.CACHE_BKSH)
-    return (sharding.jit(prefill, mesh=mesh, donate_argnums=(1,), out_shardings=cached),
-            sharding.jit(gather, mesh=mesh, out_shardings=cached),
-            sharding.jit(score, mesh=mesh, out_shardings=(replicated, replicated)))
+    return (
+        sharding.jit(prefill, mesh=mesh, donate_argnums=(1,), out_shardings=cached),
+        sharding.jit(gather, mesh=mesh, out_shardings=cached),
+        sharding.jit(score, mesh=mesh, out_shardings=(replicated, replicated)),
+    )
 
 
 class Scorer:
@@ -125,9 +130,13 @@ class Scorer:
         self.weights, treedef = jax.tree.flatten(state)
         self._prefill, self._gather, self._score = _programs(graphdef, treedef, self.mesh)
 
-    def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
-              batch_size: int = 32, progress: Callable[[int], None] | None = None
-              ) -> list[Score]:
+    def score(
+        self,
+        pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+        *,
+        batch_size: int = 32,
+        progress: Callable[[int], None] | None = None,
+    ) -> list[Score]:
         """One `Score` per (context ids, continuation ids) pair, in order; `progress(n)` is
         called with the number of pairs each continuation pass finished."""
         if batch_size < 1:
@@ -142,8 +151,11 @@ class Scorer:
         batch: list[tuple] = []
         for n, ctx in enumerate(order):
             batch.append(ctx)
-            if (n + 1 == len(order) or len(batch) == batch_size
-                    or sum(len(by_ctx[c]) for c in batch) >= batch_size):
+            if (
+                n + 1 == len(order)
+                or len(batch) == batch_size
+                or sum(len(by_ctx[c]) for c in batch) >= batch_size
+            ):
                 self._run(batch, by_ctx, pairs, out, batch_size, progress)
                 batch = []
         return out
@@ -151,8 +163,10 @@ class Scorer:
     def _fit(self, ctx, cont) -> tuple[tuple, tuple]:
         limit = self.config.max_seq_len
         if len(cont) >= limit:
-            raise ConfigError(f"a continuation of {len(cont)} tokens does not fit the model's "
-                              f"max_seq_len {limit} with any context")
+            raise ConfigError(
+                f"a continuation of {len(cont)} tokens does not fit the model's "
+                f"max_seq_len {limit} with any context"
+            )
         keep = limit - len(cont) + 1  # the scored sequence is ctx + cont[:-1]
         return tuple(ctx[-keep:]), tuple(cont)
 
@@ -162,17 +176,20 @@ class Scorer:
         T = _bucket(max(len(c) - 1 for c in contexts), 16)
         tokens_bt = np.zeros((B, T), np.int32)
         for b, c in enumerate(contexts):
-            tokens_bt[b, :len(c) - 1] = c[:-1]
+            tokens_bt[b, : len(c) - 1] = c[:-1]
         # longest continuations first: each pass of rows is padded to its own bucket
-        rows = sorted(((b, i) for b, c in enumerate(contexts) for i in by_ctx[c]),
-                      key=lambda r: -len(pairs[r[1]][1]))
-        S = _bucket(max(T, max(len(c) for c in contexts) - 1
-                        + _bucket(len(pairs[rows[0][1]][1]), 8)), 64)
+        rows = sorted(
+            ((b, i) for b, c in enumerate(contexts) for i in by_ctx[c]),
+            key=lambda r: -len(pairs[r[1]][1]),
+        )
+        S = _bucket(
+            max(T, max(len(c) for c in contexts) - 1 + _bucket(len(pairs[rows[0][1]][1]), 8)), 64
+        )
         cache = KVCache.init(self.config, self.mesh, B, S)
         cache = self._prefill(self.weights, cache, to_device(tokens_bt, self.mesh))
         N = -(-min(batch_size, _bucket(len(rows), 1)) // data) * data
         for start in range(0, len(rows), N):
-            chunk = rows[start:start + N]
+            chunk = rows[start : start + N]
             C = _bucket(len(pairs[chunk[0][1]][1]), 8)
             rows_n = np.zeros(N, np.int32)
             tokens_nt, targets_nt = np.zeros((N, C), np.int32), np.zeros((N, C), np.int32)
@@ -180,17 +197,20 @@ class Scorer:
             for n, (b, i) in enumerate(chunk):
                 ctx, cont = pairs[i]
                 rows_n[n] = b
-                tokens_nt[n, :len(cont)] = (ctx[-1],) + cont[:-1]
-                targets_nt[n, :len(cont)] = cont
+                tokens_nt[n, : len(cont)] = (ctx[-1],) + cont[:-1]
+                targets_nt[n, : len(cont)] = cont
                 positions_nt[n] += len(ctx) - 1
             rows_cache = self._gather(cache, to_device(rows_n, self.mesh))
             lp_nt, greedy_nt = self._score(
-                self.weights, rows_cache, *(to_device(a, self.mesh)
-                                            for a in (tokens_nt, positions_nt, targets_nt)))
+                self.weights,
+                rows_cache,
+                *(to_device(a, self.mesh) for a in (tokens_nt, positions_nt, targets_nt)),
+            )
             lp_nt, greedy_nt = to_host(lp_nt), to_host(greedy_nt)
             for n, (_, i) in enumerate(chunk):
                 k = len(pairs[i][1])
-                out[i] = Score(float(lp_nt[n, :k].astype(np.float64).sum()), k,
-                               bool(greedy_nt[n, :k].all()))
+                out[i] = Score(
+                    float(lp_nt[n, :k].astype(np.float64).sum()), k, bool(greedy_nt[n, :k].all())
+                )
             if progress is not None:
                 progress(len(chunk))

@@ -28,8 +28,17 @@ class EvalResults:
     """Per-task rows of an evaluation (`.rows`: dicts, also what --output writes); printed
     as a table with the primary metric marked."""
 
-    columns = ("task", "regime", "docs", "primary", "acc_raw", "acc_per_token", "acc_per_char",
-               "acc_uncond", "s")
+    columns = (
+        "task",
+        "regime",
+        "docs",
+        "primary",
+        "acc_raw",
+        "acc_per_token",
+        "acc_per_char",
+        "acc_uncond",
+        "s",
+    )
 
     def __init__(self, rows: list[dict]):
         self.rows = rows
@@ -50,27 +59,45 @@ class EvalResults:
                 else:
                     mark = "*" if m == r["primary_metric"] else ""
                     cells.append(f"{100 * r[m]:.1f} ± {100 * r[m + '_stderr']:.1f}{mark}")
-            out.append((r["task"], r["regime"], str(r["docs"]), r["primary_metric"], *cells,
-                        f"{r['seconds']:.0f}"))
+            out.append(
+                (
+                    r["task"],
+                    r["regime"],
+                    str(r["docs"]),
+                    r["primary_metric"],
+                    *cells,
+                    f"{r['seconds']:.0f}",
+                )
+            )
         return out
 
     def __repr__(self):
         rows = [self.columns] + self.table_rows()
         widths = [max(len(row[i]) for row in rows) for i in range(len(self.columns))]
-        text = "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
-                         for row in rows)
+        text = "\n".join(
+            "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows
+        )
         return text + "\naccuracy in % ± binomial standard error; * the regime's primary metric"
 
     def _repr_html_(self):
         head = "".join(f"<th>{c}</th>" for c in self.columns)
-        body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>"
-                       for row in self.table_rows())
-        return (f"<table><tr>{head}</tr>{body}</table><p>accuracy in % ± binomial standard "
-                f"error; * the regime's primary metric</p>")
+        body = "".join(
+            "<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in self.table_rows()
+        )
+        return (
+            f"<table><tr>{head}</tr>{body}</table><p>accuracy in % ± binomial standard "
+            f"error; * the regime's primary metric</p>"
+        )
 
 
-def run(model, tokenizer, tasks: Sequence[Task], *, batch_size: int = 32,
-        progress: Callable[[str, int, int], None] | None = None) -> EvalResults:
+def run(
+    model,
+    tokenizer,
+    tasks: Sequence[Task],
+    *,
+    batch_size: int = 32,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> EvalResults:
     """Scores every task's requests with `model` and returns the rows; `progress(task, done,
     total)` follows the requests of each task."""
     scorer = Scorer(model)
@@ -102,12 +129,18 @@ def run(model, tokenizer, tasks: Sequence[Task], *, batch_size: int = 32,
                 [ll[d, "cond", i].logprob for i in range(n)],
                 [ll[d, "cond", i].tokens for i in range(n)],
                 [len(cont) for _, cont in doc.choices],
-                [ll[d, "uncond", i].logprob for i in range(n)] if doc.uncond else None)
+                [ll[d, "uncond", i].logprob for i in range(n)] if doc.uncond else None,
+            )
             for m, pick in picks.items():
                 correct.setdefault(m, []).append(pick == doc.gold)
-        row = {"task": task.name, "regime": task.regime, "docs": len(task.docs),
-               "total_docs": task.total_docs, "requests": len(pairs),
-               "primary_metric": task.primary_metric}
+        row = {
+            "task": task.name,
+            "regime": task.regime,
+            "docs": len(task.docs),
+            "total_docs": task.total_docs,
+            "requests": len(pairs),
+            "primary_metric": task.primary_metric,
+        }
         for m in METRICS:
             value, err = accuracy(correct[m]) if m in correct else (None, None)
             row[m], row[m + "_stderr"] = value, err
@@ -119,7 +152,7 @@ def run(model, tokenizer, tasks: Sequence[Task], *, batch_size: int = 32,
 
 
 def task_names(tasks) -> list[str]:
-    """"a,b" or a sequence of names -> a list of names (no duplicates, none empty)."""
+    """ "a,b" or a sequence of names -> a list of names (no duplicates, none empty)."""
     names = [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else list(tasks)
     if not names or any(not isinstance(t, str) or not t for t in names):
         raise ConfigError(f"tasks {tasks!r}: give task names, e.g. arc_easy,piqa")
@@ -128,11 +161,16 @@ def task_names(tasks) -> list[str]:
     return names
 
 
-def load_tasks(tasks=DEFAULT_TASKS, regime: str = DEFAULT_REGIME, *, limit: int | None = None,
-               seed: int = 0, tasks_dir: str | None = None) -> list[Task]:
+def load_tasks(
+    tasks=DEFAULT_TASKS,
+    regime: str = DEFAULT_REGIME,
+    *,
+    limit: int | None = None,
+    seed: int = 0,
+    tasks_dir: str | None = None,
+) -> list[Task]:
     """The named tasks in `regime`, each subsampled to `limit` docs with `seed`."""
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
-                              or limit < 1):
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ConfigError(f"limit {limit!r}: give a number of docs, at least 1")
     return [load_task(t, regime, tasks_dir).subsample(limit, seed) for t in task_names(tasks)]
 
@@ -147,10 +185,21 @@ def eval_mesh(tp: int | None = None):
     return sharding.make_mesh(tp=tp, devices=devices[:tp])
 
 
-def evaluate(model, tokenizer=None, *, tasks=DEFAULT_TASKS, regime: str = DEFAULT_REGIME,
-             limit: int | None = None, seed: int = 0, batch_size: int = 32,
-             tasks_dir: str | None = None, tp: int | None = None, quantize: str | None = None,
-             progress=None, **overrides) -> EvalResults:
+def evaluate(
+    model,
+    tokenizer=None,
+    *,
+    tasks=DEFAULT_TASKS,
+    regime: str = DEFAULT_REGIME,
+    limit: int | None = None,
+    seed: int = 0,
+    batch_size: int = 32,
+    tasks_dir: str | None = None,
+    tp: int | None = None,
+    quantize: str | None = None,
+    progress=None,
+    **overrides,
+) -> EvalResults:
     """`model`: a Transformer (with its `tokenizer`) or a path `load_run` opens, loaded on
     `eval_mesh(tp)` with `quantize` and `overrides` (residual=, ladder_layers=). The tasks
     are read (and checked) before any model is loaded."""
@@ -160,12 +209,15 @@ def evaluate(model, tokenizer=None, *, tasks=DEFAULT_TASKS, regime: str = DEFAUL
     if isinstance(model, (str, os.PathLike)):
         from ladder_jax.train.checkpoint import load_run
 
-        model, loaded = load_run(model, mesh=eval_mesh(tp), what="evaluate",
-                                 quantize=quantize, **overrides)
+        model, loaded = load_run(
+            model, mesh=eval_mesh(tp), what="evaluate", quantize=quantize, **overrides
+        )
         tokenizer = tokenizer or loaded
     elif quantize is not None or overrides or tp is not None:
-        raise ConfigError("quantize, tp, residual and ladder_layers apply to a model loaded "
-                          "from a path: give the path, or change the model yourself")
+        raise ConfigError(
+            "quantize, tp, residual and ladder_layers apply to a model loaded "
+            "from a path: give the path, or change the model yourself"
+        )
     if tokenizer is None:
         raise ConfigError("this model has no tokenizer: pass tokenizer=")
     return run(model, tokenizer, chosen, batch_size=batch_size, progress=progress)

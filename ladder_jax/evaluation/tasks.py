@@ -83,8 +83,10 @@ def installed_tasks_dir() -> str:
         path = os.path.join(root, "oe_eval_tasks")
         if os.path.isdir(path):
             return path
-    raise TaskError(f"the OLMES task files are not installed: {INSTALL} (see the 'eval' "
-                    f"extra), or give a task directory with --tasks-dir")
+    raise TaskError(
+        f"the OLMES task files are not installed: {INSTALL} (see the 'eval' "
+        f"extra), or give a task directory with --tasks-dir"
+    )
 
 
 def task_path(name: str, regime: str, tasks_dir: str | None = None) -> str:
@@ -99,8 +101,9 @@ def task_path(name: str, regime: str, tasks_dir: str | None = None) -> str:
         have = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
         raise TaskError(f"no task {name!r} in {root} (there: {', '.join(have) or 'nothing'})")
     have = sorted(os.listdir(os.path.join(root, name)))
-    raise TaskError(f"task {name!r} has no regime {regime!r} in {root} (there: "
-                    f"{', '.join(have) or 'nothing'})")
+    raise TaskError(
+        f"task {name!r} has no regime {regime!r} in {root} (there: {', '.join(have) or 'nothing'})"
+    )
 
 
 def _read_lines(path: str):
@@ -135,11 +138,15 @@ def load_task(name: str, regime: str = DEFAULT_REGIME, tasks_dir: str | None = N
     from ladder_jax.evaluation.metrics import METRICS
 
     if primary not in METRICS:
-        raise TaskError(f"{cfg_file}: primary_metric {primary!r} is not a multiple-choice "
-                        f"accuracy ({', '.join(METRICS)})")
+        raise TaskError(
+            f"{cfg_file}: primary_metric {primary!r} is not a multiple-choice "
+            f"accuracy ({', '.join(METRICS)})"
+        )
     if primary == "acc_uncond" and offset is None:
-        raise TaskError(f"{cfg_file}: primary_metric acc_uncond needs "
-                        f"metric_kwargs.uncond_docid_offset (where the unconditional requests are)")
+        raise TaskError(
+            f"{cfg_file}: primary_metric acc_uncond needs "
+            f"metric_kwargs.uncond_docid_offset (where the unconditional requests are)"
+        )
     file, lines = _read_lines(path)
     by_doc: dict[int, dict[int, tuple[str, str]]] = {}
     gold: dict[int, int] = {}
@@ -149,8 +156,10 @@ def load_task(name: str, regime: str = DEFAULT_REGIME, tasks_dir: str | None = N
         try:
             r = json.loads(line)
             if r.get("request_type", "loglikelihood") != "loglikelihood":
-                raise TaskError(f"{file} line {n}: request_type {r['request_type']!r}, not "
-                                f"loglikelihood: only multiple-choice tasks are evaluated")
+                raise TaskError(
+                    f"{file} line {n}: request_type {r['request_type']!r}, not "
+                    f"loglikelihood: only multiple-choice tasks are evaluated"
+                )
             doc_id, idx, label = int(r["doc_id"]), int(r["idx"]), int(r["label"])
             pair = (str(r["request"]["context"]), str(r["request"]["continuation"]))
         except (ValueError, KeyError, TypeError) as e:
@@ -168,17 +177,22 @@ def load_task(name: str, regime: str = DEFAULT_REGIME, tasks_dir: str | None = N
         if sorted(choices) != list(range(len(choices))):
             raise TaskError(f"{file}: doc {doc_id} has choices {sorted(choices)}, not 0..n-1")
         if not 0 <= gold[doc_id] < len(choices):
-            raise TaskError(f"{file}: doc {doc_id}'s label {gold[doc_id]} is not one of its "
-                            f"{len(choices)} choices")
+            raise TaskError(
+                f"{file}: doc {doc_id}'s label {gold[doc_id]} is not one of its "
+                f"{len(choices)} choices"
+            )
         uncond = None
         if offset is not None:
             u = by_doc.get(doc_id + offset)
             if u is None or sorted(u) != sorted(choices):
-                raise TaskError(f"{file}: doc {doc_id} has no unconditional request per choice "
-                                f"(doc {doc_id + offset}), which uncond_docid_offset promises")
+                raise TaskError(
+                    f"{file}: doc {doc_id} has no unconditional request per choice "
+                    f"(doc {doc_id + offset}), which uncond_docid_offset promises"
+                )
             uncond = tuple(u[i] for i in range(len(u)))
-        docs.append(Doc(doc_id, gold[doc_id], tuple(choices[i] for i in range(len(choices))),
-                        uncond))
+        docs.append(
+            Doc(doc_id, gold[doc_id], tuple(choices[i] for i in range(len(choices))), uncond)
+        )
     if not docs:
         raise TaskError(f"{file} has no requests")
     return Task(name, regime, path, primary, tuple(docs), len(docs))

@@ -54,26 +54,71 @@ from ladder_jax.interop.tokenizer import make_tokenizer
 from ladder_jax.train import data
 from ladder_jax.train.evaluate import _loss_sum
 
-QUESTIONS = ("What is the capital of France?", "How many legs does a spider have?",
-             "Name a primary color.", "What do bees make?")
+QUESTIONS = (
+    "What is the capital of France?",
+    "How many legs does a spider have?",
+    "Name a primary color.",
+    "What do bees make?",
+)
 
 # Prompts the original answers to make its share of the recovery mix (none from a task).
 WRITING_PROMPTS = (
-    "Explain how a bicycle works.", "Write a short story about a lighthouse keeper.",
-    "Describe the water cycle.", "Give three tips for learning a new language.",
-    "What is a prime number? Give examples.", "Write a letter to a friend about a trip.",
-    "Explain what a computer program is.", "Describe a busy market in the morning.",
-    "Why do we have seasons?", "Write a poem about autumn.", "How do you bake bread?",
-    "Explain the rules of chess briefly.", "What makes a good teacher?",
-    "Describe how plants grow.", "Summarize the history of writing.",
-    "Explain what electricity is.")
+    "Explain how a bicycle works.",
+    "Write a short story about a lighthouse keeper.",
+    "Describe the water cycle.",
+    "Give three tips for learning a new language.",
+    "What is a prime number? Give examples.",
+    "Write a letter to a friend about a trip.",
+    "Explain what a computer program is.",
+    "Describe a busy market in the morning.",
+    "Why do we have seasons?",
+    "Write a poem about autumn.",
+    "How do you bake bread?",
+    "Explain the rules of chess briefly.",
+    "What makes a good teacher?",
+    "Describe how plants grow.",
+    "Summarize the history of writing.",
+    "Explain what electricity is.",
+)
 
-STDLIB_MODULES = ("argparse", "base64", "bisect", "calendar", "collections", "csv",
-                  "dataclasses", "datetime", "decimal", "difflib", "fractions", "functools",
-                  "gzip", "heapq", "html", "inspect", "itertools", "json", "logging",
-                  "os", "pathlib", "pickle", "queue", "random", "re", "shutil", "socket",
-                  "statistics", "string", "textwrap", "threading", "typing", "unittest",
-                  "urllib.parse", "uuid", "zipfile")
+STDLIB_MODULES = (
+    "argparse",
+    "base64",
+    "bisect",
+    "calendar",
+    "collections",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "fractions",
+    "functools",
+    "gzip",
+    "heapq",
+    "html",
+    "inspect",
+    "itertools",
+    "json",
+    "logging",
+    "os",
+    "pathlib",
+    "pickle",
+    "queue",
+    "random",
+    "re",
+    "shutil",
+    "socket",
+    "statistics",
+    "string",
+    "textwrap",
+    "threading",
+    "typing",
+    "unittest",
+    "urllib.parse",
+    "uuid",
+    "zipfile",
+)
 
 SOURCES = ("devils", "kjv", "stdlib", "generated")
 
@@ -113,15 +158,26 @@ class Setting:
 
 SETTINGS = {
     # CI-sized on SmolLM2: one conversion, a few steps, a tiny subsample (~10 min).
-    "quick": Setting("quick", ladder_layers=(4,), recover_layers=4, source_bytes=40_000,
-                     steps=3, batch_size=2, grad_accum=1, seq_len=128, generated_docs=12,
-                     generated_tokens=48, tasks=("arc_easy", "piqa"), eval_limit=8,
-                     held_out_records=3, chat_tokens=12),
+    "quick": Setting(
+        "quick",
+        ladder_layers=(4,),
+        recover_layers=4,
+        source_bytes=40_000,
+        steps=3,
+        batch_size=2,
+        grad_accum=1,
+        seq_len=128,
+        generated_docs=12,
+        generated_tokens=48,
+        tasks=("arc_easy", "piqa"),
+        eval_limit=8,
+        held_out_records=3,
+        chat_tokens=12,
+    ),
     # The run of docs/adaptation.md, sized for a shared 2-core CPU: the three conversions of
     # the issue, both recoveries and the control, held-out loss and chat; the task accuracies
     # (`--set tasks=[arc_easy,...]`) would cost more than all of that on a CPU.
-    "full": Setting("full", steps=10, batch_size=2, grad_accum=1, tasks=(),
-                    held_out_records=6),
+    "full": Setting("full", steps=10, batch_size=2, grad_accum=1, tasks=(), held_out_records=6),
 }
 
 
@@ -133,18 +189,34 @@ def with_changes(setting: Setting, **changes) -> Setting:
         raise ConfigError(f"unknown recovery method {bad[0]!r}: choose lm, distill")
     bad = sorted(set(new.sources) - set(SOURCES))
     if bad or not new.sources:
-        raise ConfigError(f"unknown source {bad[0] if bad else None!r}: choose from "
-                          f"{', '.join(SOURCES)}")
+        raise ConfigError(
+            f"unknown source {bad[0] if bad else None!r}: choose from {', '.join(SOURCES)}"
+        )
     if new.base != "smollm2" and not os.path.isfile(os.path.join(new.base, "config.yaml")):
-        raise ConfigError(f"base {new.base!r}: give smollm2 or a run / convert output "
-                          f"directory (with config.yaml)")
+        raise ConfigError(
+            f"base {new.base!r}: give smollm2 or a run / convert output "
+            f"directory (with config.yaml)"
+        )
     if "generated" in new.sources and new.generated_docs < 12:
-        raise ConfigError(f"generated_docs={new.generated_docs}: give 12 or more (every 12th "
-                          f"document is held out)")
-    if min(new.steps, new.batch_size, new.grad_accum, new.seq_len, new.eval_limit,
-           new.held_out_records) <= 0:
-        raise ConfigError("steps, batch_size, grad_accum, seq_len, eval_limit and "
-                          "held_out_records must be positive")
+        raise ConfigError(
+            f"generated_docs={new.generated_docs}: give 12 or more (every 12th "
+            f"document is held out)"
+        )
+    if (
+        min(
+            new.steps,
+            new.batch_size,
+            new.grad_accum,
+            new.seq_len,
+            new.eval_limit,
+            new.held_out_records,
+        )
+        <= 0
+    ):
+        raise ConfigError(
+            "steps, batch_size, grad_accum, seq_len, eval_limit and "
+            "held_out_records must be positive"
+        )
     return new
 
 
@@ -190,10 +262,11 @@ def chat_prompts(tokenizer, questions) -> list:
     import jinja2.sandbox
 
     from ladder_jax.inference.server import render_chat
+
     compiled = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True).from_string(tokenizer.chat_template)
-    return [render_chat(compiled, [{"role": "user", "content": q}], tokenizer)
-            for q in questions]
+        trim_blocks=True, lstrip_blocks=True
+    ).from_string(tokenizer.chat_template)
+    return [render_chat(compiled, [{"role": "user", "content": q}], tokenizer) for q in questions]
 
 
 def answers(model, tokenizer, questions, max_new_tokens: int) -> list[str]:
@@ -237,8 +310,9 @@ class Experiment:
         n = self.model.config.n_layers
         for k in (*setting.ladder_layers, setting.recover_layers):
             if not 0 <= k <= n:
-                raise ConfigError(f"ladder_layers {k} must be between 0 and the base's "
-                                  f"n_layers={n}")
+                raise ConfigError(
+                    f"ladder_layers {k} must be between 0 and the base's n_layers={n}"
+                )
 
     def prepare_base(self) -> str:
         """The base as a run-like directory (`convert` output for "smollm2", made once)."""
@@ -246,8 +320,17 @@ class Experiment:
             return self.s.base
         path = os.path.join(self.out, "base")
         if not os.path.isfile(os.path.join(path, "config.yaml")):
-            cmd = [sys.executable, "-m", "ladder_jax.convert", "--gguf", smollm2_gguf(),
-                   "--out", path, "--tp", "1"]  # the command line's own work, its own process
+            cmd = [
+                sys.executable,
+                "-m",
+                "ladder_jax.convert",
+                "--gguf",
+                smollm2_gguf(),
+                "--out",
+                path,
+                "--tp",
+                "1",
+            ]  # the command line's own work, its own process
             if subprocess.run(cmd, stdout=sys.stderr).returncode:
                 raise ConfigError(f"converting {smollm2_gguf()} failed: {' '.join(cmd)}")
         return path
@@ -261,8 +344,11 @@ class Experiment:
     def generated_documents(self) -> list[tuple[str, str]]:
         """Texts the original writes to WRITING_PROMPTS (sampled, seeded; cached in `out`)."""
         s = self.s
-        cache = os.path.join(self.out, "data", f"generated_n{s.generated_docs}_"
-                                              f"t{s.generated_tokens}_seed{s.seed}.json")
+        cache = os.path.join(
+            self.out,
+            "data",
+            f"generated_n{s.generated_docs}_t{s.generated_tokens}_seed{s.seed}.json",
+        )
         if os.path.isfile(cache):
             with open(cache) as f:
                 return [tuple(d) for d in json.load(f)]
@@ -270,11 +356,19 @@ class Experiment:
         rows = chat_prompts(self.tokenizer, prompts)
         texts = []
         for i in range(0, len(rows), 8):
-            texts += lj.generate(self.model, rows[i:i + 8], tokenizer=self.tokenizer,
-                                 max_new_tokens=s.generated_tokens, temperature=0.8,
-                                 top_p=0.95, seed=s.seed + i)
-        docs = [(p, t if isinstance(t, str) else self.tokenizer.decode(t))
-                for p, t in zip(prompts, texts)]
+            texts += lj.generate(
+                self.model,
+                rows[i : i + 8],
+                tokenizer=self.tokenizer,
+                max_new_tokens=s.generated_tokens,
+                temperature=0.8,
+                top_p=0.95,
+                seed=s.seed + i,
+            )
+        docs = [
+            (p, t if isinstance(t, str) else self.tokenizer.decode(t))
+            for p, t in zip(prompts, texts)
+        ]
         os.makedirs(os.path.dirname(cache), exist_ok=True)
         with open(cache, "w") as f:
             json.dump(docs, f)
@@ -292,9 +386,12 @@ class Experiment:
             else:
                 docs = self.generated_documents()
             if src == "kjv":  # a chapter-sized document keeps the cut fine-grained
-                docs = [(f"{t} {i // 40}", "\n".join(lines[i:i + 40]) + "\n")
-                        for t, text in docs for lines in [text.split("\n")]
-                        for i in range(0, len(lines), 40)]
+                docs = [
+                    (f"{t} {i // 40}", "\n".join(lines[i : i + 40]) + "\n")
+                    for t, text in docs
+                    for lines in [text.split("\n")]
+                    for i in range(0, len(lines), 40)
+                ]
             keep, size = [], 0
             for d in docs:
                 keep.append(d)
@@ -318,15 +415,18 @@ class Experiment:
                 if not os.path.exists(link):
                     os.symlink(os.path.abspath(os.path.join(w["train"], f)), link)
             held[src] = w["held_out"]
-            row["sources"][src] = {k: w[k] for k in ("train_docs", "held_out_docs",
-                                                      "train_bytes", "held_out_bytes")}
+            row["sources"][src] = {
+                k: w[k] for k in ("train_docs", "held_out_docs", "train_bytes", "held_out_bytes")
+            }
         tok = make_tokenizer(self.tokenizer_file())
         self.held_out = {src: data.load_tokens(d, tok) for src, d in held.items()}
         short = {k: int(len(v)) for k, v in self.held_out.items() if len(v) <= self.s.seq_len}
         if len(short) == len(self.held_out):
-            raise ConfigError(f"every source's held-out text is shorter than one record of "
-                              f"seq_len + 1 = {self.s.seq_len + 1} tokens ({short}): give more "
-                              f"source_bytes or a shorter seq_len")
+            raise ConfigError(
+                f"every source's held-out text is shorter than one record of "
+                f"seq_len + 1 = {self.s.seq_len + 1} tokens ({short}): give more "
+                f"source_bytes or a shorter seq_len"
+            )
         # a source too short for one record is trained on but not measured (said in the row)
         self.held_out = {k: v for k, v in self.held_out.items() if k not in short}
         row["held_out_too_short"] = short
@@ -337,18 +437,37 @@ class Experiment:
 
     # -- models --------------------------------------------------------------------------
 
-    def measure(self, model, name: str, *, ladder_layers: int, stage: str,
-                method: str | None = None, extra: dict | None = None) -> dict:
+    def measure(
+        self,
+        model,
+        name: str,
+        *,
+        ladder_layers: int,
+        stage: str,
+        method: str | None = None,
+        extra: dict | None = None,
+    ) -> dict:
         """One model's accuracies, held-out losses and chat answers, as a "model" row."""
         s, t0 = self.s, time.perf_counter()
         tasks, avg, avg_se = {}, None, None
         if s.tasks:
-            ev = lj.evaluate(model, self.tokenizer, tasks=",".join(s.tasks),
-                             limit=s.eval_limit, seed=s.seed, batch_size=s.eval_batch)
-            tasks = {r["task"]: {"acc": r[r["primary_metric"]],
-                                 "se": r[r["primary_metric"] + "_stderr"],
-                                 "metric": r["primary_metric"], "docs": r["docs"]}
-                     for r in ev.rows}
+            ev = lj.evaluate(
+                model,
+                self.tokenizer,
+                tasks=",".join(s.tasks),
+                limit=s.eval_limit,
+                seed=s.seed,
+                batch_size=s.eval_batch,
+            )
+            tasks = {
+                r["task"]: {
+                    "acc": r[r["primary_metric"]],
+                    "se": r[r["primary_metric"] + "_stderr"],
+                    "metric": r["primary_metric"],
+                    "docs": r["docs"],
+                }
+                for r in ev.rows
+            }
             avg = float(np.mean([t["acc"] for t in tasks.values()]))
             avg_se = math.sqrt(sum(t["se"] ** 2 for t in tasks.values())) / len(tasks)
         losses = {}
@@ -357,16 +476,29 @@ class Experiment:
             m, se = mean_se(per)
             losses[src] = {"loss": m, "se": se, "records": per.tolist()}
         chat = answers(model, self.tokenizer, QUESTIONS, s.chat_tokens)
-        row = {"kind": "model", "setting": s.name, "name": name, "stage": stage,
-               "method": method, "ladder_layers": ladder_layers,
-               "n_layers": model.config.n_layers, "tasks": tasks, "avg": avg, "avg_se": avg_se,
-               "held_out": losses, "chat": dict(zip(QUESTIONS, chat)),
-               "eval_s": round(time.perf_counter() - t0, 1),
-               "peak_rss_gb": round(peak_rss_gb(), 2), **(extra or {})}
+        row = {
+            "kind": "model",
+            "setting": s.name,
+            "name": name,
+            "stage": stage,
+            "method": method,
+            "ladder_layers": ladder_layers,
+            "n_layers": model.config.n_layers,
+            "tasks": tasks,
+            "avg": avg,
+            "avg_se": avg_se,
+            "held_out": losses,
+            "chat": dict(zip(QUESTIONS, chat)),
+            "eval_s": round(time.perf_counter() - t0, 1),
+            "peak_rss_gb": round(peak_rss_gb(), 2),
+            **(extra or {}),
+        }
         acc = f"average {100 * avg:.1f} ± {100 * avg_se:.1f}; " if tasks else ""
-        self.log(f"{name}: {acc}held-out "
-                 + ", ".join(f"{k} {v['loss']:.3f}" for k, v in losses.items())
-                 + f"; {row['eval_s']} s, peak RSS {row['peak_rss_gb']} GB")
+        self.log(
+            f"{name}: {acc}held-out "
+            + ", ".join(f"{k} {v['loss']:.3f}" for k, v in losses.items())
+            + f"; {row['eval_s']} s, peak RSS {row['peak_rss_gb']} GB"
+        )
         self.emit(row)
         return row
 
@@ -374,31 +506,60 @@ class Experiment:
         rows = [self.measure(self.model, "original", ladder_layers=0, stage="original")]
         for k in self.s.ladder_layers:
             hybrid = lj.with_config(self.model, residual="ladder", ladder_layers=k)
-            rows.append(self.measure(hybrid, f"ladder{k} zero-shot", ladder_layers=k,
-                                     stage="zero-shot"))
+            rows.append(
+                self.measure(hybrid, f"ladder{k} zero-shot", ladder_layers=k, stage="zero-shot")
+            )
         return rows
 
     def recover(self, k: int, method: str) -> lj.Run:
         """The base's weights with the upper `k` layers ladder (0: unconverted), trained
         `steps` steps on the mix by `method`."""
         s = self.s
-        scheme = ({"model__residual": "ladder", "model__ladder_layers": k} if k else
-                  {"model__residual": "standard", "model__ladder_layers": None})
-        teacher = {"distill__teacher": self.base, "distill__weight": 1.0,
-                   "distill__temperature": s.temperature} if method == "distill" else {}
+        scheme = (
+            {"model__residual": "ladder", "model__ladder_layers": k}
+            if k
+            else {"model__residual": "standard", "model__ladder_layers": None}
+        )
+        teacher = (
+            {
+                "distill__teacher": self.base,
+                "distill__weight": 1.0,
+                "distill__temperature": s.temperature,
+            }
+            if method == "distill"
+            else {}
+        )
         with contextlib.redirect_stdout(self.trainer_out or sys.stderr):
-            run = lj.fit(os.path.join(self.base, "config.yaml"),
-                         name=f"{'ladder' if k else 'standard'}{k or ''}-{method}",
-                         run_dir=os.path.join(self.out, "runs"), steps=s.steps, seed=s.seed,
-                         log_every=max(1, s.steps // 8), eval_every=0, eval_batches=1,
-                         ckpt_every=0, keep=1, async_ckpt=False, progress="none",
-                         tensorboard=False, init_from=self.base, model__remat=s.remat,
-                         data__path=self.train_dir, data__tokenizer=self.tokenizer_file(),
-                         data__seq_len=s.seq_len, data__batch_size=s.batch_size,
-                         data__grad_accum=s.grad_accum, data__eval_fraction=0.0,
-                         data__seed=s.seed, optim__peak_lr=s.lr,
-                         optim__warmup_steps=max(1, s.steps // 10), mesh__tp=1, mesh__data=1,
-                         **scheme, **teacher)
+            run = lj.fit(
+                os.path.join(self.base, "config.yaml"),
+                name=f"{'ladder' if k else 'standard'}{k or ''}-{method}",
+                run_dir=os.path.join(self.out, "runs"),
+                steps=s.steps,
+                seed=s.seed,
+                log_every=max(1, s.steps // 8),
+                eval_every=0,
+                eval_batches=1,
+                ckpt_every=0,
+                keep=1,
+                async_ckpt=False,
+                progress="none",
+                tensorboard=False,
+                init_from=self.base,
+                model__remat=s.remat,
+                data__path=self.train_dir,
+                data__tokenizer=self.tokenizer_file(),
+                data__seq_len=s.seq_len,
+                data__batch_size=s.batch_size,
+                data__grad_accum=s.grad_accum,
+                data__eval_fraction=0.0,
+                data__seed=s.seed,
+                optim__peak_lr=s.lr,
+                optim__warmup_steps=max(1, s.steps // 10),
+                mesh__tp=1,
+                mesh__data=1,
+                **scheme,
+                **teacher,
+            )
         if run.result.get("exit") != "done":
             raise KeyboardInterrupt(f"{run.path} stopped at step {run.result.get('step')}")
         return run
@@ -413,11 +574,22 @@ class Experiment:
                 train_s = round(time.perf_counter() - t0, 1)
                 model, _ = lj.load(run.path, mesh=self.mesh)
                 curve = [r["loss"] for r in run.metrics if "loss" in r]
-                rows.append(self.measure(
-                    model, f"{'ladder' + str(k) if k else 'standard'} {method}", ladder_layers=k,
-                    stage="recovered" if k else "control", method=method,
-                    extra={"curve": curve, "steps": s.steps, "tokens": s.steps *
-                           s.tokens_per_step, "train_s": train_s, "run": run.path}))
+                rows.append(
+                    self.measure(
+                        model,
+                        f"{'ladder' + str(k) if k else 'standard'} {method}",
+                        ladder_layers=k,
+                        stage="recovered" if k else "control",
+                        method=method,
+                        extra={
+                            "curve": curve,
+                            "steps": s.steps,
+                            "tokens": s.steps * s.tokens_per_step,
+                            "train_s": train_s,
+                            "run": run.path,
+                        },
+                    )
+                )
                 del model
         return rows
 
@@ -428,10 +600,17 @@ def run(setting: Setting, out: str, *, emit=None, log=None, trainer_out=None) ->
     emit = emit or (lambda r: None)
     t0 = time.perf_counter()
     exp = Experiment(setting, out, emit=emit, log=log, trainer_out=trainer_out)
-    results = [{"kind": "setup", "setting": setting.name, "setup": dataclasses.asdict(setting),
-                "base": exp.base, "n_layers": exp.model.config.n_layers,
-                "params": exp.model.config.num_params(),
-                "partial_parallel_hybrid": False}]
+    results = [
+        {
+            "kind": "setup",
+            "setting": setting.name,
+            "setup": dataclasses.asdict(setting),
+            "base": exp.base,
+            "n_layers": exp.model.config.n_layers,
+            "params": exp.model.config.num_params(),
+            "partial_parallel_hybrid": False,
+        }
+    ]
     emit(results[0])
     results.append(exp.write_data())
     emit(results[-1])
@@ -440,8 +619,12 @@ def run(setting: Setting, out: str, *, emit=None, log=None, trainer_out=None) ->
     for row in claims(results):
         emit(row)
         results.append(row)
-    done = {"kind": "done", "setting": setting.name, "wall_s": round(time.perf_counter() - t0, 1),
-            "peak_rss_gb": round(peak_rss_gb(), 2)}
+    done = {
+        "kind": "done",
+        "setting": setting.name,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "peak_rss_gb": round(peak_rss_gb(), 2),
+    }
     emit(done)
     results.append(done)
     with open(os.path.join(out, "results.json"), "w") as f:
@@ -452,8 +635,10 @@ def run(setting: Setting, out: str, *, emit=None, log=None, trainer_out=None) ->
 def _held_out_mean(row) -> tuple[float, float]:
     """Mean held-out loss over the sources, and its standard error."""
     h = row["held_out"].values()
-    return (float(np.mean([v["loss"] for v in h])),
-            math.sqrt(sum(v["se"] ** 2 for v in h)) / len(h))
+    return (
+        float(np.mean([v["loss"] for v in h])),
+        math.sqrt(sum(v["se"] ** 2 for v in h)) / len(h),
+    )
 
 
 def _better(x: dict, y: dict) -> tuple[float, float, str]:
@@ -481,24 +666,36 @@ def claims(results: list[dict]) -> list[dict]:
     a, out = PAPER["adapt"], []
 
     def claim(name, paper, measured, holds):
-        out.append({"kind": "claim", "claim": name, "paper": paper, "measured": measured,
-                    "reproduces": holds})
+        out.append(
+            {
+                "kind": "claim",
+                "claim": name,
+                "paper": paper,
+                "measured": measured,
+                "reproduces": holds,
+            }
+        )
 
-    zs = sorted((r for r in models if r["stage"] == "zero-shot"),
-                key=lambda r: r["ladder_layers"])
+    zs = sorted((r for r in models if r["stage"] == "zero-shot"), key=lambda r: r["ladder_layers"])
     n = orig["n_layers"]
     for r in zs:
         d, m, _ = _better(orig, r)
-        claim(f"converting the upper {r['ladder_layers']} of {n} zero-shot hurts",
-              f"average {a['original']} -> {a['16/32 zero-shot']} (upper 16 of 32)",
-              f"original -> converted: {_better(r, orig)[2]}"
-              + (f"; {_loss_text(orig, r)}" if r["avg"] is not None else ""), verdict(d, m))
+        claim(
+            f"converting the upper {r['ladder_layers']} of {n} zero-shot hurts",
+            f"average {a['original']} -> {a['16/32 zero-shot']} (upper 16 of 32)",
+            f"original -> converted: {_better(r, orig)[2]}"
+            + (f"; {_loss_text(orig, r)}" if r["avg"] is not None else ""),
+            verdict(d, m),
+        )
     if len(zs) > 1:
         d, m, _ = _better(zs[0], zs[-1])
-        claim("more converted layers hurt more (zero-shot)",
-              f"20/32 retrained {a['20/32 retrained']} below 16/32's ~{a['16/32 retrained']}",
-              f"upper {zs[0]['ladder_layers']} -> upper {zs[-1]['ladder_layers']}: "
-              f"{_better(zs[-1], zs[0])[2]}", verdict(d, m))
+        claim(
+            "more converted layers hurt more (zero-shot)",
+            f"20/32 retrained {a['20/32 retrained']} below 16/32's ~{a['16/32 retrained']}",
+            f"upper {zs[0]['ladder_layers']} -> upper {zs[-1]['ladder_layers']}: "
+            f"{_better(zs[-1], zs[0])[2]}",
+            verdict(d, m),
+        )
     ctl = {r["method"]: r for r in models if r["stage"] == "control"}
     rec = {r["method"]: r for r in models if r["stage"] == "recovered"}
     for method, r in rec.items():
@@ -507,20 +704,29 @@ def claims(results: list[dict]) -> list[dict]:
         up = _better(r, z) if z else None
         holds = "no" if gap > m_gap else verdict(up[0], up[1]) if up else "inconclusive"
         c = ctl.get(method)
-        claim(f"recovery ({method}, {r['tokens']:,} tokens) brings it back",
-              f"{a['retrain_tokens']} tokens: back to ~{a['16/32 retrained']} (original "
-              f"{a['original']})",
-              f"upper {r['ladder_layers']}, zero-shot -> recovered: "
-              f"{up[2] if up else '-'}; original -> recovered: {_better(r, orig)[2]}"
-              + (f"; control (unconverted, recovered alike): {_better(c, orig)[2]}" if c
-                 else ""), holds)
+        claim(
+            f"recovery ({method}, {r['tokens']:,} tokens) brings it back",
+            f"{a['retrain_tokens']} tokens: back to ~{a['16/32 retrained']} (original "
+            f"{a['original']})",
+            f"upper {r['ladder_layers']}, zero-shot -> recovered: "
+            f"{up[2] if up else '-'}; original -> recovered: {_better(r, orig)[2]}"
+            + (f"; control (unconverted, recovered alike): {_better(c, orig)[2]}" if c else ""),
+            holds,
+        )
     if "lm" in rec and "distill" in rec:
         (lm, lse), (ds, dse) = _held_out_mean(rec["lm"]), _held_out_mean(rec["distill"])
         m = 2 * math.hypot(lse, dse)
-        claim("distillation recovers more per token than LM fine-tuning (the issue's question)",
-              "-", f"held-out loss distill {ds:.3f} vs LM {lm:.3f} ({ds - lm:+.3f} ± {m:.3f})"
-              + (f"; average {_pct(rec['distill'])} vs {_pct(rec['lm'])}"
-                 if rec["lm"]["avg"] is not None else ""), verdict(lm - ds, m))
+        claim(
+            "distillation recovers more per token than LM fine-tuning (the issue's question)",
+            "-",
+            f"held-out loss distill {ds:.3f} vs LM {lm:.3f} ({ds - lm:+.3f} ± {m:.3f})"
+            + (
+                f"; average {_pct(rec['distill'])} vs {_pct(rec['lm'])}"
+                if rec["lm"]["avg"] is not None
+                else ""
+            ),
+            verdict(lm - ds, m),
+        )
     return out
 
 
@@ -543,20 +749,28 @@ def table(results: list[dict]) -> str:
     head = ["model", *tasks, "average", *(f"loss {s}" for s in srcs)]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in models:
-        accs = [f"{100 * r['tasks'][t]['acc']:.1f} ± {100 * r['tasks'][t]['se']:.1f}"
-                for t in tasks]
+        accs = [
+            f"{100 * r['tasks'][t]['acc']:.1f} ± {100 * r['tasks'][t]['se']:.1f}" for t in tasks
+        ]
         loss = [f"{r['held_out'][s]['loss']:.3f} ± {r['held_out'][s]['se']:.3f}" for s in srcs]
         avg = f"{100 * r['avg']:.1f} ± {100 * r['avg_se']:.1f}" if tasks else "-"
         lines.append("| " + " | ".join([r["name"], *accs, avg, *loss]) + " |")
     cl = [r for r in results if r["kind"] == "claim"]
     if cl:
-        lines += ["", "| the paper's claim | paper (Llama-3.1-8B) | measured here | reproduces |",
-                  "|---|---|---|---|"]
-        lines += [f"| {r['claim']} | {r['paper']} | {r['measured']} | {r['reproduces']} |"
-                  for r in cl]
+        lines += [
+            "",
+            "| the paper's claim | paper (Llama-3.1-8B) | measured here | reproduces |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['claim']} | {r['paper']} | {r['measured']} | {r['reproduces']} |" for r in cl
+        ]
     chats = [(r["name"], r["chat"]) for r in models]
-    lines += ["", "| model | " + " | ".join(chats[0][1]) + " |",
-              "|---" * (1 + len(chats[0][1])) + "|"]
+    lines += [
+        "",
+        "| model | " + " | ".join(chats[0][1]) + " |",
+        "|---" * (1 + len(chats[0][1])) + "|",
+    ]
     for name, c in chats:
         cells = [" ".join(a.split())[:60].replace("|", "/") or "(nothing)" for a in c.values()]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -574,10 +788,17 @@ def plots(results: list[dict], out: str) -> list[str]:
     for r in runs:
         k = max(1, len(r["curve"]) // 10)
         y = _smooth(r["curve"], k)
-        ax.plot(np.arange(len(y)) + k, y, label=r["name"],
-                linestyle="-" if r["stage"] == "recovered" else "--")
-    ax.set(xlabel="step", ylabel="training loss (the method's own)",
-           title="Recovery: LM loss (nats/token) or KL to the original")
+        ax.plot(
+            np.arange(len(y)) + k,
+            y,
+            label=r["name"],
+            linestyle="-" if r["stage"] == "recovered" else "--",
+        )
+    ax.set(
+        xlabel="step",
+        ylabel="training loss (the method's own)",
+        title="Recovery: LM loss (nats/token) or KL to the original",
+    )
     if runs:
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -588,14 +809,20 @@ def plots(results: list[dict], out: str) -> list[str]:
     ax = fig.subplots()
     if models and not models[0]["tasks"]:  # no accuracies: held-out loss per source
         groups = list(models[0]["held_out"])
-        bars = [([r["held_out"][x]["loss"] for x in groups],
-                 [r["held_out"][x]["se"] for x in groups]) for r in models]
+        bars = [
+            ([r["held_out"][x]["loss"] for x in groups], [r["held_out"][x]["se"] for x in groups])
+            for r in models
+        ]
         labels = ("held-out loss, nats/token (± s.e.)", "Held-out text per source")
     else:
         groups = list(models[0]["tasks"]) + ["average"] if models else []
-        bars = [([100 * r["tasks"][t]["acc"] for t in groups[:-1]] + [100 * r["avg"]],
-                 [100 * r["tasks"][t]["se"] for t in groups[:-1]] + [100 * r["avg_se"]])
-                for r in models]
+        bars = [
+            (
+                [100 * r["tasks"][t]["acc"] for t in groups[:-1]] + [100 * r["avg"]],
+                [100 * r["tasks"][t]["se"] for t in groups[:-1]] + [100 * r["avg_se"]],
+            )
+            for r in models
+        ]
         labels = ("accuracy % (± standard error)", "OLMES tasks, zero-shot and recovered")
     w = 0.8 / max(1, len(models))
     for j, (r, (y, e)) in enumerate(zip(models, bars)):

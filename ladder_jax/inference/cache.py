@@ -49,8 +49,9 @@ class KVCache:
         """A zeroed cache for `batch` rows of `length` slots, created in its sharding."""
         shapes = KVCache.abstract(config, mesh, batch, length)
         k, v = (_zeros(x.shape, x.dtype, x.sharding) for x in (shapes.k[0], shapes.v[0]))
-        return KVCache(tuple(k() for _ in range(config.n_layers)),
-                       tuple(v() for _ in range(config.n_layers)))
+        return KVCache(
+            tuple(k() for _ in range(config.n_layers)), tuple(v() for _ in range(config.n_layers))
+        )
 
     @property
     def batch(self) -> int:

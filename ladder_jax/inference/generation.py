@@ -44,9 +44,22 @@ from ladder_jax.model import quant, sharding
 from ladder_jax.model.sharding import DATA
 from ladder_jax.model.transformer import Transformer, fuse_inputs
 
-__all__ = ["GenerationError", "KVCache", "RowSampling", "Rows", "Sampling", "sample",
-           "cache_length", "Decoder", "TOP_LOGPROBS", "generate", "check_generation",
-           "benchmark", "to_device", "to_host"]
+__all__ = [
+    "GenerationError",
+    "KVCache",
+    "RowSampling",
+    "Rows",
+    "Sampling",
+    "sample",
+    "cache_length",
+    "Decoder",
+    "TOP_LOGPROBS",
+    "generate",
+    "check_generation",
+    "benchmark",
+    "to_device",
+    "to_host",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,8 +87,9 @@ def _programs(graphdef, treedef, mesh):
 
     def decode_step(weights, cache, tokens_b, positions_b, rows, token_b):
         model = merged(weights)
-        logits_btv, layers = model.forward_cached(tokens_b[:, None], positions_b[:, None],
-                                                  cache.layers())
+        logits_btv, layers = model.forward_cached(
+            tokens_b[:, None], positions_b[:, None], cache.layers()
+        )
         return sample_rows(logits_btv[:, 0], rows, token_b), KVCache.from_layers(layers)
 
     def decode_steps(weights, cache, tokens_b, positions_b, rows, token_b, steps):
@@ -87,21 +101,25 @@ def _programs(graphdef, treedef, mesh):
             return (cache, nxt_b, positions_b, token_b + 1), nxt_b
 
         (cache, *_), tokens_kb = jax.lax.scan(
-            one, (cache, tokens_b, positions_b, token_b), None, length=steps)
+            one, (cache, tokens_b, positions_b, token_b), None, length=steps
+        )
         return tokens_kb, cache
 
     def prefill_slots(weights, cache, slots_n, tokens_nt, lengths_n, rows_n):
         # slots past the cache's end are padding: their row is computed and dropped
         picked = jax.tree.map(lambda c: jnp.take(c, slots_n, axis=0, mode="clip"), cache)
         first_n, picked = prefill(weights, picked, tokens_nt, lengths_n, rows_n)
-        return first_n, jax.tree.map(
-            lambda c, r: c.at[slots_n].set(r, mode="drop"), cache, picked)
+        return first_n, jax.tree.map(lambda c, r: c.at[slots_n].set(r, mode="drop"), cache, picked)
 
     cache_sharding = NamedSharding(mesh, sharding.CACHE_BKSH)
     out = (replicated, cache_sharding)
     jit = functools.partial(sharding.jit, mesh=mesh, donate_argnums=(1,), out_shardings=out)
-    return (jit(prefill), jit(decode_step), jit(prefill_slots),
-            jit(decode_steps, static_argnums=(6,)))
+    return (
+        jit(prefill),
+        jit(decode_step),
+        jit(prefill_slots),
+        jit(decode_steps, static_argnums=(6,)),
+    )
 
 
 TOP_LOGPROBS = 20  # the most alternatives per token the scored programs return
@@ -135,26 +153,32 @@ def _scored_programs(graphdef, treedef, mesh, top: int):
         first_n = sample_rows(last_nv, rows_n, jnp.zeros(tokens_nt.shape[:1], jnp.int32))
         T = tokens_nt.shape[1]
         next_nt = jnp.concatenate([tokens_nt[:, 1:], tokens_nt[:, :1]], axis=1)
-        next_nt = jnp.where(jnp.arange(T)[None] == (lengths_n - 1)[:, None], first_n[:, None],
-                            next_nt)
+        next_nt = jnp.where(
+            jnp.arange(T)[None] == (lengths_n - 1)[:, None], first_n[:, None], next_nt
+        )
         scored = scores(logits_ntv, next_nt)
         new = KVCache.from_layers(layers)
         return (first_n, *scored), jax.tree.map(
-            lambda c, r: c.at[slots_n].set(r, mode="drop"), cache, new)
+            lambda c, r: c.at[slots_n].set(r, mode="drop"), cache, new
+        )
 
     def decode_steps(weights, cache, tokens_b, positions_b, rows, token_b, steps):
         def one(carry, _):
             cache, tokens_b, positions_b, token_b = carry
             logits_btv, layers = merged(weights).forward_cached(
-                tokens_b[:, None], positions_b[:, None], cache.layers())
+                tokens_b[:, None], positions_b[:, None], cache.layers()
+            )
             nxt_b = sample_rows(logits_btv[:, 0], rows, token_b)
             cache = KVCache.from_layers(layers)
             positions_b = jnp.minimum(positions_b + 1, cache.length - 1)
             return (cache, nxt_b, positions_b, token_b + 1), (
-                nxt_b, *scores(logits_btv[:, 0], nxt_b))
+                nxt_b,
+                *scores(logits_btv[:, 0], nxt_b),
+            )
 
         (cache, *_), out = jax.lax.scan(
-            one, (cache, tokens_b, positions_b, token_b), None, length=steps)
+            one, (cache, tokens_b, positions_b, token_b), None, length=steps
+        )
         return out, cache
 
     out = (replicated, NamedSharding(mesh, sharding.CACHE_BKSH))
@@ -196,14 +220,16 @@ class Decoder:
         # q/k/v and gate/up (parallel: all five) fused once here, not concatenated by XLA on
         # every step; unless their copy would crowd the memory the model's devices have left
         self.fused = consume or fusion_fits(model)
-        graphdef, self.state = nnx.split(fuse_inputs(model, in_place=consume) if self.fused
-                                         else model)
+        graphdef, self.state = nnx.split(
+            fuse_inputs(model, in_place=consume) if self.fused else model
+        )
         # the programs take the weights as one flat list, flattened here once: a State would be
         # flattened again, Variable by Variable in Python, on every call of every step
         self.weights, treedef = jax.tree.flatten(self.state)
         self._graphdef, self._treedef = graphdef, treedef
-        self._prefill, self._decode_step, self._prefill_slots, self._decode_steps = (
-            _programs(graphdef, treedef, mesh))
+        self._prefill, self._decode_step, self._prefill_slots, self._decode_steps = _programs(
+            graphdef, treedef, mesh
+        )
 
     def prefill(self, cache, tokens_bt, lengths_b, rows):
         return self._prefill(self.weights, cache, tokens_bt, lengths_b, rows)
@@ -218,14 +244,12 @@ class Decoder:
 
     def lower_decode(self, cache, tokens_b, positions_b, rows, token_b):
         """The decode step program lowered for these arguments, as `lower_prefill`."""
-        return self._decode_step.lower(self.weights, cache, tokens_b, positions_b, rows,
-                                       token_b)
+        return self._decode_step.lower(self.weights, cache, tokens_b, positions_b, rows, token_b)
 
     def decode_steps(self, cache, tokens_b, positions_b, rows, token_b, steps: int):
         """`steps` decode steps in one program, each feeding the tokens the previous drew
         (positions and token indices + 1 per step) -> (tokens (steps, B), cache)."""
-        return self._decode_steps(self.weights, cache, tokens_b, positions_b, rows, token_b,
-                                  steps)
+        return self._decode_steps(self.weights, cache, tokens_b, positions_b, rows, token_b, steps)
 
     def prefill_slots(self, cache, slots_n, tokens_nt, lengths_n, rows_n):
         """n prompts into rows `slots_n` of the cache in one program (the server's admissions
@@ -246,8 +270,7 @@ class Decoder:
     def decode_steps_scored(self, cache, tokens_b, positions_b, rows, token_b, steps: int):
         """`decode_steps`, scored -> ((tokens, log p (steps, B), top ids, top log p (steps, B,
         K)), cache): each drawn token's log-probability from the logits it was drawn from."""
-        return self._scored()[1](self.weights, cache, tokens_b, positions_b, rows, token_b,
-                                 steps)
+        return self._scored()[1](self.weights, cache, tokens_b, positions_b, rows, token_b, steps)
 
 
 def fusion_fits(model: Transformer, share: float = 0.5) -> bool:
@@ -274,8 +297,9 @@ def fusion_fits(model: Transformer, share: float = 0.5) -> bool:
             stats = device.memory_stats() or {}
         except Exception:  # a backend that keeps no statistics: no check
             stats = {}
-        free = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-                if "bytes_limit" in stats else None)
+        free = (
+            stats["bytes_limit"] - stats.get("bytes_in_use", 0) if "bytes_limit" in stats else None
+        )
         need = sum(w.addressable_data(0).nbytes for w in weights)
     need *= len(model.layers)
     if free is None or need <= share * free:
@@ -283,7 +307,9 @@ def fusion_fits(model: Transformer, share: float = 0.5) -> bool:
     warnings.warn(
         f"decoding without fused input projections: their copy ({need / 1e9:.1f} GB per "
         f"{'host' if device.platform == 'cpu' else 'device'}) would take more than "
-        f"{share:.0%} of the {free / 1e9:.1f} GB free", stacklevel=3)
+        f"{share:.0%} of the {free / 1e9:.1f} GB free",
+        stacklevel=3,
+    )
     return False
 
 
@@ -293,16 +319,19 @@ def fusion_fits(model: Transformer, share: float = 0.5) -> bool:
 
 def to_device(array: np.ndarray, mesh, spec=P()) -> jax.Array:
     array = np.asarray(array)
-    return jax.make_array_from_callback(array.shape, NamedSharding(mesh, spec),
-                                        lambda index: array[index])
+    return jax.make_array_from_callback(
+        array.shape, NamedSharding(mesh, spec), lambda index: array[index]
+    )
 
 
 def rows_to_device(rows: RowSampling, mesh, batch_spec=P(DATA)) -> RowSampling:
     keys_spec = P(*batch_spec, None)
-    return RowSampling(to_device(rows.keys, mesh, keys_spec),
-                       to_device(rows.temperature, mesh, batch_spec),
-                       to_device(rows.top_k, mesh, batch_spec),
-                       to_device(rows.top_p, mesh, batch_spec))
+    return RowSampling(
+        to_device(rows.keys, mesh, keys_spec),
+        to_device(rows.temperature, mesh, batch_spec),
+        to_device(rows.top_k, mesh, batch_spec),
+        to_device(rows.top_p, mesh, batch_spec),
+    )
 
 
 def to_host(x: jax.Array) -> np.ndarray:
@@ -316,10 +345,21 @@ def to_host(x: jax.Array) -> np.ndarray:
 _UNSET = object()
 
 
-def generate(model: Transformer, prompts, *, max_new_tokens: int = 64,
-             sampling: Sampling | None = None, temperature=_UNSET, top_k=_UNSET, top_p=_UNSET,
-             seed=_UNSET, eos_id: int | None = None, tokenizer=None,
-             stream: Callable[[int, list[int]], None] | None = None, decoder: Decoder = None):
+def generate(
+    model: Transformer,
+    prompts,
+    *,
+    max_new_tokens: int = 64,
+    sampling: Sampling | None = None,
+    temperature=_UNSET,
+    top_k=_UNSET,
+    top_p=_UNSET,
+    seed=_UNSET,
+    eos_id: int | None = None,
+    tokenizer=None,
+    stream: Callable[[int, list[int]], None] | None = None,
+    decoder: Decoder = None,
+):
     """Generates a continuation of every prompt (a batch, any mix of lengths).
 
     `prompts`: a batch, of strings (encoded with `tokenizer`, default the byte tokenizer,
@@ -339,14 +379,19 @@ def generate(model: Transformer, prompts, *, max_new_tokens: int = 64,
     or infinite raise `NonFiniteLogits` (a `GenerationError`).
     """
     c = model.config
-    keywords = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p,
-                                      seed=seed).items() if v is not _UNSET}
+    keywords = {
+        k: v
+        for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed).items()
+        if v is not _UNSET
+    }
     if sampling is not None and keywords:
-        raise GenerationError(f"give sampling=Sampling(...) or the keywords "
-                              f"{', '.join(keywords)}, not both")
+        raise GenerationError(
+            f"give sampling=Sampling(...) or the keywords {', '.join(keywords)}, not both"
+        )
     if sampling is not None and not isinstance(sampling, Sampling):
-        raise GenerationError(f"sampling={sampling!r} must be a Sampling(temperature, top_k, "
-                              f"top_p, seed)")
+        raise GenerationError(
+            f"sampling={sampling!r} must be a Sampling(temperature, top_k, top_p, seed)"
+        )
     sampling = (sampling or Sampling(**{"temperature": 0.0, **keywords})).check(c.vocab_size)
     texts, rows = _prompt_rows(prompts)
     if texts:
@@ -366,13 +411,14 @@ def generate(model: Transformer, prompts, *, max_new_tokens: int = 64,
     S = cache_length(c, int(lengths.max()), max_new_tokens)
     tokens_bt = np.zeros((B, T), np.int32)
     for b, r in enumerate(rows):
-        tokens_bt[b, :len(r)] = r
+        tokens_bt[b, : len(r)] = r
 
     cache = KVCache.init(c, mesh, B, S)
     batch = P(DATA)
     settings = rows_to_device(RowSampling.of([sampling] * B), mesh)
-    new_b, cache = decoder.prefill(cache, to_device(tokens_bt, mesh, P(DATA, None)),
-                                   to_device(lengths, mesh, batch), settings)
+    new_b, cache = decoder.prefill(
+        cache, to_device(tokens_bt, mesh, P(DATA, None)), to_device(lengths, mesh, batch), settings
+    )
     out = [[] for _ in range(n)]
     done = np.zeros(n, bool)
     pending = new_b  # the newest step's tokens, still on the device
@@ -406,7 +452,8 @@ def _check_finite(step_tokens: np.ndarray, done: np.ndarray, t: int) -> None:
         raise NonFiniteLogits(
             f"the model's logits are NaN or infinite (new token {t} of prompt {bad[0]}): its "
             f"weights are broken (a checkpoint of a run that diverged?); nothing was generated "
-            f"from them")
+            f"from them"
+        )
 
 
 def _prompt_rows(prompts) -> tuple[bool, list]:
@@ -416,18 +463,22 @@ def _prompt_rows(prompts) -> tuple[bool, list]:
         raise GenerationError("prompts must be a batch (a list of prompts): pass [prompt]")
     if hasattr(prompts, "ndim") and hasattr(prompts, "dtype") and prompts.ndim != 2:
         hint = ": for one prompt pass ids[None]" if prompts.ndim == 1 else ""  # numpy/jax/torch
-        raise GenerationError(f"an array of prompts must be 2-D (batch, length), like "
-                              f"input_ids; got shape {tuple(prompts.shape)}{hint}")
+        raise GenerationError(
+            f"an array of prompts must be 2-D (batch, length), like "
+            f"input_ids; got shape {tuple(prompts.shape)}{hint}"
+        )
     try:
         prompts = list(prompts)
     except TypeError:
-        raise GenerationError(f"prompts must be a list of strings or of token lists, not "
-                              f"{type(prompts).__name__}") from None
+        raise GenerationError(
+            f"prompts must be a list of strings or of token lists, not {type(prompts).__name__}"
+        ) from None
     if not prompts:
         raise GenerationError("no prompts given")
     if all(is_int(t) for t in prompts):
-        raise GenerationError("prompts is one list of token ids, not a batch of prompts: pass "
-                              "[ids]")
+        raise GenerationError(
+            "prompts is one list of token ids, not a batch of prompts: pass [ids]"
+        )
     kinds = {isinstance(p, str) for p in prompts}
     if kinds == {True, False}:
         raise GenerationError("prompts mix strings and token lists: give one kind")
@@ -445,18 +496,22 @@ def _prompt_rows(prompts) -> tuple[bool, list]:
             if a.ndim != 1 or a.dtype.kind not in "iu":
                 raise GenerationError(
                     f"prompt {b} is an array of {a.dtype} with shape {a.shape}: give a 1-D "
-                    f"integer array of token ids (cast whole numbers with .astype(np.int32))")
+                    f"integer array of token ids (cast whole numbers with .astype(np.int32))"
+                )
             rows.append([int(t) for t in a])
             continue
         try:
             items = list(p)
         except TypeError:
-            raise GenerationError(f"prompt {b} is a {type(p).__name__}: give a string or a "
-                                  f"list of token ids") from None
+            raise GenerationError(
+                f"prompt {b} is a {type(p).__name__}: give a string or a list of token ids"
+            ) from None
         for i, t in enumerate(items):
             if not is_int(t):
-                raise GenerationError(f"prompt {b} has {t!r} ({type(t).__name__}) at position "
-                                      f"{i}: token ids must be integers, never converted")
+                raise GenerationError(
+                    f"prompt {b} has {t!r} ({type(t).__name__}) at position "
+                    f"{i}: token ids must be integers, never converted"
+                )
         rows.append([int(t) for t in items])
     return False, rows
 
@@ -471,26 +526,33 @@ def check_generation(config: ModelConfig, rows: Sequence[Sequence[int]], max_new
             raise GenerationError(f"prompt {b} is empty: give at least one token")
         bad = [t for t in r if not 0 <= t < config.vocab_size]
         if bad:
-            raise GenerationError(f"prompt {b} has token ids outside [0, {config.vocab_size}): "
-                                  f"{bad[:5]}")
+            raise GenerationError(
+                f"prompt {b} has token ids outside [0, {config.vocab_size}): {bad[:5]}"
+            )
         if len(r) + new <= M:
             continue
         # only the fixes that can work: each one alone must leave at least one slot
         fixes = ([f"shorten the prompt to <= {M - new} tokens"] if M - new >= 1 else []) + (
-            [f"lower max_new_tokens to <= {M - len(r)}"] if M - len(r) >= 1 else [])
-        fix = " or ".join(fixes) or (f"shorten the prompt and lower max_new_tokens: together "
-                                     f"they must be <= {M}")
+            [f"lower max_new_tokens to <= {M - len(r)}"] if M - len(r) >= 1 else []
+        )
+        fix = " or ".join(fixes) or (
+            f"shorten the prompt and lower max_new_tokens: together they must be <= {M}"
+        )
         if len(r) >= M:
-            raise GenerationError(f"prompt {b} has {len(r)} tokens, but the cache holds "
-                                  f"max_seq_len={M} positions including the new tokens: {fix}")
+            raise GenerationError(
+                f"prompt {b} has {len(r)} tokens, but the cache holds "
+                f"max_seq_len={M} positions including the new tokens: {fix}"
+            )
         raise GenerationError(
             f"prompt {b} has {len(r)} tokens; with max_new_tokens={new} that is "
-            f"{len(r) + new} positions, but the cache holds max_seq_len={M}: {fix}")
+            f"{len(r) + new} positions, but the cache holds max_seq_len={M}: {fix}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
 # Benchmark (the paper's protocol: random weights, prompt P, N new tokens, batch B, warm-up
 # excluded, prefill and decode timed apart).
+
 
 @functools.lru_cache(maxsize=None)
 def device_bandwidth() -> tuple[float, str]:
@@ -500,8 +562,10 @@ def device_bandwidth() -> tuple[float, str]:
         chip = hardware.chip_of(d)
         if chip is None:
             return float("nan"), f"unknown bandwidth for {d.device_kind}"
-        return (chip.hbm_bytes_per_s * jax.device_count(),
-                f"{chip.name} datasheet x {jax.device_count()}")
+        return (
+            chip.hbm_bytes_per_s * jax.device_count(),
+            f"{chip.name} datasheet x {jax.device_count()}",
+        )
     # CPU: fake devices share the host's memory; measure a streaming read once.
     x = jax.device_put(jnp.ones((64, 1024, 1024), jnp.float32), d)  # 256 MiB
     total = jax.jit(lambda a: a.sum())
@@ -516,17 +580,31 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def benchmark(config: ModelConfig, mesh, *, batch: int, prompt_len: int, new_tokens: int,
-              repeats: int = 3, seed: int = 0) -> dict:
+def benchmark(
+    config: ModelConfig,
+    mesh,
+    *,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    repeats: int = 3,
+    seed: int = 0,
+) -> dict:
     """Prefill latency and decode throughput of `config` (random weights) on `mesh`."""
-    for name, flag, v, low in (("batch", "batch", batch, 1),
-                               ("prompt_len", "prompt-len", prompt_len, 1),
-                               ("new_tokens", "max-new-tokens", new_tokens, 2)):
+    for name, flag, v, low in (
+        ("batch", "batch", batch, 1),
+        ("prompt_len", "prompt-len", prompt_len, 1),
+        ("new_tokens", "max-new-tokens", new_tokens, 2),
+    ):
         if not is_int(v) or v < low:
             raise GenerationError(
-                f"benchmark {name}={v!r} (--{flag}) must be an integer >= {low}" + (
+                f"benchmark {name}={v!r} (--{flag}) must be an integer >= {low}"
+                + (
                     " (the first new token comes from prefill; decode is timed on the rest)"
-                    if name == "new_tokens" else ""))
+                    if name == "new_tokens"
+                    else ""
+                )
+            )
     sharding.check_batch(batch, mesh)  # rows are split over the data axis as they are
     check_generation(config, [[0] * prompt_len], new_tokens)
     model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(seed))
@@ -534,13 +612,17 @@ def benchmark(config: ModelConfig, mesh, *, batch: int, prompt_len: int, new_tok
     settings = rows_to_device(RowSampling.of([Sampling()] * batch), mesh)
     S = cache_length(config, prompt_len, new_tokens)
     rng = np.random.default_rng(seed)
-    tokens = to_device(rng.integers(0, min(config.vocab_size, 256), (batch, prompt_len),
-                                    dtype=np.int32), mesh, P(DATA, None))
+    tokens = to_device(
+        rng.integers(0, min(config.vocab_size, 256), (batch, prompt_len), dtype=np.int32),
+        mesh,
+        P(DATA, None),
+    )
     lengths = to_device(np.full(batch, prompt_len, np.int32), mesh, P(DATA))
-    steps = [to_device(np.full(batch, t + 1, np.int32), mesh, P(DATA))
-                 for t in range(new_tokens)]
-    positions = [to_device(np.full(batch, prompt_len + t, np.int32), mesh, P(DATA))
-                 for t in range(new_tokens)]
+    steps = [to_device(np.full(batch, t + 1, np.int32), mesh, P(DATA)) for t in range(new_tokens)]
+    positions = [
+        to_device(np.full(batch, prompt_len + t, np.int32), mesh, P(DATA))
+        for t in range(new_tokens)
+    ]
 
     def run():
         cache = KVCache.init(config, mesh, batch, S)
@@ -565,23 +647,33 @@ def benchmark(config: ModelConfig, mesh, *, batch: int, prompt_len: int, new_tok
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     # replicated weights are read on every rank: count what is actually read (by the step
     # program: a quantized model's float copy on a CPU, see Decoder)
-    param_bytes_read = sum(x.addressable_data(0).nbytes * len(x.sharding.device_set)
-                           for x in jax.tree.leaves(decoder.state))
+    param_bytes_read = sum(
+        x.addressable_data(0).nbytes * len(x.sharding.device_set)
+        for x in jax.tree.leaves(decoder.state)
+    )
     kv_read = KVCache.abstract(config, mesh, batch, S).nbytes  # each step reads all of it
     bandwidth, how = device_bandwidth()
     step_s = decode_s / steps
     return {
-        "residual": config.residual, "ladder_layers": config.ladder_layers,
+        "residual": config.residual,
+        "ladder_layers": config.ladder_layers,
         "quantize": config.quantize,
-        "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
-        "tp": sharding.tp_size(mesh), "devices": mesh.size,
-        "prefill_ms": prefill_s * 1e3, "prefill_tokens_per_s": batch * prompt_len / prefill_s,
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "tp": sharding.tp_size(mesh),
+        "devices": mesh.size,
+        "prefill_ms": prefill_s * 1e3,
+        "prefill_tokens_per_s": batch * prompt_len / prefill_s,
         "decode_ms_per_token": step_s * 1e3,
-        "decode_tokens_per_s_per_user": per_user, "decode_tokens_per_s": per_user * batch,
+        "decode_tokens_per_s_per_user": per_user,
+        "decode_tokens_per_s": per_user * batch,
         # every new token over prefill + decode, as `predict` and the paper's benchmark count
         "tokens_per_s": batch * new_tokens / (prefill_s + decode_s),
-        "param_bytes": param_bytes, "bytes_read_per_step": param_bytes_read + kv_read,
+        "param_bytes": param_bytes,
+        "bytes_read_per_step": param_bytes_read + kv_read,
         "roofline_fraction": (param_bytes_read + kv_read) / step_s / bandwidth,
-        "bandwidth_bytes_per_s": bandwidth, "bandwidth_source": how,
+        "bandwidth_bytes_per_s": bandwidth,
+        "bandwidth_source": how,
         "first_run_s_incl_compile": t_compile,
     }

@@ -59,8 +59,10 @@ class Sampling:
         if not (is_number(t) and math.isfinite(t) and t >= 0):
             raise GenerationError(f"temperature={t!r} must be >= 0 and finite (0 = greedy)")
         if k is not None and not (is_int(k) and 1 <= k <= vocab_size):
-            raise GenerationError(f"top_k={k!r} must be an integer from 1 to the vocabulary "
-                                  f"size {vocab_size} (None: off)")
+            raise GenerationError(
+                f"top_k={k!r} must be an integer from 1 to the vocabulary "
+                f"size {vocab_size} (None: off)"
+            )
         if p is not None and not (is_number(p) and 0 < p <= 1):
             raise GenerationError(f"top_p={p!r} must be in (0, 1] (1 or None: off)")
         if not (is_int(s) and 0 <= s < 2**32):
@@ -91,14 +93,18 @@ class RowSampling:
             keys=np.stack([row_key(s.seed, r) for s, r in zip(samplings, rows)]),
             temperature=np.array([s.temperature for s in samplings], np.float32),
             top_k=np.array([s.top_k or 0 for s in samplings], np.int32),
-            top_p=np.array([1.0 if s.top_p is None else s.top_p for s in samplings],
-                           np.float32))
+            top_p=np.array([1.0 if s.top_p is None else s.top_p for s in samplings], np.float32),
+        )
 
     @staticmethod
     def empty(batch: int) -> "RowSampling":
         """Greedy rows with zero keys (the free slots of a batch)."""
-        return RowSampling(np.zeros((batch, 2), np.uint32), np.zeros(batch, np.float32),
-                           np.zeros(batch, np.int32), np.ones(batch, np.float32))
+        return RowSampling(
+            np.zeros((batch, 2), np.uint32),
+            np.zeros(batch, np.float32),
+            np.zeros(batch, np.int32),
+            np.ones(batch, np.float32),
+        )
 
 
 Rows = RowSampling  # its old name
@@ -106,8 +112,7 @@ Rows = RowSampling  # its old name
 
 def row_key(seed: int, row: int) -> np.ndarray:
     """The key data (2,) uint32 of row `row` of a batch sampled with `seed`."""
-    return np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(seed), row)),
-                      np.uint32)
+    return np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(seed), row)), np.uint32)
 
 
 def sample_rows(logits_bv, rows: RowSampling, token_b):
@@ -133,8 +138,9 @@ def sample_rows(logits_bv, rows: RowSampling, token_b):
         return jax.random.categorical(key, x_v).astype(jnp.int32)
 
     def sampled():
-        drawn_b = jax.vmap(one)(logits_bv, rows.keys, token_b, rows.temperature, rows.top_k,
-                                rows.top_p)
+        drawn_b = jax.vmap(one)(
+            logits_bv, rows.keys, token_b, rows.temperature, rows.top_k, rows.top_p
+        )
         return jnp.where((rows.temperature == 0) | (rows.top_k == 1), greedy_b, drawn_b)
 
     all_greedy = jnp.all((rows.temperature == 0) | (rows.top_k == 1))
@@ -148,7 +154,10 @@ def sample(logits_bv, key, s: Sampling):
     fold_in(key, b): `sample_rows` for a batch that shares its settings."""
     B = logits_bv.shape[0]
     keys = jax.vmap(lambda b: jax.random.key_data(jax.random.fold_in(key, b)))(jnp.arange(B))
-    rows = RowSampling(keys.astype(jnp.uint32), jnp.full(B, s.temperature, jnp.float32),
-                       jnp.full(B, s.top_k or 0, jnp.int32),
-                       jnp.full(B, 1.0 if s.top_p is None else s.top_p, jnp.float32))
+    rows = RowSampling(
+        keys.astype(jnp.uint32),
+        jnp.full(B, s.temperature, jnp.float32),
+        jnp.full(B, s.top_k or 0, jnp.int32),
+        jnp.full(B, 1.0 if s.top_p is None else s.top_p, jnp.float32),
+    )
     return sample_rows(logits_bv, rows, jnp.zeros(B, jnp.int32))

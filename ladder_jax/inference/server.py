@@ -43,42 +43,75 @@ from ladder_jax.inference.batching import Engine, EngineFull, Request
 from ladder_jax.inference.generation import TOP_LOGPROBS
 from ladder_jax.inference.sampling import GenerationError, Sampling, is_int
 
-NONFINITE_MESSAGE = ("the model's logits are NaN or infinite: its weights are broken (a "
-                     "checkpoint of a run that diverged?); no tokens are drawn from them")
+NONFINITE_MESSAGE = (
+    "the model's logits are NaN or infinite: its weights are broken (a "
+    "checkpoint of a run that diverged?); no tokens are drawn from them"
+)
 UNAUTHORIZED = "missing or wrong API key: send Authorization: Bearer KEY"
 _log = logging.getLogger("ladder_jax.serve")
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 # fields accepted as OpenAI sends them; the `only` ones must keep their neutral value
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
-           "stream", "stream_options", "user", "logprobs", "presence_penalty",
-           "frequency_penalty", "logit_bias"}
+_COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "user",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+}
 _COMPLETION = _COMMON | {"prompt", "echo", "best_of", "suffix"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
-_NEUTRAL = {"n": (1,), "logprobs": (None, False, 0), "echo": (False,), "best_of": (1,),
-            "suffix": (None, ""), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-            "logit_bias": (None, {}), "top_logprobs": (None, 0)}
+_NEUTRAL = {
+    "n": (1,),
+    "logprobs": (None, False, 0),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": (None, ""),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": (None, {}),
+    "top_logprobs": (None, 0),
+}
 _NEUTRAL_COMPLETION = {k: v for k, v in _NEUTRAL.items() if k not in ("logprobs", "echo")}
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 code: str | None = None):
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, code: str | None = None
+    ):
         super().__init__(message)
         self.param, self.status, self.code = param, status, code
 
 
 def error(status: int, message: str, param=None, code=None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            413: "invalid_request_error", 503: "server_overloaded"}.get(status, "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": code}}, status_code=status)
+    kind = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        413: "invalid_request_error",
+        503: "server_overloaded",
+    }.get(status, "server_error")
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": param, "code": code}},
+        status_code=status,
+    )
 
 
 class _Checked(BaseModel):
     """Declared types and ranges of body fields whose limits are fixed (pydantic, strict: no
     "1" for 1, no true for 1). `checked` raises the BadRequest of the first wrong field in
     declaration order, with its message from `_SAYS`."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
 
     @classmethod
@@ -120,15 +153,17 @@ class _Scoring(_Checked):
     echo: bool | None = None
 
 
-_SAYS = {"temperature": "temperature={!r} must be a number from 0 to 2",
-         "top_p": "top_p={!r} must be in (0, 1]",
-         "top_k": "top_k={!r} must be an integer from 1 to {vocab} (or -1: off)",
-         "seed": "seed={!r} must be an integer from 0 to 2**32 - 1",
-         "stop": "stop must be a non-empty string or a list of up to 4 of them",
-         "stream": "stream={!r} must be true or false",
-         "stream_options": "stream_options may only hold include_usage",
-         "logprobs": f"logprobs={{!r}} must be an integer from 0 to {TOP_LOGPROBS} (or null)",
-         "echo": "echo={!r} must be true or false"}
+_SAYS = {
+    "temperature": "temperature={!r} must be a number from 0 to 2",
+    "top_p": "top_p={!r} must be in (0, 1]",
+    "top_k": "top_k={!r} must be an integer from 1 to {vocab} (or -1: off)",
+    "seed": "seed={!r} must be an integer from 0 to 2**32 - 1",
+    "stop": "stop must be a non-empty string or a list of up to 4 of them",
+    "stream": "stream={!r} must be true or false",
+    "stream_options": "stream_options may only hold include_usage",
+    "logprobs": f"logprobs={{!r}} must be an integer from 0 to {TOP_LOGPROBS} (or null)",
+    "echo": "echo={!r} must be true or false",
+}
 
 
 class Metrics:
@@ -139,15 +174,24 @@ class Metrics:
 
     def __init__(self, engine: Engine):
         self.registry = r = prom.CollectorRegistry()
-        self.requests = prom.Counter("ladder_requests", "Requests answered, by endpoint and "
-                                     "status.", ["endpoint", "status"], registry=r)
-        self.prompt_tokens = prom.Counter("ladder_prompt_tokens", "Prompt tokens admitted.",
-                                          registry=r)
-        self.generated_tokens = prom.Counter("ladder_generation_tokens", "Tokens generated.",
-                                             registry=r)
-        self.ttft = prom.Histogram("ladder_time_to_first_token_seconds",
-                                   "From arrival to the first token.", buckets=TTFT_BUCKETS,
-                                   registry=r)
+        self.requests = prom.Counter(
+            "ladder_requests",
+            "Requests answered, by endpoint and status.",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.prompt_tokens = prom.Counter(
+            "ladder_prompt_tokens", "Prompt tokens admitted.", registry=r
+        )
+        self.generated_tokens = prom.Counter(
+            "ladder_generation_tokens", "Tokens generated.", registry=r
+        )
+        self.ttft = prom.Histogram(
+            "ladder_time_to_first_token_seconds",
+            "From arrival to the first token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         r.register(_EngineCounts(engine))
 
     def request(self, endpoint: str, status: int) -> None:
@@ -166,9 +210,11 @@ class _EngineCounts(prom.registry.Collector):
     def collect(self):
         e = self.engine
         yield CounterMetricFamily("ladder_decode_steps", "Batched decode steps run.", e.steps)
-        for name, help_, value in (("queue_depth", "Requests waiting for a slot.", e.waiting),
-                                   ("slots_busy", "Slots generating.", e.busy),
-                                   ("slots_total", "Slots (rows of the KV cache).", e.slots)):
+        for name, help_, value in (
+            ("queue_depth", "Requests waiting for a slot.", e.waiting),
+            ("slots_busy", "Slots generating.", e.busy),
+            ("slots_total", "Slots (rows of the KV cache).", e.slots),
+        ):
             yield GaugeMetricFamily(f"ladder_{name}", help_, value)
 
 
@@ -189,21 +235,21 @@ class TextStream:
         for stop in self.stops:
             at = text.find(stop)
             if at >= 0:
-                piece, self.sent, self.stopped = text[self.sent:at], max(self.sent, at), True
+                piece, self.sent, self.stopped = text[self.sent : at], max(self.sent, at), True
                 return piece
         safe = len(text) - self.hold
         while safe > self.sent and text[safe - 1] == "\ufffd":
             safe -= 1
         if safe <= self.sent:
             return ""
-        piece, self.sent = text[self.sent:safe], safe
+        piece, self.sent = text[self.sent : safe], safe
         return piece
 
     def flush(self) -> str:
         if self.stopped:
             return ""
         text = self.tokenizer.decode(self.tokens)
-        piece, self.sent = text[self.sent:], len(text)
+        piece, self.sent = text[self.sent :], len(text)
         return piece
 
 
@@ -214,8 +260,9 @@ def render_chat(template, messages: list[dict], tokenizer) -> list[int]:
     gets the tokenizer's own BOS convention (`add_bos`; none for SmolLM2's), except that a text
     that starts with the BOS string gets no second BOS."""
     bos, eos = (tokenizer.special_text(i) for i in (tokenizer.bos_id, tokenizer.eos_id))
-    text = template.render(messages=messages, add_generation_prompt=True, bos_token=bos,
-                           eos_token=eos)
+    text = template.render(
+        messages=messages, add_generation_prompt=True, bos_token=bos, eos_token=eos
+    )
     return tokenizer.encode(text, bos=False if bos and text.startswith(bos) else None)
 
 
@@ -239,14 +286,20 @@ def scored(data: dict) -> bool:
     """Whether a /v1/completions body takes the scoring path (`scored_completions`):
     logprobs, echo, or a batch of prompts."""
     lp, echo = data.get("logprobs"), data.get("echo")
-    return (lp is not None and lp is not False) or (echo is not None and echo is not False) or (
-        is_batch(data.get("prompt")))
+    return (
+        (lp is not None and lp is not False)
+        or (echo is not None and echo is not False)
+        or (is_batch(data.get("prompt")))
+    )
 
 
 def is_batch(prompt) -> bool:
     """Whether a completion's prompt is a batch: a list of strings or of token-id lists."""
-    return isinstance(prompt, list) and len(prompt) > 1 and all(
-        isinstance(p, (str, list)) for p in prompt)
+    return (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and all(isinstance(p, (str, list)) for p in prompt)
+    )
 
 
 def scoring(data: dict) -> tuple[int | None, bool]:
@@ -272,8 +325,7 @@ class Logprobs:
 
     def text(self, token: int) -> str:
         if token not in self.texts:
-            self.texts[token] = (self.tokenizer.decode([token])
-                                 or self.tokenizer.special_text(token))
+            self.texts[token] = self.tokenizer.decode([token]) or self.tokenizer.special_text(token)
         return self.texts[token]
 
     def of(self, ids: list[int], scores: list, base: int, start: int = 0) -> dict:
@@ -283,7 +335,8 @@ class Logprobs:
         for i in range(start, len(ids)):
             out["tokens"].append(self.text(ids[i]))
             out["text_offset"].append(
-                base + len(self.tokenizer.decode(ids[:i]).rstrip("\ufffd")) if i else base)
+                base + len(self.tokenizer.decode(ids[:i]).rstrip("\ufffd")) if i else base
+            )
             if scores[i] is None:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
@@ -308,6 +361,7 @@ def finite(x: float) -> float:
 
 class Parsed(NamedTuple):
     """One checked prompt of a request and how to answer it."""
+
     prompt: list[int]
     max_tokens: int
     sampling: Sampling
@@ -322,8 +376,7 @@ class Run:
 
         run = Run(tokenizer, parsed); engine.submit(run.req)"""
 
-    def __init__(self, tokenizer, parsed: Parsed, logprobs: int | None = None,
-                 echo: bool = False):
+    def __init__(self, tokenizer, parsed: Parsed, logprobs: int | None = None, echo: bool = False):
         loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
 
@@ -333,10 +386,16 @@ class Run:
             except RuntimeError:  # the loop is closed: nobody is listening
                 pass
 
-        self.req = Request(prompt=parsed.prompt, max_tokens=parsed.max_tokens,
-                           sampling=parsed.sampling, eos_id=tokenizer.eos_id,
-                           on_token=lambda t: put(("token", t)),
-                           on_finish=lambda r: put(("finish", r)), logprobs=logprobs, echo=echo)
+        self.req = Request(
+            prompt=parsed.prompt,
+            max_tokens=parsed.max_tokens,
+            sampling=parsed.sampling,
+            eos_id=tokenizer.eos_id,
+            on_token=lambda t: put(("token", t)),
+            on_finish=lambda r: put(("finish", r)),
+            logprobs=logprobs,
+            echo=echo,
+        )
         self.text = TextStream(tokenizer, parsed.stops)
 
 
@@ -352,8 +411,9 @@ def event(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-NONFINITE_EVENT = event({"error": {"message": NONFINITE_MESSAGE, "type": "server_error",
-                                   "param": None, "code": None}})
+NONFINITE_EVENT = event(
+    {"error": {"message": NONFINITE_MESSAGE, "type": "server_error", "param": None, "code": None}}
+)
 
 
 async def disconnected(request: HTTPRequest) -> None:
@@ -386,9 +446,17 @@ class App:
 
         app = App(engine, tokenizer, model_name="tiny").starlette()"""
 
-    def __init__(self, engine: Engine, tokenizer, *, model_name: str,
-                 api_key: str | None = None, max_request_bytes: int = 1 << 20,
-                 max_tokens_limit: int | None = None, chat_template: str | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        *,
+        model_name: str,
+        api_key: str | None = None,
+        max_request_bytes: int = 1 << 20,
+        max_tokens_limit: int | None = None,
+        chat_template: str | None = None,
+    ):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.api_key, self.max_request_bytes = api_key, max_request_bytes
         self.max_tokens_limit = max_tokens_limit or engine.length - 1
@@ -398,13 +466,16 @@ class App:
         self.created = int(time.time())
 
     def starlette(self) -> Starlette:
-        app = Starlette(routes=[
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/health", self.health, methods=["GET"]),
-            Route("/metrics", self.prometheus, methods=["GET"]),
-        ], exception_handlers={HTTPException: self.http_error})
+        app = Starlette(
+            routes=[
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.prometheus, methods=["GET"]),
+            ],
+            exception_handlers={HTTPException: self.http_error},
+        )
         app.state.drain = self.drain
         app.state.metrics = self.metrics
         return app
@@ -424,16 +495,32 @@ class App:
     async def models(self, request: HTTPRequest) -> Response:
         if not self.authorized(request):
             return error(401, UNAUTHORIZED, code="invalid_api_key")
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": self.created,
-             "owned_by": "ladder_jax"}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_name,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "ladder_jax",
+                    }
+                ],
+            }
+        )
 
     async def health(self, request: HTTPRequest) -> Response:
         engine = self.engine
         status = "failed" if engine.error else "draining" if self.draining else "ok"
-        return JSONResponse({"status": status, "slots": engine.slots, "busy": engine.busy,
-                             "waiting": engine.waiting},
-                            status_code=200 if status == "ok" else 503)
+        return JSONResponse(
+            {
+                "status": status,
+                "slots": engine.slots,
+                "busy": engine.busy,
+                "waiting": engine.waiting,
+            },
+            status_code=200 if status == "ok" else 503,
+        )
 
     async def prometheus(self, request: HTTPRequest) -> Response:
         if not self.authorized(request):
@@ -441,10 +528,11 @@ class App:
         return Response(self.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def http_error(self, request: HTTPRequest, exc: HTTPException) -> Response:
-        message = {404: f"no route {request.url.path}: see /v1/models, /v1/completions, "
-                        f"/v1/chat/completions, /health, /metrics",
-                   405: f"{request.method} is not allowed on {request.url.path}"}.get(
-            exc.status_code, str(exc.detail))
+        message = {
+            404: f"no route {request.url.path}: see /v1/models, /v1/completions, "
+            f"/v1/chat/completions, /health, /metrics",
+            405: f"{request.method} is not allowed on {request.url.path}",
+        }.get(exc.status_code, str(exc.detail))
         return error(exc.status_code, message)
 
     # -- admission and request checks -------------------------------------------------------
@@ -454,7 +542,8 @@ class App:
             return True
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(
-            given.strip().encode("utf-8", "replace"), self.api_key.encode())
+            given.strip().encode("utf-8", "replace"), self.api_key.encode()
+        )
 
     def admit(self, request: HTTPRequest) -> None:
         """BadRequest unless the request may be answered: its key (401), the server's state
@@ -462,25 +551,34 @@ class App:
         if not self.authorized(request):
             raise BadRequest(UNAUTHORIZED, status=401, code="invalid_api_key")
         if self.draining or self.engine.error:
-            raise BadRequest("the server is shutting down" if self.draining else
-                             f"the engine failed: {self.engine.error}", status=503)
+            raise BadRequest(
+                "the server is shutting down"
+                if self.draining
+                else f"the engine failed: {self.engine.error}",
+                status=503,
+            )
 
     async def read_json(self, request: HTTPRequest) -> dict:
         limit = self.max_request_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise BadRequest(f"the request body has {declared} bytes, more than the "
-                             f"server's limit of {limit}", status=413)
+            raise BadRequest(
+                f"the request body has {declared} bytes, more than the server's limit of {limit}",
+                status=413,
+            )
         body = bytearray()
         try:
             async for chunk in request.stream():
                 body += chunk
                 if len(body) > limit:
-                    raise BadRequest(f"the request body is more than the server's limit of "
-                                     f"{limit} bytes", status=413)
+                    raise BadRequest(
+                        f"the request body is more than the server's limit of {limit} bytes",
+                        status=413,
+                    )
         except ClientDisconnect:
-            raise BadRequest("the client went away before sending the whole body",
-                             status=499) from None
+            raise BadRequest(
+                "the client went away before sending the whole body", status=499
+            ) from None
         return parse_json(body)
 
     def parse(self, data: dict, chat: bool) -> Parsed:
@@ -488,8 +586,12 @@ class App:
         self.check_fields(data, chat)
         prompt, max_tokens = self.prompt_and_length(data, chat)
         f = _Sampling.checked(data, vocab=self.engine.config.vocab_size)
-        sampling = Sampling(1.0 if f.temperature is None else f.temperature, f.top_k, f.top_p,
-                            secrets.randbelow(2**32) if f.seed is None else f.seed)
+        sampling = Sampling(
+            1.0 if f.temperature is None else f.temperature,
+            f.top_k,
+            f.top_p,
+            secrets.randbelow(2**32) if f.seed is None else f.seed,
+        )
         stops = [] if f.stop is None else [f.stop] if isinstance(f.stop, str) else f.stop
         usage = bool(f.stream_options and f.stream_options.include_usage)
         return Parsed(prompt, max_tokens, sampling, stops, bool(f.stream), usage)
@@ -500,16 +602,26 @@ class App:
         if unknown:
             raise BadRequest(f"unknown field {unknown[0]!r}", unknown[0])
         for field, ok in (_NEUTRAL if chat else _NEUTRAL_COMPLETION).items():
-            if field in data and not any(data[field] == v and type(data[field]) is type(v)
-                                         for v in ok if v is not None) and not (
-                    data[field] is None and None in ok):
-                raise BadRequest(f"{field}={data[field]!r} is not supported (only "
-                                 f"{ok[0] if ok[0] is not None else 'null'})", field)
+            if (
+                field in data
+                and not any(
+                    data[field] == v and type(data[field]) is type(v) for v in ok if v is not None
+                )
+                and not (data[field] is None and None in ok)
+            ):
+                raise BadRequest(
+                    f"{field}={data[field]!r} is not supported (only "
+                    f"{ok[0] if ok[0] is not None else 'null'})",
+                    field,
+                )
         model = data.get("model")
         if model is not None and model != self.model_name:
-            raise BadRequest(f"the model {model!r} does not exist: this server serves "
-                             f"{self.model_name!r}", "model", status=404,
-                             code="model_not_found")
+            raise BadRequest(
+                f"the model {model!r} does not exist: this server serves {self.model_name!r}",
+                "model",
+                status=404,
+                code="model_not_found",
+            )
 
     def prompt_and_length(self, data: dict, chat: bool) -> tuple[list[int], int]:
         """The prompt's ids and max_tokens (given, or what fits), within the positions."""
@@ -517,27 +629,40 @@ class App:
         where = "messages" if chat else "prompt"
         if chat:
             prompt = self.chat_prompt(data.get("messages"))
-            key = "max_completion_tokens" if data.get("max_completion_tokens") is not None \
+            key = (
+                "max_completion_tokens"
+                if data.get("max_completion_tokens") is not None
                 else "max_tokens"
+            )
         else:
             prompt, key = self.completion_prompt(data.get("prompt")), "max_tokens"
         max_tokens = data.get(key)
         if max_tokens is None:
             if len(prompt) >= length:  # no room left for even one token
-                raise BadRequest(f"the prompt has {len(prompt)} tokens, as many as this "
-                                 f"server's {length} positions per request or more: "
-                                 f"shorten it", where, code="context_length_exceeded")
+                raise BadRequest(
+                    f"the prompt has {len(prompt)} tokens, as many as this "
+                    f"server's {length} positions per request or more: "
+                    f"shorten it",
+                    where,
+                    code="context_length_exceeded",
+                )
             max_tokens = min(limit if chat else 16, limit, length - len(prompt))
         low = 0 if not chat and data.get("echo") is True else 1  # 0: score the prompt only
         if not (is_int(max_tokens) and low <= max_tokens <= limit):
-            raise BadRequest(f"{key}={max_tokens!r} must be an integer from {low} to "
-                             f"{limit}" + (" (0 only with echo=true)" if max_tokens == 0
-                                           and not chat else ""), key)
+            raise BadRequest(
+                f"{key}={max_tokens!r} must be an integer from {low} to "
+                f"{limit}" + (" (0 only with echo=true)" if max_tokens == 0 and not chat else ""),
+                key,
+            )
         if len(prompt) + max_tokens > length:
-            raise BadRequest(f"the prompt has {len(prompt)} tokens; with {key}={max_tokens} "
-                             f"that is {len(prompt) + max_tokens}, more than this server's "
-                             f"{length} positions per request: shorten the prompt "
-                             f"or lower {key}", where, code="context_length_exceeded")
+            raise BadRequest(
+                f"the prompt has {len(prompt)} tokens; with {key}={max_tokens} "
+                f"that is {len(prompt) + max_tokens}, more than this server's "
+                f"{length} positions per request: shorten the prompt "
+                f"or lower {key}",
+                where,
+                code="context_length_exceeded",
+            )
         return prompt, max_tokens
 
     def completion_prompt(self, prompt) -> list[int]:
@@ -551,32 +676,45 @@ class App:
         if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
-                raise BadRequest(f"prompt has token ids outside [0, {vocab}): {bad[:5]}",
-                                 "prompt")
+                raise BadRequest(f"prompt has token ids outside [0, {vocab}): {bad[:5]}", "prompt")
             return list(prompt)
         if isinstance(prompt, list) and len(prompt) > 1:
-            raise BadRequest("prompt must be one prompt (a string or a list of token ids); "
-                             "send one request per prompt", "prompt")
+            raise BadRequest(
+                "prompt must be one prompt (a string or a list of token ids); "
+                "send one request per prompt",
+                "prompt",
+            )
         raise BadRequest("prompt must be a non-empty string or a list of token ids", "prompt")
 
     def chat_prompt(self, messages) -> list[int]:
         if self.template is None:
-            raise BadRequest(f"the model {self.model_name!r} has no chat template: use "
-                             f"/v1/completions (or start the server with --chat-template)",
-                             "messages")
-        if not (isinstance(messages, list) and messages and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in messages)):
-            raise BadRequest("messages must be a non-empty list of {role, content} objects "
-                             "with string content", "messages")
+            raise BadRequest(
+                f"the model {self.model_name!r} has no chat template: use "
+                f"/v1/completions (or start the server with --chat-template)",
+                "messages",
+            )
+        if not (
+            isinstance(messages, list)
+            and messages
+            and all(
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+                for m in messages
+            )
+        ):
+            raise BadRequest(
+                "messages must be a non-empty list of {role, content} objects with string content",
+                "messages",
+            )
         try:
             return render_chat(self.template, messages, self.tokenizer)
         except TemplateRaised as e:
-            raise BadRequest(f"the chat template refused these messages: {e}",
-                             "messages") from None
+            raise BadRequest(f"the chat template refused these messages: {e}", "messages") from None
         except jinja2.TemplateError as e:
-            raise BadRequest(f"the chat template failed on these messages: {e}",
-                             "messages") from None
+            raise BadRequest(
+                f"the chat template failed on these messages: {e}", "messages"
+            ) from None
 
     # -- answering --------------------------------------------------------------------------
 
@@ -608,20 +746,38 @@ class App:
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         if parsed.stream:
             chunk = self.plain_chunk(rid, chat)
-            return self.streamed(run, endpoint, chunk, parsed.usage,
-                                 head=chunk("", None, role=True) if chat else None)
+            return self.streamed(
+                run,
+                endpoint,
+                chunk,
+                parsed.usage,
+                head=chunk("", None, role=True) if chat else None,
+            )
         outs = await self.collect(request, [run], endpoint)
         if isinstance(outs, Response):
             return outs
-        (out, reason), = outs
+        ((out, reason),) = outs
         self.metrics.request(endpoint, 200)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": out},
-                   "logprobs": None, "finish_reason": reason} if chat else
-                  {"index": 0, "text": out, "logprobs": None, "finish_reason": reason})
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else
-                             "text_completion", "created": int(time.time()),
-                             "model": self.model_name, "choices": [choice],
-                             "usage": usage([run])})
+        choice = (
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": out},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
+            if chat
+            else {"index": 0, "text": out, "logprobs": None, "finish_reason": reason}
+        )
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": self.model_name,
+                "choices": [choice],
+                "usage": usage([run]),
+            }
+        )
 
     def refused(self, endpoint: str, e: BadRequest) -> Response:
         self.metrics.request(endpoint, e.status)
@@ -671,8 +827,9 @@ class App:
             out.append(piece)
         return "".join(out), reason
 
-    async def collect(self, request: HTTPRequest, runs: list[Run],
-                      endpoint: str) -> list[tuple[str, str]] | Response:
+    async def collect(
+        self, request: HTTPRequest, runs: list[Run], endpoint: str
+    ) -> list[tuple[str, str]] | Response:
         """Each run's (text, finish reason) once all are done; or the counted response when
         the client went away (499), the logits were not finite (500) or the engine stopped
         (503)."""
@@ -691,24 +848,35 @@ class App:
             return self.cancelled(runs, endpoint, 500, error(500, NONFINITE_MESSAGE))
         stopped = next((r for r in reasons if r in ("cancelled", "error")), None)
         if stopped is not None:
-            return self.cancelled(runs, endpoint, 503, error(
-                503, "the server is shutting down" if stopped == "cancelled" else
-                f"the engine failed: {self.engine.error}"))
+            return self.cancelled(
+                runs,
+                endpoint,
+                503,
+                error(
+                    503,
+                    "the server is shutting down"
+                    if stopped == "cancelled"
+                    else f"the engine failed: {self.engine.error}",
+                ),
+            )
         return outs
 
-    def cancelled(self, runs: list[Run], endpoint: str, status: int,
-                  response: Response) -> Response:
+    def cancelled(
+        self, runs: list[Run], endpoint: str, status: int, response: Response
+    ) -> Response:
         for run in runs:
             self.engine.cancel(run.req)
         self.metrics.request(endpoint, status)
         return response
 
-    def streamed(self, run: Run, endpoint: str, chunk, include_usage: bool, *, head=None,
-                 opening=None) -> StreamingResponse:
+    def streamed(
+        self, run: Run, endpoint: str, chunk, include_usage: bool, *, head=None, opening=None
+    ) -> StreamingResponse:
         """The server-sent events of one run (`stream`) as a response."""
         events = self.stream(run, endpoint, chunk, include_usage, head, opening)
-        return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
 
     async def stream(self, run: Run, endpoint: str, chunk, include_usage: bool, head, opening):
         """`head` (an event, or None) first, `opening()` (None or an event) with the first
@@ -746,8 +914,13 @@ class App:
 
     def chunk_event(self, rid: str, kind: str, choice: dict | None, counts=None) -> str:
         """One chunk of a streamed answer: a choice, or (choice None) the final usage."""
-        obj = {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name,
-               "choices": [] if choice is None else [choice]}
+        obj = {
+            "id": rid,
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [] if choice is None else [choice],
+        }
         return event(obj if counts is None else {**obj, "usage": counts})
 
     def plain_chunk(self, rid: str, chat: bool):
@@ -759,8 +932,11 @@ class App:
             if usage is not None:
                 return self.chunk_event(rid, kind, None, usage)
             if chat:
-                delta = {"role": "assistant", "content": ""} if role else (
-                    {"content": piece} if piece else {})
+                delta = (
+                    {"role": "assistant", "content": ""}
+                    if role
+                    else ({"content": piece} if piece else {})
+                )
                 choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
             else:
                 choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
@@ -784,8 +960,10 @@ class App:
         refused = self.submit(runs, "completions")
         if refused is not None:
             return refused
-        echoed = [(p if isinstance(p, str) else self.tokenizer.decode(r.req.prompt)) if echo
-                  else "" for p, r in zip(prompts, runs)]
+        echoed = [
+            (p if isinstance(p, str) else self.tokenizer.decode(r.req.prompt)) if echo else ""
+            for p, r in zip(prompts, runs)
+        ]
         scores = Scores(Logprobs(self.tokenizer), top, echo)
         rid = "cmpl-" + secrets.token_hex(12)
         if parsed[0].stream:
@@ -793,13 +971,26 @@ class App:
         outs = await self.collect(request, runs, "completions")
         if isinstance(outs, Response):
             return outs
-        choices = [{"index": i, "text": pre + out, "logprobs": scores.whole(run, len(pre)),
-                    "finish_reason": reason}
-                   for i, (run, (out, reason), pre) in enumerate(zip(runs, outs, echoed))]
+        choices = [
+            {
+                "index": i,
+                "text": pre + out,
+                "logprobs": scores.whole(run, len(pre)),
+                "finish_reason": reason,
+            }
+            for i, (run, (out, reason), pre) in enumerate(zip(runs, outs, echoed))
+        ]
         self.metrics.request("completions", 200)
-        return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
-                             "model": self.model_name, "choices": choices,
-                             "usage": usage(runs)})
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": self.model_name,
+                "choices": choices,
+                "usage": usage(runs),
+            }
+        )
 
     def parse_each(self, data: dict, prompts: list) -> list[Parsed]:
         """`parse` of the body with each prompt; an error names the prompt's place."""
@@ -813,8 +1004,9 @@ class App:
                 raise
         return parsed
 
-    def scored_stream(self, run: Run, echoed: str, scores: Scores, rid: str,
-                      include_usage: bool) -> StreamingResponse:
+    def scored_stream(
+        self, run: Run, echoed: str, scores: Scores, rid: str, include_usage: bool
+    ) -> StreamingResponse:
         """The events of one scored prompt: the echoed prompt first (with its logprobs), then
         each text piece with the logprobs of the tokens read since the last chunk."""
         sent = 0
@@ -825,15 +1017,20 @@ class App:
                 return self.chunk_event(rid, "text_completion", None, usage)
             lp = scores.new(run, len(echoed), sent)
             sent = len(run.text.tokens)
-            return self.chunk_event(rid, "text_completion", {
-                "index": 0, "text": piece, "logprobs": lp, "finish_reason": reason})
+            return self.chunk_event(
+                rid,
+                "text_completion",
+                {"index": 0, "text": piece, "logprobs": lp, "finish_reason": reason},
+            )
 
         def opening():
             if not echoed:
                 return None
-            return self.chunk_event(rid, "text_completion", {
-                "index": 0, "text": echoed, "logprobs": scores.prompt(run),
-                "finish_reason": None})
+            return self.chunk_event(
+                rid,
+                "text_completion",
+                {"index": 0, "text": echoed, "logprobs": scores.prompt(run), "finish_reason": None},
+            )
 
         return self.streamed(run, "completions", chunk, include_usage, opening=opening)
 
@@ -867,13 +1064,26 @@ class Scores:
         return lp
 
 
-def create_app(engine: Engine, tokenizer, *, model_name: str, api_key: str | None = None,
-               max_request_bytes: int = 1 << 20, max_tokens_limit: int | None = None,
-               chat_template: str | None = None) -> Starlette:
+def create_app(
+    engine: Engine,
+    tokenizer,
+    *,
+    model_name: str,
+    api_key: str | None = None,
+    max_request_bytes: int = 1 << 20,
+    max_tokens_limit: int | None = None,
+    chat_template: str | None = None,
+) -> Starlette:
     """The ASGI app serving `engine` (already started) with `tokenizer` (`App`)."""
-    return App(engine, tokenizer, model_name=model_name, api_key=api_key,
-               max_request_bytes=max_request_bytes, max_tokens_limit=max_tokens_limit,
-               chat_template=chat_template).starlette()
+    return App(
+        engine,
+        tokenizer,
+        model_name=model_name,
+        api_key=api_key,
+        max_request_bytes=max_request_bytes,
+        max_tokens_limit=max_tokens_limit,
+        chat_template=chat_template,
+    ).starlette()
 
 
 def deadline_protocol(seconds: float):
@@ -896,7 +1106,8 @@ def deadline_protocol(seconds: float):
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
             if self.conn.their_state is not h11.IDLE and self.conn.their_state is not (
-                    h11.SEND_BODY):
+                h11.SEND_BODY
+            ):
                 self._disarm()  # the whole request is in: the response may take its time
 
         def on_response_complete(self) -> None:

@@ -54,12 +54,22 @@ class GGUFError(hf.HFError):
     """A GGUF file that cannot be imported; the message names the file and key / tensor."""
 
 
-_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
-           "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
-_BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
-          "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-          "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 
 
 def hf_name(name: str) -> str | None:
@@ -67,8 +77,13 @@ def hf_name(name: str) -> str | None:
     if name in _GLOBAL:
         return _GLOBAL[name]
     parts = name.split(".")
-    if (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "weight"
-            and parts[2] in _BLOCK):
+    if (
+        len(parts) == 4
+        and parts[0] == "blk"
+        and parts[1].isdigit()
+        and parts[3] == "weight"
+        and parts[2] in _BLOCK
+    ):
         return f"model.layers.{int(parts[1])}.{_BLOCK[parts[2]]}.weight"
     return None
 
@@ -87,16 +102,17 @@ def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     """Rows of q / k from llama.cpp's RoPE order (a head's halves interleaved) back to the
     Hugging Face order (first half, then second half): w (heads*H, D) -> (heads*H, D)."""
     rows = w.shape[0]
-    return (w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2)
-            .reshape(w.shape))
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _gguf():
     try:
         import gguf
     except ImportError:
-        raise GGUFError("reading GGUF files needs the gguf package: pip install "
-                        "\"ladder_jax[gguf]\" (or pip install gguf)") from None
+        raise GGUFError(
+            "reading GGUF files needs the gguf package: pip install "
+            '"ladder_jax[gguf]" (or pip install gguf)'
+        ) from None
     return gguf
 
 
@@ -111,8 +127,10 @@ def _open(path: str):
         raise GGUFError(f"{path}: cannot read it ({e.strerror or e})") from None
     except Exception as e:  # the reader raises ValueError / KeyError / struct errors alike
         why = (str(e).splitlines() or [""])[0] or type(e).__name__
-        raise GGUFError(f"{path} is not a valid GGUF file ({why}): the download or copy is "
-                        f"damaged, or it is another format") from None
+        raise GGUFError(
+            f"{path} is not a valid GGUF file ({why}): the download or copy is "
+            f"damaged, or it is another format"
+        ) from None
 
 
 def _metadata(reader, path: str, keys) -> dict:
@@ -129,10 +147,22 @@ def _metadata(reader, path: str, keys) -> dict:
     return out
 
 
-_LLAMA = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
-          "attention.head_count_kv", "attention.key_length", "attention.value_length",
-          "context_length", "rope.freq_base", "rope.dimension_count",
-          "attention.layer_norm_rms_epsilon", "vocab_size", "expert_count", "rope.scaling.type")
+_LLAMA = (
+    "block_count",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "attention.value_length",
+    "context_length",
+    "rope.freq_base",
+    "rope.dimension_count",
+    "attention.layer_norm_rms_epsilon",
+    "vocab_size",
+    "expert_count",
+    "rope.scaling.type",
+)
 
 
 def _hf_config(reader, path: str) -> dict:
@@ -140,8 +170,10 @@ def _hf_config(reader, path: str) -> dict:
     meta = _metadata(reader, path, ["general.architecture"] + [f"llama.{k}" for k in _LLAMA])
     arch = meta.get("general.architecture")
     if arch != "llama":
-        raise GGUFError(f"{path}: general.architecture={arch!r} is not supported (only "
-                        f"'llama', the Llama architecture)")
+        raise GGUFError(
+            f"{path}: general.architecture={arch!r} is not supported (only "
+            f"'llama', the Llama architecture)"
+        )
 
     def get(key, kind="int", default=None):
         full = f"llama.{key}"
@@ -150,47 +182,67 @@ def _hf_config(reader, path: str) -> dict:
             if default is None and kind == "int!":
                 raise GGUFError(f"{path}: metadata key {full!r} is missing")
             return None
-        ok = (type(v) is int and v > 0) if kind.startswith("int") else (
-            type(v) in (int, float) and v > 0)
+        ok = (
+            (type(v) is int and v > 0)
+            if kind.startswith("int")
+            else (type(v) in (int, float) and v > 0)
+        )
         if not ok:
-            raise GGUFError(f"{path}: metadata key {full!r} is {v!r}, not a positive "
-                            f"{'integer' if kind.startswith('int') else 'number'}")
+            raise GGUFError(
+                f"{path}: metadata key {full!r} is {v!r}, not a positive "
+                f"{'integer' if kind.startswith('int') else 'number'}"
+            )
         return v
 
     d, heads = get("embedding_length", "int!"), get("attention.head_count", "int!")
     kv = get("attention.head_count_kv") or heads
     head_dim = get("attention.key_length") or (d // heads)
     if get("attention.value_length") not in (None, head_dim):
-        raise GGUFError(f"{path}: metadata key 'llama.attention.value_length' is "
-                        f"{meta['llama.attention.value_length']}, not the key length "
-                        f"{head_dim}: not supported")
+        raise GGUFError(
+            f"{path}: metadata key 'llama.attention.value_length' is "
+            f"{meta['llama.attention.value_length']}, not the key length "
+            f"{head_dim}: not supported"
+        )
     if get("rope.dimension_count") not in (None, head_dim):
-        raise GGUFError(f"{path}: metadata key 'llama.rope.dimension_count' is "
-                        f"{meta['llama.rope.dimension_count']}, less than the head dim "
-                        f"{head_dim}: partial RoPE is not supported")
+        raise GGUFError(
+            f"{path}: metadata key 'llama.rope.dimension_count' is "
+            f"{meta['llama.rope.dimension_count']}, less than the head dim "
+            f"{head_dim}: partial RoPE is not supported"
+        )
     if meta.get("llama.expert_count", 0) not in (0, None):
-        raise GGUFError(f"{path}: metadata key 'llama.expert_count' is "
-                        f"{meta['llama.expert_count']}: mixtures of experts are not supported")
+        raise GGUFError(
+            f"{path}: metadata key 'llama.expert_count' is "
+            f"{meta['llama.expert_count']}: mixtures of experts are not supported"
+        )
     if meta.get("llama.rope.scaling.type") not in (None, "none"):
-        raise GGUFError(f"{path}: metadata key 'llama.rope.scaling.type' is "
-                        f"{meta['llama.rope.scaling.type']!r}: rope scaling is not supported")
+        raise GGUFError(
+            f"{path}: metadata key 'llama.rope.scaling.type' is "
+            f"{meta['llama.rope.scaling.type']!r}: rope scaling is not supported"
+        )
     names = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in names:
-        raise GGUFError(f"{path}: tensor 'rope_freqs.weight' (llama-3 rope scaling factors) is "
-                        f"not supported")
+        raise GGUFError(
+            f"{path}: tensor 'rope_freqs.weight' (llama-3 rope scaling factors) is not supported"
+        )
     embed = names.get("token_embd.weight")
     if embed is None:
         raise GGUFError(f"{path}: tensor 'token_embd.weight' is missing")
     vocab = int(embed.shape[-1])
     if get("vocab_size") not in (None, vocab):
-        raise GGUFError(f"{path}: metadata key 'llama.vocab_size' is "
-                        f"{meta['llama.vocab_size']}, but tensor 'token_embd.weight' has "
-                        f"{vocab} rows")
+        raise GGUFError(
+            f"{path}: metadata key 'llama.vocab_size' is "
+            f"{meta['llama.vocab_size']}, but tensor 'token_embd.weight' has "
+            f"{vocab} rows"
+        )
     return {
-        "model_type": "llama", "vocab_size": vocab, "hidden_size": d,
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": d,
         "num_hidden_layers": get("block_count", "int!"),
-        "intermediate_size": get("feed_forward_length", "int!"), "num_attention_heads": heads,
-        "num_key_value_heads": kv, "head_dim": head_dim,
+        "intermediate_size": get("feed_forward_length", "int!"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
         "max_position_embeddings": get("context_length") or 2048,
         "rope_theta": float(get("rope.freq_base", "float") or 10000.0),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", "float") or 1e-6),
@@ -221,8 +273,11 @@ def _dequantize(gguf, t) -> np.ndarray:
 def _byte_chars() -> dict[int, str]:
     """GPT-2's byte -> character spelling: printable Latin-1 bytes stand for themselves, the
     others for the characters from U+0100 on, in byte order."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
+    keep = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     out, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -234,10 +289,14 @@ def _byte_chars() -> dict[int, str]:
 
 
 # Pre-tokenizer splits by `tokenizer.ggml.pre` (others: GPT-2's own, as transformers does).
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SPLITS = {name: _LLAMA3_SPLIT for name in ("llama3", "llama-v3", "llama-bpe", "smaug-bpe",
-                                            "dbrx", "falcon3")}
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {
+    name: _LLAMA3_SPLIT
+    for name in ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3")
+}
 _CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 
 
@@ -255,38 +314,59 @@ def gguf_tokenizer(path: str, reader=None) -> HFTokenizer:
     )
 
     reader = reader if reader is not None else _open(path)
-    keys = ("model", "pre", "tokens", "merges", "token_type", "bos_token_id", "eos_token_id",
-            "padding_token_id", "unknown_token_id", "add_bos_token")
-    meta = _metadata(reader, path, [f"tokenizer.ggml.{k}" for k in keys]
-                     + ["tokenizer.chat_template"])
+    keys = (
+        "model",
+        "pre",
+        "tokens",
+        "merges",
+        "token_type",
+        "bos_token_id",
+        "eos_token_id",
+        "padding_token_id",
+        "unknown_token_id",
+        "add_bos_token",
+    )
+    meta = _metadata(
+        reader, path, [f"tokenizer.ggml.{k}" for k in keys] + ["tokenizer.chat_template"]
+    )
     g = {k: meta.get(f"tokenizer.ggml.{k}") for k in keys}
     if g["model"] != "gpt2":
-        raise GGUFError(f"{path}: metadata key 'tokenizer.ggml.model' is {g['model']!r}: only "
-                        f"'gpt2' (byte-level BPE) tokenizers are supported")
+        raise GGUFError(
+            f"{path}: metadata key 'tokenizer.ggml.model' is {g['model']!r}: only "
+            f"'gpt2' (byte-level BPE) tokenizers are supported"
+        )
     tokens, merges, types = g["tokens"], g["merges"], g["token_type"]
     for key, v in (("tokens", tokens), ("merges", merges)):
         if not (isinstance(v, list) and all(isinstance(s, str) for s in v)):
-            raise GGUFError(f"{path}: metadata key 'tokenizer.ggml.{key}' is missing or not a "
-                            f"list of strings")
+            raise GGUFError(
+                f"{path}: metadata key 'tokenizer.ggml.{key}' is missing or not a list of strings"
+            )
     if types is not None and not (isinstance(types, list) and len(types) == len(tokens)):
-        raise GGUFError(f"{path}: metadata key 'tokenizer.ggml.token_type' does not list one "
-                        f"type per token ({len(tokens)})")
+        raise GGUFError(
+            f"{path}: metadata key 'tokenizer.ggml.token_type' does not list one "
+            f"type per token ({len(tokens)})"
+        )
     pairs = [m.split(" ") for m in merges]
     bad = next((m for m, p in zip(merges, pairs) if len(p) != 2), None)
     if bad is not None:
-        raise GGUFError(f"{path}: metadata key 'tokenizer.ggml.merges' holds {bad!r}, not two "
-                        f"tokens separated by a space")
+        raise GGUFError(
+            f"{path}: metadata key 'tokenizer.ggml.merges' holds {bad!r}, not two "
+            f"tokens separated by a space"
+        )
     ids = {}
     for key in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id"):
         v = g[key]
         if v is not None and not (type(v) is int and 0 <= v < len(tokens)):
-            raise GGUFError(f"{path}: metadata key 'tokenizer.ggml.{key}' is {v!r}, not a "
-                            f"token id below {len(tokens)}")
+            raise GGUFError(
+                f"{path}: metadata key 'tokenizer.ggml.{key}' is {v!r}, not a "
+                f"token id below {len(tokens)}"
+            )
         ids[key] = v
     add_bos = g["add_bos_token"]
     if add_bos is not None and type(add_bos) is not bool:
-        raise GGUFError(f"{path}: metadata key 'tokenizer.ggml.add_bos_token' is {add_bos!r}, "
-                        f"not true or false")
+        raise GGUFError(
+            f"{path}: metadata key 'tokenizer.ggml.add_bos_token' is {add_bos!r}, not true or false"
+        )
     template = meta.get("tokenizer.chat_template")
     if template is not None and not isinstance(template, str):
         raise GGUFError(f"{path}: metadata key 'tokenizer.chat_template' is not a string")
@@ -295,36 +375,60 @@ def gguf_tokenizer(path: str, reader=None) -> HFTokenizer:
     alphabet = set(spell.values())
 
     def spelled(token: str) -> str:  # a token in the byte alphabet, as the merges spell it
-        return token if set(token) <= alphabet else "".join(
-            spell[b] for b in token.encode("utf-8"))
+        return token if set(token) <= alphabet else "".join(spell[b] for b in token.encode("utf-8"))
 
     vocab = {spelled(t): i for i, t in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(p) for p in pairs], dropout=None,
-                               continuing_subword_prefix="", end_of_word_suffix="",
-                               fuse_unk=False))
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[tuple(p) for p in pairs],
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
     split = _SPLITS.get(meta.get("tokenizer.ggml.pre"))
     if split is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     tok.decoder = decoders.ByteLevel()
     types = types or [0] * len(tokens)
     special = [t for t, k in zip(tokens, types) if k == _CONTROL and set(t) <= alphabet]
-    special += [tokens[v] for v in ids.values() if v is not None
-                and tokens[v] in vocab and tokens[v] not in special]
+    special += [
+        tokens[v]
+        for v in ids.values()
+        if v is not None and tokens[v] in vocab and tokens[v] not in special
+    ]
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
-    tok.add_tokens([AddedToken(t, normalized=False, special=False)
-                    for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab])
+    tok.add_tokens(
+        [
+            AddedToken(t, normalized=False, special=False)
+            for t, k in zip(tokens, types)
+            if k == _USER_DEFINED and t in vocab
+        ]
+    )
     bos = ids["bos_token_id"]
     if add_bos and bos is not None:  # a saved tokenizer.json says so too (transformers reads it)
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]}:0 $A:0", pair=f"{tokens[bos]}:0 $A:0 {tokens[bos]}:1 $B:1",
-            special_tokens=[(tokens[bos], bos)])
-    return HFTokenizer(tokenizer=tok, bos_id=ids["bos_token_id"], eos_id=ids["eos_token_id"],
-                       pad_id=ids["padding_token_id"], add_bos=bool(add_bos),
-                       chat_template=template)
+            single=f"{tokens[bos]}:0 $A:0",
+            pair=f"{tokens[bos]}:0 $A:0 {tokens[bos]}:1 $B:1",
+            special_tokens=[(tokens[bos], bos)],
+        )
+    return HFTokenizer(
+        tokenizer=tok,
+        bos_id=ids["bos_token_id"],
+        eos_id=ids["eos_token_id"],
+        pad_id=ids["padding_token_id"],
+        add_bos=bool(add_bos),
+        chat_template=template,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,9 +441,17 @@ def gguf_config(path: str):
     return hf.config_from_hf(_hf_config(_open(os.fspath(path)), os.fspath(path)))
 
 
-def load_gguf(path: str, *, mesh, residual: str | None = None, ladder_layers=hf._KEEP,
-              dtype: str = "float32", param_dtype: str = "float32",
-              transfer: hf.Transfer | None = None, quantize: str | None = None):
+def load_gguf(
+    path: str,
+    *,
+    mesh,
+    residual: str | None = None,
+    ladder_layers=hf._KEEP,
+    dtype: str = "float32",
+    param_dtype: str = "float32",
+    transfer: hf.Transfer | None = None,
+    quantize: str | None = None,
+):
     """(model, tokenizer) from a local GGUF Llama file; tokenizer an `HFTokenizer` from the
     file's metadata (chat template included).
 
@@ -353,8 +465,13 @@ def load_gguf(path: str, *, mesh, residual: str | None = None, ladder_layers=hf.
     reader = _open(path)
     config_dict = _hf_config(reader, path)
     try:
-        config = hf.config_from_hf(config_dict, residual=residual, ladder_layers=ladder_layers,
-                                   dtype=dtype, param_dtype=param_dtype)
+        config = hf.config_from_hf(
+            config_dict,
+            residual=residual,
+            ladder_layers=ladder_layers,
+            dtype=dtype,
+            param_dtype=param_dtype,
+        )
     except hf.HFError as e:
         raise GGUFError(f"{path}: {str(e).removeprefix('config.json: ')}") from None
     graphdef, state = abstract(config, mesh)  # raises ShardingError if config does not fit
@@ -365,8 +482,9 @@ def load_gguf(path: str, *, mesh, residual: str | None = None, ladder_layers=hf.
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None or (name == "lm_head.weight" and config.tie_embeddings):
-            raise GGUFError(f"{path}: tensor {t.name!r} is not a weight of a Llama model "
-                            f"with this metadata")
+            raise GGUFError(
+                f"{path}: tensor {t.name!r} is not a weight of a Llama model with this metadata"
+            )
         tensors[name] = t
     missing = [gguf_name(e.name) for e in table if e.name not in tensors]
     if missing:
@@ -374,18 +492,24 @@ def load_gguf(path: str, *, mesh, residual: str | None = None, ladder_layers=hf.
     for e in table:
         t = tensors[e.name]
         if not _supported(gguf, t.tensor_type):
-            raise GGUFError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which "
-                            f"the gguf package cannot dequantize")
+            raise GGUFError(
+                f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which "
+                f"the gguf package cannot dequantize"
+            )
         shape = tuple(int(n) for n in reversed(t.shape))
         if shape != e.hf_shape:
-            raise GGUFError(f"{path}: tensor {t.name!r} has shape {tuple(map(int, t.shape))} "
-                            f"(GGUF order), but the metadata implies "
-                            f"{tuple(reversed(e.hf_shape))}")
+            raise GGUFError(
+                f"{path}: tensor {t.name!r} has shape {tuple(map(int, t.shape))} "
+                f"(GGUF order), but the metadata implies "
+                f"{tuple(reversed(e.hf_shape))}"
+            )
     tokenizer = gguf_tokenizer(path, reader)  # a bad tokenizer fails before the reads
     if tokenizer.vocab_size > config.vocab_size:
-        raise GGUFError(f"{path}: metadata key 'tokenizer.ggml.tokens' lists "
-                        f"{tokenizer.vocab_size} tokens, more than the {config.vocab_size} "
-                        f"rows of 'token_embd.weight'")
+        raise GGUFError(
+            f"{path}: metadata key 'tokenizer.ggml.tokens' lists "
+            f"{tokenizer.vocab_size} tokens, more than the {config.vocab_size} "
+            f"rows of 'token_embd.weight'"
+        )
 
     transfer.total_tensors = len(table)
     transfer.total_bytes = sum(int(tensors[e.name].n_bytes) for e in table)
@@ -400,12 +524,15 @@ def load_gguf(path: str, *, mesh, residual: str | None = None, ladder_layers=hf.
             w = unpermute(w, n)
         host = np.asarray(e.to_ours(w), dtype=var.dtype)
         if not np.isfinite(host).all():
-            raise GGUFError(f"{path}: tensor {t.name!r} has "
-                            f"{np.count_nonzero(~np.isfinite(host))} NaN/inf values: the file "
-                            f"is damaged")
+            raise GGUFError(
+                f"{path}: tensor {t.name!r} has "
+                f"{np.count_nonzero(~np.isfinite(host))} NaN/inf values: the file "
+                f"is damaged"
+            )
         parent = hf._leaf(pure, e.path[:-1])
         parent[e.path[-1]] = jax.make_array_from_callback(
-            host.shape, NamedSharding(mesh, var.spec), lambda idx, host=host: host[idx])
+            host.shape, NamedSharding(mesh, var.spec), lambda idx, host=host: host[idx]
+        )
         del host, w
         transfer.add(path, t.tensor_type.name, int(t.n_bytes))
     nnx.replace_by_pure_dict(state, pure)

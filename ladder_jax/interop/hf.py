@@ -58,43 +58,54 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     scaling = {**legacy, **params}
     if type(theta) not in (int, float) or not theta > 0:
-        raise HFError(f"config.json: rope_theta={theta!r} must be a positive number: fix it in "
-                      f"config.json")
+        raise HFError(
+            f"config.json: rope_theta={theta!r} must be a positive number: fix it in config.json"
+        )
     kind = _rope_kind(params, legacy)
     if kind in (None, "default"):
         return float(theta), None
     if kind != "llama3":
-        raise HFError(f"config.json: rope scaling type {kind!r} is not supported (only the "
-                      f"llama-3 type 'llama3', or none)")
+        raise HFError(
+            f"config.json: rope scaling type {kind!r} is not supported (only the "
+            f"llama-3 type 'llama3', or none)"
+        )
     try:
         return float(theta), RopeScaling(
-            factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
             high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_len=int(scaling["original_max_position_embeddings"]))
+            original_max_len=int(scaling["original_max_position_embeddings"]),
+        )
     except KeyError as e:
         raise HFError(f"config.json: llama3 rope scaling lacks {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
-        raise HFError(f"config.json: llama3 rope scaling has a value that is not a number "
-                      f"({e})") from None
+        raise HFError(
+            f"config.json: llama3 rope scaling has a value that is not a number ({e})"
+        ) from None
 
 
 def _rope_kind(params: dict, legacy: dict):
     """The rope scaling type of config.json: one that is not "default" in either key wins (a
     default `rope_parameters` beside a `rope_scaling` must not hide it); two that differ are
     refused."""
-    kinds = {k: d.get("rope_type", d.get("type", "default")) for k, d in (
-        ("rope_parameters", params), ("rope_scaling", legacy))}
+    kinds = {
+        k: d.get("rope_type", d.get("type", "default"))
+        for k, d in (("rope_parameters", params), ("rope_scaling", legacy))
+    }
     named = {k: v for k, v in kinds.items() if v not in (None, "default")}
     if len(set(map(str, named.values()))) > 1:
-        raise HFError(f"config.json: rope_parameters says rope type {kinds['rope_parameters']!r}"
-                      f" and rope_scaling {kinds['rope_scaling']!r}: keep the one the model was "
-                      f"trained with")
+        raise HFError(
+            f"config.json: rope_parameters says rope type {kinds['rope_parameters']!r}"
+            f" and rope_scaling {kinds['rope_scaling']!r}: keep the one the model was "
+            f"trained with"
+        )
     return next(iter(named.values()), "default")
 
 
 def _check_types(hf: dict, need: tuple) -> None:
     """Wrong JSON types fail here with the key, not later with a traceback (or silently:
     bool("false") is True)."""
+
     def wrong(key, what):
         return HFError(f"config.json: {key}={hf[key]!r} must be {what}: fix it in config.json")
 
@@ -130,41 +141,59 @@ def _recorded_scheme(hf: dict) -> tuple[str, Any, bool]:
     if hf.get("model_type") != LADDER_TYPE:
         residual = hf.get("ladder_residual", "standard")
         ll = hf.get("ladder_layers")  # named layers are the file's, whatever residual says
-        return (residual, tuple(ll) if isinstance(ll, list) else ll,
-                residual == "ladder" or ll is not None)
+        return (
+            residual,
+            tuple(ll) if isinstance(ll, list) else ll,
+            residual == "ladder" or ll is not None,
+        )
     ll = hf.get("ladder_layers")
     ll = [] if ll is None else ll
     ok = (type(ll) is int and 0 <= ll <= n) or (
-        isinstance(ll, list) and all(type(i) is int and 0 <= i < n for i in ll)
-        and len(set(ll)) == len(ll))
+        isinstance(ll, list)
+        and all(type(i) is int and 0 <= i < n for i in ll)
+        and len(set(ll)) == len(ll)
+    )
     if not ok:
-        raise HFError(f"config.json: ladder_layers={ll!r} must be N (the upper N of the {n} "
-                      f"layers) or a list of distinct layer indices in [0, {n}): fix it in "
-                      f"config.json")
+        raise HFError(
+            f"config.json: ladder_layers={ll!r} must be N (the upper N of the {n} "
+            f"layers) or a list of distinct layer indices in [0, {n}): fix it in "
+            f"config.json"
+        )
     if _layer_set(ll, n) == frozenset(range(n)):
         return "ladder", None, True  # every layer: the canonical spelling
-    return "ladder", tuple(sorted(ll)) if isinstance(ll, list) and ll else (
-        ll if isinstance(ll, int) else 0), True
+    return (
+        "ladder",
+        tuple(sorted(ll)) if isinstance(ll, list) and ll else (ll if isinstance(ll, int) else 0),
+        True,
+    )
 
 
-def config_from_hf(hf: dict, *, residual=None, ladder_layers=_KEEP, dtype="float32",
-                   param_dtype="float32") -> ModelConfig:
+def config_from_hf(
+    hf: dict, *, residual=None, ladder_layers=_KEEP, dtype="float32", param_dtype="float32"
+) -> ModelConfig:
     """The `ModelConfig` of an HF LlamaForCausalLM / LlamaLadderForCausalLM config.json (a
     dict). See the module doc, "Residual scheme", for how arguments and file combine."""
     kind = hf.get("model_type")
     if kind not in ("llama", LADDER_TYPE):
         arch = ", ".join(hf.get("architectures") or []) or "unknown architecture"
-        raise HFError(f"config.json: model_type={kind!r} ({arch}) is not a Llama model; only "
-                      f"model_type 'llama' (LlamaForCausalLM) or {LADDER_TYPE!r} "
-                      f"(LlamaLadderForCausalLM, the Ladder Residual authors' hybrids) can be "
-                      f"imported")
+        raise HFError(
+            f"config.json: model_type={kind!r} ({arch}) is not a Llama model; only "
+            f"model_type 'llama' (LlamaForCausalLM) or {LADDER_TYPE!r} "
+            f"(LlamaLadderForCausalLM, the Ladder Residual authors' hybrids) can be "
+            f"imported"
+        )
     for key, ok in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
         if hf.get(key, ok) != ok:
             raise HFError(f"config.json: {key}={hf[key]!r} is not supported (needs {ok!r})")
     if (hf.get("pretraining_tp") or 1) != 1:
         raise HFError(f"config.json: pretraining_tp={hf['pretraining_tp']} is not supported")
-    need = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "intermediate_size")
+    need = (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+    )
     missing = [k for k in need if k not in hf]
     if missing:
         raise HFError(f"config.json lacks {', '.join(missing)}")
@@ -174,13 +203,17 @@ def config_from_hf(hf: dict, *, residual=None, ladder_layers=_KEEP, dtype="float
     if isinstance(ladder_layers, list):
         ladder_layers = tuple(ladder_layers)
     if ladder_layers is not _KEEP:  # an explicit ladder_layers: it must agree with the file's
-        if named and not isinstance(ladder_layers, bool) and isinstance(
-                ladder_layers, (int, tuple, type(None))) and (
-                _layer_set(ladder_layers, n) != _layer_set(file_layers, n)):
+        if (
+            named
+            and not isinstance(ladder_layers, bool)
+            and isinstance(ladder_layers, (int, tuple, type(None)))
+            and (_layer_set(ladder_layers, n) != _layer_set(file_layers, n))
+        ):
             raise HFError(
                 f"config.json names its ladder layers ({_describe(file_layers, n)}); "
                 f"ladder_layers={ladder_layers!r} ({_describe(ladder_layers, n)}) disagrees: "
-                f"leave ladder_layers out to load the model the file describes")
+                f"leave ladder_layers out to load the model the file describes"
+            )
         if named:
             ladder_layers = file_layers  # the same layers, in the file's spelling
         residual = residual or "ladder"
@@ -193,14 +226,23 @@ def config_from_hf(hf: dict, *, residual=None, ladder_layers=_KEEP, dtype="float
     theta, scaling = _rope(hf)
     try:
         return ModelConfig(
-            vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
-            n_layers=n, n_heads=hf["num_attention_heads"],
+            vocab_size=hf["vocab_size"],
+            d_model=hf["hidden_size"],
+            n_layers=n,
+            n_heads=hf["num_attention_heads"],
             n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            d_ff=hf["intermediate_size"], head_dim=hf.get("head_dim"),
-            max_seq_len=hf.get("max_position_embeddings", 2048), rope_theta=theta,
-            rope_scaling=scaling, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)), residual=residual,
-            ladder_layers=ladder_layers, dtype=dtype, param_dtype=param_dtype)
+            d_ff=hf["intermediate_size"],
+            head_dim=hf.get("head_dim"),
+            max_seq_len=hf.get("max_position_embeddings", 2048),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            residual=residual,
+            ladder_layers=ladder_layers,
+            dtype=dtype,
+            param_dtype=param_dtype,
+        )
     except ConfigError as e:
         raise HFError(f"config.json: {e}") from None
 
@@ -221,9 +263,14 @@ def hf_config(config: ModelConfig, tokenizer=None) -> dict:
     sc = config.rope_scaling
     rope = {"rope_type": "default", "rope_theta": config.rope_theta}
     if sc is not None:
-        rope = {"rope_type": "llama3", "rope_theta": config.rope_theta, "factor": sc.factor,
-                "low_freq_factor": sc.low_freq_factor, "high_freq_factor": sc.high_freq_factor,
-                "original_max_position_embeddings": sc.original_max_len}
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": config.rope_theta,
+            "factor": sc.factor,
+            "low_freq_factor": sc.low_freq_factor,
+            "high_freq_factor": sc.high_freq_factor,
+            "original_max_position_embeddings": sc.original_max_len,
+        }
     ll = config.ladder_layers
     ladder = config.residual == "ladder"
     if ladder and ll is None:
@@ -231,14 +278,22 @@ def hf_config(config: ModelConfig, tokenizer=None) -> dict:
     out = {
         "architectures": ["LlamaLadderForCausalLM" if ladder else "LlamaForCausalLM"],
         "model_type": LADDER_TYPE if ladder else "llama",
-        "vocab_size": config.vocab_size, "hidden_size": config.d_model,
-        "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.n_kv_heads, "intermediate_size": config.d_ff,
-        "head_dim": config.head_dim, "max_position_embeddings": config.max_seq_len,
-        "rms_norm_eps": config.norm_eps, "tie_word_embeddings": config.tie_embeddings,
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "intermediate_size": config.d_ff,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
         # transformers 4.x reads rope_theta (+ rope_scaling), 5.x rope_parameters
-        "rope_theta": config.rope_theta, "rope_parameters": rope,
+        "rope_theta": config.rope_theta,
+        "rope_parameters": rope,
         "dtype": str(np.dtype(config.param_dtype)),
         # the scheme (llamaLadder reads ladder_layers; ladder_residual is this package's)
         "ladder_residual": config.residual,
@@ -265,8 +320,10 @@ def read_config(path: str) -> dict:
     except (OSError, ValueError) as e:
         raise HFError(f"cannot read {file}: {e}") from None
     if not isinstance(hf, dict):
-        raise HFError(f"{file} holds a JSON {type(hf).__name__}, not an object: a Llama "
-                      f"config.json is an object of settings (\"model_type\": \"llama\", ...)")
+        raise HFError(
+            f"{file} holds a JSON {type(hf).__name__}, not an object: a Llama "
+            f'config.json is an object of settings ("model_type": "llama", ...)'
+        )
     return hf
 
 
@@ -286,6 +343,7 @@ class _Entry:
 def _table(c: ModelConfig) -> list[_Entry]:
     D, F, V, H = c.d_model, c.d_ff, c.vocab_size, c.head_dim
     N, K = c.n_heads, c.n_kv_heads
+
     def same(w):
         return w
 
@@ -293,28 +351,34 @@ def _table(c: ModelConfig) -> list[_Entry]:
         return w.T
 
     def proj(heads):  # (heads*H, D) <-> (D, heads, H)
-        return (lambda w: w.reshape(heads, H, D).transpose(2, 0, 1),
-                lambda w: w.transpose(1, 2, 0).reshape(heads * H, D))
+        return (
+            lambda w: w.reshape(heads, H, D).transpose(2, 0, 1),
+            lambda w: w.transpose(1, 2, 0).reshape(heads * H, D),
+        )
 
-    out_in = (lambda w: w.reshape(D, N, H).transpose(1, 2, 0),  # (D, N*H) <-> (N, H, D)
-              lambda w: w.transpose(2, 0, 1).reshape(D, N * H))
+    out_in = (
+        lambda w: w.reshape(D, N, H).transpose(1, 2, 0),  # (D, N*H) <-> (N, H, D)
+        lambda w: w.transpose(2, 0, 1).reshape(D, N * H),
+    )
     rows = [_Entry(("embed",), "model.embed_tokens.weight", (V, D), same, same)]
     for i in range(c.n_layers):
         p = f"model.layers.{i}."
         attn, mlp = ("layers", i, "attn"), ("layers", i, "mlp")  # a `Linear`'s path: + weight
         rows += [
-            _Entry(("layers", i, "attn_norm", "scale"), p + "input_layernorm.weight", (D,),
-                   same, same),
-            _Entry((*attn, "q", "weight"), p + "self_attn.q_proj.weight", (N * H, D),
-                   *proj(N)),
-            _Entry((*attn, "k", "weight"), p + "self_attn.k_proj.weight", (K * H, D),
-                   *proj(K)),
-            _Entry((*attn, "v", "weight"), p + "self_attn.v_proj.weight", (K * H, D),
-                   *proj(K)),
-            _Entry((*attn, "o", "weight"), p + "self_attn.o_proj.weight", (D, N * H),
-                   *out_in),
-            _Entry(("layers", i, "mlp_norm", "scale"), p + "post_attention_layernorm.weight",
-                   (D,), same, same),
+            _Entry(
+                ("layers", i, "attn_norm", "scale"), p + "input_layernorm.weight", (D,), same, same
+            ),
+            _Entry((*attn, "q", "weight"), p + "self_attn.q_proj.weight", (N * H, D), *proj(N)),
+            _Entry((*attn, "k", "weight"), p + "self_attn.k_proj.weight", (K * H, D), *proj(K)),
+            _Entry((*attn, "v", "weight"), p + "self_attn.v_proj.weight", (K * H, D), *proj(K)),
+            _Entry((*attn, "o", "weight"), p + "self_attn.o_proj.weight", (D, N * H), *out_in),
+            _Entry(
+                ("layers", i, "mlp_norm", "scale"),
+                p + "post_attention_layernorm.weight",
+                (D,),
+                same,
+                same,
+            ),
             _Entry((*mlp, "gate", "weight"), p + "mlp.gate_proj.weight", (F, D), T, T),
             _Entry((*mlp, "up", "weight"), p + "mlp.up_proj.weight", (F, D), T, T),
             _Entry((*mlp, "down", "weight"), p + "mlp.down_proj.weight", (D, F), T, T),
@@ -332,14 +396,33 @@ _IGNORED = ("rotary_emb.inv_freq",)
 # ---------------------------------------------------------------------------------------------
 # safetensors: read with the package's `safe_open`, after a header check that names the fault.
 
-_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32),
-           "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}
+_DTYPES = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+}
 _CODES = {v: k for k, v in _DTYPES.items()}
 
 
 # Bytes per element of every safetensors dtype, to check byte ranges even of tensors we skip.
-_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2,
-             "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+_ITEMSIZE = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "I16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "F32": 4,
+    "U64": 8,
+    "I64": 8,
+    "F64": 8,
+}
 _MAX_HEADER = 100 * 2**20  # the format's own limit on the JSON header
 
 
@@ -358,9 +441,13 @@ class _SafetensorsFile:
                 head = f.read(8)
                 n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
                 if n is None or n > min(size - 8, _MAX_HEADER):
-                    raise HFError(self._damaged(
-                        f"{size} bytes, too short for a header" if n is None else
-                        f"its header length field says {n} bytes, the file has {size}"))
+                    raise HFError(
+                        self._damaged(
+                            f"{size} bytes, too short for a header"
+                            if n is None
+                            else f"its header length field says {n} bytes, the file has {size}"
+                        )
+                    )
                 header = json.loads(f.read(n))
         except HFError:
             raise
@@ -369,8 +456,9 @@ class _SafetensorsFile:
         except ValueError as e:  # JSON or UTF-8
             raise HFError(self._damaged(f"its header is not JSON: {e}")) from None
         if not isinstance(header, dict):
-            raise HFError(self._damaged(f"its header is a JSON {type(header).__name__}, "
-                                        f"not an object"))
+            raise HFError(
+                self._damaged(f"its header is a JSON {type(header).__name__}, not an object")
+            )
         header.pop("__metadata__", None)
         self.header = header
         for name, h in header.items():
@@ -381,19 +469,21 @@ class _SafetensorsFile:
             raise HFError(self._damaged(str(e))) from None
 
     def _damaged(self, why: str) -> str:
-        return (f"{self.file} is not a valid safetensors file ({why}): the download or copy is "
-                f"damaged; fetch it again")
+        return (
+            f"{self.file} is not a valid safetensors file ({why}): the download or copy is "
+            f"damaged; fetch it again"
+        )
 
     def _check(self, name, h, data_bytes: int) -> None:
         def bad(why):
             return HFError(self._damaged(f"tensor {name!r}: {why}"))
 
-        if not isinstance(h, dict) or any(k not in h for k in ("dtype", "shape",
-                                                                 "data_offsets")):
+        if not isinstance(h, dict) or any(k not in h for k in ("dtype", "shape", "data_offsets")):
             raise bad("its entry needs dtype, shape and data_offsets")
         dtype, shape, offsets = h["dtype"], h["shape"], h["data_offsets"]
         if dtype not in _ITEMSIZE:
             raise bad(f"unknown dtype {dtype!r}")
+
         def sizes(xs):  # a JSON list of non-negative integers
             return isinstance(xs, list) and all(type(x) is int and x >= 0 for x in xs)
 
@@ -402,11 +492,14 @@ class _SafetensorsFile:
         if not sizes(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
             raise bad(f"data_offsets {offsets!r} is not a [start, end] byte range")
         if offsets[1] > data_bytes:
-            raise bad(f"its bytes end at {offsets[1]}, past the {data_bytes} bytes of data the "
-                      f"file holds (truncated?)")
+            raise bad(
+                f"its bytes end at {offsets[1]}, past the {data_bytes} bytes of data the "
+                f"file holds (truncated?)"
+            )
         if offsets[1] - offsets[0] != math.prod(shape) * _ITEMSIZE[dtype]:
-            raise bad(f"{offsets[1] - offsets[0]} bytes do not hold shape {tuple(shape)} "
-                      f"of {dtype}")
+            raise bad(
+                f"{offsets[1] - offsets[0]} bytes do not hold shape {tuple(shape)} of {dtype}"
+            )
 
     def shape(self, name: str) -> tuple:
         return tuple(self.header[name]["shape"])
@@ -417,9 +510,11 @@ class _SafetensorsFile:
 
     def check_dtype(self, name: str) -> None:
         if self.header[name]["dtype"] not in _DTYPES:
-            raise HFError(f"{self.file}: tensor {name!r} has dtype {self.header[name]['dtype']}, "
-                          f"which cannot be imported (only {', '.join(_DTYPES)}): convert the "
-                          f"checkpoint's weights to a float dtype")
+            raise HFError(
+                f"{self.file}: tensor {name!r} has dtype {self.header[name]['dtype']}, "
+                f"which cannot be imported (only {', '.join(_DTYPES)}): convert the "
+                f"checkpoint's weights to a float dtype"
+            )
 
     def read(self, name: str) -> np.ndarray:
         """The tensor (a float dtype of `_DTYPES`), read into host memory."""
@@ -448,27 +543,40 @@ def _weight_files(path: str) -> dict[str, str]:
             raise HFError(f"cannot read {index}: {e}") from None
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         if not isinstance(weight_map, dict) or not all(
-                isinstance(v, str) for v in weight_map.values()):
-            raise HFError(f"{index} has no \"weight_map\" object of tensor name -> file name: "
-                          f"the index is damaged; fetch it again")
-        outside = sorted({v for v in weight_map.values()
-                          if os.path.basename(v) != v or v in ("", ".", "..")})
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise HFError(
+                f'{index} has no "weight_map" object of tensor name -> file name: '
+                f"the index is damaged; fetch it again"
+            )
+        outside = sorted(
+            {v for v in weight_map.values() if os.path.basename(v) != v or v in ("", ".", "..")}
+        )
         if outside:
-            raise HFError(f"{index} lists {outside[0]!r}, which is not a file name in {path!r}"
-                          f": an index names the files beside it (no directories, no '..'); "
-                          f"the index is damaged or not from this model, fetch it again")
-        absent = sorted({v for v in weight_map.values()
-                         if not os.path.isfile(os.path.join(path, v))})
+            raise HFError(
+                f"{index} lists {outside[0]!r}, which is not a file name in {path!r}"
+                f": an index names the files beside it (no directories, no '..'); "
+                f"the index is damaged or not from this model, fetch it again"
+            )
+        absent = sorted(
+            {v for v in weight_map.values() if not os.path.isfile(os.path.join(path, v))}
+        )
         if absent:
-            raise HFError(f"{index} lists {absent[0]!r}, which is not in {path!r} "
-                          f"({len(absent)} file(s) missing): the download is incomplete")
+            raise HFError(
+                f"{index} lists {absent[0]!r}, which is not in {path!r} "
+                f"({len(absent)} file(s) missing): the download is incomplete"
+            )
         return {k: os.path.join(path, v) for k, v in weight_map.items()}
     if os.path.isfile(os.path.join(path, SINGLE)):
-        return {k: os.path.join(path, SINGLE)
-                for k in _SafetensorsFile(os.path.join(path, SINGLE)).header}
+        return {
+            k: os.path.join(path, SINGLE)
+            for k in _SafetensorsFile(os.path.join(path, SINGLE)).header
+        }
     if any(f.endswith(".bin") for f in os.listdir(path)):
-        raise HFError(f"{path!r} has PyTorch .bin weights only: save them as safetensors first "
-                      f"(transformers: model.save_pretrained(dir, safe_serialization=True))")
+        raise HFError(
+            f"{path!r} has PyTorch .bin weights only: save them as safetensors first "
+            f"(transformers: model.save_pretrained(dir, safe_serialization=True))"
+        )
     raise HFError(f"no {SINGLE} or {INDEX} in {path!r}")
 
 
@@ -500,9 +608,11 @@ class Transfer:
             self.on_tensor(self)
 
     def summary(self, verb: str) -> str:
-        return (f"{verb} {len(self.files)} {self.kind} file(s), {self.tensors} tensors "
-                f"({', '.join(sorted(self.dtypes))}), {self.bytes / 1e6:,.1f} MB in "
-                f"{time.perf_counter() - self.started:.1f} s")
+        return (
+            f"{verb} {len(self.files)} {self.kind} file(s), {self.tensors} tensors "
+            f"({', '.join(sorted(self.dtypes))}), {self.bytes / 1e6:,.1f} MB in "
+            f"{time.perf_counter() - self.started:.1f} s"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -515,9 +625,17 @@ def _leaf(tree, path):
     return tree
 
 
-def load_hf(path: str, *, mesh, residual: str | None = None, ladder_layers=_KEEP,
-            dtype: str = "float32", param_dtype: str = "float32",
-            transfer: Transfer | None = None, quantize: str | None = None):
+def load_hf(
+    path: str,
+    *,
+    mesh,
+    residual: str | None = None,
+    ladder_layers=_KEEP,
+    dtype: str = "float32",
+    param_dtype: str = "float32",
+    transfer: Transfer | None = None,
+    quantize: str | None = None,
+):
     """(model, tokenizer) from a local Hugging Face Llama directory; tokenizer is an
     `HFTokenizer`, or None when there is no tokenizer.json.
 
@@ -530,8 +648,9 @@ def load_hf(path: str, *, mesh, residual: str | None = None, ladder_layers=_KEEP
     path = os.fspath(path)
     transfer = transfer if transfer is not None else Transfer()
     hf = read_config(path)
-    config = config_from_hf(hf, residual=residual, ladder_layers=ladder_layers, dtype=dtype,
-                            param_dtype=param_dtype)
+    config = config_from_hf(
+        hf, residual=residual, ladder_layers=ladder_layers, dtype=dtype, param_dtype=param_dtype
+    )
     graphdef, state = abstract(config, mesh)  # raises ShardingError if config does not fit
     files = _weight_files(path)
     table = _table(config)
@@ -541,22 +660,30 @@ def load_hf(path: str, *, mesh, residual: str | None = None, ladder_layers=_KEEP
     missing = [e.name for e in table if e.name not in files]
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-        raise HFError(f"tensor {missing[0]!r} is missing from {path!r}{more}: "
-                      f"{', '.join(repr(m) for m in missing[:3])}")
+        raise HFError(
+            f"tensor {missing[0]!r} is missing from {path!r}{more}: "
+            f"{', '.join(repr(m) for m in missing[:3])}"
+        )
     for e in table:
         h = headers[files[e.name]]
         if e.name not in h.header:
-            raise HFError(f"tensor {e.name!r} is listed in {INDEX} under "
-                          f"{os.path.basename(files[e.name])} but is not in that file")
+            raise HFError(
+                f"tensor {e.name!r} is listed in {INDEX} under "
+                f"{os.path.basename(files[e.name])} but is not in that file"
+            )
         if h.shape(e.name) != e.hf_shape:
-            raise HFError(f"tensor {e.name!r} in {os.path.basename(h.file)} has shape "
-                          f"{h.shape(e.name)}, but config.json implies {e.hf_shape}")
+            raise HFError(
+                f"tensor {e.name!r} in {os.path.basename(h.file)} has shape "
+                f"{h.shape(e.name)}, but config.json implies {e.hf_shape}"
+            )
         h.check_dtype(e.name)
     known = {e.name for e in table} | ({"lm_head.weight"} if config.tie_embeddings else set())
     extra = [n for n in files if n not in known and not n.endswith(_IGNORED)]
     if extra:
-        raise HFError(f"tensor {extra[0]!r} in {os.path.basename(files[extra[0]])} is not a "
-                      f"weight of a Llama model with this config.json ({len(extra)} unexpected)")
+        raise HFError(
+            f"tensor {extra[0]!r} in {os.path.basename(files[extra[0]])} is not a "
+            f"weight of a Llama model with this config.json ({len(extra)} unexpected)"
+        )
 
     tokenizer = HFTokenizer.from_dir(path, hf)  # a bad tokenizer.json fails before the reads
     if tokenizer is None and hf.get(BYTE_TOKENIZER_KEY) == "byte":
@@ -569,13 +696,16 @@ def load_hf(path: str, *, mesh, residual: str | None = None, ladder_layers=_KEEP
             var = _leaf(state, e.path)
             host = np.asarray(e.to_ours(h.read(e.name)), dtype=var.dtype)  # one tensor copy
             if not np.isfinite(host).all():
-                raise HFError(f"{file}: tensor {e.name!r} has "
-                              f"{np.count_nonzero(~np.isfinite(host))} NaN/inf values: the "
-                              f"checkpoint is damaged (or was saved after training diverged)")
+                raise HFError(
+                    f"{file}: tensor {e.name!r} has "
+                    f"{np.count_nonzero(~np.isfinite(host))} NaN/inf values: the "
+                    f"checkpoint is damaged (or was saved after training diverged)"
+                )
             sharding = NamedSharding(mesh, var.spec)
             parent = _leaf(pure, e.path[:-1])
             parent[e.path[-1]] = jax.make_array_from_callback(
-                host.shape, sharding, lambda idx, host=host: host[idx])
+                host.shape, sharding, lambda idx, host=host: host[idx]
+            )
             del host
             transfer.add(file, h.header[e.name]["dtype"], h.nbytes(e.name))
     nnx.replace_by_pure_dict(state, pure)
@@ -593,9 +723,15 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))  # collective
 
 
-def save_hf(model: Transformer, path: str, *, tokenizer=None,
-            max_shard_bytes: int = 5 * 2**30, transfer: Transfer | None = None,
-            overwrite: bool = False) -> None:
+def save_hf(
+    model: Transformer,
+    path: str,
+    *,
+    tokenizer=None,
+    max_shard_bytes: int = 5 * 2**30,
+    transfer: Transfer | None = None,
+    overwrite: bool = False,
+) -> None:
     """Writes `model` as a Hugging Face Llama directory: config.json (with the residual scheme
     under "ladder_residual" / "ladder_layers"), safetensors in the weights' dtype (several
     files and an index when they exceed `max_shard_bytes`), and the tokenizer's tokenizer.json
@@ -603,13 +739,20 @@ def save_hf(model: Transformer, path: str, *, tokenizer=None,
     process; process 0 writes. `transfer` counts what is written. An existing directory that is
     not empty is refused (HFError) unless `overwrite=True` (its model files are then replaced)."""
     path = os.fspath(path)
-    if (not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool)
-            or max_shard_bytes <= 0):
-        raise HFError(f"max_shard_bytes={max_shard_bytes!r} must be a positive number of bytes "
-                      f"(default 5 GiB)")
+    if (
+        not isinstance(max_shard_bytes, int)
+        or isinstance(max_shard_bytes, bool)
+        or max_shard_bytes <= 0
+    ):
+        raise HFError(
+            f"max_shard_bytes={max_shard_bytes!r} must be a positive number of bytes "
+            f"(default 5 GiB)"
+        )
     if os.path.exists(path) and (not os.path.isdir(path) or (os.listdir(path) and not overwrite)):
-        raise HFError(f"{path!r} exists and is not an empty directory: choose a new directory, "
-                      f"or pass overwrite=True to replace its model files")
+        raise HFError(
+            f"{path!r} exists and is not an empty directory: choose a new directory, "
+            f"or pass overwrite=True to replace its model files"
+        )
     transfer = transfer if transfer is not None else Transfer()
     config = model.config
     quant.refuse(config, "save_hf (the Hugging Face layout holds float Llama weights)")
@@ -628,10 +771,15 @@ def save_hf(model: Transformer, path: str, *, tokenizer=None,
         shards[-1].append(e)
         size += n
     transfer.total_tensors = len(table)
-    transfer.total_bytes = sum(math.prod(_leaf(state, e.path).shape) *
-                               np.dtype(_leaf(state, e.path).dtype).itemsize for e in table)
-    names = ([SINGLE] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    transfer.total_bytes = sum(
+        math.prod(_leaf(state, e.path).shape) * np.dtype(_leaf(state, e.path).dtype).itemsize
+        for e in table
+    )
+    names = (
+        [SINGLE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     weight_map, total = {}, 0
     for file, entries in zip(names, shards):
         tensors = {}
@@ -639,8 +787,11 @@ def save_hf(model: Transformer, path: str, *, tokenizer=None,
             tensors[e.name] = np.ascontiguousarray(e.to_hf(_to_host(_leaf(state, e.path)[...])))
             weight_map[e.name] = file
             total += tensors[e.name].nbytes
-            transfer.add(file, _CODES.get(tensors[e.name].dtype, str(tensors[e.name].dtype)),
-                         tensors[e.name].nbytes)
+            transfer.add(
+                file,
+                _CODES.get(tensors[e.name].dtype, str(tensors[e.name].dtype)),
+                tensors[e.name].nbytes,
+            )
         if writer:
             _write_safetensors(os.path.join(path, file), tensors)
         del tensors

@@ -65,9 +65,18 @@ class HFTokenizer:
 
     `add_bos` None: whether the tokenizer's post-processor puts `bos_id` first."""
 
-    def __init__(self, file: str | None = None, *, bos_id=None, eos_id=None, pad_id=None,
-                 add_bos: bool | None = None, chat_template: str | None = None,
-                 tokenizer: Tokenizer | None = None, config: dict | None = None):
+    def __init__(
+        self,
+        file: str | None = None,
+        *,
+        bos_id=None,
+        eos_id=None,
+        pad_id=None,
+        add_bos: bool | None = None,
+        chat_template: str | None = None,
+        tokenizer: Tokenizer | None = None,
+        config: dict | None = None,
+    ):
         self.file = file
         if tokenizer is not None:
             self._tok = tokenizer
@@ -75,9 +84,11 @@ class HFTokenizer:
             try:
                 self._tok = Tokenizer.from_file(file)
             except Exception as e:  # the tokenizers package raises bare Exceptions
-                raise ConfigError(f"{file} is not a tokenizer.json the tokenizers package can "
-                                  f"read ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
-                                  f": fetch it again") from None
+                raise ConfigError(
+                    f"{file} is not a tokenizer.json the tokenizers package can "
+                    f"read ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                    f": fetch it again"
+                ) from None
         self.vocab_size = self._tok.get_vocab_size()
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
         self._add_bos = add_bos
@@ -85,8 +96,9 @@ class HFTokenizer:
         self._config = dict(config or {})  # tokenizer_config.json as read, rewritten by save
         plain = self._tok.encode("a", add_special_tokens=False).ids
         full = self._tok.encode("a", add_special_tokens=True).ids
-        self._prepended = (full[0] if len(full) > len(plain) and full[:1] != plain[:1]
-                           else None)  # what the post-processor puts first, if anything
+        self._prepended = (
+            full[0] if len(full) > len(plain) and full[:1] != plain[:1] else None
+        )  # what the post-processor puts first, if anything
 
     @property
     def add_bos(self) -> bool:
@@ -125,8 +137,12 @@ class HFTokenizer:
             with open(jinja, encoding="utf-8") as f:
                 template = f.read()
         add_bos = names.get("add_bos_token")
-        tok = cls(file, add_bos=add_bos if isinstance(add_bos, bool) else None,
-                  chat_template=template if isinstance(template, str) else None, config=names)
+        tok = cls(
+            file,
+            add_bos=add_bos if isinstance(add_bos, bool) else None,
+            chat_template=template if isinstance(template, str) else None,
+            config=names,
+        )
 
         def special(key):
             v = hf.get(f"{key}_token_id")
@@ -143,18 +159,26 @@ class HFTokenizer:
 
     def guess_specials(self) -> None:
         """Without a config beside the tokenizer.json, find BOS / EOS by their usual names."""
-        for attr, names in (("bos_id", ("<s>", "<|begin_of_text|>", "<bos>")),
-                            ("eos_id", ("</s>", "<|end_of_text|>", "<eos>"))):
+        for attr, names in (
+            ("bos_id", ("<s>", "<|begin_of_text|>", "<bos>")),
+            ("eos_id", ("</s>", "<|end_of_text|>", "<eos>")),
+        ):
             if getattr(self, attr) is None:
-                setattr(self, attr, next(
-                    (i for i in map(self._tok.token_to_id, names) if i is not None), None))
+                setattr(
+                    self,
+                    attr,
+                    next((i for i in map(self._tok.token_to_id, names) if i is not None), None),
+                )
 
     def encode(self, text: str, *, bos: bool | None = None, eos: bool = False) -> list[int]:
         """Token ids of `text`; BOS first when bos (None: `add_bos`), EOS last when eos."""
         bos = self.add_bos if bos is None else bos
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        return ([self.bos_id] if bos and self.bos_id is not None else []) + ids + (
-            [self.eos_id] if eos and self.eos_id is not None else [])
+        return (
+            ([self.bos_id] if bos and self.bos_id is not None else [])
+            + ids
+            + ([self.eos_id] if eos and self.eos_id is not None else [])
+        )
 
     def special_text(self, token_id: int | None) -> str:
         """A special token's text (what chat templates call bos_token), "" if none."""
@@ -181,8 +205,10 @@ class HFTokenizer:
             json.dump(config, f, indent=2, ensure_ascii=False)
 
     def __repr__(self):
-        return (f"HFTokenizer({self.file or 'in memory'}, vocab {self.vocab_size}, "
-                f"bos={self.bos_id}, eos={self.eos_id}, add_bos={self.add_bos})")
+        return (
+            f"HFTokenizer({self.file or 'in memory'}, vocab {self.vocab_size}, "
+            f"bos={self.bos_id}, eos={self.eos_id}, add_bos={self.add_bos})"
+        )
 
 
 def make_tokenizer(name: str):
@@ -190,10 +216,10 @@ def make_tokenizer(name: str):
     if name == "byte":
         return ByteTokenizer()
     if not os.path.isfile(name):
-        raise ConfigError(f"data.tokenizer={name!r}: no such file (give a tokenizer.json or "
-                          f"byte)")
+        raise ConfigError(f"data.tokenizer={name!r}: no such file (give a tokenizer.json or byte)")
     directory = os.path.dirname(os.path.abspath(name))
-    tok = (HFTokenizer.from_dir(directory) if os.path.basename(name) == "tokenizer.json"
-           else None) or HFTokenizer(name)
+    tok = (
+        HFTokenizer.from_dir(directory) if os.path.basename(name) == "tokenizer.json" else None
+    ) or HFTokenizer(name)
     tok.guess_specials()
     return tok

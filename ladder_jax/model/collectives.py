@@ -73,10 +73,13 @@ _vary_of_one_p = jax.extend.core.Primitive("ladder_vary_of_one")
 for _p in (_sum_of_one_p, _vary_of_one_p):
     _p.def_impl(lambda x, *, axes: x)
     mlir.register_lowering(_p, lambda ctx, x, *, axes: [x])
-    batching.primitive_batchers[_p] = (
-        lambda args, dims, *, axes, _p=_p: (_p.bind(args[0], axes=axes), dims[0]))
+    batching.primitive_batchers[_p] = lambda args, dims, *, axes, _p=_p: (
+        _p.bind(args[0], axes=axes),
+        dims[0],
+    )
 _sum_of_one_p.def_effectful_abstract_eval(
-    lambda aval, *, axes: _psum_typing(_sum_of_one_p.name, aval, axes=axes))
+    lambda aval, *, axes: _psum_typing(_sum_of_one_p.name, aval, axes=axes)
+)
 _vary_of_one_p.def_abstract_eval(_pvary_typing)
 ad.deflinear2(_sum_of_one_p, lambda ct, x, *, axes: (_vary_of_one_p.bind(ct, axes=axes),))
 ad.deflinear2(_vary_of_one_p, lambda ct, x, *, axes: (_sum_of_one_p.bind(ct, axes=axes),))
@@ -105,7 +108,8 @@ _tie_p.multiple_results = True
 _tie_p.def_impl(lambda *xs: xs)
 _tie_p.def_abstract_eval(lambda *avals: list(avals))
 mlir.register_lowering(
-    _tie_p, mlir.lower_fun(lambda *xs: jax.lax.optimization_barrier(xs), multiple_results=True))
+    _tie_p, mlir.lower_fun(lambda *xs: jax.lax.optimization_barrier(xs), multiple_results=True)
+)
 
 
 def _tie_jvp(primals, tangents):
@@ -178,9 +182,15 @@ def read_weight(weight, dtype=None) -> jax.Array:
     if dtype is not None:
         w = w.astype(dtype)
     stored = getattr(weight, "stored", None)
-    split = [] if stored is None else [
-        i for i, entry in enumerate(stored)
-        if DATA in (entry if isinstance(entry, tuple) else (entry,))]
+    split = (
+        []
+        if stored is None
+        else [
+            i
+            for i, entry in enumerate(stored)
+            if DATA in (entry if isinstance(entry, tuple) else (entry,))
+        ]
+    )
     if not split:
         return _vary_over_one_data_rank(w)
     return jax.lax.all_gather(w, DATA, axis=split[0], tiled=True)

@@ -105,8 +105,14 @@ CPU_TRAIN_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYP
 CPU_KEEP_BARRIERS_PASS = "cse_barrier_expander"
 
 
-def jit(fn: Callable, *, platform: str | None = None, mesh: Mesh | None = None,
-        program: str = "any", **jit_kwargs) -> Callable:
+def jit(
+    fn: Callable,
+    *,
+    platform: str | None = None,
+    mesh: Mesh | None = None,
+    program: str = "any",
+    **jit_kwargs,
+) -> Callable:
     """`jax.jit` with ladder_jax's compiler options for `platform`: given, else that of `mesh`'s
     devices (a deviceless GPU mesh on a CPU host compiles for the GPU), else the backend's;
     `program="train"` for a training step (`compiler_options`)."""

@@ -43,12 +43,14 @@ def make_mesh(tp: int | None = None, data: int | None = None, *, devices=None) -
     elif data is None:
         if tp <= 0 or n % tp:
             raise ShardingError(
-                f"tp={tp} does not divide the {n} available devices: use a divisor of {n}")
+                f"tp={tp} does not divide the {n} available devices: use a divisor of {n}"
+            )
         data = n // tp
     if tp <= 0 or data <= 0 or tp * data != n:
         raise ShardingError(
             f"data={data} x tp={tp} = {data * tp} devices, but {n} are available: "
-            f"choose sizes whose product is {n}")
+            f"choose sizes whose product is {n}"
+        )
     grid = np.array(devices, dtype=object).reshape(data, tp)
     return Mesh(grid, (DATA, TP), axis_types=(AxisType.Auto, AxisType.Auto))
 
@@ -94,7 +96,6 @@ class WeightSpecs:
             norm_d=P(None),
             kv_replicated=kv_replicated,
         )
-
 
     @staticmethod
     def fsdp(spec: P, shape, n_data: int) -> P:
@@ -157,8 +158,14 @@ def largest_tp(config, limit: int) -> int:
     return max(t for t in range(1, max(1, limit) + 1) if fits(config, t))
 
 
-def default_tp(config, devices: int, *, backend: str | None = None,
-               cores: int | None = None, flag: str = "--tp") -> tuple[int, str]:
+def default_tp(
+    config,
+    devices: int,
+    *,
+    backend: str | None = None,
+    cores: int | None = None,
+    flag: str = "--tp",
+) -> tuple[int, str]:
     """(tp, why) when the user named none: the largest tp that `config` splits over and that
     does not exceed `devices`, nor on a CPU backend half this host's cores (fake devices share
     the cores, and XLA:CPU runs each device's matmuls on several threads: a tp of all the
@@ -172,39 +179,50 @@ def default_tp(config, devices: int, *, backend: str | None = None,
         if max(1, cores // 2) <= devices:
             limit, over = max(1, cores // 2), f"half this host's {cores} CPU core(s)"
     tp = largest_tp(config, limit)
-    return tp, (f"tp={tp}: the largest that splits the model's {config.n_heads} heads "
-                f"({config.n_kv_heads} kv heads) and fits {over} ({flag} to choose)")
+    return tp, (
+        f"tp={tp}: the largest that splits the model's {config.n_heads} heads "
+        f"({config.n_kv_heads} kv heads) and fits {over} ({flag} to choose)"
+    )
 
 
 def _check_divisible(config, tp: int) -> None:
     if config.n_heads % tp:
         raise ShardingError(
             f"n_heads={config.n_heads} is not divisible by tp={tp}: use a tp that divides "
-            f"{config.n_heads}")
+            f"{config.n_heads}"
+        )
     k = config.n_kv_heads
     if k >= tp and k % tp:
         raise ShardingError(
             f"n_kv_heads={k} is not divisible by tp={tp}: use a tp that divides {k}, or a "
-            f"multiple of {k} (kv heads are then replicated)")
+            f"multiple of {k} (kv heads are then replicated)"
+        )
     if k < tp and tp % k:
-        fits = sorted(d for d in range(1, config.n_heads + 1)
-                      if config.n_heads % d == 0 and (d % k == 0 or k % d == 0))
+        fits = sorted(
+            d
+            for d in range(1, config.n_heads + 1)
+            if config.n_heads % d == 0 and (d % k == 0 or k % d == 0)
+        )
         raise ShardingError(
             f"n_kv_heads={k} < tp={tp} and {k} does not divide {tp}: kv heads can only be "
             f"replicated when tp is a multiple of n_kv_heads; use tp in "
-            f"{fits}")
+            f"{fits}"
+        )
     if config.d_ff % tp:
         raise ShardingError(
-            f"d_ff={config.d_ff} is not divisible by tp={tp}: use a tp that divides {config.d_ff}")
+            f"d_ff={config.d_ff} is not divisible by tp={tp}: use a tp that divides {config.d_ff}"
+        )
     if config.vocab_size % tp:
         pad = -(-config.vocab_size // tp) * tp
         raise ShardingError(
             f"vocab_size={config.vocab_size} is not divisible by tp={tp} (the LM head is split "
-            f"over the vocabulary): pad vocab_size to {pad}")
+            f"over the vocabulary): pad vocab_size to {pad}"
+        )
 
 
 def check_batch(batch: int, mesh: Mesh) -> None:
     d = data_size(mesh)
     if batch % d:
         raise ShardingError(
-            f"batch size {batch} is not divisible by the data axis ({d}): use a multiple of {d}")
+            f"batch size {batch} is not divisible by the data axis ({d}): use a multiple of {d}"
+        )

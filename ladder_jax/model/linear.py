@@ -30,8 +30,14 @@ class Linear(nnx.Module):
     (replicated, n_kv_heads < tp) and each rank reads the one its query heads use, from the
     weight and its scale alike."""
 
-    def __init__(self, weight: nnx.Param, equation: str, *, flat: bool = False,
-                 kv_heads: tuple[int, int] | None = None):
+    def __init__(
+        self,
+        weight: nnx.Param,
+        equation: str,
+        *,
+        flat: bool = False,
+        kv_heads: tuple[int, int] | None = None,
+    ):
         self.weight = weight
         self.scale = None  # int8 weights: a float32 Param (`quant.quantize_linear`)
         self.equation = equation
@@ -81,8 +87,9 @@ class FusedLinear(Linear):
     def __call__(self, x, dtype):
         y = super().__call__(x, dtype)
         ends = np.cumsum([math.prod(p) for p in self.parts])[:-1].tolist()
-        return tuple(y.reshape(*y.shape[:-1], *p)
-                     for y, p in zip(jnp.split(y, ends, axis=-1), self.parts))
+        return tuple(
+            y.reshape(*y.shape[:-1], *p) for y, p in zip(jnp.split(y, ends, axis=-1), self.parts)
+        )
 
 
 class FusedInput(nnx.Variable):
@@ -146,9 +153,9 @@ def flat_einsum(equation: str, x, w):
     ins, out = equation.replace(" ", "").split("->")
     xs, ws = ins.split(",")
     n = sum(1 for c in xs if c in ws)  # contracted axes
-    if not (xs[len(xs) - n:] == ws[:n] and out == xs[:len(xs) - n] + ws[n:]):
+    if not (xs[len(xs) - n :] == ws[:n] and out == xs[: len(xs) - n] + ws[n:]):
         raise ValueError(f"flat_einsum: {equation!r} is not a linear layer's contraction")
-    rows, cols = x.shape[:x.ndim - n], w.shape[n:]
-    k = math.prod(x.shape[x.ndim - n:])
+    rows, cols = x.shape[: x.ndim - n], w.shape[n:]
+    k = math.prod(x.shape[x.ndim - n :])
     y = x.reshape(-1, k) @ w.reshape(k, -1)
     return y.reshape(*rows, *cols)

@@ -48,8 +48,7 @@ def quantize_array(w: jax.Array, contracted) -> tuple[jax.Array, jax.Array]:
 @functools.partial(jax.jit, static_argnames=("contracted", "shardings"))
 def _quantize_placed(w, *, contracted, shardings):
     values, scale = quantize_array(w, contracted)
-    return tuple(jax.lax.with_sharding_constraint(a, s)
-                 for a, s in zip((values, scale), shardings))
+    return tuple(jax.lax.with_sharding_constraint(a, s) for a, s in zip((values, scale), shardings))
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "sharding"))
@@ -63,12 +62,16 @@ def quantize_linear(linear: Linear, mesh) -> None:
     scale (`scale_spec`)."""
     weight = linear.weight
     if getattr(weight, "stored", weight.spec) != weight.spec:
-        raise ConfigError("quantized weights are for decoding: FSDP (mesh.fsdp, training) "
-                          "keeps float weights")
+        raise ConfigError(
+            "quantized weights are for decoding: FSDP (mesh.fsdp, training) keeps float weights"
+        )
     contracted = linear.contracted
     sspec = scale_spec(weight.spec, len(weight.shape), contracted)
-    values, scale = _quantize_placed(weight[...], contracted=contracted, shardings=(
-        NamedSharding(mesh, weight.spec), NamedSharding(mesh, sspec)))
+    values, scale = _quantize_placed(
+        weight[...],
+        contracted=contracted,
+        shardings=(NamedSharding(mesh, weight.spec), NamedSharding(mesh, sspec)),
+    )
     linear.weight = nnx.Param(values, spec=weight.spec, stored=weight.spec)
     linear.scale = nnx.data(nnx.Param(scale, spec=sspec, stored=sspec))  # was None: static
 
@@ -76,8 +79,9 @@ def quantize_linear(linear: Linear, mesh) -> None:
 def dequantize_linear(linear: Linear, mesh, dtype) -> None:
     """The int8 `linear` made float in place: values * scale in `dtype`, in its sharding."""
     values = linear.weight
-    w = _dequantize_placed(values[...], linear.scale[...], dtype=dtype,
-                           sharding=NamedSharding(mesh, values.spec))
+    w = _dequantize_placed(
+        values[...], linear.scale[...], dtype=dtype, sharding=NamedSharding(mesh, values.spec)
+    )
     linear.weight = nnx.Param(w, spec=values.spec, stored=values.spec)
     linear.scale = nnx.static(None)
 
@@ -94,8 +98,9 @@ def quantize(model, mode: str = "int8"):
     if mode is None:
         raise ConfigError("quantize(model, mode=None): give a mode, " + ", ".join(QUANTIZE))
     if model.config.quantize is not None:
-        raise ConfigError(f"the model is quantized already ({model.config.quantize}): "
-                          f"quantize its float model")
+        raise ConfigError(
+            f"the model is quantized already ({model.config.quantize}): quantize its float model"
+        )
     clone = nnx.merge(*nnx.split(model))
     for linear in linears(clone):
         quantize_linear(linear, clone.mesh)
@@ -120,5 +125,7 @@ def refuse(config, what: str) -> None:
     """For the paths that need float weights (training, Hugging Face export): one line saying
     the model is quantized and what to do."""
     if config.quantize is not None:
-        raise ConfigError(f"{what} needs float weights, but this model is quantized "
-                          f"({config.quantize}, for decoding only): use its float source")
+        raise ConfigError(
+            f"{what} needs float weights, but this model is quantized "
+            f"({config.quantize}, for decoding only): use its float source"
+        )

@@ -46,8 +46,15 @@ def key_block(slots: int) -> int:
     return max(MIN_BLOCK, min(MAX_BLOCK, 1 << max(0, math.ceil(slots / 8) - 1).bit_length()))
 
 
-def attend_filled(q_btnh, k_bkhs, v_bksh, q_pos_bt, kernel: str = "matmul",
-                  block: int | None = None, interpret: bool = False):
+def attend_filled(
+    q_btnh,
+    k_bkhs,
+    v_bksh,
+    q_pos_bt,
+    kernel: str = "matmul",
+    block: int | None = None,
+    interpret: bool = False,
+):
     """Attention of queries (B, T, N, H) at positions (B, T) over a cache of keys (B, K, H, S)
     and values (B, K, S, H) (`sharding.CACHE_BKSH`), reading only the blocks of slots some
     query can see (module doc). `kernel`: the model's `attention_kernel`; "pallas" or "cudnn"
@@ -96,20 +103,31 @@ def _blocked(q_btnh, k_bkhs, v_bksh, q_pos_bt, block):
         start = jnp.minimum(i * block, S - block)
         k_blk = jax.lax.dynamic_slice_in_dim(k_bkhs, start, block, axis=3)
         v_blk = jax.lax.dynamic_slice_in_dim(v_bksh, start, block, axis=2)
-        s_bkms = jax.lax.dot_general(q_bkmh, k_blk, (((3,), (2,)), batch),
-                                     preferred_element_type=jnp.float32) * scale
+        s_bkms = (
+            jax.lax.dot_general(
+                q_bkmh, k_blk, (((3,), (2,)), batch), preferred_element_type=jnp.float32
+            )
+            * scale
+        )
         slot = start + jnp.arange(block, dtype=jnp.int32)
         seen = (slot >= i * block)[None, None, None, :] & (slot[None, None, None, :] <= pos_bm)
         s_bkms = jnp.where(seen, s_bkms, -1e30)
         m_new = jnp.maximum(m_bkm1, s_bkms.max(-1, keepdims=True))
         p_bkms = jnp.exp(s_bkms - m_new)
         fix = jnp.exp(m_bkm1 - m_new)
-        pv = jax.lax.dot_general(p_bkms.astype(v_bksh.dtype), v_blk, (((3,), (2,)), batch),
-                                 preferred_element_type=jnp.float32)
+        pv = jax.lax.dot_general(
+            p_bkms.astype(v_bksh.dtype),
+            v_blk,
+            (((3,), (2,)), batch),
+            preferred_element_type=jnp.float32,
+        )
         return m_new, l_bkm1 * fix + p_bkms.sum(-1, keepdims=True), acc_bkmh * fix + pv
 
-    init = (jnp.full((B, K, M, 1), -1e30, jnp.float32), jnp.zeros((B, K, M, 1), jnp.float32),
-            jnp.zeros((B, K, M, H), jnp.float32))
+    init = (
+        jnp.full((B, K, M, 1), -1e30, jnp.float32),
+        jnp.zeros((B, K, M, 1), jnp.float32),
+        jnp.zeros((B, K, M, H), jnp.float32),
+    )
     init = tuple(_vary_like(x, q_btnh) for x in init)
     _, l_bkm1, acc_bkmh = jax.lax.fori_loop(0, n_blocks, body, init)
     return _ungrouped((acc_bkmh / l_bkm1).astype(v_bksh.dtype), T)
@@ -139,8 +157,21 @@ PALLAS_BLOCK = 64  # key slots per Triton block: keys and values of a block stay
 SPLIT_MIN_BLOCKS = 8
 
 
-def _kernel(q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, sum_ref, *, block: int, slots: int,
-            per_split: int, scale: float, use_dot: bool):
+def _kernel(
+    q_ref,
+    pos_ref,
+    k_ref,
+    v_ref,
+    acc_ref,
+    m_ref,
+    sum_ref,
+    *,
+    block: int,
+    slots: int,
+    per_split: int,
+    scale: float,
+    use_dot: bool,
+):
     """One (row, kv head, split): queries (M, H), their positions (M,), keys (H, S), values
     (S, H). Split p folds in blocks p * per_split... of this row's filled blocks (those below
     max(pos) + 1) and writes its unnormalized output, running max and sum (combined by
@@ -172,8 +203,11 @@ def _kernel(q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, sum_ref, *, block: int
             pv = jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
         return m_new, total * fix + p.sum(axis=1), acc * fix[:, None] + pv
 
-    init = (jnp.full((M,), -1e30, jnp.float32), jnp.zeros((M,), jnp.float32),
-            jnp.zeros((M, H), jnp.float32))
+    init = (
+        jnp.full((M,), -1e30, jnp.float32),
+        jnp.zeros((M,), jnp.float32),
+        jnp.zeros((M, H), jnp.float32),
+    )
     m, total, acc = jax.lax.fori_loop(first, last, body, init)
     acc_ref[...], m_ref[...], sum_ref[...] = acc, m, total
 
@@ -197,22 +231,34 @@ def _pallas(q_btnh, k_bkhs, v_bksh, q_pos_bt, block, interpret):
     per_split = -(-blocks // splits)
     splits = -(-blocks // per_split)
     use_dot = H >= 16 and H == 1 << (H - 1).bit_length()
-    kernel = functools.partial(_kernel, block=block, slots=S, per_split=per_split,
-                               scale=1.0 / math.sqrt(H), use_dot=use_dot)
+    kernel = functools.partial(
+        _kernel,
+        block=block,
+        slots=S,
+        per_split=per_split,
+        scale=1.0 / math.sqrt(H),
+        use_dot=use_dot,
+    )
     f32 = jnp.float32
     call = pl.pallas_call(
         kernel,
         grid=(B, K, splits),
-        in_specs=[pl.BlockSpec((None, None, Mp, H), lambda b, k, p: (b, k, 0, 0)),
-                  pl.BlockSpec((None, Mp), lambda b, k, p: (b, 0)),
-                  pl.BlockSpec((None, None, H, S), lambda b, k, p: (b, k, 0, 0)),
-                  pl.BlockSpec((None, None, S, H), lambda b, k, p: (b, k, 0, 0))],
-        out_specs=[pl.BlockSpec((None, None, None, Mp, H), lambda b, k, p: (b, k, p, 0, 0)),
-                   pl.BlockSpec((None, None, None, Mp), lambda b, k, p: (b, k, p, 0)),
-                   pl.BlockSpec((None, None, None, Mp), lambda b, k, p: (b, k, p, 0))],
-        out_shape=[jax.ShapeDtypeStruct((B, K, splits, Mp, H), f32),
-                   jax.ShapeDtypeStruct((B, K, splits, Mp), f32),
-                   jax.ShapeDtypeStruct((B, K, splits, Mp), f32)],
+        in_specs=[
+            pl.BlockSpec((None, None, Mp, H), lambda b, k, p: (b, k, 0, 0)),
+            pl.BlockSpec((None, Mp), lambda b, k, p: (b, 0)),
+            pl.BlockSpec((None, None, H, S), lambda b, k, p: (b, k, 0, 0)),
+            pl.BlockSpec((None, None, S, H), lambda b, k, p: (b, k, 0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, Mp, H), lambda b, k, p: (b, k, p, 0, 0)),
+            pl.BlockSpec((None, None, None, Mp), lambda b, k, p: (b, k, p, 0)),
+            pl.BlockSpec((None, None, None, Mp), lambda b, k, p: (b, k, p, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, K, splits, Mp, H), f32),
+            jax.ShapeDtypeStruct((B, K, splits, Mp), f32),
+            jax.ShapeDtypeStruct((B, K, splits, Mp), f32),
+        ],
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name=KERNEL_NAME,

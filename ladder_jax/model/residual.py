@@ -40,8 +40,11 @@ class Slot:
 def wiring(config) -> tuple[Slot, ...]:
     """The wiring of `config` (standard, ladder, hybrid or upper_bound), module by module."""
     ladder = config.ladder_layer_set()
-    return tuple(Slot(i, name, deferred=i in ladder and (i, name) != (0, "attn"))
-                 for i in range(config.n_layers) for name in ("attn", "mlp"))
+    return tuple(
+        Slot(i, name, deferred=i in ladder and (i, name) != (0, "attn"))
+        for i in range(config.n_layers)
+        for name in ("attn", "mlp")
+    )
 
 
 def run(config, layers, x_btd, positions_bt, inv_freq, caches=None):
@@ -50,16 +53,24 @@ def run(config, layers, x_btd, positions_bt, inv_freq, caches=None):
     them. Returns (x, updated caches or None)."""
     if config.residual == "parallel":
         return _parallel(config, layers, x_btd, positions_bt, inv_freq, caches)
-    modules = [pair for layer in layers
-               for pair in ((layer.attn_norm, layer.attn), (layer.mlp_norm, layer.mlp))]
+    modules = [
+        pair
+        for layer in layers
+        for pair in ((layer.attn_norm, layer.attn), (layer.mlp_norm, layer.mlp))
+    ]
     slots = wiring(config)
     graphdefs, states = [], []
     for norm, module in modules:
         (gn, sn), (gm, sm) = nnx.split(norm), nnx.split(module)
         graphdefs.append((gn, gm))
         states.append((sn, sm))
-    plan = _Plan(config.dtype, config.residual == "upper_bound", config.remat == "module",
-                 slots, tuple(graphdefs))
+    plan = _Plan(
+        config.dtype,
+        config.residual == "upper_bound",
+        config.remat == "module",
+        slots,
+        tuple(graphdefs),
+    )
     if caches is None and any(s.deferred for s in slots):
         return _ladder_stream(plan, states, x_btd, positions_bt, inv_freq), None
     return _stream(plan, states, x_btd, positions_bt, inv_freq, caches=caches)
@@ -69,6 +80,7 @@ def _parallel(config, layers, x_btd, positions_bt, inv_freq, caches=None):
     """parallel: h = attn_norm(x); x = x + psum(A(h) + M(h)), one all-reduce per layer (the
     MLP's norm is unused). A decoding clone's layers (`Layer.fused_in`) compute all five input
     projections as one matmul."""
+
     def both(attn, mlp, h_btd):  # one partial sum for the pair: one all-reduce
         return attn(h_btd, positions_bt, inv_freq) + mlp(h_btd)
 
@@ -144,8 +156,9 @@ def _stream(plan, states, x_btd, positions_bt, inv_freq, *, caches=None, vjps=No
             norm, module = _functions(plan, k, positions_bt, inv_freq)
             norm_state, module_state = states[k]
             if caches is not None and slot.name == "attn":  # inference: nothing to remat
-                y_btd, caches[slot.layer] = module(module_state, vary(norm(norm_state, x_btd)),
-                                                   caches[slot.layer])
+                y_btd, caches[slot.layer] = module(
+                    module_state, vary(norm(norm_state, x_btd)), caches[slot.layer]
+                )
             else:
                 if plan.remat:  # keep only the stream x and the module's input h
                     norm, module = jax.checkpoint(norm), jax.checkpoint(module)
@@ -239,8 +252,9 @@ def lm_head(h_btd, head_dv):
     """Vocab-parallel logits (B, T, V/tp) in float32 from the tp-invariant final hidden state.
     The backward issues the all-reduce of the input cotangent, then computes the head's
     weight gradient while it is in flight."""
-    return jnp.einsum("BTD,DV->BTV", sharding.vary_tp(h_btd), head_dv,
-                      preferred_element_type=jnp.float32)
+    return jnp.einsum(
+        "BTD,DV->BTV", sharding.vary_tp(h_btd), head_dv, preferred_element_type=jnp.float32
+    )
 
 
 def _lm_head_fwd(h_btd, head_dv):

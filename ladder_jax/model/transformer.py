@@ -48,20 +48,37 @@ def _ones(*, shape, dtype, sharding):
     return jax.lax.with_sharding_constraint(jnp.ones(shape, dtype), sharding)
 
 
-def _weight(rngs: nnx.Rngs, mesh: Mesh, shape, spec: P, dtype, std: float,
-            fsdp_data: int = 1) -> nnx.Param:
+def _weight(
+    rngs: nnx.Rngs, mesh: Mesh, shape, spec: P, dtype, std: float, fsdp_data: int = 1
+) -> nnx.Param:
     """A weight drawn in place: `spec` is its tp layout (how the model reads it), `stored` where
     it lives, split over `data` too under FSDP (`WeightSpecs.fsdp`; read with
     `sharding.read_weight`)."""
     assert jax.config.jax_threefry_partitionable, "mesh-independent init needs it"
     stored = WeightSpecs.fsdp(spec, shape, fsdp_data)
-    value = _normal(rngs.params(), shape=tuple(shape), dtype=jnp.dtype(dtype), std=std,
-                    sharding=NamedSharding(mesh, stored))
+    value = _normal(
+        rngs.params(),
+        shape=tuple(shape),
+        dtype=jnp.dtype(dtype),
+        std=std,
+        sharding=NamedSharding(mesh, stored),
+    )
     return nnx.Param(value, spec=spec, stored=stored)
 
 
-def _linear(rngs: nnx.Rngs, mesh: Mesh, equation: str, shape, spec: P, config: ModelConfig,
-            std: float, fsdp_data: int = 1, *, kv_heads=None, flat: bool = True) -> Linear:
+def _linear(
+    rngs: nnx.Rngs,
+    mesh: Mesh,
+    equation: str,
+    shape,
+    spec: P,
+    config: ModelConfig,
+    std: float,
+    fsdp_data: int = 1,
+    *,
+    kv_heads=None,
+    flat: bool = True,
+) -> Linear:
     """A `Linear` of a weight drawn in place (`_weight`); with `config.quantize` the same draw,
     quantized in place (`ladder_jax.model.quant`). `flat`: on CPU meshes (`flat_matmuls`)."""
     w = _weight(rngs, mesh, shape, spec, config.param_dtype, std, fsdp_data)
@@ -79,9 +96,11 @@ class RMSNorm(nnx.Module):
     def __init__(self, d: int, eps: float, *, mesh: Mesh, specs: WeightSpecs, param_dtype):
         self.eps = eps
         stored = WeightSpecs.fsdp(specs.norm_d, (d,), specs.fsdp_data)
-        self.scale = nnx.Param(_ones(shape=(d,), dtype=jnp.dtype(param_dtype),
-                                     sharding=NamedSharding(mesh, stored)),
-                               spec=specs.norm_d, stored=stored)
+        self.scale = nnx.Param(
+            _ones(shape=(d,), dtype=jnp.dtype(param_dtype), sharding=NamedSharding(mesh, stored)),
+            spec=specs.norm_d,
+            stored=stored,
+        )
 
     def __call__(self, x_btd):
         x = x_btd.astype(jnp.float32)
@@ -100,10 +119,12 @@ def rope_frequencies(config: ModelConfig) -> jax.Array:
     low_wavelen = sc.original_max_len / sc.low_freq_factor  # longer than this: fully scaled
     high_wavelen = sc.original_max_len / sc.high_freq_factor  # shorter than this: untouched
     smooth = (sc.original_max_len / wavelen - sc.low_freq_factor) / (
-        sc.high_freq_factor - sc.low_freq_factor)
+        sc.high_freq_factor - sc.low_freq_factor
+    )
     mid = (1 - smooth) * inv / sc.factor + smooth * inv
-    return jnp.where(wavelen > low_wavelen, inv / sc.factor,
-                     jnp.where(wavelen < high_wavelen, inv, mid))
+    return jnp.where(
+        wavelen > low_wavelen, inv / sc.factor, jnp.where(wavelen < high_wavelen, inv, mid)
+    )
 
 
 def apply_rope(x_btnh, positions_bt, inv_freq):
@@ -124,12 +145,13 @@ class Attention(FusesInputs):
         fs = specs.fsdp_data
         kv = (K, sharding.tp_size(mesh)) if specs.kv_replicated else None  # its kv head
         self.q = _linear(rngs, mesh, "BTD,DNH->BTNH", (D, N, H), specs.q_dnh, config, 0.02, fs)
-        self.k = _linear(rngs, mesh, "BTD,DKH->BTKH", (D, K, H), specs.kv_dkh, config, 0.02, fs,
-                         kv_heads=kv)
-        self.v = _linear(rngs, mesh, "BTD,DKH->BTKH", (D, K, H), specs.kv_dkh, config, 0.02, fs,
-                         kv_heads=kv)
-        self.o = _linear(rngs, mesh, "BTNH,NHD->BTD", (N, H, D), specs.o_nhd, config, std_out,
-                         fs)
+        self.k = _linear(
+            rngs, mesh, "BTD,DKH->BTKH", (D, K, H), specs.kv_dkh, config, 0.02, fs, kv_heads=kv
+        )
+        self.v = _linear(
+            rngs, mesh, "BTD,DKH->BTKH", (D, K, H), specs.kv_dkh, config, 0.02, fs, kv_heads=kv
+        )
+        self.o = _linear(rngs, mesh, "BTNH,NHD->BTD", (N, H, D), specs.o_nhd, config, std_out, fs)
         self.qkv = None  # decoding: their `FusedLinear` (`install_fused`)
         self.kv_replicated = specs.kv_replicated
         self.dtype = config.dtype
@@ -161,8 +183,10 @@ class Attention(FusesInputs):
         q_btnh = apply_rope(q_btnh, positions_bt, inv_freq)
         k_btkh = apply_rope(k_btkh, positions_bt, inv_freq)
         if cache is not None:
-            new_cache = (write_cache(cache[0], k_btkh, positions_bt[:, 0], keys=True),
-                         write_cache(cache[1], v_btkh, positions_bt[:, 0], keys=False))
+            new_cache = (
+                write_cache(cache[0], k_btkh, positions_bt[:, 0], keys=True),
+                write_cache(cache[1], v_btkh, positions_bt[:, 0], keys=False),
+            )
         if from_start:
             out_btnh = attend_causal(q_btnh, k_btkh, v_btkh, self.kernel)
         elif cache is None:
@@ -178,9 +202,11 @@ def write_cache(cache, new_btkh, start_b, *, keys: bool):
     """Writes row b's T new entries at slots start[b]... in place (under donation), into keys
     laid out (B, K, H, S) or values (B, K, S, H) (`sharding.CACHE_BKSH`). Like every dynamic
     update in XLA it clamps out-of-range starts: callers check lengths on the host."""
+
     def row(c, n_tkh, start):
         n = n_tkh.transpose(1, 2, 0) if keys else n_tkh.swapaxes(0, 1)  # (K, H, T) / (K, T, H)
         return jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), start, 2 if keys else 1)
+
     return jax.vmap(row)(cache, new_btkh, start_b)
 
 
@@ -197,15 +223,20 @@ def attend_cache(q_btnh, k_bkhs, v_bksh, q_pos_bt, k_pos_bs):
     G = N // K
     q_bkmh = q_btnh.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
     batch = ((0, 1), (0, 1))
-    scores_bkms = jax.lax.dot_general(q_bkmh, k_bkhs, (((3,), (2,)), batch),
-                                      preferred_element_type=jnp.float32) / math.sqrt(H)
+    scores_bkms = jax.lax.dot_general(
+        q_bkmh, k_bkhs, (((3,), (2,)), batch), preferred_element_type=jnp.float32
+    ) / math.sqrt(H)
     visible_bts = k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]
     visible_bms = jnp.broadcast_to(visible_bts[:, None], (B, G, T, visible_bts.shape[-1]))
     scores_bkms = jnp.where(visible_bms.reshape(B, 1, G * T, -1), scores_bkms, -1e30)
     # the max only keeps exp in range: its gradient cancels, so none flows through it
     exp_bkms = jnp.exp(scores_bkms - jax.lax.stop_gradient(scores_bkms.max(-1, keepdims=True)))
-    out_bkmh = jax.lax.dot_general(exp_bkms.astype(v_bksh.dtype), v_bksh, (((3,), (2,)), batch),
-                                   preferred_element_type=jnp.float32)
+    out_bkmh = jax.lax.dot_general(
+        exp_bkms.astype(v_bksh.dtype),
+        v_bksh,
+        (((3,), (2,)), batch),
+        preferred_element_type=jnp.float32,
+    )
     out_bkmh = (out_bkmh / exp_bkms.sum(-1, keepdims=True)).astype(v_bksh.dtype)
     return out_bkmh.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
@@ -215,8 +246,9 @@ def attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs):
     reference: it materializes the (T, S) scores. Used with explicit positions and no cache:
     the keys and values of the call itself, (B, S, K, H), put in the cache's order and
     attended by `attend_cache` (the one copy of the arithmetic)."""
-    return attend_cache(q_btnh, k_bskh.transpose(0, 2, 3, 1), v_bskh.transpose(0, 2, 1, 3),
-                        q_pos_bt, k_pos_bs)
+    return attend_cache(
+        q_btnh, k_bskh.transpose(0, 2, 3, 1), v_bskh.transpose(0, 2, 1, 3), q_pos_bt, k_pos_bs
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,8 +285,12 @@ def attention_kernel(mesh: Mesh, dtype, head_dim: int) -> str:
     if platform not in ("gpu", "cuda"):
         return "matmul"
     running = jax.default_backend() in ("gpu", "cuda")
-    if (running and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0
-            and head_dim <= 128):
+    if (
+        running
+        and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+        and head_dim % 8 == 0
+        and head_dim <= 128
+    ):
         return "cudnn"
     return "pallas"
 
@@ -274,8 +310,13 @@ def attend_causal(q_btnh, k_btkh, v_btkh, kernel: str = "xla"):
         G = N // k_btkh.shape[2]  # the kernel wants as many kv heads as query heads
         k_btnh, v_btnh = (jnp.repeat(t, G, axis=2) for t in (k_btkh, v_btkh))
         return pallas_flash(q_btnh, k_btnh, v_btnh, 1.0 / math.sqrt(H))
-    return jax.nn.dot_product_attention(q_btnh, k_btkh, v_btkh, is_causal=True,
-                                        implementation="cudnn" if kernel == "cudnn" else "xla")
+    return jax.nn.dot_product_attention(
+        q_btnh,
+        k_btkh,
+        v_btkh,
+        is_causal=True,
+        implementation="cudnn" if kernel == "cudnn" else "xla",
+    )
 
 
 # jax's Pallas flash attention (`jax.experimental.pallas.ops.gpu.attention.mha`), wrapped for
@@ -286,9 +327,15 @@ def attend_causal(q_btnh, k_btkh, v_btkh, kernel: str = "xla"):
 # (`_mha_forward`, `_mha_backward`, `config._check_vma`) of the pinned jax version;
 # tests/test_attention.py compiles it (deviceless) and runs it (interpreted on CPU).
 _PALLAS_BLOCKS = pallas_attention.BlockSizes.get_default()
-_PALLAS_ARGS = {"block_sizes": _PALLAS_BLOCKS, "backward_pass_impl": "triton",
-                "num_warps": None, "num_stages": 2, "grid": None, "debug": False,
-                "return_residuals": False}
+_PALLAS_ARGS = {
+    "block_sizes": _PALLAS_BLOCKS,
+    "backward_pass_impl": "triton",
+    "num_warps": None,
+    "num_stages": 2,
+    "grid": None,
+    "debug": False,
+    "return_residuals": False,
+}
 
 
 def _vary_like(x, like):
@@ -308,9 +355,21 @@ def _pallas_fwd(q_btnh, k_btnh, v_btnh, scale, interpret):
     a = dict(_PALLAS_ARGS, interpret=interpret)
     with jax_config._check_vma(False):
         out_btnh, res = pallas_attention._mha_forward(
-            q_btnh, k_btnh, v_btnh, None, scale, True, a["block_sizes"], a["backward_pass_impl"],
-            a["num_warps"], a["num_stages"], a["grid"], a["interpret"], a["debug"],
-            a["return_residuals"])
+            q_btnh,
+            k_btnh,
+            v_btnh,
+            None,
+            scale,
+            True,
+            a["block_sizes"],
+            a["backward_pass_impl"],
+            a["num_warps"],
+            a["num_stages"],
+            a["grid"],
+            a["interpret"],
+            a["debug"],
+            a["return_residuals"],
+        )
     return _vary_like(out_btnh, q_btnh), res
 
 
@@ -319,9 +378,19 @@ def _pallas_bwd(scale, interpret, res, ct_btnh):
     q_btnh, k_btnh, v_btnh = res[:3]
     with jax_config._check_vma(False):
         ct_q, ct_k, ct_v, _ = pallas_attention._mha_backward(
-            scale, True, a["block_sizes"], a["backward_pass_impl"], a["num_warps"],
-            a["num_stages"], a["grid"], a["interpret"], a["debug"], a["return_residuals"],
-            res, ct_btnh)
+            scale,
+            True,
+            a["block_sizes"],
+            a["backward_pass_impl"],
+            a["num_warps"],
+            a["num_stages"],
+            a["grid"],
+            a["interpret"],
+            a["debug"],
+            a["return_residuals"],
+            res,
+            ct_btnh,
+        )
     return _vary_like(ct_q, q_btnh), _vary_like(ct_k, k_btnh), _vary_like(ct_v, v_btnh)
 
 
@@ -336,8 +405,16 @@ class MLP(FusesInputs):
         fs = specs.fsdp_data
         self.gate = _linear(rngs, mesh, "BTD,DF->BTF", (D, F), specs.up_df, config, 0.02, fs)
         self.up = _linear(rngs, mesh, "BTD,DF->BTF", (D, F), specs.up_df, config, 0.02, fs)
-        self.down = _linear(rngs, mesh, "BTF,FD->BTD", (F, D), specs.down_fd, config,
-                            0.02 / math.sqrt(2 * config.n_layers), fs)
+        self.down = _linear(
+            rngs,
+            mesh,
+            "BTF,FD->BTD",
+            (F, D),
+            specs.down_fd,
+            config,
+            0.02 / math.sqrt(2 * config.n_layers),
+            fs,
+        )
         self.gate_up = None  # decoding: their `FusedLinear` (`install_fused`)
         self.dtype = config.dtype
 
@@ -376,29 +453,45 @@ class Transformer(nnx.Module):
     def __init__(self, config: ModelConfig, *, mesh: Mesh, rngs: nnx.Rngs, fsdp: bool = False):
         specs = WeightSpecs.for_model(config, mesh, fsdp=fsdp)
         if fsdp and config.quantize is not None:
-            raise ConfigError(f"quantize={config.quantize!r} is for decoding: FSDP (training) "
-                              f"keeps float weights")
+            raise ConfigError(
+                f"quantize={config.quantize!r} is for decoding: FSDP (training) keeps float weights"
+            )
         self.config = config
         self.mesh = mesh
         D, V, pd = config.d_model, config.vocab_size, config.param_dtype
         self.embed = _weight(rngs, mesh, (V, D), specs.embed_vd, pd, 0.02, specs.fsdp_data)
         self.layers = nnx.List(
-            [Layer(config, mesh=mesh, specs=specs, rngs=rngs) for _ in range(config.n_layers)])
+            [Layer(config, mesh=mesh, specs=specs, rngs=rngs) for _ in range(config.n_layers)]
+        )
         self.final_norm = RMSNorm(D, config.norm_eps, mesh=mesh, specs=specs, param_dtype=pd)
-        self.head = None if config.tie_embeddings else _linear(
-            rngs, mesh, "BTD,DV->BTV", (D, V), specs.head_dv, config, 0.02, specs.fsdp_data,
-            flat=False)
+        self.head = (
+            None
+            if config.tie_embeddings
+            else _linear(
+                rngs,
+                mesh,
+                "BTD,DV->BTV",
+                (D, V),
+                specs.head_dv,
+                config,
+                0.02,
+                specs.fsdp_data,
+                flat=False,
+            )
+        )
 
     def __repr__(self):
         c = self.config
         ladder = ""
         if c.residual == "ladder" and c.ladder_layers is not None:
             ladder = f", ladder_layers={c.ladder_layers}"
-        return (f"Transformer({c.n_layers}L d={c.d_model} heads={c.n_heads}/{c.n_kv_heads} "
-                f"ff={c.d_ff} vocab={c.vocab_size}, residual={c.residual!r}{ladder}, "
-                f"{f'weights {c.quantize}, ' if c.quantize else ''}"
-                f"params={c.num_params() / 1e6:.2f}M, mesh=data:{self.mesh.shape[DATA]} x "
-                f"tp:{self.mesh.shape[TP]})")
+        return (
+            f"Transformer({c.n_layers}L d={c.d_model} heads={c.n_heads}/{c.n_kv_heads} "
+            f"ff={c.d_ff} vocab={c.vocab_size}, residual={c.residual!r}{ladder}, "
+            f"{f'weights {c.quantize}, ' if c.quantize else ''}"
+            f"params={c.num_params() / 1e6:.2f}M, mesh=data:{self.mesh.shape[DATA]} x "
+            f"tp:{self.mesh.shape[TP]})"
+        )
 
     __str__ = __repr__
 
@@ -423,8 +516,10 @@ class Transformer(nnx.Module):
         (`ladder_jax.train.step.chunked_cross_entropy`); not for residual="upper_bound", whose
         ranks' streams differ."""
         if self.config.residual == "upper_bound":
-            raise ValueError("upper_bound has no single hidden state (its tp ranks' streams "
-                             "differ): use model(tokens)")
+            raise ValueError(
+                "upper_bound has no single hidden state (its tp ranks' streams "
+                "differ): use model(tokens)"
+            )
         return self._sharded(tokens_bt, None, None, head=False)
 
     def head_weight(self):
@@ -442,7 +537,8 @@ class Transformer(nnx.Module):
         if tokens_bt.ndim != 2 or not jnp.issubdtype(tokens_bt.dtype, jnp.integer):
             raise ValueError(
                 f"tokens must be integers of shape (batch, length), got "
-                f"{tokens_bt.dtype}{list(tokens_bt.shape)}")
+                f"{tokens_bt.dtype}{list(tokens_bt.shape)}"
+            )
         tokens_bt = tokens_bt.astype(jnp.int32)
         sharding.check_batch(tokens_bt.shape[0], self.mesh)
         graphdef, state = nnx.split(self)
@@ -457,13 +553,17 @@ class Transformer(nnx.Module):
         def local(state, tokens_bt, *rest):
             positions_bt = rest[0] if pos_args else None
             logits_btv, cache = nnx.merge(graphdef, state).forward_local(
-                tokens_bt, positions_bt, *rest[len(pos_args):], head=head)
+                tokens_bt, positions_bt, *rest[len(pos_args) :], head=head
+            )
             return logits_btv if cache is None else (logits_btv, cache)
 
         in_specs = (specs, batch) + (batch,) * len(pos_args) + cache_specs
-        return sharding.shard(local, self.mesh, in_specs=in_specs,
-                              out_specs=(logits, *cache_specs) if cache_specs else logits)(
-            state, tokens_bt, *pos_args, *cache_args)
+        return sharding.shard(
+            local,
+            self.mesh,
+            in_specs=in_specs,
+            out_specs=(logits, *cache_specs) if cache_specs else logits,
+        )(state, tokens_bt, *pos_args, *cache_args)
 
     # -- inside shard_map ------------------------------------------------------------------
 
@@ -477,14 +577,16 @@ class Transformer(nnx.Module):
         if not head:
             return h_btd, caches
         if self.head is None:
-            head_dv = sharding.local_vocab_rows(sharding.read_weight(self.embed),
-                                                self.mesh.shape[TP]).T.astype(c.dtype)
+            head_dv = sharding.local_vocab_rows(
+                sharding.read_weight(self.embed), self.mesh.shape[TP]
+            ).T.astype(c.dtype)
         else:
             head_dv = self.head.read(c.dtype)
         with jax.named_scope("head"):
             if c.residual == "upper_bound":  # the stream is tp-varying already
-                logits_btv = jnp.einsum("BTD,DV->BTV", h_btd, head_dv,
-                                        preferred_element_type=jnp.float32)
+                logits_btv = jnp.einsum(
+                    "BTD,DV->BTV", h_btd, head_dv, preferred_element_type=jnp.float32
+                )
             else:
                 logits_btv = residual.lm_head(h_btd, head_dv)
             if self.head is not None:
@@ -494,8 +596,9 @@ class Transformer(nnx.Module):
     def layer_loop(self, x_btd, positions_bt, caches=None):
         """THE layer loop: the layers wired by the config's residual scheme
         (`ladder_jax.model.residual.run`, every scheme). Returns (x, caches)."""
-        return residual.run(self.config, self.layers, x_btd, positions_bt,
-                            rope_frequencies(self.config), caches)
+        return residual.run(
+            self.config, self.layers, x_btd, positions_bt, rope_frequencies(self.config), caches
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -527,12 +630,16 @@ def _fuser(mesh: Mesh, specs: tuple, kv: tuple, n_kv_heads: int):
 
     def local(*ws):
         D = ws[0].shape[0]
-        ws = [sharding.local_kv_head(w, n_kv_heads, tp) if is_kv and n_kv_heads < tp else w
-              for w, is_kv in zip(ws, kv)]
+        ws = [
+            sharding.local_kv_head(w, n_kv_heads, tp) if is_kv and n_kv_heads < tp else w
+            for w, is_kv in zip(ws, kv)
+        ]
         return jnp.concatenate([w.reshape(D, -1) for w in ws], axis=1)
 
-    return jax.jit(sharding.shard(local, mesh, in_specs=specs, out_specs=out_spec),
-                   out_shardings=NamedSharding(mesh, out_spec))
+    return jax.jit(
+        sharding.shard(local, mesh, in_specs=specs, out_specs=out_spec),
+        out_shardings=NamedSharding(mesh, out_spec),
+    )
 
 
 def _fuse(model: Transformer, weights, kv: tuple) -> FusedInput:
@@ -545,8 +652,9 @@ def _fuse(model: Transformer, weights, kv: tuple) -> FusedInput:
     values = [w.get_value() for w in weights]
     if any(isinstance(v, jax.ShapeDtypeStruct) for v in values):
         fused = jax.eval_shape(fuse, *values)
-        fused = jax.ShapeDtypeStruct(fused.shape, fused.dtype,
-                                     sharding=NamedSharding(mesh, out_spec))
+        fused = jax.ShapeDtypeStruct(
+            fused.shape, fused.dtype, sharding=NamedSharding(mesh, out_spec)
+        )
     else:
         fused = fuse(*values)
     return FusedInput(fused, spec=out_spec)
@@ -579,8 +687,11 @@ def fuse_inputs(model: Transformer, *, in_place: bool = False) -> Transformer:
             names = [p.rpartition(".")[2] for p in owner.INPUTS]
             kv_parts = tuple(name in ("k", "v") for name in names)
             weight = _fuse(model, [lin.weight for lin in linears], kv_parts)
-            scale = (None if linears[0].scale is None
-                     else _fuse(model, [lin.scale for lin in linears], kv_parts))
+            scale = (
+                None
+                if linears[0].scale is None
+                else _fuse(model, [lin.scale for lin in linears], kv_parts)
+            )
             if in_place:
                 jax.block_until_ready(weight.get_value())
                 for lin in linears:
@@ -603,8 +714,11 @@ def param_specs(state: nnx.State) -> nnx.State:
 def stored_specs(state: nnx.State) -> nnx.State:
     """Where every weight in `state` is stored: its tp spec, and under FSDP also split over
     data (`Transformer(..., fsdp=True)`, `WeightSpecs.fsdp`)."""
-    return jax.tree.map(lambda v: getattr(v, "stored", None) or v.spec, state,
-                        is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return jax.tree.map(
+        lambda v: getattr(v, "stored", None) or v.spec,
+        state,
+        is_leaf=lambda v: isinstance(v, nnx.Variable),
+    )
 
 
 def abstract(config: ModelConfig, mesh: Mesh, *, fsdp: bool = False):
@@ -615,9 +729,14 @@ def abstract(config: ModelConfig, mesh: Mesh, *, fsdp: bool = False):
     model = nnx.eval_shape(lambda: Transformer(config, mesh=mesh, rngs=nnx.Rngs(0), fsdp=fsdp))
     graphdef, state = nnx.split(model)
     state = jax.tree.map(
-        lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
-            mesh, getattr(v, "stored", None) or v.spec))),
-        state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        lambda v: v.replace(
+            jax.ShapeDtypeStruct(
+                v.shape, v.dtype, sharding=NamedSharding(mesh, getattr(v, "stored", None) or v.spec)
+            )
+        ),
+        state,
+        is_leaf=lambda v: isinstance(v, nnx.Variable),
+    )
     return graphdef, state
 
 

@@ -59,8 +59,11 @@ UNSOUND = "unsound.json"  # {"why": ...}: weights that gave non-finite losses (s
 
 @jax.jit
 def _all_finite(tree) -> jax.Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-              if jnp.issubdtype(x.dtype, jnp.floating)]
+    leaves = [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree.leaves(tree)
+        if jnp.issubdtype(x.dtype, jnp.floating)
+    ]
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
@@ -125,8 +128,9 @@ def _abandoned_writes_stay_quiet() -> None:
     """After a failed save, the write coroutines orbax had not started yet are dropped: Python
     warns about each ("coroutine ... was never awaited") when they are collected, often at exit.
     The failure is reported once, as SaveError, so those warnings are turned off."""
-    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited",
-                            category=RuntimeWarning)
+    warnings.filterwarnings(
+        "ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning
+    )
 
 
 def _crc32(file: str) -> int:
@@ -138,14 +142,20 @@ def _crc32(file: str) -> int:
 
 
 def _files(directory: str) -> list[str]:
-    return sorted(os.path.relpath(os.path.join(d, f), directory)
-                  for d, _, fs in os.walk(directory) for f in fs if f != CHECKSUMS)
+    return sorted(
+        os.path.relpath(os.path.join(d, f), directory)
+        for d, _, fs in os.walk(directory)
+        for f in fs
+        if f != CHECKSUMS
+    )
 
 
 def write_checksums(directory: str) -> None:
     """`directory/checksums.json`: {file: [size, crc32]} of every file below it."""
-    sums = {f: [os.path.getsize(os.path.join(directory, f)), _crc32(os.path.join(directory, f))]
-            for f in _files(directory)}
+    sums = {
+        f: [os.path.getsize(os.path.join(directory, f)), _crc32(os.path.join(directory, f))]
+        for f in _files(directory)
+    }
     tmp = os.path.join(directory, CHECKSUMS + ".tmp")
     with open(tmp, "w") as f:
         json.dump(sums, f)
@@ -170,11 +180,13 @@ def verify_checksums(directory: str) -> bool:
             raise DamagedCheckpoint(f"{name} is missing")
         have = os.path.getsize(path)
         if have != size:
-            raise DamagedCheckpoint(f"{name} has {have} bytes, {size} when it was written "
-                                    f"(truncated or overwritten)")
+            raise DamagedCheckpoint(
+                f"{name} has {have} bytes, {size} when it was written (truncated or overwritten)"
+            )
         if _crc32(path) != crc:
-            raise DamagedCheckpoint(f"{name} is corrupt (its CRC-32 differs from the one "
-                                    f"recorded when it was written)")
+            raise DamagedCheckpoint(
+                f"{name} is corrupt (its CRC-32 differs from the one recorded when it was written)"
+            )
     return True
 
 
@@ -193,13 +205,18 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         # not created here: a run that fails its checks must leave no directory behind
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=False, enable_async_checkpointing=async_save)
+            max_to_keep=keep, create=False, enable_async_checkpointing=async_save
+        )
         self.manager = ocp.CheckpointManager(
-            self.directory, options=options,
-            item_handlers={"params": ocp.StandardCheckpointHandler(),
-                           "opt_state": ocp.StandardCheckpointHandler(),
-                           "data": grain.checkpoint.CheckpointHandler(),
-                           "meta": ocp.JsonCheckpointHandler()})
+            self.directory,
+            options=options,
+            item_handlers={
+                "params": ocp.StandardCheckpointHandler(),
+                "opt_state": ocp.StandardCheckpointHandler(),
+                "data": grain.checkpoint.CheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler(),
+            },
+        )
         self._unhashed, self._hasher, self._hash_error = [], None, None
         _quiet_background_failures()
 
@@ -216,11 +233,16 @@ class Checkpointer:
         self.check()
         try:
             os.makedirs(self.directory, exist_ok=True)
-            self.manager.save(state.step, args=ocp.args.Composite(
-                params=ocp.args.StandardSave(nnx.to_pure_dict(state.params)),
-                opt_state=ocp.args.StandardSave(_opt_dict(state.opt_state)),
-                data=grain.checkpoint.CheckpointSave(data_iter),
-                meta=ocp.args.JsonSave(meta)), force=True)
+            self.manager.save(
+                state.step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardSave(nnx.to_pure_dict(state.params)),
+                    opt_state=ocp.args.StandardSave(_opt_dict(state.opt_state)),
+                    data=grain.checkpoint.CheckpointSave(data_iter),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+                force=True,
+            )
         except Exception as e:  # noqa: BLE001 (orbax and tensorstore raise many kinds)
             raise self._save_error(state.step, e) from None
         self._unhashed.append(state.step)
@@ -242,8 +264,7 @@ class Checkpointer:
             if self._hash_error is not None:
                 e, self._hash_error = self._hash_error, None
                 raise self._save_error(None, e)
-        if (not self._unhashed or self._hasher is not None
-                or self.manager.is_saving_in_progress()):
+        if not self._unhashed or self._hasher is not None or self.manager.is_saving_in_progress():
             return
         steps, self._unhashed = self._unhashed, []
         if jax.process_index() != 0:
@@ -265,20 +286,31 @@ class Checkpointer:
             self._hash(block=True)
 
     def _save_error(self, step, e) -> SaveError:
-        good = [s for s in self.steps() if os.path.exists(
-            os.path.join(self.directory, str(s), "meta", "metadata"))]
-        kept = (f"the last complete checkpoint, step {good[0]}, is intact" if good else
-                "no checkpoint had been written yet")
+        good = [
+            s
+            for s in self.steps()
+            if os.path.exists(os.path.join(self.directory, str(s), "meta", "metadata"))
+        ]
+        kept = (
+            f"the last complete checkpoint, step {good[0]}, is intact"
+            if good
+            else "no checkpoint had been written yet"
+        )
         failed = re.search(r"/(\d+)\.orbax-checkpoint-tmp", str(e))
         step = int(failed.group(1)) if failed else step  # the save that failed, if it says
         what = f"checkpoint {step}" if step is not None else "a checkpoint"
-        reason = re.search(r"(No space left on device|File too large|Disk quota exceeded|"
-                           r"Permission denied|Read-only file system)", str(e))
+        reason = re.search(
+            r"(No space left on device|File too large|Disk quota exceeded|"
+            r"Permission denied|Read-only file system)",
+            str(e),
+        )
         _abandoned_writes_stay_quiet()
-        return SaveError(f"could not write {what} in {self.directory} "
-                         f"({reason.group(1) if reason else _first_line(e)}): "
-                         f"{kept}; free disk space (or fix the directory's permissions) and "
-                         f"run the same command again to resume")
+        return SaveError(
+            f"could not write {what} in {self.directory} "
+            f"({reason.group(1) if reason else _first_line(e)}): "
+            f"{kept}; free disk space (or fix the directory's permissions) and "
+            f"run the same command again to resume"
+        )
 
     def meta(self, step: int) -> dict:
         """The JSON metadata saved with `step` (step, config, mesh), read without restoring.
@@ -294,10 +326,14 @@ class Checkpointer:
             raise DamagedCheckpoint("no meta/metadata file: not a complete checkpoint") from None
         except (OSError, ValueError) as e:
             raise DamagedCheckpoint(f"meta/metadata is unreadable ({_first_line(e)})") from None
-        if (not isinstance(meta, dict) or meta.get("step") != step
-                or not isinstance(meta.get("config"), dict)):
-            raise DamagedCheckpoint("meta/metadata is not the metadata of this checkpoint "
-                                    "(no step and config)")
+        if (
+            not isinstance(meta, dict)
+            or meta.get("step") != step
+            or not isinstance(meta.get("config"), dict)
+        ):
+            raise DamagedCheckpoint(
+                "meta/metadata is not the metadata of this checkpoint (no step and config)"
+            )
         return meta
 
     def restore(self, step: int, state: TrainState, data_iter):
@@ -311,17 +347,20 @@ class Checkpointer:
         for item in ("params", "opt_state", "data"):
             if not os.path.isdir(os.path.join(where, item)):
                 raise DamagedCheckpoint(f"its {item}/ directory is missing")
-        legacy = check_shapes(os.path.join(where, "params"), state.params,
-                              f"checkpoint {self.directory}/{step}")
+        legacy = check_shapes(
+            os.path.join(where, "params"), state.params, f"checkpoint {self.directory}/{step}"
+        )
         data_state = _data_position(os.path.join(where, "data"))
         params_target = jax.tree.map(_abstract, nnx.to_pure_dict(state.params))
         opt_target = jax.tree.map(_abstract, _opt_dict(state.opt_state))
         if legacy:
             params_target = _to_legacy(params_target)
             opt_target = {_legacy_key(k): v for k, v in opt_target.items()}
-        items = dict(params=ocp.args.StandardRestore(params_target),
-                     opt_state=ocp.args.StandardRestore(opt_target),
-                     meta=ocp.args.JsonRestore())
+        items = dict(
+            params=ocp.args.StandardRestore(params_target),
+            opt_state=ocp.args.StandardRestore(opt_target),
+            meta=ocp.args.JsonRestore(),
+        )
         if data_state is None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
         try:
@@ -332,12 +371,12 @@ class Checkpointer:
             raise DamagedCheckpoint(f"it does not restore: {_first_line(e)}") from None
         if not params_finite(out["params"]):
             raise DamagedCheckpoint("its weights are not finite (NaN or infinite)")
-        params = _replace(state.params, _from_legacy(out["params"]) if legacy
-                          else out["params"])
+        params = _replace(state.params, _from_legacy(out["params"]) if legacy else out["params"])
         treedef = jax.tree.structure(state.opt_state)
-        opt_state = jax.tree.unflatten(treedef, [
-            out["opt_state"][_legacy_key(k) if legacy else k]
-            for k in _opt_dict(state.opt_state)])
+        opt_state = jax.tree.unflatten(
+            treedef,
+            [out["opt_state"][_legacy_key(k) if legacy else k] for k in _opt_dict(state.opt_state)],
+        )
         meta = dict(out["meta"])
         if data_state is not None:
             meta["resharded"] = data_state
@@ -390,11 +429,14 @@ def _data_position(directory: str) -> dict | None:
     if os.path.isfile(os.path.join(directory, f"process_{me}-of-{count}.json")):
         return None
     files = globlib.glob(os.path.join(directory, "process_*-of-*.json"))
-    counts = {int(m.group(1)) for f in files
-              if (m := re.search(r"-of-(\d+)\.json$", os.path.basename(f)))}
+    counts = {
+        int(m.group(1)) for f in files if (m := re.search(r"-of-(\d+)\.json$", os.path.basename(f)))
+    }
     if len(counts) != 1:
-        raise DamagedCheckpoint(f"its data iterator file for process {me} of {count} "
-                                f"(data/process_{me}-of-{count}.json) is missing")
+        raise DamagedCheckpoint(
+            f"its data iterator file for process {me} of {count} "
+            f"(data/process_{me}-of-{count}.json) is missing"
+        )
     (n,) = counts
     states = []
     for i in range(n):
@@ -403,11 +445,14 @@ def _data_position(directory: str) -> dict | None:
             with open(file) as f:
                 states.append(json.load(f))
         except (OSError, ValueError) as e:
-            raise DamagedCheckpoint(f"data/{os.path.basename(file)} is unreadable "
-                                    f"({_first_line(e)})") from None
+            raise DamagedCheckpoint(
+                f"data/{os.path.basename(file)} is unreadable ({_first_line(e)})"
+            ) from None
     if any(st != states[0] for st in states) or not isinstance(states[0], dict):
-        raise DamagedCheckpoint(f"its {n} data iterator files disagree on the position, so it "
-                                f"cannot resume on {count} process(es): resume it on {n}")
+        raise DamagedCheckpoint(
+            f"its {n} data iterator files disagree on the position, so it "
+            f"cannot resume on {count} process(es): resume it on {n}"
+        )
     return states[0]
 
 
@@ -441,8 +486,10 @@ def _from_legacy(pure: dict) -> dict:
     out = {}
     for k, v in pure.items():
         if k in _LINEARS and not isinstance(v, dict):
-            out[k] = {"weight": v, **({"scale": pure[f"{k}_scale"]}
-                                      if f"{k}_scale" in pure else {})}
+            out[k] = {
+                "weight": v,
+                **({"scale": pure[f"{k}_scale"]} if f"{k}_scale" in pure else {}),
+            }
         elif not (isinstance(k, str) and k.endswith("_scale") and k[:-6] in _LINEARS):
             out[k] = _from_legacy(v) if isinstance(v, dict) else v
     return out
@@ -470,34 +517,48 @@ def check_shapes(directory: str, params: nnx.State, what: str) -> bool:
     saved = getattr(saved, "item_metadata", saved)
 
     def flat(tree):
-        return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path):
-                tuple(getattr(v, "shape", ()))
-                for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+        return {
+            "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): tuple(
+                getattr(v, "shape", ())
+            )
+            for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]
+        }
 
     have = flat(saved)
     legacy = any(_LEGACY_KEY.search(k) for k in have)
     want = flat(_to_legacy(nnx.to_pure_dict(params)) if legacy else nnx.to_pure_dict(params))
     if not have:
         return False
-    scales = sorted(k for k in set(have) - set(want)
-                    if k.rsplit("/", 1)[-1] in (quant.SCALE, *(f"{n}_scale" for n in _LINEARS)))
+    scales = sorted(
+        k
+        for k in set(have) - set(want)
+        if k.rsplit("/", 1)[-1] in (quant.SCALE, *(f"{n}_scale" for n in _LINEARS))
+    )
     if scales:
-        raise ConfigError(f"{what} is quantized (int8 weights with scales such as {scales[0]}, "
-                          f"made by convert --quantize): it loads for decoding only (decode "
-                          f"--checkpoint, lj.load); this path needs float weights, so give "
-                          f"it the float model it was made from")
+        raise ConfigError(
+            f"{what} is quantized (int8 weights with scales such as {scales[0]}, "
+            f"made by convert --quantize): it loads for decoding only (decode "
+            f"--checkpoint, lj.load); this path needs float weights, so give "
+            f"it the float model it was made from"
+        )
     fix = "start a new run (a new name=) or load a checkpoint of this model"
     for key, shape in want.items():
         if key not in have:
-            raise ConfigError(f"{what} has no weight {key} (it holds {len(have)} weights, this "
-                              f"model {len(want)}): it was saved from another model; {fix}")
+            raise ConfigError(
+                f"{what} has no weight {key} (it holds {len(have)} weights, this "
+                f"model {len(want)}): it was saved from another model; {fix}"
+            )
         if have[key] != shape:
-            raise ConfigError(f"{what} holds weight {key} of shape {have[key]}, but this "
-                              f"model's is {shape}: it was saved from another model; {fix}")
+            raise ConfigError(
+                f"{what} holds weight {key} of shape {have[key]}, but this "
+                f"model's is {shape}: it was saved from another model; {fix}"
+            )
     extra = sorted(set(have) - set(want))
     if extra:
-        raise ConfigError(f"{what} holds weights this model does not have ({extra[0]}, ...): "
-                          f"it was saved from another model; {fix}")
+        raise ConfigError(
+            f"{what} holds weights this model does not have ({extra[0]}, ...): "
+            f"it was saved from another model; {fix}"
+        )
     return legacy
 
 
@@ -508,10 +569,13 @@ def find_checkpoint(path: str, what: str) -> str:
     if not os.path.exists(path):
         raise ConfigError(f"{what}: {path} does not exist")
     if os.path.isfile(os.path.join(path, "config.json")) and not os.path.isdir(
-            os.path.join(path, "checkpoints")):
-        raise ConfigError(f"{what}: {path} is a Hugging Face model directory: convert it "
-                          f"first (python -m ladder_jax.convert --hf {path} --out DIR), then "
-                          f"give DIR")
+        os.path.join(path, "checkpoints")
+    ):
+        raise ConfigError(
+            f"{what}: {path} is a Hugging Face model directory: convert it "
+            f"first (python -m ladder_jax.convert --hf {path} --out DIR), then "
+            f"give DIR"
+        )
     if os.path.isdir(os.path.join(path, "checkpoints")):
         path = os.path.join(path, "checkpoints")
     if os.path.isdir(os.path.join(path, "params")):
@@ -519,14 +583,18 @@ def find_checkpoint(path: str, what: str) -> str:
     steps = [int(d) for d in os.listdir(path) if d.isdigit()] if os.path.isdir(path) else []
     sound = [s for s in steps if not unsound_reason(os.path.join(path, str(s)))]
     if steps and not sound:
-        raise ConfigError(f"{what}: every checkpoint in {path} is marked unsound "
-                          f"({unsound_reason(os.path.join(path, str(max(steps))))})")
+        raise ConfigError(
+            f"{what}: every checkpoint in {path} is marked unsound "
+            f"({unsound_reason(os.path.join(path, str(max(steps))))})"
+        )
     steps = sound
     if not steps:
         if not os.path.exists(path):
             raise ConfigError(f"{what}: {path} does not exist")
-        raise ConfigError(f"{what}: no checkpoint in {path} (give a run directory, its "
-                          f"checkpoints/ directory or one checkpoints/<step>)")
+        raise ConfigError(
+            f"{what}: no checkpoint in {path} (give a run directory, its "
+            f"checkpoints/ directory or one checkpoints/<step>)"
+        )
     return os.path.join(path, str(max(steps)), "params")
 
 
@@ -535,16 +603,25 @@ def weights_identity(path: str) -> dict:
     directory): their paths and sizes and the recorded checksums, without reading the weights;
     two processes that would load different weights get different identities."""
     try:
-        found = (path if os.path.isfile(os.path.join(path, "config.json"))
-                 and not os.path.isdir(os.path.join(path, "checkpoints"))
-                 else os.path.dirname(find_checkpoint(path, "--checkpoint")))
+        found = (
+            path
+            if os.path.isfile(os.path.join(path, "config.json"))
+            and not os.path.isdir(os.path.join(path, "checkpoints"))
+            else os.path.dirname(find_checkpoint(path, "--checkpoint"))
+        )
     except ConfigError as e:
         return {"error": str(e)}
-    files = {f: os.path.getsize(os.path.join(found, f)) for f in _files(found)
-             if not f.startswith(("data", UNSOUND))}
+    files = {
+        f: os.path.getsize(os.path.join(found, f))
+        for f in _files(found)
+        if not f.startswith(("data", UNSOUND))
+    }
     sums = os.path.join(found, CHECKSUMS)
-    return {"directory": os.path.basename(os.path.normpath(found)), "files": files,
-            CHECKSUMS: _crc32(sums) if os.path.isfile(sums) else None}
+    return {
+        "directory": os.path.basename(os.path.normpath(found)),
+        "files": files,
+        CHECKSUMS: _crc32(sums) if os.path.isfile(sums) else None,
+    }
 
 
 def load_params(path: str, params: nnx.State, *, what: str = "init_from") -> nnx.State:
@@ -566,7 +643,8 @@ def _run_root(path: str) -> str:
     if os.path.basename(p) == "checkpoints" and os.path.isfile(os.path.join(up, "config.yaml")):
         return up
     if os.path.basename(up) == "checkpoints" and os.path.isfile(
-            os.path.join(os.path.dirname(up), "config.yaml")):
+        os.path.join(os.path.dirname(up), "config.yaml")
+    ):
         return os.path.dirname(up)
     return path
 
@@ -575,17 +653,21 @@ def _config_file(path: str, what: str) -> str | None:
     """The config.yaml of the run or `convert` output at `path`, or None for a Hugging Face
     directory (config.json); a ConfigError for anything else."""
     if not os.path.exists(path):
-        raise ConfigError(f"{what} {path!r} does not exist: give a training run directory "
-                          f"(runs/NAME), the output of ladder_jax.convert, a Hugging Face "
-                          f"model directory or a .gguf file")
+        raise ConfigError(
+            f"{what} {path!r} does not exist: give a training run directory "
+            f"(runs/NAME), the output of ladder_jax.convert, a Hugging Face "
+            f"model directory or a .gguf file"
+        )
     cfg_file = os.path.join(_run_root(path), "config.yaml")
     if os.path.isfile(cfg_file):
         return cfg_file
     if os.path.isfile(os.path.join(path, "config.json")):
         return None
-    raise ConfigError(f"{what} {path!r}: no config.yaml there: give a training run directory "
-                      f"(runs/NAME), the output of ladder_jax.convert, a Hugging Face model "
-                      f"directory or a .gguf file")
+    raise ConfigError(
+        f"{what} {path!r}: no config.yaml there: give a training run directory "
+        f"(runs/NAME), the output of ladder_jax.convert, a Hugging Face model "
+        f"directory or a .gguf file"
+    )
 
 
 def _is_gguf(path: str) -> bool:
@@ -609,8 +691,9 @@ def run_model_config(path: str, *, what: str = "--checkpoint") -> config_lib.Mod
         raise ConfigError(f"{what} {path!r}: {e}") from None
 
 
-def load_run(path: str, *, mesh, what: str = "--checkpoint", quantize: str | None = None,
-             **overrides):
+def load_run(
+    path: str, *, mesh, what: str = "--checkpoint", quantize: str | None = None, **overrides
+):
     """(model, tokenizer) from a training run or a `python -m ladder_jax.convert` output (a
     directory with config.yaml and checkpoints/), a Hugging Face Llama directory
     (config.json, see `ladder_jax.interop.hf.load_hf`) or a GGUF file (`.gguf`,

@@ -33,8 +33,7 @@ def kl_divergence(student_btv, teacher_btv, mask_bt=None, temperature: float = 1
     return (kl_bt * mask_bt).sum() / jnp.maximum(mask_bt.sum(), 1.0)
 
 
-def make_loss(teacher_graphdef, teacher_params, *, weight: float = 1.0,
-              temperature: float = 1.0):
+def make_loss(teacher_graphdef, teacher_params, *, weight: float = 1.0, temperature: float = 1.0):
     """A `step.loss_fn`-like `(graphdef, params, tokens, targets, mask) -> loss` that mixes
     the data's cross-entropy and the KL to the teacher (see the module docstring)."""
 
@@ -50,14 +49,12 @@ def make_loss(teacher_graphdef, teacher_params, *, weight: float = 1.0,
     return loss
 
 
-def make_train_step(graphdef, teacher_graphdef, *, weight: float, temperature: float,
-                    **kwargs):
+def make_train_step(graphdef, teacher_graphdef, *, weight: float, temperature: float, **kwargs):
     """`step.make_train_step` with the distillation loss: the function a run jits takes
     `(teacher_params, params, opt_state, batch)` (bind the teacher with functools.partial)."""
 
     def train_step(teacher_params, params, opt_state, batch_abt):
-        loss = make_loss(teacher_graphdef, teacher_params, weight=weight,
-                         temperature=temperature)
+        loss = make_loss(teacher_graphdef, teacher_params, weight=weight, temperature=temperature)
         return step.make_train_step(graphdef, loss=loss, **kwargs)(params, opt_state, batch_abt)
 
     return train_step
@@ -71,7 +68,9 @@ def load_teacher(path: str, mesh, student_config):
 
     model, _ = load_run(path, mesh=mesh, what="distill.teacher")
     if model.config.vocab_size != student_config.vocab_size:
-        raise ConfigError(f"distill.teacher={path!r} has vocab_size={model.config.vocab_size} "
-                          f"but the model has {student_config.vocab_size}: distill from a "
-                          f"model with the same tokenizer")
+        raise ConfigError(
+            f"distill.teacher={path!r} has vocab_size={model.config.vocab_size} "
+            f"but the model has {student_config.vocab_size}: distill from a "
+            f"model with the same tokenizer"
+        )
     return nnx.split(model)

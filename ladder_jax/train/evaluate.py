@@ -34,8 +34,9 @@ def _loss_sum(model, tokens_bt, targets_bt, mask_bt):
     return cross_entropy(model(tokens_bt), targets_bt, mask_bt) * n, n
 
 
-def held_out_loss(model, tokens: np.ndarray, *, seq_len: int, batch: int = 16,
-                  max_records: int | None = None) -> float:
+def held_out_loss(
+    model, tokens: np.ndarray, *, seq_len: int, batch: int = 16, max_records: int | None = None
+) -> float:
     """Mean next-token cross-entropy (nats per token) of `model` over the (seq_len + 1)-token
     records of `tokens` (at most `max_records` of them, evenly spaced)."""
     records, _ = data.split(np.asarray(tokens), seq_len, 0.0)
@@ -44,9 +45,9 @@ def held_out_loss(model, tokens: np.ndarray, *, seq_len: int, batch: int = 16,
         index = np.linspace(0, len(records) - 1, max_records).round().astype(int)
     total = count = 0.0
     for start in range(0, len(index), batch):
-        rows = [records[int(i)] for i in index[start:start + batch]]
+        rows = [records[int(i)] for i in index[start : start + batch]]
         mask_bt = np.ones((batch, seq_len), np.int32)
-        mask_bt[len(rows):] = 0
+        mask_bt[len(rows) :] = 0
         rows += [rows[0]] * (batch - len(rows))  # padding, masked out
         x_bt = np.stack(rows)
         s, c = _loss_sum(model, x_bt[:, :-1], x_bt[:, 1:], mask_bt)

@@ -66,10 +66,16 @@ class RunLock:
                 holder = _holder(fd)
                 os.close(fd)
                 self._cleanup_dir()
-                who = (f"pid {holder.get('pid')} on host {holder.get('host')}, started "
-                       f"{holder.get('started')}" if holder else "another process")
-                raise RunBusy(f"{self.run_path} is in use by another trainer ({who}): wait for "
-                              f"it to finish, stop it, or give this run a new name=") from None
+                who = (
+                    f"pid {holder.get('pid')} on host {holder.get('host')}, started "
+                    f"{holder.get('started')}"
+                    if holder
+                    else "another process"
+                )
+                raise RunBusy(
+                    f"{self.run_path} is in use by another trainer ({who}): wait for "
+                    f"it to finish, stop it, or give this run a new name="
+                ) from None
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.file).st_ino
             except FileNotFoundError:
@@ -78,8 +84,13 @@ class RunLock:
                 os.close(fd)
                 continue
             self.stale = _read(fd) or None
-            me = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode()
+            me = json.dumps(
+                {
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                }
+            ).encode()
             os.pwrite(fd, me, 0)  # written over the old holder, then cut: never read empty
             os.ftruncate(fd, len(me))
             self.fd = fd

@@ -73,8 +73,13 @@ class Reporter:
         if mode != "bar" or not self.is_main:
             yield
             return
-        self._bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
-                             TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+        self._bar = Progress(
+            TextColumn("step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+        )
         self._task = self._bar.add_task("train", total=self.cfg.steps, completed=start, info="")
         self._bar.start()
         try:
@@ -95,8 +100,12 @@ class Reporter:
             self._bar.update(self._task, completed=rec["step"], info=info)
             if "eval_loss" in rec:
                 self._bar.console.print(f"step {rec['step']}: {info}")
-        elif (rec["step"] % self.cfg.log_every == 0 or "eval_loss" in rec
-              or rec["step"] == start + 1):
+        elif (
+            rec["step"] % self.cfg.log_every == 0 or "eval_loss" in rec or rec["step"] == start + 1
+        ):
             lr, mfu = rec["lr"], rec["mfu"]
-            print(f"step {rec['step']}/{self.cfg.steps}  {info}  lr {lr:.2e}  grad "
-                  f"{rec['grad_norm']:.3f}" + (f"  mfu {mfu:.1%}" if mfu else ""), flush=True)
+            print(
+                f"step {rec['step']}/{self.cfg.steps}  {info}  lr {lr:.2e}  grad "
+                f"{rec['grad_norm']:.3f}" + (f"  mfu {mfu:.1%}" if mfu else ""),
+                flush=True,
+            )

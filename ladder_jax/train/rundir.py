@@ -25,12 +25,23 @@ from ladder_jax.train.checkpoint import DamagedCheckpoint, SaveError, load_param
 from ladder_jax.train.lock import RunBusy, RunLock
 
 # Keys whose change makes a resumed run a different experiment.
-RESUME_KEYS = ("seed", "model", "optim", "data.path", "data.tokenizer", "data.seq_len",
-               "data.batch_size", "data.grad_accum", "data.eval_fraction", "data.seed")
+RESUME_KEYS = (
+    "seed",
+    "model",
+    "optim",
+    "data.path",
+    "data.tokenizer",
+    "data.seq_len",
+    "data.batch_size",
+    "data.grad_accum",
+    "data.eval_fraction",
+    "data.seed",
+)
 
 
 def changed_keys(old: dict, new: dict) -> dict:
     """{dotted key: (old value, new value)} over `RESUME_KEYS`, from two config dicts."""
+
     def flat(d, prefix=""):
         out = {}
         for k, v in d.items():
@@ -39,9 +50,13 @@ def changed_keys(old: dict, new: dict) -> dict:
             else:
                 out[prefix + k] = v
         return out
+
     a, b = flat(old), flat(new)
-    keys = [k for k in sorted(set(a) | set(b))
-            if any(k == r or k.startswith(r + ".") for r in RESUME_KEYS)]
+    keys = [
+        k
+        for k in sorted(set(a) | set(b))
+        if any(k == r or k.startswith(r + ".") for r in RESUME_KEYS)
+    ]
     return {k: (a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)}
 
 
@@ -60,8 +75,10 @@ def check_writable(path: str, what: str) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise ConfigError(f"{what}: cannot write in {p} ({e.strerror}): give a writable "
-                          f"directory or fix its permissions") from None
+        raise ConfigError(
+            f"{what}: cannot write in {p} ({e.strerror}): give a writable "
+            f"directory or fix its permissions"
+        ) from None
 
 
 def config_dict(cfg: TrainConfig) -> dict:
@@ -88,8 +105,9 @@ def read_metrics(path: str, upto: int, log) -> list[dict]:
             if i == len(lines) - 1:
                 log(f"{path}: dropped a torn last line (a write cut short)")
                 continue
-            raise ConfigError(f"{path}, line {i + 1}: not a metrics row; fix or delete that "
-                              f"line to resume") from None
+            raise ConfigError(
+                f"{path}, line {i + 1}: not a metrics row; fix or delete that line to resume"
+            ) from None
         if row["step"] <= upto:
             rows.append(row)
     return rows
@@ -116,10 +134,11 @@ class MetricsLog:
             try:
                 from tensorboardX import SummaryWriter
             except ImportError:
-                raise ConfigError('tensorboard=true needs the tensorboardX package: '
-                                  'pip install -e ".[tensorboard]"') from None
-            self.events = SummaryWriter(os.path.join(run_path, "tensorboard"),
-                                        purge_step=start + 1)
+                raise ConfigError(
+                    "tensorboard=true needs the tensorboardX package: "
+                    'pip install -e ".[tensorboard]"'
+                ) from None
+            self.events = SummaryWriter(os.path.join(run_path, "tensorboard"), purge_step=start + 1)
 
     def write(self, rec: dict) -> None:
         if not self.active:
@@ -128,15 +147,16 @@ class MetricsLog:
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
         except OSError as e:
-            raise SaveError(f"could not write {self.path} ({e.strerror}): free disk space and "
-                            f"run the same command again to resume from the last "
-                            f"checkpoint") from None
+            raise SaveError(
+                f"could not write {self.path} ({e.strerror}): free disk space and "
+                f"run the same command again to resume from the last "
+                f"checkpoint"
+            ) from None
         if self.events is not None:
             for k in self.SCALARS:
                 if rec.get(k) is not None:
                     self.events.add_scalar(f"train/{k}", rec[k], rec["step"])
-            self.events.add_scalar("train/skipped", float(rec.get("skipped", False)),
-                                   rec["step"])
+            self.events.add_scalar("train/skipped", float(rec.get("skipped", False)), rec["step"])
 
     def close(self) -> None:
         if self.events is not None:
@@ -162,14 +182,17 @@ class RunDir:
                 refused = str(e)
         if jax.process_count() > 1:
             if multihost_utils.process_allgather(np.int32(refused is not None)).max() and (
-                    refused is None):
+                refused is None
+            ):
                 refused = f"{self.path}: process 0 could not lock it (see its output)"
         if refused:
             raise RunBusy(refused)
         if lock.stale:
             h = lock.stale
-            self.log(f"{lock.file}: taking over the lock of pid {h.get('pid')} on host "
-                     f"{h.get('host')} (it is not running any more)")
+            self.log(
+                f"{lock.file}: taking over the lock of pid {h.get('pid')} on host "
+                f"{h.get('host')} (it is not running any more)"
+            )
         try:
             yield
         finally:
@@ -197,11 +220,12 @@ class RunDir:
                 continue
             for d, why in damaged:
                 self.log(f"skipped damaged checkpoint {ckpt.directory}/{d}: {why}")
-            self.log(f"resumed from {ckpt.directory}/{s} (trained on mesh "
-                     f"{meta.get('mesh')})")
+            self.log(f"resumed from {ckpt.directory}/{s} (trained on mesh {meta.get('mesh')})")
             if "resharded" in meta:
-                self.log(f"data iterator re-sharded onto {jax.process_count()} process(es) at "
-                         f"its saved position {meta['resharded']}")
+                self.log(
+                    f"data iterator re-sharded onto {jax.process_count()} process(es) at "
+                    f"its saved position {meta['resharded']}"
+                )
             return s, state, damaged, changes
         if damaged:
             listed = "; ".join(f"{d}: {why}" for d, why in damaged[:3])
@@ -209,7 +233,8 @@ class RunDir:
             raise ConfigError(
                 f"no checkpoint in {ckpt.directory} can be restored ({listed}{more}); nothing "
                 f"was changed: move the damaged ones out of the way to start this run afresh, "
-                f"or train under a new name=")
+                f"or train under a new name="
+            )
         if self.cfg.init_from:
             state = state.replace(params=load_params(self.cfg.init_from, state.params))
             self.log(f"initialized weights from {self.cfg.init_from}")
@@ -222,7 +247,8 @@ class RunDir:
             f"{self.path} was trained to step {step} with another config ({listed}{more}): "
             f"resuming would mix two experiments. Use a new name= for a new run, "
             f"init_from={self.path} to start from its weights, or accept_changes=true to "
-            f"resume anyway")
+            f"resume anyway"
+        )
 
     def set_aside(self, ckpt, damaged: list[tuple[int, str]]) -> None:
         """Moves the damaged checkpoints out of orbax's sight (latest step, `keep`), never
@@ -251,10 +277,13 @@ class RunDir:
             if changes:
                 with open(os.path.join(self.path, "changes.jsonl"), "a") as f:
                     f.write(json.dumps({"step": start, "changed": changes}) + "\n")
-                self.log("accept_changes: " + ", ".join(
-                    f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items()))
-        metrics = MetricsLog(self.path, start, history, tensorboard=self.cfg.tensorboard,
-                             active=self.is_main)
+                self.log(
+                    "accept_changes: "
+                    + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
+                )
+        metrics = MetricsLog(
+            self.path, start, history, tensorboard=self.cfg.tensorboard, active=self.is_main
+        )
         return history, metrics
 
     def mark_unsound(self, ckpt, last_good: int) -> str:
@@ -263,16 +292,24 @@ class RunDir:
         the weights as they were), so that resume passes them over; says which checkpoint a
         resume would start from."""
         ckpt.wait()
-        why = (f"its weights gave non-finite losses from step {last_good + 1} on (the run "
-               f"stopped with exit 3)")
+        why = (
+            f"its weights gave non-finite losses from step {last_good + 1} on (the run "
+            f"stopped with exit 3)"
+        )
         marked = [c for c in ckpt.steps() if c >= last_good]
         for c in marked:
             ckpt.mark_unsound(c, why)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("unsound checkpoints marked")
         before = [c for c in ckpt.steps() if c < last_good]
-        said = (f"checkpoint(s) {', '.join(map(str, sorted(marked)))} marked unsound "
-                f"(resume skips them); " if marked else "")
-        return said + (f"a resume starts from checkpoint {before[0]}, the last before the "
-                       f"weights went bad" if before else "none was saved before the weights "
-                       "went bad: start again under a new name=")
+        said = (
+            f"checkpoint(s) {', '.join(map(str, sorted(marked)))} marked unsound "
+            f"(resume skips them); "
+            if marked
+            else ""
+        )
+        return said + (
+            f"a resume starts from checkpoint {before[0]}, the last before the weights went bad"
+            if before
+            else "none was saved before the weights went bad: start again under a new name="
+        )

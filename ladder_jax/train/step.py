@@ -43,17 +43,27 @@ def lr_schedule(cfg: OptimizerConfig | None = None, total_steps: int = 10_000) -
     `peak_lr * end_lr_fraction`."""
     cfg = cfg or OptimizerConfig()
     return optax.warmup_cosine_decay_schedule(
-        0.0, cfg.peak_lr, max(cfg.warmup_steps, 1), max(total_steps, cfg.warmup_steps + 1),
-        end_value=cfg.peak_lr * cfg.end_lr_fraction)
+        0.0,
+        cfg.peak_lr,
+        max(cfg.warmup_steps, 1),
+        max(total_steps, cfg.warmup_steps + 1),
+        end_value=cfg.peak_lr * cfg.end_lr_fraction,
+    )
 
 
-def make_optimizer(cfg: OptimizerConfig | None = None,
-                   total_steps: int = 10_000) -> optax.GradientTransformation:
+def make_optimizer(
+    cfg: OptimizerConfig | None = None, total_steps: int = 10_000
+) -> optax.GradientTransformation:
     """AdamW on `lr_schedule`. Gradient clipping is done by `train_step` (it needs the
     global norm anyway, and computing it once saves one reduction per weight)."""
     cfg = cfg or OptimizerConfig()
-    return optax.adamw(lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                       weight_decay=cfg.weight_decay)
+    return optax.adamw(
+        lr_schedule(cfg, total_steps),
+        b1=cfg.b1,
+        b2=cfg.b2,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+    )
 
 
 def cross_entropy(logits_btv, targets_bt, mask_bt=None):
@@ -79,8 +89,7 @@ def chunked_cross_entropy(h_btd, head_dv, targets_bt, mask_bt=None, *, chunk: in
     B, T, D = h_btd.shape
     chunk = max(1, min(int(chunk), T))
     n = -(-T // chunk)
-    weight_bt = (jnp.ones((B, T), jnp.float32) if mask_bt is None
-                 else mask_bt.astype(jnp.float32))
+    weight_bt = jnp.ones((B, T), jnp.float32) if mask_bt is None else mask_bt.astype(jnp.float32)
     pad = n * chunk - T  # a short last chunk: padded, its padding weighted 0
     if pad:
         h_btd = jnp.pad(h_btd, ((0, 0), (0, pad), (0, 0)))
@@ -90,8 +99,7 @@ def chunked_cross_entropy(h_btd, head_dv, targets_bt, mask_bt=None, *, chunk: in
 
     @jax.checkpoint  # the backward keeps only the chunk's inputs, recomputing its logits
     def nll_sum(head_dv, h_bcd, targets_bc, weight_bc):
-        logits_bcv = jnp.einsum("BCD,DV->BCV", h_bcd, head_dv,
-                                preferred_element_type=jnp.float32)
+        logits_bcv = jnp.einsum("BCD,DV->BCV", h_bcd, head_dv, preferred_element_type=jnp.float32)
         lse_bc = jax.nn.logsumexp(logits_bcv, axis=-1)
         target_bc = jnp.take_along_axis(logits_bcv, targets_bc[..., None], axis=-1)[..., 0]
         return ((lse_bc - target_bc) * weight_bc).sum()
@@ -99,8 +107,9 @@ def chunked_cross_entropy(h_btd, head_dv, targets_bt, mask_bt=None, *, chunk: in
     def body(total, xs):
         return total + nll_sum(head_dv, *xs), None
 
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
-                            (split(h_btd), split(targets_bt), split(weight_bt)))
+    total, _ = jax.lax.scan(
+        body, jnp.zeros((), jnp.float32), (split(h_btd), split(targets_bt), split(weight_bt))
+    )
     if mask_bt is None:
         return total / (B * T)
     return total / jnp.maximum(weight_bt.sum(), 1.0)
@@ -112,18 +121,19 @@ def loss_fn(graphdef, params, tokens_bt, targets_bt, mask_bt=None, loss_chunk: i
     loss up to rounding, in less memory); 0: the plain one, over the whole logits."""
     model = nnx.merge(graphdef, params)
     if loss_chunk and model.config.residual != "upper_bound":
-        return chunked_cross_entropy(model.hidden(tokens_bt), model.head_weight(), targets_bt,
-                                     mask_bt, chunk=loss_chunk)
+        return chunked_cross_entropy(
+            model.hidden(tokens_bt), model.head_weight(), targets_bt, mask_bt, chunk=loss_chunk
+        )
     return cross_entropy(model(tokens_bt), targets_bt, mask_bt)
 
 
-def loss_and_grads(graphdef, params, tokens, targets, mask=None, loss_chunk: int = 0,
-                   loss=None):
+def loss_and_grads(graphdef, params, tokens, targets, mask=None, loss_chunk: int = 0, loss=None):
     """Loss and gradients of one (B, T) batch, or the means over (A, B, T) micro-batches.
     `loss`: a function like `loss_fn` (default, with `loss_chunk`), e.g.
     `ladder_jax.train.distill.make_loss`."""
-    grad_fn = jax.value_and_grad(loss or functools.partial(loss_fn, loss_chunk=loss_chunk),
-                                 argnums=1)
+    grad_fn = jax.value_and_grad(
+        loss or functools.partial(loss_fn, loss_chunk=loss_chunk), argnums=1
+    )
     if tokens.ndim == 2:
         return grad_fn(graphdef, params, tokens, targets, mask)
     n = tokens.shape[0]
@@ -134,8 +144,9 @@ def loss_and_grads(graphdef, params, tokens, targets, mask=None, loss_chunk: int
         return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (loss_sum, grad_sum), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros),
-                                           (tokens, targets, mask))
+    (loss_sum, grad_sum), _ = jax.lax.scan(
+        micro, (jnp.zeros((), jnp.float32), zeros), (tokens, targets, mask)
+    )
     return loss_sum / n, jax.tree.map(lambda g: g / n, grad_sum)
 
 
@@ -145,16 +156,27 @@ def shardings_of(tree):
     return jax.tree.map(lambda x: x.sharding, tree)
 
 
-def train_step(graphdef, params, opt_state, tokens_bt, targets_bt, *, optimizer, shardings,
-               grad_clip=1.0, mask_bt=None, loss_chunk: int = 0, loss=None):
+def train_step(
+    graphdef,
+    params,
+    opt_state,
+    tokens_bt,
+    targets_bt,
+    *,
+    optimizer,
+    shardings,
+    grad_clip=1.0,
+    mask_bt=None,
+    loss_chunk: int = 0,
+    loss=None,
+):
     """One update. tokens/targets (B, T), or (A, B, T) for A accumulated micro-batches.
     `shardings`: where the weights are stored (`shardings_of(params)`, e.g. the FSDP layout):
     the gradients are kept in that layout, so clipping and AdamW run on each device's own
     blocks, with no gathering. A non-finite loss or gradient norm returns `params` and
     `opt_state` as they came in (`metrics["skipped"]` = 1). `loss_chunk`, `loss`: see
     `loss_fn`, `loss_and_grads`."""
-    loss, grads = loss_and_grads(graphdef, params, tokens_bt, targets_bt, mask_bt, loss_chunk,
-                                 loss)
+    loss, grads = loss_and_grads(graphdef, params, tokens_bt, targets_bt, mask_bt, loss_chunk, loss)
     grads = jax.tree.map(jax.lax.with_sharding_constraint, grads, shardings)
     grad_norm = sharding.global_norm(grads, shardings)  # one all-reduce
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -165,10 +187,14 @@ def train_step(graphdef, params, opt_state, tokens_bt, targets_bt, *, optimizer,
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    params, opt_state = jax.lax.cond(finite, update, lambda p, o, _: (p, o),
-                                     params, opt_state, grads)
-    return params, opt_state, {"loss": loss, "grad_norm": grad_norm,
-                               "skipped": (~finite).astype(jnp.int32)}
+    params, opt_state = jax.lax.cond(
+        finite, update, lambda p, o, _: (p, o), params, opt_state, grads
+    )
+    return (
+        params,
+        opt_state,
+        {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32)},
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,12 +207,24 @@ def opt_state_shardings(optimizer, opt_state, params, mesh):
     (step counters) is replicated on the mesh."""
     replicated = NamedSharding(mesh, P())
     return optax.tree_map_params(
-        optimizer, lambda _, p: p.sharding, opt_state, params,
-        transform_non_params=lambda x: jax.tree.map(lambda _: replicated, x))
+        optimizer,
+        lambda _, p: p.sharding,
+        opt_state,
+        params,
+        transform_non_params=lambda x: jax.tree.map(lambda _: replicated, x),
+    )
 
 
-def make_train_step(graphdef, *, optimizer, grad_clip, param_shardings, opt_shardings,
-                    loss_chunk: int = 0, loss=None):
+def make_train_step(
+    graphdef,
+    *,
+    optimizer,
+    grad_clip,
+    param_shardings,
+    opt_shardings,
+    loss_chunk: int = 0,
+    loss=None,
+):
     """The function a training run jits: (params, opt_state, batch) -> (params, opt_state,
     metrics). `batch` is (A, B, T + 1) int tokens, A accumulated micro-batches (A = 1: no
     accumulation loop); `loss_chunk` as in `loss_fn`. `param_shardings`, `opt_shardings`:
@@ -203,8 +241,17 @@ def make_train_step(graphdef, *, optimizer, grad_clip, param_shardings, opt_shar
             tokens, targets = tokens[0], targets[0]
         p_shardings, o_shardings = like(params, param_shardings), like(opt_state, opt_shardings)
         params, opt_state, metrics = train_step(
-            graphdef, params, opt_state, tokens, targets, optimizer=optimizer,
-            shardings=p_shardings, grad_clip=grad_clip, loss_chunk=loss_chunk, loss=loss)
+            graphdef,
+            params,
+            opt_state,
+            tokens,
+            targets,
+            optimizer=optimizer,
+            shardings=p_shardings,
+            grad_clip=grad_clip,
+            loss_chunk=loss_chunk,
+            loss=loss,
+        )
         constrain = functools.partial(jax.tree.map, jax.lax.with_sharding_constraint)
         return constrain(params, p_shardings), constrain(opt_state, o_shardings), metrics
 
@@ -221,8 +268,13 @@ def memory_use(compiled) -> dict:
     args, outs = int(m.argument_size_in_bytes), int(m.output_size_in_bytes)
     alias, temps = int(m.alias_size_in_bytes), int(m.temp_size_in_bytes)
     code = int(getattr(m, "generated_code_size_in_bytes", 0) or 0)
-    return {"arguments": args, "outputs": outs, "aliased": alias, "temporaries": temps,
-            "peak": args + temps + max(outs - alias, 0) + code}
+    return {
+        "arguments": args,
+        "outputs": outs,
+        "aliased": alias,
+        "temporaries": temps,
+        "peak": args + temps + max(outs - alias, 0) + code,
+    }
 
 
 def check_memory(use: dict, capacity: int, cfg, *, where: str = "per device") -> None:
@@ -238,8 +290,9 @@ def check_memory(use: dict, capacity: int, cfg, *, where: str = "per device") ->
     if not cfg.mesh.fsdp:
         fixes_state.append("mesh.fsdp=true (weights and optimizer state split over data)")
     else:
-        fixes_state.append("more data-parallel devices (mesh.data, more hosts: FSDP splits the "
-                           "state further)")
+        fixes_state.append(
+            "more data-parallel devices (mesh.data, more hosts: FSDP splits the state further)"
+        )
     if cfg.model.param_dtype == "float32" and not cfg.mesh.fsdp:
         fixes_state.append("or model.param_dtype=bfloat16")
     if (cfg.model.remat or "none") == "none":
@@ -247,10 +300,10 @@ def check_memory(use: dict, capacity: int, cfg, *, where: str = "per device") ->
     b, a = cfg.data.batch_size, cfg.data.grad_accum
     n_data = cfg.mesh.data or 1
     if b // 2 >= n_data and b % 2 == 0:
-        fixes_act.append(f"data.batch_size={b // 2} data.grad_accum={2 * a} (same tokens per "
-                         f"step)")
+        fixes_act.append(f"data.batch_size={b // 2} data.grad_accum={2 * a} (same tokens per step)")
     fixes = fixes_state + fixes_act if state_first else fixes_act + fixes_state
     raise ConfigError(
         f"the training step needs {gb(use['peak'])} {where} but the device has "
         f"{gb(capacity)} (weights + optimizer state + batch {gb(use['arguments'])}, "
-        f"temporaries {gb(use['temporaries'])}): try {'; '.join(fixes)}")
+        f"temporaries {gb(use['temporaries'])}): try {'; '.join(fixes)}"
+    )

@@ -42,10 +42,21 @@ from ladder_jax.train.report import Reporter, duration, flops_per_token, peak_fl
 from ladder_jax.train.rundir import MetricsLog, RunDir, changed_keys, check_writable, config_dict
 from ladder_jax.train.step import TrainState
 
-__all__ = ["NonFiniteError", "SaveError", "Trainer", "benchmark", "run",
-           # the train API, and the old paths of what moved to rundir / report
-           "load_config", "model_config", "MetricsLog", "changed_keys", "check_writable",
-           "flops_per_token", "peak_flops"]
+__all__ = [
+    "NonFiniteError",
+    "SaveError",
+    "Trainer",
+    "benchmark",
+    "run",
+    # the train API, and the old paths of what moved to rundir / report
+    "load_config",
+    "model_config",
+    "MetricsLog",
+    "changed_keys",
+    "check_writable",
+    "flops_per_token",
+    "peak_flops",
+]
 
 
 class NonFiniteError(RuntimeError):
@@ -76,12 +87,16 @@ def init_runtime(cfg: TrainConfig) -> None:
     mesh needs (or `mesh.cpu_devices`); `mesh.data: null` there is `data_parallel`'s."""
     d = cfg.dist
     nproc = d.num_processes or int(os.environ.get("JAX_NUM_PROCESSES") or 1)
-    one_cpu_process = (runtime.cpu_only() and nproc == 1
-                       and int(os.environ.get("SLURM_NTASKS", "1")) == 1)
+    one_cpu_process = (
+        runtime.cpu_only() and nproc == 1 and int(os.environ.get("SLURM_NTASKS", "1")) == 1
+    )
     want = cfg.mesh.tp * (data_parallel(cfg, cpu=one_cpu_process) or 1)
-    runtime.setup(cpu_devices=cfg.mesh.cpu_devices or max(1, -(-want // nproc)),
-                  coordinator=d.coordinator_address, num_processes=d.num_processes,
-                  process_id=d.process_id)
+    runtime.setup(
+        cpu_devices=cfg.mesh.cpu_devices or max(1, -(-want // nproc)),
+        coordinator=d.coordinator_address,
+        num_processes=d.num_processes,
+        process_id=d.process_id,
+    )
 
 
 def train_mesh(cfg: TrainConfig, config, devices=None):
@@ -109,9 +124,11 @@ def check_host_memory(config, mesh, fsdp: bool) -> None:
     n = config.num_params()
     need = 4 * n * np.dtype(config.param_dtype).itemsize * local // shards
     runtime.check_host_memory(
-        need, f"training the model ({n / 1e9:.2f}B parameters: weights, gradients and optimizer "
-              f"state on {local} CPU device(s))",
-        "use a smaller model (model.vocab_size, model.d_model, model.n_layers, ...) or a GPU")
+        need,
+        f"training the model ({n / 1e9:.2f}B parameters: weights, gradients and optimizer "
+        f"state on {local} CPU device(s))",
+        "use a smaller model (model.vocab_size, model.d_model, model.n_layers, ...) or a GPU",
+    )
 
 
 @dataclasses.dataclass
@@ -129,16 +146,19 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, *, devices=None):
         self.cfg = cfg
-        runtime.agree({k: v for k, v in config_dict(cfg).items() if k != "dist"},
-                      "training config")  # many processes: all alike, or exit 2
+        runtime.agree(
+            {k: v for k, v in config_dict(cfg).items() if k != "dist"}, "training config"
+        )  # many processes: all alike, or exit 2
         self.model_config = check(cfg)
         self.reporter = Reporter(cfg)
         self.run_dir = RunDir(cfg, self.log)
         check_writable(self.run_path, f"run_dir={cfg.run_dir!r}")
         self.tokenizer = make_tokenizer(cfg.data.tokenizer)
         if self.tokenizer.vocab_size > self.model_config.vocab_size:
-            raise ConfigError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but "
-                              f"model vocab_size={self.model_config.vocab_size}")
+            raise ConfigError(
+                f"the tokenizer has {self.tokenizer.vocab_size} tokens but "
+                f"model vocab_size={self.model_config.vocab_size}"
+            )
         self.mesh = train_mesh(cfg, self.model_config, devices)
         self.is_main = jax.process_index() == 0
         check_host_memory(self.model_config, self.mesh, cfg.mesh.fsdp)
@@ -148,39 +168,51 @@ class Trainer:
         self.lr_schedule = step.lr_schedule(cfg.optim, total_steps=cfg.steps)
         self.optimizer = step.make_optimizer(cfg.optim, total_steps=cfg.steps)
         self.graphdef, self.state = self.init_state(self.model_config)
-        self.teacher = distill.load_teacher(cfg.distill.teacher, self.mesh, self.model_config) \
-            if cfg.distill.teacher else None  # (graphdef, params), frozen
+        self.teacher = (
+            distill.load_teacher(cfg.distill.teacher, self.mesh, self.model_config)
+            if cfg.distill.teacher
+            else None
+        )  # (graphdef, params), frozen
         self._steps = {}
 
     def _load_data(self):
         cfg, mesh = self.cfg, self.mesh
         # Which rows of the global batch this process feeds: the data-axis rows of its devices.
         me = jax.process_index()
-        rows = sorted({i for i, row in enumerate(mesh.devices) for dv in row
-                       if dv.process_index == me})
+        rows = sorted(
+            {i for i, row in enumerate(mesh.devices) for dv in row if dv.process_index == me}
+        )
         per_proc = len(rows)
         shard = (rows[0] // per_proc, mesh.shape[sharding.DATA] // per_proc)
         self.local_batch = cfg.data.batch_size // shard[1]
         tokens = data.load_tokens(cfg.data.path, self.tokenizer, self.model_config.vocab_size)
-        train_records, eval_records = data.split(tokens, cfg.data.seq_len,
-                                                 cfg.data.eval_fraction)
+        train_records, eval_records = data.split(tokens, cfg.data.seq_len, cfg.data.eval_fraction)
         self.data_iter = data.train_iterator(
-            train_records, batch=self.local_batch * cfg.data.grad_accum, seed=cfg.data.seed,
-            shard=shard)
-        self.eval_data = data.eval_batches(
-            eval_records, batch=self.local_batch, max_batches=cfg.eval_batches,
-            shard=shard) if len(eval_records) else []
+            train_records,
+            batch=self.local_batch * cfg.data.grad_accum,
+            seed=cfg.data.seed,
+            shard=shard,
+        )
+        self.eval_data = (
+            data.eval_batches(
+                eval_records, batch=self.local_batch, max_batches=cfg.eval_batches, shard=shard
+            )
+            if len(eval_records)
+            else []
+        )
 
     # -- state and the compiled step ---------------------------------------------------------
 
     def init_state(self, config) -> tuple[nnx.GraphDef, TrainState]:
         """(graphdef, TrainState at step 0) of a freshly initialized `config` on this mesh."""
-        model = Transformer(config, mesh=self.mesh, rngs=nnx.Rngs(self.cfg.seed),
-                            fsdp=self.cfg.mesh.fsdp)  # weights created where they are stored
+        model = Transformer(
+            config, mesh=self.mesh, rngs=nnx.Rngs(self.cfg.seed), fsdp=self.cfg.mesh.fsdp
+        )  # weights created where they are stored
         graphdef, params = nnx.split(model)
         opt_state = jax.jit(self.optimizer.init)(params)
         opt_state = jax.device_put(
-            opt_state, step.opt_state_shardings(self.optimizer, opt_state, params, self.mesh))
+            opt_state, step.opt_state_shardings(self.optimizer, opt_state, params, self.mesh)
+        )
         return graphdef, TrainState(params, opt_state, 0)
 
     def compiled_step(self, graphdef, state: TrainState):
@@ -189,23 +221,33 @@ class Trainer:
         key = id(graphdef)
         if key in self._steps:
             return self._steps[key]
-        kw = dict(optimizer=self.optimizer, grad_clip=self.cfg.optim.grad_clip,
-                  param_shardings=step.shardings_of(state.params),
-                  opt_shardings=step.shardings_of(state.opt_state))
+        kw = dict(
+            optimizer=self.optimizer,
+            grad_clip=self.cfg.optim.grad_clip,
+            param_shardings=step.shardings_of(state.params),
+            opt_shardings=step.shardings_of(state.opt_state),
+        )
         if self.teacher is None:
-            train = sharding.jit(step.make_train_step(graphdef, loss_chunk=self.cfg.loss_chunk,
-                                                      **kw), mesh=self.mesh,
-                                 program="train", donate_argnums=(0, 1))
+            train = sharding.jit(
+                step.make_train_step(graphdef, loss_chunk=self.cfg.loss_chunk, **kw),
+                mesh=self.mesh,
+                program="train",
+                donate_argnums=(0, 1),
+            )
         else:  # the teacher's params are the first argument, bound here
             d = self.cfg.distill
-            fn = distill.make_train_step(graphdef, self.teacher[0], weight=d.weight,
-                                         temperature=d.temperature, **kw)
-            train = functools.partial(sharding.jit(fn, mesh=self.mesh, program="train",
-                                                   donate_argnums=(1, 2)), self.teacher[1])
+            fn = distill.make_train_step(
+                graphdef, self.teacher[0], weight=d.weight, temperature=d.temperature, **kw
+            )
+            train = functools.partial(
+                sharding.jit(fn, mesh=self.mesh, program="train", donate_argnums=(1, 2)),
+                self.teacher[1],
+            )
 
         def eval_loss(params, batch_bt):
-            return step.loss_fn(graphdef, params, batch_bt[:, :-1], batch_bt[:, 1:],
-                                loss_chunk=self.cfg.loss_chunk)
+            return step.loss_fn(
+                graphdef, params, batch_bt[:, :-1], batch_bt[:, 1:], loss_chunk=self.cfg.loss_chunk
+            )
 
         fns = (train, sharding.jit(eval_loss, mesh=self.mesh))
         self._steps[key] = fns
@@ -223,8 +265,10 @@ class Trainer:
             return train_step
         cfg = self.cfg
         batch = jax.ShapeDtypeStruct(
-            (cfg.data.grad_accum, cfg.data.batch_size, cfg.data.seq_len + 1), np.int32,
-            sharding=self.batch_sharding)
+            (cfg.data.grad_accum, cfg.data.batch_size, cfg.data.seq_len + 1),
+            np.int32,
+            sharding=self.batch_sharding,
+        )
         compiled = train_step.lower(self.state.params, self.state.opt_state, batch).compile()
         stats = (device.memory_stats() or {}) if hasattr(device, "memory_stats") else {}
         capacity = int(stats.get("bytes_limit") or chip.memory_bytes)
@@ -233,8 +277,10 @@ class Trainer:
             step.check_memory(use, capacity, cfg, where=f"per device ({chip.name})")
         except ConfigError as e:
             if use["peak"] <= 0.95 * chip.memory_bytes:  # jax's allocator holds less
-                raise ConfigError(f"{e}; or let jax's allocator take more of the device: "
-                                  f"XLA_PYTHON_CLIENT_MEM_FRACTION=0.95") from None
+                raise ConfigError(
+                    f"{e}; or let jax's allocator take more of the device: "
+                    f"XLA_PYTHON_CLIENT_MEM_FRACTION=0.95"
+                ) from None
             raise
         return compiled
 
@@ -242,7 +288,8 @@ class Trainer:
         A, T1 = self.cfg.data.grad_accum, self.cfg.data.seq_len + 1
         local = local.reshape(A, self.local_batch, T1)
         return jax.make_array_from_process_local_data(
-            self.batch_sharding, local, (A, self.cfg.data.batch_size, T1))
+            self.batch_sharding, local, (A, self.cfg.data.batch_size, T1)
+        )
 
     def evaluate(self) -> float | None:
         if not self.eval_data:
@@ -251,9 +298,9 @@ class Trainer:
         losses = []
         for b in self.eval_data:
             g = jax.make_array_from_process_local_data(
-                self.eval_sharding, b, (self.cfg.data.batch_size, b.shape[1]))
-            losses.append(float(np.asarray(
-                eval_loss(self.state.params, g).addressable_data(0))))
+                self.eval_sharding, b, (self.cfg.data.batch_size, b.shape[1])
+            )
+            losses.append(float(np.asarray(eval_loss(self.state.params, g).addressable_data(0))))
         return float(np.mean(losses))
 
     # -- the run -----------------------------------------------------------------------------
@@ -272,11 +319,13 @@ class Trainer:
         with self.run_dir.lock():
             train_step, eval_loss = self.compiled_step(self.graphdef, self.state)
             self._steps[id(self.graphdef)] = (self.check_memory(train_step), eval_loss)
-            ckpt = Checkpointer(os.path.join(self.run_path, "checkpoints"), keep=cfg.keep,
-                                async_save=cfg.async_ckpt)
+            ckpt = Checkpointer(
+                os.path.join(self.run_path, "checkpoints"), keep=cfg.keep, async_save=cfg.async_ckpt
+            )
             try:
                 start, self.state, damaged, changes = self.run_dir.resume_or_init(
-                    ckpt, self.state, self.data_iter)
+                    ckpt, self.state, self.data_iter
+                )
                 if start >= cfg.steps:  # reads only: writes nothing, not even config.yaml
                     return self._nothing_to_do(start)
                 self.run_dir.set_aside(ckpt, damaged)
@@ -291,15 +340,22 @@ class Trainer:
     def _nothing_to_do(self, start: int) -> dict:
         self.log(f"already trained to step {start} (steps={self.cfg.steps}); nothing to do")
         history = self.run_dir.history(start)
-        return {"exit": "done", "losses": {r["step"]: r["loss"] for r in history if "loss" in r},
-                "step": start, "skipped": 0, "eval_loss": self.evaluate()}
+        return {
+            "exit": "done",
+            "losses": {r["step"]: r["loss"] for r in history if "loss" in r},
+            "step": start,
+            "skipped": 0,
+            "eval_loss": self.evaluate(),
+        }
 
     def _loop(self, ckpt, start, history, metrics) -> dict:
         """Steps from `start` to `steps`: each one trained, counted, evaluated when due,
         written, shown, checkpointed when due; a signal saves and stops."""
         cfg = self.cfg
-        self.log(f"{self.describe()}; steps {start}->{cfg.steps}, {self._tokens_per_step()} "
-                 f"tokens/step; run dir {self.run_path}")
+        self.log(
+            f"{self.describe()}; steps {start}->{cfg.steps}, {self._tokens_per_step()} "
+            f"tokens/step; run dir {self.run_path}"
+        )
         tally = _Tally({r["step"]: r["loss"] for r in history if "loss" in r})
         s, rec, t_begin = start, {}, time.perf_counter()
         self._t_last = t_begin
@@ -317,8 +373,9 @@ class Trainer:
                     break
                 # none in a run of non-finite steps: its weights are the last finite step's,
                 # saved or not, and would push good checkpoints out of `keep`
-                if s == cfg.steps or (not tally.bad_in_row and cfg.ckpt_every
-                                      and s % cfg.ckpt_every == 0):
+                if s == cfg.steps or (
+                    not tally.bad_in_row and cfg.ckpt_every and s % cfg.ckpt_every == 0
+                ):
                     self._save(ckpt, s)
             ckpt.wait()  # the last save, before saying "done"
         return self._result(tally, s, rec, start, t_begin, metrics)
@@ -332,20 +389,34 @@ class Trainer:
         train_step, _ = self.compiled_step(self.graphdef, self.state)
         local = next(self.data_iter)
         lr = float(self.lr_schedule(s - 1 - tally.skipped))
-        params, opt_state, m = train_step(self.state.params, self.state.opt_state,
-                                          self.global_batch(local))
+        params, opt_state, m = train_step(
+            self.state.params, self.state.opt_state, self.global_batch(local)
+        )
         self.state = TrainState(params, opt_state, s)
         m = {k: float(np.asarray(v.addressable_data(0))) for k, v in m.items()}
         now = time.perf_counter()
         dt, self._t_last = now - self._t_last, now
         tps = self._tokens_per_step() / dt
         peak = peak_flops(self.cfg, self.mesh.devices.flat[0])
-        mfu = (flops_per_token(self.model_config, self.cfg.data.seq_len) * tps
-               / (peak * self.mesh.devices.size)) if peak else None
-        rec = {"step": s, "loss": m["loss"], "grad_norm": m["grad_norm"], "lr": lr,
-               "tokens_per_s": tps, "mfu": mfu,
-               "batch_crc": zlib.crc32(local.tobytes()),  # process 0's data, for tests
-               "time": round(time.time(), 3)}  # wall clock, Unix seconds
+        mfu = (
+            (
+                flops_per_token(self.model_config, self.cfg.data.seq_len)
+                * tps
+                / (peak * self.mesh.devices.size)
+            )
+            if peak
+            else None
+        )
+        rec = {
+            "step": s,
+            "loss": m["loss"],
+            "grad_norm": m["grad_norm"],
+            "lr": lr,
+            "tokens_per_s": tps,
+            "mfu": mfu,
+            "batch_crc": zlib.crc32(local.tobytes()),  # process 0's data, for tests
+            "time": round(time.time(), 3),
+        }  # wall clock, Unix seconds
         if m["skipped"]:
             rec["skipped"] = True
         return rec
@@ -360,15 +431,18 @@ class Trainer:
             return
         tally.skipped += 1
         tally.bad_in_row += 1
-        self.log(f"step {s}: non-finite loss {rec['loss']} / grad norm {rec['grad_norm']}: "
-                 f"update skipped ({tally.bad_in_row} in a row, {tally.skipped} in all)")
+        self.log(
+            f"step {s}: non-finite loss {rec['loss']} / grad norm {rec['grad_norm']}: "
+            f"update skipped ({tally.bad_in_row} in a row, {tally.skipped} in all)"
+        )
         if tally.bad_in_row >= self.cfg.max_bad_steps:
             metrics.write(rec)
             raise NonFiniteError(
                 f"stopping at step {s}: {tally.bad_in_row} non-finite steps in a row "
                 f"(max_bad_steps={self.cfg.max_bad_steps}); "
                 f"{self.run_dir.mark_unsound(ckpt, s - tally.bad_in_row)}. Lower "
-                f"optim.peak_lr or check the data.")
+                f"optim.peak_lr or check the data."
+            )
 
     def _maybe_evaluate(self, rec: dict) -> None:
         s, cfg = rec["step"], self.cfg
@@ -380,27 +454,43 @@ class Trainer:
     def _interrupt(self, ckpt, s: int, stop) -> None:
         self._save(ckpt, s)
         ckpt.wait()
-        self.log(f"{stop['signal'] or 'stop'}: checkpoint saved at step {s}; run the same "
-                 f"command again to resume")
+        self.log(
+            f"{stop['signal'] or 'stop'}: checkpoint saved at step {s}; run the same "
+            f"command again to resume"
+        )
 
-    def _result(self, tally: _Tally, s: int, rec: dict, start: int, t_begin: float,
-                metrics) -> dict:
+    def _result(
+        self, tally: _Tally, s: int, rec: dict, start: int, t_begin: float, metrics
+    ) -> dict:
         """The run's summary (the `done:` line on a finished run)."""
         done = tally.exit == "done"
         eval_loss = rec.get("eval_loss") if done else None
-        peak = runtime.peak_memory([d for d in self.mesh.devices.flat
-                                    if d.process_index == jax.process_index()])
+        peak = runtime.peak_memory(
+            [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+        )
         if done and start < self.cfg.steps and eval_loss is not None:
-            self.log(f"done: step {s} in {duration(time.perf_counter() - t_begin)}, held-out "
-                     f"loss {eval_loss:.4f} (perplexity {perplexity(eval_loss):.2f}); "
-                     f"{peak_text(peak)}; metrics {metrics.path}")
-        return {"exit": tally.exit, "losses": tally.losses, "step": s,
-                "skipped": tally.skipped, "eval_loss": eval_loss, "peak_rss": peak["host"],
-                "peak_device": peak["device"]}
+            self.log(
+                f"done: step {s} in {duration(time.perf_counter() - t_begin)}, held-out "
+                f"loss {eval_loss:.4f} (perplexity {perplexity(eval_loss):.2f}); "
+                f"{peak_text(peak)}; metrics {metrics.path}"
+            )
+        return {
+            "exit": tally.exit,
+            "losses": tally.losses,
+            "step": s,
+            "skipped": tally.skipped,
+            "eval_loss": eval_loss,
+            "peak_rss": peak["host"],
+            "peak_device": peak["device"],
+        }
 
     def _meta(self, s: int) -> dict:
-        return {"step": s, "config": config_dict(self.cfg), "mesh": dict(self.mesh.shape),
-                "processes": jax.process_count()}
+        return {
+            "step": s,
+            "config": config_dict(self.cfg),
+            "mesh": dict(self.mesh.shape),
+            "processes": jax.process_count(),
+        }
 
     def _save(self, ckpt, s: int) -> None:
         """Saves the state as checkpoint `s`, only if its weights are finite (NonFiniteError
@@ -409,7 +499,8 @@ class Trainer:
             raise NonFiniteError(
                 f"stopping at step {s}: the weights are NaN or infinite after its update, so "
                 f"they were not saved; {self.run_dir.mark_unsound(ckpt, s)}. Lower "
-                f"optim.peak_lr or check the data.")
+                f"optim.peak_lr or check the data."
+            )
         ckpt.save(self.state, self.data_iter, self._meta(s))
 
     def _stop_requested(self, stop) -> bool:
@@ -420,10 +511,12 @@ class Trainer:
 
     def describe(self) -> str:
         c = self.model_config
-        return (f"{c.residual} {c.n_layers}L d={c.d_model} ({c.num_params() / 1e6:.2f}M params,"
-                f" {c.dtype} compute, {c.param_dtype} params) on {jax.process_count()} "
-                f"process(es), mesh data={self.mesh.shape['data']} x tp={self.mesh.shape['tp']}"
-                f"{' fsdp' if self.cfg.mesh.fsdp else ''} ({jax.default_backend()})")
+        return (
+            f"{c.residual} {c.n_layers}L d={c.d_model} ({c.num_params() / 1e6:.2f}M params,"
+            f" {c.dtype} compute, {c.param_dtype} params) on {jax.process_count()} "
+            f"process(es), mesh data={self.mesh.shape['data']} x tp={self.mesh.shape['tp']}"
+            f"{' fsdp' if self.cfg.mesh.fsdp else ''} ({jax.default_backend()})"
+        )
 
 
 @contextlib.contextmanager
