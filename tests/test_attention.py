@@ -229,9 +229,14 @@ def test_fused_projections_equal_the_separate_matmuls(tp, scheme):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
 
 
-def test_int8_models_are_not_fused():
+def test_int8_models_are_fused_with_their_scales():
+    """int8 weights fuse like float ones, each scale beside its weight (the fused decode equals
+    the separate projections: tests/test_quant.py)."""
     model = quant.quantize(tiny_model(1, residual="ladder"))
-    assert transformer.fuse_inputs(model) is model
+    fused = transformer.fuse_inputs(model)
+    for layer in fused.layers:
+        for joined in (layer.attn.qkv, layer.mlp.gate_up):
+            assert joined.weight.value.dtype == jnp.int8 and joined.scale is not None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -181,15 +181,16 @@ def train_step(
     grad_norm = sharding.global_norm(grads, shardings)  # one all-reduce
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
-    def update(params, opt_state, grads):
-        scale = jnp.minimum(1.0, grad_clip / jnp.maximum(grad_norm, 1e-12))
-        grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+    scale = jnp.minimum(1.0, grad_clip / jnp.maximum(grad_norm, 1e-12))
+    grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
 
-    params, opt_state = jax.lax.cond(
-        finite, update, lambda p, o, _: (p, o), params, opt_state, grads
-    )
+    def keep(new, old):
+        return jnp.where(finite, new, old)
+
+    params = jax.tree.map(keep, new_params, params)
+    opt_state = jax.tree.map(keep, new_opt_state, opt_state)
     return (
         params,
         opt_state,
