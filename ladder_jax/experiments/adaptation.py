@@ -412,8 +412,11 @@ class Experiment:
             w = corpora.write(docs, os.path.join(self.out, "data", "sources", src))
             for f in sorted(os.listdir(w["train"])):
                 link = os.path.join(train_dir, f"{src}_{f}")
-                if not os.path.exists(link):
-                    os.symlink(os.path.abspath(os.path.join(w["train"], f)), link)
+                target = os.path.abspath(os.path.join(w["train"], f))
+                if os.path.lexists(link) and os.readlink(link) != target:
+                    os.remove(link)  # a link left by a copy or a moved directory
+                if not os.path.lexists(link):
+                    os.symlink(target, link)
             held[src] = w["held_out"]
             row["sources"][src] = {
                 k: w[k] for k in ("train_docs", "held_out_docs", "train_bytes", "held_out_bytes")
@@ -447,8 +450,14 @@ class Experiment:
         method: str | None = None,
         extra: dict | None = None,
     ) -> dict:
-        """One model's accuracies, held-out losses and chat answers, as a "model" row."""
+        """One model's accuracies, held-out losses and chat answers, as a "model" row; a row
+        measured before with the same setting (`<out>/models/<name>.json`) is reused."""
         s, t0 = self.s, time.perf_counter()
+        saved = load_row(self.out, name, s)
+        if saved is not None:
+            self.log(f"{name}: measured before, reusing {row_path(self.out, name)}")
+            self.emit(saved)
+            return saved
         tasks, avg, avg_se = {}, None, None
         if s.tasks:
             ev = lj.evaluate(
@@ -499,6 +508,7 @@ class Experiment:
             + ", ".join(f"{k} {v['loss']:.3f}" for k, v in losses.items())
             + f"; {row['eval_s']} s, peak RSS {row['peak_rss_gb']} GB"
         )
+        save_row(self.out, row, s)
         self.emit(row)
         return row
 
@@ -592,6 +602,31 @@ class Experiment:
                 )
                 del model
         return rows
+
+
+def row_path(out: str, name: str) -> str:
+    return os.path.join(out, "models", name.replace(" ", "_") + ".json")
+
+
+def save_row(out: str, row: dict, setting: Setting) -> None:
+    """Keep a measured model row beside the setting it was measured with (written whole, then
+    renamed: a stopped run leaves no half file)."""
+    path = row_path(out, row["name"])
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"setting": dataclasses.asdict(setting), "row": row}, f)
+    os.replace(path + ".tmp", path)
+
+
+def load_row(out: str, name: str, setting: Setting) -> dict | None:
+    """The row `save_row` kept for `name`, if it was measured with this very setting."""
+    try:
+        with open(row_path(out, name)) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return None
+    same = json.loads(json.dumps(dataclasses.asdict(setting))) == saved.get("setting")
+    return saved.get("row") if same else None
 
 
 def run(setting: Setting, out: str, *, emit=None, log=None, trainer_out=None) -> list[dict]:
