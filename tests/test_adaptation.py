@@ -5,7 +5,6 @@ minutes), distillation's loss against a hand computation, and bad input.
 SmolLM2 itself: `python benchmarks/adaptation.py --quick` (docs/adaptation.md)."""
 
 import contextlib
-import importlib.util
 import io
 import json
 import math
@@ -20,7 +19,7 @@ import ladder_jax as lj
 from ladder_jax.config import check
 from ladder_jax.experiments import adaptation as ad
 from ladder_jax.train import distill
-from tests.helpers import logits, mesh
+from tests.helpers import benchmark, cli_error, logits, mesh
 
 ROOT = pathlib.Path(__file__).parent.parent
 
@@ -174,20 +173,14 @@ def test_distillation_starts_at_zero_from_the_teacher_itself(experiment):
 
 
 def test_cli_bad_input_is_one_line(capsys):
-    spec = importlib.util.spec_from_file_location(
-        "adaptation_cli", ROOT / "benchmarks" / "adaptation.py"
-    )
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = benchmark("adaptation")
     for args, words in (
         (["--quick", "--set", "stepz=3"], "stepz"),
         (["--quick", "--set", "methods=[finetune]"], "finetune"),
         (["--quick", "--set", "generated_docs=3"], "generated_docs"),
         (["--quick", "--set", "base=/nonexistent"], "/nonexistent"),
     ):
-        assert cli.main(args + ["--out", "/nonexistent/x"]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+        assert words in cli_error(capsys, cli.main, args + ["--out", "/nonexistent/x"])
 
 
 class _Texts(ad.Experiment):
