@@ -20,20 +20,9 @@ gets as many threads unless told otherwise. Prints the CPU model and torch's thr
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import time
 
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+import _hf
 
 
 def main(argv=None) -> int:
@@ -42,34 +31,15 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up")
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument(
-        "--attn", default="sdpa", choices=("sdpa", "eager"), help="HF attention implementation"
-    )
+    _hf.add_torch_args(ap)
     args = ap.parse_args(argv)
 
     import torch
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    from transformers import DynamicCache
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=320,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        mlp_bias=False,
-        attn_implementation=args.attn,
-        torch_dtype=torch.float32,
-    )
-    model = LlamaForCausalLM(config).eval()
+    from ladder_jax.hardware import cpu_description
+
+    model = _hf.llama(_hf.SHAPES["small"], attn=args.attn, threads=args.threads).eval()
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 256, (args.batch, args.prompt_len), generator=gen)
 
@@ -92,7 +62,7 @@ def main(argv=None) -> int:
     steps = args.new_tokens - 1
     print(
         f"hf LlamaForCausalLM decode ({args.attn}, {args.threads} threads, torch "
-        f"{torch.__version__}, {cpu_model()}): prefill {prefill_s * 1e3:.1f} ms, decode "
+        f"{torch.__version__}, {cpu_description()}): prefill {prefill_s * 1e3:.1f} ms, decode "
         f"{args.batch * steps / decode_s:,.0f} tokens/s ({decode_s / steps * 1e3:.2f} "
         f"ms/step), end-to-end {args.batch * args.new_tokens / (prefill_s + decode_s):,.0f} "
         f"tokens/s (batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new)",

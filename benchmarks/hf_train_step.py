@@ -18,37 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import time
 
-# LlamaConfig fields per --shape (the float32 model trained on CPU)
-SHAPES = {
-    "small": dict(
-        vocab_size=320,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-    ),
-    "smollm2": dict(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,
-        tie_word_embeddings=True,
-    ),
-}
+import _hf
 
 
 def main(argv=None) -> int:
@@ -56,14 +29,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps, after 2 warm-up steps")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128, help="tokens predicted per row")
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument(
-        "--attn", default="sdpa", choices=("sdpa", "eager"), help="HF attention implementation"
-    )
+    _hf.add_torch_args(ap)
     ap.add_argument(
         "--shape",
         default="small",
-        choices=tuple(SHAPES),
+        choices=tuple(_hf.SHAPES),
         help="the model's shapes: the small preset or SmolLM2-135M",
     )
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
@@ -75,18 +45,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        **SHAPES[args.shape],
-        attention_bias=False,
-        mlp_bias=False,
-        attn_implementation=args.attn,
-        torch_dtype=torch.float32,
-    )
-    model = LlamaForCausalLM(config).train()
+    model = _hf.llama(_hf.SHAPES[args.shape], attn=args.attn, threads=args.threads).train()
+    config = model.config
     opt = torch.optim.AdamW(
         model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.1
     )

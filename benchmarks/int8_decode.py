@@ -23,8 +23,8 @@ import dataclasses
 import os
 import time
 
+import _hf
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from ladder_jax.config import ModelConfig
 from ladder_jax.inference import generation
@@ -36,12 +36,14 @@ SHAPES = {
 }
 
 
+def model_config(shape: str) -> ModelConfig:
+    """The float32 model both systems run at `shape`."""
+    return ModelConfig.from_preset("small", **SHAPES[shape], max_seq_len=1024)  # head_dim: D / N
+
+
 def ladder(shape: str, batch: int, prompt_len: int, new_tokens: int, quantize, repeats: int):
-    config = dataclasses.replace(
-        ModelConfig.from_preset("small"), **SHAPES[shape], max_seq_len=1024, quantize=quantize
-    )
     r = generation.benchmark(
-        config,
+        dataclasses.replace(model_config(shape), quantize=quantize),
         sharding.make_mesh(tp=1),
         batch=batch,
         prompt_len=prompt_len,
@@ -52,26 +54,13 @@ def ladder(shape: str, batch: int, prompt_len: int, new_tokens: int, quantize, r
 
 
 def hf(shape: str, batch: int, prompt_len: int, new_tokens: int, quantize, repeats: int):
-    s = SHAPES[shape]
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=s["vocab_size"],
-            hidden_size=s["d_model"],
-            intermediate_size=s["d_ff"],
-            num_hidden_layers=s["n_layers"],
-            num_attention_heads=s["n_heads"],
-            num_key_value_heads=s["n_kv_heads"],
-            max_position_embeddings=1024,
-            tie_word_embeddings=False,
-            torch_dtype=torch.float32,
-        )
-    ).eval()
+    config = model_config(shape)
+    model = _hf.llama(config).eval()
     if quantize:
         model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
     ids = torch.randint(
         0,
-        min(256, s["vocab_size"]),
+        min(256, config.vocab_size),
         (batch, prompt_len),
         generator=torch.Generator().manual_seed(0),
     )

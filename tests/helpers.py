@@ -44,14 +44,85 @@ def logits(model, tokens):
     return model(tokens)
 
 
-def one_line(capsys, rc, code=2) -> str:
-    """The single `error: ...` line of a command that must have exited with `code`."""
+def one_line(capsys, rc, code=2, *, quiet=False) -> str:
+    """The single `error: ...` line of a command that must have exited with `code`; `quiet`:
+    and printed nothing on stdout."""
     out, err = capsys.readouterr()
     assert rc == code, (rc, out, err)
     assert "Traceback" not in out + err
+    assert not (quiet and out), out
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     return lines[0]
+
+
+def exit_code(main, argv) -> int:
+    """The exit code of a command line's `main(argv)` run in-process, whether it returns it
+    (ours) or argparse exits with it."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def cli_error(capsys, main, argv, code=2) -> str:
+    """The single `error: ...` line of `main(argv)`, which must refuse with `code` and print
+    nothing on stdout.
+
+        assert "unknown preset" in cli_error(capsys, predict_cli.main, ["--preset", "x"])
+    """
+    return one_line(capsys, exit_code(main, argv), code, quiet=True)
+
+
+def run_module(name: str, *args, env=None, timeout=300) -> subprocess.CompletedProcess:
+    """`python -m ladder_jax.<name> ARGS` run to its end on CPU, its output captured as text;
+    `env` is added to this process's environment.
+
+        r = run_module("decode", "--preset", "x"); assert r.returncode == 2
+    """
+    return subprocess.run(
+        [sys.executable, "-m", f"ladder_jax.{name}", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})},
+    )
+
+
+def benchmark(name: str):
+    """benchmarks/<name>.py imported as a module (benchmarks/ is not a package), for its `main`.
+
+    cli = benchmark("adaptation")
+    """
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_cli", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def flags(**values) -> list[str]:
+    """Command-line words of keyword flags; a list or tuple gives a flag several values.
+
+    flags(prompt_len=128, link=["nvlink", "pcie"])  # --prompt-len 128 --link nvlink pcie
+    """
+    words = []
+    for name, v in values.items():
+        words.append("--" + name.replace("_", "-"))
+        words += [str(x) for x in v] if isinstance(v, (list, tuple)) else [str(v)]
+    return words
+
+
+def predict_json(capsys, argv) -> tuple[list[dict], str]:
+    """The rows and stderr of `python -m ladder_jax.predict ARGV --json` run in-process (it
+    must succeed)."""
+    from ladder_jax.cli import predict as predict_cli
+
+    assert predict_cli.main([*argv, "--json"]) == 0
+    out, err = capsys.readouterr()
+    return [json.loads(line) for line in out.splitlines()], err
 
 
 def free_port():

@@ -5,7 +5,6 @@ minutes), distillation's loss against a hand computation, and bad input.
 SmolLM2 itself: `python benchmarks/adaptation.py --quick` (docs/adaptation.md)."""
 
 import contextlib
-import importlib.util
 import io
 import json
 import math
@@ -20,7 +19,7 @@ import ladder_jax as lj
 from ladder_jax.config import check
 from ladder_jax.experiments import adaptation as ad
 from ladder_jax.train import distill
-from tests.helpers import logits, mesh
+from tests.helpers import benchmark, cli_error, logits, mesh
 
 ROOT = pathlib.Path(__file__).parent.parent
 
@@ -174,20 +173,49 @@ def test_distillation_starts_at_zero_from_the_teacher_itself(experiment):
 
 
 def test_cli_bad_input_is_one_line(capsys):
-    spec = importlib.util.spec_from_file_location(
-        "adaptation_cli", ROOT / "benchmarks" / "adaptation.py"
-    )
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = benchmark("adaptation")
     for args, words in (
         (["--quick", "--set", "stepz=3"], "stepz"),
         (["--quick", "--set", "methods=[finetune]"], "finetune"),
         (["--quick", "--set", "generated_docs=3"], "generated_docs"),
         (["--quick", "--set", "base=/nonexistent"], "/nonexistent"),
     ):
-        assert cli.main(args + ["--out", "/nonexistent/x"]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+        assert words in cli_error(capsys, cli.main, args + ["--out", "/nonexistent/x"])
+
+
+class _Texts(ad.Experiment):
+    """An experiment's data step over given documents, byte tokens and no model."""
+
+    def __init__(self, setting, out, docs):
+        self.s, self.out, self.docs = setting, out, docs
+
+    def mix_documents(self):
+        return self.docs
+
+    def tokenizer_file(self):
+        return "byte"
+
+
+def test_a_held_out_part_shorter_than_a_record_is_trained_on_not_measured(tmp_path):
+    """Held-out text of seq_len tokens (no full record) is listed under held_out_too_short and
+    left out of the measured sources, its training documents still in the mix; seq_len + 1
+    tokens is one record, measured. Byte tokens: a document's bytes plus BOS and EOS."""
+    seq = 32
+    docs = {  # 12 documents a source: corpora.split holds out the 7th
+        "short": [(f"s{i}", "s" * (seq - 2 if i == 6 else 10)) for i in range(12)],
+        "one_record": [(f"r{i}", "r" * (seq - 1 if i == 6 else 20)) for i in range(12)],
+    }
+    setting = ad.Setting("t", seq_len=seq)
+    exp = _Texts(setting, str(tmp_path), docs)
+    row = exp.write_data()
+    assert row["held_out_too_short"] == {"short": seq}
+    assert {k: len(v) for k, v in exp.held_out.items()} == {"one_record": seq + 1}
+    assert row["held_out_tokens"] == {"one_record": seq + 1}
+    assert row["train_tokens_available"] == 11 * (10 + 2) + 11 * (20 + 2)
+    names = sorted(os.listdir(exp.train_dir))
+    assert sum(n.startswith("short_") for n in names) == 11, names
+    with pytest.raises(lj.ConfigError, match="every source's held-out text is shorter"):
+        _Texts(setting, str(tmp_path / "b"), {"short": docs["short"]}).write_data()
 
 
 def _row(name, stage, avg, se, loss, loss_se, k=15, method=None):

@@ -18,7 +18,7 @@ from ladder_jax.inference import generation
 from ladder_jax.inference.cache import KVCache
 from ladder_jax.model import sharding
 from tests import helpers
-from tests.helpers import SCHEMES, free_port
+from tests.helpers import SCHEMES, free_port, run_module
 from tests.helpers import logits as _logits
 from tests.helpers import tiny_model as _model
 
@@ -156,16 +156,6 @@ def test_bad_input_is_refused_before_device_work(kwargs, match):
         generation.generate(model, **kwargs)
 
 
-def _cli(*args, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "ladder_jax.decode", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})},
-    )
-
-
 @pytest.mark.parametrize(
     "args, match",
     [
@@ -177,7 +167,7 @@ def _cli(*args, env=None):
     ],
 )
 def test_cli_bad_input_exits_cleanly(args, match):
-    r = _cli(*args)
+    r = run_module("decode", *args)
     assert r.returncode == 2, r.stderr
     assert match in r.stderr and "Traceback" not in r.stderr, r.stderr
 
@@ -214,7 +204,7 @@ def test_cli_prints_what_generate_samples_with_its_sampling(capsys):
 
 
 def test_cli_streams_text():
-    r = _cli("--prompt", "Hello", "--max-new-tokens", "6", "--temperature", "0")
+    r = run_module("decode", "--prompt", "Hello", "--max-new-tokens", "6", "--temperature", "0")
     assert r.returncode == 0, r.stderr
     assert "Hello" in r.stdout and "Transformer(" in r.stdout
 

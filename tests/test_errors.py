@@ -627,13 +627,7 @@ def test_decode_benchmark_says_what_it_measures_first(capsys, decode_main, monke
 def test_decode_cli_process_non_utf8_prompt_file(tmp_path):
     """The real process: exit code 2 and one line, nothing else on stderr from us."""
     (tmp_path / "p.txt").write_bytes(b"\xff\xfe h\x00i\n")
-    r = subprocess.run(
-        [sys.executable, "-m", "ladder_jax.decode", "--prompt-file", str(tmp_path / "p.txt")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )
+    r = helpers.run_module("decode", "--prompt-file", str(tmp_path / "p.txt"))
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr
     assert f"--prompt-file {tmp_path / 'p.txt'}: byte 0 (line 1) is not UTF-8" in r.stderr

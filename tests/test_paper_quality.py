@@ -2,7 +2,6 @@
 end to end on tiny shapes, its held-out evaluation against a plain forward, its by-document
 split, its command line's bad input, and the notebook that shows it."""
 
-import importlib.util
 import io
 import json
 import math
@@ -20,7 +19,7 @@ from ladder_jax.experiments import corpora
 from ladder_jax.experiments import paper_quality as pq
 from ladder_jax.interop.tokenizer import make_tokenizer
 from ladder_jax.train import data
-from tests.helpers import logits, mesh, shrink
+from tests.helpers import benchmark, cli_error, logits, mesh, shrink
 
 ROOT = pathlib.Path(__file__).parent.parent
 NOTEBOOK = ROOT / "notebooks" / "paper.ipynb"
@@ -239,19 +238,13 @@ def test_kjv_corpus_is_held_out_by_book():
 
 
 def test_cli_bad_input_is_one_line(capsys):
-    spec = importlib.util.spec_from_file_location(
-        "paper_quality_cli", ROOT / "benchmarks" / "paper_quality.py"
-    )
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = benchmark("paper_quality")
     for args, words in (
         (["--quick", "--set", "stepz=3"], "stepz"),
         (["--quick", "--set", "corpus=wiki"], "wiki"),
         (["--quick", "--set", "steps"], "FIELD=VALUE"),
     ):
-        assert cli.main(args) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+        assert words in cli_error(capsys, cli.main, args)
 
 
 def test_paper_notebook_executes(monkeypatch):

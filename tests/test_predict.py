@@ -9,7 +9,6 @@ import json
 import pathlib
 import shutil
 import subprocess
-import sys
 
 import jax
 import pytest
@@ -21,6 +20,7 @@ from ladder_jax.analysis import perfmodel
 from ladder_jax.cli import overlap as overlap_cli
 from ladder_jax.cli import predict as predict_cli
 from ladder_jax.model import quant
+from tests.helpers import cli_error, flags, predict_json, run_module
 
 # tiny, and a mid-size model whose weights dominate its decode step
 TINY = lj.ModelConfig.from_preset("tiny")
@@ -36,6 +36,7 @@ MID = lj.ModelConfig.from_preset(
     param_dtype="bfloat16",
 )
 SHAPE = dict(prompt_len=128, new_tokens=64)
+CLI = dict(preset="tiny", tp=2, batch=1, prompt_len=128, new_tokens=64)  # the CLI tests' rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,28 +274,8 @@ def test_few_layers_extended_match_a_full_depth_compile(config, residual):
 
 def test_cli_json_rows(capsys):
     # the programs of the grid test above, from the compile cache
-    argv = [
-        "--preset",
-        "tiny",
-        "--tp",
-        "2",
-        "--batch",
-        "1",
-        "--prompt-len",
-        "128",
-        "--new-tokens",
-        "64",
-        "--link",
-        "nvlink",
-        "pcie",
-        "--residual",
-        "standard",
-        "ladder",
-        "--json",
-    ]
-    assert predict_cli.main(argv) == 0
-    out, err = capsys.readouterr()
-    rows = [json.loads(line) for line in out.splitlines()]
+    argv = flags(**CLI, link=["nvlink", "pcie"], residual=["standard", "ladder"])
+    rows, err = predict_json(capsys, argv)
     # progress through both waits: the compiles, then reading and costing each row's programs
     lines = err.splitlines()
     costing = [ln for ln in lines if ln.startswith("costing tiny: ")]
@@ -327,7 +308,7 @@ def test_cli_json_rows(capsys):
     }
     assert all(keys <= set(r) for r in rows)
     assert all(r["tp"] == 2 and r["batch"] == 1 and r["tokens_per_s"] > 0 for r in rows)
-    assert predict_cli.main(argv[:-1]) == 0
+    assert predict_cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "ladder/standard" in out and "tokens/s" in out
 
@@ -377,22 +358,7 @@ def test_decode_memory_equals_a_consuming_decoder_and_a_real_cache_on_a_mesh(res
 
 
 def test_cli_table_flags_what_does_not_fit_and_a_bad_pool_is_one_line(capsys, monkeypatch):
-    argv = [
-        "--preset",
-        "tiny",
-        "--tp",
-        "2",
-        "--batch",
-        "1",
-        "--prompt-len",
-        "128",
-        "--new-tokens",
-        "64",
-        "--link",
-        "nvlink",
-        "--residual",
-        "standard",
-    ]
+    argv = flags(**CLI, link="nvlink", residual="standard")
     assert predict_cli.main(argv) == 0
     out = capsys.readouterr().out
     row = next(ln for ln in out.splitlines() if ln.startswith("nvlink"))
@@ -404,29 +370,14 @@ def test_cli_table_flags_what_does_not_fit_and_a_bad_pool_is_one_line(capsys, mo
     row = next(ln for ln in out.splitlines() if ln.startswith("nvlink"))
     assert row.endswith("does not fit") and "\ndoes not fit: more than the pool" in out
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "lots")
-    assert predict_cli.main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert err == "error: XLA_PYTHON_CLIENT_MEM_FRACTION='lots': a number in (0, 1]"
+    line = cli_error(capsys, predict_cli.main, argv)
+    assert line == "error: XLA_PYTHON_CLIENT_MEM_FRACTION='lots': a number in (0, 1]"
 
 
 def test_cli_train_step(capsys):
     config = pathlib.Path(__file__).parent.parent / "configs" / "tiny.yaml"
-    argv = [
-        "--phase",
-        "train",
-        "--config",
-        str(config),
-        "--tp",
-        "2",
-        "--link",
-        "pcie",
-        "--residual",
-        "standard",
-        "ladder",
-        "--json",
-    ]
-    assert predict_cli.main(argv) == 0
-    rows = {r["residual"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    argv = flags(phase="train", config=config, tp=2, link="pcie", residual=["standard", "ladder"])
+    rows = {r["residual"]: r for r in predict_json(capsys, argv)[0]}
     std, lad = rows["standard"], rows["ladder"]
     assert std["batch"] == 16 and std["seq_len"] == 128 and std["tp"] == 2
     assert std["tokens_per_s"] == pytest.approx(16 * 128 / std["step_s"])
@@ -451,11 +402,7 @@ def test_cli_train_step(capsys):
     ],
 )
 def test_cli_bad_arguments_one_line_exit_2(capsys, args, message):
-    assert predict_cli.main(args) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    err = captured.err.strip().splitlines()
-    assert len(err) == 1 and message in err[0] and "Traceback" not in captured.err, err
+    assert message in cli_error(capsys, predict_cli.main, args)
 
 
 @pytest.mark.parametrize("main", [predict_cli.main, overlap_cli.main], ids=["predict", "overlap"])
@@ -465,19 +412,14 @@ def test_missing_cuda_plugin_is_one_line_with_the_install_hint(capsys, monkeypat
 
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     perfmodel.program_kernels.cache_clear()
-    assert main(["--preset", "tiny", "--tp", "2"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and 'pip install "jax-cuda12-plugin==' in err[0], err
+    assert 'pip install "jax-cuda12-plugin==' in cli_error(
+        capsys, main, ["--preset", "tiny", "--tp", "2"]
+    )
 
 
 def test_python_m_ladder_jax_predict_and_lj_predict():
     """The module CLI (a fresh process: no runpy warning, one line) and the notebook call."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "ladder_jax.predict", "--preset", "llama-9"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_module("predict", "--preset", "llama-9", timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     ours = [line for line in proc.stderr.splitlines() if "ladder_jax" in line or "error" in line]
     assert ours == [next(line for line in ours if line.startswith("error: unknown preset"))]
@@ -817,25 +759,16 @@ def test_lean_backend_changes_no_program(tmp_path):
 
 
 def test_cli_hosts_rows_and_bad_knobs(capsys):
-    argv = [
-        "--preset",
-        "tiny",
-        "--tp",
-        "4",
-        "--hosts",
-        "2",
-        "--batch",
-        "1",
-        "--prompt-len",
-        "16",
-        "--new-tokens",
-        "16",
-        "--residual",
-        "standard",
-        "--layers-compiled",
-        "0",
-        "--json",
-    ]
+    argv = flags(
+        preset="tiny",
+        tp=4,
+        hosts=2,
+        batch=1,
+        prompt_len=16,
+        new_tokens=16,
+        residual="standard",
+        layers_compiled=0,
+    )
     rows = lj.predict(
         "tiny",
         tp=4,
@@ -860,10 +793,7 @@ def test_cli_hosts_rows_and_bad_knobs(capsys):
             "--hardware /nonexistent.json: cannot read it",
         ),
     ):
-        assert predict_cli.main(argv + bad) == 2, bad
-        captured = capsys.readouterr()
-        err = captured.err.strip().splitlines()
-        assert captured.out == "" and len(err) == 1 and message in err[0], (bad, err)
+        assert message in cli_error(capsys, predict_cli.main, argv + bad), bad
 
 
 def test_hardware_file_replaces_the_figures_it_names(tmp_path):

@@ -4,7 +4,6 @@ by one matmul kernel, bf16 and int8, tp 1 and 8. Deviceless compiles of a small 
 depths per case (the report's layer is their difference)."""
 
 import dataclasses
-import json
 import re
 
 import jax
@@ -17,6 +16,7 @@ from ladder_jax.analysis import hlo, perfmodel, programs, roofline
 from ladder_jax.cli import predict as predict_cli
 from ladder_jax.inference import generation
 from ladder_jax.model.transformer import abstract, fuse_inputs
+from tests.helpers import cli_error, flags, predict_json
 
 CFG = lj.ModelConfig.from_preset(
     "small",
@@ -32,6 +32,7 @@ CFG = lj.ModelConfig.from_preset(
 )
 SHAPE = dict(prompt_len=128, new_tokens=64, target="h100")
 CASES = [(1, None), (1, "int8"), (8, None), (8, "int8")]
+CLI = dict(preset="tiny", tp=2, prompt_len=128, new_tokens=64, link="pcie", residual="standard")
 
 
 def hand_minimum(cfg, tp: int, batch: int) -> int:
@@ -128,29 +129,11 @@ def test_predict_max_len_reads_the_filled_slots_and_holds_them_all(capsys):
     step reads the request's filled slots only, so its bytes grow by far less than the empty
     slots it was given (reading them would add their every byte); the minimum stays the
     request's."""
-    argv = [
-        "--preset",
-        "tiny",
-        "--tp",
-        "2",
-        "--batch",
-        "2",
-        "--prompt-len",
-        "128",
-        "--new-tokens",
-        "64",
-        "--link",
-        "pcie",
-        "--residual",
-        "standard",
-        "--json",
-        "--layers-compiled",
-        "0",
-    ]  # the full depth only: two programs a run
+    argv = flags(**CLI, batch=2, layers_compiled=0)  # the full depth only: two programs a run
     rows = {}
     for slots in (None, 1024):
-        assert predict_cli.main(argv + ([] if slots is None else ["--max-len", str(slots)])) == 0
-        (rows[slots],) = map(json.loads, capsys.readouterr().out.splitlines())
+        more = [] if slots is None else flags(max_len=slots)
+        (rows[slots],), _ = predict_json(capsys, argv + more)
     cfg = lj.ModelConfig.from_preset("tiny")
     per_slot = (
         cfg.n_layers * 2 * 2 * (cfg.n_kv_heads // 2) * cfg.head_dim * np.dtype(cfg.dtype).itemsize
@@ -166,27 +149,7 @@ def test_predict_max_len_reads_the_filled_slots_and_holds_them_all(capsys):
 
 def test_lj_predict_quantize_equals_the_command_line(capsys):
     """`lj.predict(..., quantize="int8")` is `predict --quantize int8`: the same rows."""
-    argv = [
-        "--preset",
-        "tiny",
-        "--tp",
-        "2",
-        "--batch",
-        "1",
-        "--prompt-len",
-        "128",
-        "--new-tokens",
-        "64",
-        "--link",
-        "pcie",
-        "--residual",
-        "standard",
-        "--json",
-        "--quantize",
-        "int8",
-    ]
-    assert predict_cli.main(argv) == 0
-    (cli,) = map(json.loads, capsys.readouterr().out.splitlines())
+    (cli,), _ = predict_json(capsys, flags(**CLI, batch=1, quantize="int8"))
     (api,) = lj.predict(
         "tiny",
         tp=2,
@@ -221,14 +184,7 @@ def test_lj_predict_quantize_equals_the_command_line(capsys):
     ],
 )
 def test_predict_bad_max_len_is_one_line_exit_2(capsys, args, message):
-    try:  # argparse's own errors exit; ours return
-        rc = predict_cli.main(["--preset", "tiny"] + args)
-    except SystemExit as e:
-        rc = e.code
-    assert rc == 2
-    captured = capsys.readouterr()
-    err = captured.err.strip().splitlines()
-    assert captured.out == "" and len(err) == 1 and message in err[0], err
+    assert message in cli_error(capsys, predict_cli.main, ["--preset", "tiny"] + args)
 
 
 @pytest.mark.parametrize(

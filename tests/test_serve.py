@@ -262,6 +262,28 @@ def test_two_apps_in_one_process_count_apart():
         assert m[("ladder_time_to_first_token_seconds_bucket", (("le", "+Inf"),))] == 0
 
 
+def test_metrics_have_no_created_series():
+    """/metrics lists each series the app keeps (written out here) and no `*_created`
+    timestamp series beside them."""
+    client = _in_process()
+    assert client.post("/v1/completions", content=b"{oops").status_code == 400
+    lines = [ln for ln in client.get("/metrics").text.splitlines() if not ln.startswith("#")]
+    names = {ln.split("{")[0].split()[0] for ln in lines}
+    assert not [ln for ln in lines if "_created" in ln.split("{")[0]], lines
+    assert names == {
+        "ladder_requests_total",
+        "ladder_prompt_tokens_total",
+        "ladder_generation_tokens_total",
+        "ladder_time_to_first_token_seconds_bucket",
+        "ladder_time_to_first_token_seconds_count",
+        "ladder_time_to_first_token_seconds_sum",
+        "ladder_decode_steps_total",
+        "ladder_queue_depth",
+        "ladder_slots_busy",
+        "ladder_slots_total",
+    }, names
+
+
 def _steps(server):
     text = httpx.get(
         f"http://127.0.0.1:{server.port}/metrics", headers={"Authorization": f"Bearer {KEY}"}

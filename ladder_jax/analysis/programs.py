@@ -224,10 +224,8 @@ def compile_program(
         CACHE_STATS["hits"] += 1
         return hlo, time.perf_counter() - t0
     with _kernel_reuse(target) as reuse:
-        hlo, fallback = _compile_text(
-            lowered,
-            {**options, **reuse, **_analysis_options()},
-            what=f"the {phase} program at tp={tp} on {target}",
+        hlo, fallback = compile_lowered(
+            lowered, what=f"the {phase} program at tp={tp} on {target}", options=reuse
         )
     LAST.update(hit=False, fallback=fallback)
     CACHE_STATS["misses"] += 1
@@ -346,6 +344,17 @@ def _stub_cuda(parent: str) -> str | None:
     os.chmod(stub, 0o755)
     os.symlink(nvvm, os.path.join(root, "nvvm"))
     return root
+
+
+def compile_lowered(lowered, *, what: str, options: dict | None = None) -> tuple:
+    """(scheduled HLO text, fallback or None) of a program lowered for GPUs, compiled with the
+    package's GPU options, the analysis options (module doc: compile time) and `options` over
+    them; `CompileError` naming `what` if XLA fails.
+
+        text, fallback = compile_lowered(lowered, what="the decode step", options={...})
+    """
+    options = {**sharding.compiler_options("gpu"), **_analysis_options(), **(options or {})}
+    return _compile_text(lowered, options, what=what)
 
 
 def _compile_text(lowered, options: dict, *, what: str) -> tuple[str, str | None]:

@@ -338,21 +338,17 @@ def command_buffers(
     import shutil
     import tempfile
 
-    from ladder_jax.model import sharding
-
     mesh = programs.gpu_mesh(target, tp)
     lowered = programs.lower_decoder(
         config, mesh, phase="decode", batch=batch, prompt_len=prompt_len, new_tokens=new_tokens
     )
     d = tempfile.mkdtemp(prefix="ladder_jax_thunks_")
     try:
-        opts = {
-            **sharding.compiler_options("gpu"),
-            **programs._analysis_options(),
-            **(options or {}),
-            "xla_dump_to": d,
-        }
-        programs._compile_text(lowered, opts, what=f"the decode program at tp={tp} on {target}")
+        programs.compile_lowered(
+            lowered,
+            what=f"the decode program at tp={tp} on {target}",
+            options={**(options or {}), "xla_dump_to": d},
+        )
         found = {
             os.path.basename(p).rsplit(".", 2)[-2]: p
             for p in glob.glob(os.path.join(d, "*.thunk_sequence*.txt"))

@@ -168,11 +168,14 @@ _SAYS = {
 
 class Metrics:
     """The server's Prometheus metrics, in a registry of its own (two apps in one process keep
-    their counts apart); the engine's own counts are read when /metrics is scraped.
+    their counts apart); the engine's own counts are read when /metrics is scraped. No
+    `*_created` series: prometheus_client's switch for them is process-wide, and building
+    Metrics turns it off.
 
         metrics = Metrics(engine); metrics.request("chat", 200); body = metrics.text()"""
 
     def __init__(self, engine: Engine):
+        prom.disable_created_metrics()  # read at each scrape, so it holds for this registry
         self.registry = r = prom.CollectorRegistry()
         self.requests = prom.Counter(
             "ladder_requests",
