@@ -10,6 +10,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 
 import jax
 import numpy as np
@@ -216,6 +217,38 @@ def test_a_held_out_part_shorter_than_a_record_is_trained_on_not_measured(tmp_pa
     assert sum(n.startswith("short_") for n in names) == 11, names
     with pytest.raises(lj.ConfigError, match="every source's held-out text is shorter"):
         _Texts(setting, str(tmp_path / "b"), {"short": docs["short"]}).write_data()
+
+
+def test_a_copied_output_directory_gets_its_mix_links_back(tmp_path):
+    """The mix links to data/sources by absolute path: after the output directory is copied
+    elsewhere (its links dangling or pointing into the old copy) write_data points them at
+    the new copy's sources again."""
+    docs = {"a": [(f"a{i}", "a" * 40) for i in range(12)]}
+    setting = ad.Setting("t", seq_len=8)
+    _Texts(setting, str(tmp_path / "old"), docs).write_data()
+    shutil.copytree(tmp_path / "old", tmp_path / "new", symlinks=True)
+    shutil.rmtree(tmp_path / "old")
+    exp = _Texts(setting, str(tmp_path / "new"), docs)
+    row = exp.write_data()
+    links = [os.path.join(exp.train_dir, n) for n in os.listdir(exp.train_dir)]
+    assert len(links) == 11
+    assert all(os.readlink(p).startswith(str(tmp_path / "new")) for p in links), links
+    assert row["train_tokens_available"] == 11 * (40 + 2)
+
+
+def test_a_measured_model_row_is_reused_only_with_the_same_setting(tmp_path):
+    """save_row / load_row: the row comes back for the same setting, not for a changed one,
+    and an unfinished write (its .tmp file) is never read."""
+    setting = ad.Setting("t", seq_len=8)
+    row = {"kind": "model", "name": "ladder4 zero-shot", "avg": 0.5, "held_out": {}}
+    assert ad.load_row(str(tmp_path), row["name"], setting) is None
+    ad.save_row(str(tmp_path), row, setting)
+    assert ad.load_row(str(tmp_path), row["name"], setting) == row
+    assert ad.load_row(str(tmp_path), row["name"], ad.with_changes(setting, steps=2)) is None
+    assert ad.load_row(str(tmp_path), "original", setting) is None
+    path = ad.row_path(str(tmp_path), row["name"])
+    os.replace(path, path + ".tmp")
+    assert ad.load_row(str(tmp_path), row["name"], setting) is None
 
 
 def _row(name, stage, avg, se, loss, loss_se, k=15, method=None):
