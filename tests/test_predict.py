@@ -327,6 +327,17 @@ def test_cli_json_rows(capsys):
     }
     assert all(keys <= set(r) for r in rows)
     assert all(r["tp"] == 2 and r["batch"] == 1 and r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["stream_sync"] for r in rows)
+    # the cross-stream waits' ablation: never slower; the ladder (asynchronous all-reduces)
+    # faster
+    assert predict_cli.main([*argv, "--no-stream-sync"]) == 0
+    key = lambda r: (r["residual"], r["link"])  # noqa: E731
+    off = {key(r): r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    for r in rows:
+        assert off[key(r)]["stream_sync"] is False
+        assert off[key(r)]["decode_step_s"] <= r["decode_step_s"]
+        if r["residual"] == "ladder":
+            assert off[key(r)]["decode_step_s"] < r["decode_step_s"]
     assert predict_cli.main(argv[:-1]) == 0
     out = capsys.readouterr().out
     assert "ladder/standard" in out and "tokens/s" in out
