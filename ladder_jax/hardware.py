@@ -418,7 +418,11 @@ class Launch:
     collectives); every other kernel costs `kernel_s` of host time and `stream_gap_s` more
     device time than a graph node; each collective costs `collective_s` (NCCL's enqueue and
     launch). `step_s` is one call of the jitted program (jax's dispatch), overlapped with the
-    previous step's GPU work, so a step lasts at least the host's whole share."""
+    previous step's GPU work, so a step lasts at least the host's whole share. An asynchronous
+    collective runs on a stream of its own: it starts `stream_sync_s` after the kernel that
+    made its input ends (the collective stream waits on the compute stream's event), and the
+    kernel that waits for it starts `stream_sync_s` after it ends; a blocking collective runs
+    on the compute stream and pays neither."""
 
     kernel_s: float
     graph_s: float
@@ -427,6 +431,7 @@ class Launch:
     step_s: float
     min_graph: int
     sources: str
+    stream_sync_s: float = 0.0
 
 
 LAUNCH = Launch(
@@ -436,6 +441,7 @@ LAUNCH = Launch(
     collective_s=3.5e-6,
     step_s=29e-6,
     min_graph=5,
+    stream_sync_s=2e-6,
     sources="kernel_s: host cost of one asynchronous kernel enqueue, 2.6-2.8 us per launch in a "
     "published launch probe of chains of 8-117 kernels (github.com/ahrefs/ocannl issue "
     "488, CUDA 13 driver: individual launches vs a stream-captured graph); graph_s: one "
@@ -449,7 +455,15 @@ LAUNCH = Launch(
     "28.9 us (github.com/jax-ml/jax pull 4128); min_graph: XLA's default "
     "xla_gpu_graph_min_graph_size (5) and command buffer set (FUSION, CUBLAS, CUBLASLT, "
     "CUSTOM_CALL, CUDNN, DYNAMIC_SLICE_FUSION; collectives excluded), "
-    "xla/debug_options_flags.cc. No end-to-end throughput was used",
+    "xla/debug_options_flags.cc; stream_sync_s: a device-side synchronization of two "
+    "streams through an event measured at about 3 us (RTX 3080, PCIe 4.0; "
+    "github.com/facebookincubator/velox pull 6096), recording an event and waiting for it "
+    "on the GPU put at about 1 us (github.com/chelsea0x3b/cudarc pull 335): 2 us, between "
+    "the two; XLA runs an asynchronous collective on a stream of its own, which waits "
+    "for the compute stream, and its done waits for the collective's event; a blocking "
+    "one runs on the compute stream (CollectiveThunk::ExecuteOnStream and "
+    "CollectiveDoneThunk, xla/backends/gpu/runtime/collective_thunk.cc). No "
+    "end-to-end throughput was used",
 )
 LAUNCH_MODES = ("graphs", "streams", "off")  # command buffers (XLA's default), none, ablation
 

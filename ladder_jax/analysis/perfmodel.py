@@ -394,6 +394,7 @@ class Timed:
     hbm_share: float = 0.0
     issue_s: float = 0.0  # host time to issue it (`hardware.Launch`), before it can start
     latency_s: float = 0.0  # of a collective's `seconds`, the part that moves no data
+    wait_s: float = 0.0  # start / done: the device's cross-stream wait (`stream_waits`)
 
 
 def launch_plan(kernels, launch: hardware.Launch, mode: str = "graphs") -> list[tuple[float, bool]]:
@@ -430,6 +431,18 @@ def launch_plan(kernels, launch: hardware.Launch, mode: str = "graphs") -> list[
             out[i] = (launch.collective_s, False)
     close()
     return out
+
+
+def stream_waits(ops: list[Timed], seconds: float) -> list[Timed]:
+    """`ops` with the device's cross-stream wait (`hardware.Launch.stream_sync_s`) on every
+    asynchronous collective: its start waits for the compute stream's event, its done for
+    the collective's. Blocking collectives (sync) run on the compute stream: no wait.
+
+        ops = stream_waits(costed(kernels, ...), cal.launch.stream_sync_s)
+    """
+    return [
+        dataclasses.replace(o, wait_s=seconds) if o.kind in ("start", "done") else o for o in ops
+    ]
 
 
 def costed(
@@ -547,12 +560,14 @@ def simulate(ops, step_s: float = 0.0, copy_rate: float = 1.0) -> Timeline:
     the collective stream after the collectives before it. done: the compute stream waits
     until that collective has finished. sync: a blocking collective (waits for the collective
     stream, then holds both). The host issues the ops in order, `issue_s` each; none starts
-    before it is issued; `step_s` (the program's dispatch, overlapped with the previous call)
-    is host time too, so the program lasts at least the host's total. `compute_s` counts the
-    slowed kernels' whole time and the compute stream's waits for the host: contention and
-    launch-bound gaps are compute time, not exposed communication. `copy_rate` < 1: while a
-    kernel runs beside it, a collective moves its data (`seconds - latency_s`) at that share of
-    its own rate (`_Replay`: the contention goes both ways)."""
+    before it is issued; a start's collective begins no sooner than `wait_s` after the
+    compute stream reached it, and a done lets the compute stream go on `wait_s` after its
+    collective ended (`stream_waits`); `step_s` (the program's dispatch, overlapped with the
+    previous call) is host time too, so the program lasts at least the host's total.
+    `compute_s` counts the slowed kernels' whole time and the compute stream's waits for the
+    host: contention and launch-bound gaps are compute time, not exposed communication.
+    `copy_rate` < 1: while a kernel runs beside it, a collective moves its data (`seconds -
+    latency_s`) at that share of its own rate (`_Replay`: the contention goes both ways)."""
     if copy_rate < 1.0:
         return _Replay(copy_rate).run(ops, step_s)
     now = free = busy = comm = host = 0.0
@@ -567,14 +582,14 @@ def simulate(ops, step_s: float = 0.0, copy_rate: float = 1.0) -> Timeline:
             now = t
             flights = [f for f in flights if f[1] > now]
         elif op.kind == "start":
-            begin = max(now, free, host)
+            begin = max(now + op.wait_s, free, host)
             free = begin + op.seconds
             ends[op.name] = free
             comm += op.seconds
             if op.seconds > 0 and (op.sm_share or op.hbm_share):
                 flights.append((begin, free, op.sm_share, op.hbm_share))
         elif op.kind == "done":
-            now = max(now, ends.pop(op.name))
+            now = max(now, ends.pop(op.name) + op.wait_s)
         elif op.kind == "sync":
             now = free = max(now, free, host) + op.seconds
             comm += op.seconds
@@ -682,9 +697,9 @@ class _Replay:
                 now = t
             elif op.kind == "start":
                 lat = min(op.latency_s, op.seconds)
-                self.queue.append([op, max(now, host), lat, op.seconds - lat, None])
+                self.queue.append([op, max(now + op.wait_s, host), lat, op.seconds - lat, None])
             elif op.kind == "done":
-                now = max(now, self.drain_until(op.name))
+                now = max(now, self.drain_until(op.name) + op.wait_s)
             elif op.kind == "sync":
                 self.drain_until()
                 now = max(now, self.t, host) + op.seconds
@@ -753,7 +768,6 @@ def decode_fill(config, *, prompt_len: int, new_tokens: int, slots: int | None =
     return min(1.0, (prompt_len + new_tokens / 2) / S)
 
 
-@functools.lru_cache(maxsize=None)
 def program_kernels(
     config,
     *,
@@ -766,10 +780,17 @@ def program_kernels(
     hosts: int = 1,
     slots: int | None = None,
 ) -> Program:
-    """The compiled program's kernels (compiled once per process and shape; the persistent
-    cache of `ladder_jax.analysis.programs` keeps them across processes). `slots`: the decode
-    cache's slots per row (default: sized for the request), of which the decode step's
-    attention reads the request's average filled length (`decode_fill`)."""
+    """The compiled program's kernels (compiled once per process and shape, however the
+    arguments are spelled; the persistent cache of `ladder_jax.analysis.programs` keeps them
+    across processes). `slots`: the decode cache's slots per row (default: sized for the
+    request), of which the decode step's attention reads the request's average filled length
+    (`decode_fill`)."""
+    return _program(config, phase, tp, batch, prompt_len, new_tokens, target, hosts, slots)
+
+
+@functools.lru_cache(maxsize=None)
+def _program(config, phase, tp, batch, prompt_len, new_tokens, target, hosts, slots) -> Program:
+    """`program_kernels`, its arguments in one order: one cache entry per program."""
     text, _ = programs.compile_program(
         config,
         phase=phase,
@@ -790,6 +811,10 @@ def program_kernels(
     return Program(
         tuple(read_kernels(text, devices=tp, gpus_per_host=tp // hosts, filled=filled)), fallback
     )
+
+
+program_kernels.cache_info = _program.cache_info
+program_kernels.cache_clear = _program.cache_clear
 
 
 def check_layers_compiled(layers_compiled: int) -> None:
@@ -869,11 +894,14 @@ def program_time(
     slots: int | None = None,
     launch: str = "graphs",
     copy_contention: bool = True,
+    stream_sync: bool = True,
 ) -> dict:
     """Predicted seconds, compute seconds and exposed communication of one program; `slots`:
     the decode cache's slots per row (`program_kernels`); `launch`: how the host issues its
     kernels (`launch_plan`; "off" leaves the host out); `copy_contention`: a collective's copies
-    slow down beside a running kernel (`hardware.Contention.copy_rate`; needs `contention`)."""
+    slow down beside a running kernel (`hardware.Contention.copy_rate`; needs `contention`);
+    `stream_sync`: asynchronous collectives pay the device's cross-stream waits
+    (`stream_waits`; not with launch "off")."""
     cal = calibration or hardware.calibration(target)
     if efficiency is not None:
         cal = dataclasses.replace(cal, efficiency=efficiency)
@@ -895,16 +923,19 @@ def program_time(
         )
         fallbacks.add(program.fallback)
         works.append(work(program.kernels))
+        ops = costed(
+            program.kernels,
+            calibration=cal,
+            link=link,
+            algorithm=algorithm,
+            contention=contention,
+            launch=launch,
+        )
+        if stream_sync and launch != "off":
+            ops = stream_waits(ops, cal.launch.stream_sync_s)
         timelines.append(
             simulate(
-                costed(
-                    program.kernels,
-                    calibration=cal,
-                    link=link,
-                    algorithm=algorithm,
-                    contention=contention,
-                    launch=launch,
-                ),
+                ops,
                 step_s=0.0 if launch == "off" else cal.launch.step_s,
                 copy_rate=cal.contention.copy_rate if contention and copy_contention else 1.0,
             )
@@ -948,7 +979,8 @@ class Sweep:
     kernels (`launch_plan`: graphs, streams, or off to leave the host out); `copy_contention`:
     collectives slow down beside running kernels too (`hardware.Contention.copy_rate`);
     `slots`: the KV cache's slots per row (a server's `--max-len`; None: sized for the
-    request), of which the decode step reads the filled ones (`decode_fill`)."""
+    request), of which the decode step reads the filled ones (`decode_fill`); `stream_sync`:
+    asynchronous collectives pay the device's cross-stream waits (`stream_waits`)."""
 
     tp: tuple = (8,)
     batch: tuple = (1,)
@@ -966,6 +998,7 @@ class Sweep:
     launch: str = "graphs"
     copy_contention: bool = True
     slots: int | None = None
+    stream_sync: bool = True
 
     def __post_init__(self):
         for name in ("tp", "batch", "links", "residuals"):
@@ -975,6 +1008,23 @@ class Sweep:
 
     def hosts_for(self, tp: int) -> int:
         return self.hosts if self.hosts is not None else max(1, -(-tp // self.gpus_per_host))
+
+    def costing(self, tp: int, link: str) -> dict:
+        """The `program_time` keywords that cost a program of this sweep at `tp` on `link`.
+
+        program_time(cfg, phase="decode", tp=8, batch=1, ..., **sweep.costing(8, "nvlink"))
+        """
+        return dict(
+            link=self.calibration.links[link],
+            calibration=self.calibration,
+            hosts=self.hosts_for(tp),
+            layers_compiled=self.layers_compiled,
+            algorithm=self.algorithm,
+            contention=self.contention,
+            launch=self.launch,
+            copy_contention=self.copy_contention,
+            stream_sync=self.stream_sync,
+        )
 
     def check(self, config, *, phase: str = "generate") -> None:
         """Every field, before anything compiles: one line naming the fix."""
@@ -1111,44 +1161,14 @@ def predict(
         config,
         max_seq_len=max(config.max_seq_len, sweep.slots or 0, sweep.prompt_len + sweep.new_tokens),
     )
-    cases = [
-        (
-            t,
-            b,
-            dataclasses.replace(
-                base, residual=r, ladder_layers=(base.ladder_layers if r == "ladder" else None)
-            ),
-        )
-        for t in sweep.tp
-        for b in sweep.batch
-        for r in sweep.residuals
-    ]
+    cases = _cases(sweep, base)
     shape = dict(
         prompt_len=sweep.prompt_len,
         new_tokens=sweep.new_tokens,
         target=sweep.target,
         **({"slots": sweep.slots} if sweep.slots is not None else {}),
     )
-    _compiled(
-        name,
-        lambda: compile_all(
-            [
-                task
-                for t, b, cfg in cases
-                for task in _tasks(
-                    cfg,
-                    ("prefill", "decode"),
-                    compiled_depths(cfg, sweep.layers_compiled),
-                    tp=t,
-                    batch=b,
-                    hosts=sweep.hosts_for(t),
-                    **shape,
-                )
-            ],
-            jobs,
-            progress,
-        ),
-    )
+    _compile_cases(name, sweep, cases, ("prefill", "decode"), shape, jobs, progress)
     rows, n, t0 = [], len(cases) * len(sweep.links), time.perf_counter()
     for t, b, cfg in cases:
         for link_name in sweep.links:
@@ -1156,19 +1176,7 @@ def predict(
                 k = len(rows)
                 eta = (time.perf_counter() - t0) / k * (n - k) if k else None
                 progress(k, n, eta, "costing")
-            kw = dict(
-                tp=t,
-                batch=b,
-                **shape,
-                link=sweep.calibration.links[link_name],
-                calibration=sweep.calibration,
-                hosts=sweep.hosts_for(t),
-                layers_compiled=sweep.layers_compiled,
-                algorithm=sweep.algorithm,
-                contention=sweep.contention,
-                launch=sweep.launch,
-                copy_contention=sweep.copy_contention,
-            )
+            kw = dict(tp=t, batch=b, **shape, **sweep.costing(t, link_name))
             pre = program_time(cfg, phase="prefill", **kw)
             step = program_time(cfg, phase="decode", **kw)
             rows.append(
@@ -1374,52 +1382,14 @@ def predict_train(
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
         raise PredictError(f"grad_accum={grad_accum!r} must be a positive integer")
     programs.check_plugin()
-    cases = [
-        (
-            t,
-            dataclasses.replace(
-                config, residual=r, ladder_layers=(config.ladder_layers if r == "ladder" else None)
-            ),
-        )
-        for t in sweep.tp
-        for r in sweep.residuals
-    ]
-    shape = dict(batch=batch, prompt_len=seq_len, new_tokens=1, target=sweep.target)
-    _compiled(
-        name,
-        lambda: compile_all(
-            [
-                task
-                for t, cfg in cases
-                for task in _tasks(
-                    cfg,
-                    ("train",),
-                    compiled_depths(cfg, sweep.layers_compiled),
-                    tp=t,
-                    hosts=sweep.hosts_for(t),
-                    **shape,
-                )
-            ],
-            jobs,
-            progress,
-        ),
-    )
+    cases = _cases(sweep, config)  # the sweep's batch is (batch,)
+    shape = dict(prompt_len=seq_len, new_tokens=1, target=sweep.target)
+    _compile_cases(name, sweep, cases, ("train",), shape, jobs, progress)
     rows = []
-    for t, cfg in cases:
+    for t, b, cfg in cases:
         for link_name in sweep.links:
             step = program_time(
-                cfg,
-                phase="train",
-                tp=t,
-                **shape,
-                link=sweep.calibration.links[link_name],
-                calibration=sweep.calibration,
-                hosts=sweep.hosts_for(t),
-                layers_compiled=sweep.layers_compiled,
-                algorithm=sweep.algorithm,
-                contention=sweep.contention,
-                launch=sweep.launch,
-                copy_contention=sweep.copy_contention,
+                cfg, phase="train", tp=t, batch=b, **shape, **sweep.costing(t, link_name)
             )
             step_s = grad_accum * step["seconds"]
             rows.append(
@@ -1444,6 +1414,42 @@ def predict_train(
                 }
             )
     return rows
+
+
+def _cases(sweep: Sweep, config) -> list[tuple]:
+    """(tp, batch, config) of every cell of `sweep`, one config per residual scheme (the
+    ladder keeps `config.ladder_layers`, the others have none)."""
+    return [
+        (
+            t,
+            b,
+            dataclasses.replace(
+                config, residual=r, ladder_layers=(config.ladder_layers if r == "ladder" else None)
+            ),
+        )
+        for t in sweep.tp
+        for b in sweep.batch
+        for r in sweep.residuals
+    ]
+
+
+def _compile_cases(name, sweep: Sweep, cases, phases, shape: dict, jobs, progress) -> None:
+    """Compiles every program the `cases` (`_cases`) need in `phases` (`compile_all`); a
+    compiler failure is one PredictError naming the model."""
+    tasks = [
+        task
+        for t, b, cfg in cases
+        for task in _tasks(
+            cfg,
+            phases,
+            compiled_depths(cfg, sweep.layers_compiled),
+            tp=t,
+            batch=b,
+            hosts=sweep.hosts_for(t),
+            **shape,
+        )
+    ]
+    _compiled(name, lambda: compile_all(tasks, jobs, progress))
 
 
 def _as_tuple(v) -> tuple:
@@ -1487,6 +1493,7 @@ def _row(cfg, sweep: Sweep, tp, batch, link, pre, step) -> dict:
         "contention": sweep.contention,
         "launch": sweep.launch,
         "copy_contention": sweep.contention and sweep.copy_contention,
+        "stream_sync": sweep.stream_sync and sweep.launch != "off",
         "fallback": fallback,
         "slots": sweep.slots,
         "calibration": sweep.calibration.source,

@@ -126,6 +126,12 @@ def parser() -> argparse.ArgumentParser:
         "(contention one way only, the ablation; hardware.CONTENTION.copy_rate)",
     )
     p.add_argument(
+        "--no-stream-sync",
+        action="store_true",
+        help="asynchronous collectives start and are waited for with no cross-stream "
+        "latency on the device (the ablation; hardware.LAUNCH.stream_sync_s)",
+    )
+    p.add_argument(
         "--launch",
         default="graphs",
         help="how the host issues kernels: graphs (XLA's command buffers between "
@@ -335,6 +341,7 @@ def _rows(args, show) -> tuple[list[dict], str]:
         calibration=cal,
         launch=args.launch,
         copy_contention=not args.no_copy_contention,
+        stream_sync=not args.no_stream_sync,
     )
     common = dict(jobs=args.jobs, progress=show)
     if args.phase == "train":
