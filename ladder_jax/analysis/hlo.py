@@ -22,6 +22,7 @@ import numpy as np
 ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8\w*)\[([\d,]*)\]")
 SCOPE = re.compile(r"layer(\d+)\.(attn|mlp|parallel)")
 SMALL_M_MATMUL = "small_m_matmul"  # `ladder_jax.model.matvec.KERNEL_NAME`
+_SMALL_M = re.compile(r'name = \\?"' + SMALL_M_MATMUL + r'\\?"')  # the Triton call's name
 COLLECTIVES = (
     "all-reduce",
     "all-gather",
@@ -124,7 +125,7 @@ class Op:
         if self.opcode == "custom-call":
             return bool(
                 re.search(r'custom_call_target="__cu(blas|dnn)[^"]*', self.text)
-                or ("xla.gpu.triton" in self.text and SMALL_M_MATMUL in self.text)
+                or ("xla.gpu.triton" in self.text and _SMALL_M.search(self.text))
             )
         if self.opcode == "fusion":
             return (
