@@ -141,3 +141,24 @@ def test_a_linear_through_the_kernel_equals_its_einsum(quantized, equation, w_sh
     got, want = (np.asarray(o, np.float64) for o in outs)
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=0, atol=2.0**-7 * np.abs(want).max())
+
+
+def test_only_gpu_meshes_run_the_kernel():
+    """`decode_matmul="pallas"` reaches the linear layers of GPU meshes (deviceless here), and
+    of their decoding fusions and `with_config` clones; a CPU mesh keeps XLA's matmul, so its
+    programs (and cached decode == full forward) are unchanged. A bad value is one line."""
+    import ladder_jax as lj
+    from ladder_jax.analysis import programs
+    from ladder_jax.model.transformer import abstract, fuse_inputs, with_config
+
+    cfg = lj.ModelConfig.from_preset("tiny", decode_matmul="pallas")
+    cpu_mesh = sharding.make_mesh(tp=1, data=1, devices=jax.devices()[:1])
+    cpu = nnx.merge(*abstract(cfg, cpu_mesh))
+    assert {lin.matmul for lin in quant.linears(fuse_inputs(cpu))} == {"xla"}
+    gpu = nnx.merge(*abstract(cfg, programs.gpu_mesh("h100", 2)))
+    assert {lin.matmul for lin in quant.linears(fuse_inputs(gpu))} == {"pallas"}
+    back = with_config(gpu, decode_matmul="xla")
+    assert {lin.matmul for lin in quant.linears(back)} == {"xla"}
+    assert {lin.matmul for lin in quant.linears(gpu)} == {"pallas"}  # the original is kept
+    with pytest.raises(lj.ConfigError, match=r"decode_matmul='triton': choose one of xla, pallas"):
+        lj.ModelConfig.from_preset("tiny", decode_matmul="triton")
