@@ -162,3 +162,13 @@ def test_only_gpu_meshes_run_the_kernel():
     assert {lin.matmul for lin in quant.linears(gpu)} == {"pallas"}  # the original is kept
     with pytest.raises(lj.ConfigError, match=r"decode_matmul='triton': choose one of xla, pallas"):
         lj.ModelConfig.from_preset("tiny", decode_matmul="triton")
+
+
+def test_predict_bad_decode_matmul_is_one_line_exit_2(capsys):
+    from ladder_jax.cli import predict as predict_cli
+
+    assert predict_cli.main(["--preset", "tiny", "--decode-matmul", "triton"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert captured.out == "" and len(err) == 1, err
+    assert err[0] == "error: decode_matmul='triton': choose one of xla, pallas", err

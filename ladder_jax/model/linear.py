@@ -192,11 +192,10 @@ def flat_einsum(equation: str, x, w):
     "BTNH,NHD->BTD") as one (rows, in) x (in, out) matmul between reshapes. XLA:CPU compiles
     a 3-D einsum's weight gradient as a product of two transposed operands; this form's is
     one (in, rows) x (rows, out) product."""
-    ins, out = equation.replace(" ", "").split("->")
-    xs, ws = ins.split(",")
-    n = sum(1 for c in xs if c in ws)  # contracted axes
-    if not (xs[len(xs) - n :] == ws[:n] and out == xs[: len(xs) - n] + ws[n:]):
+    if not _is_flat(equation):
         raise ValueError(f"flat_einsum: {equation!r} is not a linear layer's contraction")
+    xs, ws = equation.replace(" ", "").split("->")[0].split(",")
+    n = sum(1 for c in xs if c in ws)  # contracted axes
     rows, cols = x.shape[: x.ndim - n], w.shape[n:]
     k = math.prod(x.shape[x.ndim - n :])
     y = x.reshape(-1, k) @ w.reshape(k, -1)

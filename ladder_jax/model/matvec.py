@@ -46,7 +46,6 @@ TILE_BYTES = 16384  # a (block_k, block_n) tile of W in the compute dtype: stage
 PRODUCT_ELEMENTS = 8192  # (rows, block_k, block_n) float32 products of the no-dot form
 TARGET_PROGRAMS = 132  # at least one per SM of an H100 (132)
 PARTIAL_SHARE = 64  # the splits' float32 partial outputs stay under 1/64 of W's bytes
-MATMULS = ("xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
