@@ -54,6 +54,10 @@ REMAT = ("none", "module")
 # Weight-only quantization for decoding (`ladder_jax.model.quant`): None keeps float weights.
 QUANTIZE = ("int8",)
 
+# The matmul of a linear layer over a few rows on GPUs (`ladder_jax.model.matvec`): XLA's, or
+# the Pallas (Triton) kernel that reads each weight once.
+DECODE_MATMULS = ("xla", "pallas")
+
 
 def check_quantize(mode, what: str = "quantize") -> None:
     """Refuses, naming the modes, a quantization mode that does not exist (None: float)."""
@@ -118,6 +122,12 @@ class ModelConfig:
     quantize: str | None = _doc(
         "decoding only: int8 weight-only linear weights (null: float; ladder_jax.model.quant)", None
     )
+    decode_matmul: str = _doc(
+        "GPU meshes only: xla | pallas, the matmul of linear layers over at most 16 rows "
+        "(decode steps): pallas is a Triton kernel that reads each weight once "
+        "(ladder_jax.model.matvec); CPU meshes always run XLA's",
+        "xla",
+    )
 
     def __post_init__(self):
         for name in (
@@ -169,6 +179,10 @@ class ModelConfig:
         if self.remat not in REMAT:
             raise ConfigError(f"remat={self.remat!r}: choose one of {', '.join(REMAT)}")
         check_quantize(self.quantize)
+        if self.decode_matmul not in DECODE_MATMULS:
+            raise ConfigError(
+                f"decode_matmul={self.decode_matmul!r}: choose one of {', '.join(DECODE_MATMULS)}"
+            )
         for name in ("dtype", "param_dtype"):
             v = getattr(self, name)
             try:

@@ -11,7 +11,7 @@ import json
 import pytest
 
 import ladder_jax as lj
-from ladder_jax.analysis import overlap, programs
+from ladder_jax.analysis import hlo, overlap, programs
 from ladder_jax.cli import overlap as overlap_cli
 
 # tiny, with as many kv heads as ranks (no kv replication), like llama-3-8b at tp=8
@@ -53,6 +53,30 @@ def test_ladder_overlaps_all_but_the_last_of_each_pass(phase):
     # every all-reduce of the program is attributed to a pass and a kind
     assert all(r["pass"] in ("forward", "backward") for r in rep["all_reduces"])
     assert "other" not in rep["by_kind"]
+
+
+def test_ladder_decode_overlaps_with_the_pallas_matmul():
+    """`decode_matmul="pallas"` (bf16, widths Triton can block at tp 8): the decode step's
+    linear layers are Triton `small_m_matmul` calls, and every all-reduce but the last still
+    has the next module's matmuls (those calls) between its start and done."""
+    config = lj.ModelConfig.from_preset(
+        "tiny",
+        residual="ladder",
+        n_kv_heads=8,
+        d_model=512,
+        d_ff=1024,
+        dtype="bfloat16",
+        param_dtype="bfloat16",
+        decode_matmul="pallas",
+    )
+    rep = overlap.report(config, phase="decode", tp=8, batch=1, seq=128)
+    fwd = _layer_ars(rep, "forward")
+    assert _names(fwd) == [(i, m) for i in range(4) for m in ("attn", "mlp")]
+    assert [r["overlapped"] for r in fwd] == [True] * 7 + [False], fwd
+    assert rep["forward"]["all_but_last_overlapped"]
+    text, _ = programs.compile_program(config, phase="decode", tp=8, batch=1, seq=128)
+    calls = [op for op in hlo.Module(text).entry if op.opcode == "custom-call" and op.is_matmul()]
+    assert len(calls) == 4 * 4  # 4 linears a layer
 
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])

@@ -4,9 +4,10 @@
 
 An `Op` reads everything from its text: operands, attributes, shape, replica group, the JAX op
 and model layer that made it, whether it is a matmul kernel (a cuBLAS call, a Triton GEMM
-fusion, a `dot`, or a fusion of a `dot_general`). The overlap report and the performance model
-read programs only through this module. Text, because jaxlib's HLO objects do not expose
-shapes, attributes or metadata, and the program cache stores text.
+fusion, the package's Triton small-M matmul, a `dot`, or a fusion of a `dot_general`). The
+overlap report and the performance model read programs only through this module. Text,
+because jaxlib's HLO objects do not expose shapes, attributes or metadata, and the program
+cache stores text.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import numpy as np
 
 ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8\w*)\[([\d,]*)\]")
 SCOPE = re.compile(r"layer(\d+)\.(attn|mlp|parallel)")
+SMALL_M_MATMUL = "small_m_matmul"  # `ladder_jax.model.matvec.KERNEL_NAME`
+_SMALL_M = re.compile(r'name = \\?"' + SMALL_M_MATMUL + r'\\?"')  # the Triton call's name
 COLLECTIVES = (
     "all-reduce",
     "all-gather",
@@ -120,7 +123,10 @@ class Op:
         if self.opcode in ("dot", "convolution"):
             return True
         if self.opcode == "custom-call":
-            return bool(re.search(r'custom_call_target="__cu(blas|dnn)[^"]*', self.text))
+            return bool(
+                re.search(r'custom_call_target="__cu(blas|dnn)[^"]*', self.text)
+                or ("xla.gpu.triton" in self.text and _SMALL_M.search(self.text))
+            )
         if self.opcode == "fusion":
             return (
                 self.name.startswith(("gemm_fusion", "triton_gemm", "cublas"))

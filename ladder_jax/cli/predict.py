@@ -194,6 +194,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="MODE",
         help="int8: the programs with weight-only int8 linear weights (generate)",
     )
+    p.add_argument(
+        "--decode-matmul",
+        default="xla",
+        metavar="KIND",
+        help="xla | pallas: the linear layers' matmul at up to 16 rows (ModelConfig."
+        "decode_matmul; pallas: a Triton kernel that reads each weight once)",
+    )
     return p
 
 
@@ -269,7 +276,9 @@ def _rows(args, show) -> tuple[list[dict], str]:
                 f"new tokens, at least {args.prompt_len + args.new_tokens} "
                 f"(--prompt-len + --new-tokens)"
             )
-    config = ModelConfig.from_preset(args.preset, quantize=args.quantize)
+    config = ModelConfig.from_preset(
+        args.preset, quantize=args.quantize, decode_matmul=args.decode_matmul
+    )
     if args.ladder_layers is not None:
         config = dataclasses.replace(
             config, residual="ladder", ladder_layers=parse_ladder_layers(args.ladder_layers)

@@ -6,7 +6,9 @@ Every matmul over a weight of the model (attention q/k/v/o, MLP gate/up/down, th
 head, and the decoder's fused input projections) goes through a `Linear`. Invariant: the
 weight is held in the layout its einsum `equation` names, with its partition spec (how the
 model reads it) on the `nnx.Param`; an int8 weight's scale has one value per output channel
-and is applied after the contraction (`ladder_jax.model.quant`).
+and is applied after the contraction (`ladder_jax.model.quant`). With `matmul="pallas"` (GPU
+meshes, `ModelConfig.decode_matmul`) a product over at most 16 rows runs the Triton kernel of
+`ladder_jax.model.matvec`, which applies the scale inside; other shapes run the einsum.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ladder_jax.model import sharding
+from ladder_jax.model import matvec, sharding
 
 
 class Linear(nnx.Module):
@@ -28,7 +30,8 @@ class Linear(nnx.Module):
     `flat`: the product runs as one 2-D matmul (`flat_einsum`), the form XLA:CPU compiles
     fastest (CPU meshes). `kv_heads=(n_kv_heads, tp)`: the weight holds every kv head
     (replicated, n_kv_heads < tp) and each rank reads the one its query heads use, from the
-    weight and its scale alike."""
+    weight and its scale alike. `matmul="pallas"`: products over at most 16 rows run the
+    Triton kernel (`small_m`), on GPU meshes only."""
 
     def __init__(
         self,
@@ -37,12 +40,14 @@ class Linear(nnx.Module):
         *,
         flat: bool = False,
         kv_heads: tuple[int, int] | None = None,
+        matmul: str = "xla",
     ):
         self.weight = weight
         self.scale = None  # int8 weights: a float32 Param (`quant.quantize_linear`)
         self.equation = equation
         self.flat = flat
         self.kv_heads = kv_heads
+        self.matmul = matmul
 
     @property
     def spec(self):
@@ -70,9 +75,36 @@ class Linear(nnx.Module):
         return rescale(y, self.equation, s)
 
     def __call__(self, x, dtype):
+        if self.matmul == "pallas":
+            y = self.small_m(x, dtype)
+            if y is not None:
+                return y
         w = self.read(dtype)
         y = flat_einsum(self.equation, x, w) if self.flat else jnp.einsum(self.equation, x, w)
         return self.rescale(y)
+
+    def small_m(self, x, dtype, interpret: bool = False):
+        """`self(x, dtype)` through the Triton kernel (`matvec.small_m_matmul`: int8 values
+        and their scale go in as stored), or None where it does not apply (more than 16 rows,
+        shapes Triton cannot block, a float32 x)."""
+        n = len(self.contracted)
+        if not _is_flat(self.equation) or x.ndim < n:
+            return None
+        x = x.astype(dtype)
+        w = self.read(None if self.scale is not None else dtype)
+        rows, cols = x.shape[: x.ndim - n], w.shape[n:]
+        k = math.prod(x.shape[x.ndim - n :])
+        m = math.prod(rows)
+        if matvec.plan(m, k, math.prod(cols), x.dtype, w.dtype) is None:
+            return None
+        scale = None
+        if self.scale is not None:
+            scale = sharding.read_weight(self.scale, jnp.float32)
+            if self.kv_heads is not None:
+                scale = sharding.local_kv_head(scale, *self.kv_heads)
+            scale = scale.reshape(-1)
+        y = matvec.small_m_matmul(x.reshape(m, k), w.reshape(k, -1), scale, interpret=interpret)
+        return y.reshape(*rows, *cols)
 
 
 class FusedLinear(Linear):
@@ -80,8 +112,10 @@ class FusedLinear(Linear):
     columns (`transformer.fuse_inputs`, for decoding): `fused(x, dtype)` returns each part's
     output, part i shaped (..., *parts[i]). Its weight is a `FusedInput`."""
 
-    def __init__(self, weight: nnx.Variable, parts: tuple[tuple[int, ...], ...]):
-        super().__init__(weight, "BTD,DC->BTC")
+    def __init__(
+        self, weight: nnx.Variable, parts: tuple[tuple[int, ...], ...], matmul: str = "xla"
+    ):
+        super().__init__(weight, "BTD,DC->BTC", matmul=matmul)
         self.parts = parts
 
     def __call__(self, x, dtype):
@@ -144,17 +178,24 @@ def rescale(y, equation: str, scale):
     return (y.astype(jnp.float32) * s).astype(y.dtype)
 
 
+def _is_flat(equation: str) -> bool:
+    """Whether `equation` is a linear layer's contraction (`flat_einsum`'s form)."""
+    ins, out = equation.replace(" ", "").split("->")
+    xs, ws = ins.split(",")
+    n = sum(1 for c in xs if c in ws)
+    return xs[len(xs) - n :] == ws[:n] and out == xs[: len(xs) - n] + ws[n:]
+
+
 def flat_einsum(equation: str, x, w):
     """`jnp.einsum(equation, x, w)` for a linear layer's equation (x's trailing axes contracted
     with w's leading ones, the result x's other axes then w's: "BTD,DNH->BTNH",
     "BTNH,NHD->BTD") as one (rows, in) x (in, out) matmul between reshapes. XLA:CPU compiles
     a 3-D einsum's weight gradient as a product of two transposed operands; this form's is
     one (in, rows) x (rows, out) product."""
-    ins, out = equation.replace(" ", "").split("->")
-    xs, ws = ins.split(",")
-    n = sum(1 for c in xs if c in ws)  # contracted axes
-    if not (xs[len(xs) - n :] == ws[:n] and out == xs[: len(xs) - n] + ws[n:]):
+    if not _is_flat(equation):
         raise ValueError(f"flat_einsum: {equation!r} is not a linear layer's contraction")
+    xs, ws = equation.replace(" ", "").split("->")[0].split(",")
+    n = sum(1 for c in xs if c in ws)  # contracted axes
     rows, cols = x.shape[: x.ndim - n], w.shape[n:]
     k = math.prod(x.shape[x.ndim - n :])
     y = x.reshape(-1, k) @ w.reshape(k, -1)

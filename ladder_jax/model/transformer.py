@@ -82,7 +82,13 @@ def _linear(
     """A `Linear` of a weight drawn in place (`_weight`); with `config.quantize` the same draw,
     quantized in place (`ladder_jax.model.quant`). `flat`: on CPU meshes (`flat_matmuls`)."""
     w = _weight(rngs, mesh, shape, spec, config.param_dtype, std, fsdp_data)
-    linear = Linear(w, equation, flat=flat and flat_matmuls(mesh), kv_heads=kv_heads)
+    linear = Linear(
+        w,
+        equation,
+        flat=flat and flat_matmuls(mesh),
+        kv_heads=kv_heads,
+        matmul=linear_matmul(mesh, config),
+    )
     if config.quantize is not None:
         quant.quantize_linear(linear, mesh)
     return linear
@@ -264,6 +270,12 @@ def flat_matmuls(mesh: Mesh) -> bool:
     on CPU meshes, where XLA compiles that form's backward several times faster. GPU programs
     keep the einsums (what the overlap proofs and the performance model were built on)."""
     return mesh.devices.flat[0].platform == "cpu"
+
+
+def linear_matmul(mesh: Mesh, config: ModelConfig) -> str:
+    """The matmul of the model's linear layers over a few rows (`Linear.matmul`): the config's
+    `decode_matmul` on GPU meshes (running or deviceless), XLA's on CPU meshes."""
+    return config.decode_matmul if not flat_matmuls(mesh) else "xla"
 
 
 def attention_kernel(mesh: Mesh, dtype, head_dim: int) -> str:
@@ -698,7 +710,11 @@ def fuse_inputs(model: Transformer, *, in_place: bool = False) -> Transformer:
                     for v in (lin.weight, lin.scale):
                         if v is not None and isinstance(v.get_value(), jax.Array):
                             v.get_value().delete()
-            fused = FusedLinear(weight, tuple(parts[name] for name in names))
+            fused = FusedLinear(
+                weight,
+                tuple(parts[name] for name in names),
+                matmul=linear_matmul(model.mesh, model.config),
+            )
             if scale is not None:
                 fused.scale = nnx.data(scale)
             owner.install_fused(fused)
@@ -752,4 +768,7 @@ def with_config(model: Transformer, **changes) -> Transformer:
     graphdef, state = nnx.split(model)
     clone = nnx.merge(graphdef, state)
     clone.config = config
+    if config.decode_matmul != model.config.decode_matmul:
+        for node in quant.linears(clone):
+            node.matmul = linear_matmul(model.mesh, config)
     return clone

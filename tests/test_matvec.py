@@ -1,0 +1,174 @@
+"""The Triton small-M matmul (`ladder_jax.model.matvec`), run through Pallas's interpreter on
+CPU, against a float64 product of the same values; the tiling rules and the XLA fallback; a
+`Linear` set to it inside shard_map against its XLA einsum.
+
+Tolerance: the output's bfloat16 rounding, 2**-8 of the largest output, plus float32 sums.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from ladder_jax.model import matvec, quant, sharding
+from ladder_jax.model.linear import Linear
+
+
+def _operands(m, k, n, w_dtype, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(keys[1], (k, n), jnp.float32)
+    if w_dtype == "int8":
+        w = jnp.clip(jnp.round(w * 40), -127, 127).astype(jnp.int8)
+        scale = jax.random.uniform(keys[2], (n,), jnp.float32, 0.005, 0.02)
+    else:
+        w, scale = w.astype(jnp.bfloat16), None
+    return x, w, scale
+
+
+def _close(got, x, w, scale):
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    if scale is not None:
+        want = want * np.asarray(scale, np.float64)
+    got = np.asarray(got, np.float64)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=0, atol=2.0**-8 * np.abs(want).max() + 1e-3)
+
+
+@pytest.mark.parametrize(
+    "m, k, n, w_dtype",
+    [
+        (1, 256, 64, "bfloat16"),  # one row: the multiply-and-sum form, no padding
+        (3, 512, 48, "bfloat16"),  # rows padded to 4, a width of three blocks of 16
+        (16, 4096, 64, "bfloat16"),  # Triton's dot, the contraction split (partials summed)
+        (2, 4096, 32, "int8"),  # few columns: many splits
+        (16, 1024, 256, "int8"),  # Triton's dot, int8 scaled inside
+        (16, 256, 2048, "bfloat16"),  # many columns: one split
+    ],
+)
+def test_small_m_matmul_equals_the_product(m, k, n, w_dtype):
+    x, w, scale = _operands(m, k, n, w_dtype)
+    p = matvec.plan(m, k, n, x.dtype, w.dtype)
+    assert p is not None and p.rows >= m and (p.rows >= 16) == p.dot
+    if k == 4096:
+        assert p.splits > 1
+    got = jax.jit(lambda *a: matvec.small_m_matmul(*a, interpret=True))(x, w, scale)
+    assert got.dtype == jnp.bfloat16
+    _close(got, x, w, scale)
+
+
+def test_the_tiling_splits_only_where_columns_are_few():
+    wide = matvec.plan(16, 4096, 28672, jnp.bfloat16, jnp.bfloat16)
+    narrow = matvec.plan(16, 4096, 768, jnp.bfloat16, jnp.bfloat16)
+    assert wide.splits == 1 and 28672 // wide.block_n >= matvec.TARGET_PROGRAMS
+    assert narrow.splits > 1 and narrow.block_n == 16
+    for p, n in ((wide, 28672), (narrow, 768)):  # partial sums stay small beside W
+        assert p.splits == 1 or p.splits * p.rows * n * 4 <= 4096 * n * 2 / 64
+        assert 4096 % (p.splits * p.block_k) == 0
+
+
+@pytest.mark.parametrize(
+    "m, k, n, x_dtype, w_dtype",
+    [
+        (17, 256, 64, jnp.bfloat16, jnp.bfloat16),  # more rows than the kernel takes
+        (1, 256, 40, jnp.bfloat16, jnp.bfloat16),  # columns not a multiple of 16
+        (1, 200, 64, jnp.bfloat16, jnp.int8),  # a contraction not a multiple of 16
+        (1, 256, 64, jnp.float32, jnp.float32),  # float32 activations
+        (1, 256, 64, jnp.bfloat16, jnp.float32),  # a weight in neither x's dtype nor int8
+    ],
+)
+def test_shapes_triton_cannot_block_fall_back(m, k, n, x_dtype, w_dtype):
+    assert matvec.plan(m, k, n, x_dtype, w_dtype) is None
+    x = jnp.zeros((m, k), x_dtype)
+    assert matvec.small_m_matmul(x, jnp.zeros((k, n), w_dtype)) is None
+
+
+def _linear(shape, equation, quantized):
+    mesh = sharding.make_mesh(tp=1, data=1, devices=jax.devices()[:1])
+    w = jax.random.normal(jax.random.key(3), shape, jnp.float32).astype(jnp.bfloat16)
+    linear = Linear(nnx.Param(w, spec=P()), equation, matmul="pallas")
+    if quantized:
+        quant.quantize_linear(linear, mesh)
+    return linear, mesh
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize(
+    "equation, w_shape, x_shape",
+    [
+        ("BTD,DNH->BTNH", (256, 4, 32), (2, 1, 256)),  # q: two output axes
+        ("BTNH,NHD->BTD", (4, 32, 256), (16, 1, 4, 32)),  # o: two contracted axes
+        ("BTD,DC->BTC", (256, 40), (2, 1, 256)),  # 40 columns: the einsum
+    ],
+)
+def test_a_linear_through_the_kernel_equals_its_einsum(quantized, equation, w_shape, x_shape):
+    """Inside shard_map (the model's setting), `Linear.small_m` (interpreted) equals the
+    XLA einsum and rescale of the same `Linear`, int8 scales included; where the shape does
+    not fit it says None and `Linear.__call__` runs the einsum. (Pallas's interpreter cannot
+    run under shard_map's type check; the compiled programs of tests/test_roofline.py hold
+    the kernel with the check on.)"""
+    linear, mesh = _linear(w_shape, equation, quantized)
+    x = jax.random.normal(jax.random.key(4), x_shape, jnp.float32).astype(jnp.bfloat16)
+    graphdef, state = nnx.split(linear)
+
+    def run(state, x, kernel):
+        lin = nnx.merge(graphdef, state)
+        if kernel:
+            y = lin.small_m(x, jnp.bfloat16, interpret=True)
+            return jnp.full(x.shape[:-1] + (1,), jnp.nan, x.dtype) if y is None else y
+        lin.matmul = "xla"
+        return lin(x, jnp.bfloat16)
+
+    specs = jax.tree.map(lambda _: P(), state)
+    outs = [
+        jax.jit(
+            jax.shard_map(
+                lambda s, x, kernel=kernel: run(s, x, kernel),
+                mesh=mesh,
+                in_specs=(specs, P()),
+                out_specs=P(),
+                check_vma=False,
+            )
+        )(state, x)
+        for kernel in (True, False)
+    ]
+    fits = w_shape[-1] % 16 == 0
+    if not fits:
+        assert np.isnan(np.asarray(outs[0], np.float32)).all()
+        return
+    got, want = (np.asarray(o, np.float64) for o in outs)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=0, atol=2.0**-7 * np.abs(want).max())
+
+
+def test_only_gpu_meshes_run_the_kernel():
+    """`decode_matmul="pallas"` reaches the linear layers of GPU meshes (deviceless here), and
+    of their decoding fusions and `with_config` clones; a CPU mesh keeps XLA's matmul, so its
+    programs (and cached decode == full forward) are unchanged. A bad value is one line."""
+    import ladder_jax as lj
+    from ladder_jax.analysis import programs
+    from ladder_jax.model.transformer import abstract, fuse_inputs, with_config
+
+    cfg = lj.ModelConfig.from_preset("tiny", decode_matmul="pallas")
+    cpu_mesh = sharding.make_mesh(tp=1, data=1, devices=jax.devices()[:1])
+    cpu = nnx.merge(*abstract(cfg, cpu_mesh))
+    assert {lin.matmul for lin in quant.linears(fuse_inputs(cpu))} == {"xla"}
+    gpu = nnx.merge(*abstract(cfg, programs.gpu_mesh("h100", 2)))
+    assert {lin.matmul for lin in quant.linears(fuse_inputs(gpu))} == {"pallas"}
+    back = with_config(gpu, decode_matmul="xla")
+    assert {lin.matmul for lin in quant.linears(back)} == {"xla"}
+    assert {lin.matmul for lin in quant.linears(gpu)} == {"pallas"}  # the original is kept
+    with pytest.raises(lj.ConfigError, match=r"decode_matmul='triton': choose one of xla, pallas"):
+        lj.ModelConfig.from_preset("tiny", decode_matmul="triton")
+
+
+def test_predict_bad_decode_matmul_is_one_line_exit_2(capsys):
+    from ladder_jax.cli import predict as predict_cli
+
+    assert predict_cli.main(["--preset", "tiny", "--decode-matmul", "triton"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert captured.out == "" and len(err) == 1, err
+    assert err[0] == "error: decode_matmul='triton': choose one of xla, pallas", err
