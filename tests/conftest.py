@@ -3,9 +3,16 @@
 import os
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+if "--xla_force_host_platform_device_count=8" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+# Under pytest-xdist (`-n 2`) each worker inherits the controller's environment, shared cache
+# below included: keep it out of this process's jax, as it is kept out of the controller's.
+_SHARED = os.environ.get("LADDER_JAX_TESTS_XLA_CACHE")
+if _SHARED and os.environ.get("JAX_COMPILATION_CACHE_DIR") == _SHARED:
+    del os.environ["JAX_COMPILATION_CACHE_DIR"]
 
 import jax  # noqa: E402
 
@@ -14,13 +21,17 @@ assert len(jax.devices()) == 8, "tests need 8 fake CPU devices (set before impor
 # The processes the tests start (command-line runs, servers, notebook kernels) share one XLA
 # compilation cache for the session, so a program one of them compiled is loaded by the next.
 # Set after `import jax`: this process compiles as it did (its compile-behaviour tests see that).
+# The session's first process (pytest's, or xdist's controller) makes it and removes it at exit;
+# xdist's workers and their children use that one.
 import atexit  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
-_XLA_CACHE = tempfile.mkdtemp(prefix="ladder-jax-tests-xla-")
-atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _XLA_CACHE)
+if not _SHARED:
+    _SHARED = tempfile.mkdtemp(prefix="ladder-jax-tests-xla-")
+    atexit.register(shutil.rmtree, _SHARED, ignore_errors=True)
+    os.environ["LADDER_JAX_TESTS_XLA_CACHE"] = _SHARED
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _SHARED)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 # ---------------------------------------------------------------------------------------------
