@@ -145,6 +145,21 @@ def test_predict_max_len_reads_the_filled_slots_and_holds_them_all(capsys):
     assert rows[1024]["layer_min_bytes"] == rows[None]["layer_min_bytes"]
     grown = rows[1024]["decode_step_hbm_bytes"] - rows[None]["decode_step_hbm_bytes"]
     assert grown < 0.25 * per_slot * (1024 - default), (grown, per_slot * (1024 - default))
+    # the preset's max_seq_len (256) cannot hold 1024 slots: the programs were compiled for
+    # 1024, and the row and the text output say so; the default cache fits and says nothing
+    assert cfg.max_seq_len < 1024
+    assert rows[1024]["max_seq_len"] == 1024
+    assert rows[1024]["max_seq_len_raised_from"] == cfg.max_seq_len
+    assert rows[None]["max_seq_len"] == cfg.max_seq_len
+    assert rows[None]["max_seq_len_raised_from"] is None
+    for slots in (None, 1024):  # the programs are compiled already: costing only
+        text = [a for a in argv if a != "--json"]
+        assert predict_cli.main(text + ([] if slots is None else ["--max-len", str(slots)])) == 0
+        said = [
+            line for line in capsys.readouterr().out.splitlines() if "max_seq_len raised" in line
+        ]
+        assert len(said) == (0 if slots is None else 1), said
+    assert f"from the preset's {cfg.max_seq_len} to 1024" in said[0], said
 
 
 def test_lj_predict_quantize_equals_the_command_line(capsys):

@@ -1182,6 +1182,7 @@ def predict(
             rows.append(
                 {
                     **_row(cfg, sweep, t, b, link_name, pre, step),
+                    **context_length(config, base),
                     **decode_memory(
                         cfg,
                         tp=t,
@@ -1207,6 +1208,31 @@ def predict(
     if progress:
         progress(n, n, None, "costing")
     return mark_above_upper_bound(rows)
+
+
+def context_length(config, compiled) -> dict:
+    """A row's `max_seq_len` (the longest sequence its programs were compiled for) and
+    `max_seq_len_raised_from` (the preset's own, where a longer cache row or request raised
+    it; else None), so that a raised RoPE table and cache never go unsaid."""
+    raised = compiled.max_seq_len > config.max_seq_len
+    return {
+        "max_seq_len": compiled.max_seq_len,
+        "max_seq_len_raised_from": config.max_seq_len if raised else None,
+    }
+
+
+def context_note(rows: list[dict]) -> str:
+    """One line when the rows' programs hold longer sequences than the preset's max_seq_len."""
+    raised = {
+        (r["max_seq_len_raised_from"], r["max_seq_len"])
+        for r in rows
+        if r.get("max_seq_len_raised_from")
+    }
+    return "\n".join(
+        f"max_seq_len raised from the preset's {old} to {new}: the cache row (--max-len) or "
+        f"prompt + new tokens is longer (RoPE table and cache sized for {new})"
+        for old, new in sorted(raised)
+    )
 
 
 def mark_above_upper_bound(rows: list[dict]) -> list[dict]:

@@ -28,6 +28,7 @@ from ladder_jax.analysis.perfmodel import (
     PredictError,
     Sweep,
     check_knobs,
+    context_note,
     format_table,
     format_train_table,
     memory_note,
@@ -238,6 +239,7 @@ def main(argv=None) -> int:
         print(format_table(rows))
         print(roofline.format_table(rows))
         for s in (
+            context_note(rows),
             memory_note(rows),
             summary(rows),
             *sorted({r["above_upper_bound"] for r in rows if r.get("above_upper_bound")}),
