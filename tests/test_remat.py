@@ -36,6 +36,19 @@ def test_remat_keeps_loss_and_gradients(scheme, layout):
     assert max(float(np.abs(g).max()) for g in jax.tree.leaves(grads0)) > 0
 
 
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_matmuls_remat_keeps_loss_and_gradients(scheme):
+    # tp 2: the ladder's hand-written backward under the policy, its all-reduces included
+    base = dataclasses.replace(TINY, **SCHEMES[scheme])
+    loss0, grads0 = loss_and_grads(base, 2, 1)
+    loss1, grads1 = loss_and_grads(dataclasses.replace(base, remat="matmuls"), 2, 1)
+    np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads1, grads0
+    )
+    assert max(float(np.abs(g).max()) for g in jax.tree.leaves(grads0)) > 0
+
+
 def _gpu_temp_bytes(config, T=256):
     """Temporaries of the training step's gradient program compiled for one H100 (deviceless:
     XLA:CPU drops the barriers that keep a recomputation from being merged back into the
