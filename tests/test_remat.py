@@ -69,6 +69,26 @@ def test_remat_shrinks_compiled_temporaries(residual):
     assert module < 0.5 * none, (module, none)
 
 
+def _cpu_temp_bytes(config, T=256):
+    """Temporaries of the gradient program on one CPU device (the package's CPU options)."""
+    mesh = lj.make_mesh(tp=1, data=1, devices=jax.devices()[:1])
+    graphdef, params = abstract(config, mesh)
+    tokens = jax.ShapeDtypeStruct((4, T), jnp.int32, sharding=NamedSharding(mesh, P()))
+    fn = sharding.jit(lambda p, t: step.loss_and_grads(graphdef, p, t, t), mesh=mesh)
+    return fn.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("residual", ["standard", "ladder"])
+def test_matmuls_remat_keeps_less_than_none_on_cpu(residual):
+    # what the CPU recovery runs use: the scores and MLP activations are not kept
+    config = dataclasses.replace(TINY, residual=residual, d_ff=1024)
+    none, matmuls, module = (
+        _cpu_temp_bytes(dataclasses.replace(config, remat=r))
+        for r in ("none", "matmuls", "module")
+    )
+    assert module < matmuls < 0.6 * none, (module, matmuls, none)
+
+
 def test_unknown_remat_policy_is_refused():
     with pytest.raises(lj.ConfigError, match="remat='layers'.*none, module"):
         dataclasses.replace(TINY, remat="layers")
