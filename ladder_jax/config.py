@@ -48,8 +48,10 @@ RESIDUALS = ("standard", "parallel", "ladder", "upper_bound")
 # included) in the backward: about one extra forward of compute for activation memory that
 # no longer grows with d_ff or the number of heads (one stream-sized array per module). The
 # ladder's backward still overlaps its all-reduces (the recomputation is more matmul work
-# beside them).
-REMAT = ("none", "module")
+# beside them). "matmuls": each module keeps its input and the outputs of its weight matmuls
+# and recomputes the rest (norm, rotary, attention's scores and softmax, SwiGLU's activation):
+# little recomputation, and the activations that grow with the sequence (T x T scores) dropped.
+REMAT = ("none", "module", "matmuls")
 
 # Weight-only quantization for decoding (`ladder_jax.model.quant`): None keeps float weights.
 QUANTIZE = ("int8",)
@@ -116,7 +118,8 @@ class ModelConfig:
     param_dtype: str = _doc("dtype of the weights (and of the optimizer state)", "float32")
     remat: str = _doc(
         "training memory: none | module (each module keeps only its input and "
-        "recomputes the rest in the backward; same function)",
+        "recomputes the rest in the backward) | matmuls (it keeps its input and its "
+        "weight matmuls' outputs, recomputing norms, softmax and activations); same function",
         "none",
     )
     quantize: str | None = _doc(

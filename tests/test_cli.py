@@ -181,7 +181,7 @@ def test_every_config_file_loads_as_its_yaml_says(file):
             "model.residual='ladr' (did you mean 'ladder'?): choose one of "
             "standard, parallel, ladder, upper_bound",
         ),
-        ("model.remat=layers", "model.remat='layers': choose one of none, module"),
+        ("model.remat=layers", "model.remat='layers': choose one of none, module, matmuls"),
         (
             "progress=bars",
             "progress='bars' (did you mean 'bar'?): choose one of auto, bar, lines, none",

@@ -36,6 +36,19 @@ def test_remat_keeps_loss_and_gradients(scheme, layout):
     assert max(float(np.abs(g).max()) for g in jax.tree.leaves(grads0)) > 0
 
 
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_matmuls_remat_keeps_loss_and_gradients(scheme):
+    # tp 2: the ladder's hand-written backward under the policy, its all-reduces included
+    base = dataclasses.replace(TINY, **SCHEMES[scheme])
+    loss0, grads0 = loss_and_grads(base, 2, 1)
+    loss1, grads1 = loss_and_grads(dataclasses.replace(base, remat="matmuls"), 2, 1)
+    np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads1, grads0
+    )
+    assert max(float(np.abs(g).max()) for g in jax.tree.leaves(grads0)) > 0
+
+
 def _gpu_temp_bytes(config, T=256):
     """Temporaries of the training step's gradient program compiled for one H100 (deviceless:
     XLA:CPU drops the barriers that keep a recomputation from being merged back into the
@@ -54,6 +67,26 @@ def test_remat_shrinks_compiled_temporaries(residual):
     none = _gpu_temp_bytes(config)
     module = _gpu_temp_bytes(dataclasses.replace(config, remat="module"))
     assert module < 0.5 * none, (module, none)
+
+
+def _cpu_temp_bytes(config, T=256):
+    """Temporaries of the gradient program on one CPU device (the package's CPU options)."""
+    mesh = lj.make_mesh(tp=1, data=1, devices=jax.devices()[:1])
+    graphdef, params = abstract(config, mesh)
+    tokens = jax.ShapeDtypeStruct((4, T), jnp.int32, sharding=NamedSharding(mesh, P()))
+    fn = sharding.jit(lambda p, t: step.loss_and_grads(graphdef, p, t, t), mesh=mesh)
+    return fn.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("residual", ["standard", "ladder"])
+def test_matmuls_remat_keeps_less_than_none_on_cpu(residual):
+    # what the CPU recovery runs use: the scores and MLP activations are not kept
+    config = dataclasses.replace(TINY, residual=residual, d_ff=1024)
+    none, matmuls, module = (
+        _cpu_temp_bytes(dataclasses.replace(config, remat=r))
+        for r in ("none", "matmuls", "module")
+    )
+    assert module < matmuls < 0.6 * none, (module, matmuls, none)
 
 
 def test_unknown_remat_policy_is_refused():

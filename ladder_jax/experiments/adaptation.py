@@ -141,7 +141,7 @@ class Setting:
     seq_len: int = 256
     lr: float = 1e-4
     temperature: float = 1.0
-    remat: str = "module"
+    remat: str = "matmuls"
     generated_docs: int = 16  # texts the original writes (WRITING_PROMPTS, cycled)
     generated_tokens: int = 160
     tasks: tuple = DEFAULT_TASKS  # () skips the accuracies (held-out loss and chat only)

@@ -68,6 +68,7 @@ def run(config, layers, x_btd, positions_bt, inv_freq, caches=None):
         config.dtype,
         config.residual == "upper_bound",
         config.remat == "module",
+        config.remat == "matmuls",
         slots,
         tuple(graphdefs),
     )
@@ -84,8 +85,8 @@ def _parallel(config, layers, x_btd, positions_bt, inv_freq, caches=None):
     def both(attn, mlp, h_btd):  # one partial sum for the pair: one all-reduce
         return attn(h_btd, positions_bt, inv_freq) + mlp(h_btd)
 
-    if config.remat == "module":
-        both = nnx.remat(both)
+    if config.remat != "none":
+        both = nnx.remat(both, policy=MATMULS if config.remat == "matmuls" else None)
     new_caches = None if caches is None else []
     for i, layer in enumerate(layers):
         with jax.named_scope(f"layer{i}.parallel"):
@@ -115,8 +116,15 @@ class _Plan:
     dtype: str
     no_reduce: bool  # upper_bound: the stream itself becomes tp-varying
     remat: bool  # modules keep only their inputs for the backward (config.REMAT)
+    matmuls: bool  # modules keep their inputs and weight matmuls' outputs (remat="matmuls")
     slots: tuple[Slot, ...]
     graphdefs: tuple  # (norm graphdef, module graphdef) per slot
+
+
+# What a module keeps for its backward under `remat="matmuls"`: the outputs of matmuls without
+# batch dimensions, i.e. its weight matmuls (the model's linear layers multiply (B*T, D) by
+# (D, F)); attention's score and value products are batched over (B, heads) and recomputed.
+MATMULS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 
 def _functions(plan, k, positions_bt, inv_freq):
@@ -162,6 +170,9 @@ def _stream(plan, states, x_btd, positions_bt, inv_freq, *, caches=None, vjps=No
             else:
                 if plan.remat:  # keep only the stream x and the module's input h
                     norm, module = jax.checkpoint(norm), jax.checkpoint(module)
+                elif plan.matmuls:  # and the module's weight matmuls' outputs
+                    norm = jax.checkpoint(norm)
+                    module = jax.checkpoint(module, policy=MATMULS)
                 if vjps is not None and plan.remat:  # keep x alone: `_ladder_bwd` recomputes
                     y_btd = module(module_state, vary(norm(norm_state, x_btd)))
                     vjps.append(x_btd)

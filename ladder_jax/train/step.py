@@ -18,6 +18,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
 from jax.sharding import NamedSharding
@@ -80,9 +81,11 @@ def cross_entropy(logits_btv, targets_bt, mask_bt=None):
 
 def chunked_cross_entropy(h_btd, head_dv, targets_bt, mask_bt=None, *, chunk: int):
     """`cross_entropy(h_btd @ head_dv, targets_bt, mask_bt)` computed `chunk` positions of the
-    sequence at a time, each chunk's logits recomputed in the backward: at most (B, chunk, V)
-    float32 logits (and their gradient) are live, never (B, T, V). Equal to the plain loss and
-    its gradients up to float rounding (the sums run in another order).
+    sequence at a time: at most (B, chunk, V) float32 logits (and their gradient) are live,
+    never (B, T, V). Differentiated, each chunk's gradients (of `h_btd` and `head_dv`) are
+    computed in the forward while its logits are live (`_nll_sum`), so no logits are
+    recomputed. Equal to the plain loss and its gradients up to float rounding (the sums run in
+    another order).
 
         loss = chunked_cross_entropy(model.hidden(t), model.head_weight(), targets, chunk=64)
     """
@@ -96,23 +99,68 @@ def chunked_cross_entropy(h_btd, head_dv, targets_bt, mask_bt=None, *, chunk: in
         targets_bt = jnp.pad(targets_bt, ((0, 0), (0, pad)))
         weight_bt = jnp.pad(weight_bt, ((0, 0), (0, pad)))
     split = lambda x: jnp.moveaxis(x.reshape(B, n, chunk, *x.shape[2:]), 1, 0)  # noqa: E731
-
-    @jax.checkpoint  # the backward keeps only the chunk's inputs, recomputing its logits
-    def nll_sum(head_dv, h_bcd, targets_bc, weight_bc):
-        logits_bcv = jnp.einsum("BCD,DV->BCV", h_bcd, head_dv, preferred_element_type=jnp.float32)
-        lse_bc = jax.nn.logsumexp(logits_bcv, axis=-1)
-        target_bc = jnp.take_along_axis(logits_bcv, targets_bc[..., None], axis=-1)[..., 0]
-        return ((lse_bc - target_bc) * weight_bc).sum()
-
-    def body(total, xs):
-        return total + nll_sum(head_dv, *xs), None
-
-    total, _ = jax.lax.scan(
-        body, jnp.zeros((), jnp.float32), (split(h_btd), split(targets_bt), split(weight_bt))
-    )
+    total = _nll_sum(split(h_btd), head_dv, split(targets_bt), split(weight_bt))
     if mask_bt is None:
         return total / (B * T)
     return total / jnp.maximum(weight_bt.sum(), 1.0)
+
+
+def _chunk_nll(h_bcd, head_dv, targets_bc):
+    """Logits (float32), their log-sum-exp and each position's NLL, for one chunk."""
+    logits_bcv = jnp.einsum("BCD,DV->BCV", h_bcd, head_dv, preferred_element_type=jnp.float32)
+    lse_bc = jax.nn.logsumexp(logits_bcv, axis=-1)
+    target_bc = jnp.take_along_axis(logits_bcv, targets_bc[..., None], axis=-1)[..., 0]
+    return logits_bcv, lse_bc, lse_bc - target_bc
+
+
+@jax.custom_vjp
+def _nll_sum(h_nbcd, head_dv, targets_nbc, weight_nbc):
+    """The weighted NLL summed over n chunks of (B, C) positions, one chunk at a time."""
+
+    def body(total, xs):
+        h_bcd, targets_bc, weight_bc = xs
+        return total + (_chunk_nll(h_bcd, head_dv, targets_bc)[2] * weight_bc).sum(), None
+
+    zero = jnp.zeros((), jnp.float32)
+    return jax.lax.scan(body, zero, (h_nbcd, targets_nbc, weight_nbc))[0]
+
+
+def _nll_sum_fwd(h_nbcd, head_dv, targets_nbc, weight_nbc):
+    """The sum and, from each chunk's live logits, its gradients: d/dlogits = weight x
+    (softmax - one-hot target), carried back to h (per chunk) and to the head (summed)."""
+
+    def body(carry, xs):
+        total, g_head_dv = carry
+        h_bcd, targets_bc, weight_bc = xs
+        logits_bcv, lse_bc, nll_bc = _chunk_nll(h_bcd, head_dv, targets_bc)
+        hot_bcv = jax.nn.one_hot(targets_bc, logits_bcv.shape[-1], dtype=jnp.float32)
+        g_bcv = (jnp.exp(logits_bcv - lse_bc[..., None]) - hot_bcv) * weight_bc[..., None]
+        g_h_bcd = jnp.einsum("BCV,DV->BCD", g_bcv.astype(head_dv.dtype), head_dv)
+        g_head_dv = g_head_dv + jnp.einsum(
+            "BCD,BCV->DV", h_bcd, g_bcv.astype(h_bcd.dtype), preferred_element_type=jnp.float32
+        )
+        total = total + (nll_bc * weight_bc).sum()
+        return (total, g_head_dv), (g_h_bcd.astype(h_bcd.dtype), nll_bc)
+
+    init = (jnp.zeros((), jnp.float32), jnp.zeros(head_dv.shape, jnp.float32))
+    (total, g_head_dv), (g_h_nbcd, nll_nbc) = jax.lax.scan(
+        body, init, (h_nbcd, targets_nbc, weight_nbc)
+    )
+    return total, (g_h_nbcd, g_head_dv.astype(head_dv.dtype), nll_nbc)
+
+
+def _nll_sum_bwd(res, ct):
+    g_h_nbcd, g_head_dv, nll_nbc = res
+    ct_targets = np.zeros(nll_nbc.shape, jax.dtypes.float0)  # integers: no cotangent
+    return (
+        (ct * g_h_nbcd).astype(g_h_nbcd.dtype),
+        (ct * g_head_dv).astype(g_head_dv.dtype),
+        ct_targets,
+        ct * nll_nbc,
+    )
+
+
+_nll_sum.defvjp(_nll_sum_fwd, _nll_sum_bwd)
 
 
 def loss_fn(graphdef, params, tokens_bt, targets_bt, mask_bt=None, loss_chunk: int = 0):
