@@ -39,7 +39,7 @@ def main(argv=None) -> int:
 
     from ladder_jax.hardware import cpu_description
 
-    model = _hf.llama(_hf.SHAPES["small"], attn=args.attn, threads=args.threads).eval()
+    model = _hf.llama(_hf.model_config("small"), attn=args.attn, threads=args.threads).eval()
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 256, (args.batch, args.prompt_len), generator=gen)
 
