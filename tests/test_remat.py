@@ -83,8 +83,7 @@ def test_matmuls_remat_keeps_less_than_none_on_cpu(residual):
     # what the CPU recovery runs use: the scores and MLP activations are not kept
     config = dataclasses.replace(TINY, residual=residual, d_ff=1024)
     none, matmuls, module = (
-        _cpu_temp_bytes(dataclasses.replace(config, remat=r))
-        for r in ("none", "matmuls", "module")
+        _cpu_temp_bytes(dataclasses.replace(config, remat=r)) for r in ("none", "matmuls", "module")
     )
     assert module < matmuls < 0.6 * none, (module, matmuls, none)
 
