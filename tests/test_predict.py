@@ -1180,16 +1180,21 @@ def test_costed_kernels_outside_a_command_buffer_pay_the_stream_gap():
     assert [o.issue_s for o in streams] == [2.0] * 6
 
 
+# a tp 4 decode step of a short context, the KV8 model's programs read whole (no layer
+# extrapolation): what the host-cost and cross-stream-wait tests cost under each option
+SMALL_DECODE = dict(
+    phase="decode",
+    tp=4,
+    batch=1,
+    prompt_len=16,
+    new_tokens=16,
+    link=hardware.LINKS["nvlink"],
+    layers_compiled=0,
+)
+
+
 def test_host_costs_never_predict_faster_and_off_is_the_gpu_alone():
-    kw = dict(
-        phase="decode",
-        tp=4,
-        batch=1,
-        prompt_len=16,
-        new_tokens=16,
-        link=hardware.LINKS["nvlink"],
-        layers_compiled=0,
-    )
+    kw = SMALL_DECODE
     for residual in ("standard", "ladder"):
         cfg = dataclasses.replace(KV8, residual=residual)
         t = {
@@ -1262,15 +1267,7 @@ def test_asynchronous_collectives_wait_across_streams_exactly():
 
 
 def test_cross_stream_waits_never_predict_faster_and_only_asynchronous_collectives_pay():
-    kw = dict(
-        phase="decode",
-        tp=4,
-        batch=1,
-        prompt_len=16,
-        new_tokens=16,
-        link=hardware.LINKS["nvlink"],
-        layers_compiled=0,
-    )
+    kw = SMALL_DECODE
     for residual in ("standard", "ladder"):
         cfg = dataclasses.replace(KV8, residual=residual)
         starts = sum(

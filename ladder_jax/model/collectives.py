@@ -238,3 +238,16 @@ def local_vocab_rows(embed_vd: jax.Array, tp: int) -> jax.Array:
     """This rank's V/tp rows of a replicated (V, D) table (tied LM head)."""
     v_local = embed_vd.shape[0] // tp
     return jax.lax.dynamic_slice_in_dim(embed_vd, axis_index_tp() * v_local, v_local, axis=0)
+
+
+def vary_like(x, like):
+    """`x` typed as varying over the manual mesh axes `like` varies over (inside shard_map a
+    kernel's or a loop's result must carry its inputs' varying axes); `x` as it is outside
+    shard_map or where jax's types have no manual axes."""
+    try:
+        want = jax.typeof(like).manual_axis_type.varying
+        have = jax.typeof(x).manual_axis_type.varying
+    except AttributeError:
+        return x
+    missing = tuple(a for a in want if a not in have)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x

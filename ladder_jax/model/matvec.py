@@ -38,6 +38,8 @@ from jax._src import config as jax_config
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ladder_jax.model.collectives import vary_like
+
 KERNEL_NAME = "small_m_matmul"
 MAX_ROWS = 16  # rows the kernel takes: decode's one token per batch row, up to 16 rows
 DOT_ROWS = 16  # Triton's smallest dot; fewer rows are multiplied and summed in registers
@@ -121,7 +123,7 @@ def _kernel(x_ref, w_ref, *rest, block_k: int, steps: int, scaled: bool, dot: bo
 def small_m_matmul(x_mk, w_kn, scale_n=None, *, interpret: bool = False):
     """x (M, K) @ W (K, N) (times `scale_n` per column: int8 W) in x's dtype through the
     Triton kernel, or None where `plan` says it does not apply. Inside shard_map the result is
-    typed as varying like x (`_vary_like`)."""
+    typed as varying like x (`vary_like`)."""
     m, k = x_mk.shape
     n = w_kn.shape[1]
     p = plan(m, k, n, x_mk.dtype, w_kn.dtype)
@@ -166,18 +168,7 @@ def _call(x_mk, w_kn, scale_n, p: Plan, interpret: bool):
     # its output carries no varying-manual-axes type, which shard_map's check refuses: run
     # with the check off and type the result as x is
     with jax_config._check_vma(False):
-        y = _vary_like(call(*args), x_mk)
+        y = vary_like(call(*args), x_mk)
     if p.splits > 1:
         y = jax.lax.optimization_barrier(y.sum(axis=0).astype(x_mk.dtype))
     return y[:m] if m < rows else y
-
-
-def _vary_like(x, like):
-    """`x` typed as varying over the manual mesh axes `like` varies over."""
-    try:
-        want = jax.typeof(like).manual_axis_type.varying
-        have = jax.typeof(x).manual_axis_type.varying
-    except AttributeError:
-        return x
-    missing = tuple(a for a in want if a not in have)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x

@@ -36,6 +36,8 @@ from jax._src import config as jax_config
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ladder_jax.model.collectives import vary_like
+
 KERNEL_NAME = "ragged_decode_attention"
 MIN_BLOCK, MAX_BLOCK = 16, 512
 
@@ -128,21 +130,9 @@ def _blocked(q_btnh, k_bkhs, v_bksh, q_pos_bt, block):
         jnp.zeros((B, K, M, 1), jnp.float32),
         jnp.zeros((B, K, M, H), jnp.float32),
     )
-    init = tuple(_vary_like(x, q_btnh) for x in init)
+    init = tuple(vary_like(x, q_btnh) for x in init)
     _, l_bkm1, acc_bkmh = jax.lax.fori_loop(0, n_blocks, body, init)
     return _ungrouped((acc_bkmh / l_bkm1).astype(v_bksh.dtype), T)
-
-
-def _vary_like(x, like):
-    """`x` typed as varying over the manual mesh axes `like` varies over (inside shard_map the
-    loop's carry must match what the body makes of it)."""
-    try:
-        want = jax.typeof(like).manual_axis_type.varying
-        have = jax.typeof(x).manual_axis_type.varying
-    except AttributeError:
-        return x
-    missing = tuple(a for a in want if a not in have)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,7 +256,7 @@ def _pallas(q_btnh, k_bkhs, v_bksh, q_pos_bt, block, interpret):
     # its outputs carry no varying-manual-axes type, which shard_map's check refuses: run
     # with the check off and cast the results back to the queries' type
     with jax_config._check_vma(False):
-        acc, m, total = (_vary_like(x, q_btnh) for x in call(q_bkmh, pos_bm, k_bkhs, v_bksh))
+        acc, m, total = (vary_like(x, q_btnh) for x in call(q_bkmh, pos_bm, k_bkhs, v_bksh))
     # splits past a row's filled blocks hold max -1e30 and sum 0: their weight is 0
     w = jnp.exp(m - m.max(axis=2, keepdims=True))
     out = (acc * w[..., None]).sum(2) / (total * w).sum(2)[..., None]

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from ladder_jax.config import ConfigError, ModelConfig
 from ladder_jax.model import quant, ragged, residual, sharding
+from ladder_jax.model.collectives import vary_like
 from ladder_jax.model.linear import FusedInput, FusedLinear, FusesInputs, Linear
 from ladder_jax.model.sharding import DATA, TP, WeightSpecs
 
@@ -350,12 +351,6 @@ _PALLAS_ARGS = {
 }
 
 
-def _vary_like(x, like):
-    want = jax.typeof(like).manual_axis_type.varying
-    missing = tuple(a for a in want if a not in jax.typeof(x).manual_axis_type.varying)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def pallas_flash(q_btnh, k_btnh, v_btnh, scale: float, interpret: bool = False):
     """Causal flash attention (Pallas / Triton), equal head counts; `interpret=True` runs the
@@ -382,7 +377,7 @@ def _pallas_fwd(q_btnh, k_btnh, v_btnh, scale, interpret):
             a["debug"],
             a["return_residuals"],
         )
-    return _vary_like(out_btnh, q_btnh), res
+    return vary_like(out_btnh, q_btnh), res
 
 
 def _pallas_bwd(scale, interpret, res, ct_btnh):
@@ -403,7 +398,7 @@ def _pallas_bwd(scale, interpret, res, ct_btnh):
             res,
             ct_btnh,
         )
-    return _vary_like(ct_q, q_btnh), _vary_like(ct_k, k_btnh), _vary_like(ct_v, v_btnh)
+    return vary_like(ct_q, q_btnh), vary_like(ct_k, k_btnh), vary_like(ct_v, v_btnh)
 
 
 pallas_flash.defvjp(_pallas_fwd, _pallas_bwd)
