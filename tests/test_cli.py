@@ -10,9 +10,10 @@ import yaml
 
 import ladder_jax as lj
 from ladder_jax import config as config_lib
-from ladder_jax.cli import common, convert, decode, demo, overlap, predict
+from ladder_jax.cli import common, convert, decode, demo, overlap, predict, serve
 from ladder_jax.cli import train as train_cli
-from tests.helpers import one_line
+from ladder_jax.model import quant
+from tests.helpers import mesh, one_line
 
 pytestmark = pytest.mark.quick
 CONFIGS = sorted((pathlib.Path(__file__).parent.parent / "configs").glob("*.yaml"))
@@ -22,6 +23,7 @@ MAINS = {
     "demo": demo.main,
     "overlap": overlap.main,
     "predict": predict.main,
+    "serve": serve.main,
 }
 
 
@@ -61,6 +63,14 @@ def _exit_line(capsys, main, argv) -> str:
         ),
         ("demo", ["--batch", "x"], "error: --batch: invalid int value 'x'"),
         ("predict", ["--tp", "1.5"], "error: --tp: invalid int value '1.5'"),
+        *(
+            (
+                name,
+                ["--decode-matmul", "triton"],
+                "error: --decode-matmul: invalid choice: 'triton' (choose from 'xla', 'pallas')",
+            )
+            for name in ("decode", "serve")
+        ),
     ],
 )
 def test_bad_flags_are_one_line(capsys, name, argv, expect):
@@ -193,3 +203,32 @@ def test_choices_are_checked_by_the_schema(arg, expect):
     with pytest.raises(lj.ConfigError) as e:
         config_lib.load_config([arg])
     assert str(e.value) == expect
+
+
+@pytest.mark.parametrize("flags", [[], ["--decode-matmul", "pallas"], ["--decode-matmul", "xla"]])
+def test_decode_matmul_reaches_decode_and_serve_models(flags):
+    """--decode-matmul sets ModelConfig.decode_matmul of the model decode and serve build (the
+    preset's xla when left out), beside the scheme flags; on a CPU mesh the linear layers run
+    XLA's matmul whatever it says."""
+    argv = ["--preset", "tiny", "--residual", "ladder", "--ladder-layers", "1", *flags]
+    want = flags[1] if flags else "xla"
+    _, _, config = decode._load(decode.parser().parse_args(argv), mesh(1), print)
+    model, _, name = serve._load(serve.parser().parse_args(argv), mesh(1))
+    for c in (config, model.config):
+        assert (c.decode_matmul, c.residual, c.ladder_layers) == (want, "ladder", 1)
+    assert name == "tiny" and {n.matmul for n in quant.linears(model)} == {"xla"}
+
+
+def test_run_settings_leave_out_each_hosts_own_flags():
+    """The flags many processes must agree on: every flag but the ones each host sets for
+    itself (decode) or process 0 alone uses (serve)."""
+    argv = ["--preset", "tiny", "--decode-matmul", "pallas", "--cpu-devices", "2"]
+    got = common.run_settings(decode.parser().parse_args(argv))
+    assert got["weights"] is None and got["flags"]["decode_matmul"] == "pallas"
+    assert not {"cpu_devices", "coordinator", "process_id", "num_processes"} & set(got["flags"])
+    flags = common.run_settings(
+        serve.parser().parse_args([*argv, "--port", "9", "--slots", "3"]), serve._PER_PROCESS
+    )["flags"]
+    assert flags["slots"] == 3 and flags["decode_matmul"] == "pallas"
+    assert not {"port", "host", "api_key", "cpu_devices"} & set(flags)
+

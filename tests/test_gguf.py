@@ -20,6 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 import ladder_jax as lj
 from ladder_jax.cli import convert
+from ladder_jax.cli import decode as decode_cli
 from ladder_jax.interop import hf
 from ladder_jax.interop.gguf import gguf_tokenizer
 from ladder_jax.interop.tokenizer import ByteTokenizer, HFTokenizer
@@ -500,6 +501,21 @@ def test_convert_gguf_writes_what_decode_serve_and_transformers_read(llamas, tmp
     assert convert.main(["--gguf", file, "--out", str(tmp_path / "i8"), "--quantize", "int8"]) == 0
     q, _ = load_run(str(tmp_path / "i8"), mesh=_mesh(1))
     assert q.config.quantize == "int8"
+
+
+def test_decode_matmul_reaches_a_gguf_model(llamas, tmp_path):
+    """--decode-matmul on a checkpoint whose loader takes the scheme only (GGUF): set once
+    loaded, the weights unchanged."""
+    _, _, state = llamas["untied"]
+    file = write_gguf(tmp_path / "m.gguf", state)
+    args = decode_cli.parser().parse_args(["--checkpoint", file, "--decode-matmul", "pallas"])
+    model, _, config = decode_cli._load(args, _mesh(1), print)
+    assert config.decode_matmul == "pallas" == model.config.decode_matmul
+    plain, _ = lj.load_gguf(file, mesh=_mesh(1))
+    assert plain.config.decode_matmul == "xla"
+    np.testing.assert_array_equal(
+        np.asarray(_logits(model, TOKENS)), np.asarray(_logits(plain, TOKENS))
+    )
 
 
 def _nan(name, t):

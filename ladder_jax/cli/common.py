@@ -72,6 +72,93 @@ class ArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def add_decode_matmul(p: argparse.ArgumentParser) -> None:
+    """--decode-matmul, as decode and serve take it (None: the checkpoint's or preset's)."""
+    from ladder_jax.config import DECODE_MATMULS
+
+    p.add_argument(
+        "--decode-matmul",
+        default=None,
+        choices=DECODE_MATMULS,
+        help="the linear layers' matmul over at most 16 rows (decode steps) on GPU meshes: "
+        "xla, or pallas (a Triton kernel that reads each weight once); CPU meshes always "
+        "run XLA's, whatever this says (default: the checkpoint's or preset's, xla)",
+    )
+
+
+PER_PROCESS = ("coordinator", "num_processes", "process_id", "cpu_devices")  # each host's own
+
+
+def run_settings(args, per_process=()) -> dict:
+    """What every process of a multi-process decode or serve must agree on: the flags but
+    each host's own (`PER_PROCESS` and `per_process`), and which weights files were found.
+
+        runtime.agree(run_settings(args), "model or decoding flags")"""
+    from ladder_jax.train import checkpoint
+
+    own = {*PER_PROCESS, *per_process}
+    return {
+        "flags": {k: v for k, v in vars(args).items() if k not in own},
+        "weights": checkpoint.weights_identity(args.checkpoint) if args.checkpoint else None,
+    }
+
+
+def model_overrides(args) -> dict:
+    """The ModelConfig changes that decode's and serve's flags ask: --residual (not "all"),
+    --ladder-layers, --decode-matmul; none for a flag left out.
+
+        ModelConfig.from_preset(args.preset, **model_overrides(args))"""
+    from ladder_jax.config import parse_ladder_layers, scheme_overrides
+
+    residual = None if args.residual == "all" else args.residual
+    overrides = scheme_overrides(residual, parse_ladder_layers(args.ladder_layers))
+    if args.decode_matmul is not None:
+        overrides["decode_matmul"] = args.decode_matmul
+    return overrides
+
+
+def load_checkpoint(args, mesh, say, *, quantize: str | None = None):
+    """(model, tokenizer) of --checkpoint on `mesh` under `model_overrides(args)`, the byte
+    tokenizer for a byte-level Hugging Face directory without tokenizer.json
+    (`without_tokenizer_json`). decode_matmul is set once loaded, so that it reaches a GGUF
+    file or Hugging Face directory too (their loaders take the scheme only)."""
+    from ladder_jax.model.transformer import with_config
+    from ladder_jax.train import checkpoint
+
+    overrides = model_overrides(args)
+    matmul = overrides.pop("decode_matmul", None)
+    model, tokenizer = checkpoint.load_run(
+        args.checkpoint, mesh=mesh, quantize=quantize, **overrides
+    )
+    if matmul is not None and matmul != model.config.decode_matmul:
+        model = with_config(model, decode_matmul=matmul)
+    if tokenizer is None:
+        tokenizer = without_tokenizer_json(args.checkpoint, model.config, say)
+    return model, tokenizer
+
+
+def without_tokenizer_json(path: str, config, say):
+    """A Hugging Face directory without tokenizer.json: the byte tokenizer when the vocabulary
+    is byte-level (said on stderr), else a ConfigError (decoding text with the wrong
+    tokenizer would print garbage)."""
+    from ladder_jax.config import ConfigError
+    from ladder_jax.interop.tokenizer import ByteTokenizer
+
+    byte = ByteTokenizer()
+    if byte.vocab_size <= config.vocab_size <= 320:  # the byte presets' padded vocabulary
+        say(
+            f"note: {path} has no tokenizer.json; its vocabulary ({config.vocab_size}) is "
+            f"byte-level, so the byte tokenizer is used",
+            file=sys.stderr,
+        )
+        return byte
+    raise ConfigError(
+        f"--checkpoint {path!r} has no tokenizer.json and its vocabulary "
+        f"({config.vocab_size} tokens) is not byte-level: copy the model's "
+        f"tokenizer.json into that directory"
+    )
+
+
 def setup_devices(args):
     """The preamble of decode and serve: the model config that splits over tp (the
     checkpoint's or the preset's), returned once `runtime.setup` made this host's devices

@@ -24,16 +24,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ladder_jax import runtime
-from ladder_jax.cli.common import ArgumentParser, choose_tp, setup_devices
-from ladder_jax.config import (
-    RESIDUALS,
-    ConfigError,
-    ModelConfig,
-    UsageError,
-    check_quantize,
-    parse_ladder_layers,
-    scheme_overrides,
+from ladder_jax.cli.common import (
+    ArgumentParser,
+    add_decode_matmul,
+    choose_tp,
+    load_checkpoint,
+    model_overrides,
+    run_settings,
+    setup_devices,
+    without_tokenizer_json,  # noqa: F401 (importable from here, as before)
 )
+from ladder_jax.config import RESIDUALS, ConfigError, ModelConfig, UsageError, check_quantize
 from ladder_jax.inference.generation import (
     Decoder,
     GenerationError,
@@ -45,13 +46,12 @@ from ladder_jax.inference.generation import (
 from ladder_jax.interop.tokenizer import ByteTokenizer
 from ladder_jax.model import sharding
 from ladder_jax.model.transformer import Transformer
-from ladder_jax.train import checkpoint
 
 # ---------------------------------------------------------------------------------------------
 # CLI.
 
 
-def main(argv=None) -> int:
+def parser() -> ArgumentParser:
     p = ArgumentParser(
         prog="python -m ladder_jax.decode",
         description=__doc__.split("\n\n")[0],
@@ -151,16 +151,20 @@ def main(argv=None) -> int:
         help="each prompt is a user message, rendered with the checkpoint's chat "
         "template (as the server's /v1/chat/completions does)",
     )
+    add_decode_matmul(p)
     runtime.add_arguments(
         p,
         cpu_devices_help="on a CPU host, fake devices to split it into "
         "(default: --tp, else the default tp)",
     )
-    args = p.parse_args(argv)
+    return p
 
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     try:
         shape = setup_devices(args)
-        runtime.agree(_run_settings(args), "model or decoding flags")  # many processes
+        runtime.agree(run_settings(args), "model or decoding flags")  # many processes
         lead = jax.process_index() == 0
 
         def say(*a, **kw):
@@ -174,19 +178,6 @@ def main(argv=None) -> int:
     except jax.errors.JaxRuntimeError as e:  # several processes: a peer died, one line
         runtime.collective_failed(e)
         raise
-
-
-_PER_PROCESS = {"coordinator", "num_processes", "process_id", "cpu_devices"}
-
-
-def _run_settings(args) -> dict:
-    """What every process of a multi-process decode must agree on: the flags (prompts,
-    sampling, the model's shape) and which weights files were found."""
-    flags = {k: v for k, v in vars(args).items() if k not in _PER_PROCESS}
-    return {
-        "flags": flags,
-        "weights": checkpoint.weights_identity(args.checkpoint) if args.checkpoint else None,
-    }
 
 
 def _run(args, shape, say) -> int:
@@ -230,10 +221,8 @@ def _run(args, shape, say) -> int:
 
 def _load(args, mesh, say):
     """(model or None: random weights made later, tokenizer, config) of --checkpoint or
-    --preset with --residual / --ladder-layers / --quantize."""
-    overrides = scheme_overrides(
-        None if args.residual == "all" else args.residual, parse_ladder_layers(args.ladder_layers)
-    )
+    --preset with --residual / --ladder-layers / --quantize / --decode-matmul."""
+    overrides = model_overrides(args)
     if not args.checkpoint:
         config = ModelConfig.from_preset(args.preset, quantize=args.quantize, **overrides)
         runtime.check_host_memory(  # random weights, before allocating them (CPU hosts)
@@ -245,11 +234,7 @@ def _load(args, mesh, say):
         return None, ByteTokenizer(), config
     if args.benchmark:
         raise ConfigError("--benchmark times random weights of a --preset; drop --checkpoint")
-    model, tokenizer = checkpoint.load_run(
-        args.checkpoint, mesh=mesh, quantize=args.quantize, **overrides
-    )
-    if tokenizer is None:
-        tokenizer = without_tokenizer_json(args.checkpoint, model.config, say)
+    model, tokenizer = load_checkpoint(args, mesh, say, quantize=args.quantize)
     return model, tokenizer, model.config
 
 
@@ -447,25 +432,6 @@ def _speed(t0: float, times: list[float], generated: int, batch: int) -> str:
             + (f" per sequence, {rate * batch:.1f} in total" if batch > 1 else "")
         )
     return line
-
-
-def without_tokenizer_json(path: str, config, say):
-    """A Hugging Face directory without tokenizer.json: the byte tokenizer when the vocabulary
-    is byte-level (said on stderr), else a ConfigError (decoding text with the wrong
-    tokenizer would print garbage)."""
-    byte = ByteTokenizer()
-    if byte.vocab_size <= config.vocab_size <= 320:  # the byte presets' padded vocabulary
-        say(
-            f"note: {path} has no tokenizer.json; its vocabulary ({config.vocab_size}) is "
-            f"byte-level, so the byte tokenizer is used",
-            file=sys.stderr,
-        )
-        return byte
-    raise ConfigError(
-        f"--checkpoint {path!r} has no tokenizer.json and its vocabulary "
-        f"({config.vocab_size} tokens) is not byte-level: copy the model's "
-        f"tokenizer.json into that directory"
-    )
 
 
 if __name__ == "__main__":

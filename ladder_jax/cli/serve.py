@@ -25,22 +25,21 @@ import jax
 from flax import nnx
 
 from ladder_jax import runtime
-from ladder_jax.cli.common import ArgumentParser, choose_tp, setup_devices
-from ladder_jax.cli.decode import without_tokenizer_json
-from ladder_jax.config import (
-    RESIDUALS,
-    ConfigError,
-    ModelConfig,
-    UsageError,
-    parse_ladder_layers,
-    scheme_overrides,
+from ladder_jax.cli.common import (
+    ArgumentParser,
+    add_decode_matmul,
+    choose_tp,
+    load_checkpoint,
+    model_overrides,
+    run_settings,
+    setup_devices,
 )
+from ladder_jax.config import RESIDUALS, ConfigError, ModelConfig, UsageError
 from ladder_jax.inference.batching import Engine
 from ladder_jax.inference.cache import KVCache
 from ladder_jax.interop.tokenizer import ByteTokenizer
 from ladder_jax.model import sharding
 from ladder_jax.model.transformer import Transformer
-from ladder_jax.train import checkpoint
 
 try:  # the serve extra; its absence is one line at start-up, not a traceback
     import jinja2
@@ -190,6 +189,7 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="compile programs on first use instead of before serving",
     )
+    add_decode_matmul(p)
     runtime.add_arguments(
         p,
         cpu_devices_help="on a CPU host, fake devices to split it into "
@@ -283,11 +283,7 @@ def _read_text(path: str, what: str) -> str:
     return text
 
 
-_PER_PROCESS = {
-    "coordinator",
-    "num_processes",
-    "process_id",
-    "cpu_devices",
+_PER_PROCESS = (  # process 0's (HTTP); `common.PER_PROCESS`: each host's own
     "host",
     "port",
     "api_key",
@@ -297,18 +293,7 @@ _PER_PROCESS = {
     "drain_seconds",
     "chat_template",
     "max_tokens",
-}  # process 0's (HTTP) or
-# this host's own
-
-
-def _run_settings(args) -> dict:
-    """What every process of a multi-process server must agree on: the flags that shape the
-    model, the cache and the batching, and which weights files were found."""
-    flags = {k: v for k, v in vars(args).items() if k not in _PER_PROCESS}
-    return {
-        "flags": flags,
-        "weights": checkpoint.weights_identity(args.checkpoint) if args.checkpoint else None,
-    }
+)
 
 
 def _default_max_len(model, slots: int) -> int | None:
@@ -394,7 +379,7 @@ def _run(args) -> int:
     shape = setup_devices(args)
     if jax.process_count() > 1:  # from now on: jax's preemption notifier would swallow them
         _collect_signals()
-    runtime.agree(_run_settings(args), "model or serving flags")  # many processes
+    runtime.agree(run_settings(args, _PER_PROCESS), "model or serving flags")  # many processes
     tp, why = choose_tp(args.tp, shape)
     n = jax.device_count()
     if jax.process_count() > 1 and tp != n:
@@ -404,21 +389,7 @@ def _run(args) -> int:
         )
     sharding.check_divisible(shape, tp, flag="--tp")
     mesh = sharding.make_mesh(tp=tp, data=1, devices=jax.devices()[:tp])
-    overrides = scheme_overrides(args.residual, parse_ladder_layers(args.ladder_layers))
-    if args.checkpoint:
-        model, tokenizer = checkpoint.load_run(args.checkpoint, mesh=mesh, **overrides)
-        if tokenizer is None:  # a Hugging Face directory without tokenizer.json
-            tokenizer = without_tokenizer_json(args.checkpoint, model.config, _note)
-        name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
-    else:
-        config = ModelConfig.from_preset(args.preset, **overrides)
-        model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(args.seed))
-        tokenizer, name = ByteTokenizer(), args.model_name or args.preset
-    if model.config.vocab_size < tokenizer.vocab_size:
-        raise ConfigError(
-            f"the model has vocab_size={model.config.vocab_size}, too small for "
-            f"its tokenizer ({tokenizer.vocab_size} tokens)"
-        )
+    model, tokenizer, name = _load(args, mesh)
     template = template or _tokenizer_template(tokenizer)
 
     max_len = args.max_len or _default_max_len(model, args.slots)
@@ -442,6 +413,24 @@ def _run(args) -> int:
     if jax.process_index() != 0:
         return _follow(engine, args.drain_seconds + STOP_MARGIN_S)
     return _serve(args, engine, tokenizer, name, api_key, template)
+
+
+def _load(args, mesh):
+    """(model, tokenizer, the model's name for clients) of --checkpoint, or random weights of
+    --preset, with --residual / --ladder-layers / --decode-matmul."""
+    if args.checkpoint:
+        model, tokenizer = load_checkpoint(args, mesh, _note)
+        name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
+    else:
+        config = ModelConfig.from_preset(args.preset, **model_overrides(args))
+        model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(args.seed))
+        tokenizer, name = ByteTokenizer(), args.model_name or args.preset
+    if model.config.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"the model has vocab_size={model.config.vocab_size}, too small for "
+            f"its tokenizer ({tokenizer.vocab_size} tokens)"
+        )
+    return model, tokenizer, name
 
 
 _SIGNALS: list[int] = []  # SIGTERM / SIGINT received by a process of several
