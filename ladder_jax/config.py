@@ -650,7 +650,7 @@ def load_config(args: list[str], overrides: dict | None = None) -> TrainConfig:
                     raise ConfigError(f"bad override {a!r}: write key=value, e.g. steps=100")
                 cfg = OmegaConf.merge(cfg, _parse_override(a, key, value))
             else:
-                cfg = OmegaConf.merge(cfg, _read_yaml(a))
+                cfg = OmegaConf.merge(cfg, _find_tokenizer(_read_yaml(a), a))
         return OmegaConf.to_object(cfg)
     except oc_errors.ConfigKeyError as e:
         key = e.full_key or str(e.key)
@@ -715,6 +715,32 @@ def _read_yaml(path: str):
         raise ConfigError(
             f"{path}: a config file must be a mapping of keys (model:, data:, "
             f"...), not a {type(node).__name__}"
+        )
+    return node
+
+
+def _find_tokenizer(node: DictConfig, file: str) -> DictConfig:
+    """`node` (config file `file`) with its data.tokenizer found wherever the file is: a
+    relative path against the file's directory, else (as before) the working directory; when
+    the path named is not there, the tokenizer.json beside the file (a `convert` output or a
+    run directory moved or copied elsewhere). A config.yaml with checkpoints/ beside it whose
+    tokenizer is nowhere is a ConfigError; another file keeps its path as written (a training
+    config may name a tokenizer made later)."""
+    data = node.get("data")
+    name = data.get("tokenizer") if isinstance(data, DictConfig) else None
+    if not isinstance(name, str) or name == "byte" or "${" in name:
+        return node
+    here = os.path.dirname(os.path.abspath(file))
+    tried = [name] if os.path.isabs(name) else [os.path.join(here, name), name]
+    found = next(
+        (t for t in [*tried, os.path.join(here, "tokenizer.json")] if os.path.isfile(t)), None
+    )
+    if found is not None:
+        data.tokenizer = found
+    elif os.path.isdir(os.path.join(here, "checkpoints")):
+        raise ConfigError(
+            f"{file}: data.tokenizer={name!r} is not there, nor is a tokenizer.json beside "
+            f"the file: copy the model's tokenizer.json into {here}"
         )
     return node
 

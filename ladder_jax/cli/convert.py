@@ -17,7 +17,8 @@ GGUF Llama file (see `ladder_jax.interop.gguf`); `--checkpoint` a training run (
 
 Output without `--to-hf`: a directory laid out like a training run, which `train`'s
 `init_from=` reads (weights only):
-    DIR/config.yaml             the model section of a train config (+ data.tokenizer)
+    DIR/config.yaml             the model section of a train config (+ data.tokenizer:
+                                tokenizer.json, relative: DIR may be moved or copied)
     DIR/tokenizer.json          the source's tokenizer, when it has one
     DIR/tokenizer_config.json   its BOS convention (add_bos_token), specials, chat template
     DIR/checkpoints/0/params    the weights (orbax, the layout of `ladder_jax.train.checkpoint`)
@@ -280,7 +281,7 @@ def main(argv=None) -> int:
         else:
             tok_path = None
             if isinstance(tokenizer, HFTokenizer):  # the byte one has no file
-                tok_path = os.path.abspath(os.path.join(args.out, hf.TOKENIZER))
+                tok_path = hf.TOKENIZER  # beside config.yaml: the directory can move
                 tokenizer.save(args.out)  # + tokenizer_config.json: BOS, chat template
             doc = train_config(model.config, tok_path)
             with open(os.path.join(args.out, "config.yaml"), "w") as f:
