@@ -89,6 +89,21 @@ def run_module(name: str, *args, env=None, timeout=300) -> subprocess.CompletedP
     )
 
 
+def train_process(*args, env=None, **kw) -> subprocess.Popen:
+    """`python -m ladder_jax.train ARGS` started on CPU (stdout and stderr piped, as text);
+    `env` replaces this process's environment.
+
+        proc = train_process(*SMALL, "steps=300", f"run_dir={tmp_path}", "name=cut")"""
+    return subprocess.Popen(
+        [sys.executable, "-m", "ladder_jax.train", *args],
+        env={**(os.environ if env is None else env), "JAX_PLATFORMS": "cpu"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
 def benchmark(name: str):
     """benchmarks/<name>.py imported as a module (benchmarks/ is not a package), for its `main`.
 
@@ -191,6 +206,20 @@ def stop_server(proc, timeout=60):
             proc.kill()
             proc.wait()
     return proc.returncode
+
+
+def openai_client(server, timeout=120, **kw):
+    """The `openai` client of a server `running_server` started (its port, SERVE_KEY), which
+    never retries (a test sees the first answer)."""
+    import openai
+
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{server.port}/v1",
+        api_key=SERVE_KEY,
+        max_retries=0,
+        timeout=timeout,
+        **kw,
+    )
 
 
 @contextlib.contextmanager

@@ -9,14 +9,13 @@ import threading
 import httpx
 import jax
 import numpy as np
-import openai
 import pytest
 
 from ladder_jax.inference import generation
 from ladder_jax.inference.sampling import Sampling
 from ladder_jax.interop.tokenizer import ByteTokenizer
 from tests.helpers import SERVE_KEY as KEY
-from tests.helpers import logits, running_server, tiny_model
+from tests.helpers import logits, openai_client, running_server, tiny_model
 
 TOK = ByteTokenizer()
 ATOL = 2e-4
@@ -31,12 +30,6 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model():
     return tiny_model(2, residual="ladder")
-
-
-def _client(server):
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0, timeout=180
-    )
 
 
 def _post(server, body):
@@ -71,7 +64,7 @@ def _check_top(top, lp_v, n):
 def test_echo_scores_the_prompt_like_a_forward(server, model):
     prompt = "LOVE, n. A temporary insanity"
     ids = TOK.encode(prompt)
-    r = _client(server).completions.create(
+    r = openai_client(server, timeout=180).completions.create(
         model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=5
     )
     c = r.choices[0]
@@ -92,7 +85,7 @@ def test_greedy_generation_logprobs_equal_a_forward_over_prompt_and_output(serve
     prompt, n = "Once upon", 10
     ids = TOK.encode(prompt)
     new = generation.generate(model, [ids], max_new_tokens=n, eos_id=TOK.eos_id)[0]
-    client = _client(server)
+    client = openai_client(server, timeout=180)
     r = client.completions.create(
         model="tiny", prompt=prompt, max_tokens=n, temperature=0, logprobs=3
     )
@@ -128,7 +121,7 @@ def test_sampled_tokens_are_scored_from_the_raw_logits(server, model):
     new = generation.generate(
         model, [ids], max_new_tokens=n, eos_id=TOK.eos_id, sampling=Sampling(0.5, 5, None, seed)
     )[0]
-    r = _client(server).completions.create(
+    r = openai_client(server, timeout=180).completions.create(
         model="tiny",
         prompt=prompt,
         max_tokens=n,
@@ -176,7 +169,7 @@ def test_batched_prompts_as_lm_eval_sends_them(server, model):
         assert len(c["logprobs"]["tokens"]) == len(seq) + 1  # and the one generated token
         assert all(len(top) <= 2 for top in c["logprobs"]["top_logprobs"][1:])
     texts = ["ab", "LOVE, n."]
-    r = _client(server).completions.create(
+    r = openai_client(server, timeout=180).completions.create(
         model="tiny", prompt=texts, max_tokens=0, echo=True, logprobs=2
     )
     assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == texts
@@ -192,7 +185,7 @@ def test_batched_prompts_as_lm_eval_sends_them(server, model):
 
 
 def test_streamed_logprobs_add_up_to_the_whole_answer(server):
-    client = _client(server)
+    client = openai_client(server, timeout=180)
     kw = dict(model="tiny", prompt="LOVE, n.", max_tokens=12, temperature=0, logprobs=2)
     whole = client.completions.create(**kw).choices[0]
     for echo in (False, True):

@@ -20,7 +20,7 @@ from ladder_jax.train import checkpoint, trainer
 from ladder_jax.train.checkpoint import Checkpointer, DamagedCheckpoint
 from ladder_jax.train.lock import RunBusy, RunLock
 from ladder_jax.train.step import TrainState
-from tests.helpers import committed, free_port, last_step, one_line
+from tests.helpers import committed, free_port, last_step, one_line, train_process
 
 SMALL = [
     "model.n_layers=2",
@@ -49,18 +49,6 @@ def snapshot(path):
 def rows(run):
     with open(os.path.join(run, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
-
-
-def cli(*args, env=None, **kw):
-    env = {**(os.environ if env is None else env), "JAX_PLATFORMS": "cpu"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "ladder_jax.train", *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kw,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -323,7 +311,7 @@ def test_a_refused_trainer_names_the_holder_that_has_just_locked(tmp_path, befor
 
 def test_two_trainers_one_runs_and_kill_9_then_rerun_resumes_bit_exact(tmp_path, capsys):
     args = SMALL + ["steps=300", "ckpt_every=100", f"run_dir={tmp_path}", "name=both"]
-    procs = [cli(*args), cli(*args)]
+    procs = [train_process(*args), train_process(*args)]
     run = tmp_path / "both"
     deadline, loser = time.time() + 900, None
     # the state the rerun needs: checkpoint 100 committed, and steps after it that it replays
@@ -374,7 +362,7 @@ def test_resume_on_two_processes_reshards_the_data_iterator(trained, tmp_path):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [
-        cli(
+        train_process(
             *SMALL,
             "steps=6",
             f"run_dir={two.parent}",

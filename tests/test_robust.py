@@ -19,7 +19,7 @@ from ladder_jax.inference.sampling import NonFiniteLogits
 from ladder_jax.interop.tokenizer import ByteTokenizer
 from ladder_jax.train import checkpoint, trainer
 from ladder_jax.train.step import TrainState
-from tests.helpers import tiny_model
+from tests.helpers import run_module, tiny_model
 
 TOK = ByteTokenizer()
 SMALL = [
@@ -34,17 +34,8 @@ SMALL = [
     "tensorboard=false",
     "eval_every=0",
 ]
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-
-
-def _module(name, *args, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", f"ladder_jax.{name}", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=ENV,
-    )
+ONE_DEVICE = {"XLA_FLAGS": ""}  # the processes started here: jax's one CPU device
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", **ONE_DEVICE}
 
 
 def _one_line_error(r, code=2):
@@ -62,7 +53,7 @@ def test_exit_3_marks_the_poisoned_checkpoint_and_resume_skips_it(tmp_path):
     # lr 0 at step 1 (warm-up), then 1e30: step 2's update ruins the weights (finite, but
     # every later gradient is NaN). Checkpoint 2 holds them; checkpoint 1 the sound ones.
     run = ["steps=20", "ckpt_every=1", "max_bad_steps=3", f"run_dir={tmp_path}", "name=run"]
-    r = _module("train", *SMALL, *run, "optim.peak_lr=1e30")
+    r = run_module("train", *SMALL, *run, "optim.peak_lr=1e30", env=ONE_DEVICE)
     line = _one_line_error(r, code=3)
     assert "checkpoint(s) 2 marked unsound" in line, line
     assert "a resume starts from checkpoint 1" in line, line
@@ -73,7 +64,15 @@ def test_exit_3_marks_the_poisoned_checkpoint_and_resume_skips_it(tmp_path):
     # decode and init_from pass the unsound checkpoint over too
     assert checkpoint.find_checkpoint(str(tmp_path / "run"), "x") == str(ckpts / "1" / "params")
 
-    r = _module("train", *SMALL, *run, "optim.peak_lr=3e-3", "steps=4", "accept_changes=true")
+    r = run_module(
+        "train",
+        *SMALL,
+        *run,
+        "optim.peak_lr=3e-3",
+        "steps=4",
+        "accept_changes=true",
+        env=ONE_DEVICE,
+    )
     assert r.returncode == 0, r.stderr + r.stdout
     assert f"skipped damaged checkpoint {ckpts}/2: its weights gave non-finite losses" in (
         r.stdout
@@ -128,7 +127,7 @@ def test_decode_cli_refuses_nan_weights_in_one_line(tmp_path):
     with open(tmp_path / "config.yaml", "w") as f:
         f.write(OmegaConf.to_yaml(OmegaConf.create(train_config(model.config, None))))
     _save_checkpoint(model, str(tmp_path), {"step": 0})
-    r = _module(
+    r = run_module(
         "decode",
         "--checkpoint",
         str(tmp_path),
@@ -140,6 +139,7 @@ def test_decode_cli_refuses_nan_weights_in_one_line(tmp_path):
         "4",
         "--temperature",
         "0",
+        env=ONE_DEVICE,
     )
     line = _one_line_error(r)
     assert "logits are NaN or infinite" in line
@@ -242,7 +242,7 @@ def test_load_hf_residual_ladder_keeps_a_llama_configs_ladder_layers(tmp_path, l
 )
 def test_rope_scaling_beside_default_rope_parameters_is_refused(tmp_path, llama_dir, changes):
     d = _with_config(tmp_path, llama_dir, "rope", **changes)
-    r = _module("convert", "--hf", str(d), "--out", str(tmp_path / "out"))
+    r = run_module("convert", "--hf", str(d), "--out", str(tmp_path / "out"), env=ONE_DEVICE)
     line = _one_line_error(r)
     assert "rope" in line and ("'linear'" in line or "'dynamic'" in line), line
     assert not (tmp_path / "out").exists()

@@ -22,6 +22,7 @@ from tests.helpers import (
     SERVE_KEY,
     SERVE_MAX_LEN,
     free_port,
+    openai_client,
     running_server,
     start_server,
     stop_server,
@@ -60,12 +61,6 @@ def model():
     return tiny_model(2, residual="ladder")
 
 
-def _client(server, **kw):
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0, timeout=120, **kw
-    )
-
-
 def _offline(model, prompts, max_tokens):
     """Greedy text of each prompt alone (`generate` batches are row-independent; a row's
     first tokens do not depend on how many follow)."""
@@ -75,7 +70,7 @@ def _offline(model, prompts, max_tokens):
 
 
 def test_completions_and_stream_equal_offline_greedy(server, model):
-    client = _client(server)
+    client = openai_client(server)
     prompts = ["LOVE, n.", [256, 72, 105]]  # text, and token ids (BOS "Hi")
     want = _offline(model, prompts, [12, 12])
     for prompt, expected in zip(prompts, want):
@@ -121,7 +116,7 @@ def test_32_concurrent_requests_each_equal_their_offline_result(server, model):
 
 
 def test_seeded_sampling_is_reproducible_and_equals_generate(server, model):
-    client = _client(server)
+    client = openai_client(server)
     kw = dict(
         model="tiny",
         prompt="Once",
@@ -140,7 +135,7 @@ def test_seeded_sampling_is_reproducible_and_equals_generate(server, model):
 
 
 def test_chat_uses_the_template(server, model):
-    client = _client(server)
+    client = openai_client(server)
     messages = [{"role": "user", "content": "Hi"}]
     r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
     rendered = "<user>Hi\n<assistant>"
@@ -156,7 +151,7 @@ def test_chat_uses_the_template(server, model):
 
 
 def test_stop_strings_end_the_text_before_them(server, model):
-    client = _client(server)
+    client = openai_client(server)
     full = _offline(model, ["LOVE, n."], [12])[0]
     stop = full[3:5]
     r = client.completions.create(
@@ -166,7 +161,7 @@ def test_stop_strings_end_the_text_before_them(server, model):
 
 
 def test_models_metrics_and_health(server):
-    client = _client(server)
+    client = openai_client(server)
     assert [m.id for m in client.models.list().data] == ["tiny"]
     text = httpx.get(
         f"http://127.0.0.1:{server.port}/metrics", headers={"Authorization": f"Bearer {KEY}"}
@@ -329,7 +324,9 @@ def test_a_disconnect_frees_the_slot(server):
         break
     else:
         pytest.fail("every request finished before its client closed it")
-    r = _client(server).completions.create(model="tiny", prompt="b", max_tokens=2, temperature=0)
+    r = openai_client(server).completions.create(
+        model="tiny", prompt="b", max_tokens=2, temperature=0
+    )
     assert r.choices[0].finish_reason in ("length", "stop")
 
 
@@ -411,9 +408,9 @@ def test_malformed_json_unknown_route_and_the_api_key(server):
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{base}/v1/models").status_code == 401
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
-        _client(server).completions.create(model="tiny", prompt="x", max_tokens=-1)
+        openai_client(server).completions.create(model="tiny", prompt="x", max_tokens=-1)
     assert (
-        _client(server)
+        openai_client(server)
         .completions.create(model="tiny", prompt="x", max_tokens=2, temperature=0)
         .choices[0]
         .text

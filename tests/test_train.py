@@ -4,8 +4,6 @@ config errors. Small on purpose: 2-layer tiny model, 32-token sequences, a few s
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import jax
@@ -20,7 +18,7 @@ from ladder_jax.interop.tokenizer import ByteTokenizer
 from ladder_jax.model.transformer import Transformer
 from ladder_jax.train import checkpoint, data, step, trainer
 from tests import helpers
-from tests.helpers import free_port, last_step
+from tests.helpers import free_port, last_step, train_process
 
 SMALL = [
     "model.n_layers=2",
@@ -42,17 +40,6 @@ def config(tmp_path, *overrides, name="run"):
 def metrics(tmp_path, name="run"):
     with open(tmp_path / name / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]
-
-
-def cli(*args, env=None, **kw):
-    return subprocess.Popen(
-        [sys.executable, "-m", "ladder_jax.train", *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kw,
-    )
 
 
 def test_loss_falls_on_embedded_corpus(tmp_path, capsys):
@@ -139,7 +126,7 @@ def test_grad_accumulation_equals_big_batch(tmp_path):
 
 def test_sigterm_then_rerun_equals_uninterrupted(tmp_path):
     args = SMALL + ["steps=300", "ckpt_every=100", "eval_every=0", f"run_dir={tmp_path}"]
-    proc = cli(*args, "name=cut")
+    proc = train_process(*args, "name=cut")
     deadline = time.time() + 900
     while last_step(tmp_path / "cut") < 120:  # the state it needs: mid-run, past step 120
         assert time.time() < deadline, "step 120 not reached in 900 s"
@@ -151,7 +138,7 @@ def test_sigterm_then_rerun_equals_uninterrupted(tmp_path):
     cut = metrics(tmp_path, "cut")[-1]["step"]
     assert 120 <= cut < 300, "the run should have been interrupted mid-way"
     assert f"checkpoint saved at step {cut}" in err + _
-    proc = cli(*args, "name=cut")
+    proc = train_process(*args, "name=cut")
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert "resumed from" in out and f"/{cut} " in out
@@ -246,7 +233,7 @@ def test_too_many_nonfinite_steps_stop_with_last_checkpoint_intact(tmp_path):
     ],
 )
 def test_bad_config_is_a_clear_error(args, message):
-    proc = cli(*args, "steps=1")
+    proc = train_process(*args, "steps=1")
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2, (out, err)
     assert message in err
@@ -258,9 +245,8 @@ def test_two_processes_equal_one(tmp_path):
     ref = trainer.run(trainer.load_config(common + [f"run_dir={tmp_path}", "name=one"]))["losses"]
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
     procs = [
-        cli(
+        train_process(
             *common,
             f"run_dir={tmp_path}",
             "name=two",
