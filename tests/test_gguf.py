@@ -20,7 +20,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 import ladder_jax as lj
-from ladder_jax.cli import convert
+from ladder_jax.cli import convert, serve
 from ladder_jax.cli import decode as decode_cli
 from ladder_jax.interop import hf
 from ladder_jax.interop.gguf import gguf_tokenizer
@@ -535,13 +535,15 @@ def test_a_converted_model_loads_the_same_once_moved(llamas, tmp_path, capsys):
 
 
 def test_decode_matmul_reaches_a_gguf_model(llamas, tmp_path):
-    """--decode-matmul on a checkpoint whose loader takes the scheme only (GGUF): set once
-    loaded, the weights unchanged."""
+    """--decode-matmul on a checkpoint whose loader takes the scheme only (GGUF), in decode and
+    serve: set once loaded, the weights unchanged."""
     _, _, state = llamas["untied"]
     file = write_gguf(tmp_path / "m.gguf", state)
-    args = decode_cli.parser().parse_args(["--checkpoint", file, "--decode-matmul", "pallas"])
-    model, _, config = decode_cli._load(args, _mesh(1), print)
+    argv = ["--checkpoint", file, "--decode-matmul", "pallas"]
+    model, _, config = decode_cli._load(decode_cli.parser().parse_args(argv), _mesh(1), print)
+    served, _, name = serve._load(serve.parser().parse_args(argv), _mesh(1))
     assert config.decode_matmul == "pallas" == model.config.decode_matmul
+    assert served.config.decode_matmul == "pallas" and name == "m.gguf"
     plain, _ = lj.load_gguf(file, mesh=_mesh(1))
     assert plain.config.decode_matmul == "xla"
     np.testing.assert_array_equal(
@@ -594,6 +596,15 @@ def test_bad_gguf_is_one_line(llamas, tmp_path, capsys, case):
     out = tmp_path / "out"
     line = one_line(capsys, convert.main(["--gguf", str(file), "--out", str(out)]))
     assert needle in line, line
+    assert not out.exists()
+
+
+def test_convert_tp_that_does_not_divide_the_heads_is_one_line(llamas, tmp_path, capsys):
+    _, _, state = llamas["untied"]
+    file = write_gguf(tmp_path / "m.gguf", state)
+    out = tmp_path / "out"
+    line = one_line(capsys, convert.main(["--gguf", file, "--out", str(out), "--tp", "3"]))
+    assert f"n_heads={N} is not divisible by tp=3" in line, line
     assert not out.exists()
 
 
@@ -666,7 +677,6 @@ def test_decode_chat_on_a_gguf_file(llamas, tmp_path, capsys):
 def test_serve_takes_the_chat_template_from_the_tokenizer(llamas, tmp_path):
     """serve's template: a GGUF file's tokenizer.chat_template, chat_template.jinja beside a
     tokenizer.json (transformers 5 writes it there), --chat-template over both."""
-    from ladder_jax.cli import serve
 
     def template(args, tokenizer):  # as serve's _run: the flag or file first, the tokenizer's
         return serve._chat_template(args) or serve._tokenizer_template(tokenizer)
