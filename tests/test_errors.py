@@ -964,3 +964,54 @@ def test_progress_shows_while_other_threads_compile_quietly():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stderr.splitlines() == ["progress 1/2", "from the compiler", "progress 2/2"], p.stderr
+
+
+def test_loader_errors_are_config_errors():
+    """The loaders' and the mesh's own error classes are ConfigErrors, which every command
+    line prints as one line with exit code 2."""
+    from ladder_jax.interop.gguf import GGUFError
+    from ladder_jax.model.layout import ShardingError
+
+    for cls in (hf.HFError, GGUFError, ShardingError):
+        assert issubclass(cls, lj.ConfigError), cls
+
+
+def _not_gguf(tmp_path):
+    (tmp_path / "model.gguf").write_text("hello, not a GGUF file\n" * 10)
+    return ["--checkpoint", str(tmp_path / "model.gguf")], "is not a valid GGUF file"
+
+
+def _not_llama(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    return ["--checkpoint", str(tmp_path)], "is not a Llama model"
+
+
+@pytest.mark.parametrize(
+    "name, case",
+    [(name, case) for name in ("decode", "serve", "convert") for case in (_not_gguf, _not_llama)],
+    ids=lambda x: getattr(x, "__name__", x),
+)
+def test_a_bad_model_is_one_line_in_every_command(tmp_path, capsys, name, case):
+    """A file that is not a GGUF, a directory that is not a Llama: one line, exit code 2, in
+    decode, serve and convert (nothing written)."""
+    from ladder_jax.cli import serve
+
+    argv, needle = case(tmp_path)
+    if name == "convert":
+        argv = [*argv, "--out", str(tmp_path / "out")]
+    main = {"decode": decode_cli.main, "serve": serve.main, "convert": convert.main}[name]
+    line = one_line(capsys, main(argv))
+    assert needle in line, line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["decode", "serve"])
+def test_a_tp_that_does_not_divide_the_heads_is_one_line(name):
+    """--tp 3 on the tiny preset's 8 heads, in a process that makes 3 devices for it (convert's
+    is tests/test_gguf.py's)."""
+    r = helpers.run_module(name, "--preset", "tiny", "--tp", "3", env={"XLA_FLAGS": ""})
+    assert r.returncode == 2 and not r.stdout, (r.returncode, r.stdout, r.stderr)
+    assert r.stderr.strip().splitlines() == [
+        "error: n_heads=8 is not divisible by tp=3: use a tp that divides 8 (set by --tp; "
+        "e.g. --tp 2)"
+    ], r.stderr
