@@ -26,6 +26,8 @@ import json
 import sys
 import time
 
+import _gpu
+
 
 def _best(fn, repeats: int) -> float:
     """Fastest of `repeats` timed calls of `fn` (after one warm-up call that compiles)."""
@@ -195,19 +197,13 @@ def main(argv=None) -> int:
     )
     args = ap.parse_args(argv)
 
+    dry = args.dry_run
+    if not _gpu.ready(dry):
+        return 2
     import jax
 
     from ladder_jax import hardware
 
-    dry = args.dry_run
-    if dry:
-        jax.config.update("jax_platforms", "cpu")
-    elif jax.devices()[0].platform != "gpu":
-        print(
-            "error: no GPU here: run on a GPU, or pass --dry-run to check the script on CPU",
-            file=sys.stderr,
-        )
-        return 2
     chip = None if dry else hardware.chip_of(jax.devices()[0])
     target = args.target or (
         "h100" if dry or chip is None else next(k for k, c in hardware.CHIPS.items() if c == chip)

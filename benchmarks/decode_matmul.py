@@ -23,6 +23,8 @@ import json
 import sys
 import time
 
+import _gpu
+
 
 def _best(fn, repeats: int) -> float:
     import jax
@@ -147,17 +149,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, small sizes: checks the script")
     args = ap.parse_args(argv)
 
+    dry = args.dry_run
+    if not _gpu.ready(dry):
+        return 2
     import jax
 
-    dry = args.dry_run
-    if dry:
-        jax.config.update("jax_platforms", "cpu")
-    elif jax.devices()[0].platform != "gpu":
-        print(
-            "error: no GPU here: run on a GPU, or pass --dry-run to check the script on CPU",
-            file=sys.stderr,
-        )
-        return 2
     import ladder_jax as lj
 
     preset = args.preset or ("tiny" if dry else "llama-3-8b")

@@ -1015,3 +1015,23 @@ def test_a_tp_that_does_not_divide_the_heads_is_one_line(name):
         "error: n_heads=8 is not divisible by tp=3: use a tp that divides 8 (set by --tp; "
         "e.g. --tp 2)"
     ], r.stderr
+
+
+@pytest.mark.parametrize("script", ["decode_matmul", "calibrate_gpu"])
+def test_gpu_benchmarks_without_a_gpu_are_one_line(tmp_path, script):
+    """benchmarks/decode_matmul.py and calibrate_gpu.py on a host without a GPU (and without
+    --dry-run): one line, exit code 2, nothing written."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "out.json"
+    r = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", f"{script}.py"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert r.returncode == 2 and not r.stdout, (r.returncode, r.stdout, r.stderr)
+    assert r.stderr.strip() == (
+        "error: no GPU here: run on a GPU, or pass --dry-run to check the script on CPU"
+    ), r.stderr
+    assert not out.exists()
