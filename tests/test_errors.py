@@ -1005,18 +1005,6 @@ def test_a_bad_model_is_one_line_in_every_command(tmp_path, capsys, name, case):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("name", ["decode", "serve"])
-def test_a_tp_that_does_not_divide_the_heads_is_one_line(name):
-    """--tp 3 on the tiny preset's 8 heads, in a process that makes 3 devices for it (convert's
-    is tests/test_gguf.py's)."""
-    r = helpers.run_module(name, "--preset", "tiny", "--tp", "3", env={"XLA_FLAGS": ""})
-    assert r.returncode == 2 and not r.stdout, (r.returncode, r.stdout, r.stderr)
-    assert r.stderr.strip().splitlines() == [
-        "error: n_heads=8 is not divisible by tp=3: use a tp that divides 8 (set by --tp; "
-        "e.g. --tp 2)"
-    ], r.stderr
-
-
 @pytest.mark.parametrize("script", ["decode_matmul", "calibrate_gpu"])
 def test_gpu_benchmarks_without_a_gpu_are_one_line(tmp_path, script):
     """benchmarks/decode_matmul.py and calibrate_gpu.py on a host without a GPU (and without
