@@ -590,6 +590,30 @@ def test_a100_compiles_and_costs_with_a100_figures():
     assert cal.inter_host.name == "ib-hdr" and cal.chip.sms == 108
 
 
+def test_a100_40gb_is_the_slower_hbm_part_and_devices_find_it():
+    """The two A100 SXM4 parts differ only in HBM (datasheet: 2,039 vs 1,555 GB/s); a device
+    reporting the 40 GB kind gets the 40 GB entry, not the first A100 one."""
+    big, small = hardware.CHIPS["a100"], hardware.CHIPS["a100-40gb"]
+    assert (small.hbm_bytes_per_s, small.memory_bytes) == (1.555e12, 40 * 1024**3)
+    assert (small.bf16_flops, small.sms, small.arch) == (big.bf16_flops, big.sms, big.arch)
+    device = lambda kind: type("Device", (), {"device_kind": kind})()  # noqa: E731
+    assert hardware.chip_of(device("NVIDIA A100-SXM4-40GB")) is small
+    assert hardware.chip_of(device("NVIDIA A100-SXM4-80GB")) is big
+    assert hardware.chip_of(device("NVIDIA H100 80GB HBM3")) is hardware.CHIPS["h100"]
+    conf = hardware.gpu_target_config("a100-40gb")
+    assert "memory_bandwidth: 1555000000000" in conf and "A100-SXM4-40GB" in conf
+    cal = hardware.calibration("a100-40gb")
+    assert cal.links == hardware.A100_LINKS and cal.inter_host.name == "ib-hdr"
+    # a memory-bound kernel: 1.555 GB at 85% of 1.555 TB/s, plus the fixed 1.5 us
+    k = perfmodel.Kernel("compute", "gemv", flops=3.11e9, nbytes=1.555e9)
+    assert perfmodel.kernel_seconds(k, small, cal.efficiency) == pytest.approx(
+        1e-3 / 0.85 + 1.5e-6, rel=1e-12
+    )
+    # ... and 2.039 / 1.555 times faster on the 80 GB part, less the same fixed cost
+    fast = perfmodel.kernel_seconds(k, big, cal.efficiency) - 1.5e-6
+    assert fast == pytest.approx(1e-3 / 0.85 * 1.555 / 2.039, rel=1e-12)
+
+
 def test_a_slower_link_never_predicts_faster():
     kw = dict(tp=4, batch=1, prompt_len=16, new_tokens=16, target="h100", hosts=2)
     for residual in ("standard", "ladder"):
