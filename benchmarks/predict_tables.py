@@ -11,6 +11,7 @@ Tables (prompt 1024, 512 new tokens, all four schemes):
 - presets: 1b, 3b, llama-3-8b, llama-3-70b on H100 at TP 8, batch 4, NVLink / PCIe
 - 405b: llama-3.1-405b, TP 16 over 2 hosts (IB NDR), batch 1/4/8/16, NVLink / PCIe (P2P off)
 - a100: llama-2-7b at TP 1/2/4/8 and llama-2-70b at TP 2/4/8 on A100, batch 1, NVLink / PCIe
+- a100-40gb: llama-2-7b at TP 1/2/4/8 on the 40 GB A100 (slower HBM), batch 1, NVLink / PCIe
 Each prints markdown: one row per (link, tp, batch), tokens/s of standard and each scheme's
 ratio to it; under it, a note for every scheme predicted above upper_bound (what its compiled
 programs do less of, or a costing defect).
@@ -33,6 +34,7 @@ TABLES = {
         dict(preset="llama-2-7b", tp=[1, 2, 4, 8], batch=[1], target="a100"),
         dict(preset="llama-2-70b", tp=[2, 4, 8], batch=[1], target="a100"),
     ],
+    "a100-40gb": [dict(preset="llama-2-7b", tp=[1, 2, 4, 8], batch=[1], target="a100-40gb")],
 }
 
 

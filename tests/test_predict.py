@@ -982,11 +982,11 @@ def test_predict_tables_prints_why_a_scheme_is_above_upper_bound():
 
 def test_a100_no_scheme_above_upper_bound_unless_its_program_does_less_work():
     """llama-2-7b's widths at tp 8 on A100s, two layers compiled whole. Standard-shaped layers
-    (upper_bound's) project q/k/v with a [4096, 1536] weight per GPU, which XLA lowers as a
-    multiply and a reduction (too small to rewrite as a GEMM) that writes a weight-sized
-    product; parallel's single input projection is one GEMM. Whatever XLA does, a row above
-    upper_bound must say so, with less HBM traffic than upper_bound in its programs, and no
-    decode step moves less than its layers' and head's weight shards (from the shapes)."""
+    (upper_bound's) project q/k/v with a [4096, 1536] weight per GPU, which XLA once lowered as
+    a multiply and a reduction writing a weight-sized product (parallel then read above
+    upper_bound). Whatever XLA does, a row above upper_bound must say so, with less HBM traffic
+    than upper_bound in its programs, and no decode step moves less than its layers' and head's
+    weight shards (from the shapes)."""
     cfg = dataclasses.replace(lj.ModelConfig.from_preset("llama-2-7b"), n_layers=2, vocab_size=4096)
     rows = perfmodel.predict(
         cfg,
