@@ -614,6 +614,37 @@ def test_a100_40gb_is_the_slower_hbm_part_and_devices_find_it():
     assert fast == pytest.approx(1e-3 / 0.85 * 1.555 / 2.039, rel=1e-12)
 
 
+def test_tp_scaling_on_a_hand_built_layer_grows_with_slower_hbm_and_cheaper_fixed_costs():
+    """One layer's decode step by hand: at tp 1 a kernel streaming W bytes; at tp 8 one
+    streaming W / 8 and a blocking all-reduce of 8 KB over 8 GPUs (NCCL's ring: 6.6 us + 14
+    steps of 0.6 us + 8 KB x 14/8 over the bus). Exact times on both A100 parts; tp 8 / tp 1
+    rises with slower HBM and falls with a larger fixed cost per kernel or per step."""
+    W, msg = 400e6, 8192
+
+    def step(target, tp, **eff):
+        cal = hardware.calibration(target)
+        cal = dataclasses.replace(cal, efficiency=dataclasses.replace(cal.efficiency, **eff))
+        kernels = [perfmodel.Kernel("compute", "mlp", flops=W / tp, nbytes=W / tp)]
+        if tp > 1:
+            kernels.append(
+                perfmodel.Kernel("sync", "ar", nbytes=msg, collective="all-reduce", ranks=tp)
+            )
+        ops = perfmodel.costed(kernels, calibration=cal, link=cal.links["nvlink"], contention=False)
+        return perfmodel.simulate(ops).seconds
+
+    ring = 6.6e-6 + 14 * 0.6e-6 + msg * 14 / 8 / 230e9
+    for target, hbm in (("a100", 2.039e12), ("a100-40gb", 1.555e12)):
+        assert step(target, 1) == pytest.approx(W / (hbm * 0.85) + 1.5e-6, rel=1e-12)
+        assert step(target, 8) == pytest.approx(W / 8 / (hbm * 0.85) + 1.5e-6 + ring, rel=1e-12)
+    scaling = lambda target, **eff: step(target, 1, **eff) / step(target, 8, **eff)  # noqa: E731
+    assert 1 < scaling("a100") < scaling("a100-40gb") < 8
+    last = 8.0
+    for overhead in (0.0, 1.0e-6, 1.5e-6, 3.0e-6):
+        now = scaling("a100", kernel_overhead_s=overhead)
+        assert now < last
+        last = now
+
+
 def test_a_slower_link_never_predicts_faster():
     kw = dict(tp=4, batch=1, prompt_len=16, new_tokens=16, target="h100", hosts=2)
     for residual in ("standard", "ladder"):
