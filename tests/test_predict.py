@@ -1011,6 +1011,31 @@ def test_predict_tables_prints_why_a_scheme_is_above_upper_bound():
     assert tables.markdown([r for r in rows if r["residual"] != "parallel"]).count("\n") == 2
 
 
+def test_predict_tables_split_prefill_and_decode_with_and_without_waits():
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "predict_tables.py"
+    spec = importlib.util.spec_from_file_location("predict_tables", path)
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+
+    def rows(ladder_prefill, ladder_step):
+        cell = dict(preset="1b", link="nvlink", tp=8, hosts=1, batch=4)
+        return [
+            {**cell, "residual": "standard", "prefill_s": 0.012, "decode_step_s": 0.002},
+            {
+                **cell,
+                "residual": "ladder",
+                "prefill_s": ladder_prefill,
+                "decode_step_s": ladder_step,
+            },
+        ]
+
+    text = tables.split_markdown(rows(0.010, 0.0016), rows(0.008, 0.00125))
+    head, rule, line = text.splitlines()
+    assert head.split(" | ")[-2:] == ["ladder/std prefill", "ladder/std decode |"]
+    # 12 / 10 -> 12 / 8 in prefill, 2 / 1.6 -> 2 / 1.25 in the decode step
+    assert line == "| 1b | nvlink | 8 | 1 | 4 | 12.00 | 1.200 -> 1.500 | 1.250 -> 1.600 |"
+
+
 def test_a100_no_scheme_above_upper_bound_unless_its_program_does_less_work():
     """llama-2-7b's widths at tp 8 on A100s, two layers compiled whole. Standard-shaped layers
     (upper_bound's) project q/k/v with a [4096, 1536] weight per GPU, which XLA once lowered as
