@@ -5,15 +5,19 @@ command that reproduces it and its wall time (compiles are cached: a rerun takes
     python benchmarks/predict_tables.py 70b-grid a100   # some of them
     python benchmarks/predict_tables.py --list
     python benchmarks/predict_tables.py --jobs 2        # two programs compiling at a time
+    python benchmarks/predict_tables.py --split presets # prefill / decode, with and without waits
 
 Tables (prompt 1024, 512 new tokens, all four schemes):
 - 70b-grid: llama-3-70b on H100, TP 2/4/8 x batch 1/4/8/16/32/64 x NVLink / PCIe
 - presets: 1b, 3b, llama-3-8b, llama-3-70b on H100 at TP 8, batch 4, NVLink / PCIe
 - 405b: llama-3.1-405b, TP 16 over 2 hosts (IB NDR), batch 1/4/8/16, NVLink / PCIe (P2P off)
 - a100: llama-2-7b at TP 1/2/4/8 and llama-2-70b at TP 2/4/8 on A100, batch 1, NVLink / PCIe
+- a100-40gb: llama-2-7b at TP 1/2/4/8 on the 40 GB A100 (slower HBM), batch 1, NVLink / PCIe
 Each prints markdown: one row per (link, tp, batch), tokens/s of standard and each scheme's
 ratio to it; under it, a note for every scheme predicted above upper_bound (what its compiled
-programs do less of, or a costing defect).
+programs do less of, or a costing defect). `--split`: instead, each scheme's prefill and
+decode-step speed-up over standard, with the cross-stream waits and without them
+(`--no-stream-sync`), as "with -> without".
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ TABLES = {
         dict(preset="llama-2-7b", tp=[1, 2, 4, 8], batch=[1], target="a100"),
         dict(preset="llama-2-70b", tp=[2, 4, 8], batch=[1], target="a100"),
     ],
+    "a100-40gb": [dict(preset="llama-2-7b", tp=[1, 2, 4, 8], batch=[1], target="a100-40gb")],
 }
 
 
@@ -81,6 +86,29 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out + ([""] + notes if notes else []))
 
 
+def split_markdown(waits: list[dict], none: list[dict]) -> str:
+    """The prefill / decode split of two runs of the same table, with the cross-stream waits
+    (`waits`) and without (`none`): standard's prefill ms, then each scheme's speed-up over
+    standard (standard's seconds over its own) in prefill and in the decode step."""
+    key = lambda r: (r["preset"], r["link"], r["tp"], r["hosts"], r["batch"])  # noqa: E731
+    run = {(key(r), r["residual"], w): r for w, rows in ((1, waits), (0, none)) for r in rows}
+    schemes = [s for s in ("parallel", "ladder", "upper_bound") if any(k[1] == s for k in run)]
+    cols = [f"{s}/std {p}" for p in ("prefill", "decode") for s in schemes]
+    out = [
+        "| preset | link | tp | hosts | batch | standard prefill ms | " + " | ".join(cols) + " |",
+        "|" + "---|" * (6 + len(cols)),
+    ]
+    for k in dict.fromkeys(key(r) for r in waits):
+        cells = []
+        for field in ("prefill_s", "decode_step_s"):
+            for s in schemes:
+                gain = [run[(k, "standard", w)][field] / run[(k, s, w)][field] for w in (1, 0)]
+                cells.append(f"{gain[0]:.3f} -> {gain[1]:.3f}")
+        std = run[(k, "standard", 1)]["prefill_s"] * 1e3
+        out.append("| " + " | ".join(map(str, k)) + f" | {std:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("tables", nargs="*", help=f"some of: {', '.join(TABLES)} (default: all)")
@@ -91,6 +119,11 @@ def main(argv=None) -> int:
         type=int,
         default=1,
         help="programs compiled at once (threads; 2 gains ~15%% on 2 cores)",
+    )
+    ap.add_argument(
+        "--split",
+        action="store_true",
+        help="prefill and decode-step speed-ups, with -> without the cross-stream waits",
     )
     args = ap.parse_args(argv)
     names = args.tables or list(TABLES)
@@ -113,18 +146,21 @@ def main(argv=None) -> int:
 
     jax.config.update("jax_platforms", "cpu")
     for n in names:
-        rows, t0 = [], time.perf_counter()
-        for spec in TABLES[n]:
-            rows += lj.predict(
-                spec["preset"],
-                tp=spec["tp"],
-                batch=spec["batch"],
-                links=("nvlink", "pcie"),
-                target=spec.get("target", "h100"),
-                layers_compiled=args.layers_compiled,
-                jobs=args.jobs,
-                progress=_Progress(f"{n}: {spec['preset']}"),
-            )
+        runs, t0 = {}, time.perf_counter()
+        for sync in (True, False) if args.split else (True,):
+            runs[sync] = []
+            for spec in TABLES[n]:
+                runs[sync] += lj.predict(
+                    spec["preset"],
+                    tp=spec["tp"],
+                    batch=spec["batch"],
+                    links=("nvlink", "pcie"),
+                    target=spec.get("target", "h100"),
+                    layers_compiled=args.layers_compiled,
+                    jobs=args.jobs,
+                    progress=_Progress(f"{n}: {spec['preset']}"),
+                    stream_sync=sync,
+                )
         wall = time.perf_counter() - t0
         print(
             f"\n### {n} ({wall:.0f} s wall, load average "
@@ -132,8 +168,11 @@ def main(argv=None) -> int:
         )
         for spec in TABLES[n]:
             print(f"    {command(spec)}")
+            if args.split:
+                print(f"    {command(spec)} --no-stream-sync")
         print()
-        print(markdown(rows), flush=True)
+        table = split_markdown(runs[True], runs[False]) if args.split else markdown(runs[True])
+        print(table, flush=True)
     return 0
 
 

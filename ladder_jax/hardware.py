@@ -32,12 +32,17 @@ class Chip:
     sms: int = 132  # streaming multiprocessors (what NCCL's channels take a share of)
 
 
+# The two A100 SXM4 parts differ in their HBM only (A100 datasheet: 80 GB HBM2e at 2,039 GB/s,
+# 40 GB HBM2 at 1,555 GB/s; the same 108 SMs, 40 MB L2 and NVLink 3): "a100" is the 80 GB one.
 CHIPS = {
     "h100": Chip("H100", "NVIDIA H100 80GB HBM3", 989e12, 3.35e12, 80 * 1024**3, arch="sm90"),
     "h200": Chip("H200", "NVIDIA H200", 989e12, 4.8e12, 141_000_000_000, arch="sm90"),
     "h800": Chip("H800", "NVIDIA H800", 989e12, 3.35e12, 80 * 1024**3),
     "a100": Chip(
         "A100", "NVIDIA A100-SXM4-80GB", 312e12, 2.039e12, 80 * 1024**3, arch="sm80", sms=108
+    ),
+    "a100-40gb": Chip(
+        "A100 40GB", "NVIDIA A100-SXM4-40GB", 312e12, 1.555e12, 40 * 1024**3, arch="sm80", sms=108
     ),
     "b200": Chip("B200", "NVIDIA B200", 2250e12, 8.0e12, 180_000_000_000),
     "l40s": Chip("L40S", "NVIDIA L40S", 362e12, 0.864e12, 48_000_000_000),
@@ -47,9 +52,11 @@ TARGETS = tuple(k for k, c in CHIPS.items() if c.arch)  # deviceless compile tar
 
 
 def chip_of(device) -> Chip | None:
-    """The table's entry for a jax device (matched on its device kind), or None."""
+    """The table's entry for a jax device: the one of its exact device kind, else the first
+    whose name the kind contains (an A100-SXM4-40GB is not an 80 GB part), else None."""
     kind = getattr(device, "device_kind", "") or ""
-    return next((c for c in CHIPS.values() if c.name in kind), None)
+    exact = next((c for c in CHIPS.values() if c.device_kind == kind), None)
+    return exact or next((c for c in CHIPS.values() if c.name in kind), None)
 
 
 # sm_90 figures (H100 and H200 share them): 132 SMs of 128 FP32 lanes, 228 KiB shared memory
@@ -403,7 +410,8 @@ A100_EFFICIENCY = Efficiency(
     kernel_overhead_s=1.5e-6,
     sources="gemm: large bf16 cuBLAS GEMMs on A100 SXM4 reach ~250-270 TFLOP/s of the 312 "
     "dense in published matmul benchmarks (e.g. 'maximum achievable matmul FLOPS' "
-    "tables); memory: BabelStream / STREAM on A100 80GB reach ~1.7-1.8 TB/s of 2.039; "
+    "tables); memory: BabelStream / STREAM on A100 80GB reach ~1.7-1.8 TB/s of 2.039 "
+    "(the 40 GB part is taken at the same fraction of its 1.555); "
     "kernel overhead: as for H100 (CUDA graph launch gap plus DRAM latency). Not "
     "measured on a GPU by this package",
 )
@@ -467,7 +475,8 @@ LAUNCH = Launch(
 )
 LAUNCH_MODES = ("graphs", "streams", "off")  # command buffers (XLA's default), none, ablation
 
-_GENERATION = {"h100": "h100", "h200": "h100", "a100": "a100"}  # which link tables a chip uses
+# which link tables and efficiencies a chip uses
+_GENERATION = {"h100": "h100", "h200": "h100", "a100": "a100", "a100-40gb": "a100"}
 
 
 def links(target: str) -> dict[str, Link]:

@@ -590,6 +590,61 @@ def test_a100_compiles_and_costs_with_a100_figures():
     assert cal.inter_host.name == "ib-hdr" and cal.chip.sms == 108
 
 
+def test_a100_40gb_is_the_slower_hbm_part_and_devices_find_it():
+    """The two A100 SXM4 parts differ only in HBM (datasheet: 2,039 vs 1,555 GB/s); a device
+    reporting the 40 GB kind gets the 40 GB entry, not the first A100 one."""
+    big, small = hardware.CHIPS["a100"], hardware.CHIPS["a100-40gb"]
+    assert (small.hbm_bytes_per_s, small.memory_bytes) == (1.555e12, 40 * 1024**3)
+    assert (small.bf16_flops, small.sms, small.arch) == (big.bf16_flops, big.sms, big.arch)
+    device = lambda kind: type("Device", (), {"device_kind": kind})()  # noqa: E731
+    assert hardware.chip_of(device("NVIDIA A100-SXM4-40GB")) is small
+    assert hardware.chip_of(device("NVIDIA A100-SXM4-80GB")) is big
+    assert hardware.chip_of(device("NVIDIA H100 80GB HBM3")) is hardware.CHIPS["h100"]
+    conf = hardware.gpu_target_config("a100-40gb")
+    assert "memory_bandwidth: 1555000000000" in conf and "A100-SXM4-40GB" in conf
+    cal = hardware.calibration("a100-40gb")
+    assert cal.links == hardware.A100_LINKS and cal.inter_host.name == "ib-hdr"
+    # a memory-bound kernel: 1.555 GB at 85% of 1.555 TB/s, plus the fixed 1.5 us
+    k = perfmodel.Kernel("compute", "gemv", flops=3.11e9, nbytes=1.555e9)
+    assert perfmodel.kernel_seconds(k, small, cal.efficiency) == pytest.approx(
+        1e-3 / 0.85 + 1.5e-6, rel=1e-12
+    )
+    # ... and 2.039 / 1.555 times faster on the 80 GB part, less the same fixed cost
+    fast = perfmodel.kernel_seconds(k, big, cal.efficiency) - 1.5e-6
+    assert fast == pytest.approx(1e-3 / 0.85 * 1.555 / 2.039, rel=1e-12)
+
+
+def test_tp_scaling_on_a_hand_built_layer_grows_with_slower_hbm_and_cheaper_fixed_costs():
+    """One layer's decode step by hand: at tp 1 a kernel streaming W bytes; at tp 8 one
+    streaming W / 8 and a blocking all-reduce of 8 KB over 8 GPUs (NCCL's ring: 6.6 us + 14
+    steps of 0.6 us + 8 KB x 14/8 over the bus). Exact times on both A100 parts; tp 8 / tp 1
+    rises with slower HBM and falls with a larger fixed cost per kernel or per step."""
+    W, msg = 400e6, 8192
+
+    def step(target, tp, **eff):
+        cal = hardware.calibration(target)
+        cal = dataclasses.replace(cal, efficiency=dataclasses.replace(cal.efficiency, **eff))
+        kernels = [perfmodel.Kernel("compute", "mlp", flops=W / tp, nbytes=W / tp)]
+        if tp > 1:
+            kernels.append(
+                perfmodel.Kernel("sync", "ar", nbytes=msg, collective="all-reduce", ranks=tp)
+            )
+        ops = perfmodel.costed(kernels, calibration=cal, link=cal.links["nvlink"], contention=False)
+        return perfmodel.simulate(ops).seconds
+
+    ring = 6.6e-6 + 14 * 0.6e-6 + msg * 14 / 8 / 230e9
+    for target, hbm in (("a100", 2.039e12), ("a100-40gb", 1.555e12)):
+        assert step(target, 1) == pytest.approx(W / (hbm * 0.85) + 1.5e-6, rel=1e-12)
+        assert step(target, 8) == pytest.approx(W / 8 / (hbm * 0.85) + 1.5e-6 + ring, rel=1e-12)
+    scaling = lambda target, **eff: step(target, 1, **eff) / step(target, 8, **eff)  # noqa: E731
+    assert 1 < scaling("a100") < scaling("a100-40gb") < 8
+    last = 8.0
+    for overhead in (0.0, 1.0e-6, 1.5e-6, 3.0e-6):
+        now = scaling("a100", kernel_overhead_s=overhead)
+        assert now < last
+        last = now
+
+
 def test_a_slower_link_never_predicts_faster():
     kw = dict(tp=4, batch=1, prompt_len=16, new_tokens=16, target="h100", hosts=2)
     for residual in ("standard", "ladder"):
@@ -956,13 +1011,38 @@ def test_predict_tables_prints_why_a_scheme_is_above_upper_bound():
     assert tables.markdown([r for r in rows if r["residual"] != "parallel"]).count("\n") == 2
 
 
+def test_predict_tables_split_prefill_and_decode_with_and_without_waits():
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "predict_tables.py"
+    spec = importlib.util.spec_from_file_location("predict_tables", path)
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+
+    def rows(ladder_prefill, ladder_step):
+        cell = dict(preset="1b", link="nvlink", tp=8, hosts=1, batch=4)
+        return [
+            {**cell, "residual": "standard", "prefill_s": 0.012, "decode_step_s": 0.002},
+            {
+                **cell,
+                "residual": "ladder",
+                "prefill_s": ladder_prefill,
+                "decode_step_s": ladder_step,
+            },
+        ]
+
+    text = tables.split_markdown(rows(0.010, 0.0016), rows(0.008, 0.00125))
+    head, rule, line = text.splitlines()
+    assert head.split(" | ")[-2:] == ["ladder/std prefill", "ladder/std decode |"]
+    # 12 / 10 -> 12 / 8 in prefill, 2 / 1.6 -> 2 / 1.25 in the decode step
+    assert line == "| 1b | nvlink | 8 | 1 | 4 | 12.00 | 1.200 -> 1.500 | 1.250 -> 1.600 |"
+
+
 def test_a100_no_scheme_above_upper_bound_unless_its_program_does_less_work():
     """llama-2-7b's widths at tp 8 on A100s, two layers compiled whole. Standard-shaped layers
-    (upper_bound's) project q/k/v with a [4096, 1536] weight per GPU, which XLA lowers as a
-    multiply and a reduction (too small to rewrite as a GEMM) that writes a weight-sized
-    product; parallel's single input projection is one GEMM. Whatever XLA does, a row above
-    upper_bound must say so, with less HBM traffic than upper_bound in its programs, and no
-    decode step moves less than its layers' and head's weight shards (from the shapes)."""
+    (upper_bound's) project q/k/v with a [4096, 1536] weight per GPU, which XLA once lowered as
+    a multiply and a reduction writing a weight-sized product (parallel then read above
+    upper_bound). Whatever XLA does, a row above upper_bound must say so, with less HBM traffic
+    than upper_bound in its programs, and no decode step moves less than its layers' and head's
+    weight shards (from the shapes)."""
     cfg = dataclasses.replace(lj.ModelConfig.from_preset("llama-2-7b"), n_layers=2, vocab_size=4096)
     rows = perfmodel.predict(
         cfg,
