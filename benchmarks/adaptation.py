@@ -34,7 +34,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--out", default=None, help="directory (default runs/adaptation/<setting>)")
     ap.add_argument(
-        "--report", action="store_true", help="no work: tables and plots of --out's results.json"
+        "--report",
+        action="store_true",
+        help="no work: tables and plots of --out's results.json (its claims recomputed)",
     )
     ap.add_argument(
         "--json", action="store_true", help="stdout: one JSON line per result instead of the tables"
@@ -61,6 +63,18 @@ def main(argv=None) -> int:
                 raise lj.ConfigError(f"--report: no {path}: run the experiment first")
             with open(path) as f:
                 results = json.load(f)
+            # the claims again from the model rows, by this version's code (paired margins)
+            claims = ad.claims(results)
+            if claims:
+                at = next(
+                    (i for i, r in enumerate(results) if r["kind"] in ("claim", "done")),
+                    len(results),
+                )
+                rest = [r for r in results[at:] if r["kind"] != "claim"]
+                results = results[:at] + claims + rest
+                with open(path + ".tmp", "w") as f:
+                    json.dump(results, f, indent=1)
+                os.replace(path + ".tmp", path)
             for r in results:
                 if emit:
                     emit(r)

@@ -19,7 +19,8 @@ SmolLM2-135M-Instruct with its upper layers made ladder layers, zero-shot and af
    held-out loss per source (documents never trained on; mean and standard error over
    records) and greedy answers to `QUESTIONS`.
 4. `claims(results)`: the paper's numbers beside the measured ones, each "yes" / "no" /
-   "inconclusive" by `paper_quality.verdict` with a margin of two standard errors.
+   "inconclusive" by `paper_quality.verdict` with a margin of two standard errors of the
+   difference, paired: both models are scored on the same documents and records.
 
 Footguns: a subsample of tens of documents per task has standard errors of 5-8 points, so
 small effects come out "inconclusive"; the mix has no evaluation-task text; every model is
@@ -474,6 +475,7 @@ class Experiment:
                     "se": r[r["primary_metric"] + "_stderr"],
                     "metric": r["primary_metric"],
                     "docs": r["docs"],
+                    "correct": r["primary_correct"],
                 }
                 for r in ev.rows
             }
@@ -676,24 +678,76 @@ def _held_out_mean(row) -> tuple[float, float]:
     )
 
 
-def _better(x: dict, y: dict) -> tuple[float, float, str]:
-    """(how much better model row x is than y, 2 standard errors of that, the figure as
-    text): the average accuracy in points when both have one, else the mean held-out loss
-    (nats, lower is better)."""
-    if x["avg"] is not None and y["avg"] is not None:
-        d = 100 * (x["avg"] - y["avg"])
-        m = 200 * math.hypot(x["avg_se"], y["avg_se"])
-        return d, m, f"average {100 * y['avg']:.1f} -> {100 * x['avg']:.1f} ({d:+.1f} ± {m:.1f})"
+def paired_se(a, b, *, ddof: int) -> float:
+    """Standard error of the mean of the differences a_i - b_i of two models' outcomes on the
+    same items (sd of the differences / sqrt(n), `ddof` as in `np.std`).
+
+        paired_se([1, 1, 0, 1], [1, 0, 0, 1], ddof=0)   # sqrt(3 / 16) / 2
+
+    What the two share cancels: identical outcomes give 0 whatever their own spread."""
+    d = np.asarray(a, float) - np.asarray(b, float)
+    return float(d.std(ddof=ddof) / math.sqrt(len(d))) if len(d) > ddof else 0.0
+
+
+def _acc_diff(x: dict, y: dict) -> tuple[float, float, bool]:
+    """(x's average accuracy minus y's in points, its standard error, paired): paired over
+    the documents when both rows keep the per-document outcomes of the same subsample (the
+    binomial convention, ddof 0), else the two standard errors combined."""
+    d, per = 100 * (x["avg"] - y["avg"]), []
+    tasks, other = x.get("tasks") or {}, y.get("tasks") or {}
+    for t, v in tasks.items() if tasks.keys() == other.keys() else ():
+        a, b = v.get("correct"), other[t].get("correct")
+        if a is None or b is None or len(a) != len(b) or len(a) != v["docs"]:
+            return d, 100 * math.hypot(x["avg_se"], y["avg_se"]), False
+        per.append(paired_se(a, b, ddof=0))
+    if not per:
+        return d, 100 * math.hypot(x["avg_se"], y["avg_se"]), False
+    return d, 100 * math.sqrt(sum(e * e for e in per)) / len(per), True
+
+
+def _loss_diff(x: dict, y: dict) -> tuple[float, float, bool]:
+    """(x's mean held-out loss minus y's in nats, its standard error, paired): paired over
+    the records (the same records of each source, ddof 1 as `mean_se`) when both rows keep
+    them, else the two standard errors combined."""
     (lx, sx), (ly, sy) = _held_out_mean(x), _held_out_mean(y)
-    m = 2 * math.hypot(sx, sy)
-    return ly - lx, m, f"held-out loss {ly:.3f} -> {lx:.3f} ({lx - ly:+.3f} ± {m:.3f} nats)"
+    per = []
+    for src, v in x["held_out"].items():
+        a, b = v.get("records"), y["held_out"].get(src, {}).get("records")
+        if a is None or b is None or len(a) != len(b) or len(a) < 2:
+            return lx - ly, math.hypot(sx, sy), False
+        per.append(paired_se(a, b, ddof=1))
+    return lx - ly, math.sqrt(sum(e * e for e in per)) / len(per), True
+
+
+def _pm(d: float, margin: float, paired: bool, fmt: str) -> str:
+    """The text (+d ± margin), marked when the margin is the unpaired one."""
+    return f"({d:+{fmt}} ± {margin:{fmt}}{'' if paired else ', unpaired'})"
+
+
+def _better(x: dict, y: dict) -> tuple[float, float, str]:
+    """(how much better model row x is than y, 2 standard errors of that difference, the
+    figure as text): the average accuracy in points when both have one, else the mean
+    held-out loss (nats, lower is better); paired where the rows allow (`_acc_diff`)."""
+    if x["avg"] is not None and y["avg"] is not None:
+        d, se, paired = _acc_diff(x, y)
+        m = 2 * se
+        return (
+            d,
+            m,
+            f"average {100 * y['avg']:.1f} -> {100 * x['avg']:.1f} {_pm(d, m, paired, '.1f')}",
+        )
+    d, se, paired = _loss_diff(x, y)
+    ly = _held_out_mean(y)[0]
+    m = 2 * se
+    return -d, m, f"held-out loss {ly:.3f} -> {ly + d:.3f} {_pm(d, m, paired, '.3f')} nats"
 
 
 def claims(results: list[dict]) -> list[dict]:
     """The paper's adaptation claims beside what was measured; "reproduces" is
-    `paper_quality.verdict` with a margin of 2 standard errors of the difference (the
-    accuracies' binomial ones, else the held-out losses' over records), never "yes" inside
-    it."""
+    `paper_quality.verdict` with a margin of 2 standard errors of the difference (of the
+    accuracies when the rows have them, else of the held-out losses), paired over the same
+    documents / records where the rows keep per-item outcomes (`_acc_diff`, `_loss_diff`;
+    "unpaired" in the text otherwise), never "yes" inside it."""
     models = [r for r in results if r["kind"] == "model"]
     orig = next((r for r in models if r["stage"] == "original"), None)
     if orig is None:
@@ -749,25 +803,27 @@ def claims(results: list[dict]) -> list[dict]:
             holds,
         )
     if "lm" in rec and "distill" in rec:
-        (lm, lse), (ds, dse) = _held_out_mean(rec["lm"]), _held_out_mean(rec["distill"])
-        m = 2 * math.hypot(lse, dse)
+        lm, ds = _held_out_mean(rec["lm"])[0], _held_out_mean(rec["distill"])[0]
+        d, se, paired = _loss_diff(rec["distill"], rec["lm"])
+        m = 2 * se
         claim(
             "distillation recovers more per token than LM fine-tuning (the issue's question)",
             "-",
-            f"held-out loss distill {ds:.3f} vs LM {lm:.3f} ({ds - lm:+.3f} ± {m:.3f})"
+            f"held-out loss distill {ds:.3f} vs LM {lm:.3f} {_pm(d, m, paired, '.3f')}"
             + (
                 f"; average {_pct(rec['distill'])} vs {_pct(rec['lm'])}"
                 if rec["lm"]["avg"] is not None
                 else ""
             ),
-            verdict(lm - ds, m),
+            verdict(-d, m),
         )
     return out
 
 
 def _loss_text(x: dict, y: dict) -> str:
-    (lx, sx), (ly, sy) = _held_out_mean(x), _held_out_mean(y)
-    return f"held-out loss {lx:.3f} -> {ly:.3f} ({ly - lx:+.3f} ± {2 * math.hypot(sx, sy):.3f})"
+    d, se, paired = _loss_diff(y, x)
+    lx = _held_out_mean(x)[0]
+    return f"held-out loss {lx:.3f} -> {lx + d:.3f} {_pm(d, 2 * se, paired, '.3f')}"
 
 
 def _pct(row) -> str:
