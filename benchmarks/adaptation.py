@@ -5,7 +5,7 @@ greedy chat. Prints the Markdown tables on stdout (progress and the trainer's li
 stderr; --json: one JSON line per result instead), and writes results.json, recovery.png and
 tasks.png under --out.
 
-    python benchmarks/adaptation.py --quick          # one conversion, 3 steps: ~10 minutes
+    python benchmarks/adaptation.py --quick          # the pipeline on SmolLM2, a few minutes
     python benchmarks/adaptation.py                  # upper 8/15/20 of 30, the six tasks
     python benchmarks/adaptation.py --set ladder_layers=[15] --set steps=8 --set eval_limit=20
     python benchmarks/adaptation.py --report --out runs/adaptation/full    # tables, plots
@@ -79,6 +79,11 @@ def main(argv=None) -> int:
                 if emit:
                     emit(r)
         else:
+            if args.quick:
+                # freed memory back to the kernel (ladder_jax.runtime.keep_freed_memory): the
+                # quick setting runs each program a few times, so keeping it would save little
+                # time and hold ~2 GB more at the trainer's peak
+                os.environ.setdefault("LADDER_JAX_HOST_MALLOC", "default")
             lj.sharding.setup_host(1)
             results = ad.run(setting, out, emit=emit)
         paths = ad.plots(results, out)

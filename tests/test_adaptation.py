@@ -2,7 +2,7 @@
 to end on a tiny trained base (the same code path as SmolLM2's, whose quick setting takes
 minutes), distillation's loss against a hand computation, and bad input.
 
-SmolLM2 itself: `python benchmarks/adaptation.py --quick` (docs/adaptation.md)."""
+SmolLM2 itself, the quick setting: tests/test_adaptation_smollm2.py."""
 
 import contextlib
 import io
@@ -58,6 +58,7 @@ TINY = dict(
     ladder_layers=(2,),
     recover_layers=2,
     methods=("distill",),
+    control=True,
     steps=2,
     batch_size=2,
     grad_accum=1,
