@@ -351,3 +351,25 @@ def test_held_out_claims_pair_the_records():
     (hurt,) = ad.claims(rows)
     assert "(+0.200 ± 0.115) nats" in hurt["measured"], hurt["measured"]
     assert hurt["reproduces"] == "yes"
+
+
+def test_report_recomputes_the_claims_from_the_stored_rows(tmp_path, capsys):
+    """`--report` on a results.json whose claim was written by older code (an unpaired
+    margin): the claim comes back recomputed, paired over the stored records, in the file and
+    the printed table; the model rows stay as they were."""
+    rows = [
+        _row("original", "original", None, None, 3.0, 1 / 3**0.5, k=0),
+        _row("z", "zero-shot", None, None, 3.2, 0.6),
+    ]
+    for r, rec in zip(rows, ([2.0, 3.0, 4.0], [2.1, 3.3, 4.2])):
+        r.update(tasks={}, chat={"q": "a"})
+        r["held_out"]["a"]["records"] = rec
+    stale = {"kind": "claim", "claim": "old", "paper": "-", "measured": "-", "reproduces": "x"}
+    done = {"kind": "done", "setting": "t", "wall_s": 1.0, "peak_rss_gb": 1.0}
+    (tmp_path / "results.json").write_text(json.dumps([*rows, stale, done]))
+    assert benchmark("adaptation").main(["--report", "--out", str(tmp_path)]) == 0
+    got = json.loads((tmp_path / "results.json").read_text())
+    assert got[:2] == rows and got[-1] == done
+    (claim,) = [r for r in got if r["kind"] == "claim"]
+    assert "(+0.200 ± 0.115) nats" in claim["measured"] and claim["reproduces"] == "yes"
+    assert "(+0.200 ± 0.115) nats" in capsys.readouterr().out
