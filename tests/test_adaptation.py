@@ -2,7 +2,7 @@
 to end on a tiny trained base (the same code path as SmolLM2's, whose quick setting takes
 minutes), distillation's loss against a hand computation, and bad input.
 
-SmolLM2 itself: `python benchmarks/adaptation.py --quick` (docs/adaptation.md)."""
+SmolLM2 itself, the quick setting: tests/test_adaptation_smollm2.py."""
 
 import contextlib
 import io
@@ -58,6 +58,7 @@ TINY = dict(
     ladder_layers=(2,),
     recover_layers=2,
     methods=("distill",),
+    control=True,
     steps=2,
     batch_size=2,
     grad_accum=1,
@@ -303,3 +304,72 @@ def test_the_notebook_is_committed_executed():
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and all(c.get("outputs") for c in code)
     assert sum("image/png" in o.get("data", {}) for c in code for o in c.outputs) == 2
+
+
+def test_paired_standard_error_matches_a_hand_computation():
+    # differences 0, 1, 0, 0: mean 1/4, population variance 3/16, over 4 documents
+    a, b = [1, 1, 0, 1], [1, 0, 0, 1]
+    assert ad.paired_se(a, b, ddof=0) == pytest.approx(math.sqrt(3 / 16) / 2)
+    # records: differences 0.1, 0.3, 0.2: sample sd 0.1, over 3 records
+    assert ad.paired_se([2.1, 2.5, 2.4], [2.0, 2.2, 2.2], ddof=1) == pytest.approx(0.1 / 3**0.5)
+    assert ad.paired_se(a, a, ddof=0) == 0.0
+
+
+def test_claims_pair_the_models_on_the_same_documents():
+    """The converted model gets 4 of the original's 24 right documents wrong and nothing else
+    changes: -10 points, 2 paired SE 200 x sqrt(0.1 x 0.9 / 40) = 9.5 ("yes"), where the two
+    binomial errors combined give 22.1 ("inconclusive", what rows without per-document
+    outcomes still get, marked unpaired)."""
+    orig = [1] * 24 + [0] * 16
+    conv = [1] * 20 + [0] * 20
+    rows = [
+        _row("original", "original", 0.6, math.sqrt(0.6 * 0.4 / 40), 3.0, 0.1, k=0),
+        _row("z", "zero-shot", 0.5, math.sqrt(0.5 * 0.5 / 40), 3.0, 0.1),
+    ]
+    for r, c in zip(rows, (orig, conv)):
+        r["tasks"] = {"t": {"acc": sum(c) / 40, "se": r["avg_se"], "docs": 40, "correct": c}}
+    (hurt,) = ad.claims(rows)
+    assert "(-10.0 ± 9.5)" in hurt["measured"], hurt["measured"]
+    assert hurt["reproduces"] == "yes"
+    for r in rows:
+        del r["tasks"]["t"]["correct"]
+    (hurt,) = ad.claims(rows)
+    assert "(-10.0 ± 22.1, unpaired)" in hurt["measured"], hurt["measured"]
+    assert hurt["reproduces"] == "inconclusive"
+
+
+def test_held_out_claims_pair_the_records():
+    """Losses over the same three records: the converted model is 0.1, 0.3, 0.2 nats worse
+    on them (2 paired SE 2 x 0.1 / sqrt 3 = 0.115), though the records themselves spread by
+    a whole nat (unpaired margin 1.68)."""
+    a, b = [2.0, 3.0, 4.0], [2.1, 3.3, 4.2]
+    rows = [
+        _row("original", "original", None, None, 3.0, 1 / 3**0.5, k=0),
+        _row("z", "zero-shot", None, None, 3.2, np.std(b, ddof=1) / 3**0.5),
+    ]
+    rows[0]["held_out"]["a"]["records"], rows[1]["held_out"]["a"]["records"] = a, b
+    (hurt,) = ad.claims(rows)
+    assert "(+0.200 ± 0.115) nats" in hurt["measured"], hurt["measured"]
+    assert hurt["reproduces"] == "yes"
+
+
+def test_report_recomputes_the_claims_from_the_stored_rows(tmp_path, capsys):
+    """`--report` on a results.json whose claim was written by older code (an unpaired
+    margin): the claim comes back recomputed, paired over the stored records, in the file and
+    the printed table; the model rows stay as they were."""
+    rows = [
+        _row("original", "original", None, None, 3.0, 1 / 3**0.5, k=0),
+        _row("z", "zero-shot", None, None, 3.2, 0.6),
+    ]
+    for r, rec in zip(rows, ([2.0, 3.0, 4.0], [2.1, 3.3, 4.2])):
+        r.update(tasks={}, chat={"q": "a"})
+        r["held_out"]["a"]["records"] = rec
+    stale = {"kind": "claim", "claim": "old", "paper": "-", "measured": "-", "reproduces": "x"}
+    done = {"kind": "done", "setting": "t", "wall_s": 1.0, "peak_rss_gb": 1.0}
+    (tmp_path / "results.json").write_text(json.dumps([*rows, stale, done]))
+    assert benchmark("adaptation").main(["--report", "--out", str(tmp_path)]) == 0
+    got = json.loads((tmp_path / "results.json").read_text())
+    assert got[:2] == rows and got[-1] == done
+    (claim,) = [r for r in got if r["kind"] == "claim"]
+    assert "(+0.200 ± 0.115) nats" in claim["measured"] and claim["reproduces"] == "yes"
+    assert "(+0.200 ± 0.115) nats" in capsys.readouterr().out

@@ -146,6 +146,9 @@ def run(
             row[m], row[m + "_stderr"] = value, err
         row["primary"] = row[task.primary_metric]
         row["primary_stderr"] = row[task.primary_metric + "_stderr"]
+        # per doc, in `task.docs` order: 1 where the primary metric picked the gold choice
+        # (two models scored on the same docs compare paired, doc by doc)
+        row["primary_correct"] = [int(c) for c in correct[task.primary_metric]]
         row["seconds"] = round(time.perf_counter() - t0, 2)
         rows.append(row)
     return EvalResults(rows)
