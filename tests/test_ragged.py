@@ -41,12 +41,20 @@ def _poison(k_bkhs, v_bksh, first_unread_b):
     )
 
 
-@pytest.mark.parametrize("kernel", ["matmul", "pallas"])
+@pytest.mark.parametrize(
+    "kernel,split_min_blocks",
+    [("matmul", None), ("pallas", ragged.SPLIT_MIN_BLOCKS), ("pallas", 1)],
+)
 @pytest.mark.parametrize("T", [1, 3])
-def test_ragged_decode_attention_equals_the_reference(kernel, T):
+def test_ragged_decode_attention_equals_the_reference(kernel, split_min_blocks, T, monkeypatch):
     """Rows of different lengths (one slot, a block's last slot, the next block's first, the
-    cache's last) and T queries per row. The XLA loop ("matmul") reads the blocks the longest
-    row needs; the Pallas kernel (interpreted) each row's own blocks."""
+    cache's last) and T queries per row (4 T of a kv head: fewer than Triton's 16 rows). The
+    XLA loop ("matmul") reads the blocks the longest row needs; the Pallas kernel
+    (interpreted) each row's own blocks, in one split (its output written as the queries lie)
+    or, with `SPLIT_MIN_BLOCKS` 1, one split per block combined afterwards (splits past a short
+    row's blocks see nothing)."""
+    if split_min_blocks is not None:
+        monkeypatch.setattr(ragged, "SPLIT_MIN_BLOCKS", split_min_blocks)
     q, k, v = _inputs(T)
     block = ragged.key_block(S)
     last_b = np.array([0, block - 1, block, S - 1])
