@@ -14,8 +14,10 @@ read:
   shorter than the longest are masked within the blocks the longest one needs.
 - kernel "pallas" / "cudnn" (GPU): a Pallas (Triton) kernel, one program per (row, kv head,
   split of the slots), looping over key blocks up to that row's own filled length, so each row
-  reads its own filled blocks only; the splits (flash decoding: enough programs to fill the
-  GPU at batch 1) are combined by their running maxima and sums afterwards. Deviceless H100
+  reads its own filled blocks only. A kv head's query heads are its rows (no padded copy of
+  the queries: fewer than Triton's 16 are loaded masked); one split writes the output where
+  the output projection reads it, several (flash decoding: enough programs to fill the GPU at
+  batch 1) write float32 partials of the real rows, combined by their log-sum-exps. Deviceless H100
   programs hold it as one `__gpu$xla.gpu.triton` custom call per layer named
   `ragged_decode_attention` (what `ladder_jax.analysis.perfmodel` costs at the filled fraction
   of its cache operands).
