@@ -8,13 +8,16 @@ Tolerance: float32, 1e-5 absolute on attention outputs of unit-variance inputs, 
 logits.
 """
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from ladder_jax.analysis import programs
+from ladder_jax.analysis import hlo, perfmodel, programs
 from ladder_jax.inference.cache import KVCache
 from ladder_jax.model import ragged
 from tests import helpers, reference
@@ -41,12 +44,20 @@ def _poison(k_bkhs, v_bksh, first_unread_b):
     )
 
 
-@pytest.mark.parametrize("kernel", ["matmul", "pallas"])
+@pytest.mark.parametrize(
+    "kernel,split_min_blocks",
+    [("matmul", None), ("pallas", ragged.SPLIT_MIN_BLOCKS), ("pallas", 1)],
+)
 @pytest.mark.parametrize("T", [1, 3])
-def test_ragged_decode_attention_equals_the_reference(kernel, T):
+def test_ragged_decode_attention_equals_the_reference(kernel, split_min_blocks, T, monkeypatch):
     """Rows of different lengths (one slot, a block's last slot, the next block's first, the
-    cache's last) and T queries per row. The XLA loop ("matmul") reads the blocks the longest
-    row needs; the Pallas kernel (interpreted) each row's own blocks."""
+    cache's last) and T queries per row (4 T of a kv head: fewer than Triton's 16 rows). The
+    XLA loop ("matmul") reads the blocks the longest row needs; the Pallas kernel
+    (interpreted) each row's own blocks, in one split (its output written as the queries lie)
+    or, with `SPLIT_MIN_BLOCKS` 1, one split per block combined afterwards (splits past a short
+    row's blocks see nothing)."""
+    if split_min_blocks is not None:
+        monkeypatch.setattr(ragged, "SPLIT_MIN_BLOCKS", split_min_blocks)
     q, k, v = _inputs(T)
     block = ragged.key_block(S)
     last_b = np.array([0, block - 1, block, S - 1])
@@ -161,3 +172,59 @@ def test_the_kernel_compiles_for_h100_at_llama_shapes_with_tensor_core_dots():
         line for line in hlo.splitlines() if ragged.KERNEL_NAME in line and "custom-call(" in line
     ]
     assert len(calls) == 1
+
+
+# a llama-like GQA (4 query heads a kv head) at small widths, decoded at batch 16 on tp 8:
+# each rank holds one kv head and its 4 query heads, fewer than the 16 rows Triton's dot needs
+# (head_dim 32: the kernel's tensor-core form)
+GQA = dataclasses.replace(
+    helpers.TINY,
+    d_model=1024,
+    n_heads=32,
+    n_kv_heads=8,
+    head_dim=32,
+    d_ff=2048,
+    vocab_size=2000,
+    n_layers=2,
+    max_seq_len=4096,
+    dtype="bfloat16",
+    param_dtype="bfloat16",
+    residual="standard",
+    decode_matmul="pallas",
+)
+
+
+@pytest.mark.parametrize("prompt_len", [128, 1920])
+def test_the_decode_attention_moves_the_cache_and_little_else_at_batch_16(prompt_len):
+    """The kernels of the H100 decode step between the q/k/v matmul and the o matmul (RoPE,
+    the cache writes, the ragged kernel, the splits' combine) move the filled KV cache plus at
+    most three passes over the q/k/v and o activations, plus, where the cache is split (the
+    long prompt), one write and one read of the float32 partials of the real query rows: no
+    query rows padded to Triton's 16 in memory. A short cache is one split, whose output is
+    the o matmul's input: 4 kernels, no combine."""
+    tp, B, new = 8, 16, 64
+    text, _ = programs.compile_program(
+        GQA, phase="decode", tp=tp, batch=B, seq=prompt_len, new_tokens=new, cache=False
+    )
+    fill = perfmodel.decode_fill(GQA, prompt_len=prompt_len, new_tokens=new)
+    module = hlo.Module(text)
+    ops = {op.name: op for op in module.entry}
+    kernels = [
+        k
+        for k in perfmodel.read_kernels(text, devices=tp, filled=fill)
+        if k.kind == "compute" and k.layer == GQA.n_layers - 1
+    ]
+    matmuls = [i for i, k in enumerate(kernels) if hlo.SMALL_M_MATMUL in ops[k.name].text]
+    side = kernels[matmuls[0] + 1 : matmuls[1]]  # after q/k/v, before o
+    H, n, kv = GQA.head_dim, GQA.n_heads // tp, GQA.n_kv_heads // tp
+    cache = B * kv * (prompt_len + new // 2) * H * 2 * 2  # K and V of the filled slots, bf16
+    activations = B * (2 * n + 2 * kv) * H * 2  # q, k, v in and o out, bf16
+    (call,) = [ops[k.name] for k in side if ragged.KERNEL_NAME in ops[k.name].text]
+    assert call.operands and module.op("ENTRY", call.operands[0]).elements == B * n * H
+    outputs = re.findall(r"f32\[(\d+),(\d+),(\d+),(\d+),(\d+)\]", call.shape)
+    splits = int(outputs[0][2]) if outputs else 1
+    partials = 2 * splits * B * n * (H + 1) * 4 if splits > 1 else 0
+    extra = sum(k.nbytes for k in side) - cache
+    assert 0 < extra <= 3 * activations + partials, [(k.name, k.nbytes) for k in side]
+    assert (splits > 1) == (prompt_len > 1024)
+    assert len(side) == (4 if splits == 1 else 5), [k.name for k in side]

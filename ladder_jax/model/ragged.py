@@ -14,8 +14,10 @@ read:
   shorter than the longest are masked within the blocks the longest one needs.
 - kernel "pallas" / "cudnn" (GPU): a Pallas (Triton) kernel, one program per (row, kv head,
   split of the slots), looping over key blocks up to that row's own filled length, so each row
-  reads its own filled blocks only; the splits (flash decoding: enough programs to fill the
-  GPU at batch 1) are combined by their running maxima and sums afterwards. Deviceless H100
+  reads its own filled blocks only. A kv head's query heads are its rows (no padded copy of
+  the queries: fewer than Triton's 16 are loaded masked); one split writes the output where
+  the output projection reads it, several (flash decoding: enough programs to fill the GPU at
+  batch 1) write float32 partials of the real rows, combined by their log-sum-exps. Deviceless H100
   programs hold it as one `__gpu$xla.gpu.triton` custom call per layer named
   `ragged_decode_attention` (what `ladder_jax.analysis.perfmodel` costs at the filled fraction
   of its cache operands).
@@ -142,9 +144,10 @@ def _blocked(q_btnh, k_bkhs, v_bksh, q_pos_bt, block):
 SPLIT_PROGRAMS = 256  # programs a kernel aims for: about two per SM of an H100 (132)
 PALLAS_BLOCK = 64  # key slots per Triton block: keys and values of a block stay in registers
 # blocks a split covers at least: a split writes (and the combine reads back) its float32
-# partial output for 16 padded query rows, 1/16 of what its 8 blocks of bf16 keys and values
-# read, so splitting a short cache does not cost more bytes than it reads
+# partial output for the kv head's M <= 16 query rows, at most 1/16 of what its 8 blocks of
+# bf16 keys and values read, so splitting a short cache does not cost more bytes than it reads
 SPLIT_MIN_BLOCKS = 8
+MIN_ROWS = 16  # Triton's dot: at least 16 rows; fewer queries are loaded masked to 16
 
 
 def _kernel(
@@ -152,23 +155,24 @@ def _kernel(
     pos_ref,
     k_ref,
     v_ref,
-    acc_ref,
-    m_ref,
-    sum_ref,
-    *,
+    o_ref,
+    *lse_ref,
     block: int,
+    rows: int,
     slots: int,
     per_split: int,
     scale: float,
     use_dot: bool,
 ):
-    """One (row, kv head, split): queries (M, H), their positions (M,), keys (H, S), values
-    (S, H). Split p folds in blocks p * per_split... of this row's filled blocks (those below
-    max(pos) + 1) and writes its unnormalized output, running max and sum (combined by
-    `_pallas`)."""
-    M, H = q_ref.shape
-    q = q_ref[...].astype(jnp.float32)
-    pos = pos_ref[...]
+    """One (row, kv head, split): queries (Mp, H) of which the first `rows` are real (the
+    rest are masked out of every load and store), their positions (Mp,), keys (H, S),
+    values (S, H). Split p folds in blocks p * per_split... of this row's filled blocks
+    (those below max(pos) + 1) and writes its normalized output (Mp, H); with more than one
+    split also its log-sum-exp (Mp,) (`lse_ref`), which `_pallas` combines the splits by."""
+    Mp, H = q_ref.shape
+    real = jnp.arange(Mp, dtype=jnp.int32) < rows
+    q = plgpu.load(q_ref, mask=real[:, None], other=0).astype(jnp.float32)
+    pos = plgpu.load(pos_ref, mask=real, other=0)
     filled_blocks = pl.cdiv(jnp.minimum(jnp.max(pos) + 1, slots), block)
     first = pl.program_id(2) * per_split
     last = jnp.maximum(first, jnp.minimum(first + per_split, filled_blocks))
@@ -194,28 +198,34 @@ def _kernel(
         return m_new, total * fix + p.sum(axis=1), acc * fix[:, None] + pv
 
     init = (
-        jnp.full((M,), -1e30, jnp.float32),
-        jnp.zeros((M,), jnp.float32),
-        jnp.zeros((M, H), jnp.float32),
+        jnp.full((Mp,), -1e30, jnp.float32),
+        jnp.zeros((Mp,), jnp.float32),
+        jnp.zeros((Mp, H), jnp.float32),
     )
     m, total, acc = jax.lax.fori_loop(first, last, body, init)
-    acc_ref[...], m_ref[...], sum_ref[...] = acc, m, total
+    seen = total > 0  # a split past the row's filled blocks saw nothing: weight 0
+    out = acc / jnp.where(seen, total, 1.0)[:, None]
+    plgpu.store(o_ref, out.astype(o_ref.dtype), mask=real[:, None])
+    if lse_ref:
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), -1e30)
+        plgpu.store(lse_ref[0], lse, mask=real)
 
 
 def _pallas(q_btnh, k_bkhs, v_bksh, q_pos_bt, block, interpret):
-    """The Triton kernel over (B, K, splits): queries grouped per kv head and padded to a
-    power of two of at least 16 rows (padding rows sit at position 0 and are dropped); the
-    slots split so that B * K * splits is about `SPLIT_PROGRAMS` (flash decoding), the
-    splits' partial softmaxes combined here."""
+    """The Triton kernel over (B, K, splits). Each kv head's G query heads times T are its
+    M = G*T query rows (at T = 1 the queries as they lie, no copy), read masked into the 16
+    rows Triton's dot needs (no padded copy). The slots split so that B * K * splits is about
+    `SPLIT_PROGRAMS` (flash decoding): one split writes the output where the output projection
+    reads it; more write float32 partial outputs of the M real rows and their log-sum-exps,
+    combined here."""
     B, T, N, H = q_btnh.shape
     K, S = k_bkhs.shape[1], v_bksh.shape[2]
     block = min(block, PALLAS_BLOCK)
     q_bkmh = _grouped(q_btnh, K)
     M = q_bkmh.shape[2]
-    Mp = max(16, 1 << (M - 1).bit_length())
+    Mp = max(MIN_ROWS, 1 << (M - 1).bit_length())
     pos_bm = jnp.broadcast_to(q_pos_bt[:, None, :], (B, M // T, T)).reshape(B, M)
-    q_bkmh = jnp.pad(q_bkmh, ((0, 0), (0, 0), (0, Mp - M), (0, 0)))
-    pos_bm = jnp.pad(pos_bm.astype(jnp.int32), ((0, 0), (0, Mp - M)))
+    pos_bm = pos_bm.astype(jnp.int32)
     blocks = -(-S // block)
     splits = max(1, min(blocks // SPLIT_MIN_BLOCKS, SPLIT_PROGRAMS // (B * K)))
     per_split = -(-blocks // splits)
@@ -224,12 +234,24 @@ def _pallas(q_btnh, k_bkhs, v_bksh, q_pos_bt, block, interpret):
     kernel = functools.partial(
         _kernel,
         block=block,
+        rows=M,
         slots=S,
         per_split=per_split,
         scale=1.0 / math.sqrt(H),
         use_dot=use_dot,
     )
-    f32 = jnp.float32
+    if splits == 1:
+        out_specs = [pl.BlockSpec((None, None, Mp, H), lambda b, k, p: (b, k, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((B, K, M, H), v_bksh.dtype)]
+    else:
+        out_specs = [
+            pl.BlockSpec((None, None, None, Mp, H), lambda b, k, p: (b, k, p, 0, 0)),
+            pl.BlockSpec((None, None, None, Mp), lambda b, k, p: (b, k, p, 0)),
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((B, K, splits, M, H), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, splits, M), jnp.float32),
+        ]
     call = pl.pallas_call(
         kernel,
         grid=(B, K, splits),
@@ -239,16 +261,8 @@ def _pallas(q_btnh, k_bkhs, v_bksh, q_pos_bt, block, interpret):
             pl.BlockSpec((None, None, H, S), lambda b, k, p: (b, k, 0, 0)),
             pl.BlockSpec((None, None, S, H), lambda b, k, p: (b, k, 0, 0)),
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, Mp, H), lambda b, k, p: (b, k, p, 0, 0)),
-            pl.BlockSpec((None, None, None, Mp), lambda b, k, p: (b, k, p, 0)),
-            pl.BlockSpec((None, None, None, Mp), lambda b, k, p: (b, k, p, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((B, K, splits, Mp, H), f32),
-            jax.ShapeDtypeStruct((B, K, splits, Mp), f32),
-            jax.ShapeDtypeStruct((B, K, splits, Mp), f32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name=KERNEL_NAME,
@@ -256,8 +270,11 @@ def _pallas(q_btnh, k_bkhs, v_bksh, q_pos_bt, block, interpret):
     # its outputs carry no varying-manual-axes type, which shard_map's check refuses: run
     # with the check off and cast the results back to the queries' type
     with jax_config._check_vma(False):
-        acc, m, total = (vary_like(x, q_btnh) for x in call(q_bkmh, pos_bm, k_bkhs, v_bksh))
-    # splits past a row's filled blocks hold max -1e30 and sum 0: their weight is 0
-    w = jnp.exp(m - m.max(axis=2, keepdims=True))
-    out = (acc * w[..., None]).sum(2) / (total * w).sum(2)[..., None]
-    return _ungrouped(out[:, :, :M].astype(v_bksh.dtype), T)
+        outs = [vary_like(x, q_btnh) for x in call(q_bkmh, pos_bm, k_bkhs, v_bksh)]
+    if splits == 1:
+        return _ungrouped(outs[0], T)
+    o_bkpmh, lse_bkpm = outs
+    # splits past a row's filled blocks hold log-sum-exp -1e30: their weight is 0
+    w_bkpm = jnp.exp(lse_bkpm - lse_bkpm.max(axis=2, keepdims=True))
+    out = (o_bkpmh * w_bkpm[..., None]).sum(2) / w_bkpm.sum(2)[..., None]
+    return _ungrouped(out.astype(v_bksh.dtype), T)
