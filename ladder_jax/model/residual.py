@@ -71,6 +71,7 @@ def run(config, layers, x_btd, positions_bt, inv_freq, caches=None):
         config.remat == "matmuls",
         slots,
         tuple(graphdefs),
+        caches is not None and folds(layers[0]),
     )
     if caches is None and any(s.deferred for s in slots):
         return _ladder_stream(plan, states, x_btd, positions_bt, inv_freq), None
@@ -93,7 +94,14 @@ def _parallel(config, layers, x_btd, positions_bt, inv_freq, caches=None):
             # tp-varying from here: the backward's input all-reduce (none at tp=1)
             h_btd = sharding.vary_tp(layer.attn_norm(x_btd).astype(config.dtype))
             cache = None if caches is None else caches[i]
-            if layer.fused_in is not None:  # decoding: one matmul for all five
+            if layer.fused_in is not None and folds(layer):  # the norm and silu in kernels
+                y_btc = layer.fused_in(
+                    sharding.vary_tp(x_btd), config.dtype, norm=layer.attn_norm, split=False
+                )
+                q, k, v, _, _ = layer.fused_in.split(y_btc)
+                a = layer.attn.attend_and_project(q, k, v, positions_bt, inv_freq, cache)
+                m_btd = layer.mlp.down_from(layer.fused_in, y_btc, 3)
+            elif layer.fused_in is not None:  # decoding: one matmul for all five
                 q, k, v, g_btf, u_btf = layer.project_inputs(h_btd, config.dtype)
                 a = layer.attn.attend_and_project(q, k, v, positions_bt, inv_freq, cache)
                 m_btd = layer.mlp.project_down(g_btf, u_btf)
@@ -119,6 +127,24 @@ class _Plan:
     matmuls: bool  # modules keep their inputs and weight matmuls' outputs (remat="matmuls")
     slots: tuple[Slot, ...]
     graphdefs: tuple  # (norm graphdef, module graphdef) per slot
+    fold: bool = False  # decoding with the Triton matmul: norms and residual adds folded in
+
+
+def folds(layer) -> bool:
+    """Whether decoding folds the norms (and, where no all-reduce sits between, the residual
+    adds) into `layer`'s matmuls: its linear layers run the Triton kernel
+    (`ModelConfig.decode_matmul="pallas"` on a GPU mesh, `ladder_jax.model.matvec`)."""
+    return layer.attn.o.matmul == "pallas"
+
+
+def _fold_residual(plan, k: int) -> bool:
+    """Whether module k's output joins the stream in its last matmul's epilogue: decoding
+    folds, nothing sits between the two (no all-reduce: tp 1 or upper_bound) and both module k
+    and the next are immediate (a deferred module's stream waits for the previous output)."""
+    slots = plan.slots
+    if not plan.fold or slots[k].deferred or (k + 1 < len(slots) and slots[k + 1].deferred):
+        return False
+    return plan.no_reduce or jax.lax.axis_size(sharding.TP) == 1
 
 
 # What a module keeps for its backward under `remat="matmuls"`: the outputs of matmuls without
@@ -145,6 +171,20 @@ def _functions(plan, k, positions_bt, inv_freq):
     return norm, module
 
 
+def _folded(plan, k, positions_bt, inv_freq):
+    """Decoding's module k (`_Plan.fold`): (norm state, module state, x, cache, residual) ->
+    its output (`residual +` it, given one), the norm in its first matmul's kernel."""
+    gn, gm = plan.graphdefs[k]
+
+    def module(norm_state, state, x_btd, cache, residual):
+        n, m = nnx.merge(gn, norm_state), nnx.merge(gm, state)
+        if plan.slots[k].name == "attn":
+            return m(x_btd, positions_bt, inv_freq, cache, norm=n, residual=residual)
+        return m(x_btd, norm=n, residual=residual)
+
+    return module
+
+
 def _reduce_and_vary(plan):
     if plan.no_reduce:
         return (lambda y: y), (lambda h: h)
@@ -163,7 +203,18 @@ def _stream(plan, states, x_btd, positions_bt, inv_freq, *, caches=None, vjps=No
                 x_btd, pending = x_btd + pending, None
             norm, module = _functions(plan, k, positions_bt, inv_freq)
             norm_state, module_state = states[k]
-            if caches is not None and slot.name == "attn":  # inference: nothing to remat
+            if plan.fold:  # decoding with the Triton matmul: nothing to remat
+                cache = caches[slot.layer] if slot.name == "attn" else None
+                residual = x_btd if _fold_residual(plan, k) else None
+                y_btd = _folded(plan, k, positions_bt, inv_freq)(
+                    norm_state, module_state, vary(x_btd), cache, residual
+                )
+                if slot.name == "attn":
+                    y_btd, caches[slot.layer] = y_btd
+                if residual is not None:  # y_btd is the stream now
+                    x_btd = reduce(y_btd)
+                    continue
+            elif caches is not None and slot.name == "attn":  # inference: nothing to remat
                 y_btd, caches[slot.layer] = module(
                     module_state, vary(norm(norm_state, x_btd)), caches[slot.layer]
                 )
@@ -186,7 +237,7 @@ def _stream(plan, states, x_btd, positions_bt, inv_freq, *, caches=None, vjps=No
                 pending, y_btd = sharding.tie(pending, y_btd)
                 x_btd = x_btd + pending
             pending = reduce(y_btd)
-    return x_btd + pending, caches
+    return (x_btd if pending is None else x_btd + pending), caches
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
