@@ -184,6 +184,8 @@ def _bf16(a):
     [
         (1, 256, 64, "bfloat16", "norm"),  # the multiply-and-sum form
         (16, 4096, 64, "int8", "norm"),  # Triton's dot, the contraction split
+        (2, 512, 256, "bfloat16", "norm+joins"),  # a reduced output joins the stream first
+        (16, 1024, 64, "int8", "norm+joins"),
         (3, 512, 48, "int8", "gate_up"),  # rows padded to 4
         (16, 1024, 256, "bfloat16", "gate_up"),
         (2, 256, 2048, "int8", "residual"),  # one split: the add in the kernel
@@ -192,9 +194,10 @@ def _bf16(a):
     ],
 )
 def test_folded_prologue_and_epilogue_equal_the_unfused_arithmetic(m, k, n, w_dtype, fold):
-    """RMSNorm of the float32 stream (prologue), silu(gate) * up (prologue) and the residual
-    add (epilogue) inside the kernel, against float64 of the unfused steps: the matmul's input
-    rounded to bfloat16 as the unfused path feeds it, the output rounded before the add."""
+    """RMSNorm of the float32 stream (prologue; after a reduced output joins it: `joins`),
+    silu(gate) * up (prologue) and the residual add (epilogue) inside the kernel, against
+    float64 of the unfused steps: the matmul's input rounded to bfloat16 as the unfused path
+    feeds it, the output rounded before the add."""
     x, w, scale = _operands(m, k, n, w_dtype)
     keys = jax.random.split(jax.random.key(7), 3)
     kw, offset = {}, 0
@@ -203,6 +206,9 @@ def test_folded_prologue_and_epilogue_equal_the_unfused_arithmetic(m, k, n, w_dt
         ns = jax.random.uniform(keys[1], (k,), jnp.float32, 0.5, 1.5).astype(jnp.bfloat16)
         kw["norm"], eps = (ns, 1e-5), 1e-5
         x64 = np.asarray(x, np.float64)
+        if "joins" in fold:
+            kw["joins"] = jax.random.normal(keys[2], (m, k), jnp.float32).astype(jnp.bfloat16)
+            x64 = np.asarray(x + kw["joins"].astype(jnp.float32), np.float64)  # float32 sum
         h = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + eps) * np.asarray(ns, np.float64)
     elif "gate_up" in fold:
         offset = 32
@@ -218,6 +224,9 @@ def test_folded_prologue_and_epilogue_equal_the_unfused_arithmetic(m, k, n, w_dt
     got = jax.jit(
         lambda x, w, s: matvec.small_m_matmul(x, w, s, dtype=jnp.bfloat16, interpret=True, **kw)
     )(x, w, scale)
+    if "joins" in fold:  # the stream with the output joined, exactly as XLA adds them
+        got, stream = got
+        np.testing.assert_array_equal(stream, x + kw["joins"].astype(jnp.float32))
     want = _bf16(h) @ np.asarray(w, np.float64)
     if scale is not None:
         want = want * np.asarray(scale, np.float64)
@@ -232,7 +241,9 @@ def test_folded_prologue_and_epilogue_equal_the_unfused_arithmetic(m, k, n, w_dt
     np.testing.assert_allclose(got, want, rtol=0, atol=atol)  # the matmul's scale, not the sum's
 
 
-def _unfused(x, w, scale=None, *, dtype=None, norm=None, gate_up=None, residual=None, **_):
+def _unfused(
+    x, w, scale=None, *, dtype=None, norm=None, gate_up=None, residual=None, joins=None, **_
+):
     """What `matvec.small_m_matmul` computes, spelled out in XLA ops (None where its plan
     refuses), so that a CPU model can take the folded decoding path."""
     dtype = jnp.dtype(dtype or x.dtype)
@@ -240,8 +251,9 @@ def _unfused(x, w, scale=None, *, dtype=None, norm=None, gate_up=None, residual=
     if matvec.plan(x.shape[0], k, n, dtype, w.dtype) is None:
         return None
     f32 = jnp.float32
+    stream = None if joins is None else x + joins.astype(f32)
     if norm is not None:
-        h = x.astype(f32)
+        h = x.astype(f32) if stream is None else stream
         h = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + norm[1])
         h = h * norm[0].astype(f32)
     elif gate_up is not None:
@@ -251,32 +263,33 @@ def _unfused(x, w, scale=None, *, dtype=None, norm=None, gate_up=None, residual=
         h = x
     y = h.astype(dtype).astype(f32) @ w.astype(f32)
     y = (y if scale is None else y * scale).astype(dtype)
-    return y if residual is None else residual + y.astype(f32)
+    y = y if residual is None else residual + y.astype(f32)
+    return y if stream is None else (y, stream)
 
 
 @pytest.mark.parametrize(
-    "tp, residual, folds",
+    "tp, residual, folds",  # over two layers: four modules, two of each
     [
-        (1, "standard", dict(norm=2, gate_up=1, residual=2)),  # every add in an epilogue
-        (2, "standard", dict(norm=2, gate_up=1, residual=0)),  # an all-reduce between
-        (1, "ladder", dict(norm=2, gate_up=1, residual=0)),  # deferred: adds wait
-        (2, "parallel", dict(norm=1, gate_up=1, residual=0)),  # five projections, one norm
+        (1, "standard", dict(norm=4, gate_up=2, residual=4, joins=0)),  # adds in epilogues
+        (2, "standard", dict(norm=4, gate_up=2, residual=0, joins=3)),  # all-reduces between
+        (1, "ladder", dict(norm=4, gate_up=2, residual=0, joins=2)),  # deferred: joins later
+        (2, "parallel", dict(norm=2, gate_up=2, residual=0, joins=1)),  # one norm a layer
     ],
 )
 def test_folded_decoding_equals_the_unfused_program(monkeypatch, tp, residual, folds):
     """A decoding clone whose linear layers take the Triton path (here the kernel's arithmetic
     in XLA ops, `_unfused`) folds each norm into its input projection, silu(gate) * up into
     the down projection and, where nothing sits between (tp 1, immediate modules), the
-    residual adds into the output projections: the cached forward of a token equals the same
-    clone's unfolded (XLA) program, and the folds are where they should be (counted per kind
-    and layer)."""
+    residual adds into the output projections, elsewhere the pending output into the next
+    norm's prologue (`joins`): the cached forward of a token equals the same clone's unfolded
+    (XLA) program, and the folds are where they should be (counted per kind)."""
     from ladder_jax.inference.cache import KVCache
     from ladder_jax.model.transformer import fuse_inputs
     from tests.helpers import tiny_model
 
     model = fuse_inputs(tiny_model(tp, residual=residual, dtype="bfloat16", n_layers=2))
     cfg = model.config
-    calls = {"norm": 0, "gate_up": 0, "residual": 0}
+    calls = dict.fromkeys(folds, 0)
 
     def counted(*a, **kw):
         for name in calls:
@@ -297,5 +310,5 @@ def test_folded_decoding_equals_the_unfused_program(monkeypatch, tp, residual, f
         return np.asarray(run(model, cache.layers()), np.float64)
 
     want, got = logits("xla"), logits("pallas")
-    assert calls == {name: cfg.n_layers * c for name, c in folds.items()}, calls
+    assert cfg.n_layers == 2 and calls == folds, calls
     np.testing.assert_allclose(got, want, rtol=0, atol=2.0**-6 * np.abs(want).max())

@@ -74,22 +74,33 @@ class Linear(nnx.Module):
             s = sharding.local_kv_head(s, *self.kv_heads)
         return rescale(y, self.equation, s)
 
-    def __call__(self, x, dtype, *, norm=None, residual=None):
-        """`norm` (an `RMSNorm`): x is the float32 stream, normalized first; `residual`:
-        returns `residual + y` in float32. Both fold into the Triton kernel where it runs."""
+    def __call__(self, x, dtype, *, norm=None, residual=None, joins=None):
+        """`norm` (an `RMSNorm`): x is the float32 stream, normalized first, after `joins` (a
+        reduced output) is added to it: then returns (y, the stream x + joins); `residual`:
+        returns `residual + y` in float32. All fold into the Triton kernel where it runs."""
         if self.matmul == "pallas":
-            y = self.small_m(x, dtype, norm=norm, residual=residual)
+            y = self.small_m(x, dtype, norm=norm, residual=residual, joins=joins)
             if y is not None:
                 return y
+        stream = None if joins is None else x + joins
         if norm is not None:
-            x = norm(x).astype(dtype)
+            x = norm(x if stream is None else stream).astype(dtype)
         w = self.read(dtype)
         y = flat_einsum(self.equation, x, w) if self.flat else jnp.einsum(self.equation, x, w)
         y = self.rescale(y)
-        return y if residual is None else residual + y
+        y = y if residual is None else residual + y
+        return y if stream is None else (y, stream)
 
     def small_m(
-        self, x, dtype, interpret: bool = False, *, norm=None, gate_up=None, residual=None
+        self,
+        x,
+        dtype,
+        interpret: bool = False,
+        *,
+        norm=None,
+        gate_up=None,
+        residual=None,
+        joins=None,
     ):
         """`self(x, dtype, norm=..., residual=...)` through the Triton kernel
         (`matvec.small_m_matmul`: int8 values and their scale go in as stored), or None where
@@ -122,9 +133,12 @@ class Linear(nnx.Module):
             norm=None if norm is None else (sharding.read_weight(norm.scale), norm.eps),
             gate_up=gate_up,
             residual=None if residual is None else residual.reshape(m, -1),
+            joins=None if joins is None else joins.reshape(m, -1),
             interpret=interpret,
         )
-        return None if y is None else y.reshape(*rows, *cols)
+        if y is None or joins is None:
+            return None if y is None else y.reshape(*rows, *cols)
+        return y[0].reshape(*rows, *cols), y[1].reshape(joins.shape)
 
 
 class FusedLinear(Linear):
@@ -138,10 +152,13 @@ class FusedLinear(Linear):
         super().__init__(weight, "BTD,DC->BTC", matmul=matmul)
         self.parts = parts
 
-    def __call__(self, x, dtype, *, norm=None, split: bool = True):
-        """Each part's output; `split=False`: the (..., C) output as one (`split` it later)."""
-        y = super().__call__(x, dtype, norm=norm)
-        return self.split(y) if split else y
+    def __call__(self, x, dtype, *, norm=None, joins=None, split: bool = True):
+        """Each part's output; `split=False`: the (..., C) output as one (`split` it later).
+        With `joins` (`Linear.__call__`): (that, the joined stream)."""
+        y = super().__call__(x, dtype, norm=norm, joins=joins)
+        y, stream = y if joins is not None else (y, None)
+        y = self.split(y) if split else y
+        return y if joins is None else (y, stream)
 
     def split(self, y):
         """The parts of a (..., C) output, part i shaped (..., *parts[i])."""
@@ -179,16 +196,19 @@ class FusesInputs(nnx.Module):
             owner, _, name = p.rpartition(".")
             setattr(_get(self, owner) if owner else self, name, None)
 
-    def project_inputs(self, x, dtype, norm=None) -> tuple:
+    def project_inputs(self, x, dtype, norm=None, joins=None) -> tuple:
         """The input projections' outputs, from the fused matmul where one is installed;
-        `norm` (an `RMSNorm`): x is the float32 stream, normalized first (folded into the
-        fused matmul's kernel where it runs)."""
+        `norm` (an `RMSNorm`): x is the float32 stream, normalized first, after `joins` joins
+        it: then (the outputs, the joined stream). Folded into the fused matmul's kernel
+        where it runs."""
         fused = getattr(self, self.FUSED)
         if fused is not None:
-            return fused(x, dtype, norm=norm)
+            return fused(x, dtype, norm=norm, joins=joins)
+        stream = None if joins is None else x + joins
         if norm is not None:
-            x = norm(x).astype(dtype)
-        return tuple(linear(x, dtype) for linear in self.input_linears())
+            x = norm(x if stream is None else stream).astype(dtype)
+        ys = tuple(linear(x, dtype) for linear in self.input_linears())
+        return ys if stream is None else (ys, stream)
 
 
 def _get(obj, dotted: str):

@@ -100,24 +100,37 @@ def plan(m: int, k: int, n: int, x_dtype, w_dtype) -> Plan | None:
     return Plan(rows, block_n, block_k, splits)
 
 
-def _kernel(x_ref, w_ref, *rest, k, block_k, steps, dtype, scaled, dot, norm, gate_up, added):
+def _kernel(x_ref, w_ref, *rest, k, block_k, steps, dtype, scaled, dot, norm, gate_up, ends, joins):
     """One (column block, split): x (rows, all columns), W (K / splits, block_n), then the
-    scale (block_n,) if `scaled`, the norm's scale (K,) if `norm` (its eps), the residual
-    (rows, block_n) if `added`. The split's rows of x are read at split * K / splits (plus
-    `gate_up`: gate there, up K further); float32 sums, times the scale, out."""
+    scale (block_n,) if `scaled`, the norm's scale (K,) if `norm` (its eps), the output to
+    join x (rows, K) if `joins`, the residual (rows, block_n) if `ends`; the output, then the
+    joined stream (rows, K) if `joins`. The split's rows of x are read at split * K / splits
+    (plus `gate_up`: gate there, up K further); float32 sums, times the scale, out."""
     rest = list(rest)
     s_ref = rest.pop(0) if scaled else None
     n_ref = rest.pop(0) if norm is not None else None
-    r_ref = rest.pop(0) if added else None
-    (o_ref,) = rest
+    j_ref = rest.pop(0) if joins else None
+    r_ref = rest.pop(0) if ends else None
+    o_ref, *stream_ref = rest
     rows, cols = x_ref.shape[0], w_ref.shape[1]
     base = pl.program_id(1) * (steps * block_k) + (gate_up or 0)
 
+    def stream(at):  # the float32 stream, with the output that joins it here
+        x = x_ref[:, pl.ds(at, block_k)].astype(jnp.float32)
+        return x + j_ref[:, pl.ds(at, block_k)].astype(jnp.float32) if joins else x
+
     if norm is not None:  # the row's mean square over all K columns, as `RMSNorm`
         eps = norm
+        first = (pl.program_id(0) == 0) & (pl.program_id(1) == 0)
 
         def squares(i, acc):
-            x = x_ref[:, pl.ds(i * block_k, block_k)].astype(jnp.float32)
+            x = stream(i * block_k)
+            if joins:  # the first program writes the joined stream out
+
+                @pl.when(first)
+                def _():
+                    stream_ref[0][:, pl.ds(i * block_k, block_k)] = x
+
             return acc + jnp.sum(x * x, axis=1)
 
         total = jax.lax.fori_loop(0, k // block_k, squares, jnp.zeros((rows,), jnp.float32))
@@ -125,11 +138,11 @@ def _kernel(x_ref, w_ref, *rest, k, block_k, steps, dtype, scaled, dot, norm, ga
 
     def load_x(i):
         at = base + i * block_k
-        x = x_ref[:, pl.ds(at, block_k)]
         if norm is not None:
-            x = x.astype(jnp.float32) * inv
-            x = x * n_ref[pl.ds(at, block_k)].astype(jnp.float32)[None, :]
-        elif gate_up is not None:  # silu(gate) * up
+            x = stream(at) * inv
+            return (x * n_ref[pl.ds(at, block_k)].astype(jnp.float32)[None, :]).astype(dtype)
+        x = x_ref[:, pl.ds(at, block_k)]
+        if gate_up is not None:  # silu(gate) * up
             g = x.astype(jnp.float32)
             u = x_ref[:, pl.ds(at + k, block_k)]
             x = g / (1.0 + jnp.exp(-g)) * u.astype(jnp.float32)
@@ -146,7 +159,7 @@ def _kernel(x_ref, w_ref, *rest, k, block_k, steps, dtype, scaled, dot, norm, ga
     acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((rows, cols), jnp.float32))
     if scaled:
         acc = acc * s_ref[...].astype(jnp.float32)[None, :]
-    if added:  # the residual stream plus the output as the unfused path rounds it
+    if ends:  # the residual stream plus the output as the unfused path rounds it
         acc = r_ref[...] + acc.astype(dtype).astype(jnp.float32)
     o_ref[...] = acc.astype(o_ref.dtype)
 
@@ -160,16 +173,20 @@ def small_m_matmul(
     norm=None,
     gate_up: int | None = None,
     residual=None,
+    joins=None,
     interpret: bool = False,
 ):
     """x (M, K) @ W (K, N) (times `scale_n` per column: int8 W) in `dtype` (default x's)
     through the Triton kernel, or None where `plan` says it does not apply. Inside shard_map
-    the result is typed as varying like x (`vary_like`). Folded in, each optional:
+    the result is typed as varying like x and W (`vary_like`). Folded in, each optional:
 
     - `norm=(scale_k, eps)`: x is the float32 residual stream; the kernel multiplies
       `RMSNorm(x)` (`transformer.RMSNorm`: x * rsqrt(mean(x^2) + eps) * scale) in `dtype`.
     - `gate_up=offset`: x holds the gate (M, K) at column `offset` and the up projection's
       output right after it; the kernel multiplies silu(gate) * up (the MLP's down input).
+    - `joins` (M, K), with `norm`: an output that joins the stream first (the residual add
+      before a norm): the kernel multiplies `RMSNorm(x + joins)` and returns (y, the joined
+      stream x + joins in float32, typed as `joins`), the stream written by the first program.
     - `residual` (M, N) float32: the result is `residual + y` in float32, y rounded to `dtype`
       first as the unfused sum rounds it (an output projection's residual add)."""
     m = x_mk.shape[0]
@@ -181,10 +198,12 @@ def small_m_matmul(
         return None
     if norm is not None and (gate_up is not None or x_mk.dtype != jnp.float32):
         return None
-    return _call(x_mk, w_kn, scale_n, p, dtype, norm, gate_up, residual, interpret)
+    if joins is not None and (norm is None or joins.shape != x_mk.shape):
+        return None
+    return _call(x_mk, w_kn, scale_n, p, dtype, norm, gate_up, residual, joins, interpret)
 
 
-def _call(x_mk, w_kn, scale_n, p: Plan, dtype, norm, gate_up, residual, interpret: bool):
+def _call(x_mk, w_kn, scale_n, p: Plan, dtype, norm, gate_up, residual, joins, interpret):
     m, width = x_mk.shape
     k, n = w_kn.shape
     rows = p.rows
@@ -194,7 +213,7 @@ def _call(x_mk, w_kn, scale_n, p: Plan, dtype, norm, gate_up, residual, interpre
 
     chunk = k // p.splits
     scaled = scale_n is not None
-    added = residual is not None and p.splits == 1
+    ends = residual is not None and p.splits == 1
     kernel = functools.partial(
         _kernel,
         k=k,
@@ -205,7 +224,8 @@ def _call(x_mk, w_kn, scale_n, p: Plan, dtype, norm, gate_up, residual, interpre
         dot=p.dot,
         norm=None if norm is None else float(norm[1]),
         gate_up=gate_up,
-        added=added,
+        ends=ends,
+        joins=joins is not None,
     )
     in_specs = [
         pl.BlockSpec((rows, width), lambda j, s: (0, 0)),
@@ -218,16 +238,22 @@ def _call(x_mk, w_kn, scale_n, p: Plan, dtype, norm, gate_up, residual, interpre
     if norm is not None:
         in_specs.append(pl.BlockSpec((k,), lambda j, s: (0,)))
         args.append(norm[0].reshape(k))  # as stored: the kernel reads it in float32
-    if added:
+    if joins is not None:
+        in_specs.append(pl.BlockSpec((rows, k), lambda j, s: (0, 0)))
+        args.append(pad(joins))
+    if ends:
         in_specs.append(pl.BlockSpec((rows, p.block_n), lambda j, s: (0, j)))
         args.append(pad(residual.astype(jnp.float32)))
     if p.splits == 1:
         out_spec = pl.BlockSpec((rows, p.block_n), lambda j, s: (0, j))
-        out_dtype = jnp.float32 if added else dtype
+        out_dtype = jnp.float32 if ends else dtype
         out_shape = jax.ShapeDtypeStruct((rows, n), out_dtype)
     else:
         out_spec = pl.BlockSpec((None, rows, p.block_n), lambda j, s: (s, 0, j))
         out_shape = jax.ShapeDtypeStruct((p.splits, rows, n), jnp.float32)
+    if joins is not None:
+        out_spec = (out_spec, pl.BlockSpec((rows, k), lambda j, s: (0, 0)))
+        out_shape = (out_shape, jax.ShapeDtypeStruct((rows, k), jnp.float32))
     call = pl.pallas_call(
         kernel,
         grid=(n // p.block_n, p.splits),
@@ -241,10 +267,18 @@ def _call(x_mk, w_kn, scale_n, p: Plan, dtype, norm, gate_up, residual, interpre
     # its output carries no varying-manual-axes type, which shard_map's check refuses: run
     # with the check off and type the result as x is
     with jax_config._check_vma(False):
-        y = vary_like(call(*args), x_mk)
+        out = call(*args)
+    y, joined = out if joins is not None else (out, None)
+    y = _finish(vary_like(vary_like(y, x_mk), w_kn), m, rows, p, dtype, residual)
+    return y if joins is None else (y, vary_like(joined[:m], joins))
+
+
+def _finish(y, m: int, rows: int, p: Plan, dtype, residual):
+    """The kernel's output unpadded; where it split the contraction, the splits' sum (and the
+    residual add) in one fusion."""
     if p.splits == 1:
         return y[:m] if m < rows else y
-    y = y.sum(axis=0)[:m].astype(dtype)  # the splits' sum (and the residual add): one fusion
+    y = y.sum(axis=0)[:m].astype(dtype)
     if residual is not None:
         y = residual.astype(jnp.float32) + y.astype(jnp.float32)
     return jax.lax.optimization_barrier(y)

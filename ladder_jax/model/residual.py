@@ -75,6 +75,8 @@ def run(config, layers, x_btd, positions_bt, inv_freq, caches=None):
     )
     if caches is None and any(s.deferred for s in slots):
         return _ladder_stream(plan, states, x_btd, positions_bt, inv_freq), None
+    if plan.fold:
+        return _decode_stream(plan, states, x_btd, positions_bt, inv_freq, caches)
     return _stream(plan, states, x_btd, positions_bt, inv_freq, caches=caches)
 
 
@@ -89,19 +91,23 @@ def _parallel(config, layers, x_btd, positions_bt, inv_freq, caches=None):
     if config.remat != "none":
         both = nnx.remat(both, policy=MATMULS if config.remat == "matmuls" else None)
     new_caches = None if caches is None else []
+    pending = None  # decoding folds: the layer's reduced output joins in the next prologue
     for i, layer in enumerate(layers):
         with jax.named_scope(f"layer{i}.parallel"):
+            cache = None if caches is None else caches[i]
+            if caches is not None and layer.fused_in is not None and folds(layer):  # kernels
+                y_btc = layer.fused_in(
+                    x_btd, config.dtype, norm=layer.attn_norm, joins=pending, split=False
+                )
+                y_btc, x_btd = y_btc if pending is not None else (y_btc, x_btd)
+                q, k, v, _, _ = layer.fused_in.split(y_btc)
+                a, cache = layer.attn.attend_and_project(q, k, v, positions_bt, inv_freq, cache)
+                new_caches.append(cache)
+                pending = sharding.reduce_tp(a + layer.mlp.down_from(layer.fused_in, y_btc, 3))
+                continue
             # tp-varying from here: the backward's input all-reduce (none at tp=1)
             h_btd = sharding.vary_tp(layer.attn_norm(x_btd).astype(config.dtype))
-            cache = None if caches is None else caches[i]
-            if layer.fused_in is not None and folds(layer):  # the norm and silu in kernels
-                y_btc = layer.fused_in(
-                    sharding.vary_tp(x_btd), config.dtype, norm=layer.attn_norm, split=False
-                )
-                q, k, v, _, _ = layer.fused_in.split(y_btc)
-                a = layer.attn.attend_and_project(q, k, v, positions_bt, inv_freq, cache)
-                m_btd = layer.mlp.down_from(layer.fused_in, y_btc, 3)
-            elif layer.fused_in is not None:  # decoding: one matmul for all five
+            if layer.fused_in is not None:  # decoding: one matmul for all five
                 q, k, v, g_btf, u_btf = layer.project_inputs(h_btd, config.dtype)
                 a = layer.attn.attend_and_project(q, k, v, positions_bt, inv_freq, cache)
                 m_btd = layer.mlp.project_down(g_btf, u_btf)
@@ -114,7 +120,7 @@ def _parallel(config, layers, x_btd, positions_bt, inv_freq, caches=None):
                 new_caches.append(cache)
             y_btd = a if m_btd is None else a + m_btd
             x_btd = x_btd + sharding.reduce_tp(y_btd)
-    return x_btd, new_caches
+    return (x_btd if pending is None else x_btd + pending), new_caches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,15 +178,22 @@ def _functions(plan, k, positions_bt, inv_freq):
 
 
 def _folded(plan, k, positions_bt, inv_freq):
-    """Decoding's module k (`_Plan.fold`): (norm state, module state, x, cache, residual) ->
-    its output (`residual +` it, given one), the norm in its first matmul's kernel."""
+    """Decoding's module k (`_Plan.fold`): (norm state, module state, x, cache, residual,
+    joins) -> (its output (`residual +` it, given one), its cache or None, the stream with
+    `joins` joined or None), the norm in its first matmul's kernel. x enters tp-invariant:
+    the kernels type their outputs as varying like the weights."""
     gn, gm = plan.graphdefs[k]
 
-    def module(norm_state, state, x_btd, cache, residual):
+    def module(norm_state, state, x_btd, cache, residual, joins):
         n, m = nnx.merge(gn, norm_state), nnx.merge(gm, state)
+        kw = dict(norm=n, residual=residual, joins=joins)
         if plan.slots[k].name == "attn":
-            return m(x_btd, positions_bt, inv_freq, cache, norm=n, residual=residual)
-        return m(x_btd, norm=n, residual=residual)
+            out = m(x_btd, positions_bt, inv_freq, cache, **kw)
+        else:
+            out = m(x_btd, **kw)
+        out, stream = out if joins is not None else (out, None)
+        y_btd, cache = out if plan.slots[k].name == "attn" else (out, None)
+        return y_btd, cache, stream
 
     return module
 
@@ -203,18 +216,7 @@ def _stream(plan, states, x_btd, positions_bt, inv_freq, *, caches=None, vjps=No
                 x_btd, pending = x_btd + pending, None
             norm, module = _functions(plan, k, positions_bt, inv_freq)
             norm_state, module_state = states[k]
-            if plan.fold:  # decoding with the Triton matmul: nothing to remat
-                cache = caches[slot.layer] if slot.name == "attn" else None
-                residual = x_btd if _fold_residual(plan, k) else None
-                y_btd = _folded(plan, k, positions_bt, inv_freq)(
-                    norm_state, module_state, vary(x_btd), cache, residual
-                )
-                if slot.name == "attn":
-                    y_btd, caches[slot.layer] = y_btd
-                if residual is not None:  # y_btd is the stream now
-                    x_btd = reduce(y_btd)
-                    continue
-            elif caches is not None and slot.name == "attn":  # inference: nothing to remat
+            if caches is not None and slot.name == "attn":  # inference: nothing to remat
                 y_btd, caches[slot.layer] = module(
                     module_state, vary(norm(norm_state, x_btd)), caches[slot.layer]
                 )
@@ -237,7 +239,48 @@ def _stream(plan, states, x_btd, positions_bt, inv_freq, *, caches=None, vjps=No
                 pending, y_btd = sharding.tie(pending, y_btd)
                 x_btd = x_btd + pending
             pending = reduce(y_btd)
-    return (x_btd if pending is None else x_btd + pending), caches
+    return x_btd + pending, caches
+
+
+def _decode_stream(plan, states, x_btd, positions_bt, inv_freq, caches):
+    """`_stream` of a decoding program whose matmuls fold (`_Plan.fold`): the same wiring,
+    its additions moved into kernels. A module normalizes the stream in its first matmul's
+    prologue, after the output still pending joins it there (`joins`: the kernel writes the
+    joined stream out), so no norm or residual add runs as a kernel of its own; where nothing
+    sits between a module's output and the stream (`_fold_residual`) its last matmul adds it
+    in its epilogue instead. A deferred module's pending output joins in the next module's
+    prologue (`late`), as `_stream` adds it after the module; the tie that keeps its
+    all-reduce in flight meanwhile is the same."""
+    reduce, _ = _reduce_and_vary(plan)
+    caches = list(caches)
+    pending = None  # the previous module's all-reduced output, not yet in x
+    late = None  # a deferred module's pending output: joins in the next module's prologue
+    for k, slot in enumerate(plan.slots):
+        with jax.named_scope(f"layer{slot.layer}.{slot.name}"):
+            joins = None
+            if slot.deferred:
+                joins, late = late, None
+            else:
+                if late is not None:  # a deferred module before an immediate one
+                    x_btd, late = x_btd + late, None
+                joins, pending = pending, None
+            residual = x_btd if joins is None and _fold_residual(plan, k) else None
+            cache = caches[slot.layer] if slot.name == "attn" else None
+            y_btd, cache, stream = _folded(plan, k, positions_bt, inv_freq)(
+                *states[k], x_btd, cache, residual, joins
+            )
+            if cache is not None:
+                caches[slot.layer] = cache
+            x_btd = x_btd if stream is None else stream
+            if residual is not None:  # y_btd is the stream now
+                x_btd = reduce(y_btd)
+                continue
+            if pending is not None:  # deferred: that all-reduce ran while `module` did
+                late, y_btd = sharding.tie(pending, y_btd)
+            pending = reduce(y_btd)
+    for rest in (late, pending):
+        x_btd = x_btd if rest is None else x_btd + rest
+    return x_btd, caches
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

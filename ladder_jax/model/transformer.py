@@ -164,7 +164,9 @@ class Attention(FusesInputs):
         self.dtype = config.dtype
         self.kernel = attention_kernel(mesh, config.dtype, H)
 
-    def __call__(self, x_btd, positions_bt, inv_freq, cache=None, *, norm=None, residual=None):
+    def __call__(
+        self, x_btd, positions_bt, inv_freq, cache=None, *, norm=None, residual=None, joins=None
+    ):
         """This rank's partial sum (B, T, D) of the attention output; with a KV cache
         (k, v), keys (B, K_local, H, S) and values (B, K_local, S, H), also the cache with
         this call's keys and values written at `positions_bt` (row b's tokens go to slots
@@ -177,13 +179,16 @@ class Attention(FusesInputs):
         positions given, it runs the reference `attend` over the keys, or over a cache
         `ragged.attend_filled`, which reads only the slots some query can see.
 
-        Decoding folds (`residual._stream`): `norm` (the layer's `RMSNorm`), x_btd is the
-        float32 stream, normalized first; `residual`, the output is `residual + output`."""
+        Decoding folds (`residual._decode_stream`): `norm` (the layer's `RMSNorm`), x_btd is
+        the float32 stream, normalized first, after `joins` (a reduced output) joins it: then
+        returns (the above, the joined stream); `residual`, the output is `residual + output`."""
         x_btd = x_btd if norm is not None else x_btd.astype(self.dtype)
-        q_btnh, k_btkh, v_btkh = self.project_inputs(x_btd, self.dtype, norm=norm)
-        return self.attend_and_project(
+        qkv = self.project_inputs(x_btd, self.dtype, norm=norm, joins=joins)
+        (q_btnh, k_btkh, v_btkh), stream = qkv if joins is not None else (qkv, None)
+        out = self.attend_and_project(
             q_btnh, k_btkh, v_btkh, positions_bt, inv_freq, cache, residual=residual
         )
+        return out if joins is None else (out, stream)
 
     def attend_and_project(
         self, q_btnh, k_btkh, v_btkh, positions_bt, inv_freq, cache=None, *, residual=None
@@ -433,16 +438,22 @@ class MLP(FusesInputs):
         self.gate_up = None  # decoding: their `FusedLinear` (`install_fused`)
         self.dtype = config.dtype
 
-    def __call__(self, x_btd, *, norm=None, residual=None):
+    def __call__(self, x_btd, *, norm=None, residual=None, joins=None):
         """Returns this rank's partial sum (B, T, D) of the SwiGLU output. Decoding folds
-        (`residual._stream`): `norm` (the layer's `RMSNorm`), x_btd is the float32 stream,
-        normalized first; `residual`, the output is `residual + output`."""
+        (`residual._decode_stream`): `norm` (the layer's `RMSNorm`), x_btd is the float32
+        stream, normalized first, after `joins` (a reduced output) joins it: then returns
+        (the output, the joined stream); `residual`, the output is `residual + output`."""
         if norm is None:
             x_btd = x_btd.astype(self.dtype)
         if self.gate_up is not None and self.down.matmul == "pallas":  # one kernel each
-            gu_btc = self.gate_up(x_btd, self.dtype, norm=norm, split=False)
-            return self.down_from(self.gate_up, gu_btc, 0, residual)
-        return self.project_down(*self.project_inputs(x_btd, self.dtype, norm), residual)
+            gu = self.gate_up(x_btd, self.dtype, norm=norm, joins=joins, split=False)
+            gu_btc, stream = gu if joins is not None else (gu, None)
+            out = self.down_from(self.gate_up, gu_btc, 0, residual)
+        else:
+            gu = self.project_inputs(x_btd, self.dtype, norm, joins)
+            (g_btf, u_btf), stream = gu if joins is not None else (gu, None)
+            out = self.project_down(g_btf, u_btf, residual)
+        return out if joins is None else (out, stream)
 
     def project_down(self, g_btf, u_btf, residual=None):
         """silu(gate) * up through the down projection (the parallel scheme's fused input
