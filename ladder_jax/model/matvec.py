@@ -20,11 +20,17 @@ accumulates in float32 registers and writes the output once:
   each consumer (RoPE, both cache writes), and each reads the partials again.
 - Triton blocks are powers of two: N and K must be multiples of 16, else (and for more rows,
   or a float32 x) `plan` says None and the caller runs XLA's matmul.
+- what decoding would otherwise run as kernels of their own folds in (`small_m_matmul`'s
+  keywords): the RMSNorm of the float32 stream (each program computes its rows' mean square
+  over all of x, a few KB that stay in cache), an output that joins the stream before it
+  (written back by the first program), silu(gate) * up in the down projection's prologue,
+  and the residual add in the output projection's epilogue.
 
 Deviceless H100 programs hold it as one `__gpu$xla.gpu.triton` custom call per linear layer
 named `small_m_matmul`. Invariant: the result equals `(x @ W.astype(f32)) * scale` to the
-rounding of the output dtype. Used by `Linear` when `ModelConfig.decode_matmul` is "pallas" on
-GPU meshes; `interpret=True` runs it through Pallas's interpreter (tests on CPU).
+rounding of the output dtype, and a folded form equals its unfused steps to the same rounding.
+Used by `Linear` when `ModelConfig.decode_matmul` is "pallas" on GPU meshes; `interpret=True`
+runs it through Pallas's interpreter (tests on CPU).
 """
 
 from __future__ import annotations

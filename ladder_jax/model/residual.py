@@ -11,7 +11,8 @@ without the previous module's output, whose all-reduce is in flight meanwhile. E
 reduced output is pending when a module starts. The backward (`_ladder_stream`) walks the same
 wiring in reverse so that its all-reduces overlap too; it equals autodiff (tested against an
 independent reference). `parallel` (`_parallel`) shares one input and one all-reduce per
-layer. The derivation:
+layer. Decoding with the Triton matmul (`_decode_stream`) runs the same wiring with its norms
+and additions folded into the matmul kernels. The derivation:
 docs/architecture.md#the-residual-wiring.
 """
 
