@@ -274,15 +274,16 @@ def _unfused(
         (2, "standard", dict(norm=4, gate_up=2, residual=0, joins=3)),  # all-reduces between
         (1, "ladder", dict(norm=4, gate_up=2, residual=0, joins=2)),  # deferred: joins later
         (2, "parallel", dict(norm=2, gate_up=2, residual=0, joins=1)),  # one norm a layer
+        (2, "upper_bound", dict(norm=4, gate_up=2, residual=4, joins=0)),  # no all-reduce
     ],
 )
 def test_folded_decoding_equals_the_unfused_program(monkeypatch, tp, residual, folds):
     """A decoding clone whose linear layers take the Triton path (here the kernel's arithmetic
     in XLA ops, `_unfused`) folds each norm into its input projection, silu(gate) * up into
-    the down projection and, where nothing sits between (tp 1, immediate modules), the
-    residual adds into the output projections, elsewhere the pending output into the next
-    norm's prologue (`joins`): the cached forward of a token equals the same clone's unfolded
-    (XLA) program, and the folds are where they should be (counted per kind)."""
+    the down projection and, where nothing sits between (tp 1 or upper_bound, immediate
+    modules), the residual adds into the output projections, elsewhere the pending output into
+    the next norm's prologue (`joins`): the cached forward of a token equals the same clone's
+    unfolded (XLA) program, and the folds are where they should be (counted per kind)."""
     from ladder_jax.inference.cache import KVCache
     from ladder_jax.model.transformer import fuse_inputs
     from tests.helpers import tiny_model
