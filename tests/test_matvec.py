@@ -172,3 +172,144 @@ def test_predict_bad_decode_matmul_is_one_line_exit_2(capsys):
     err = captured.err.strip().splitlines()
     assert captured.out == "" and len(err) == 1, err
     assert err[0] == "error: decode_matmul='triton': choose one of xla, pallas", err
+
+
+def _bf16(a):
+    """float64 values rounded to bfloat16, as float64."""
+    return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16), np.float64)
+
+
+@pytest.mark.parametrize(
+    "m, k, n, w_dtype, fold",
+    [
+        (1, 256, 64, "bfloat16", "norm"),  # the multiply-and-sum form
+        (16, 4096, 64, "int8", "norm"),  # Triton's dot, the contraction split
+        (2, 512, 256, "bfloat16", "norm+joins"),  # a reduced output joins the stream first
+        (16, 1024, 64, "int8", "norm+joins"),
+        (3, 512, 48, "int8", "gate_up"),  # rows padded to 4
+        (16, 1024, 256, "bfloat16", "gate_up"),
+        (2, 256, 2048, "int8", "residual"),  # one split: the add in the kernel
+        (16, 4096, 64, "bfloat16", "residual"),  # split: the add in the partials' sum
+        (1, 4096, 32, "int8", "gate_up+residual"),  # a down projection
+    ],
+)
+def test_folded_prologue_and_epilogue_equal_the_unfused_arithmetic(m, k, n, w_dtype, fold):
+    """RMSNorm of the float32 stream (prologue; after a reduced output joins it: `joins`),
+    silu(gate) * up (prologue) and the residual add (epilogue) inside the kernel, against
+    float64 of the unfused steps: the matmul's input rounded to bfloat16 as the unfused path
+    feeds it, the output rounded before the add."""
+    x, w, scale = _operands(m, k, n, w_dtype)
+    keys = jax.random.split(jax.random.key(7), 3)
+    kw, offset = {}, 0
+    if "norm" in fold:
+        x = 3.0 * jax.random.normal(keys[0], (m, k), jnp.float32)  # the stream
+        ns = jax.random.uniform(keys[1], (k,), jnp.float32, 0.5, 1.5).astype(jnp.bfloat16)
+        kw["norm"], eps = (ns, 1e-5), 1e-5
+        x64 = np.asarray(x, np.float64)
+        if "joins" in fold:
+            kw["joins"] = jax.random.normal(keys[2], (m, k), jnp.float32).astype(jnp.bfloat16)
+            x64 = np.asarray(x + kw["joins"].astype(jnp.float32), np.float64)  # float32 sum
+        h = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + eps) * np.asarray(ns, np.float64)
+    elif "gate_up" in fold:
+        offset = 32
+        x = jax.random.normal(keys[0], (m, offset + 2 * k + 16), jnp.float32)
+        x = x.astype(jnp.bfloat16)
+        kw["gate_up"] = offset
+        g, u = (np.asarray(x[:, offset + i * k : offset + (i + 1) * k], np.float64) for i in (0, 1))
+        h = g / (1 + np.exp(-g)) * u
+    else:
+        h = np.asarray(x, np.float64)
+    if "residual" in fold:
+        kw["residual"] = 50.0 * jax.random.normal(keys[2], (m, n), jnp.float32)
+    got = jax.jit(
+        lambda x, w, s: matvec.small_m_matmul(x, w, s, dtype=jnp.bfloat16, interpret=True, **kw)
+    )(x, w, scale)
+    if "joins" in fold:  # the stream with the output joined, exactly as XLA adds them
+        got, stream = got
+        np.testing.assert_array_equal(stream, x + kw["joins"].astype(jnp.float32))
+    want = _bf16(h) @ np.asarray(w, np.float64)
+    if scale is not None:
+        want = want * np.asarray(scale, np.float64)
+    atol = 2.0**-8 * np.abs(want).max() + 1e-3
+    if "residual" in fold:
+        assert got.dtype == jnp.float32
+        want = np.asarray(kw["residual"], np.float64) + want
+    else:
+        assert got.dtype == jnp.bfloat16
+    got = np.asarray(got, np.float64)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=0, atol=atol)  # the matmul's scale, not the sum's
+
+
+def _unfused(
+    x, w, scale=None, *, dtype=None, norm=None, gate_up=None, residual=None, joins=None, **_
+):
+    """What `matvec.small_m_matmul` computes, spelled out in XLA ops (None where its plan
+    refuses), so that a CPU model can take the folded decoding path."""
+    dtype = jnp.dtype(dtype or x.dtype)
+    k, n = w.shape
+    if matvec.plan(x.shape[0], k, n, dtype, w.dtype) is None:
+        return None
+    f32 = jnp.float32
+    stream = None if joins is None else x + joins.astype(f32)
+    if norm is not None:
+        h = x.astype(f32) if stream is None else stream
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + norm[1])
+        h = h * norm[0].astype(f32)
+    elif gate_up is not None:
+        g, u = x[:, gate_up : gate_up + k].astype(f32), x[:, gate_up + k : gate_up + 2 * k]
+        h = jax.nn.silu(g) * u.astype(f32)
+    else:
+        h = x
+    y = h.astype(dtype).astype(f32) @ w.astype(f32)
+    y = (y if scale is None else y * scale).astype(dtype)
+    y = y if residual is None else residual + y.astype(f32)
+    return y if stream is None else (y, stream)
+
+
+@pytest.mark.parametrize(
+    "tp, residual, folds",  # over two layers: four modules, two of each
+    [
+        (1, "standard", dict(norm=4, gate_up=2, residual=4, joins=0)),  # adds in epilogues
+        (2, "standard", dict(norm=4, gate_up=2, residual=0, joins=3)),  # all-reduces between
+        (1, "ladder", dict(norm=4, gate_up=2, residual=0, joins=2)),  # deferred: joins later
+        (2, "parallel", dict(norm=2, gate_up=2, residual=0, joins=1)),  # one norm a layer
+        (2, "upper_bound", dict(norm=4, gate_up=2, residual=4, joins=0)),  # no all-reduce
+    ],
+)
+def test_folded_decoding_equals_the_unfused_program(monkeypatch, tp, residual, folds):
+    """A decoding clone whose linear layers take the Triton path (here the kernel's arithmetic
+    in XLA ops, `_unfused`) folds each norm into its input projection, silu(gate) * up into
+    the down projection and, where nothing sits between (tp 1 or upper_bound, immediate
+    modules), the residual adds into the output projections, elsewhere the pending output into
+    the next norm's prologue (`joins`): the cached forward of a token equals the same clone's
+    unfolded (XLA) program, and the folds are where they should be (counted per kind)."""
+    from ladder_jax.inference.cache import KVCache
+    from ladder_jax.model.transformer import fuse_inputs
+    from tests.helpers import tiny_model
+
+    model = fuse_inputs(tiny_model(tp, residual=residual, dtype="bfloat16", n_layers=2))
+    cfg = model.config
+    calls = dict.fromkeys(folds, 0)
+
+    def counted(*a, **kw):
+        for name in calls:
+            calls[name] += kw.get(name) is not None
+        return _unfused(*a, **kw)
+
+    monkeypatch.setattr(matvec, "small_m_matmul", counted)
+    step = jnp.array([[7], [8]], jnp.int32)
+
+    @nnx.jit
+    def run(model, cache):  # a token's step at slot 4 of a cache that holds zeros
+        return model.forward_cached(step, jnp.full((2, 1), 4, jnp.int32), cache)[0]
+
+    def logits(matmul):
+        for lin in quant.linears(model):
+            lin.matmul = matmul
+        cache = KVCache.init(cfg, model.mesh, 2, 16)
+        return np.asarray(run(model, cache.layers()), np.float64)
+
+    want, got = logits("xla"), logits("pallas")
+    assert cfg.n_layers == 2 and calls == folds, calls
+    np.testing.assert_allclose(got, want, rtol=0, atol=2.0**-6 * np.abs(want).max())

@@ -74,37 +74,71 @@ class Linear(nnx.Module):
             s = sharding.local_kv_head(s, *self.kv_heads)
         return rescale(y, self.equation, s)
 
-    def __call__(self, x, dtype):
+    def __call__(self, x, dtype, *, norm=None, residual=None, joins=None):
+        """`norm` (an `RMSNorm`): x is the float32 stream, normalized first, after `joins` (a
+        reduced output) is added to it: then returns (y, the stream x + joins); `residual`:
+        returns `residual + y` in float32. All fold into the Triton kernel where it runs."""
         if self.matmul == "pallas":
-            y = self.small_m(x, dtype)
+            y = self.small_m(x, dtype, norm=norm, residual=residual, joins=joins)
             if y is not None:
                 return y
+        stream = None if joins is None else x + joins
+        if norm is not None:
+            x = norm(x if stream is None else stream).astype(dtype)
         w = self.read(dtype)
         y = flat_einsum(self.equation, x, w) if self.flat else jnp.einsum(self.equation, x, w)
-        return self.rescale(y)
+        y = self.rescale(y)
+        y = y if residual is None else residual + y
+        return y if stream is None else (y, stream)
 
-    def small_m(self, x, dtype, interpret: bool = False):
-        """`self(x, dtype)` through the Triton kernel (`matvec.small_m_matmul`: int8 values
-        and their scale go in as stored), or None where it does not apply (more than 16 rows,
-        shapes Triton cannot block, a float32 x)."""
+    def small_m(
+        self,
+        x,
+        dtype,
+        interpret: bool = False,
+        *,
+        norm=None,
+        gate_up=None,
+        residual=None,
+        joins=None,
+    ):
+        """`self(x, dtype, norm=..., residual=...)` through the Triton kernel
+        (`matvec.small_m_matmul`: int8 values and their scale go in as stored), or None where
+        it does not apply (more than 16 rows, shapes Triton cannot block, a float32 x without
+        `norm`). `gate_up=offset`: x's last axis holds the gate at `offset` and the up
+        projection after it, and the kernel multiplies silu(gate) * up."""
         n = len(self.contracted)
         if not _is_flat(self.equation) or x.ndim < n:
             return None
-        x = x.astype(dtype)
         w = self.read(None if self.scale is not None else dtype)
-        rows, cols = x.shape[: x.ndim - n], w.shape[n:]
-        k = math.prod(x.shape[x.ndim - n :])
+        k, cols = math.prod(w.shape[:n]), w.shape[n:]
+        rows = x.shape[: x.ndim - (1 if gate_up is not None else n)]
         m = math.prod(rows)
-        if matvec.plan(m, k, math.prod(cols), x.dtype, w.dtype) is None:
+        if matvec.plan(m, k, math.prod(cols), dtype, w.dtype) is None:
             return None
+        x = x.reshape(m, -1)
+        if norm is None and gate_up is None:
+            x = x.astype(dtype)
         scale = None
         if self.scale is not None:
             scale = sharding.read_weight(self.scale, jnp.float32)
             if self.kv_heads is not None:
                 scale = sharding.local_kv_head(scale, *self.kv_heads)
             scale = scale.reshape(-1)
-        y = matvec.small_m_matmul(x.reshape(m, k), w.reshape(k, -1), scale, interpret=interpret)
-        return y.reshape(*rows, *cols)
+        y = matvec.small_m_matmul(
+            x,
+            w.reshape(k, -1),
+            scale,
+            dtype=dtype,
+            norm=None if norm is None else (sharding.read_weight(norm.scale), norm.eps),
+            gate_up=gate_up,
+            residual=None if residual is None else residual.reshape(m, -1),
+            joins=None if joins is None else joins.reshape(m, -1),
+            interpret=interpret,
+        )
+        if y is None or joins is None:
+            return None if y is None else y.reshape(*rows, *cols)
+        return y[0].reshape(*rows, *cols), y[1].reshape(joins.shape)
 
 
 class FusedLinear(Linear):
@@ -118,12 +152,24 @@ class FusedLinear(Linear):
         super().__init__(weight, "BTD,DC->BTC", matmul=matmul)
         self.parts = parts
 
-    def __call__(self, x, dtype):
-        y = super().__call__(x, dtype)
+    def __call__(self, x, dtype, *, norm=None, joins=None, split: bool = True):
+        """Each part's output; `split=False`: the (..., C) output as one (`split` it later).
+        With `joins` (`Linear.__call__`): (that, the joined stream)."""
+        y = super().__call__(x, dtype, norm=norm, joins=joins)
+        y, stream = y if joins is not None else (y, None)
+        y = self.split(y) if split else y
+        return y if joins is None else (y, stream)
+
+    def split(self, y):
+        """The parts of a (..., C) output, part i shaped (..., *parts[i])."""
         ends = np.cumsum([math.prod(p) for p in self.parts])[:-1].tolist()
         return tuple(
             y.reshape(*y.shape[:-1], *p) for y, p in zip(jnp.split(y, ends, axis=-1), self.parts)
         )
+
+    def offset(self, part: int) -> int:
+        """The column where part `part` starts in the (..., C) output."""
+        return sum(math.prod(p) for p in self.parts[:part])
 
 
 class FusedInput(nnx.Variable):
@@ -150,12 +196,19 @@ class FusesInputs(nnx.Module):
             owner, _, name = p.rpartition(".")
             setattr(_get(self, owner) if owner else self, name, None)
 
-    def project_inputs(self, x, dtype) -> tuple:
-        """The input projections' outputs, from the fused matmul where one is installed."""
+    def project_inputs(self, x, dtype, norm=None, joins=None) -> tuple:
+        """The input projections' outputs, from the fused matmul where one is installed;
+        `norm` (an `RMSNorm`): x is the float32 stream, normalized first, after `joins` joins
+        it: then (the outputs, the joined stream). Folded into the fused matmul's kernel
+        where it runs."""
         fused = getattr(self, self.FUSED)
         if fused is not None:
-            return fused(x, dtype)
-        return tuple(linear(x, dtype) for linear in self.input_linears())
+            return fused(x, dtype, norm=norm, joins=joins)
+        stream = None if joins is None else x + joins
+        if norm is not None:
+            x = norm(x if stream is None else stream).astype(dtype)
+        ys = tuple(linear(x, dtype) for linear in self.input_linears())
+        return ys if stream is None else (ys, stream)
 
 
 def _get(obj, dotted: str):

@@ -20,11 +20,17 @@ accumulates in float32 registers and writes the output once:
   each consumer (RoPE, both cache writes), and each reads the partials again.
 - Triton blocks are powers of two: N and K must be multiples of 16, else (and for more rows,
   or a float32 x) `plan` says None and the caller runs XLA's matmul.
+- what decoding would otherwise run as kernels of their own folds in (`small_m_matmul`'s
+  keywords): the RMSNorm of the float32 stream (each program computes its rows' mean square
+  over all of x, a few KB that stay in cache), an output that joins the stream before it
+  (written back by the first program), silu(gate) * up in the down projection's prologue,
+  and the residual add in the output projection's epilogue.
 
 Deviceless H100 programs hold it as one `__gpu$xla.gpu.triton` custom call per linear layer
 named `small_m_matmul`. Invariant: the result equals `(x @ W.astype(f32)) * scale` to the
-rounding of the output dtype. Used by `Linear` when `ModelConfig.decode_matmul` is "pallas" on
-GPU meshes; `interpret=True` runs it through Pallas's interpreter (tests on CPU).
+rounding of the output dtype, and a folded form equals its unfused steps to the same rounding.
+Used by `Linear` when `ModelConfig.decode_matmul` is "pallas" on GPU meshes; `interpret=True`
+runs it through Pallas's interpreter (tests on CPU).
 """
 
 from __future__ import annotations
@@ -100,15 +106,57 @@ def plan(m: int, k: int, n: int, x_dtype, w_dtype) -> Plan | None:
     return Plan(rows, block_n, block_k, splits)
 
 
-def _kernel(x_ref, w_ref, *rest, block_k: int, steps: int, scaled: bool, dot: bool):
-    """One (column block, split): x (rows, K / splits), W (K / splits, block_n), the scale
-    (block_n,) if `scaled`; float32 sums over the split's rows of W, times the scale, out."""
-    s_ref, o_ref = rest if scaled else (None, rest[0])
+def _kernel(x_ref, w_ref, *rest, k, block_k, steps, dtype, scaled, dot, norm, gate_up, ends, joins):
+    """One (column block, split): x (rows, all columns), W (K / splits, block_n), then the
+    scale (block_n,) if `scaled`, the norm's scale (K,) if `norm` (its eps), the output to
+    join x (rows, K) if `joins`, the residual (rows, block_n) if `ends`; the output, then the
+    joined stream (rows, K) if `joins`. The split's rows of x are read at split * K / splits
+    (plus `gate_up`: gate there, up K further); float32 sums, times the scale, out."""
+    rest = list(rest)
+    s_ref = rest.pop(0) if scaled else None
+    n_ref = rest.pop(0) if norm is not None else None
+    j_ref = rest.pop(0) if joins else None
+    r_ref = rest.pop(0) if ends else None
+    o_ref, *stream_ref = rest
     rows, cols = x_ref.shape[0], w_ref.shape[1]
+    base = pl.program_id(1) * (steps * block_k) + (gate_up or 0)
+
+    def stream(at):  # the float32 stream, with the output that joins it here
+        x = x_ref[:, pl.ds(at, block_k)].astype(jnp.float32)
+        return x + j_ref[:, pl.ds(at, block_k)].astype(jnp.float32) if joins else x
+
+    if norm is not None:  # the row's mean square over all K columns, as `RMSNorm`
+        eps = norm
+        first = (pl.program_id(0) == 0) & (pl.program_id(1) == 0)
+
+        def squares(i, acc):
+            x = stream(i * block_k)
+            if joins:  # the first program writes the joined stream out
+
+                @pl.when(first)
+                def _():
+                    stream_ref[0][:, pl.ds(i * block_k, block_k)] = x
+
+            return acc + jnp.sum(x * x, axis=1)
+
+        total = jax.lax.fori_loop(0, k // block_k, squares, jnp.zeros((rows,), jnp.float32))
+        inv = jax.lax.rsqrt(total / k + eps)[:, None]
+
+    def load_x(i):
+        at = base + i * block_k
+        if norm is not None:
+            x = stream(at) * inv
+            return (x * n_ref[pl.ds(at, block_k)].astype(jnp.float32)[None, :]).astype(dtype)
+        x = x_ref[:, pl.ds(at, block_k)]
+        if gate_up is not None:  # silu(gate) * up
+            g = x.astype(jnp.float32)
+            u = x_ref[:, pl.ds(at + k, block_k)]
+            x = g / (1.0 + jnp.exp(-g)) * u.astype(jnp.float32)
+        return x.astype(dtype)
 
     def body(i, acc):
-        x = x_ref[:, pl.ds(i * block_k, block_k)]
-        w = w_ref[pl.ds(i * block_k, block_k), :].astype(x.dtype)
+        x = load_x(i)
+        w = w_ref[pl.ds(i * block_k, block_k), :].astype(dtype)
         if dot:
             return acc + plgpu.dot(x, w)
         x, w = x.astype(jnp.float32), w.astype(jnp.float32)
@@ -117,44 +165,101 @@ def _kernel(x_ref, w_ref, *rest, block_k: int, steps: int, scaled: bool, dot: bo
     acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((rows, cols), jnp.float32))
     if scaled:
         acc = acc * s_ref[...].astype(jnp.float32)[None, :]
+    if ends:  # the residual stream plus the output as the unfused path rounds it
+        acc = r_ref[...] + acc.astype(dtype).astype(jnp.float32)
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def small_m_matmul(x_mk, w_kn, scale_n=None, *, interpret: bool = False):
-    """x (M, K) @ W (K, N) (times `scale_n` per column: int8 W) in x's dtype through the
-    Triton kernel, or None where `plan` says it does not apply. Inside shard_map the result is
-    typed as varying like x (`vary_like`)."""
-    m, k = x_mk.shape
-    n = w_kn.shape[1]
-    p = plan(m, k, n, x_mk.dtype, w_kn.dtype)
-    if p is None or w_kn.shape[0] != k:
+def small_m_matmul(
+    x_mk,
+    w_kn,
+    scale_n=None,
+    *,
+    dtype=None,
+    norm=None,
+    gate_up: int | None = None,
+    residual=None,
+    joins=None,
+    interpret: bool = False,
+):
+    """x (M, K) @ W (K, N) (times `scale_n` per column: int8 W) in `dtype` (default x's)
+    through the Triton kernel, or None where `plan` says it does not apply. Inside shard_map
+    the result is typed as varying like x and W (`vary_like`). Folded in, each optional:
+
+    - `norm=(scale_k, eps)`: x is the float32 residual stream; the kernel multiplies
+      `RMSNorm(x)` (`transformer.RMSNorm`: x * rsqrt(mean(x^2) + eps) * scale) in `dtype`.
+    - `gate_up=offset`: x holds the gate (M, K) at column `offset` and the up projection's
+      output right after it; the kernel multiplies silu(gate) * up (the MLP's down input).
+    - `joins` (M, K), with `norm`: an output that joins the stream first (the residual add
+      before a norm): the kernel multiplies `RMSNorm(x + joins)` and returns (y, the joined
+      stream x + joins in float32, typed as `joins`), the stream written by the first program.
+    - `residual` (M, N) float32: the result is `residual + y` in float32, y rounded to `dtype`
+      first as the unfused sum rounds it (an output projection's residual add)."""
+    m = x_mk.shape[0]
+    k, n = w_kn.shape
+    dtype = jnp.dtype(dtype or x_mk.dtype)
+    p = plan(m, k, n, dtype, w_kn.dtype)
+    width = x_mk.shape[1]
+    if p is None or (width != k if gate_up is None else gate_up + 2 * k > width):
         return None
-    return _call(x_mk, w_kn, scale_n, p, interpret)
+    if norm is not None and (gate_up is not None or x_mk.dtype != jnp.float32):
+        return None
+    if joins is not None and (norm is None or joins.shape != x_mk.shape):
+        return None
+    return _call(x_mk, w_kn, scale_n, p, dtype, norm, gate_up, residual, joins, interpret)
 
 
-def _call(x_mk, w_kn, scale_n, p: Plan, interpret: bool):
-    m, k = x_mk.shape
-    n, rows = w_kn.shape[1], p.rows
-    x_pk = jnp.pad(x_mk, ((0, rows - m), (0, 0))) if m < rows else x_mk
+def _call(x_mk, w_kn, scale_n, p: Plan, dtype, norm, gate_up, residual, joins, interpret):
+    m, width = x_mk.shape
+    k, n = w_kn.shape
+    rows = p.rows
+
+    def pad(a):
+        return jnp.pad(a, ((0, rows - m), (0, 0))) if m < rows else a
+
     chunk = k // p.splits
     scaled = scale_n is not None
+    ends = residual is not None and p.splits == 1
     kernel = functools.partial(
-        _kernel, block_k=p.block_k, steps=chunk // p.block_k, scaled=scaled, dot=p.dot
+        _kernel,
+        k=k,
+        block_k=p.block_k,
+        steps=chunk // p.block_k,
+        dtype=dtype,
+        scaled=scaled,
+        dot=p.dot,
+        norm=None if norm is None else float(norm[1]),
+        gate_up=gate_up,
+        ends=ends,
+        joins=joins is not None,
     )
     in_specs = [
-        pl.BlockSpec((rows, chunk), lambda j, s: (0, s)),
+        pl.BlockSpec((rows, width), lambda j, s: (0, 0)),
         pl.BlockSpec((chunk, p.block_n), lambda j, s: (s, j)),
     ]
-    args = [x_pk, w_kn]
+    args = [pad(x_mk), w_kn]
     if scaled:
         in_specs.append(pl.BlockSpec((p.block_n,), lambda j, s: (j,)))
         args.append(scale_n.reshape(n).astype(jnp.float32))
+    if norm is not None:
+        in_specs.append(pl.BlockSpec((k,), lambda j, s: (0,)))
+        args.append(norm[0].reshape(k))  # as stored: the kernel reads it in float32
+    if joins is not None:
+        in_specs.append(pl.BlockSpec((rows, k), lambda j, s: (0, 0)))
+        args.append(pad(joins))
+    if ends:
+        in_specs.append(pl.BlockSpec((rows, p.block_n), lambda j, s: (0, j)))
+        args.append(pad(residual.astype(jnp.float32)))
     if p.splits == 1:
         out_spec = pl.BlockSpec((rows, p.block_n), lambda j, s: (0, j))
-        out_shape = jax.ShapeDtypeStruct((rows, n), x_mk.dtype)
+        out_dtype = jnp.float32 if ends else dtype
+        out_shape = jax.ShapeDtypeStruct((rows, n), out_dtype)
     else:
         out_spec = pl.BlockSpec((None, rows, p.block_n), lambda j, s: (s, 0, j))
         out_shape = jax.ShapeDtypeStruct((p.splits, rows, n), jnp.float32)
+    if joins is not None:
+        out_spec = (out_spec, pl.BlockSpec((rows, k), lambda j, s: (0, 0)))
+        out_shape = (out_shape, jax.ShapeDtypeStruct((rows, k), jnp.float32))
     call = pl.pallas_call(
         kernel,
         grid=(n // p.block_n, p.splits),
@@ -168,7 +273,18 @@ def _call(x_mk, w_kn, scale_n, p: Plan, interpret: bool):
     # its output carries no varying-manual-axes type, which shard_map's check refuses: run
     # with the check off and type the result as x is
     with jax_config._check_vma(False):
-        y = vary_like(call(*args), x_mk)
-    if p.splits > 1:
-        y = jax.lax.optimization_barrier(y.sum(axis=0).astype(x_mk.dtype))
-    return y[:m] if m < rows else y
+        out = call(*args)
+    y, joined = out if joins is not None else (out, None)
+    y = _finish(vary_like(vary_like(y, x_mk), w_kn), m, rows, p, dtype, residual)
+    return y if joins is None else (y, vary_like(joined[:m], joins))
+
+
+def _finish(y, m: int, rows: int, p: Plan, dtype, residual):
+    """The kernel's output unpadded; where it split the contraction, the splits' sum (and the
+    residual add) in one fusion."""
+    if p.splits == 1:
+        return y[:m] if m < rows else y
+    y = y.sum(axis=0)[:m].astype(dtype)
+    if residual is not None:
+        y = residual.astype(jnp.float32) + y.astype(jnp.float32)
+    return jax.lax.optimization_barrier(y)

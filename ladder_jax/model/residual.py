@@ -11,7 +11,8 @@ without the previous module's output, whose all-reduce is in flight meanwhile. E
 reduced output is pending when a module starts. The backward (`_ladder_stream`) walks the same
 wiring in reverse so that its all-reduces overlap too; it equals autodiff (tested against an
 independent reference). `parallel` (`_parallel`) shares one input and one all-reduce per
-layer. The derivation:
+layer. Decoding with the Triton matmul (`_decode_stream`) runs the same wiring with its norms
+and additions folded into the matmul kernels. The derivation:
 docs/architecture.md#the-residual-wiring.
 """
 
@@ -71,9 +72,12 @@ def run(config, layers, x_btd, positions_bt, inv_freq, caches=None):
         config.remat == "matmuls",
         slots,
         tuple(graphdefs),
+        caches is not None and folds(layers[0]),
     )
     if caches is None and any(s.deferred for s in slots):
         return _ladder_stream(plan, states, x_btd, positions_bt, inv_freq), None
+    if plan.fold:
+        return _decode_stream(plan, states, x_btd, positions_bt, inv_freq, caches)
     return _stream(plan, states, x_btd, positions_bt, inv_freq, caches=caches)
 
 
@@ -88,11 +92,22 @@ def _parallel(config, layers, x_btd, positions_bt, inv_freq, caches=None):
     if config.remat != "none":
         both = nnx.remat(both, policy=MATMULS if config.remat == "matmuls" else None)
     new_caches = None if caches is None else []
+    pending = None  # decoding folds: the layer's reduced output joins in the next prologue
     for i, layer in enumerate(layers):
         with jax.named_scope(f"layer{i}.parallel"):
+            cache = None if caches is None else caches[i]
+            if caches is not None and layer.fused_in is not None and folds(layer):  # kernels
+                y_btc = layer.fused_in(
+                    x_btd, config.dtype, norm=layer.attn_norm, joins=pending, split=False
+                )
+                y_btc, x_btd = y_btc if pending is not None else (y_btc, x_btd)
+                q, k, v, _, _ = layer.fused_in.split(y_btc)
+                a, cache = layer.attn.attend_and_project(q, k, v, positions_bt, inv_freq, cache)
+                new_caches.append(cache)
+                pending = sharding.reduce_tp(a + layer.mlp.down_from(layer.fused_in, y_btc, 3))
+                continue
             # tp-varying from here: the backward's input all-reduce (none at tp=1)
             h_btd = sharding.vary_tp(layer.attn_norm(x_btd).astype(config.dtype))
-            cache = None if caches is None else caches[i]
             if layer.fused_in is not None:  # decoding: one matmul for all five
                 q, k, v, g_btf, u_btf = layer.project_inputs(h_btd, config.dtype)
                 a = layer.attn.attend_and_project(q, k, v, positions_bt, inv_freq, cache)
@@ -106,7 +121,7 @@ def _parallel(config, layers, x_btd, positions_bt, inv_freq, caches=None):
                 new_caches.append(cache)
             y_btd = a if m_btd is None else a + m_btd
             x_btd = x_btd + sharding.reduce_tp(y_btd)
-    return x_btd, new_caches
+    return (x_btd if pending is None else x_btd + pending), new_caches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +134,24 @@ class _Plan:
     matmuls: bool  # modules keep their inputs and weight matmuls' outputs (remat="matmuls")
     slots: tuple[Slot, ...]
     graphdefs: tuple  # (norm graphdef, module graphdef) per slot
+    fold: bool = False  # decoding with the Triton matmul: norms and residual adds folded in
+
+
+def folds(layer) -> bool:
+    """Whether decoding folds the norms (and, where no all-reduce sits between, the residual
+    adds) into `layer`'s matmuls: its linear layers run the Triton kernel
+    (`ModelConfig.decode_matmul="pallas"` on a GPU mesh, `ladder_jax.model.matvec`)."""
+    return layer.attn.o.matmul == "pallas"
+
+
+def _fold_residual(plan, k: int) -> bool:
+    """Whether module k's output joins the stream in its last matmul's epilogue: decoding
+    folds, nothing sits between the two (no all-reduce: tp 1 or upper_bound) and both module k
+    and the next are immediate (a deferred module's stream waits for the previous output)."""
+    slots = plan.slots
+    if not plan.fold or slots[k].deferred or (k + 1 < len(slots) and slots[k + 1].deferred):
+        return False
+    return plan.no_reduce or jax.lax.axis_size(sharding.TP) == 1
 
 
 # What a module keeps for its backward under `remat="matmuls"`: the outputs of matmuls without
@@ -143,6 +176,27 @@ def _functions(plan, k, positions_bt, inv_freq):
         return m(h_btd)
 
     return norm, module
+
+
+def _folded(plan, k, positions_bt, inv_freq):
+    """Decoding's module k (`_Plan.fold`): (norm state, module state, x, cache, residual,
+    joins) -> (its output (`residual +` it, given one), its cache or None, the stream with
+    `joins` joined or None), the norm in its first matmul's kernel. x enters tp-invariant:
+    the kernels type their outputs as varying like the weights."""
+    gn, gm = plan.graphdefs[k]
+
+    def module(norm_state, state, x_btd, cache, residual, joins):
+        n, m = nnx.merge(gn, norm_state), nnx.merge(gm, state)
+        kw = dict(norm=n, residual=residual, joins=joins)
+        if plan.slots[k].name == "attn":
+            out = m(x_btd, positions_bt, inv_freq, cache, **kw)
+        else:
+            out = m(x_btd, **kw)
+        out, stream = out if joins is not None else (out, None)
+        y_btd, cache = out if plan.slots[k].name == "attn" else (out, None)
+        return y_btd, cache, stream
+
+    return module
 
 
 def _reduce_and_vary(plan):
@@ -187,6 +241,47 @@ def _stream(plan, states, x_btd, positions_bt, inv_freq, *, caches=None, vjps=No
                 x_btd = x_btd + pending
             pending = reduce(y_btd)
     return x_btd + pending, caches
+
+
+def _decode_stream(plan, states, x_btd, positions_bt, inv_freq, caches):
+    """`_stream` of a decoding program whose matmuls fold (`_Plan.fold`): the same wiring,
+    its additions moved into kernels. A module normalizes the stream in its first matmul's
+    prologue, after the output still pending joins it there (`joins`: the kernel writes the
+    joined stream out), so no norm or residual add runs as a kernel of its own; where nothing
+    sits between a module's output and the stream (`_fold_residual`) its last matmul adds it
+    in its epilogue instead. A deferred module's pending output joins in the next module's
+    prologue (`late`), as `_stream` adds it after the module; the tie that keeps its
+    all-reduce in flight meanwhile is the same."""
+    reduce, _ = _reduce_and_vary(plan)
+    caches = list(caches)
+    pending = None  # the previous module's all-reduced output, not yet in x
+    late = None  # a deferred module's pending output: joins in the next module's prologue
+    for k, slot in enumerate(plan.slots):
+        with jax.named_scope(f"layer{slot.layer}.{slot.name}"):
+            joins = None
+            if slot.deferred:
+                joins, late = late, None
+            else:
+                if late is not None:  # a deferred module before an immediate one
+                    x_btd, late = x_btd + late, None
+                joins, pending = pending, None
+            residual = x_btd if joins is None and _fold_residual(plan, k) else None
+            cache = caches[slot.layer] if slot.name == "attn" else None
+            y_btd, cache, stream = _folded(plan, k, positions_bt, inv_freq)(
+                *states[k], x_btd, cache, residual, joins
+            )
+            if cache is not None:
+                caches[slot.layer] = cache
+            x_btd = x_btd if stream is None else stream
+            if residual is not None:  # y_btd is the stream now
+                x_btd = reduce(y_btd)
+                continue
+            if pending is not None:  # deferred: that all-reduce ran while `module` did
+                late, y_btd = sharding.tie(pending, y_btd)
+            pending = reduce(y_btd)
+    for rest in (late, pending):
+        x_btd = x_btd if rest is None else x_btd + rest
+    return x_btd, caches
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

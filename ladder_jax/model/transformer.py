@@ -164,7 +164,9 @@ class Attention(FusesInputs):
         self.dtype = config.dtype
         self.kernel = attention_kernel(mesh, config.dtype, H)
 
-    def __call__(self, x_btd, positions_bt, inv_freq, cache=None):
+    def __call__(
+        self, x_btd, positions_bt, inv_freq, cache=None, *, norm=None, residual=None, joins=None
+    ):
         """This rank's partial sum (B, T, D) of the attention output; with a KV cache
         (k, v), keys (B, K_local, H, S) and values (B, K_local, S, H), also the cache with
         this call's keys and values written at `positions_bt` (row b's tokens go to slots
@@ -175,11 +177,22 @@ class Attention(FusesInputs):
         causal flash kernel over the T keys of the call itself (`attend_causal`): the same
         result as attending over the cache, whose slots past t no query t may see. With
         positions given, it runs the reference `attend` over the keys, or over a cache
-        `ragged.attend_filled`, which reads only the slots some query can see."""
-        q_btnh, k_btkh, v_btkh = self.project_inputs(x_btd.astype(self.dtype), self.dtype)
-        return self.attend_and_project(q_btnh, k_btkh, v_btkh, positions_bt, inv_freq, cache)
+        `ragged.attend_filled`, which reads only the slots some query can see.
 
-    def attend_and_project(self, q_btnh, k_btkh, v_btkh, positions_bt, inv_freq, cache=None):
+        Decoding folds (`residual._decode_stream`): `norm` (the layer's `RMSNorm`), x_btd is
+        the float32 stream, normalized first, after `joins` (a reduced output) joins it: then
+        returns (the above, the joined stream); `residual`, the output is `residual + output`."""
+        x_btd = x_btd if norm is not None else x_btd.astype(self.dtype)
+        qkv = self.project_inputs(x_btd, self.dtype, norm=norm, joins=joins)
+        (q_btnh, k_btkh, v_btkh), stream = qkv if joins is not None else (qkv, None)
+        out = self.attend_and_project(
+            q_btnh, k_btkh, v_btkh, positions_bt, inv_freq, cache, residual=residual
+        )
+        return out if joins is None else (out, stream)
+
+    def attend_and_project(
+        self, q_btnh, k_btkh, v_btkh, positions_bt, inv_freq, cache=None, *, residual=None
+    ):
         """Everything after the q/k/v projections (RoPE, cache write, attention, the output
         projection); `__call__` documents the arguments. The parallel scheme's fused input
         projection (`Layer.fused_in`) enters here."""
@@ -201,7 +214,7 @@ class Attention(FusesInputs):
         else:
             # only the filled blocks of each row's cache are read (`ragged.attend_filled`)
             out_btnh = ragged.attend_filled(q_btnh, *new_cache, positions_bt, self.kernel)
-        y_btd = self.o(out_btnh, self.dtype)
+        y_btd = self.o(out_btnh, self.dtype, residual=residual)
         return y_btd if cache is None else (y_btd, new_cache)
 
 
@@ -425,14 +438,38 @@ class MLP(FusesInputs):
         self.gate_up = None  # decoding: their `FusedLinear` (`install_fused`)
         self.dtype = config.dtype
 
-    def __call__(self, x_btd):
-        """Returns this rank's partial sum (B, T, D) of the SwiGLU output."""
-        return self.project_down(*self.project_inputs(x_btd.astype(self.dtype), self.dtype))
+    def __call__(self, x_btd, *, norm=None, residual=None, joins=None):
+        """Returns this rank's partial sum (B, T, D) of the SwiGLU output. Decoding folds
+        (`residual._decode_stream`): `norm` (the layer's `RMSNorm`), x_btd is the float32
+        stream, normalized first, after `joins` (a reduced output) joins it: then returns
+        (the output, the joined stream); `residual`, the output is `residual + output`."""
+        if norm is None:
+            x_btd = x_btd.astype(self.dtype)
+        if self.gate_up is not None and self.down.matmul == "pallas":  # one kernel each
+            gu = self.gate_up(x_btd, self.dtype, norm=norm, joins=joins, split=False)
+            gu_btc, stream = gu if joins is not None else (gu, None)
+            out = self.down_from(self.gate_up, gu_btc, 0, residual)
+        else:
+            gu = self.project_inputs(x_btd, self.dtype, norm, joins)
+            (g_btf, u_btf), stream = gu if joins is not None else (gu, None)
+            out = self.project_down(g_btf, u_btf, residual)
+        return out if joins is None else (out, stream)
 
-    def project_down(self, g_btf, u_btf):
+    def project_down(self, g_btf, u_btf, residual=None):
         """silu(gate) * up through the down projection (the parallel scheme's fused input
         projection enters here)."""
-        return self.down(jax.nn.silu(g_btf) * u_btf, self.dtype)
+        return self.down(jax.nn.silu(g_btf) * u_btf, self.dtype, residual=residual)
+
+    def down_from(self, fused: FusedLinear, y_btc, gate: int, residual=None):
+        """`project_down` of parts `gate` and `gate + 1` of `fused`'s unsplit output: silu(gate)
+        * up in the Triton kernel's prologue where it runs."""
+        out = self.down.small_m(
+            y_btc, self.dtype, gate_up=fused.offset(gate), residual=residual
+        )
+        if out is not None:
+            return out
+        parts = fused.split(y_btc)
+        return self.project_down(parts[gate], parts[gate + 1], residual)
 
 
 class Layer(FusesInputs):
