@@ -41,9 +41,13 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 import pytest  # noqa: E402
 
 QUICK = ("test_model.py", "test_sharding.py", "test_cli.py")
+# the longest single test files run first, so that with `-n 2 --dist loadfile` a worker
+# starts on them while the other works through the rest, instead of one ending alone
+FIRST = ("test_adaptation_smollm2.py",)
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.path.name in QUICK:
             item.add_marker(pytest.mark.quick)
+    items.sort(key=lambda item: item.path.name not in FIRST)
