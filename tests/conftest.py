@@ -38,11 +38,14 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # The quick first check, `python -m pytest -m quick` (README): these files, and the tests
 # marked `@pytest.mark.quick` elsewhere. CI runs everything.
 
+import collections  # noqa: E402
+
 import pytest  # noqa: E402
 
 QUICK = ("test_model.py", "test_sharding.py", "test_cli.py")
-# the longest single test files run first, so that with `-n 2 --dist loadfile` a worker
-# starts on them while the other works through the rest, instead of one ending alone
+# Order of the files for `-n 2 --dist loadfile --no-loadscope-reorder`: the longest single
+# tests first, so that a worker starts on them while the other works through the rest instead
+# of one ending alone, then the files with the most tests (xdist's own default order).
 FIRST = ("test_adaptation_smollm2.py",)
 
 
@@ -50,4 +53,5 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.path.name in QUICK:
             item.add_marker(pytest.mark.quick)
-    items.sort(key=lambda item: item.path.name not in FIRST)
+    per_file = collections.Counter(item.path.name for item in items)
+    items.sort(key=lambda item: (item.path.name not in FIRST, -per_file[item.path.name]))
