@@ -1447,16 +1447,7 @@ def test_contention_both_ways_at_rate_one_is_the_one_way_replay():
 
 
 def test_prefill_collectives_are_slowed_beside_kernels_and_the_ablation_is_exact():
-    kw = dict(
-        phase="prefill",
-        tp=4,
-        batch=1,
-        prompt_len=16,
-        new_tokens=16,
-        link=hardware.LINKS["nvlink"],
-        layers_compiled=0,
-        launch="off",
-    )
+    kw = dict(SMALL_DECODE, phase="prefill", launch="off")
     cfg = dataclasses.replace(KV8, residual="ladder")
     one_way = perfmodel.program_time(cfg, copy_contention=False, **kw)
     both = perfmodel.program_time(cfg, **kw)
