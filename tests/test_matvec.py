@@ -191,24 +191,35 @@ def _bf16(a):
         (2, 256, 2048, "int8", "residual"),  # one split: the add in the kernel
         (16, 4096, 64, "bfloat16", "residual"),  # split: the add in the partials' sum
         (1, 4096, 32, "int8", "gate_up+residual"),  # a down projection
+        (16, 512, 64, "bfloat16", "norm+joins2"),  # two outputs join; the stream not written
+        (16, 1024, 128, "int8", "norm+joins2+swiglu"),  # a standard MLP's gate/up at tp > 1
+        (3, 256, 96, "bfloat16", "swiglu"),  # the no-dot form, rows padded
     ],
 )
 def test_folded_prologue_and_epilogue_equal_the_unfused_arithmetic(m, k, n, w_dtype, fold):
-    """RMSNorm of the float32 stream (prologue; after a reduced output joins it: `joins`),
-    silu(gate) * up (prologue) and the residual add (epilogue) inside the kernel, against
-    float64 of the unfused steps: the matmul's input rounded to bfloat16 as the unfused path
-    feeds it, the output rounded before the add."""
+    """RMSNorm of the float32 stream (prologue; after reduced outputs join it: `joins`),
+    silu(gate) * up (prologue, or of the outputs in the epilogue: `swiglu`) and the residual
+    add (epilogue) inside the kernel, against float64 of the unfused steps: the matmul's input
+    rounded to bfloat16 as the unfused path feeds it, the output rounded before the add."""
     x, w, scale = _operands(m, k, n, w_dtype)
-    keys = jax.random.split(jax.random.key(7), 3)
-    kw, offset = {}, 0
+    keys = jax.random.split(jax.random.key(7), 4)
+    kw, offset, joins = {}, 0, ()
     if "norm" in fold:
         x = 3.0 * jax.random.normal(keys[0], (m, k), jnp.float32)  # the stream
         ns = jax.random.uniform(keys[1], (k,), jnp.float32, 0.5, 1.5).astype(jnp.bfloat16)
         kw["norm"], eps = (ns, 1e-5), 1e-5
         x64 = np.asarray(x, np.float64)
         if "joins" in fold:
-            kw["joins"] = jax.random.normal(keys[2], (m, k), jnp.float32).astype(jnp.bfloat16)
-            x64 = np.asarray(x + kw["joins"].astype(jnp.float32), np.float64)  # float32 sum
+            joins = tuple(
+                jax.random.normal(keys[2 + i], (m, k), jnp.float32).astype(jnp.bfloat16)
+                for i in range(2 if "joins2" in fold else 1)
+            )
+            kw["joins"] = joins if "joins2" in fold else joins[0]
+            kw["write_stream"] = "swiglu" in fold  # a held stream: not written
+            joined = x
+            for j in joins:  # float32 sums in order
+                joined = joined + j.astype(jnp.float32)
+            x64 = np.asarray(joined, np.float64)
         h = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + eps) * np.asarray(ns, np.float64)
     elif "gate_up" in fold:
         offset = 32
@@ -221,16 +232,24 @@ def test_folded_prologue_and_epilogue_equal_the_unfused_arithmetic(m, k, n, w_dt
         h = np.asarray(x, np.float64)
     if "residual" in fold:
         kw["residual"] = 50.0 * jax.random.normal(keys[2], (m, n), jnp.float32)
+    kw["swiglu"] = "swiglu" in fold
     got = jax.jit(
         lambda x, w, s: matvec.small_m_matmul(x, w, s, dtype=jnp.bfloat16, interpret=True, **kw)
     )(x, w, scale)
-    if "joins" in fold:  # the stream with the output joined, exactly as XLA adds them
+    if "joins" in fold:  # the stream with the outputs joined, exactly as XLA adds them
         got, stream = got
-        np.testing.assert_array_equal(stream, x + kw["joins"].astype(jnp.float32))
+        if kw["write_stream"]:
+            np.testing.assert_array_equal(stream, joined)
+        else:
+            assert stream is None
     want = _bf16(h) @ np.asarray(w, np.float64)
     if scale is not None:
         want = want * np.asarray(scale, np.float64)
     atol = 2.0**-8 * np.abs(want).max() + 1e-3
+    if "swiglu" in fold:  # of the gate's and the up projection's outputs, each rounded
+        g, u = _bf16(want[:, : n // 2]), _bf16(want[:, n // 2 :])
+        want = g / (1 + np.exp(-g)) * u
+        atol = 2.0**-8 * np.abs(want).max() + 2.0**-8 * np.abs(u).max() + 1e-3
     if "residual" in fold:
         assert got.dtype == jnp.float32
         want = np.asarray(kw["residual"], np.float64) + want
@@ -242,16 +261,32 @@ def test_folded_prologue_and_epilogue_equal_the_unfused_arithmetic(m, k, n, w_dt
 
 
 def _unfused(
-    x, w, scale=None, *, dtype=None, norm=None, gate_up=None, residual=None, joins=None, **_
+    x,
+    w,
+    scale=None,
+    *,
+    dtype=None,
+    norm=None,
+    gate_up=None,
+    residual=None,
+    joins=None,
+    write_stream=True,
+    swiglu=False,
+    **_,
 ):
     """What `matvec.small_m_matmul` computes, spelled out in XLA ops (None where its plan
     refuses), so that a CPU model can take the folded decoding path."""
     dtype = jnp.dtype(dtype or x.dtype)
     k, n = w.shape
-    if matvec.plan(x.shape[0], k, n, dtype, w.dtype) is None:
+    p = matvec.plan(x.shape[0], k, n, dtype, w.dtype, tiles=2 if swiglu else 1)
+    if p is None or (swiglu and (p.splits > 1 or (n // 2) % p.block_n)):
         return None
     f32 = jnp.float32
-    stream = None if joins is None else x + joins.astype(f32)
+    stream = None
+    if joins is not None:
+        stream = x
+        for j in joins if isinstance(joins, tuple) else (joins,):
+            stream = stream + j.astype(f32)
     if norm is not None:
         h = x.astype(f32) if stream is None else stream
         h = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + norm[1])
@@ -263,18 +298,23 @@ def _unfused(
         h = x
     y = h.astype(dtype).astype(f32) @ w.astype(f32)
     y = (y if scale is None else y * scale).astype(dtype)
+    if swiglu:
+        g, u = y[:, : n // 2].astype(f32), y[:, n // 2 :].astype(f32)
+        y = (jax.nn.silu(g) * u).astype(dtype)
     y = y if residual is None else residual + y.astype(f32)
-    return y if stream is None else (y, stream)
+    if joins is None:
+        return y
+    return y, stream if write_stream else None
 
 
 @pytest.mark.parametrize(
     "tp, residual, folds",  # over two layers: four modules, two of each
     [
-        (1, "standard", dict(norm=4, gate_up=2, residual=4, joins=0)),  # adds in epilogues
-        (2, "standard", dict(norm=4, gate_up=2, residual=0, joins=3)),  # all-reduces between
-        (1, "ladder", dict(norm=4, gate_up=2, residual=0, joins=2)),  # deferred: joins later
-        (2, "parallel", dict(norm=2, gate_up=2, residual=0, joins=1)),  # one norm a layer
-        (2, "upper_bound", dict(norm=4, gate_up=2, residual=4, joins=0)),  # no all-reduce
+        (1, "standard", dict(norm=4, swiglu=2, residual=4, joins=0, held=0)),  # epilogues
+        (2, "standard", dict(norm=4, swiglu=2, residual=0, joins=3, held=1)),  # all-reduces
+        (1, "ladder", dict(norm=4, swiglu=2, residual=0, joins=2, held=0)),  # joins later
+        (2, "parallel", dict(norm=2, gate_up=2, residual=0, joins=1, held=0)),  # one norm
+        (2, "upper_bound", dict(norm=4, swiglu=2, residual=4, joins=0, held=0)),  # no reduce
     ],
 )
 def test_folded_decoding_equals_the_unfused_program(monkeypatch, tp, residual, folds):
@@ -293,6 +333,8 @@ def test_folded_decoding_equals_the_unfused_program(monkeypatch, tp, residual, f
     calls = dict.fromkeys(folds, 0)
 
     def counted(*a, **kw):
+        kw = {**kw, "held": None if kw.get("write_stream", True) else True}
+        kw["swiglu"] = kw.get("swiglu") or None
         for name in calls:
             calls[name] += kw.get(name) is not None
         return _unfused(*a, **kw)

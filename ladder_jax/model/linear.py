@@ -13,6 +13,7 @@ meshes, `ModelConfig.decode_matmul`) a product over at most 16 rows runs the Tri
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -76,20 +77,22 @@ class Linear(nnx.Module):
 
     def __call__(self, x, dtype, *, norm=None, residual=None, joins=None):
         """`norm` (an `RMSNorm`): x is the float32 stream, normalized first, after `joins` (a
-        reduced output) is added to it: then returns (y, the stream x + joins); `residual`:
-        returns `residual + y` in float32. All fold into the Triton kernel where it runs."""
+        reduced output, or `Joins`) is added to it: then returns (y, the stream x + joins, or
+        None where `Joins.write` is False); `residual`: returns `residual + y` in float32. All
+        fold into the Triton kernel where it runs."""
         if self.matmul == "pallas":
             y = self.small_m(x, dtype, norm=norm, residual=residual, joins=joins)
             if y is not None:
                 return y
-        stream = None if joins is None else x + joins
+        joins = as_joins(joins)
+        stream = None if joins is None else joins.onto(x)
         if norm is not None:
             x = norm(x if stream is None else stream).astype(dtype)
         w = self.read(dtype)
         y = flat_einsum(self.equation, x, w) if self.flat else jnp.einsum(self.equation, x, w)
         y = self.rescale(y)
         y = y if residual is None else residual + y
-        return y if stream is None else (y, stream)
+        return y if joins is None else (y, stream if joins.write else None)
 
     def small_m(
         self,
@@ -101,12 +104,15 @@ class Linear(nnx.Module):
         gate_up=None,
         residual=None,
         joins=None,
+        swiglu: bool = False,
     ):
         """`self(x, dtype, norm=..., residual=...)` through the Triton kernel
         (`matvec.small_m_matmul`: int8 values and their scale go in as stored), or None where
         it does not apply (more than 16 rows, shapes Triton cannot block, a float32 x without
         `norm`). `gate_up=offset`: x's last axis holds the gate at `offset` and the up
-        projection after it, and the kernel multiplies silu(gate) * up."""
+        projection after it, and the kernel multiplies silu(gate) * up. `swiglu`: the weight's
+        output columns are the gate's then the up projection's, and the result is silu(gate) *
+        up (half the columns)."""
         n = len(self.contracted)
         if not _is_flat(self.equation) or x.ndim < n:
             return None
@@ -114,6 +120,8 @@ class Linear(nnx.Module):
         k, cols = math.prod(w.shape[:n]), w.shape[n:]
         rows = x.shape[: x.ndim - (1 if gate_up is not None else n)]
         m = math.prod(rows)
+        if swiglu:
+            cols = (math.prod(cols) // 2,)
         if matvec.plan(m, k, math.prod(cols), dtype, w.dtype) is None:
             return None
         x = x.reshape(m, -1)
@@ -125,6 +133,7 @@ class Linear(nnx.Module):
             if self.kv_heads is not None:
                 scale = sharding.local_kv_head(scale, *self.kv_heads)
             scale = scale.reshape(-1)
+        joins = as_joins(joins)
         y = matvec.small_m_matmul(
             x,
             w.reshape(k, -1),
@@ -133,12 +142,15 @@ class Linear(nnx.Module):
             norm=None if norm is None else (sharding.read_weight(norm.scale), norm.eps),
             gate_up=gate_up,
             residual=None if residual is None else residual.reshape(m, -1),
-            joins=None if joins is None else joins.reshape(m, -1),
+            joins=None if joins is None else tuple(j.reshape(m, -1) for j in joins.parts),
+            write_stream=joins is None or joins.write,
+            swiglu=swiglu,
             interpret=interpret,
         )
         if y is None or joins is None:
             return None if y is None else y.reshape(*rows, *cols)
-        return y[0].reshape(*rows, *cols), y[1].reshape(joins.shape)
+        stream = None if y[1] is None else y[1].reshape(joins.parts[0].shape)
+        return y[0].reshape(*rows, *cols), stream
 
 
 class FusedLinear(Linear):
@@ -159,6 +171,15 @@ class FusedLinear(Linear):
         y, stream = y if joins is not None else (y, None)
         y = self.split(y) if split else y
         return y if joins is None else (y, stream)
+
+    def swiglu(self, x, dtype, *, norm=None, joins=None):
+        """silu(gate) * up (..., F) of a fused (gate, up) pair through the Triton kernel, which
+        multiplies both and writes only that (`Linear.small_m`'s `swiglu`); `norm` and `joins`
+        as in `__call__`. None where the kernel does not take it (the caller runs `__call__`
+        and the down projection's `gate_up` prologue)."""
+        if len(self.parts) != 2 or self.parts[0] != self.parts[1] or self.matmul != "pallas":
+            return None
+        return self.small_m(x, dtype, norm=norm, joins=joins, swiglu=True)
 
     def split(self, y):
         """The parts of a (..., C) output, part i shaped (..., *parts[i])."""
@@ -204,11 +225,34 @@ class FusesInputs(nnx.Module):
         fused = getattr(self, self.FUSED)
         if fused is not None:
             return fused(x, dtype, norm=norm, joins=joins)
-        stream = None if joins is None else x + joins
+        joins = as_joins(joins)
+        stream = None if joins is None else joins.onto(x)
         if norm is not None:
             x = norm(x if stream is None else stream).astype(dtype)
         ys = tuple(linear(x, dtype) for linear in self.input_linears())
-        return ys if stream is None else (ys, stream)
+        return ys if joins is None else (ys, stream if joins.write else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Joins:
+    """Reduced outputs that join the float32 stream before a norm, added in order (decoding's
+    folds, `residual._decode_stream`): `Linear(x, dtype, norm=n, joins=Joins((a, b)))`
+    normalizes `x + a + b`. `write=False`: no module reads that joined stream (the next one
+    joins the same outputs again), so the kernel does not write it and the caller gets None."""
+
+    parts: tuple
+    write: bool = True
+
+    def onto(self, x):
+        """x + each part, in order, as the kernel adds them (float32)."""
+        for p in self.parts:
+            x = x + p
+        return x
+
+
+def as_joins(joins) -> Joins | None:
+    """`joins` as a `Joins` (one reduced output: one part, the stream written)."""
+    return joins if joins is None or isinstance(joins, Joins) else Joins((joins,))
 
 
 def _get(obj, dotted: str):

@@ -22,9 +22,11 @@ accumulates in float32 registers and writes the output once:
   or a float32 x) `plan` says None and the caller runs XLA's matmul.
 - what decoding would otherwise run as kernels of their own folds in (`small_m_matmul`'s
   keywords): the RMSNorm of the float32 stream (each program computes its rows' mean square
-  over all of x, a few KB that stay in cache), an output that joins the stream before it
-  (written back by the first program), silu(gate) * up in the down projection's prologue,
-  and the residual add in the output projection's epilogue.
+  over all of x, a few KB that stay in cache), outputs that join the stream before it
+  (written back by the first program, unless a later kernel joins them again), silu(gate) *
+  up in the gate/up projection's epilogue (`swiglu`: it writes half the columns, and the down
+  projection reads half) or else in the down projection's prologue, and the residual add in
+  the output projection's epilogue.
 
 Deviceless H100 programs hold it as one `__gpu$xla.gpu.triton` custom call per linear layer
 named `small_m_matmul`. Invariant: the result equals `(x @ W.astype(f32)) * scale` to the
@@ -77,9 +79,10 @@ def _pow2_factor(n: int, cap: int) -> int:
     return min(n & -n, cap)
 
 
-def plan(m: int, k: int, n: int, x_dtype, w_dtype) -> Plan | None:
+def plan(m: int, k: int, n: int, x_dtype, w_dtype, tiles: int = 1) -> Plan | None:
     """The tiling for x (m, k) in `x_dtype` times W (k, n) in `w_dtype`, or None where the
-    kernel does not apply (module doc): the caller then runs XLA's matmul."""
+    kernel does not apply (module doc): the caller then runs XLA's matmul. `tiles`: W tiles a
+    program stages per step (2 for `swiglu`: its gate's and its up's)."""
     x_dtype, w_dtype = jnp.dtype(x_dtype), jnp.dtype(w_dtype)
     if not 1 <= m <= MAX_ROWS or x_dtype not in (jnp.bfloat16, jnp.float16):
         return None
@@ -89,9 +92,9 @@ def plan(m: int, k: int, n: int, x_dtype, w_dtype) -> Plan | None:
     block_n = _pow2_factor(n, MAX_BLOCK_N)
     while block_n > MIN_BLOCK and n // block_n < TARGET_PROGRAMS:
         block_n //= 2
-    cap = TILE_BYTES // (block_n * x_dtype.itemsize)
+    cap = TILE_BYTES // (tiles * block_n * x_dtype.itemsize)
     if rows < DOT_ROWS:
-        cap = min(cap, PRODUCT_ELEMENTS // (rows * block_n))
+        cap = min(cap, PRODUCT_ELEMENTS // (tiles * rows * block_n))
     block_k = _pow2_factor(k, min(MAX_BLOCK_K, cap))
     if block_n < MIN_BLOCK or block_k < MIN_BLOCK:
         return None
@@ -106,24 +109,44 @@ def plan(m: int, k: int, n: int, x_dtype, w_dtype) -> Plan | None:
     return Plan(rows, block_n, block_k, splits)
 
 
-def _kernel(x_ref, w_ref, *rest, k, block_k, steps, dtype, scaled, dot, norm, gate_up, ends, joins):
-    """One (column block, split): x (rows, all columns), W (K / splits, block_n), then the
-    scale (block_n,) if `scaled`, the norm's scale (K,) if `norm` (its eps), the output to
-    join x (rows, K) if `joins`, the residual (rows, block_n) if `ends`; the output, then the
-    joined stream (rows, K) if `joins`. The split's rows of x are read at split * K / splits
-    (plus `gate_up`: gate there, up K further); float32 sums, times the scale, out."""
+def _kernel(
+    x_ref,
+    w_ref,
+    *rest,
+    k,
+    block_k,
+    steps,
+    dtype,
+    scaled,
+    dot,
+    norm,
+    gate_up,
+    ends,
+    joins,
+    swiglu,
+    write,
+):
+    """One (column block, split): x (rows, all columns), W (K / splits, block_n) (if `swiglu`
+    (K / splits, 2, block_n): the gate's block and the up projection's), then the scale
+    (block_n,) if `scaled` (`swiglu`: (2, block_n)), the norm's scale (K,) if `norm` (its
+    eps), `joins` outputs (rows, K) to join x, the residual (rows, block_n) if `ends`; the
+    output, then the joined stream (rows, K) if `write`. The split's rows of x are read at
+    split * K / splits (plus `gate_up`: gate there, up K further); float32 sums, times the
+    scale, out."""
     rest = list(rest)
     s_ref = rest.pop(0) if scaled else None
     n_ref = rest.pop(0) if norm is not None else None
-    j_ref = rest.pop(0) if joins else None
+    j_refs = [rest.pop(0) for _ in range(joins)]
     r_ref = rest.pop(0) if ends else None
     o_ref, *stream_ref = rest
-    rows, cols = x_ref.shape[0], w_ref.shape[1]
+    rows, cols = x_ref.shape[0], w_ref.shape[-1]
     base = pl.program_id(1) * (steps * block_k) + (gate_up or 0)
 
-    def stream(at):  # the float32 stream, with the output that joins it here
+    def stream(at):  # the float32 stream, with the outputs that join it here, in order
         x = x_ref[:, pl.ds(at, block_k)].astype(jnp.float32)
-        return x + j_ref[:, pl.ds(at, block_k)].astype(jnp.float32) if joins else x
+        for j_ref in j_refs:
+            x = x + j_ref[:, pl.ds(at, block_k)].astype(jnp.float32)
+        return x
 
     if norm is not None:  # the row's mean square over all K columns, as `RMSNorm`
         eps = norm
@@ -131,7 +154,7 @@ def _kernel(x_ref, w_ref, *rest, k, block_k, steps, dtype, scaled, dot, norm, ga
 
         def squares(i, acc):
             x = stream(i * block_k)
-            if joins:  # the first program writes the joined stream out
+            if write:  # the first program writes the joined stream out
 
                 @pl.when(first)
                 def _():
@@ -154,17 +177,32 @@ def _kernel(x_ref, w_ref, *rest, k, block_k, steps, dtype, scaled, dot, norm, ga
             x = g / (1.0 + jnp.exp(-g)) * u.astype(jnp.float32)
         return x.astype(dtype)
 
-    def body(i, acc):
-        x = load_x(i)
-        w = w_ref[pl.ds(i * block_k, block_k), :].astype(dtype)
-        if dot:
-            return acc + plgpu.dot(x, w)
-        x, w = x.astype(jnp.float32), w.astype(jnp.float32)
-        return acc + jnp.sum(x[:, :, None] * w[None, :, :], axis=1)
+    halves = (0, 1) if swiglu else (None,)  # swiglu: W's block is (K, gate | up, block_n)
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((rows, cols), jnp.float32))
+    def product(x, i, half):
+        at = pl.ds(i * block_k, block_k)
+        w = (w_ref[at, :] if half is None else w_ref[at, half, :]).astype(dtype)
+        if dot:
+            return plgpu.dot(x, w)
+        x, w = x.astype(jnp.float32), w.astype(jnp.float32)
+        return jnp.sum(x[:, :, None] * w[None, :, :], axis=1)
+
+    def body(i, accs):
+        x = load_x(i)
+        return tuple(a + product(x, i, h) for a, h in zip(accs, halves))
+
+    zero = jnp.zeros((rows, cols), jnp.float32)
+    accs = jax.lax.fori_loop(0, steps, body, tuple(zero for _ in halves))
     if scaled:
-        acc = acc * s_ref[...].astype(jnp.float32)[None, :]
+        accs = tuple(
+            a * (s_ref[...] if h is None else s_ref[h, :]).astype(jnp.float32)[None, :]
+            for a, h in zip(accs, halves)
+        )
+    if swiglu:  # silu(gate) * up of the outputs as the unfused path rounds them
+        g, u = (a.astype(dtype).astype(jnp.float32) for a in accs)
+        acc = g / (1.0 + jnp.exp(-g)) * u
+    else:
+        acc = accs[0]
     if ends:  # the residual stream plus the output as the unfused path rounds it
         acc = r_ref[...] + acc.astype(dtype).astype(jnp.float32)
     o_ref[...] = acc.astype(o_ref.dtype)
@@ -180,6 +218,8 @@ def small_m_matmul(
     gate_up: int | None = None,
     residual=None,
     joins=None,
+    write_stream: bool = True,
+    swiglu: bool = False,
     interpret: bool = False,
 ):
     """x (M, K) @ W (K, N) (times `scale_n` per column: int8 W) in `dtype` (default x's)
@@ -190,29 +230,54 @@ def small_m_matmul(
       `RMSNorm(x)` (`transformer.RMSNorm`: x * rsqrt(mean(x^2) + eps) * scale) in `dtype`.
     - `gate_up=offset`: x holds the gate (M, K) at column `offset` and the up projection's
       output right after it; the kernel multiplies silu(gate) * up (the MLP's down input).
-    - `joins` (M, K), with `norm`: an output that joins the stream first (the residual add
-      before a norm): the kernel multiplies `RMSNorm(x + joins)` and returns (y, the joined
-      stream x + joins in float32, typed as `joins`), the stream written by the first program.
+    - `joins` (M, K), or a tuple of them added in order, with `norm`: outputs that join the
+      stream first (the residual adds before a norm): the kernel multiplies
+      `RMSNorm(x + joins)` and returns (y, the joined stream in float32, typed as the first
+      of `joins`), the stream written by the first program; with `write_stream=False` it is
+      not written and the second value is None (a later module joins the same outputs).
     - `residual` (M, N) float32: the result is `residual + y` in float32, y rounded to `dtype`
-      first as the unfused sum rounds it (an output projection's residual add)."""
+      first as the unfused sum rounds it (an output projection's residual add).
+    - `swiglu`: W's first N/2 columns are the gate's, the rest the up projection's; the result
+      (M, N/2) is silu(gate) * up of the two outputs rounded to `dtype`, in `dtype` (the MLP's
+      down input). None where the contraction would split."""
     m = x_mk.shape[0]
     k, n = w_kn.shape
     dtype = jnp.dtype(dtype or x_mk.dtype)
-    p = plan(m, k, n, dtype, w_kn.dtype)
+    p = plan(m, k, n, dtype, w_kn.dtype, tiles=2 if swiglu else 1)
     width = x_mk.shape[1]
     if p is None or (width != k if gate_up is None else gate_up + 2 * k > width):
         return None
+    if swiglu and (p.splits > 1 or (n // 2) % p.block_n or residual is not None):
+        return None
     if norm is not None and (gate_up is not None or x_mk.dtype != jnp.float32):
         return None
-    if joins is not None and (norm is None or joins.shape != x_mk.shape):
+    joins = None if joins is None else tuple(joins) if isinstance(joins, tuple) else (joins,)
+    if joins is not None and (norm is None or any(j.shape != x_mk.shape for j in joins)):
         return None
-    return _call(x_mk, w_kn, scale_n, p, dtype, norm, gate_up, residual, joins, interpret)
+    out = _call(
+        x_mk,
+        w_kn,
+        scale_n,
+        p,
+        dtype,
+        norm,
+        gate_up,
+        residual,
+        joins,
+        write_stream,
+        swiglu,
+        interpret,
+    )
+    return out if joins is None or write_stream else (out, None)
 
 
-def _call(x_mk, w_kn, scale_n, p: Plan, dtype, norm, gate_up, residual, joins, interpret):
+def _call(
+    x_mk, w_kn, scale_n, p: Plan, dtype, norm, gate_up, residual, joins, write, swiglu, interpret
+):
     m, width = x_mk.shape
     k, n = w_kn.shape
     rows = p.rows
+    write = joins is not None and write
 
     def pad(a):
         return jnp.pad(a, ((0, rows - m), (0, 0))) if m < rows else a
@@ -231,38 +296,50 @@ def _call(x_mk, w_kn, scale_n, p: Plan, dtype, norm, gate_up, residual, joins, i
         norm=None if norm is None else float(norm[1]),
         gate_up=gate_up,
         ends=ends,
-        joins=joins is not None,
+        joins=0 if joins is None else len(joins),
+        swiglu=swiglu,
+        write=write,
     )
-    in_specs = [
-        pl.BlockSpec((rows, width), lambda j, s: (0, 0)),
-        pl.BlockSpec((chunk, p.block_n), lambda j, s: (s, j)),
-    ]
-    args = [pad(x_mk), w_kn]
+    in_specs = [pl.BlockSpec((rows, width), lambda j, s: (0, 0))]
+    args = [pad(x_mk)]
+    if swiglu:  # the gate's and the up projection's columns as one (K, 2, N / 2) operand
+        cols = n // 2
+        in_specs.append(pl.BlockSpec((chunk, 2, p.block_n), lambda j, s: (s, 0, j)))
+        args.append(w_kn.reshape(k, 2, cols))
+    else:
+        cols = n
+        in_specs.append(pl.BlockSpec((chunk, p.block_n), lambda j, s: (s, j)))
+        args.append(w_kn)
     if scaled:
-        in_specs.append(pl.BlockSpec((p.block_n,), lambda j, s: (j,)))
-        args.append(scale_n.reshape(n).astype(jnp.float32))
+        scale = scale_n.reshape(n).astype(jnp.float32)
+        if swiglu:
+            in_specs.append(pl.BlockSpec((2, p.block_n), lambda j, s: (0, j)))
+            args.append(scale.reshape(2, cols))
+        else:
+            in_specs.append(pl.BlockSpec((p.block_n,), lambda j, s: (j,)))
+            args.append(scale)
     if norm is not None:
         in_specs.append(pl.BlockSpec((k,), lambda j, s: (0,)))
         args.append(norm[0].reshape(k))  # as stored: the kernel reads it in float32
-    if joins is not None:
+    for j_mk in joins or ():
         in_specs.append(pl.BlockSpec((rows, k), lambda j, s: (0, 0)))
-        args.append(pad(joins))
+        args.append(pad(j_mk))
     if ends:
         in_specs.append(pl.BlockSpec((rows, p.block_n), lambda j, s: (0, j)))
         args.append(pad(residual.astype(jnp.float32)))
     if p.splits == 1:
         out_spec = pl.BlockSpec((rows, p.block_n), lambda j, s: (0, j))
         out_dtype = jnp.float32 if ends else dtype
-        out_shape = jax.ShapeDtypeStruct((rows, n), out_dtype)
+        out_shape = jax.ShapeDtypeStruct((rows, cols), out_dtype)
     else:
         out_spec = pl.BlockSpec((None, rows, p.block_n), lambda j, s: (s, 0, j))
-        out_shape = jax.ShapeDtypeStruct((p.splits, rows, n), jnp.float32)
-    if joins is not None:
+        out_shape = jax.ShapeDtypeStruct((p.splits, rows, cols), jnp.float32)
+    if write:
         out_spec = (out_spec, pl.BlockSpec((rows, k), lambda j, s: (0, 0)))
         out_shape = (out_shape, jax.ShapeDtypeStruct((rows, k), jnp.float32))
     call = pl.pallas_call(
         kernel,
-        grid=(n // p.block_n, p.splits),
+        grid=(cols // p.block_n, p.splits),
         in_specs=in_specs,
         out_specs=out_spec,
         out_shape=out_shape,
@@ -274,9 +351,9 @@ def _call(x_mk, w_kn, scale_n, p: Plan, dtype, norm, gate_up, residual, joins, i
     # with the check off and type the result as x is
     with jax_config._check_vma(False):
         out = call(*args)
-    y, joined = out if joins is not None else (out, None)
+    y, joined = out if write else (out, None)
     y = _finish(vary_like(vary_like(y, x_mk), w_kn), m, rows, p, dtype, residual)
-    return y if joins is None else (y, vary_like(joined[:m], joins))
+    return y if not write else (y, vary_like(joined[:m], joins[0]))
 
 
 def _finish(y, m: int, rows: int, p: Plan, dtype, residual):

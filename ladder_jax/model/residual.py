@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ladder_jax.model import sharding
+from ladder_jax.model.linear import Joins
 from ladder_jax.model.sharding import DATA
 
 
@@ -251,11 +252,14 @@ def _decode_stream(plan, states, x_btd, positions_bt, inv_freq, caches):
     sits between a module's output and the stream (`_fold_residual`) its last matmul adds it
     in its epilogue instead. A deferred module's pending output joins in the next module's
     prologue (`late`), as `_stream` adds it after the module; the tie that keeps its
-    all-reduce in flight meanwhile is the same."""
+    all-reduce in flight meanwhile is the same. Where `_holds` says so, an attention module
+    does not write its joined stream: the MLP after it joins the same output again, then its
+    own (`linear.Joins`), and writes the stream once a layer."""
     reduce, _ = _reduce_and_vary(plan)
     caches = list(caches)
     pending = None  # the previous module's all-reduced output, not yet in x
     late = None  # a deferred module's pending output: joins in the next module's prologue
+    held = ()  # outputs joined in the previous module's prologue whose stream it did not write
     for k, slot in enumerate(plan.slots):
         with jax.named_scope(f"layer{slot.layer}.{slot.name}"):
             joins = None
@@ -265,7 +269,11 @@ def _decode_stream(plan, states, x_btd, positions_bt, inv_freq, caches):
                 if late is not None:  # a deferred module before an immediate one
                     x_btd, late = x_btd + late, None
                 joins, pending = pending, None
-            residual = x_btd if joins is None and _fold_residual(plan, k) else None
+            parts = held + (() if joins is None else (joins,))
+            hold = bool(parts) and _holds(plan, k)
+            held = parts if hold else ()
+            residual = x_btd if not parts and _fold_residual(plan, k) else None
+            joins = Joins(parts, write=not hold) if parts else None
             cache = caches[slot.layer] if slot.name == "attn" else None
             y_btd, cache, stream = _folded(plan, k, positions_bt, inv_freq)(
                 *states[k], x_btd, cache, residual, joins
@@ -279,9 +287,23 @@ def _decode_stream(plan, states, x_btd, positions_bt, inv_freq, caches):
             if pending is not None:  # deferred: that all-reduce ran while `module` did
                 late, y_btd = sharding.tie(pending, y_btd)
             pending = reduce(y_btd)
-    for rest in (late, pending):
+    for rest in (*held, late, pending):
         x_btd = x_btd if rest is None else x_btd + rest
     return x_btd, caches
+
+
+def _holds(plan, k: int) -> bool:
+    """Whether decoding module k (an attention module that joins an output to the stream)
+    leaves the joined stream unwritten: the MLP after it is immediate too and joins the same
+    output in its own prologue, so the stream is read twice but written once a layer."""
+    slots = plan.slots
+    return (
+        slots[k].name == "attn"
+        and k + 1 < len(slots)
+        and not slots[k].deferred
+        and not slots[k + 1].deferred
+        and not _fold_residual(plan, k + 1)
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -445,7 +445,13 @@ class MLP(FusesInputs):
         (the output, the joined stream); `residual`, the output is `residual + output`."""
         if norm is None:
             x_btd = x_btd.astype(self.dtype)
-        if self.gate_up is not None and self.down.matmul == "pallas":  # one kernel each
+        h = None
+        if self.gate_up is not None and self.down.matmul == "pallas":  # silu * up in its kernel
+            h = self.gate_up.swiglu(x_btd, self.dtype, norm=norm, joins=joins)
+        if h is not None:
+            h_btf, stream = h if joins is not None else (h, None)
+            out = self.down(h_btf, self.dtype, residual=residual)
+        elif self.gate_up is not None and self.down.matmul == "pallas":  # one kernel each
             gu = self.gate_up(x_btd, self.dtype, norm=norm, joins=joins, split=False)
             gu_btc, stream = gu if joins is not None else (gu, None)
             out = self.down_from(self.gate_up, gu_btc, 0, residual)
