@@ -1660,3 +1660,68 @@ def check_knobs(eff: hardware.Efficiency, link_overrides: dict) -> None:
                 f"{flags.get(k, k)} {v:g}: must be a finite number "
                 f"{'> 0' if k == 'bus_bytes_per_s' else '>= 0'}"
             )
+
+
+# ---------------------------------------------------------------------------------------------
+# The most a schedule can hide: each module's all-reduce behind the next module's compute.
+
+
+def module_times(ops, layer: int) -> dict:
+    """Compute and all-reduce seconds of each module of `layer` in a costed program (`costed`
+    ops of a schedule whose modules each end in their all-reduce, e.g. the standard scheme):
+    `compute_s[i]` sums the seconds of the layer's compute kernels after its i-th collective
+    and up to its (i + 1)-th, `collective_s[i]` that collective's seconds. Compute after the
+    last collective counts to the first module (the next layer's order); a layer without
+    collectives is one module whose all-reduce takes 0 s.
+
+        module_times(costed(kernels, calibration=cal, link=link), layer=3)
+
+    Invariant: sum(compute_s) is the layer's compute kernels' seconds."""
+    compute, collective = [0.0], []
+    for op in ops:
+        if op.layer != layer:
+            continue
+        if op.kind == "compute":
+            compute[-1] += op.seconds
+        elif op.kind in ("start", "sync"):
+            collective.append(op.seconds)
+            compute.append(0.0)
+    if not collective:
+        return {"compute_s": compute, "collective_s": [0.0]}
+    compute[0] += compute.pop()
+    return {"compute_s": compute, "collective_s": collective}
+
+
+def overlap_bound(compute_s, collective_s, wait_s: float = 0.0, layers: int = 64) -> dict:
+    """The best any schedule of a stack of modules can do where module i's all-reduce
+    (`collective_s[i]`) can hide only behind module i + 1's compute (`compute_s[i + 1]`; the
+    last module's behind the next layer's first: one layer repeated `layers` times), as the
+    ladder hides it: module j starts once module j - 1's compute and module j - 2's
+    all-reduce are done, its all-reduce once its compute is done and the one before it has
+    finished (one collective stream), each cross-stream handover `wait_s` late
+    (`hardware.Launch.stream_sync_s`). Returns `serial_s` (a layer with every all-reduce
+    exposed: standard), `best_s` (a layer of that schedule, in steady state), `best_exposed_s`
+    (best_s less the compute) and `bound` = serial_s / best_s.
+
+        overlap_bound([20e-6, 10e-6], [15e-6, 15e-6])   # best 35e-6: bound 60 / 35
+
+    With `wait_s` 0 and two modules, best_s = max(C[1], A[0]) + max(C[0], A[1]). Invariant:
+    1 <= bound <= 2 where `wait_s` is 0."""
+    c, a = list(compute_s), list(collective_s)
+    if len(c) != len(a) or not c:
+        raise ValueError(f"overlap_bound: {len(c)} compute times for {len(a)} collectives")
+    n = len(c)
+    computed, ended = 0.0, []  # the compute stream's clock; each all-reduce's end
+    for j in range(layers * n):
+        begin = max(computed, ended[j - 2] + wait_s if j >= 2 else 0.0)
+        computed = begin + c[j % n]
+        start = max(computed + wait_s, ended[j - 1] if j >= 1 else 0.0)
+        ended.append(start + a[j % n])
+    serial = sum(c) + sum(a)
+    best = ended[-1] - ended[-1 - n]
+    return {
+        "serial_s": serial,
+        "best_s": best,
+        "best_exposed_s": max(0.0, best - sum(c)),
+        "bound": serial / best if best > 0 else 1.0,
+    }
