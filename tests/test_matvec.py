@@ -308,13 +308,14 @@ def _unfused(
 
 
 @pytest.mark.parametrize(
-    "tp, residual, folds",  # over two layers: four modules, two of each
+    "tp, residual, folds",  # over two layers (hybrid: three): two modules each
     [
         (1, "standard", dict(norm=4, swiglu=2, residual=4, joins=0, held=0)),  # epilogues
         (2, "standard", dict(norm=4, swiglu=2, residual=0, joins=3, held=1)),  # all-reduces
         (1, "ladder", dict(norm=4, swiglu=2, residual=0, joins=2, held=0)),  # joins later
         (2, "parallel", dict(norm=2, gate_up=2, residual=0, joins=1, held=0)),  # one norm
         (2, "upper_bound", dict(norm=4, swiglu=2, residual=4, joins=0, held=0)),  # no reduce
+        (2, "hybrid", dict(norm=6, swiglu=3, residual=0, joins=4, held=1)),  # 2 standard, 1 ladder
     ],
 )
 def test_folded_decoding_equals_the_unfused_program(monkeypatch, tp, residual, folds):
@@ -328,7 +329,9 @@ def test_folded_decoding_equals_the_unfused_program(monkeypatch, tp, residual, f
     from ladder_jax.model.transformer import fuse_inputs
     from tests.helpers import tiny_model
 
-    model = fuse_inputs(tiny_model(tp, residual=residual, dtype="bfloat16", n_layers=2))
+    layers = dict(residual="ladder", ladder_layers=1, n_layers=3) if residual == "hybrid" else {}
+    layers = {"residual": residual, "n_layers": 2, **layers}
+    model = fuse_inputs(tiny_model(tp, dtype="bfloat16", **layers))
     cfg = model.config
     calls = dict.fromkeys(folds, 0)
 
@@ -353,5 +356,5 @@ def test_folded_decoding_equals_the_unfused_program(monkeypatch, tp, residual, f
         return np.asarray(run(model, cache.layers()), np.float64)
 
     want, got = logits("xla"), logits("pallas")
-    assert cfg.n_layers == 2 and calls == folds, calls
+    assert cfg.n_layers == layers["n_layers"] and calls == folds, calls
     np.testing.assert_allclose(got, want, rtol=0, atol=2.0**-6 * np.abs(want).max())
