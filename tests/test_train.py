@@ -1,15 +1,18 @@
 """End-to-end training: learning, resume bit for bit, mesh and process invariance, faults,
 config errors. Small on purpose: 2-layer tiny model, 32-token sequences, a few steps."""
 
+import contextlib
 import json
 import os
 import signal
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
@@ -164,6 +167,49 @@ def test_resume_on_another_mesh_and_init_from(tmp_path):
     # weights only: step 1 of a new run evaluates the loaded weights
     c = trainer.run(config(tmp_path, "steps=1", f"init_from={tmp_path}/ref", *base, name="ft"))
     assert c["losses"][1] < a["losses"][1] - 0.5
+
+
+def _saved_params(run, step) -> dict:
+    """A checkpoint's weights as numpy arrays, read by orbax alone."""
+    with ocp.StandardCheckpointer() as ckptr:
+        tree = ckptr.restore(os.path.abspath(f"{run}/checkpoints/{step}/params"))
+    return {
+        jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+def test_init_from_loads_into_shapes_and_reports_to_a_callers_stderr(tmp_path, monkeypatch, capsys):
+    """As ladder_jax.experiments.adaptation trains: in-process, stdout sent to stderr, weights
+    from init_from, no held-out data. No random model is made, step 1 (learning rate 0)
+    keeps exactly the loaded weights, and the `done:` line (peak memory) reaches stderr."""
+    trainer.run(config(tmp_path, "steps=2", "eval_every=0", name="ref"))
+    capsys.readouterr()
+
+    def no_random_model(*args, **kwargs):
+        raise AssertionError("init_from: a randomly initialized model was built")
+
+    monkeypatch.setattr(trainer, "Transformer", no_random_model)
+    ft = config(
+        tmp_path,
+        "steps=1",
+        "seed=7",
+        "eval_every=0",
+        "data.eval_fraction=0.0",
+        "progress=none",
+        f"init_from={tmp_path}/ref",
+        name="ft",
+    )
+    with contextlib.redirect_stdout(sys.stderr):
+        out = trainer.run(ft)
+    ref, got = _saved_params(tmp_path / "ref", 2), _saved_params(tmp_path / "ft", 1)
+    assert ref.keys() == got.keys() and len(ref) > 10
+    for k in ref:
+        np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
+    captured = capsys.readouterr()
+    done = [ln for ln in captured.err.splitlines() if ln.startswith("done:")]
+    assert len(done) == 1 and "held-out" not in done[0], captured.err
+    assert f"peak memory {out['peak_rss'] / 1e9:.2f} GB RSS" in done[0]
+    assert "done:" not in captured.out
 
 
 def test_nonfinite_gradient_is_skipped_and_params_unchanged():
