@@ -14,12 +14,16 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+import yaml
 from flax import nnx
+from tokenizers import Tokenizer, models, pre_tokenizers
 
+import ladder_jax as lj
 from ladder_jax.config import ModelConfig
 from ladder_jax.interop.tokenizer import ByteTokenizer
 from ladder_jax.model.transformer import Transformer
 from ladder_jax.train import checkpoint, data, step, trainer
+from ladder_jax.train.rundir import RunDir, changed_keys
 from tests import helpers
 from tests.helpers import free_port, last_step, train_process
 
@@ -210,6 +214,45 @@ def test_init_from_loads_into_shapes_and_reports_to_a_callers_stderr(tmp_path, m
     assert len(done) == 1 and "held-out" not in done[0], captured.err
     assert f"peak memory {out['peak_rss'] / 1e9:.2f} GB RSS" in done[0]
     assert "done:" not in captured.out
+
+
+def _tokenizer_json(path) -> list[str]:
+    """A word-level tokenizer.json at `path`; returns its words (ids in order)."""
+    words = ["<unk>", "<s>", "</s>", "the", "a", "of"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.add_special_tokens(words[:3])
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tok.save(str(path))
+    return words
+
+
+def test_a_run_with_a_tokenizer_loads_after_mv(tmp_path, monkeypatch):
+    """config.yaml stores data.tokenizer so that the run directory can be moved: given relative
+    to the working directory it is stored absolute; inside the run, relative to the run."""
+    _tokenizer_json(tmp_path / "work" / "tok" / "tokenizer.json")
+    monkeypatch.chdir(tmp_path / "work")
+    args = ["run_dir=runs", "steps=1", "eval_every=0"]
+    trainer.run(trainer.load_config(SMALL + args + ["name=r", "data.tokenizer=tok/tokenizer.json"]))
+    os.rename(tmp_path / "work" / "runs" / "r", tmp_path / "moved")
+    monkeypatch.chdir(tmp_path)  # decode / eval from elsewhere
+    model, tok = lj.load(str(tmp_path / "moved"), tp=1)
+    assert tok.encode("the a of nothing") == [3, 4, 5, 0]
+    assert model.config.n_layers == 2
+    # a resume in the same place reads config.yaml's spelling of the same file: no change
+    monkeypatch.chdir(tmp_path / "work")
+    absolute = {"data": {"tokenizer": str(tmp_path / "work" / "tok" / "tokenizer.json")}}
+    assert changed_keys({"data": {"tokenizer": "tok/tokenizer.json"}}, absolute) == {}
+    # a tokenizer inside the run directory moves with it
+    _tokenizer_json(tmp_path / "work" / "runs" / "in" / "assets" / "t.json")
+    cfg = trainer.load_config(SMALL + args + ["name=in", "data.tokenizer=runs/in/assets/t.json"])
+    RunDir(cfg, print).open_files(0, {})[1].close()
+    with open(tmp_path / "work" / "runs" / "in" / "config.yaml") as f:
+        assert yaml.safe_load(f)["data"]["tokenizer"] == os.path.join("assets", "t.json")
+    os.rename(tmp_path / "work" / "runs" / "in", tmp_path / "in2")
+    monkeypatch.chdir(tmp_path)
+    moved = trainer.load_config([str(tmp_path / "in2" / "config.yaml")])
+    assert moved.data.tokenizer == str(tmp_path / "in2" / "assets" / "t.json")
 
 
 def test_nonfinite_gradient_is_skipped_and_params_unchanged():
