@@ -1,7 +1,9 @@
 """The command lines' words: one-line argparse errors, help on every flag with its default,
 `train --help` from the schema, and the schema's model section derived from ModelConfig."""
 
+import argparse
 import dataclasses
+import functools
 import pathlib
 import re
 
@@ -11,6 +13,7 @@ import yaml
 import ladder_jax as lj
 from ladder_jax import config as config_lib
 from ladder_jax.cli import common, convert, decode, demo, overlap, predict, serve
+from ladder_jax.cli import eval as eval_cli
 from ladder_jax.cli import train as train_cli
 from ladder_jax.model import quant
 from tests.helpers import mesh, one_line
@@ -24,6 +27,7 @@ MAINS = {
     "overlap": overlap.main,
     "predict": predict.main,
     "serve": serve.main,
+    "eval": eval_cli.main,
 }
 
 
@@ -78,7 +82,7 @@ def test_bad_flags_are_one_line(capsys, name, argv, expect):
     assert line.startswith(expect), line
 
 
-@pytest.mark.parametrize("name", ["decode", "convert", "demo"])
+@pytest.mark.parametrize("name", ["decode", "convert", "demo", "serve"])
 def test_every_flag_has_help_and_shows_its_default(monkeypatch, capsys, name):
     seen = []
 
@@ -100,6 +104,34 @@ def test_every_flag_has_help_and_shows_its_default(monkeypatch, capsys, name):
             and not isinstance(a.default, bool)
         ):
             assert "default" in formatter._get_help_string(a), a.option_strings
+
+
+@pytest.mark.parametrize(
+    "name, required",
+    [
+        ("decode", []),
+        ("predict", []),
+        ("overlap", []),
+        ("eval", ["--checkpoint", "runs/x"]),
+        ("convert", ["--checkpoint", "runs/x", "--out", "y"]),
+    ],
+)
+def test_quantize_none_means_float_weights(monkeypatch, name, required):
+    """`--quantize none` is no quantization (as benchmarks/roofline.py takes it), in help too."""
+    seen = []
+
+    def capture(self, argv=None, namespace=None):
+        seen.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(common.ArgumentParser, "parse_args", capture)
+    with pytest.raises(SystemExit):
+        MAINS[name]([])
+    parse = functools.partial(argparse.ArgumentParser.parse_args, seen[0])
+    assert parse([*required, "--quantize", "none"]).quantize is None
+    assert parse([*required, "--quantize", "int8"]).quantize == "int8"
+    assert parse(required).quantize is None
+    assert "none: " in seen[0]._option_string_actions["--quantize"].help
 
 
 def test_decode_help_names_the_defaults(capsys):

@@ -523,7 +523,11 @@ def _files(tmp_path):
         (["--top-p", "0"], "top_p=0.0 must be in (0, 1]"),
         (["--temperature", "nan"], "temperature=nan must be >= 0 and finite"),
         (["--top-k", "0"], "top_k=0 must be an integer from 1 to the vocabulary size 320"),
-        (["--tp", "3"], "tp=3 does not divide the 8 available devices"),
+        (  # the heads (what to change) before the 8 devices 3 does not divide either
+            ["--tp", "3"],
+            "error: n_heads=8 is not divisible by tp=3: use a tp that divides 8 (set by --tp; "
+            "e.g. --tp 2)",
+        ),
         (["--tp", "0"], "--tp 0: between 1 and the 8 devices"),
         (
             ["--residual", "standard", "--ladder-layers", "2"],
@@ -978,7 +982,17 @@ def test_loader_errors_are_config_errors():
 
 def _not_gguf(tmp_path):
     (tmp_path / "model.gguf").write_text("hello, not a GGUF file\n" * 10)
-    return ["--checkpoint", str(tmp_path / "model.gguf")], "is not a valid GGUF file"
+    return ["--checkpoint", str(tmp_path / "model.gguf")], (
+        "model.gguf is not a GGUF file (no GGUF magic): give a llama.cpp .gguf model file"
+    )
+
+
+def _a_file(tmp_path):
+    (tmp_path / "pytorch_model.bin").write_bytes(b"PK\x03\x04" + bytes(60))
+    return ["--checkpoint", str(tmp_path / "pytorch_model.bin")], (
+        "pytorch_model.bin' is a file, not a directory: give the directory holding the model "
+        "(a training run or ladder_jax.convert output: config.yaml and checkpoints/"
+    )
 
 
 def _not_llama(tmp_path):
@@ -988,12 +1002,16 @@ def _not_llama(tmp_path):
 
 @pytest.mark.parametrize(
     "name, case",
-    [(name, case) for name in ("decode", "serve", "convert") for case in (_not_gguf, _not_llama)],
+    [
+        (name, case)
+        for name in ("decode", "serve", "convert")
+        for case in (_not_gguf, _not_llama, _a_file)
+    ],
     ids=lambda x: getattr(x, "__name__", x),
 )
 def test_a_bad_model_is_one_line_in_every_command(tmp_path, capsys, name, case):
-    """A file that is not a GGUF, a directory that is not a Llama: one line, exit code 2, in
-    decode, serve and convert (nothing written)."""
+    """A file that is not a GGUF, a directory that is not a Llama, a file given for a model
+    directory: one line, exit code 2, in decode, serve and convert (nothing written)."""
     from ladder_jax.cli import serve
 
     argv, needle = case(tmp_path)

@@ -559,10 +559,23 @@ def _nan(name, t):
 
 
 BAD = {
-    "not_gguf": (lambda f, s: f.write_text("hello, not a GGUF file\n" * 10), "not a valid GGUF"),
+    "not_gguf": (
+        lambda f, s: f.write_text("hello, not a GGUF file\n" * 10),
+        "bad.gguf is not a GGUF file (no GGUF magic): give a llama.cpp .gguf model file",
+    ),
+    "empty": (lambda f, s: f.write_bytes(b""), "bad.gguf is not a GGUF file: it is empty"),
+    "lfs_pointer": (
+        lambda f, s: f.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\n"),
+        "(no GGUF magic): it is a Git LFS pointer; fetch the file itself: git lfs pull",
+    ),
+    "web_page": (
+        lambda f, s: f.write_text("<!doctype html>\n<html><body>Hugging Face</body></html>\n"),
+        "(no GGUF magic): it looks like a web page; download the file itself",
+    ),
     "truncated": (
         lambda f, s: f.write_bytes(open(write_gguf(f, s), "rb").read()[:-5000]),
-        "not a valid GGUF",
+        "is not a valid GGUF file: it starts like one but cannot be read, so the download or "
+        "copy is cut short or damaged",
     ),
     "arch": (lambda f, s: write_gguf(f, s, arch="gpt2"), "general.architecture"),
     "missing_key": (

@@ -1,22 +1,29 @@
 """End-to-end training: learning, resume bit for bit, mesh and process invariance, faults,
 config errors. Small on purpose: 2-layer tiny model, 32-token sequences, a few steps."""
 
+import contextlib
 import json
 import os
 import signal
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
+import yaml
 from flax import nnx
+from tokenizers import Tokenizer, models, pre_tokenizers
 
+import ladder_jax as lj
 from ladder_jax.config import ModelConfig
 from ladder_jax.interop.tokenizer import ByteTokenizer
 from ladder_jax.model.transformer import Transformer
 from ladder_jax.train import checkpoint, data, step, trainer
+from ladder_jax.train.rundir import RunDir, changed_keys
 from tests import helpers
 from tests.helpers import free_port, last_step, train_process
 
@@ -164,6 +171,91 @@ def test_resume_on_another_mesh_and_init_from(tmp_path):
     # weights only: step 1 of a new run evaluates the loaded weights
     c = trainer.run(config(tmp_path, "steps=1", f"init_from={tmp_path}/ref", *base, name="ft"))
     assert c["losses"][1] < a["losses"][1] - 0.5
+
+
+def _leaves(tree) -> dict:
+    """{"layers/0/attn/q/weight": numpy array} of a tree of weights (list indices as text, as
+    orbax restores them)."""
+    return {
+        "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path): np.asarray(v)
+        for path, v in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+def test_init_from_loads_into_shapes_and_reports_to_a_callers_stderr(tmp_path, monkeypatch, capsys):
+    """As ladder_jax.experiments.adaptation trains: in-process, stdout sent to stderr, weights
+    from init_from, no held-out data. No random model is made, step 1 (learning rate 0)
+    keeps exactly the loaded weights, and the `done:` line (peak memory) reaches stderr."""
+    ft = config(
+        tmp_path,
+        "steps=1",
+        "seed=7",
+        "eval_every=0",
+        "data.eval_fraction=0.0",
+        "progress=none",
+        f"init_from={tmp_path}/src",
+        name="ft",
+    )
+    source = Transformer(trainer.model_config(ft), mesh=helpers.mesh(1), rngs=nnx.Rngs(3))
+    weights = _leaves(nnx.to_pure_dict(nnx.state(source)))
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp_path / "src" / "params", nnx.to_pure_dict(nnx.state(source)))
+
+    def no_random_model(*args, **kwargs):
+        raise AssertionError("init_from: a randomly initialized model was built")
+
+    monkeypatch.setattr(trainer, "Transformer", no_random_model)
+    with contextlib.redirect_stdout(sys.stderr):
+        out = trainer.run(ft)
+    with ocp.StandardCheckpointer() as ckptr:
+        got = _leaves(ckptr.restore(tmp_path / "ft" / "checkpoints" / "1" / "params"))
+    assert got.keys() == weights.keys() and len(got) > 10
+    for k in weights:
+        np.testing.assert_array_equal(got[k], weights[k], err_msg=k)
+    captured = capsys.readouterr()
+    done = [ln for ln in captured.err.splitlines() if ln.startswith("done:")]
+    assert len(done) == 1 and "held-out" not in done[0], captured.err
+    assert f"peak memory {out['peak_rss'] / 1e9:.2f} GB RSS" in done[0]
+    assert "done:" not in captured.out
+
+
+def _tokenizer_json(path) -> list[str]:
+    """A word-level tokenizer.json at `path`; returns its words (ids in order)."""
+    words = ["<unk>", "<s>", "</s>", "the", "a", "of"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.add_special_tokens(words[:3])
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tok.save(str(path))
+    return words
+
+
+def test_a_run_with_a_tokenizer_loads_after_mv(tmp_path, monkeypatch):
+    """config.yaml stores data.tokenizer so that the run directory can be moved: given relative
+    to the working directory it is stored absolute; inside the run, relative to the run."""
+    _tokenizer_json(tmp_path / "work" / "tok" / "tokenizer.json")
+    monkeypatch.chdir(tmp_path / "work")
+    args = ["run_dir=runs", "steps=1", "eval_every=0", "data.eval_fraction=0.0"]
+    trainer.run(trainer.load_config(SMALL + args + ["name=r", "data.tokenizer=tok/tokenizer.json"]))
+    os.rename(tmp_path / "work" / "runs" / "r", tmp_path / "moved")
+    monkeypatch.chdir(tmp_path)  # decode / eval from elsewhere
+    model, tok = lj.load(str(tmp_path / "moved"), tp=1)
+    assert tok.encode("the a of nothing") == [3, 4, 5, 0]
+    assert model.config.n_layers == 2
+    # a resume in the same place reads config.yaml's spelling of the same file: no change
+    monkeypatch.chdir(tmp_path / "work")
+    absolute = {"data": {"tokenizer": str(tmp_path / "work" / "tok" / "tokenizer.json")}}
+    assert changed_keys({"data": {"tokenizer": "tok/tokenizer.json"}}, absolute) == {}
+    # a tokenizer inside the run directory moves with it
+    _tokenizer_json(tmp_path / "work" / "runs" / "in" / "assets" / "t.json")
+    cfg = trainer.load_config(SMALL + args + ["name=in", "data.tokenizer=runs/in/assets/t.json"])
+    RunDir(cfg, print).open_files(0, {})[1].close()
+    with open(tmp_path / "work" / "runs" / "in" / "config.yaml") as f:
+        assert yaml.safe_load(f)["data"]["tokenizer"] == os.path.join("assets", "t.json")
+    os.rename(tmp_path / "work" / "runs" / "in", tmp_path / "in2")
+    monkeypatch.chdir(tmp_path)
+    moved = trainer.load_config([str(tmp_path / "in2" / "config.yaml")])
+    assert moved.data.tokenizer == str(tmp_path / "in2" / "assets" / "t.json")
 
 
 def test_nonfinite_gradient_is_skipped_and_params_unchanged():

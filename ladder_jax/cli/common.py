@@ -86,6 +86,12 @@ def add_decode_matmul(p: argparse.ArgumentParser) -> None:
     )
 
 
+def quantize_mode(value: str) -> str | None:
+    """--quantize's argparse type: `none` is float weights (None), as the config's null; any
+    other mode is kept for `ladder_jax.config.check_quantize` to check."""
+    return None if value.strip().lower() == "none" else value
+
+
 PER_PROCESS = ("coordinator", "num_processes", "process_id", "cpu_devices")  # each host's own
 
 

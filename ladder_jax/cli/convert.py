@@ -55,7 +55,7 @@ from rich.progress import (
 )
 
 from ladder_jax import runtime
-from ladder_jax.cli.common import ArgumentParser
+from ladder_jax.cli.common import ArgumentParser, quantize_mode
 from ladder_jax.config import (
     RESIDUALS,
     ConfigError,
@@ -202,7 +202,9 @@ def main(argv=None) -> int:
         "--quantize",
         default=None,
         metavar="MODE",
-        help="int8: store weight-only int8 linear weights, for decoding (not with --to-hf)",
+        type=quantize_mode,
+        help="int8: store weight-only int8 linear weights, for decoding (not with --to-hf); "
+        "none: as the source stores them (the default)",
     )
     args = p.parse_args(argv)
     transfer = hf.Transfer()

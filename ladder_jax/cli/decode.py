@@ -30,6 +30,7 @@ from ladder_jax.cli.common import (
     choose_tp,
     load_checkpoint,
     model_overrides,
+    quantize_mode,
     run_settings,
     setup_devices,
     without_tokenizer_json,  # noqa: F401 (importable from here, as before)
@@ -143,7 +144,9 @@ def parser() -> ArgumentParser:
         "--quantize",
         default=None,
         metavar="MODE",
-        help="int8: weight-only int8 linear weights (ladder_jax.model.quant)",
+        type=quantize_mode,
+        help="int8: weight-only int8 linear weights (ladder_jax.model.quant); none: float "
+        "weights (the default: as the checkpoint stores them)",
     )
     p.add_argument(
         "--chat",
@@ -187,12 +190,12 @@ def _run(args, shape, say) -> int:
             f"--seed {args.seed} does not fit in 64 bits: give an integer between "
             f"-2**63 and 2**63 - 1"
         )
+    sharding.check_divisible(shape, tp, flag="--tp")  # the model's heads first: the fix
     mesh = (
         sharding.make_mesh(tp=tp)
         if why is None  # the default: those tp devices alone
         else sharding.make_mesh(tp=tp, data=1, devices=jax.devices()[:tp])
     )
-    sharding.check_divisible(shape, tp, flag="--tp")
     check_quantize(args.quantize, "--quantize")
     model, tokenizer, config = _load(args, mesh, say)
     if args.benchmark:

@@ -24,7 +24,7 @@ import time
 import jax
 
 from ladder_jax import runtime
-from ladder_jax.cli.common import ArgumentParser
+from ladder_jax.cli.common import ArgumentParser, quantize_mode
 from ladder_jax.config import (
     RESIDUALS,
     ConfigError,
@@ -101,7 +101,9 @@ def main(argv=None) -> int:
         "--quantize",
         default=None,
         metavar="MODE",
-        help="int8: weight-only int8 linear weights (ladder_jax.model.quant)",
+        type=quantize_mode,
+        help="int8: weight-only int8 linear weights (ladder_jax.model.quant); none: float "
+        "weights (the default: as the checkpoint stores them)",
     )
     runtime.add_arguments(
         p, cpu_devices_help="on a CPU host, fake devices to split it into (default: --tp, else 1)"

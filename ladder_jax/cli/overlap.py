@@ -27,7 +27,7 @@ from ladder_jax.analysis.overlap import (
     verdict,
 )
 from ladder_jax.analysis.programs import PHASES, CompileError, OverlapError
-from ladder_jax.cli.common import ArgumentParser, EveryDefaultFormatter
+from ladder_jax.cli.common import ArgumentParser, EveryDefaultFormatter, quantize_mode
 from ladder_jax.config import (
     RESIDUALS,
     ConfigError,
@@ -81,7 +81,9 @@ def parser() -> argparse.ArgumentParser:
         "--quantize",
         default=None,
         metavar="MODE",
-        help="int8: the program with weight-only int8 linear weights",
+        type=quantize_mode,
+        help="int8: the program with weight-only int8 linear weights; none: float weights "
+        "(the default)",
     )
     p.add_argument(
         "--dump-hlo",

@@ -38,7 +38,7 @@ from ladder_jax.analysis.perfmodel import (
     with_ratios,
 )
 from ladder_jax.analysis.programs import OverlapError
-from ladder_jax.cli.common import ArgumentParser, EveryDefaultFormatter, write_stderr
+from ladder_jax.cli.common import ArgumentParser, EveryDefaultFormatter, quantize_mode, write_stderr
 from ladder_jax.config import (
     RESIDUALS,
     ModelConfig,
@@ -193,7 +193,9 @@ def parser() -> argparse.ArgumentParser:
         "--quantize",
         default=None,
         metavar="MODE",
-        help="int8: the programs with weight-only int8 linear weights (generate)",
+        type=quantize_mode,
+        help="int8: the programs with weight-only int8 linear weights (generate); none: float "
+        "weights (the default)",
     )
     p.add_argument(
         "--decode-matmul",

@@ -122,15 +122,38 @@ def _open(path: str):
     if not os.path.isfile(path):
         raise GGUFError(f"{path!r} is not a file (expected a .gguf file)")
     try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError as e:
+        raise GGUFError(f"{path}: cannot read it ({e.strerror or e})") from None
+    if not head.startswith(b"GGUF"):
+        raise GGUFError(f"{path} is not a GGUF file{_not_gguf(head)}")
+    try:
         return gguf.GGUFReader(path)
     except OSError as e:
         raise GGUFError(f"{path}: cannot read it ({e.strerror or e})") from None
     except Exception as e:  # the reader raises ValueError / KeyError / struct errors alike
         why = (str(e).splitlines() or [""])[0] or type(e).__name__
         raise GGUFError(
-            f"{path} is not a valid GGUF file ({why}): the download or copy is "
-            f"damaged, or it is another format"
+            f"{path} is not a valid GGUF file: it starts like one but cannot be read, so the "
+            f"download or copy is cut short or damaged (the gguf package says: {why})"
         ) from None
+
+
+def _not_gguf(head: bytes) -> str:
+    """What follows "is not a GGUF file" for a file whose first bytes are `head`: why, and
+    what to do."""
+    if not head:
+        return ": it is empty (0 bytes); the download or copy failed"
+    text = head.lstrip().lower()
+    if text.startswith(b"version https://git-lfs"):
+        return " (no GGUF magic): it is a Git LFS pointer; fetch the file itself: git lfs pull"
+    if text.startswith(b"<"):
+        return (
+            " (no GGUF magic): it looks like a web page; download the file itself, e.g. the "
+            "Hugging Face Hub's /resolve/ link rather than /blob/"
+        )
+    return " (no GGUF magic): give a llama.cpp .gguf model file"
 
 
 def _metadata(reader, path: str, keys) -> dict:

@@ -658,6 +658,13 @@ def _config_file(path: str, what: str) -> str | None:
             f"(runs/NAME), the output of ladder_jax.convert, a Hugging Face "
             f"model directory or a .gguf file"
         )
+    if os.path.isfile(path):
+        raise ConfigError(
+            f"{what} {path!r} is a file, not a directory: give the directory holding the "
+            f"model (a training run or ladder_jax.convert output: config.yaml and "
+            f"checkpoints/; a Hugging Face model: config.json and *.safetensors), or a "
+            f".gguf file"
+        )
     cfg_file = os.path.join(_run_root(path), "config.yaml")
     if os.path.isfile(cfg_file):
         return cfg_file

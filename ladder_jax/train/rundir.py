@@ -10,6 +10,7 @@ resume whose config changed a `RESUME_KEYS` key is refused unless `accept_change
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -57,7 +58,29 @@ def changed_keys(old: dict, new: dict) -> dict:
         for k in sorted(set(a) | set(b))
         if any(k == r or k.startswith(r + ".") for r in RESUME_KEYS)
     ]
-    return {k: (a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)}
+    return {k: (a.get(k), b.get(k)) for k in keys if not _same(k, a.get(k), b.get(k))}
+
+
+def _same(key: str, a, b) -> bool:
+    """Equal values; for data.tokenizer, two spellings of one file (relative ones against the
+    working directory): a run resumed from its own config.yaml reads the path stored there."""
+    if a == b:
+        return True
+    files = key == "data.tokenizer" and isinstance(a, str) and isinstance(b, str)
+    return files and "byte" not in (a, b) and os.path.realpath(a) == os.path.realpath(b)
+
+
+def stored_tokenizer(name: str, run_path: str) -> str:
+    """`data.tokenizer` as a run's config.yaml stores it, so the run loads from anywhere after
+    `mv`: relative to the run directory when the file lies inside it, else absolute (`byte`
+    as it is). Reading resolves it against the file's directory first
+    (`ladder_jax.config.load_config`).
+
+        stored_tokenizer("tok/tokenizer.json", "runs/tiny")  # '/home/me/tok/tokenizer.json'"""
+    if name == "byte" or "${" in name:
+        return name
+    path, run = os.path.abspath(name), os.path.abspath(run_path)
+    return os.path.relpath(path, run) if os.path.commonpath([path, run]) == run else path
 
 
 def check_writable(path: str, what: str) -> None:
@@ -267,13 +290,19 @@ class RunDir:
         return read_metrics(os.path.join(self.path, "metrics.jsonl"), upto, self.log)
 
     def open_files(self, start: int, changes: dict) -> tuple[list[dict], MetricsLog]:
-        """Writes config.yaml, appends `changes` to changes.jsonl, opens the metrics log.
-        Returns (metrics rows kept from before `start`, the log)."""
+        """Writes config.yaml (the tokenizer path `stored_tokenizer`'s), appends `changes` to
+        changes.jsonl, opens the metrics log. Returns (metrics rows kept from before `start`,
+        the log)."""
         history = self.history(start)
         if self.is_main:
             os.makedirs(self.path, exist_ok=True)
+            d = self.cfg.data
+            movable = dataclasses.replace(
+                self.cfg,
+                data=dataclasses.replace(d, tokenizer=stored_tokenizer(d.tokenizer, self.path)),
+            )
             with open(os.path.join(self.path, "config.yaml"), "w") as f:
-                f.write(to_yaml(self.cfg))
+                f.write(to_yaml(movable))
             if changes:
                 with open(os.path.join(self.path, "changes.jsonl"), "a") as f:
                     f.write(json.dumps({"step": start, "changed": changes}) + "\n")

@@ -33,7 +33,7 @@ from ladder_jax import hardware, runtime
 from ladder_jax.config import ConfigError, TrainConfig, check, load_config, model_config
 from ladder_jax.interop.tokenizer import make_tokenizer
 from ladder_jax.model import sharding
-from ladder_jax.model.transformer import Transformer
+from ladder_jax.model.transformer import Transformer, abstract
 from ladder_jax.train import data, distill, step
 from ladder_jax.train.benchmark import benchmark
 from ladder_jax.train.checkpoint import Checkpointer, SaveError, params_finite
@@ -167,7 +167,9 @@ class Trainer:
         self._load_data()
         self.lr_schedule = step.lr_schedule(cfg.optim, total_steps=cfg.steps)
         self.optimizer = step.make_optimizer(cfg.optim, total_steps=cfg.steps)
-        self.graphdef, self.state = self.init_state(self.model_config)
+        # init_from or a checkpoint fills the weights: no random ones are made for them
+        make = self.abstract_state if cfg.init_from and not cfg.benchmark else self.init_state
+        self.graphdef, self.state = make(self.model_config)
         self.teacher = (
             distill.load_teacher(cfg.distill.teacher, self.mesh, self.model_config)
             if cfg.distill.teacher
@@ -214,6 +216,27 @@ class Trainer:
             opt_state, step.opt_state_shardings(self.optimizer, opt_state, params, self.mesh)
         )
         return graphdef, TrainState(params, opt_state, 0)
+
+    def abstract_state(self, config) -> tuple[nnx.GraphDef, TrainState]:
+        """(graphdef, TrainState at step 0) of `config` on this mesh from shapes alone: every
+        array a `jax.ShapeDtypeStruct` stored where `init_state` would put it; nothing is
+        allocated or compiled. A checkpoint or `init_from` fills it (`filled`)."""
+        graphdef, params = abstract(config, self.mesh, fsdp=self.cfg.mesh.fsdp)
+        opt_state = jax.eval_shape(self.optimizer.init, params)
+        opt_state = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            opt_state,
+            step.opt_state_shardings(self.optimizer, opt_state, params, self.mesh),
+        )
+        return graphdef, TrainState(params, opt_state, 0)
+
+    def filled(self, state: TrainState) -> TrainState:
+        """`state` with an optimizer state initialized for its weights where it still holds
+        only shapes (weights loaded by `init_from` into `abstract_state`); else `state`."""
+        if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state.opt_state)):
+            return state
+        init = jax.jit(self.optimizer.init, out_shardings=step.shardings_of(state.opt_state))
+        return state.replace(opt_state=init(state.params))
 
     def compiled_step(self, graphdef, state: TrainState):
         """(train_step, eval_loss) for the model graph `graphdef` and arrays stored like
@@ -323,9 +346,10 @@ class Trainer:
                 os.path.join(self.run_path, "checkpoints"), keep=cfg.keep, async_save=cfg.async_ckpt
             )
             try:
-                start, self.state, damaged, changes = self.run_dir.resume_or_init(
+                start, state, damaged, changes = self.run_dir.resume_or_init(
                     ckpt, self.state, self.data_iter
                 )
+                self.state = self.filled(state)
                 if start >= cfg.steps:  # reads only: writes nothing, not even config.yaml
                     return self._nothing_to_do(start)
                 self.run_dir.set_aside(ckpt, damaged)
@@ -468,10 +492,14 @@ class Trainer:
         peak = runtime.peak_memory(
             [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
         )
-        if done and start < self.cfg.steps and eval_loss is not None:
+        if done and start < self.cfg.steps:  # with or without held-out data
+            held_out = (
+                f", held-out loss {eval_loss:.4f} (perplexity {perplexity(eval_loss):.2f})"
+                if eval_loss is not None
+                else ""
+            )
             self.log(
-                f"done: step {s} in {duration(time.perf_counter() - t_begin)}, held-out "
-                f"loss {eval_loss:.4f} (perplexity {perplexity(eval_loss):.2f}); "
+                f"done: step {s} in {duration(time.perf_counter() - t_begin)}{held_out}; "
                 f"{peak_text(peak)}; metrics {metrics.path}"
             )
         return {
