@@ -114,6 +114,53 @@ def test_rope_and_the_cache_write_inside_the_kernel_equal_the_xla_ops(
     np.testing.assert_allclose(np.asarray(out), want, atol=1e-5, rtol=0)
 
 
+NO_CHECK = dict(check_vma=False)
+
+
+@pytest.mark.parametrize("tp, residual", [(1, "standard"), (2, "parallel")])
+def test_decode_with_rope_and_the_cache_write_in_the_kernel_equals_the_xla_ops(
+    tp, residual, monkeypatch
+):
+    """The model's decode step with the attention on the Triton kernel (`attend_new`,
+    interpreted: RoPE and the cache write inside it, fed the fused q/k/v projection's output;
+    parallel's five-way projection through `attend_and_project`) == the same model's XLA ops
+    (`apply_rope`, `write_cache`, `attend_filled`): logits and both caches. Rows at slot 0, a
+    block's last and next slots and the cache's last slot, over a cache of random entries."""
+    model = helpers.tiny_model(tp, residual=residual, head_dim=32, n_layers=2)
+    model = transformer.fuse_inputs(model)
+    cfg, S = model.config, 64
+    pos_b1 = jnp.asarray([[0], [15], [16], [S - 1]], jnp.int32)
+    tokens = jnp.asarray([[3], [5], [7], [11]], jnp.int32)
+    empty = KVCache.init(cfg, model.mesh, B, S)
+    layers = [
+        tuple(
+            jax.device_put(jax.random.normal(jax.random.key(10 * i + j), x.shape), x.sharding)
+            for j, x in enumerate(kv)
+        )
+        for i, kv in enumerate(empty.layers())
+    ]
+    step = nnx.jit(lambda m, c: m.forward_cached(tokens, pos_b1, c))
+    want_logits, want_cache = step(model, layers)
+    calls = []
+
+    def interpreted(*a, **kw):
+        calls.append(1)
+        return attend_new(*a, **kw, interpret=True)
+
+    attend_new, shard_map = ragged.attend_new, jax.shard_map
+    monkeypatch.setattr(ragged, "attend_new", interpreted)
+    # Pallas's interpreter cannot run under shard_map's type check (the compiled H100
+    # programs above hold the kernel with the check on)
+    monkeypatch.setattr(jax, "shard_map", lambda *a, **kw: shard_map(*a, **kw | NO_CHECK))
+    for layer in model.layers:
+        layer.attn.kernel = "pallas"
+    got_logits, got_cache = step(model, layers)
+    assert len(calls) == cfg.n_layers
+    np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), atol=1e-4)
+    for got, want in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
+
+
 def test_a_head_width_triton_cannot_block_takes_the_xla_loop():
     """Triton's block shapes are powers of two: a head width of 24 (a 3b-like model's 72
     alike) runs the XLA loop even where the model asks for the kernel, and still equals the
