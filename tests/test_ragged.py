@@ -19,7 +19,7 @@ from flax import nnx
 
 from ladder_jax.analysis import hlo, perfmodel, programs
 from ladder_jax.inference.cache import KVCache
-from ladder_jax.model import ragged
+from ladder_jax.model import ragged, transformer
 from tests import helpers, reference
 
 B, N, K, H, S = 4, 8, 2, 16, 200  # S not a multiple of the block (16): the last one overlaps
@@ -73,6 +73,92 @@ def test_ragged_decode_attention_equals_the_reference(kernel, split_min_blocks, 
     )
     want = reference.cache_attention(q, k, v, np.asarray(pos_bt))
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("split_min_blocks", [ragged.SPLIT_MIN_BLOCKS, 1])
+def test_rope_and_the_cache_write_inside_the_kernel_equal_the_xla_ops(
+    split_min_blocks, monkeypatch
+):
+    """`attend_new` (interpreted) from the projection's rows as they lie == the XLA ops
+    (`apply_rope`, `write_cache`) then the float64 reference over the written cache. Rows at
+    slot 0, a block's last slot, the next block's first and the cache's last slot; one split
+    or one per block. Slots no query may read from memory hold NaN: from the end of each row's
+    last block below its position, which for a row at a block's first slot (or slot 0) is that
+    slot itself (so the kernel must write it and fold the new token in from registers). Away
+    from the written slots the caches come back bit for bit."""
+    monkeypatch.setattr(ragged, "SPLIT_MIN_BLOCKS", split_min_blocks)
+    Hr = 32  # each rotated half a Triton block
+    keys = jax.random.split(jax.random.key(1), 3)
+    rows = jax.random.normal(keys[0], (B, N + 2 * K, Hr))
+    k = jax.random.normal(keys[1], (B, K, Hr, S))
+    v = jax.random.normal(keys[2], (B, K, S, Hr))
+    block = min(ragged.key_block(S), ragged.PALLAS_BLOCK)
+    pos_b = np.array([0, block - 1, block, S - 1])
+    k, v = _poison(k, v, -(-pos_b // block) * block)
+    pos_bt = jnp.asarray(pos_b[:, None], jnp.int32)
+    inv = transformer.rope_frequencies(dataclasses.replace(helpers.TINY, head_dim=Hr))
+    out, (k_got, v_got) = jax.jit(
+        lambda *a: ragged.attend_new(*a[:1], 0, N, *a[1:], interpret=True)
+    )(rows, pos_bt, inv, k, v)
+    q_new = transformer.apply_rope(rows[:, None, :N], pos_bt, inv)
+    k_new = transformer.apply_rope(rows[:, None, N : N + K], pos_bt, inv)
+    k_want = transformer.write_cache(k, k_new, pos_bt[:, 0], keys=True)
+    v_want = transformer.write_cache(v, rows[:, None, N + K :], pos_bt[:, 0], keys=False)
+    np.testing.assert_allclose(np.asarray(k_got), np.asarray(k_want), atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(np.asarray(v_got), np.asarray(v_want))
+    slot = np.arange(S)[None, :] != pos_b[:, None]
+    np.testing.assert_array_equal(
+        np.asarray(k_got).transpose(0, 3, 1, 2)[slot], np.asarray(k).transpose(0, 3, 1, 2)[slot]
+    )
+    want = reference.cache_attention(q_new, np.asarray(k_want), np.asarray(v_want), pos_b[:, None])
+    np.testing.assert_allclose(np.asarray(out), want, atol=1e-5, rtol=0)
+
+
+NO_CHECK = dict(check_vma=False)
+
+
+@pytest.mark.parametrize("tp, residual", [(1, "standard"), (2, "parallel")])
+def test_decode_with_rope_and_the_cache_write_in_the_kernel_equals_the_xla_ops(
+    tp, residual, monkeypatch
+):
+    """The model's decode step with the attention on the Triton kernel (`attend_new`,
+    interpreted: RoPE and the cache write inside it, fed the fused q/k/v projection's output;
+    parallel's five-way projection through `attend_and_project`) == the same model's XLA ops
+    (`apply_rope`, `write_cache`, `attend_filled`): logits and both caches. Rows at slot 0, a
+    block's last and next slots and the cache's last slot, over a cache of random entries."""
+    model = helpers.tiny_model(tp, residual=residual, head_dim=32, n_layers=2)
+    model = transformer.fuse_inputs(model)
+    cfg, S = model.config, 64
+    pos_b1 = jnp.asarray([[0], [15], [16], [S - 1]], jnp.int32)
+    tokens = jnp.asarray([[3], [5], [7], [11]], jnp.int32)
+    empty = KVCache.init(cfg, model.mesh, B, S)
+    layers = [
+        tuple(
+            jax.device_put(jax.random.normal(jax.random.key(10 * i + j), x.shape), x.sharding)
+            for j, x in enumerate(kv)
+        )
+        for i, kv in enumerate(empty.layers())
+    ]
+    step = nnx.jit(lambda m, c: m.forward_cached(tokens, pos_b1, c))
+    want_logits, want_cache = step(model, layers)
+    calls = []
+
+    def interpreted(*a, **kw):
+        calls.append(1)
+        return attend_new(*a, **kw, interpret=True)
+
+    attend_new, shard_map = ragged.attend_new, jax.shard_map
+    monkeypatch.setattr(ragged, "attend_new", interpreted)
+    # Pallas's interpreter cannot run under shard_map's type check (the compiled H100
+    # programs above hold the kernel with the check on)
+    monkeypatch.setattr(jax, "shard_map", lambda *a, **kw: shard_map(*a, **kw | NO_CHECK))
+    for layer in model.layers:
+        layer.attn.kernel = "pallas"
+    got_logits, got_cache = step(model, layers)
+    assert len(calls) == cfg.n_layers
+    np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), atol=1e-4)
+    for got, want in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
 
 
 def test_a_head_width_triton_cannot_block_takes_the_xla_loop():
@@ -196,12 +282,12 @@ GQA = dataclasses.replace(
 
 @pytest.mark.parametrize("prompt_len", [128, 1920])
 def test_the_decode_attention_moves_the_cache_and_little_else_at_batch_16(prompt_len):
-    """The kernels of the H100 decode step between the q/k/v matmul and the o matmul (RoPE,
-    the cache writes, the ragged kernel, the splits' combine) move the filled KV cache plus at
-    most three passes over the q/k/v and o activations, plus, where the cache is split (the
-    long prompt), one write and one read of the float32 partials of the real query rows: no
-    query rows padded to Triton's 16 in memory. A short cache is one split, whose output is
-    the o matmul's input: 4 kernels, no combine."""
+    """The kernels of the H100 decode step between the q/k/v matmul and the o matmul: the
+    ragged kernel alone (RoPE and the cache writes inside it, reading q/k/v as the matmul
+    wrote them), plus the splits' combine where the cache is split (the long prompt). They
+    move the filled KV cache, one pass over the q/k/v and o activations, the new token's
+    slot of each cache, and where split one write and one read of the float32 partials of
+    the real query rows: no query rows padded to Triton's 16 in memory."""
     tp, B, new = 8, 16, 64
     text, _ = programs.compile_program(
         GQA, phase="decode", tp=tp, batch=B, seq=prompt_len, new_tokens=new, cache=False
@@ -220,11 +306,15 @@ def test_the_decode_attention_moves_the_cache_and_little_else_at_batch_16(prompt
     cache = B * kv * (prompt_len + new // 2) * H * 2 * 2  # K and V of the filled slots, bf16
     activations = B * (2 * n + 2 * kv) * H * 2  # q, k, v in and o out, bf16
     (call,) = [ops[k.name] for k in side if ragged.KERNEL_NAME in ops[k.name].text]
-    assert call.operands and module.op("ENTRY", call.operands[0]).elements == B * n * H
+    assert module.op("ENTRY", call.operands[0]).elements == B * (n + 2 * kv) * H
     outputs = re.findall(r"f32\[(\d+),(\d+),(\d+),(\d+),(\d+)\]", call.shape)
     splits = int(outputs[0][2]) if outputs else 1
     partials = 2 * splits * B * n * (H + 1) * 4 if splits > 1 else 0
+    new_slots = 2 * B * kv * H * 2
+    small = B * 4 + H // 2 * 4  # positions, RoPE frequencies
     extra = sum(k.nbytes for k in side) - cache
-    assert 0 < extra <= 3 * activations + partials, [(k.name, k.nbytes) for k in side]
+    assert 0 < extra <= activations + new_slots + small + partials, [
+        (k.name, k.nbytes) for k in side
+    ]
     assert (splits > 1) == (prompt_len > 1024)
-    assert len(side) == (4 if splits == 1 else 5), [k.name for k in side]
+    assert len(side) == (1 if splits == 1 else 2), [k.name for k in side]

@@ -129,16 +129,24 @@ def _fusion_cost(module: hlo.Module, op: hlo.Op) -> tuple[float, float]:
 
 def _plain_cost(module: hlo.Module, op: hlo.Op, filled: float = 1.0) -> tuple[float, float]:
     """(FLOPs, bytes) of a non-fusion kernel: operands in, result out. The decode step's
-    ragged attention (`ladder_jax.model.ragged`, operands queries, positions, keys, values)
-    reads only the `filled` fraction of its cache operands."""
+    ragged attention (`ladder_jax.model.ragged`) reads only the `filled` fraction of its
+    cache operands, the last two: operands queries, positions, keys, values
+    (`attend_filled`), or the q/k/v rows, positions, RoPE frequencies, keys, values
+    (`attend_new`), whose cache outputs alias those operands and write one slot each."""
     entry = [module.op("ENTRY", n) for n in op.operands]
     sizes = [hlo.nbytes(o.shape) if o is not None else 0 for o in entry]
+    out_bytes = hlo.nbytes(op.shape)
     flops = 0.0
-    if op.opcode == "custom-call" and ragged.KERNEL_NAME in op.text and len(sizes) == 4:
-        sizes[2:] = [filled * n for n in sizes[2:]]
-        # two products of the (padded) queries (B, K, M, H) with the slots read
-        flops = 4.0 * entry[0].elements * entry[2].dims[-1] * filled
-    nbytes = sum(sizes) + hlo.nbytes(op.shape)
+    if op.opcode == "custom-call" and ragged.KERNEL_NAME in op.text and len(sizes) in (4, 5):
+        caches, sizes[-2:] = sizes[-2:], [filled * n for n in sizes[-2:]]
+        B_, K_, H_, S_ = entry[-2].dims  # keys (B, K, H, S)
+        queries = entry[0].elements  # (B, K, M, H) or rows (B, N + 2K, H)
+        if len(sizes) == 5:
+            queries -= 2 * B_ * K_ * H_
+            out_bytes += sum(n / S_ - n for n in caches)  # updated in place: the new slot
+        # two products of the queries with the slots read
+        flops = 4.0 * queries * S_ * filled
+    nbytes = sum(sizes) + out_bytes
     if op.opcode == "custom-call" and re.search(r'custom_call_target="__cublas', op.text):
         lhs = entry[0].dims
         m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', op.text)

@@ -21,6 +21,10 @@ read:
   programs hold it as one `__gpu$xla.gpu.triton` custom call per layer named
   `ragged_decode_attention` (what `ladder_jax.analysis.perfmodel` costs at the filled fraction
   of its cache operands).
+- `attend_new` (a decode step on GPU, one token per row): the same kernel, with RoPE of the new
+  queries and key and the cache write of the new key and value inside it, reading q/k/v as the
+  q/k/v projection wrote them, the caches aliased in place; the same custom call with five
+  operands.
 
 Invariant: the same result as `attend_cache` (the reference arithmetic) for every row, to
 rounding: query t of row b sees slot s iff s <= q_pos[b, t]. Forward only (decoding): neither
@@ -278,3 +282,213 @@ def _pallas(q_btnh, k_bkhs, v_bksh, q_pos_bt, block, interpret):
     w_bkpm = jnp.exp(lse_bkpm - lse_bkpm.max(axis=2, keepdims=True))
     out = (o_bkpmh * w_bkpm[..., None]).sum(2) / w_bkpm.sum(2)[..., None]
     return _ungrouped(out.astype(v_bksh.dtype), T)
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode step's attention with RoPE and the cache write inside the kernel.
+
+
+def writes_in_kernel(kernel: str, T: int, v_bksh) -> bool:
+    """Whether `attend_new` runs for a step of T tokens per row over a values cache `v_bksh`:
+    the Triton kernel ("pallas" / "cudnn"), one new token per row (a decode step), a cache of
+    16 slots or more and a head width that is a power of two of 32 or more (each rotated half
+    is a Triton block). Elsewhere the XLA ops (RoPE, `write_cache`) then `attend_filled`."""
+    S, head_dim = v_bksh.shape[2:]
+    return (
+        kernel in ("pallas", "cudnn")
+        and T == 1
+        and S >= MIN_BLOCK
+        and head_dim >= 32
+        and head_dim == 1 << (head_dim - 1).bit_length()
+    )
+
+
+def attend_new(
+    rows_brh, q_row: int, n_heads: int, pos_bt, inv_freq, k_bkhs, v_bksh, interpret=False
+):
+    """Decode attention of one new token per row from the q/k/v projection's output as it
+    lies, RoPE and the cache write included, as one Triton kernel:
+
+        out_btnh, (k_bkhs, v_bksh) = attend_new(rows_brh, 0, N, pos_bt, inv_freq, k, v)
+
+    `rows_brh` (B, R, H): head rows q_row.. hold the N queries, the next K rows the new keys,
+    the K after them the new values, none rotated yet; `pos_bt` (B, 1) the token's position
+    (< S); `inv_freq` (H/2,) RoPE's inverse frequencies (`transformer.rope_frequencies`).
+    Returns the attention output (B, 1, N, H) and the caches with the rotated key and the
+    value written at slot pos[b] of row b, in place (the cache operands alias the outputs).
+
+    Invariant: the same as rotating q and k (`transformer.apply_rope`), writing the cache
+    (`transformer.write_cache`) and `attend_filled` over the written cache, to rounding. No
+    program reads slot pos[b] from memory (the new token's key and value are folded in from
+    registers by split 0, which alone writes them), so the splits never race."""
+    B, R, H = rows_brh.shape
+    K, S = k_bkhs.shape[1], v_bksh.shape[2]
+    G = n_heads // K
+    Mp = max(MIN_ROWS, 1 << (G - 1).bit_length())
+    block = min(key_block(S), PALLAS_BLOCK, 1 << (S.bit_length() - 1))
+    blocks = -(-S // block)
+    splits = max(1, min(blocks // SPLIT_MIN_BLOCKS, SPLIT_PROGRAMS // (B * K)))
+    per_split = -(-blocks // splits)
+    splits = -(-blocks // per_split)
+    kernel = functools.partial(
+        _new_kernel,
+        rows=G,
+        q_row=q_row,
+        k_row=q_row + n_heads,
+        v_row=q_row + n_heads + K,
+        block=block,
+        slots=S,
+        per_split=per_split,
+        scale=1.0 / math.sqrt(H),
+        use_dot=H // 2 >= 16,
+        partial=splits > 1,
+    )
+    cache_specs = [
+        pl.BlockSpec((None, None, H, S), lambda b, k, p: (b, k, 0, 0)),
+        pl.BlockSpec((None, None, S, H), lambda b, k, p: (b, k, 0, 0)),
+    ]
+    cache_shapes = [
+        jax.ShapeDtypeStruct(k_bkhs.shape, k_bkhs.dtype),
+        jax.ShapeDtypeStruct(v_bksh.shape, v_bksh.dtype),
+    ]
+    if splits == 1:
+        out_specs = [pl.BlockSpec((None, None, Mp, H), lambda b, k, p: (b, k, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((B, K, G, H), rows_brh.dtype)]
+    else:
+        out_specs = [
+            pl.BlockSpec((None, None, None, Mp, H), lambda b, k, p: (b, k, p, 0, 0)),
+            pl.BlockSpec((None, None, None, Mp), lambda b, k, p: (b, k, p, 0)),
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((B, K, splits, G, H), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, splits, G), jnp.float32),
+        ]
+    n_out = len(out_shape)
+    call = pl.pallas_call(
+        kernel,
+        grid=(B, K, splits),
+        in_specs=[
+            pl.BlockSpec((None, R, H), lambda b, k, p: (b, 0, 0)),
+            pl.BlockSpec((None, 1), lambda b, k, p: (b, 0)),
+            pl.BlockSpec((H // 2,), lambda b, k, p: (0,)),
+            *cache_specs,
+        ],
+        out_specs=out_specs + cache_specs,
+        out_shape=out_shape + cache_shapes,
+        input_output_aliases={3: n_out, 4: n_out + 1},
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name=KERNEL_NAME,
+    )
+    pos_b1 = pos_bt.astype(jnp.int32)
+    with jax_config._check_vma(False):
+        outs = call(rows_brh, pos_b1, inv_freq.astype(jnp.float32), k_bkhs, v_bksh)
+        *outs, k_new, v_new = outs
+        outs = [vary_like(x, rows_brh) for x in outs]
+        cache = (vary_like(k_new, k_bkhs), vary_like(v_new, v_bksh))
+    if splits == 1:
+        return _ungrouped(outs[0], 1), cache
+    o_bkpgh, lse_bkpg = outs
+    w_bkpg = jnp.exp(lse_bkpg - lse_bkpg.max(axis=2, keepdims=True))
+    out = (o_bkpgh * w_bkpg[..., None]).sum(2) / w_bkpg.sum(2)[..., None]
+    return _ungrouped(out.astype(rows_brh.dtype), 1), cache
+
+
+def _rotate(x1, x2, cos, sin, dtype):
+    """RoPE of the two halves of a head (`transformer.apply_rope`), rounded to `dtype` as the
+    XLA form stores them, back in float32."""
+    r1 = (x1 * cos - x2 * sin).astype(dtype).astype(jnp.float32)
+    r2 = (x2 * cos + x1 * sin).astype(dtype).astype(jnp.float32)
+    return r1, r2
+
+
+def _new_kernel(
+    rows_ref,
+    pos_ref,
+    freq_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    *refs,
+    rows: int,
+    q_row: int,
+    k_row: int,
+    v_row: int,
+    block: int,
+    slots: int,
+    per_split: int,
+    scale: float,
+    use_dot: bool,
+    partial: bool,
+):
+    """One (row b, kv head, split) of `attend_new`: its `rows` query heads (loaded masked to
+    Mp rows), rotated; the new key rotated and the new value, folded in first by split 0,
+    which also writes them to slot pos of the caches (`refs`' last two, aliasing k_ref and
+    v_ref); then this split's blocks of slots below pos, read from the cache."""
+    lse_ref = refs[0] if partial else None
+    k_out, v_out = refs[-2:]
+    Mp, H = o_ref.shape[-2], o_ref.shape[-1]
+    half = H // 2
+    kh, split = pl.program_id(1), pl.program_id(2)
+    real = jnp.arange(Mp, dtype=jnp.int32) < rows
+    pos = jnp.max(pos_ref[...])
+    angle = pos.astype(jnp.float32) * freq_ref[...]
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    dtype = rows_ref.dtype
+    first_q = q_row + kh * rows
+    q1 = plgpu.load(rows_ref.at[pl.ds(first_q, Mp), pl.ds(0, half)], mask=real[:, None], other=0)
+    q2 = plgpu.load(rows_ref.at[pl.ds(first_q, Mp), pl.ds(half, half)], mask=real[:, None], other=0)
+    q1, q2 = _rotate(q1.astype(jnp.float32), q2.astype(jnp.float32), cos, sin, dtype)
+    kr1 = rows_ref[k_row + kh, pl.ds(0, half)].astype(jnp.float32)
+    kr2 = rows_ref[k_row + kh, pl.ds(half, half)].astype(jnp.float32)
+    k1, k2 = _rotate(kr1, kr2, cos, sin, dtype)
+    k1, k2 = (x.astype(k_ref.dtype).astype(jnp.float32) for x in (k1, k2))  # as the cache holds
+    v_tok = rows_ref[v_row + kh, :].astype(v_ref.dtype)
+
+    @pl.when(split == 0)
+    def _():
+        k_out[pl.ds(0, half), pos] = k1.astype(k_out.dtype)
+        k_out[pl.ds(half, half), pos] = k2.astype(k_out.dtype)
+        v_out[pos, :] = v_tok
+
+    # the new token: its score and value start split 0's running softmax
+    s_tok = (jnp.sum(q1 * k1[None, :], axis=1) + jnp.sum(q2 * k2[None, :], axis=1)) * scale
+    mine = jnp.full((Mp,), split, jnp.int32) == 0
+    m = jnp.where(mine, s_tok, -1e30)
+    total = jnp.where(mine, 1.0, 0.0)
+    acc = total[:, None] * v_tok.astype(jnp.float32)[None, :]
+    filled_blocks = pl.cdiv(jnp.minimum(pos, slots), block)  # the slots below pos
+    first = split * per_split
+    last = jnp.maximum(first, jnp.minimum(first + per_split, filled_blocks))
+
+    def body(i, carry):
+        m, total, acc = carry
+        start = jnp.minimum(i * block, slots - block)
+        slot = start + jnp.arange(block, dtype=jnp.int32)
+        ka = k_ref[pl.ds(0, half), pl.ds(start, block)].astype(jnp.float32)
+        kb = k_ref[pl.ds(half, half), pl.ds(start, block)].astype(jnp.float32)
+        v = v_ref[pl.ds(start, block), :].astype(jnp.float32)
+        if use_dot:
+            s = (plgpu.dot(q1, ka) + plgpu.dot(q2, kb)) * scale
+        else:
+            s = (
+                jnp.sum(q1[:, :, None] * ka[None, :, :], axis=1)
+                + jnp.sum(q2[:, :, None] * kb[None, :, :], axis=1)
+            ) * scale
+        s = jnp.where(((slot >= i * block) & (slot < pos))[None, :], s, -1e30)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        p = jnp.exp(s - m_new[:, None])
+        fix = jnp.exp(m - m_new)
+        if use_dot:
+            pv = plgpu.dot(p, v)
+        else:
+            pv = jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
+        return m_new, total * fix + p.sum(axis=1), acc * fix[:, None] + pv
+
+    m, total, acc = jax.lax.fori_loop(first, last, body, (m, total, acc))
+    seen = total > 0
+    out = acc / jnp.where(seen, total, 1.0)[:, None]
+    plgpu.store(o_ref, out.astype(o_ref.dtype), mask=real[:, None])
+    if partial:
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), -1e30)
+        plgpu.store(lse_ref, lse, mask=real)

@@ -177,12 +177,20 @@ class Attention(FusesInputs):
         causal flash kernel over the T keys of the call itself (`attend_causal`): the same
         result as attending over the cache, whose slots past t no query t may see. With
         positions given, it runs the reference `attend` over the keys, or over a cache
-        `ragged.attend_filled`, which reads only the slots some query can see.
+        `ragged.attend_filled`, which reads only the slots some query can see; a decode step
+        on the Triton kernel runs RoPE, the cache write and attention as one kernel
+        (`ragged.attend_new`) on the q/k/v projection's output as it lies.
 
         Decoding folds (`residual._decode_stream`): `norm` (the layer's `RMSNorm`), x_btd is
         the float32 stream, normalized first, after `joins` (a reduced output) joins it: then
         returns (the above, the joined stream); `residual`, the output is `residual + output`."""
         x_btd = x_btd if norm is not None else x_btd.astype(self.dtype)
+        if self.qkv is not None and self._writes_in_kernel(x_btd.shape[1], positions_bt, cache):
+            # the fused projection's output as it lies goes to the attention kernel
+            y = self.qkv(x_btd, self.dtype, norm=norm, joins=joins, split=False)
+            y_btc, stream = y if joins is not None else (y, None)
+            out = self.attend_rows(y_btc, 0, positions_bt, inv_freq, cache, residual=residual)
+            return out if joins is None else (out, stream)
         qkv = self.project_inputs(x_btd, self.dtype, norm=norm, joins=joins)
         (q_btnh, k_btkh, v_btkh), stream = qkv if joins is not None else (qkv, None)
         out = self.attend_and_project(
@@ -196,7 +204,11 @@ class Attention(FusesInputs):
         """Everything after the q/k/v projections (RoPE, cache write, attention, the output
         projection); `__call__` documents the arguments. The parallel scheme's fused input
         projection (`Layer.fused_in`) enters here."""
-        B, T = q_btnh.shape[:2]
+        B, T, N, H = q_btnh.shape
+        if self._writes_in_kernel(T, positions_bt, cache):
+            rows = [x.reshape(B, -1, H) for x in (q_btnh, k_btkh, v_btkh)]
+            y_btc = jnp.concatenate(rows, axis=1).reshape(B, T, -1)
+            return self.attend_rows(y_btc, 0, positions_bt, inv_freq, cache, residual=residual)
         from_start = positions_bt is None
         if from_start:
             positions_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -216,6 +228,30 @@ class Attention(FusesInputs):
             out_btnh = ragged.attend_filled(q_btnh, *new_cache, positions_bt, self.kernel)
         y_btd = self.o(out_btnh, self.dtype, residual=residual)
         return y_btd if cache is None else (y_btd, new_cache)
+
+    def _writes_in_kernel(self, T, positions_bt, cache) -> bool:
+        """Whether a step runs RoPE, the cache write and attention as one kernel
+        (`ragged.attend_new`): decoding one token per row over a cache, on the Triton kernel."""
+        return (
+            cache is not None
+            and positions_bt is not None
+            and ragged.writes_in_kernel(self.kernel, T, cache[1])
+        )
+
+    def attend_rows(self, y_btc, q_col, positions_bt, inv_freq, cache, *, residual=None):
+        """`attend_and_project` from a projection's output (B, 1, C) that holds the queries,
+        keys and values one after another from column `q_col` (a multiple of the head width)
+        to its end: RoPE, the cache write and attention run in the one kernel
+        `ragged.attend_new`, which reads them where the projection wrote them. Returns
+        (output, cache)."""
+        B, T, C = y_btc.shape
+        H = cache[1].shape[-1]
+        N = C // H - q_col // H - 2 * cache[1].shape[1]  # this rank's query heads
+        out_btnh, new_cache = ragged.attend_new(
+            y_btc.reshape(B, C // H, H), q_col // H, N, positions_bt, inv_freq, *cache
+        )
+        y_btd = self.o(out_btnh, self.dtype, residual=residual)
+        return y_btd, new_cache
 
 
 def write_cache(cache, new_btkh, start_b, *, keys: bool):
