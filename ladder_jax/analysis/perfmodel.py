@@ -1612,6 +1612,8 @@ def _row(cfg, sweep: Sweep, tp, batch, link, pre, step) -> dict:
         "launch": sweep.launch,
         "copy_contention": sweep.contention and sweep.copy_contention,
         "stream_sync": sweep.stream_sync and sweep.launch != "off",
+        "nccl_in_host": sweep.algorithm == "nccl" and sweep.nccl_in_host,
+        "nvls": sweep.algorithm == "nccl" and sweep.nccl_in_host and sweep.nvls,
         "fallback": fallback,
         "slots": sweep.slots,
         "calibration": sweep.calibration.source,
