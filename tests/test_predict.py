@@ -318,6 +318,13 @@ def test_cli_json_rows(capsys):
         assert off[key(r)]["decode_step_s"] <= r["decode_step_s"]
         if r["residual"] == "ladder":
             assert off[key(r)]["decode_step_s"] < r["decode_step_s"]
+    # NCCL's choice within the host (the default) against the ring at LL's latency and the
+    # link's full bandwidth (the ablation), which no NCCL option beats at 2 GPUs
+    assert all(r["nccl_in_host"] and r["nvls"] for r in rows)
+    ring = {key(r): r for r in predict_json(capsys, [*argv, "--no-nccl-in-host"])[0]}
+    for r in rows:
+        assert ring[key(r)]["nccl_in_host"] is False and ring[key(r)]["nvls"] is False
+        assert ring[key(r)]["decode_step_s"] <= r["decode_step_s"]
     assert predict_cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "ladder/standard" in out and "tokens/s" in out
