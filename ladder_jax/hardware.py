@@ -348,7 +348,7 @@ NCCL = NcclTuning(
     "x0.92; tree x0.92, LL /3.8, LL128 x120/128 across nodes), the tree's "
     "2((g-1) intra + log2(hosts) inter) latency and its 0.5 algorithm-bandwidth ratio, "
     "and the Simple ring's 1.4x latency plateau across nodes (sm80 and later). Left "
-    "out: the tree's size correction table, NVLS/CollNet (need NVLink SHARP / "
+    "out across hosts: the tree's size correction table, NVLS/CollNet (NVLink SHARP / "
     "in-network reduction), per-channel caps. Within one host (same file): LL's cap "
     "on one node by GPU (llMaxBws Ampere-N1 87.7 GB/s, Hopper-N1 141 GB/s), the tree's "
     "LL128 share on one node (x7/9 after x0.92), LL128 only where the ring's intra-host "

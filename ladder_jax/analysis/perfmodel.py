@@ -6,7 +6,7 @@ compiles for them.
 
 Compile the decoder's prefill and one-token step deviceless (`programs`), read the scheduled
 ENTRY computation (`hlo`), cost each kernel as a roofline plus a fixed overhead and each
-collective with the link's ring model (across hosts as NCCL's tuner times and picks it), then
+collective as NCCL's tuner times and picks it (within a host and across hosts), then
 replay the compute and collective streams exactly as scheduled (`simulate`), with contention.
 3- and 4-layer compiles are extended linearly to full depth. The calibration is
 `ladder_jax.hardware`, never fitted to a measured model throughput. Method, flags and what it
