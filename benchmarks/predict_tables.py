@@ -6,6 +6,7 @@ command that reproduces it and its wall time (compiles are cached: a rerun takes
     python benchmarks/predict_tables.py --list
     python benchmarks/predict_tables.py --jobs 2        # two programs compiling at a time
     python benchmarks/predict_tables.py --split presets # prefill / decode, with and without waits
+    python benchmarks/predict_tables.py presets --no-nccl-in-host  # an ablation's table
 
 Tables (prompt 1024, 512 new tokens, all four schemes):
 - 70b-grid: llama-3-70b on H100, TP 2/4/8 x batch 1/4/8/16/32/64 x NVLink / PCIe
@@ -17,7 +18,8 @@ Each prints markdown: one row per (link, tp, batch), tokens/s of standard and ea
 ratio to it; under it, a note for every scheme predicted above upper_bound (what its compiled
 programs do less of, or a costing defect). `--split`: instead, each scheme's prefill and
 decode-step speed-up over standard, with the cross-stream waits and without them
-(`--no-stream-sync`), as "with -> without".
+(`--no-stream-sync`), as "with -> without". `--no-nccl-in-host` / `--no-nvls`: the tables under
+that ablation (`python -m ladder_jax.predict --help`).
 """
 
 from __future__ import annotations
@@ -41,11 +43,11 @@ TABLES = {
 }
 
 
-def command(spec: dict) -> str:
+def command(spec: dict, flags: str = "") -> str:
     return (
         f"python -m ladder_jax.predict --preset {spec['preset']} --tp "
         f"{' '.join(map(str, spec['tp']))} --batch {' '.join(map(str, spec['batch']))} "
-        f"--link nvlink pcie --target {spec.get('target', 'h100')} --json"
+        f"--link nvlink pcie --target {spec.get('target', 'h100')} --json{flags}"
     )
 
 
@@ -125,7 +127,16 @@ def main(argv=None) -> int:
         action="store_true",
         help="prefill and decode-step speed-ups, with -> without the cross-stream waits",
     )
+    ap.add_argument(
+        "--no-nccl-in-host",
+        action="store_true",
+        help="collectives within a host as a ring at LL's latency (the ablation)",
+    )
+    ap.add_argument("--no-nvls", action="store_true", help="no NVLink SHARP within a host")
     args = ap.parse_args(argv)
+    flags = "".join(
+        f" --{f}" for f in ("no-nccl-in-host", "no-nvls") if getattr(args, f.replace("-", "_"))
+    )
     names = args.tables or list(TABLES)
     unknown = [n for n in names if n not in TABLES]
     if unknown:
@@ -136,7 +147,7 @@ def main(argv=None) -> int:
     if args.list:
         for n in names:
             for spec in TABLES[n]:
-                print(f"{n}: {command(spec)}")
+                print(f"{n}: {command(spec, flags)}")
         return 0
 
     import jax
@@ -160,6 +171,8 @@ def main(argv=None) -> int:
                     jobs=args.jobs,
                     progress=_Progress(f"{n}: {spec['preset']}"),
                     stream_sync=sync,
+                    nccl_in_host=not args.no_nccl_in_host,
+                    nvls=not args.no_nvls,
                 )
         wall = time.perf_counter() - t0
         print(
@@ -167,9 +180,9 @@ def main(argv=None) -> int:
             f"{' '.join(f'{x:.1f}' for x in os.getloadavg())})\n"
         )
         for spec in TABLES[n]:
-            print(f"    {command(spec)}")
+            print(f"    {command(spec, flags)}")
             if args.split:
-                print(f"    {command(spec)} --no-stream-sync")
+                print(f"    {command(spec, flags)} --no-stream-sync")
         print()
         table = split_markdown(runs[True], runs[False]) if args.split else markdown(runs[True])
         print(table, flush=True)

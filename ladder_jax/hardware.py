@@ -295,6 +295,13 @@ class NcclTuning:
     protocol_share: dict  # (algorithm, protocol) -> share of the link's bus bandwidth
     ring_plateau: float  # Simple ring latency factor across hosts beyond 64 B per channel-rank
     sources: str
+    # within one host (`perfmodel.nccl_one_host_seconds`)
+    ll_one_host_bus_bytes_per_s: dict = dataclasses.field(default_factory=dict)  # arch -> cap
+    tree_ll128_one_host_share: float = 0.92 * 7 / 9
+    nvls_archs: tuple = ()  # archs with NVLink SHARP (NVSwitch multicast/reduce)
+    nvls_latency_s: float = 0.0
+    nvls_channels: int = 16
+    nvls_bus_factor: dict = dataclasses.field(default_factory=dict)  # ranks -> x ring busbw
 
 
 _PROTOCOLS = ("LL", "LL128", "Simple")
@@ -325,6 +332,12 @@ NCCL = NcclTuning(
         ("tree", "Simple"): 0.92,
     },
     ring_plateau=1.4,
+    ll_one_host_bus_bytes_per_s={"sm80": 87.7e9, "sm90": 141.0e9},
+    tree_ll128_one_host_share=0.92 * 7 / 9,
+    nvls_archs=("sm90",),
+    nvls_latency_s=25e-6,
+    nvls_channels=16,
+    nvls_bus_factor={r: gbs / 370 for r, gbs in enumerate((370, 370, 370, 420, 440, 460, 480), 2)},
     sources="NCCL's tuning model, src/graph/tuning.cc of NVIDIA/nccl (master, 2026): base "
     "latencies (tree 6.8 / 14.0 / 8.4 us, ring 6.6 / 14.0 / 8.4 us for LL / LL128 / "
     "Simple), per-step hardware latencies (NVLink tree 0.6 / 1.25 / 4.0, ring 0.6 / "
@@ -335,8 +348,19 @@ NCCL = NcclTuning(
     "x0.92; tree x0.92, LL /3.8, LL128 x120/128 across nodes), the tree's "
     "2((g-1) intra + log2(hosts) inter) latency and its 0.5 algorithm-bandwidth ratio, "
     "and the Simple ring's 1.4x latency plateau across nodes (sm80 and later). Left "
-    "out: the tree's size correction table, NVLS/CollNet (need NVLink SHARP / "
-    "in-network reduction), per-channel caps. No end-to-end throughput was used",
+    "out across hosts: the tree's size correction table, NVLS/CollNet (NVLink SHARP / "
+    "in-network reduction), per-channel caps. Within one host (same file): LL's cap "
+    "on one node by GPU (llMaxBws Ampere-N1 87.7 GB/s, Hopper-N1 141 GB/s), the tree's "
+    "LL128 share on one node (x7/9 after x0.92), LL128 only where the ring's intra-host "
+    "path is NVLink (none through host memory, PATH_NVB rule), NVLS (NVLink SHARP) on "
+    "Hopper only (nvlsEfficiency 0 on Ampere), Simple protocol only, 25 us NVLink "
+    "latency with no base, 16 channels (src/transport/nvls.cc, NVLS_NCHANNELS_SM90). "
+    "NVLS bandwidth measured, not NCCL's estimate: all_reduce_perf with NCCL_ALGO=NVLS "
+    "on 8x H100 SXM, 2-4 GB messages, busbw 365-370 GB/s on 2 to 4 GPUs (as the ring), "
+    "420 / 440 / 460 / 480 GB/s on 5 / 6 / 7 / 8 (github.com/NVIDIA/nccl issue 1455); "
+    "NCCL's maintainer: ring busbw ~370 GB/s, NVLS on 8 GPUs ~480 GB/s busbw "
+    "(github.com/NVIDIA/nccl-tests issue 212): taken as factors of the link's ring busbw. "
+    "No end-to-end throughput was used",
 )
 
 

@@ -318,6 +318,13 @@ def test_cli_json_rows(capsys):
         assert off[key(r)]["decode_step_s"] <= r["decode_step_s"]
         if r["residual"] == "ladder":
             assert off[key(r)]["decode_step_s"] < r["decode_step_s"]
+    # NCCL's choice within the host (the default) against the ring at LL's latency and the
+    # link's full bandwidth (the ablation), which no NCCL option beats at 2 GPUs
+    assert all(r["nccl_in_host"] and r["nvls"] for r in rows)
+    ring = {key(r): r for r in predict_json(capsys, [*argv, "--no-nccl-in-host"])[0]}
+    for r in rows:
+        assert ring[key(r)]["nccl_in_host"] is False and ring[key(r)]["nvls"] is False
+        assert ring[key(r)]["decode_step_s"] <= r["decode_step_s"]
     assert predict_cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "ladder/standard" in out and "tokens/s" in out
@@ -617,7 +624,7 @@ def test_a100_40gb_is_the_slower_hbm_part_and_devices_find_it():
 def test_tp_scaling_on_a_hand_built_layer_grows_with_slower_hbm_and_cheaper_fixed_costs():
     """One layer's decode step by hand: at tp 1 a kernel streaming W bytes; at tp 8 one
     streaming W / 8 and a blocking all-reduce of 8 KB over 8 GPUs (NCCL's ring: 6.6 us + 14
-    steps of 0.6 us + 8 KB x 14/8 over the bus). Exact times on both A100 parts; tp 8 / tp 1
+    steps of 0.6 us + 8 KB x 14/8 at LL's bandwidth). Exact times on both A100 parts; tp 8 / tp 1
     rises with slower HBM and falls with a larger fixed cost per kernel or per step."""
     W, msg = 400e6, 8192
 
@@ -632,7 +639,7 @@ def test_tp_scaling_on_a_hand_built_layer_grows_with_slower_hbm_and_cheaper_fixe
         ops = perfmodel.costed(kernels, calibration=cal, link=cal.links["nvlink"], contention=False)
         return perfmodel.simulate(ops).seconds
 
-    ring = 6.6e-6 + 14 * 0.6e-6 + msg * 14 / 8 / 230e9
+    ring = 6.6e-6 + 14 * 0.6e-6 + msg * 14 / 8 / 87.7e9  # ring/LL at NCCL's Ampere LL cap
     for target, hbm in (("a100", 2.039e12), ("a100-40gb", 1.555e12)):
         assert step(target, 1) == pytest.approx(W / (hbm * 0.85) + 1.5e-6, rel=1e-12)
         assert step(target, 8) == pytest.approx(W / 8 / (hbm * 0.85) + 1.5e-6 + ring, rel=1e-12)
@@ -1178,6 +1185,87 @@ def test_nccl_collectives_never_faster_with_more_bytes_hosts_or_slower_links():
                         perfmodel.nccl_seconds(coll, n, 16, link, hosts=2, inter_host=slow_net)[0]
                         >= base
                     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives within one host as NCCL picks them (perfmodel.nccl_one_host_seconds).
+
+
+def test_nccl_in_host_picks_ring_ll_then_nvls_by_size_on_h100():
+    nv = hardware.LINKS["nvlink"]  # 6.6 us base, 0.6 us a step, 360 GB/s busbw
+    # 16 KB over 8 GPUs: the ring's LL at NCCL's Hopper one-node LL cap (141 GB/s < 360 / 2)
+    s, how = perfmodel.nccl_one_host_seconds("all-reduce", 16384, 8, nv, arch="sm90")
+    assert how == "ring/LL"
+    assert s == pytest.approx((6.6 + 14 * 0.6) * 1e-6 + 16384 * 1.75 / 141e9, rel=1e-12)
+    # 64 MB: NVLS, 25 us, at the measured 480 / 370 of the ring's busbw on 8 GPUs
+    n = 64e6
+    s, how = perfmodel.nccl_one_host_seconds("all-reduce", n, 8, nv, arch="sm90")
+    assert how == "nvls/Simple"
+    assert s == pytest.approx(25e-6 + n * 1.75 / (360e9 * 480 / 370), rel=1e-12)
+    # without NVLS (--no-nvls, or an A100): the ring's Simple beats LL128 at 64 MB
+    simple = (8.4 + 14 * 3.4) * 1e-6 + n * 1.75 / 360e9
+    ll128 = (14.0 + 14 * 1.9) * 1e-6 + n * 1.75 / (360e9 * 0.92)
+    assert simple < ll128
+    s, how = perfmodel.nccl_one_host_seconds("all-reduce", n, 8, nv, arch="sm90", nvls=False)
+    assert (s, how) == (pytest.approx(simple, rel=1e-12), "ring/Simple")
+    a100 = hardware.A100_LINKS["nvlink"]
+    s, how = perfmodel.nccl_one_host_seconds("all-reduce", n, 8, a100, arch="sm80")
+    assert (s, how) == (pytest.approx((8.4 + 14 * 3.4) * 1e-6 + n * 1.75 / 230e9), "ring/Simple")
+    # 8 KB on A100: LL at NCCL's Ampere one-node cap (87.7 GB/s)
+    s, how = perfmodel.nccl_one_host_seconds("all-reduce", 8192, 8, a100, arch="sm80")
+    assert (s, how) == (pytest.approx(15.0e-6 + 8192 * 1.75 / 87.7e9, rel=1e-12), "ring/LL")
+
+
+def test_nccl_in_host_over_pcie_has_no_ll128_and_no_nvls():
+    pci = hardware.LINKS["pcie"]
+    for n in (0, 1e4, 1e5, 1e6, 1e7, 1e8):
+        for ranks in (2, 4, 8):
+            _, how = perfmodel.nccl_one_host_seconds("all-reduce", n, ranks, pci, arch="sm90")
+            assert "LL128" not in how and "nvls" not in how, (n, ranks, how)
+    # 4 MB over 8 GPUs: the ring's Simple, NCCL's PCI step (5.7 us) scaled by the link's
+    # ring/LL step (2.0 us here against NCCL's 1.0)
+    n = 4e6
+    want = (8.4 + 14 * 5.7 * 2.0) * 1e-6 + n * 1.75 / 25e9
+    s, how = perfmodel.nccl_one_host_seconds("all-reduce", n, 8, pci, arch="sm90")
+    assert (s, how) == (pytest.approx(want, rel=1e-12), "ring/Simple")
+
+
+def test_nccl_in_host_never_faster_with_more_bytes_or_slower_links():
+    sizes = [0, 1e3, 8e3, 64e3, 256e3, 1e6, 4e6, 16e6, 64e6, 1e9]
+    for target in ("h100", "a100"):
+        cal = hardware.calibration(target)
+        for link in cal.links.values():
+            for coll in ("all-reduce", "all-gather", "reduce-scatter"):
+                for ranks in (2, 4, 8):
+                    at = functools.partial(
+                        perfmodel.nccl_one_host_seconds, coll, ranks=ranks, arch=cal.chip.arch
+                    )
+                    times = [at(n, link=link)[0] for n in sizes]
+                    assert times == sorted(times), (target, link.name, coll, ranks, times)
+                    for scale in (0.8, 0.5, 0.1):
+                        slow = dataclasses.replace(
+                            link,
+                            bus_bytes_per_s=link.bus_bytes_per_s * scale,
+                            hop_latency_s=link.hop_latency_s / scale,
+                        )
+                        for n, t in zip(sizes, times):
+                            assert at(n, link=slow)[0] >= t, (target, link.name, coll, n)
+
+
+def test_costed_uses_nccl_in_host_unless_ablated():
+    cal = hardware.calibration("h100")
+    nv = cal.links["nvlink"]
+    k = perfmodel.Kernel("start", "x", nbytes=64e6, collective="all-reduce", ranks=8)
+    [t] = perfmodel.costed([k], calibration=cal, link=nv)
+    assert t.seconds == perfmodel.nccl_one_host_seconds("all-reduce", 64e6, 8, nv, arch="sm90")[0]
+    assert t.latency_s == pytest.approx(25e-6, rel=1e-12)
+    assert t.sm_share == pytest.approx(16 / 132)  # NVLS's 16 channels, not the ring's 24
+    [r] = perfmodel.costed([k], calibration=cal, link=nv, in_host=False)
+    assert r.seconds == perfmodel.collective_seconds("all-reduce", 64e6, 8, nv)
+    assert r.sm_share == pytest.approx(24 / 132)
+    kw = perfmodel.Sweep(nccl_in_host=False, nvls=False).costing(8, "nvlink")
+    assert (kw["in_host"], kw["nvls"]) == (False, False)
+    assert perfmodel.Sweep().costing(8, "nvlink")["in_host"] is True
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ compiles for them.
 
 Compile the decoder's prefill and one-token step deviceless (`programs`), read the scheduled
 ENTRY computation (`hlo`), cost each kernel as a roofline plus a fixed overhead and each
-collective with the link's ring model (across hosts as NCCL's tuner times and picks it), then
+collective as NCCL's tuner times and picks it (within a host and across hosts), then
 replay the compute and collective streams exactly as scheduled (`simulate`), with contention.
 3- and 4-layer compiles are extended linearly to full depth. The calibration is
 `ladder_jax.hardware`, never fitted to a measured model throughput. Method, flags and what it
@@ -380,6 +380,73 @@ def nccl_seconds(
     return min(options)
 
 
+def nccl_one_host_seconds(
+    collective: str,
+    nbytes: float,
+    ranks: int,
+    link: hardware.Link,
+    *,
+    arch: str | None = None,
+    tuning: hardware.NcclTuning = hardware.NCCL,
+    nvls: bool = True,
+) -> tuple[float, str]:
+    """(seconds, "algorithm/protocol") of one collective over `ranks` GPUs of one host: the
+    fastest of NCCL's ring and (all-reduce) tree in LL, LL128 and Simple, with NCCL's
+    latencies for the link's class (base and step rescaled by the link's own ring/LL figures,
+    so the ring/LL option is `collective_seconds`'s ring at LL's bandwidth), and NVLS for an
+    all-reduce on an `arch` with NVLink SHARP at its measured bandwidth (`hardware.NCCL`).
+    Each option is affine in `nbytes` and slower on a slower link, and so is their minimum.
+
+        s, how = nccl_one_host_seconds("all-reduce", 16384, 8, LINKS["nvlink"], arch="sm90")
+    """
+    s, _, how = _one_host_pick(collective, nbytes, ranks, link, arch, tuning, nvls)
+    return s, how
+
+
+def _one_host_pick(collective, nbytes, ranks, link, arch, tuning, nvls) -> tuple:
+    """(seconds, of them latency, name) of the fastest option (`nccl_one_host_seconds`)."""
+    if ranks <= 1:
+        return 0.0, 0.0, "none"
+    steps, traffic = _ring(collective, ranks, "ring")
+    base, step, share = tuning.base_latency_s, tuning.step_latency_s, tuning.protocol_share
+    hop = link.hop_latency_s / step[(link.hw, "ring", "LL")]
+    at = link.base_latency_s / base[("ring", "LL")]
+    ll_cap = tuning.ll_one_host_bus_bytes_per_s.get(arch, math.inf)
+    options = []  # (latency, bus bandwidth, bytes on the bus, name)
+    for proto in _PROTOCOLS:
+        if proto == "LL128" and link.hw != "nvlink":  # NCCL: LL128 only over NVLink paths
+            continue
+        cap = ll_cap if proto == "LL" else math.inf
+        options.append(
+            (
+                base[("ring", proto)] * at + steps * step[(link.hw, "ring", proto)] * hop,
+                min(link.bus_bytes_per_s * share[("ring", proto)], cap),
+                traffic,
+                f"ring/{proto}",
+            )
+        )
+        if collective == "all-reduce":
+            tree = tuning.tree_ll128_one_host_share if proto == "LL128" else share[("tree", proto)]
+            options.append(
+                (
+                    base[("tree", proto)] * at
+                    + 2 * (ranks - 1) * step[(link.hw, "tree", proto)] * hop,
+                    min(link.bus_bytes_per_s * tree, cap),
+                    2.0,
+                    f"tree/{proto}",
+                )
+            )
+    if nvls and collective == "all-reduce" and link.hw == "nvlink" and arch in tuning.nvls_archs:
+        factor = tuning.nvls_bus_factor.get(min(ranks, max(tuning.nvls_bus_factor)), 1.0)
+        options.append(
+            (tuning.nvls_latency_s * hop, link.bus_bytes_per_s * factor, traffic, "nvls/Simple")
+        )
+    return min((lat + nbytes * moved / bw, lat, name) for lat, bw, moved, name in options)
+
+
+_PROTOCOLS = hardware._PROTOCOLS
+
+
 def bus_bytes(collective: str, nbytes: float, ranks: int, algorithm: str = "ring") -> float:
     """Bytes one GPU sends for a collective (what its copies move)."""
     return nbytes * _ring(collective, ranks, algorithm)[1]
@@ -461,11 +528,15 @@ def costed(
     algorithm: str = "nccl",
     contention: bool = True,
     launch: str = "off",
+    in_host: bool = True,
+    nvls: bool = True,
 ) -> list[Timed]:
     """What `simulate` replays: every kernel timed with `calibration` (intra-host `link`).
-    `algorithm`: "nccl" times a collective whose group spans hosts as NCCL picks it
-    (`nccl_seconds`) and one within a host as a ring; "ring" / "tree": that everywhere
-    (`collective_seconds`). `launch`: how the host issues the kernels (`launch_plan`); a
+    `algorithm`: "nccl" times a collective as NCCL picks it, across hosts (`nccl_seconds`)
+    and, with `in_host`, within one (`nccl_one_host_seconds`, NVLS with `nvls`; without
+    `in_host` a ring at LL's latency); "ring" / "tree": that everywhere
+    (`collective_seconds`). A collective on NVLS takes its channels' SMs, at most
+    `NcclTuning.nvls_channels`. `launch`: how the host issues the kernels (`launch_plan`); a
     kernel launched outside a command buffer also pays `stream_gap_s` more on the GPU."""
     cal, out = calibration, []
     chip, eff, con = cal.chip, cal.efficiency, cal.contention
@@ -489,11 +560,17 @@ def costed(
         elif k.kind == "done":
             out.append(Timed("done", k.name, 0.0, k.layer))
         else:
-            if (
-                algorithm == "nccl"
-                and k.hosts > 1
-                and k.collective in ("all-reduce", "all-gather", "reduce-scatter")
-            ):
+            how = ""
+            nccl = algorithm == "nccl" and k.collective in (
+                "all-reduce",
+                "all-gather",
+                "reduce-scatter",
+            )
+            if nccl and k.hosts <= 1 and in_host:
+                s, lat, how = _one_host_pick(
+                    k.collective, k.nbytes, k.ranks, link, chip.arch, cal.nccl, nvls
+                )
+            elif nccl and k.hosts > 1:
                 s, lat = (
                     nccl_seconds(
                         k.collective,
@@ -521,7 +598,10 @@ def costed(
                 )
             sm = hbm = 0.0
             if contention and s > 0:
-                channels = min(link.channels, max(1, math.ceil(k.nbytes / con.bytes_per_channel)))
+                most = min(link.channels, cal.nccl.nvls_channels) if how == "nvls/Simple" else None
+                channels = min(
+                    most or link.channels, max(1, math.ceil(k.nbytes / con.bytes_per_channel))
+                )
                 sm = min(channels / chip.sms, 0.9)
                 rate = bus_bytes(k.collective, k.nbytes, k.ranks, algorithm) / s
                 hbm = min(
@@ -903,13 +983,16 @@ def program_time(
     launch: str = "graphs",
     copy_contention: bool = True,
     stream_sync: bool = True,
+    in_host: bool = True,
+    nvls: bool = True,
 ) -> dict:
     """Predicted seconds, compute seconds and exposed communication of one program; `slots`:
     the decode cache's slots per row (`program_kernels`); `launch`: how the host issues its
     kernels (`launch_plan`; "off" leaves the host out); `copy_contention`: a collective's copies
     slow down beside a running kernel (`hardware.Contention.copy_rate`; needs `contention`);
     `stream_sync`: asynchronous collectives pay the device's cross-stream waits
-    (`stream_waits`; not with launch "off")."""
+    (`stream_waits`; not with launch "off"); `in_host`, `nvls`: NCCL's choice within a host
+    (`costed`)."""
     cal = calibration or hardware.calibration(target)
     if efficiency is not None:
         cal = dataclasses.replace(cal, efficiency=efficiency)
@@ -938,6 +1021,8 @@ def program_time(
             algorithm=algorithm,
             contention=contention,
             launch=launch,
+            in_host=in_host,
+            nvls=nvls,
         )
         if stream_sync and launch != "off":
             ops = stream_waits(ops, cal.launch.stream_sync_s)
@@ -988,7 +1073,10 @@ class Sweep:
     collectives slow down beside running kernels too (`hardware.Contention.copy_rate`);
     `slots`: the KV cache's slots per row (a server's `--max-len`; None: sized for the
     request), of which the decode step reads the filled ones (`decode_fill`); `stream_sync`:
-    asynchronous collectives pay the device's cross-stream waits (`stream_waits`)."""
+    asynchronous collectives pay the device's cross-stream waits (`stream_waits`);
+    `nccl_in_host`: a collective within one host as NCCL picks it (algorithm "nccl";
+    `nccl_one_host_seconds`), else a ring at LL's latency; `nvls`: NVLink SHARP among its
+    options where the chip has it."""
 
     tp: tuple = (8,)
     batch: tuple = (1,)
@@ -1007,6 +1095,8 @@ class Sweep:
     copy_contention: bool = True
     slots: int | None = None
     stream_sync: bool = True
+    nccl_in_host: bool = True
+    nvls: bool = True
 
     def __post_init__(self):
         for name in ("tp", "batch", "links", "residuals"):
@@ -1032,6 +1122,8 @@ class Sweep:
             launch=self.launch,
             copy_contention=self.copy_contention,
             stream_sync=self.stream_sync,
+            in_host=self.nccl_in_host,
+            nvls=self.nvls,
         )
 
     def check(self, config, *, phase: str = "generate") -> None:
@@ -1528,6 +1620,8 @@ def _row(cfg, sweep: Sweep, tp, batch, link, pre, step) -> dict:
         "launch": sweep.launch,
         "copy_contention": sweep.contention and sweep.copy_contention,
         "stream_sync": sweep.stream_sync and sweep.launch != "off",
+        "nccl_in_host": sweep.algorithm == "nccl" and sweep.nccl_in_host,
+        "nvls": sweep.algorithm == "nccl" and sweep.nccl_in_host and sweep.nvls,
         "fallback": fallback,
         "slots": sweep.slots,
         "calibration": sweep.calibration.source,

@@ -133,6 +133,18 @@ def parser() -> argparse.ArgumentParser:
         "latency on the device (the ablation; hardware.LAUNCH.stream_sync_s)",
     )
     p.add_argument(
+        "--no-nccl-in-host",
+        action="store_true",
+        help="collectives within one host as a ring at LL's latency, not NCCL's choice of "
+        "ring/tree/NVLS and protocol by size (the ablation; hardware.NCCL)",
+    )
+    p.add_argument(
+        "--no-nvls",
+        action="store_true",
+        help="leave NVLink SHARP out of NCCL's choices within a host (a system without "
+        "it, or NCCL_NVLS_ENABLE=0)",
+    )
+    p.add_argument(
         "--launch",
         default="graphs",
         help="how the host issues kernels: graphs (XLA's command buffers between "
@@ -142,8 +154,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--algorithm",
         default="nccl",
-        help="collectives: nccl (across hosts NCCL's own choice of ring or tree and "
-        "protocol, hardware.NCCL; one host: ring), or ring or tree everywhere",
+        help="collectives: nccl (NCCL's own choice of ring, tree or NVLS and protocol, "
+        "hardware.NCCL), or ring or tree everywhere",
     )
     p.add_argument(
         "--layers-compiled",
@@ -355,6 +367,8 @@ def _rows(args, show) -> tuple[list[dict], str]:
         launch=args.launch,
         copy_contention=not args.no_copy_contention,
         stream_sync=not args.no_stream_sync,
+        nccl_in_host=not args.no_nccl_in_host,
+        nvls=not args.no_nvls,
     )
     common = dict(jobs=args.jobs, progress=show)
     if args.phase == "train":
