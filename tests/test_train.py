@@ -2,6 +2,7 @@
 config errors. Small on purpose: 2-layer tiny model, 32-token sequences, a few steps."""
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -277,9 +278,18 @@ def test_nonfinite_gradient_is_skipped_and_params_unchanged():
     assert int(m["skipped"]) == 1 and not np.isfinite(float(m["grad_norm"]))
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, (p2, o2)), before)
     p3, o3, m = fn(p2, o2, tokens, jnp.ones(tokens.shape))  # learning rate 0 at step 0
-    p3, _, m = fn(p3, o3, tokens, jnp.ones(tokens.shape))
+    # a finite step is optax's own clipping and AdamW update, applied as given
+    _, grads = step.loss_and_grads(graphdef, p3, tokens, tokens, jnp.ones(tokens.shape))
+    clip = optax.clip_by_global_norm(1.0)
+    grads, _ = clip.update(grads, clip.init(p3))
+    updates, o_ref = optimizer.update(grads, o3, p3)
+    p_ref = optax.apply_updates(p3, updates)
+    p3, o4, m = fn(p3, o3, tokens, jnp.ones(tokens.shape))
     assert int(m["skipped"]) == 0
     assert not np.array_equal(np.asarray(p3["embed"][...]), before[0]["embed"][...])
+    check = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7)
+    as_np = functools.partial(jax.tree.map, np.asarray)
+    jax.tree.map(check, as_np((p3, o4)), as_np((p_ref, o_ref)))
 
 
 def test_too_many_nonfinite_steps_stop_with_last_checkpoint_intact(tmp_path):

@@ -222,28 +222,48 @@ def train_step(
     `shardings`: where the weights are stored (`shardings_of(params)`, e.g. the FSDP layout):
     the gradients are kept in that layout, so clipping and AdamW run on each device's own
     blocks, with no gathering. A non-finite loss or gradient norm returns `params` and
-    `opt_state` as they came in (`metrics["skipped"]` = 1). `loss_chunk`, `loss`: see
+    `opt_state` as they came in (`metrics["skipped"]` = 1; on CPU the update is a `lax.cond`
+    branch, so a donated state is updated in place). `loss_chunk`, `loss`: see
     `loss_fn`, `loss_and_grads`."""
     loss, grads = loss_and_grads(graphdef, params, tokens_bt, targets_bt, mask_bt, loss_chunk, loss)
     grads = jax.tree.map(jax.lax.with_sharding_constraint, grads, shardings)
     grad_norm = sharding.global_norm(grads, shardings)  # one all-reduce
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
-    scale = jnp.minimum(1.0, grad_clip / jnp.maximum(grad_norm, 1e-12))
-    grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-    updates, new_opt_state = optimizer.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
+    def update(params, opt_state, grads):
+        scale = jnp.minimum(1.0, grad_clip / jnp.maximum(grad_norm, 1e-12))
+        grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
 
-    def keep(new, old):
-        return jnp.where(finite, new, old)
+    def keep(params, opt_state, grads):
+        return params, opt_state
 
-    params = jax.tree.map(keep, new_params, params)
-    opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+    if _on_cpu(shardings):
+        # a branch, not a select of new against old: XLA:CPU then writes each moment and
+        # weight once, in place, with no copy of the old state kept for the select to read
+        # (XLA:GPU gives a branch's outputs buffers of their own: a state-sized temporary)
+        params, opt_state = jax.lax.cond(finite, update, keep, params, opt_state, grads)
+    else:
+        new_params, new_opt_state = update(params, opt_state, grads)
+        params, opt_state = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old),
+            (new_params, new_opt_state),
+            (params, opt_state),
+        )
     return (
         params,
         opt_state,
         {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32)},
     )
+
+
+def _on_cpu(shardings) -> bool:
+    """Whether the state stored in `shardings` (NamedShardings) lives on CPU devices."""
+    leaf = jax.tree.leaves(shardings)[0]
+    mesh = getattr(leaf, "mesh", None)
+    device = mesh.devices.flat[0] if mesh is not None else next(iter(leaf.device_set))
+    return device.platform == "cpu"
 
 
 # ---------------------------------------------------------------------------------------------
