@@ -312,9 +312,9 @@ def _unfused(
     [
         (1, "standard", dict(norm=4, swiglu=2, residual=4, joins=0, held=0)),  # epilogues
         (2, "standard", dict(norm=4, swiglu=2, residual=0, joins=3, held=1)),  # all-reduces
-        (1, "ladder", dict(norm=4, swiglu=2, residual=0, joins=2, held=0)),  # joins later
+        (1, "ladder", dict(norm=4, swiglu=2, residual=0, joins=2, held=1)),  # joins later
         (2, "parallel", dict(norm=2, gate_up=2, residual=0, joins=1, held=0)),  # one norm
-        (2, "upper_bound", dict(norm=4, swiglu=2, residual=4, joins=0, held=0)),  # no reduce
+        (2, "upper_bound", dict(norm=4, swiglu=2, residual=0, joins=3, held=1)),  # as standard
         (2, "hybrid", dict(norm=6, swiglu=3, residual=0, joins=4, held=1)),  # 2 standard, 1 ladder
     ],
 )

@@ -147,12 +147,13 @@ def folds(layer) -> bool:
 
 def _fold_residual(plan, k: int) -> bool:
     """Whether module k's output joins the stream in its last matmul's epilogue: decoding
-    folds, nothing sits between the two (no all-reduce: tp 1 or upper_bound) and both module k
-    and the next are immediate (a deferred module's stream waits for the previous output)."""
+    folds, nothing sits between the two (tp 1: no all-reduce) and both module k and the next
+    are immediate (a deferred module's stream waits for the previous output). upper_bound at
+    tp > 1 joins its outputs in prologues like standard (fewer stream bytes at small shards)."""
     slots = plan.slots
     if not plan.fold or slots[k].deferred or (k + 1 < len(slots) and slots[k + 1].deferred):
         return False
-    return plan.no_reduce or jax.lax.axis_size(sharding.TP) == 1
+    return jax.lax.axis_size(sharding.TP) == 1
 
 
 # What a module keeps for its backward under `remat="matmuls"`: the outputs of matmuls without
@@ -294,16 +295,11 @@ def _decode_stream(plan, states, x_btd, positions_bt, inv_freq, caches):
 
 def _holds(plan, k: int) -> bool:
     """Whether decoding module k (an attention module that joins an output to the stream)
-    leaves the joined stream unwritten: the MLP after it is immediate too and joins the same
-    output in its own prologue, so the stream is read twice but written once a layer."""
+    leaves the joined stream unwritten: the MLP after it joins the same output in its own
+    prologue before its own pending one (deferred or not, the order of the additions is
+    `_stream`'s), so the stream is read twice but written once a layer."""
     slots = plan.slots
-    return (
-        slots[k].name == "attn"
-        and k + 1 < len(slots)
-        and not slots[k].deferred
-        and not slots[k + 1].deferred
-        and not _fold_residual(plan, k + 1)
-    )
+    return slots[k].name == "attn" and k + 1 < len(slots) and not _fold_residual(plan, k + 1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
