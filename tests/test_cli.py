@@ -82,8 +82,8 @@ def test_bad_flags_are_one_line(capsys, name, argv, expect):
     assert line.startswith(expect), line
 
 
-@pytest.mark.parametrize("name", ["decode", "convert", "demo", "serve"])
-def test_every_flag_has_help_and_shows_its_default(monkeypatch, capsys, name):
+def _parser_of(monkeypatch, name):
+    """The argument parser command `name` builds, caught before it parses anything."""
     seen = []
 
     def capture(self, argv=None, namespace=None):
@@ -93,7 +93,12 @@ def test_every_flag_has_help_and_shows_its_default(monkeypatch, capsys, name):
     monkeypatch.setattr(common.ArgumentParser, "parse_args", capture)
     with pytest.raises(SystemExit):
         MAINS[name]([])
-    parser = seen[0]
+    return seen[0]
+
+
+@pytest.mark.parametrize("name", ["decode", "convert", "demo", "serve"])
+def test_every_flag_has_help_and_shows_its_default(monkeypatch, capsys, name):
+    parser = _parser_of(monkeypatch, name)
     bare = [a.option_strings for a in parser._actions if a.option_strings and not a.help]
     assert not bare, f"{name}: flags without help: {bare}"
     formatter = parser._get_formatter()
@@ -118,20 +123,12 @@ def test_every_flag_has_help_and_shows_its_default(monkeypatch, capsys, name):
 )
 def test_quantize_none_means_float_weights(monkeypatch, name, required):
     """`--quantize none` is no quantization (as benchmarks/roofline.py takes it), in help too."""
-    seen = []
-
-    def capture(self, argv=None, namespace=None):
-        seen.append(self)
-        raise SystemExit(0)
-
-    monkeypatch.setattr(common.ArgumentParser, "parse_args", capture)
-    with pytest.raises(SystemExit):
-        MAINS[name]([])
-    parse = functools.partial(argparse.ArgumentParser.parse_args, seen[0])
+    parser = _parser_of(monkeypatch, name)
+    parse = functools.partial(argparse.ArgumentParser.parse_args, parser)
     assert parse([*required, "--quantize", "none"]).quantize is None
     assert parse([*required, "--quantize", "int8"]).quantize == "int8"
     assert parse(required).quantize is None
-    assert "none: " in seen[0]._option_string_actions["--quantize"].help
+    assert "none: " in parser._option_string_actions["--quantize"].help
 
 
 def test_decode_help_names_the_defaults(capsys):

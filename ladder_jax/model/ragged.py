@@ -231,9 +231,7 @@ def _pallas(q_btnh, k_bkhs, v_bksh, q_pos_bt, block, interpret):
     pos_bm = jnp.broadcast_to(q_pos_bt[:, None, :], (B, M // T, T)).reshape(B, M)
     pos_bm = pos_bm.astype(jnp.int32)
     blocks = -(-S // block)
-    splits = max(1, min(blocks // SPLIT_MIN_BLOCKS, SPLIT_PROGRAMS // (B * K)))
-    per_split = -(-blocks // splits)
-    splits = -(-blocks // per_split)
+    splits, per_split = _splits(blocks, B * K)
     use_dot = H >= 16 and H == 1 << (H - 1).bit_length()
     kernel = functools.partial(
         _kernel,
@@ -244,18 +242,7 @@ def _pallas(q_btnh, k_bkhs, v_bksh, q_pos_bt, block, interpret):
         scale=1.0 / math.sqrt(H),
         use_dot=use_dot,
     )
-    if splits == 1:
-        out_specs = [pl.BlockSpec((None, None, Mp, H), lambda b, k, p: (b, k, 0, 0))]
-        out_shape = [jax.ShapeDtypeStruct((B, K, M, H), v_bksh.dtype)]
-    else:
-        out_specs = [
-            pl.BlockSpec((None, None, None, Mp, H), lambda b, k, p: (b, k, p, 0, 0)),
-            pl.BlockSpec((None, None, None, Mp), lambda b, k, p: (b, k, p, 0)),
-        ]
-        out_shape = [
-            jax.ShapeDtypeStruct((B, K, splits, M, H), jnp.float32),
-            jax.ShapeDtypeStruct((B, K, splits, M), jnp.float32),
-        ]
+    out_specs, out_shape = _outputs(B, K, splits, M, Mp, H, v_bksh.dtype)
     call = pl.pallas_call(
         kernel,
         grid=(B, K, splits),
@@ -277,11 +264,39 @@ def _pallas(q_btnh, k_bkhs, v_bksh, q_pos_bt, block, interpret):
         outs = [vary_like(x, q_btnh) for x in call(q_bkmh, pos_bm, k_bkhs, v_bksh)]
     if splits == 1:
         return _ungrouped(outs[0], T)
-    o_bkpmh, lse_bkpm = outs
-    # splits past a row's filled blocks hold log-sum-exp -1e30: their weight is 0
-    w_bkpm = jnp.exp(lse_bkpm - lse_bkpm.max(axis=2, keepdims=True))
-    out = (o_bkpmh * w_bkpm[..., None]).sum(2) / w_bkpm.sum(2)[..., None]
-    return _ungrouped(out.astype(v_bksh.dtype), T)
+    return _ungrouped(_combine(*outs, v_bksh.dtype), T)
+
+
+def _splits(blocks: int, programs: int) -> tuple[int, int]:
+    """(splits, cache blocks per split) of a cache of `blocks` blocks read by `programs`
+    (rows x kv heads) programs: enough splits to fill the GPU, none empty."""
+    splits = max(1, min(blocks // SPLIT_MIN_BLOCKS, SPLIT_PROGRAMS // programs))
+    per_split = -(-blocks // splits)
+    return -(-blocks // per_split), per_split
+
+
+def _outputs(B, K, splits, rows, Mp, H, dtype):
+    """The kernels' output specs and shapes: with one split the normalized (B, K, rows, H)
+    output in `dtype`; with several, each split's float32 output and log-sum-exp."""
+    if splits == 1:
+        specs = [pl.BlockSpec((None, None, Mp, H), lambda b, k, p: (b, k, 0, 0))]
+        return specs, [jax.ShapeDtypeStruct((B, K, rows, H), dtype)]
+    specs = [
+        pl.BlockSpec((None, None, None, Mp, H), lambda b, k, p: (b, k, p, 0, 0)),
+        pl.BlockSpec((None, None, None, Mp), lambda b, k, p: (b, k, p, 0)),
+    ]
+    shapes = [
+        jax.ShapeDtypeStruct((B, K, splits, rows, H), jnp.float32),
+        jax.ShapeDtypeStruct((B, K, splits, rows), jnp.float32),
+    ]
+    return specs, shapes
+
+
+def _combine(o_bkprh, lse_bkpr, dtype):
+    """The splits' partial outputs (axis 2) joined by their log-sum-exp weights; splits past
+    a row's filled blocks hold log-sum-exp -1e30: their weight is 0."""
+    w_bkpr = jnp.exp(lse_bkpr - lse_bkpr.max(axis=2, keepdims=True))
+    return ((o_bkprh * w_bkpr[..., None]).sum(2) / w_bkpr.sum(2)[..., None]).astype(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,9 +342,7 @@ def attend_new(
     Mp = max(MIN_ROWS, 1 << (G - 1).bit_length())
     block = min(key_block(S), PALLAS_BLOCK, 1 << (S.bit_length() - 1))
     blocks = -(-S // block)
-    splits = max(1, min(blocks // SPLIT_MIN_BLOCKS, SPLIT_PROGRAMS // (B * K)))
-    per_split = -(-blocks // splits)
-    splits = -(-blocks // per_split)
+    splits, per_split = _splits(blocks, B * K)
     kernel = functools.partial(
         _new_kernel,
         rows=G,
@@ -351,18 +364,7 @@ def attend_new(
         jax.ShapeDtypeStruct(k_bkhs.shape, k_bkhs.dtype),
         jax.ShapeDtypeStruct(v_bksh.shape, v_bksh.dtype),
     ]
-    if splits == 1:
-        out_specs = [pl.BlockSpec((None, None, Mp, H), lambda b, k, p: (b, k, 0, 0))]
-        out_shape = [jax.ShapeDtypeStruct((B, K, G, H), rows_brh.dtype)]
-    else:
-        out_specs = [
-            pl.BlockSpec((None, None, None, Mp, H), lambda b, k, p: (b, k, p, 0, 0)),
-            pl.BlockSpec((None, None, None, Mp), lambda b, k, p: (b, k, p, 0)),
-        ]
-        out_shape = [
-            jax.ShapeDtypeStruct((B, K, splits, G, H), jnp.float32),
-            jax.ShapeDtypeStruct((B, K, splits, G), jnp.float32),
-        ]
+    out_specs, out_shape = _outputs(B, K, splits, G, Mp, H, rows_brh.dtype)
     n_out = len(out_shape)
     call = pl.pallas_call(
         kernel,
@@ -388,10 +390,7 @@ def attend_new(
         cache = (vary_like(k_new, k_bkhs), vary_like(v_new, v_bksh))
     if splits == 1:
         return _ungrouped(outs[0], 1), cache
-    o_bkpgh, lse_bkpg = outs
-    w_bkpg = jnp.exp(lse_bkpg - lse_bkpg.max(axis=2, keepdims=True))
-    out = (o_bkpgh * w_bkpg[..., None]).sum(2) / w_bkpg.sum(2)[..., None]
-    return _ungrouped(out.astype(rows_brh.dtype), 1), cache
+    return _ungrouped(_combine(*outs, rows_brh.dtype), 1), cache
 
 
 def _rotate(x1, x2, cos, sin, dtype):
