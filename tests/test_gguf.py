@@ -23,9 +23,9 @@ import ladder_jax as lj
 from ladder_jax.cli import convert, serve
 from ladder_jax.cli import decode as decode_cli
 from ladder_jax.interop import hf
-from ladder_jax.interop.gguf import gguf_tokenizer
+from ladder_jax.interop.gguf import gguf_config, gguf_tokenizer
 from ladder_jax.interop.tokenizer import ByteTokenizer, HFTokenizer
-from ladder_jax.train.checkpoint import load_run
+from ladder_jax.train.checkpoint import load_run, run_model_config
 from tests.helpers import logits as _logits
 from tests.helpers import mesh as _mesh
 from tests.test_errors import one_line
@@ -221,6 +221,27 @@ def test_f32_gguf_logits_equal_safetensors_and_transformers(llamas, tmp_path, na
     # load_run (what decode / serve / lj.load open) takes the .gguf path too
     again, _ = load_run(file, mesh=_mesh(1), residual="ladder", ladder_layers=1)
     assert again.config.residual == "ladder" and again.config.ladder_layers == 1
+
+
+def test_a_gguf_file_is_known_by_its_magic_not_its_name(llamas, tmp_path, capsys):
+    """A GGUF file without the .gguf suffix (a copy, a symlink) loads through `lj.load`,
+    `load_run` and `run_model_config` (what decode, eval and serve --checkpoint open) as the
+    .gguf file does; a suffixless file without the magic is still refused as a file."""
+    _, _, state = llamas["untied"]
+    file = write_gguf(tmp_path / "m.gguf", state, qtype=Q.Q8_0)
+    want = np.asarray(_logits(lj.load_gguf(file, mesh=_mesh(1))[0], TOKENS))
+    shutil.copy(file, tmp_path / "model-q8")
+    os.symlink(file, tmp_path / "latest")
+    for path in (tmp_path / "model-q8", tmp_path / "latest"):
+        assert run_model_config(str(path)) == gguf_config(file)
+        model, tok = lj.load(str(path), tp=1)
+        assert tok is not None
+        np.testing.assert_array_equal(np.asarray(_logits(model, TOKENS)), want)
+        again, _ = load_run(path, mesh=_mesh(2), residual="ladder", ladder_layers=1)
+        assert again.config.residual == "ladder"
+    (tmp_path / "notes").write_bytes(b"GGU" + bytes(64))  # one byte short of the magic
+    with pytest.raises(lj.ConfigError, match="is a file, not a directory"):
+        lj.load(str(tmp_path / "notes"), tp=1)
 
 
 def test_q_k_rows_are_put_back_in_rope_order(llamas, tmp_path):

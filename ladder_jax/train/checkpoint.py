@@ -677,8 +677,22 @@ def _config_file(path: str, what: str) -> str | None:
     )
 
 
+GGUF_MAGIC = b"GGUF"
+
+
 def _is_gguf(path: str) -> bool:
-    return os.path.isfile(path) and path.endswith(".gguf")
+    """Whether `path` is a GGUF file: by its first four bytes (the magic), whatever its name;
+    only a regular file (or a link to one) is opened, and only those bytes are read. A file
+    named *.gguf counts too, so that the GGUF reader says what is wrong with a damaged one."""
+    if not os.path.isfile(path):
+        return False
+    if path.endswith(".gguf"):
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
 
 
 def run_model_config(path: str, *, what: str = "--checkpoint") -> config_lib.ModelConfig:
@@ -703,11 +717,11 @@ def load_run(
 ):
     """(model, tokenizer) from a training run or a `python -m ladder_jax.convert` output (a
     directory with config.yaml and checkpoints/), a Hugging Face Llama directory
-    (config.json, see `ladder_jax.interop.hf.load_hf`) or a GGUF file (`.gguf`,
-    `ladder_jax.interop.gguf.load_gguf`). The model is built from shapes and its weights
-    restored straight into their shardings on `mesh`; no random weights are made.
-    `overrides` change the model config, e.g. residual="ladder", ladder_layers=2 (any scheme
-    reads any weights). `quantize="int8"` quantizes float weights once loaded
+    (config.json, see `ladder_jax.interop.hf.load_hf`) or a GGUF file (known by its
+    magic, whatever its name: `ladder_jax.interop.gguf.load_gguf`). The model is built from
+    shapes and its weights restored straight into their shardings on `mesh`; no random weights
+    are made. `overrides` change the model config, e.g. residual="ladder", ladder_layers=2
+    (any scheme reads any weights). `quantize="int8"` quantizes float weights once loaded
     (`ladder_jax.model.quant`); a checkpoint stored quantized (`convert --quantize`) loads as it
     is, with or without it."""
 
