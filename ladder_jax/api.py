@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 
 import jax
 
@@ -75,18 +76,23 @@ def fit_config(config: str | None = None, **overrides):
     return load_config([config] if config else [], overrides=nested)
 
 
+def _note(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def load(path: str, *, tp: int | None = None, mesh=None, quantize: str | None = None, **overrides):
     """(model, tokenizer) from a training run / `convert` output (config.yaml), a Hugging Face
     Llama directory (config.json) or a GGUF file (.gguf): `ladder_jax.train.checkpoint.load_run`.
     `overrides` change the model config, e.g. residual="ladder", ladder_layers=2.
     `quantize="int8"`: int8 weights for decoding (`ladder_jax.model.quant`). `tp` (without
     `mesh`): by default the largest that divides the model's heads and the devices, on a CPU
-    backend also the host's cores."""
+    backend also the host's cores; the model runs on the first `tp` devices (a `tp` below the
+    device count says on stderr that the others are unused)."""
 
     if mesh is None and tp is None:
         tp = sharding.default_tp(run_model_config(path, what="load"), len(jax.devices()))[0]
-        mesh = sharding.make_mesh(tp=tp, data=1, devices=jax.devices()[:tp])
-    mesh = mesh or sharding.make_mesh(tp=tp)
+        mesh = sharding.tp_mesh(tp, flag="tp")
+    mesh = mesh or sharding.tp_mesh(tp, flag="tp", say=_note)
     return load_run(path, mesh=mesh, what="load", quantize=quantize, **overrides)
 
 

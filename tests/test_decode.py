@@ -428,6 +428,35 @@ def test_decode_without_tp_picks_the_largest_that_fits_heads_and_cores(
     assert capsys.readouterr().out.splitlines()[1:] == out.splitlines()[1:]
 
 
+def test_a_tp_below_the_devices_runs_on_that_many_and_decodes_as_tp_1(tmp_path, capsys):
+    """--tp 2 on the 8 fake devices: a (data 1, tp 2) mesh of two devices, not the other six
+    as data-parallel copies; one stderr note says they are unused; greedy text is --tp 1's.
+    `lj.load(tp=2)` makes the same mesh."""
+    from ladder_jax.cli import decode as decode_cli
+
+    path = _save_hf(tmp_path / "hf")
+    argv = ["--checkpoint", path, "--max-new-tokens", "8", "--temperature", "0"]
+    argv += ["--prompt", "LOVE, n.", "--prompt", "ab"]
+    assert decode_cli.main(argv + ["--tp", "2"]) == 0
+    out2, err = capsys.readouterr()
+    assert "mesh=data:1 x tp:2)" in out2, out2
+    notes = [ln for ln in err.splitlines() if "unused" in ln]
+    assert notes == ["note: --tp 2 runs on 2 of the 8 devices; the other 6 are unused"], err
+    assert decode_cli.main(argv + ["--tp", "1"]) == 0
+    out1, err = capsys.readouterr()
+    assert "mesh=data:1 x tp:1)" in out1, out1
+    assert [ln for ln in err.splitlines() if "unused" in ln] == [
+        "note: --tp 1 runs on 1 of the 8 devices; the other 7 are unused"
+    ], err
+    assert out2.splitlines()[1:] == out1.splitlines()[1:] and len(out1.splitlines()) > 2, out1
+    model, _ = lj.load(path, tp=2)
+    assert model.mesh.devices.tolist() == [jax.devices()[:2]]
+    err = capsys.readouterr().err
+    assert [ln for ln in err.splitlines() if "unused" in ln] == [
+        "note: tp 2 runs on 2 of the 8 devices; the other 6 are unused"
+    ], err
+
+
 def test_a_tp_the_heads_do_not_divide_names_the_flag(tmp_path, capsys):
     from ladder_jax.cli import decode as decode_cli
     from ladder_jax.cli import serve as serve_cli

@@ -25,7 +25,7 @@ from ladder_jax.interop import hf
 from ladder_jax.interop.tokenizer import ByteTokenizer
 from ladder_jax.train import data
 from tests import helpers
-from tests.helpers import one_line
+from tests.helpers import cli_error, one_line
 
 SMALL = [
     "model.n_layers=2",
@@ -540,20 +540,6 @@ def _files(tmp_path):
         (["--benchmark", "--batch", "0", "--prompt-len", "4"], "batch=0 (--batch) must be"),
         (["--benchmark", "--prompt-len", "0"], "prompt_len=0 (--prompt-len) must be"),
         (
-            [
-                "--benchmark",
-                "--tp",
-                "4",
-                "--batch",
-                "3",
-                "--prompt-len",
-                "4",
-                "--max-new-tokens",
-                "2",
-            ],
-            "batch size 3 is not divisible by the data axis (2)",
-        ),
-        (
             ["--ladder-layers", "2,x"],
             "--ladder-layers '2,x': give N (the upper N layers) or a comma list",
         ),
@@ -564,6 +550,18 @@ def test_decode_cli_bad_input_is_one_line(tmp_path, capsys, decode_main, args, e
     rc = decode_main([a.replace("{tmp}", tmp) for a in args])
     line = one_line(capsys, rc)
     assert expect.replace("{tmp}", tmp) in line, line
+
+
+def test_a_tp_above_the_devices_is_one_line(capsys):
+    """--tp 16 on the 8 fake devices: one line naming the flag and the device count, exit 2,
+    no traceback, in decode and serve; `lj.load(tp=16)` raises the same as a ShardingError."""
+    from ladder_jax.cli import serve
+
+    for main in (decode_cli.main, serve.main):
+        line = cli_error(capsys, main, ["--preset", "tiny", "--tp", "16"])
+        assert line == "error: --tp 16: between 1 and the 8 devices", line
+    with pytest.raises(lj.ShardingError, match=r"^tp 16: between 1 and the 8 devices$"):
+        lj.load("runs/never-read", tp=16)
 
 
 def test_prompt_file_lines_are_prompts(tmp_path, capsys, decode_main):

@@ -243,7 +243,19 @@ def test_hand_made_task_accuracy_through_evaluate_and_the_cli(tmp_path, capsys):
     for m in metrics.METRICS:  # the same ten docs, scored by the loaded copy
         want = np.mean([c for d, c in enumerate(_correct(docs, model, m)) if d in picked])
         assert row[m] == pytest.approx(want), m
-    assert "toy" in stdout and "primary metric" in stdout
+    assert "toy" in stdout and "primary metric" in stdout and ", tp=1;" in stdout
+
+    # --tp 2: the first two of the 8 devices (a note says the rest are idle), the same scores
+    results2 = tmp_path / "results-tp2.jsonl"
+    argv = ["--checkpoint", str(out), "--tasks", "toy", "--tasks-dir", root, "--limit", "10"]
+    rc = eval_cli.main(argv + ["--seed", "1", "--tp", "2", "--output", str(results2)])
+    captured = capsys.readouterr()
+    assert rc == 0 and ", tp=2;" in captured.out, captured
+    assert "note: --tp 2 runs on 2 of the 8 devices; the other 6 are unused" in captured.err
+    row2 = json.loads(results2.read_text().splitlines()[0])
+    assert row2["docs"] == 10
+    for m in metrics.METRICS:
+        assert row2[m] == pytest.approx(row[m]), m
 
 
 def _correct(docs, model, metric):
@@ -321,6 +333,7 @@ def test_bad_input_is_one_line(tmp_path, capsys, monkeypatch):
         "--quantize": ["--quantize", "int4"],
         "names a task twice": ["--tasks", "toy,toy"],
         "--ladder-layers": ["--ladder-layers", "x"],
+        "--tp 16: between 1 and the 8 devices": ["--tp", "16"],
     }
     for needle, extra in cases.items():
         line = one_line(capsys, exit_code(eval_cli.main, base + ["--output", str(out)] + extra))

@@ -191,11 +191,8 @@ def _run(args, shape, say) -> int:
             f"-2**63 and 2**63 - 1"
         )
     sharding.check_divisible(shape, tp, flag="--tp")  # the model's heads first: the fix
-    mesh = (
-        sharding.make_mesh(tp=tp)
-        if why is None  # the default: those tp devices alone
-        else sharding.make_mesh(tp=tp, data=1, devices=jax.devices()[:tp])
-    )
+    idle = []  # the note when --tp leaves devices idle (the benchmark's header says it)
+    mesh = sharding.tp_mesh(tp, say=None if why else idle.append)  # the first tp devices
     check_quantize(args.quantize, "--quantize")
     model, tokenizer, config = _load(args, mesh, say)
     if args.benchmark:
@@ -213,8 +210,8 @@ def _run(args, shape, say) -> int:
     sampling = Sampling(args.temperature, top_k, args.top_p, args.seed).check(config.vocab_size)
     rows = _chat_rows(tokenizer, prompts) if args.chat else [tokenizer.encode(q) for q in prompts]
     check_generation(config, rows, args.max_new_tokens)
-    if why:  # once the input is checked: a bad flag stays one line
-        say(f"note: {why}", file=sys.stderr)
+    for note in [f"note: {why}"] if why else idle:  # once the input is checked: a bad flag
+        say(note, file=sys.stderr)  # stays one line
     if model is None:
         model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(args.seed))
     say(f"{model}\n(random weights: expect noise)" if not args.checkpoint else str(model))

@@ -137,7 +137,8 @@ def _run(args) -> int:
     tasks = suite.load_tasks(
         args.tasks, args.regime, limit=args.limit, seed=args.seed, tasks_dir=args.tasks_dir
     )
-    mesh = suite.eval_mesh(args.tp)
+    idle = []  # the note when --tp leaves devices idle, once the model has loaded
+    mesh = suite.eval_mesh(args.tp, flag="--tp", say=idle.append)
     t0 = time.perf_counter()
     model, tokenizer = checkpoint.load_run(
         args.checkpoint, mesh=mesh, quantize=args.quantize, **overrides
@@ -149,6 +150,8 @@ def _run(args) -> int:
         )
     load_s = time.perf_counter() - t0
     if lead:
+        for note in idle:
+            print(note, file=sys.stderr, flush=True)
         c = model.config
         scheme = c.residual + (
             f" (ladder layers {c.ladder_layers})" if c.ladder_layers is not None else ""

@@ -388,7 +388,8 @@ def _run(args) -> int:
             f"span all {n} devices (--tp {n})"
         )
     sharding.check_divisible(shape, tp, flag="--tp")
-    mesh = sharding.make_mesh(tp=tp, data=1, devices=jax.devices()[:tp])
+    idle = []  # the note when --tp leaves devices idle
+    mesh = sharding.tp_mesh(tp, say=None if why else idle.append)  # the first tp devices
     model, tokenizer, name = _load(args, mesh)
     template = template or _tokenizer_template(tokenizer)
 
@@ -406,8 +407,9 @@ def _run(args) -> int:
         raise ConfigError(
             f"--max-tokens {args.max_tokens}: between 1 and {engine.length - 1} (--max-len)"
         )
-    if why and jax.process_index() == 0:  # once the input is checked: a bad flag is one line
-        print(f"note: {why}", file=sys.stderr, flush=True)
+    if jax.process_index() == 0:  # once the input is checked: a bad flag is one line
+        for note in [f"note: {why}"] if why else idle:
+            print(note, file=sys.stderr, flush=True)
     if not args.no_warmup:
         _warmup(engine)
     if jax.process_index() != 0:

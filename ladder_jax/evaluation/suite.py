@@ -178,14 +178,13 @@ def load_tasks(
     return [load_task(t, regime, tasks_dir).subsample(limit, seed) for t in task_names(tasks)]
 
 
-def eval_mesh(tp: int | None = None):
-    """A mesh of `tp` devices (data 1): default 1 on a CPU host, every device elsewhere."""
+def eval_mesh(tp: int | None = None, *, flag: str = "tp", say=None):
+    """A mesh of the first `tp` devices (data 1, `sharding.tp_mesh`): default 1 on a CPU host,
+    every device elsewhere. `say` gets a note when an explicit `tp` leaves devices idle."""
     devices = jax.devices()
     if tp is None:
-        tp = 1 if devices[0].platform == "cpu" else len(devices)
-    if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= len(devices):
-        raise ConfigError(f"tp {tp!r}: between 1 and the {len(devices)} devices")
-    return sharding.make_mesh(tp=tp, devices=devices[:tp])
+        tp, say = (1 if devices[0].platform == "cpu" else len(devices)), None
+    return sharding.tp_mesh(tp, flag=flag, say=say)
 
 
 def evaluate(

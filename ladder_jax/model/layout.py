@@ -55,6 +55,24 @@ def make_mesh(tp: int | None = None, data: int | None = None, *, devices=None) -
     return Mesh(grid, (DATA, TP), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
+def tp_mesh(tp: int, *, flag: str = "--tp", say=None) -> Mesh:
+    """A (1, tp) mesh of the first `tp` devices, for inference: the others stay idle rather
+    than becoming data-parallel copies of the model. With several processes the model spans
+    them all (`make_mesh(tp=tp)`). `say` (e.g. a stderr printer) gets one note line when
+    devices are left unused; `flag` names the setting in that note and in errors.
+
+        mesh = tp_mesh(2, say=note)   # 8 devices: runs on devices 0 and 1, says 6 are unused"""
+    devices = jax.devices()
+    n = len(devices)
+    if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= n:
+        raise ShardingError(f"{flag} {tp!r}: between 1 and the {n} devices")
+    if jax.process_count() > 1:
+        return make_mesh(tp=tp)
+    if say is not None and tp < n:
+        say(f"note: {flag} {tp} runs on {tp} of the {n} devices; the other {n - tp} are unused")
+    return make_mesh(tp=tp, data=1, devices=devices[:tp])
+
+
 def tp_size(mesh: Mesh) -> int:
     return mesh.shape[TP]
 

@@ -51,6 +51,7 @@ from ladder_jax.model.layout import (  # noqa: F401
     fits,
     largest_tp,
     make_mesh,
+    tp_mesh,
     tp_size,
 )
 from ladder_jax.runtime import setup_host  # noqa: F401
