@@ -12,6 +12,7 @@ logits = nnx.jit(lambda m, t: m(t))(model, tokens)      # (B, T, V) float32
 from ladder_jax import runtime as _runtime
 
 with _runtime.quiet():  # the CUDA plugin's start-up chatter on hosts without a GPU
+    _runtime.hush_missing_cuda()  # and jax's log record when that plugin finds no CUDA
     import jax  # noqa: F401
 
 from ladder_jax import hardware  # noqa: E402

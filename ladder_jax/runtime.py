@@ -7,9 +7,10 @@ CPU when no NVIDIA device is present; CPU hosts split into fake devices so tenso
 runs for real; `jax.distributed` from the arguments, the JAX_* variables or SLURM; on CPU,
 glibc keeps the memory XLA frees between steps (`keep_freed_memory`,
 LADDER_JAX_HOST_MALLOC=default turns it off); `quiet()` drops the CUDA plugin's start-up lines
-on a GPU-less host. Every process waits at most LADDER_PEER_TIMEOUT seconds (default 60) for
-its peers; `agree` checks that all were started alike (exit 2 naming the difference). Nothing
-here imports jax at import time: `__init__` imports this first.
+and `hush_missing_cuda()` its "cannot load CUDA" log record on a GPU-less host. Every process
+waits at most LADDER_PEER_TIMEOUT seconds (default 60) for its peers; `agree` checks that all
+were started alike (exit 2 naming the difference). Nothing here imports jax at import time:
+`__init__` imports this first.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import contextlib
 import glob
 import hashlib
 import json
+import logging
 import os
 import re
 import sys
@@ -252,6 +254,42 @@ def cpu_only() -> bool:
     NVIDIA device (what `setup` picks)."""
     platforms = os.environ.get("JAX_PLATFORMS", "")
     return platforms == "cpu" or (not platforms and not has_nvidia_gpu())
+
+
+# jax logs this record (with the plugin's traceback) when its CUDA plugin is installed but
+# finds no CUDA: on a host without an NVIDIA device that is expected, and it runs on the CPU
+_CUDA_PLUGIN_LOGGER = "jax._src.xla_bridge"
+_CUDA_PLUGIN_FAILED = "Jax plugin configuration error: Exception when calling %s.initialize()"
+
+
+class _MissingCuda(logging.Filter):
+    """Drops jax's "Exception when calling jax_plugins.xla_cuda*.initialize()" record, and
+    nothing else: other plugins, other messages and other loggers pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (
+            record.name == _CUDA_PLUGIN_LOGGER
+            and record.msg == _CUDA_PLUGIN_FAILED
+            and len(args) == 1
+            and str(args[0]).startswith("jax_plugins.xla_cuda")
+        )
+
+
+_HUSH = _MissingCuda()
+
+
+def hush_missing_cuda() -> bool:
+    """On a host without an NVIDIA device, filters out the one loud log record jax writes when
+    its CUDA plugin is installed but cannot load CUDA (jax then runs on the CPU, as it should);
+    with a GPU present the record stays, since there it is news. True where the filter is on.
+    Idempotent; `import ladder_jax` calls it."""
+    logger = logging.getLogger(_CUDA_PLUGIN_LOGGER)
+    if has_nvidia_gpu():
+        return False
+    if _HUSH not in logger.filters:
+        logger.addFilter(_HUSH)
+    return True
 
 
 def setup(

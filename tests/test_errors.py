@@ -949,6 +949,56 @@ def test_cli_start_is_quiet(tmp_path):
     )
 
 
+def _plugin_failure(logger, plugin: str) -> None:
+    """Logs what jax's plugin discovery logs when `plugin`'s initialize() raises."""
+    try:
+        raise RuntimeError("Unable to load CUDA. Is it installed?")
+    except RuntimeError:
+        logger.exception(
+            "Jax plugin configuration error: Exception when calling %s.initialize()", plugin
+        )
+
+
+def test_hush_missing_cuda_drops_that_one_record_only(monkeypatch, caplog):
+    """Without an NVIDIA device, the record jax logs when its CUDA plugin cannot load CUDA is
+    filtered out; another plugin's failure, another message of that logger and the same
+    record on a host with a GPU still come through."""
+    import logging
+
+    from ladder_jax import runtime
+
+    logger = logging.getLogger("jax._src.xla_bridge")
+    monkeypatch.setattr(logger, "filters", [f for f in logger.filters if f is not runtime._HUSH])
+    caplog.set_level(logging.WARNING, logger="jax._src.xla_bridge")
+
+    monkeypatch.setattr(runtime, "has_nvidia_gpu", lambda: True)
+    assert runtime.hush_missing_cuda() is False
+    _plugin_failure(logger, "jax_plugins.xla_cuda12")
+    assert len(caplog.records) == 1  # a GPU host: the failure is news
+
+    caplog.clear()
+    monkeypatch.setattr(runtime, "has_nvidia_gpu", lambda: False)
+    assert runtime.hush_missing_cuda() is True and runtime.hush_missing_cuda() is True
+    assert logger.filters.count(runtime._HUSH) == 1
+    _plugin_failure(logger, "jax_plugins.xla_cuda12")
+    _plugin_failure(logger, "jax_plugins.xla_cuda13")
+    assert caplog.records == []
+    _plugin_failure(logger, "jax_plugins.xla_rocm")
+    logger.warning("Jax plugin configuration error: Plugin module %s does not exist", "x")
+    logger.warning("An NVIDIA GPU may be present on this machine, but a CUDA-enabled jaxlib")
+    logging.getLogger("jax._src.other").exception(
+        "Jax plugin configuration error: Exception when calling %s.initialize()",
+        "jax_plugins.xla_cuda12",
+    )
+    assert [r.getMessage() for r in caplog.records] == [
+        "Jax plugin configuration error: Exception when calling jax_plugins.xla_rocm.initialize()",
+        "Jax plugin configuration error: Plugin module x does not exist",
+        "An NVIDIA GPU may be present on this machine, but a CUDA-enabled jaxlib",
+        "Jax plugin configuration error: Exception when calling "
+        "jax_plugins.xla_cuda12.initialize()",
+    ]
+
+
 def test_progress_shows_while_other_threads_compile_quietly():
     """`cli.common.write_stderr` (predict's progress line) reaches stderr at once while a compile
     elsewhere holds `quiet()`'s capture; native output inside the capture comes out when it

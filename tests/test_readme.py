@@ -129,3 +129,29 @@ def test_docs_cpu_commands_run_in_order(tmp_path):
     decode = [(o, e) for s, o, e in logs if "ladder_jax.decode --checkpoint runs/tiny" in s]
     assert decode and "LOVE, n." in decode[0][0]
     assert re.search(r"tokens/s", decode[0][1]), decode[0][1]
+
+
+def test_readme_model_on_a_mesh_runs_as_a_plain_script(tmp_path):
+    """README's "model itself, on a mesh" block as a user's script: no JAX_PLATFORMS, no fake
+    devices, no runtime.setup. It runs, and on a host without a GPU the CUDA plugin's failure
+    to find CUDA is not logged at the user with its traceback (`runtime.hush_missing_cuda`)."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    block = next(b for b in blocks if "lj.make_mesh(" in b and "lj.Transformer(" in b)
+    script = tmp_path / "mesh.py"
+    script.write_text(block + "print(logits.shape, standard.config.residual)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert re.fullmatch(r"\(2, 16, \d+\) standard\n", p.stdout), p.stdout
+    # (the script imports flax, so jax, before the package: native lines the CUDA plugin
+    # prints at that import are not the package's to filter)
+    assert "Jax plugin configuration error" not in p.stderr, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and "ERROR" not in p.stderr, p.stderr[-3000:]
