@@ -6,6 +6,9 @@ import dataclasses
 import functools
 import pathlib
 import re
+import runpy
+import sys
+import tomllib
 
 import pytest
 import yaml
@@ -129,6 +132,37 @@ def test_quantize_none_means_float_weights(monkeypatch, name, required):
     assert parse([*required, "--quantize", "int8"]).quantize == "int8"
     assert parse(required).quantize is None
     assert "none: " in parser._option_string_actions["--quantize"].help
+
+
+def _entry_points() -> list[str]:
+    """Every `python -m ladder_jax.X`: a top-level module that runs as a script, or a package
+    with a __main__.py."""
+    root = pathlib.Path(lj.__file__).parent
+    modules = [p.stem for p in root.glob("*.py") if '__name__ == "__main__"' in p.read_text()]
+    return sorted(modules + [p.parent.name for p in root.glob("*/__main__.py")])
+
+
+def test_the_entry_points_are_the_installed_scripts():
+    scripts = {
+        k.removeprefix("ladder-")
+        for k in tomllib.loads(
+            (pathlib.Path(__file__).parent.parent / "pyproject.toml").read_text()
+        )["project"]["scripts"]
+    }
+    assert set(_entry_points()) == scripts and len(scripts) == 8, (_entry_points(), scripts)
+
+
+@pytest.mark.parametrize("name", _entry_points())
+def test_help_works_for_every_entry_point(monkeypatch, capsys, name):
+    """`python -m ladder_jax.NAME --help`, through the module's own `__main__` path (run
+    in-process): usage naming that command on stdout, nothing on stderr, exit code 0."""
+    monkeypatch.setattr(sys, "argv", [f"ladder_jax.{name}", "--help"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_module(f"ladder_jax.{name}", run_name="__main__", alter_sys=True)
+    out, err = capsys.readouterr()
+    assert e.value.code in (0, None), (e.value.code, err)
+    assert out.startswith(f"usage: python -m ladder_jax.{name} ") and not err, (out[:300], err)
+    assert len(out.splitlines()) > 5, out
 
 
 def test_decode_help_names_the_defaults(capsys):
