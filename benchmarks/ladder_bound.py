@@ -1,18 +1,30 @@
-"""How much of the ladder's gain the performance model's own schedule allows, per precision:
-each module's compute C and all-reduce A from the compiled standard decode step, the best any
-schedule that hides module i's all-reduce behind module i + 1 only could do, and the ladder's
-predicted decode step against it (deviceless H100 compiles; no GPU needed).
+"""How much of the ladder's gain the performance model's own schedule allows, per precision,
+and how much of it the order XLA compiles leaves: each module's compute C and all-reduce A
+from the compiled standard decode step, the best any schedule that hides module i's
+all-reduce behind module i + 1 only could do, the best under XLA:GPU's rule that two
+collectives over the same GPUs are never in flight together, and the ladder's compiled
+decode step against them (deviceless H100 compiles; no GPU needed).
 
     python benchmarks/ladder_bound.py --preset llama-3-8b --tp 8 --batch 1 16 --quantize none int8
+    python benchmarks/ladder_bound.py --quantize int8 --batch 1 --timeline
 
 One line per (precision, batch): microseconds per layer of attention's and the MLP's compute
 (`perfmodel.costed`: roofline time plus fixed overhead, alone on the GPU) and of their
-all-reduces; the standard step's layer (C + A); the best layer (`perfmodel.overlap_bound`:
-sum of max(C[i + 1], A[i])) and its bound on ladder/standard, then that bound where each
-cross-stream handover costs the calibration's `stream_sync_s` as the ladder's asynchronous
-all-reduces do (`waited`); the ladder's predicted decode step over the standard's
-(`perfmodel.program_time`, per token as `predict` costs it) and its exposed all-reduce per
-layer against the best's (without waits). All in microseconds per layer.
+all-reduces, the standard layer (C + A, `serial`), then ladder / standard, each the
+standard's figure over the ladder's:
+- `bound`: the best layer any schedule could reach (`perfmodel.overlap_bound`), handovers
+  between the compute and the collective stream free;
+- `waits`: the same, each handover costing the calibration's `stream_sync_s` as the ladder's
+  asynchronous all-reduces do;
+- `xla`: the best with those waits where one all-reduce is in flight at a time
+  (`overlap_bound(..., one_in_flight=True)`: kernels j, done j - 1, start j);
+- `layer`: the layer of the compiled ladder and standard steps as the model replays them
+  (`perfmodel.simulate` of 4 layers less 3, contention and launches included);
+- `step`: the whole decode step (`perfmodel.program_time`: the head too, at full depth);
+- `predict`: tokens/s as `predict` costs a generation (the prefill and new_tokens - 1 steps).
+`--timeline` prints, after each line, the ladder's compiled layer as the model replays it:
+every kernel and all-reduce that begins from the layer's first op to the next layer's, with
+its start and end in microseconds from the first (`simulate(..., trace=...)`).
 """
 
 from __future__ import annotations
@@ -24,33 +36,64 @@ import sys
 
 import jax
 
+DEPTH = 4  # layers compiled; the layer measured is DEPTH - 2, with layers on both sides
+
+
+def layer_replay(cfg, *, residual: str, shape: dict, cal, link) -> tuple[float, list]:
+    """(seconds of one layer, its spans) of the compiled decode step with `residual`, replayed
+    as `program_time` replays it: DEPTH layers less DEPTH - 1, and the spans that begin from
+    layer DEPTH - 2's first op to layer DEPTH - 1's."""
+    from ladder_jax.analysis import perfmodel
+
+    seconds, trace = [], []
+    for depth in (DEPTH - 1, DEPTH):
+        kernels = perfmodel.program_kernels(
+            dataclasses.replace(cfg, residual=residual, n_layers=depth), phase="decode", **shape
+        ).kernels
+        ops = perfmodel.costed(kernels, calibration=cal, link=link, launch="graphs")
+        ops = perfmodel.stream_waits(ops, cal.launch.stream_sync_s)
+        trace = []
+        t = perfmodel.simulate(
+            ops, step_s=cal.launch.step_s, copy_rate=cal.contention.copy_rate, trace=trace
+        )
+        seconds.append(t.seconds)
+    # the layer's window: from its first op to the next layer's (ops XLA names no layer for
+    # included)
+    t0 = min(s.start for s in trace if s.layer == DEPTH - 2)
+    t1 = min(s.start for s in trace if s.layer == DEPTH - 1)
+    return seconds[1] - seconds[0], [s for s in trace if t0 <= s.start < t1]
+
 
 def bound_row(cfg, *, tp: int, batch: int, prompt_len: int, new_tokens: int, target: str) -> dict:
-    """The fields of one line (module docstring), in seconds per layer."""
+    """The fields of one line (module docstring), in seconds per layer, and the ladder's
+    layer timeline (`ladder_spans`)."""
     from ladder_jax import hardware
     from ladder_jax.analysis import perfmodel
 
     cal = hardware.calibration(target)
     link = hardware.links(target)["nvlink"]
     shape = dict(tp=tp, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, target=target)
-    depth = 4
     std = dataclasses.replace(cfg, residual="standard")
     kernels = perfmodel.program_kernels(
-        dataclasses.replace(std, n_layers=depth), phase="decode", **shape
+        dataclasses.replace(std, n_layers=DEPTH), phase="decode", **shape
     ).kernels
     ops = perfmodel.costed(kernels, calibration=cal, link=link, launch="graphs")
-    ops = perfmodel.stream_waits(ops, cal.launch.stream_sync_s)
-    m = perfmodel.module_times(ops, layer=depth - 2)  # a layer with layers on both sides
+    m = perfmodel.module_times(ops, layer=DEPTH - 2)
+    wait = cal.launch.stream_sync_s
     b = perfmodel.overlap_bound(m["compute_s"], m["collective_s"])
-    waited = perfmodel.overlap_bound(
-        m["compute_s"], m["collective_s"], wait_s=cal.launch.stream_sync_s
+    waited = perfmodel.overlap_bound(m["compute_s"], m["collective_s"], wait_s=wait)
+    xla = perfmodel.overlap_bound(
+        m["compute_s"], m["collective_s"], wait_s=wait, one_in_flight=True
     )
-    steps = {
-        r: perfmodel.program_time(
-            dataclasses.replace(cfg, residual=r), phase="decode", link=link, **shape
-        )
-        for r in ("standard", "ladder")
-    }
+    layers, spans, steps, gens = {}, [], {}, {}
+    for r in ("standard", "ladder"):
+        layers[r], trace = layer_replay(cfg, residual=r, shape=shape, cal=cal, link=link)
+        if r == "ladder":
+            spans = trace
+        c = dataclasses.replace(cfg, residual=r)
+        steps[r] = perfmodel.program_time(c, phase="decode", link=link, **shape)
+        pre = perfmodel.program_time(c, phase="prefill", link=link, **shape)
+        gens[r] = pre["seconds"] + (new_tokens - 1) * steps[r]["seconds"]
     n = cfg.n_layers
     return {
         "compute_s": m["compute_s"],
@@ -58,12 +101,35 @@ def bound_row(cfg, *, tp: int, batch: int, prompt_len: int, new_tokens: int, tar
         **b,
         "best_waited_s": waited["best_s"],
         "bound_waited": waited["bound"],
+        "best_one_in_flight_s": xla["best_s"],
+        "bound_one_in_flight": xla["bound"],
+        "standard_layer_s": layers["standard"],
+        "ladder_layer_s": layers["ladder"],
+        "layer_vs_standard": layers["standard"] / layers["ladder"],
         "standard_step_s": steps["standard"]["seconds"],
         "ladder_step_s": steps["ladder"]["seconds"],
         "ladder_vs_standard": steps["standard"]["seconds"] / steps["ladder"]["seconds"],
+        "predict_vs_standard": gens["standard"] / gens["ladder"],
         "ladder_exposed_per_layer_s": steps["ladder"]["exposed_comm_s"] / n,
         "standard_exposed_per_layer_s": steps["standard"]["exposed_comm_s"] / n,
+        "ladder_spans": [dataclasses.asdict(s) for s in spans],
     }
+
+
+def format_timeline(spans: list[dict]) -> str:
+    """The spans of a layer, by start, in microseconds from the first: start, end, length,
+    stream, name."""
+    if not spans:
+        return "  (no spans)"
+    spans = sorted(spans, key=lambda s: (s["start"], s["stream"] != "kernel"))
+    t0, us = spans[0]["start"], 1e6
+    lines = [f"  {'start':>7} {'end':>7} {'us':>6}  stream      name"]
+    for s in spans:
+        lines.append(
+            f"  {(s['start'] - t0) * us:>7.2f} {(s['end'] - t0) * us:>7.2f} "
+            f"{(s['end'] - s['start']) * us:>6.2f}  {s['stream']:<10}  {s['name']}"
+        )
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -78,6 +144,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=512)
     p.add_argument("--target", default="h100")
+    p.add_argument("--timeline", action="store_true", help="the ladder's layer, op by op")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     jax.config.update("jax_platforms", "cpu")
@@ -88,8 +155,8 @@ def main(argv=None) -> int:
     if not args.json:
         print(
             f"{'quant':<5} {'tp':>3} {'batch':>5} {'C attn':>7} {'C mlp':>7} {'A attn':>7} "
-            f"{'A mlp':>7} {'serial':>7} {'best':>7} {'bound':>6} {'waited':>6} {'ladder':>6} "
-            f"{'exp lad':>7} {'exp best':>8}"
+            f"{'A mlp':>7} {'serial':>7} {'bound':>6} {'waits':>6} {'xla':>6} {'layer':>6} "
+            f"{'step':>6} {'predict':>7}"
         )
     for q in args.quantize:
         for tp in args.tp:
@@ -107,19 +174,22 @@ def main(argv=None) -> int:
                     new_tokens=args.new_tokens,
                     target=args.target,
                 )
+                spans = r.pop("ladder_spans")
                 if args.json:
-                    print(json.dumps({"quantize": q, "tp": tp, "batch": b, **r}))
+                    extra = {"ladder_spans": spans} if args.timeline else {}
+                    print(json.dumps({"quantize": q, "tp": tp, "batch": b, **r, **extra}))
                     continue
-                (ca, cm), (aa, am) = r["compute_s"], r["collective_s"]
+                (ca, cm), (aa, am) = r["compute_s"][:2], r["collective_s"][:2]
                 print(
                     f"{q:<5} {tp:>3} {b:>5} {ca * us:>7.2f} {cm * us:>7.2f} {aa * us:>7.2f} "
-                    f"{am * us:>7.2f} {r['serial_s'] * us:>7.2f} {r['best_s'] * us:>7.2f} "
-                    f"{r['bound']:>6.3f} {r['bound_waited']:>6.3f} "
-                    f"{r['ladder_vs_standard']:>6.3f} "
-                    f"{r['ladder_exposed_per_layer_s'] * us:>7.2f} "
-                    f"{r['best_exposed_s'] * us:>8.2f}",
+                    f"{am * us:>7.2f} {r['serial_s'] * us:>7.2f} {r['bound']:>6.3f} "
+                    f"{r['bound_waited']:>6.3f} {r['bound_one_in_flight']:>6.3f} "
+                    f"{r['layer_vs_standard']:>6.3f} {r['ladder_vs_standard']:>6.3f} "
+                    f"{r['predict_vs_standard']:>7.3f}",
                     flush=True,
                 )
+                if args.timeline:
+                    print(format_timeline(spans), flush=True)
     return 0
 
 

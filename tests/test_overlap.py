@@ -79,6 +79,44 @@ def test_ladder_decode_overlaps_with_the_pallas_matmul():
     assert len(calls) == 4 * 4  # 4 linears a layer
 
 
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_ladder_decode_order_is_the_best_xla_allows(quantize):
+    """XLA:GPU's latency-hiding scheduler never has two collectives over the same GPUs in
+    flight together, so the ladder's decode step (the Pallas-matmul program above, as
+    llama-3-8b's, bf16 and int8) runs kernels j, the done of all-reduce j - 1, the start of j: each
+    module's all-reduce is done after the next module's matmuls and right before the next
+    start, never after it (which is what `perfmodel.overlap_bound(..., one_in_flight=True)`
+    assumes). A schedule queueing start j + 1 before done j, or a kernel between them,
+    fails."""
+    from ladder_jax.analysis import perfmodel
+
+    config = lj.ModelConfig.from_preset(
+        "tiny",
+        residual="ladder",
+        n_kv_heads=8,
+        d_model=512,
+        d_ff=1024,
+        dtype="bfloat16",
+        param_dtype="bfloat16",
+        decode_matmul="pallas",
+        quantize=quantize,
+    )
+    text, _ = programs.compile_program(config, phase="decode", tp=8, batch=1, seq=128)
+    module = hlo.Module(text)
+    matmuls = {op.name for op in module.entry if op.is_matmul()}
+    kernels = perfmodel.read_kernels(text, devices=8)
+    order = [(k.kind, k.name) for k in kernels]
+    starts = [k.name for k in kernels if k.kind == "start" and k.collective == "all-reduce"]
+    starts = [n for n in starts if ("done", n) in order][: 4 * 2 - 1]  # the layers' async ones
+    assert len(starts) == 7, order
+    for this, nxt in zip(starts, starts[1:]):
+        s, d = order.index(("start", this)), order.index(("done", this))
+        s_next = order.index(("start", nxt))
+        between = [name for kind, name in order[s + 1 : d] if kind == "compute"]
+        assert any(name in matmuls for name in between), (this, between)  # hidden
+        assert s_next == d + 1, (this, order[d : s_next + 1])  # one in flight, no gap
+
+
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 def test_standard_never_overlaps_in_inference(phase):
     rep = _report("standard", phase)

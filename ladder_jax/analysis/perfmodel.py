@@ -637,7 +637,23 @@ class Timeline:
         return self.seconds - self.compute_s
 
 
-def simulate(ops, step_s: float = 0.0, copy_rate: float = 1.0) -> Timeline:
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """One op's time on its stream in a replay (`simulate(..., trace=[])`): `stream` is
+    "kernel" (a compute kernel, from when the compute stream began it, its fixed overhead
+    and any slowdown included) or "collective" (from when the collective stream began it to
+    its end); `name` and `layer` are the op's."""
+
+    stream: str
+    name: str
+    start: float
+    end: float
+    layer: int | None = None
+
+
+def simulate(
+    ops, step_s: float = 0.0, copy_rate: float = 1.0, trace: list | None = None
+) -> Timeline:
     """Replays `Timed` ops (or (kind, name, seconds, layer) tuples: no contention) on a compute
     and a collective stream, issued by a host.
 
@@ -655,9 +671,16 @@ def simulate(ops, step_s: float = 0.0, copy_rate: float = 1.0) -> Timeline:
     `compute_s` counts the slowed kernels' whole time and the compute stream's waits for the
     host: contention and launch-bound gaps are compute time, not exposed communication.
     `copy_rate` < 1: while a kernel runs beside it, a collective moves its data (`seconds -
-    latency_s`) at that share of its own rate (`_Replay`: the contention goes both ways)."""
+    latency_s`) at that share of its own rate (`_Replay`: the contention goes both ways).
+    `trace`: a list that gets a `Span` for every kernel and collective, each stream's in the
+    order they begin, to print the timeline (`benchmarks/ladder_bound.py --timeline`).
+
+        spans = []; simulate(ops, trace=spans)
+
+    Invariants of the trace: each stream's spans are disjoint and in order, the last ends at
+    `seconds` less the launch-bound time, the collectives' durations sum to `comm_s`."""
     if copy_rate < 1.0:
-        return _Replay(copy_rate).run(ops, step_s)
+        return _Replay(copy_rate, trace).run(ops, step_s)
     now = free = busy = comm = host = 0.0
     ends, flights = {}, []  # flights: (start, end, sm_share, hbm_share) of issued collectives
     for op in ops:
@@ -666,6 +689,8 @@ def simulate(ops, step_s: float = 0.0, copy_rate: float = 1.0) -> Timeline:
         host += op.issue_s
         if op.kind == "compute":
             t = _run_kernel(op, max(now, host), flights)
+            if trace is not None:
+                trace.append(Span("kernel", op.name, max(now, host), t, op.layer))
             busy += t - now
             now = t
             flights = [f for f in flights if f[1] > now]
@@ -674,13 +699,18 @@ def simulate(ops, step_s: float = 0.0, copy_rate: float = 1.0) -> Timeline:
             free = begin + op.seconds
             ends[op.name] = free
             comm += op.seconds
+            if trace is not None:
+                trace.append(Span("collective", op.name, begin, free, op.layer))
             if op.seconds > 0 and (op.sm_share or op.hbm_share):
                 flights.append((begin, free, op.sm_share, op.hbm_share))
         elif op.kind == "done":
             now = max(now, ends.pop(op.name) + op.wait_s)
         elif op.kind == "sync":
-            now = free = max(now, free, host) + op.seconds
+            begin = max(now, free, host)
+            now = free = begin + op.seconds
             comm += op.seconds
+            if trace is not None:
+                trace.append(Span("collective", op.name, begin, free, op.layer))
         else:
             raise ValueError(f"unknown op kind {op.kind!r}")
     end = max(now, free)
@@ -695,8 +725,9 @@ class _Replay:
     work runs on the compute stream (its fixed overhead excluded), at full speed otherwise.
     The kernel beside it is slowed by the collective's SM and HBM shares, as in `simulate`."""
 
-    def __init__(self, copy_rate: float):
+    def __init__(self, copy_rate: float, trace: list | None = None):
         self.rate = copy_rate
+        self.trace = trace  # `simulate`'s
         self.queue: list = []  # [op, issued at, latency left, data seconds left, started at]
         self.t = 0.0  # the collective stream's clock
         self.ends: dict = {}
@@ -718,6 +749,10 @@ class _Replay:
                 self.t += need
                 self.ends[head[0].name] = self.t
                 self.comm += self.t - head[4]
+                if self.trace is not None:
+                    self.trace.append(
+                        Span("collective", head[0].name, head[4], self.t, head[0].layer)
+                    )
                 self.queue.pop(0)
                 continue
             dt = until - self.t
@@ -781,6 +816,8 @@ class _Replay:
             host += op.issue_s
             if op.kind == "compute":
                 t = self.kernel(op, max(now, host))
+                if self.trace is not None:
+                    self.trace.append(Span("kernel", op.name, max(now, host), t, op.layer))
                 busy += t - now
                 now = t
             elif op.kind == "start":
@@ -790,9 +827,11 @@ class _Replay:
                 now = max(now, self.drain_until(op.name) + op.wait_s)
             elif op.kind == "sync":
                 self.drain_until()
-                now = max(now, self.t, host) + op.seconds
-                self.t = now
+                begin = max(now, self.t, host)
+                now = self.t = begin + op.seconds
                 self.comm += op.seconds
+                if self.trace is not None:
+                    self.trace.append(Span("collective", op.name, begin, now, op.layer))
             else:
                 raise ValueError(f"unknown op kind {op.kind!r}")
         self.drain_until()
@@ -1774,14 +1813,18 @@ def module_times(ops, layer: int) -> dict:
     `compute_s[i]` sums the seconds of the layer's compute kernels after its i-th collective
     and up to its (i + 1)-th, `collective_s[i]` that collective's seconds. Compute after the
     last collective counts to the first module (the next layer's order); a layer without
-    collectives is one module whose all-reduce takes 0 s.
+    collectives is one module whose all-reduce takes 0 s. An op without a layer (XLA fuses
+    some of a layer's kernels, e.g. its cache updates, into fusions it names no layer for)
+    counts to the layer of the op before it.
 
         module_times(costed(kernels, calibration=cal, link=link), layer=3)
 
     Invariant: sum(compute_s) is the layer's compute kernels' seconds."""
     compute, collective = [0.0], []
+    current = None  # the layer of the last op that has one
     for op in ops:
-        if op.layer != layer:
+        current = op.layer if op.layer is not None else current
+        if current != layer:
             continue
         if op.kind == "compute":
             compute[-1] += op.seconds
@@ -1794,7 +1837,9 @@ def module_times(ops, layer: int) -> dict:
     return {"compute_s": compute, "collective_s": collective}
 
 
-def overlap_bound(compute_s, collective_s, wait_s: float = 0.0, layers: int = 64) -> dict:
+def overlap_bound(
+    compute_s, collective_s, wait_s: float = 0.0, layers: int = 64, one_in_flight: bool = False
+) -> dict:
     """The best any schedule of a stack of modules can do where module i's all-reduce
     (`collective_s[i]`) can hide only behind module i + 1's compute (`compute_s[i + 1]`; the
     last module's behind the next layer's first: one layer repeated `layers` times), as the
@@ -1805,19 +1850,34 @@ def overlap_bound(compute_s, collective_s, wait_s: float = 0.0, layers: int = 64
     exposed: standard), `best_s` (a layer of that schedule, in steady state), `best_exposed_s`
     (best_s less the compute) and `bound` = serial_s / best_s.
 
-        overlap_bound([20e-6, 10e-6], [15e-6, 15e-6])   # best 35e-6: bound 60 / 35
+    `one_in_flight`: the best such schedule where no two collectives over the same GPUs are
+    in flight together, as XLA:GPU's latency-hiding scheduler orders them (it never starts a
+    collective while one sharing more than one rank with it is in flight): module j's
+    all-reduce starts only after the compute stream has waited for module j - 1's, so each
+    module runs its kernels, waits for the previous all-reduce (done j - 1), then starts its
+    own. Each all-reduce then begins two handovers after the previous one ended, not as soon
+    as the collective stream is free.
 
-    With `wait_s` 0 and two modules, best_s = max(C[1], A[0]) + max(C[0], A[1]). Invariant:
-    1 <= bound <= 2 where `wait_s` is 0."""
+        overlap_bound([20e-6, 10e-6], [15e-6, 15e-6])   # best 35e-6: bound 60 / 35
+        overlap_bound([14.0, 11.0], [15.0, 15.0], wait_s=2.0, one_in_flight=True)  # best 38
+
+    With `wait_s` 0 and two modules, best_s = max(C[1], A[0]) + max(C[0], A[1]) either way.
+    Invariants: 1 <= bound <= 2 where `wait_s` is 0; the one-in-flight best_s is never below
+    the unconstrained one."""
     c, a = list(compute_s), list(collective_s)
     if len(c) != len(a) or not c:
         raise ValueError(f"overlap_bound: {len(c)} compute times for {len(a)} collectives")
     n = len(c)
-    computed, ended = 0.0, []  # the compute stream's clock; each all-reduce's end
+    now, ended = 0.0, []  # the compute stream's clock; each all-reduce's end
     for j in range(layers * n):
-        begin = max(computed, ended[j - 2] + wait_s if j >= 2 else 0.0)
-        computed = begin + c[j % n]
-        start = max(computed + wait_s, ended[j - 1] if j >= 1 else 0.0)
+        if one_in_flight:  # kernels j, done j - 1, start j
+            now += c[j % n]
+            if j >= 1:
+                now = max(now, ended[j - 1] + wait_s)
+            start = now + wait_s
+        else:  # kernels j (after done j - 2), start j, done j - 1
+            now = max(now, ended[j - 2] + wait_s if j >= 2 else 0.0) + c[j % n]
+            start = max(now + wait_s, ended[j - 1] if j >= 1 else 0.0)
         ended.append(start + a[j % n])
     serial = sum(c) + sum(a)
     best = ended[-1] - ended[-1 - n]

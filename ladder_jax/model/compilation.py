@@ -33,7 +33,14 @@ def compiler_options(platform: str, program: str = "any") -> dict[str, Any]:
       module all-reduces (8 x 8 GPUs) lost their overlap; with four, those of layers 76-78
       (the last layers' weight gathers fill the slots); with eight, all but the last.
       Decode and prefill programs hold fewer collectives at once and compile the same at 4
-      and 8.
+      and 8. The limit does not let two collectives over the same GPUs be in flight
+      together: XLA:GPU's latency-hiding scheduler never schedules a collective beside an
+      in-flight one sharing more than one rank with it, and a tensor-parallel step's
+      all-reduces all span the same GPUs. So the ladder's decode step runs module j's
+      kernels, the done of all-reduce j - 1, then the start of j (each all-reduce waits
+      for the previous one to be awaited, not only to end); no option changes that order
+      (`perfmodel.overlap_bound(..., one_in_flight=True)`; docs/analysis.md, "How much the
+      ladder can hide").
     - `xla_disable_hlo_passes=GPU_KEEP_DOTS_PASS`: keep one-row matmuls (a decode step at
       batch 1: the activation is a vector) as matmul kernels. XLA:GPU rewrites such a dot
       below about 10M multiply-adds (a tp block of q/k/v/o or down, every int8 k/v) into a
