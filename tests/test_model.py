@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import ladder_jax as lj
+from ladder_jax.model import transformer
 from tests import helpers, reference
 from tests.helpers import TINY
 from tests.helpers import logits as _logits
@@ -218,3 +219,60 @@ def test_checkpoints_from_before_linear_modules_load(tmp_path):
         np.testing.assert_array_equal, jax.tree.map(np.asarray, nnx.to_pure_dict(got)), want
     )
     assert not np.array_equal(np.asarray(nnx.state(fresh)["embed"][...]), want["embed"])
+
+
+def _jnp_rope_frequencies(config):
+    """The inverse frequencies as jnp ops on XLA (what the model computed in its programs
+    before they became a constant): 1 / theta ** (arange(0, H, 2) / H), then llama-3's
+    scaling."""
+    H = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+    sc = config.rope_scaling
+    if sc is None:
+        return np.asarray(inv)
+    wavelen = 2 * np.pi / inv
+    smooth = (sc.original_max_len / wavelen - sc.low_freq_factor) / (
+        sc.high_freq_factor - sc.low_freq_factor
+    )
+    mid = (1 - smooth) * inv / sc.factor + smooth * inv
+    low, high = sc.original_max_len / sc.low_freq_factor, sc.original_max_len / sc.high_freq_factor
+    return np.asarray(
+        jnp.where(wavelen > low, inv / sc.factor, jnp.where(wavelen < high, inv, mid))
+    )
+
+
+@pytest.mark.parametrize("preset", sorted(lj.PRESETS))
+def test_rope_frequencies_are_a_constant_bit_equal_to_the_jnp_formula(preset):
+    """`rope_frequencies` is a numpy float32 constant (no `power` kernel in a program) with
+    the very bits of the jnp formula run on XLA, for every preset (llama-3.1's scaling
+    included): the cached decode of a model is unchanged by the switch."""
+    config = lj.ModelConfig.from_preset(preset)
+    got = transformer.rope_frequencies(config)
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32
+    want = _jnp_rope_frequencies(config)
+    np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
+
+
+@pytest.mark.parametrize("head_dim", [8, 64, 72, 96, 128, 256])
+@pytest.mark.parametrize("theta", [1e4, 5e5, 1e6])
+def test_rope_frequencies_are_within_a_few_ulp_of_the_exact_values(head_dim, theta):
+    """Against float64: theta ** -(2i / H), and llama-3 scaling by hand (wavelengths above
+    8192 / 1 scaled by 1/8, below 8192 / 4 kept, between interpolated). The float32 power
+    and reciprocal: 2 ulp. Where 2i / H is no power-of-two fraction, its float32 rounding
+    (relative 2^-23 at most) moves theta ** -e by ln(theta) times that: 2 ln(theta) ulp more;
+    the interpolation's float32 steps 2 more."""
+    base = dataclasses.replace(TINY, head_dim=head_dim, rope_theta=theta)
+    exact = theta ** -(np.arange(0, head_dim, 2) / head_dim)
+    scaling = lj.RopeScaling(
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_len=8192
+    )
+    wavelen = 2 * np.pi / exact
+    smooth = (8192 / wavelen - 1.0) / 3.0
+    mid = (1 - smooth) * exact / 8 + smooth * exact
+    scaled = np.where(wavelen > 8192, exact / 8, np.where(wavelen < 2048, exact, mid))
+    bound = 2.0 + (0.0 if head_dim & (head_dim - 1) == 0 else 2 * np.log(theta))
+    scaled_config = dataclasses.replace(base, rope_scaling=scaling)
+    for config, want, ulps in [(base, exact, bound), (scaled_config, scaled, bound + 2)]:
+        got = transformer.rope_frequencies(config).astype(np.float64)
+        ulp = np.spacing(want.astype(np.float32)).astype(np.float64)
+        assert np.max(np.abs(got - want) / ulp) <= ulps, (config.rope_scaling, got - want)

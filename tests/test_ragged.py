@@ -117,17 +117,23 @@ def test_rope_and_the_cache_write_inside_the_kernel_equal_the_xla_ops(
 NO_CHECK = dict(check_vma=False)
 
 
-@pytest.mark.parametrize("tp, residual", [(1, "standard"), (2, "parallel")])
+@pytest.mark.parametrize(
+    "tp, residual, d_ff", [(1, "standard", 128), (2, "parallel", 128), (2, "parallel", 136)]
+)
 def test_decode_with_rope_and_the_cache_write_in_the_kernel_equals_the_xla_ops(
-    tp, residual, monkeypatch
+    tp, residual, d_ff, monkeypatch
 ):
     """The model's decode step with the attention on the Triton kernel (`attend_new`,
     interpreted: RoPE and the cache write inside it, fed the fused q/k/v projection's output;
-    parallel's five-way projection through `attend_and_project`) == the same model's XLA ops
-    (`apply_rope`, `write_cache`, `attend_filled`): logits and both caches. Rows at slot 0, a
-    block's last and next slots and the cache's last slot, over a cache of random entries."""
-    model = helpers.tiny_model(tp, residual=residual, head_dim=32, n_layers=2)
+    parallel's five-way q/k/v/gate/up projection whole, unsplit, even where its width is no
+    multiple of the head width: d_ff 136, 68 gate and 68 up columns a rank) == the same
+    model's XLA ops (`apply_rope`, `write_cache`, `attend_filled`): logits and both caches.
+    Rows at slot 0, a block's last and next slots and the cache's last slot, over a cache of
+    random entries."""
+    model = helpers.tiny_model(tp, residual=residual, head_dim=32, n_layers=2, d_ff=d_ff)
     model = transformer.fuse_inputs(model)
+    n, kv, f = transformer.fused_input_columns(model.config, tp)
+    width = (n + 2 * kv) * 32 + (2 * f if residual == "parallel" else 0)
     cfg, S = model.config, 64
     pos_b1 = jnp.asarray([[0], [15], [16], [S - 1]], jnp.int32)
     tokens = jnp.asarray([[3], [5], [7], [11]], jnp.int32)
@@ -144,7 +150,7 @@ def test_decode_with_rope_and_the_cache_write_in_the_kernel_equals_the_xla_ops(
     calls = []
 
     def interpreted(*a, **kw):
-        calls.append(1)
+        calls.append(a[0].shape)
         return attend_new(*a, **kw, interpret=True)
 
     attend_new, shard_map = ragged.attend_new, jax.shard_map
@@ -155,7 +161,7 @@ def test_decode_with_rope_and_the_cache_write_in_the_kernel_equals_the_xla_ops(
     for layer in model.layers:
         layer.attn.kernel = "pallas"
     got_logits, got_cache = step(model, layers)
-    assert len(calls) == cfg.n_layers
+    assert calls == [(B, width)] * cfg.n_layers  # the projection whole, as one operand
     np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), atol=1e-4)
     for got, want in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)

@@ -132,7 +132,9 @@ def _plain_cost(module: hlo.Module, op: hlo.Op, filled: float = 1.0) -> tuple[fl
     ragged attention (`ladder_jax.model.ragged`) reads only the `filled` fraction of its
     cache operands, the last two: operands queries, positions, keys, values
     (`attend_filled`), or the q/k/v rows, positions, RoPE frequencies, keys, values
-    (`attend_new`), whose cache outputs alias those operands and write one slot each."""
+    (`attend_new`), whose cache outputs alias those operands and write one slot each. The
+    rows operand counts at the q/k/v columns the kernel reads: the parallel scheme hands it
+    its whole five-way projection, whose gate and up columns it leaves unread."""
     entry = [module.op("ENTRY", n) for n in op.operands]
     sizes = [hlo.nbytes(o.shape) if o is not None else 0 for o in entry]
     out_bytes = hlo.nbytes(op.shape)
@@ -140,9 +142,11 @@ def _plain_cost(module: hlo.Module, op: hlo.Op, filled: float = 1.0) -> tuple[fl
     if op.opcode == "custom-call" and ragged.KERNEL_NAME in op.text and len(sizes) in (4, 5):
         caches, sizes[-2:] = sizes[-2:], [filled * n for n in sizes[-2:]]
         B_, K_, H_, S_ = entry[-2].dims  # keys (B, K, H, S)
-        queries = entry[0].elements  # (B, K, M, H) or rows (B, N + 2K, H)
+        queries = entry[0].elements  # (B, K, M, H) or rows (B, C), C >= (N + 2K) H
         if len(sizes) == 5:
-            queries -= 2 * B_ * K_ * H_
+            # the output (B, K, G, H), or its splits' partials (B, K, splits, G, H): N = K G
+            queries = B_ * K_ * op.dims[-2] * H_
+            sizes[0] *= (queries + 2 * B_ * K_ * H_) / entry[0].elements  # q/k/v columns
             out_bytes += sum(n / S_ - n for n in caches)  # updated in place: the new slot
         # two products of the queries with the slots read
         flops = 4.0 * queries * S_ * filled

@@ -22,9 +22,10 @@ read:
   `ragged_decode_attention` (what `ladder_jax.analysis.perfmodel` costs at the filled fraction
   of its cache operands).
 - `attend_new` (a decode step on GPU, one token per row): the same kernel, with RoPE of the new
-  queries and key and the cache write of the new key and value inside it, reading q/k/v as the
-  q/k/v projection wrote them, the caches aliased in place; the same custom call with five
-  operands.
+  queries and key and the cache write of the new key and value inside it, reading q/k/v where
+  the projection wrote them (the parallel scheme's five-way q/k/v/gate/up output whole, its
+  gate and up columns unread: no copy of q/k/v), the caches aliased in place; the same custom
+  call with five operands.
 
 Invariant: the same result as `attend_cache` (the reference arithmetic) for every row, to
 rounding: query t of row b sees slot s iff s <= q_pos[b, t]. Forward only (decoding): neither
@@ -319,25 +320,32 @@ def writes_in_kernel(kernel: str, T: int, v_bksh) -> bool:
 
 
 def attend_new(
-    rows_brh, q_row: int, n_heads: int, pos_bt, inv_freq, k_bkhs, v_bksh, interpret=False
+    rows_bc, q_row: int, n_heads: int, pos_bt, inv_freq, k_bkhs, v_bksh, interpret=False
 ):
     """Decode attention of one new token per row from the q/k/v projection's output as it
     lies, RoPE and the cache write included, as one Triton kernel:
 
-        out_btnh, (k_bkhs, v_bksh) = attend_new(rows_brh, 0, N, pos_bt, inv_freq, k, v)
+        out_btnh, (k_bkhs, v_bksh) = attend_new(rows_bc, 0, N, pos_bt, inv_freq, k, v)
 
-    `rows_brh` (B, R, H): head rows q_row.. hold the N queries, the next K rows the new keys,
-    the K after them the new values, none rotated yet; `pos_bt` (B, 1) the token's position
-    (< S); `inv_freq` (H/2,) RoPE's inverse frequencies (`transformer.rope_frequencies`).
-    Returns the attention output (B, 1, N, H) and the caches with the rotated key and the
-    value written at slot pos[b] of row b, in place (the cache operands alias the outputs).
+    `rows_bc` (B, C), or (B, R, H) / (B, 1, C) (the same bytes): from column q_row * H on, the
+    N = `n_heads` queries, then the K new keys, then the K new values, head by head, none
+    rotated yet; columns past them (the parallel scheme's five-way projection: its gate and
+    up, of any width) are never read, so the projection's output goes in whole, uncopied.
+    `pos_bt` (B, 1) the token's position (< S); `inv_freq` (H/2,) RoPE's inverse frequencies
+    (`transformer.rope_frequencies`). Returns the attention output (B, 1, N, H) and the caches
+    with the rotated key and the value written at slot pos[b] of row b, in place (the cache
+    operands alias the outputs).
 
     Invariant: the same as rotating q and k (`transformer.apply_rope`), writing the cache
     (`transformer.write_cache`) and `attend_filled` over the written cache, to rounding. No
     program reads slot pos[b] from memory (the new token's key and value are folded in from
     registers by split 0, which alone writes them), so the splits never race."""
-    B, R, H = rows_brh.shape
-    K, S = k_bkhs.shape[1], v_bksh.shape[2]
+    B = rows_bc.shape[0]
+    rows_bc = rows_bc.reshape(B, -1)
+    C = rows_bc.shape[1]
+    K, S, H = k_bkhs.shape[1], v_bksh.shape[2], v_bksh.shape[3]
+    if (q_row + n_heads + 2 * K) * H > C:
+        raise ValueError(f"{C} columns hold no {n_heads} + 2 x {K} heads of {H} from head {q_row}")
     G = n_heads // K
     Mp = max(MIN_ROWS, 1 << (G - 1).bit_length())
     block = min(key_block(S), PALLAS_BLOCK, 1 << (S.bit_length() - 1))
@@ -364,13 +372,13 @@ def attend_new(
         jax.ShapeDtypeStruct(k_bkhs.shape, k_bkhs.dtype),
         jax.ShapeDtypeStruct(v_bksh.shape, v_bksh.dtype),
     ]
-    out_specs, out_shape = _outputs(B, K, splits, G, Mp, H, rows_brh.dtype)
+    out_specs, out_shape = _outputs(B, K, splits, G, Mp, H, rows_bc.dtype)
     n_out = len(out_shape)
     call = pl.pallas_call(
         kernel,
         grid=(B, K, splits),
         in_specs=[
-            pl.BlockSpec((None, R, H), lambda b, k, p: (b, 0, 0)),
+            pl.BlockSpec((None, C), lambda b, k, p: (b, 0)),
             pl.BlockSpec((None, 1), lambda b, k, p: (b, 0)),
             pl.BlockSpec((H // 2,), lambda b, k, p: (0,)),
             *cache_specs,
@@ -384,13 +392,13 @@ def attend_new(
     )
     pos_b1 = pos_bt.astype(jnp.int32)
     with jax_config._check_vma(False):
-        outs = call(rows_brh, pos_b1, inv_freq.astype(jnp.float32), k_bkhs, v_bksh)
+        outs = call(rows_bc, pos_b1, inv_freq.astype(jnp.float32), k_bkhs, v_bksh)
         *outs, k_new, v_new = outs
-        outs = [vary_like(x, rows_brh) for x in outs]
+        outs = [vary_like(x, rows_bc) for x in outs]
         cache = (vary_like(k_new, k_bkhs), vary_like(v_new, v_bksh))
     if splits == 1:
         return _ungrouped(outs[0], 1), cache
-    return _ungrouped(_combine(*outs, rows_brh.dtype), 1), cache
+    return _ungrouped(_combine(*outs, rows_bc.dtype), 1), cache
 
 
 def _rotate(x1, x2, cos, sin, dtype):
@@ -434,15 +442,19 @@ def _new_kernel(
     angle = pos.astype(jnp.float32) * freq_ref[...]
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     dtype = rows_ref.dtype
-    first_q = q_row + kh * rows
-    q1 = plgpu.load(rows_ref.at[pl.ds(first_q, Mp), pl.ds(0, half)], mask=real[:, None], other=0)
-    q2 = plgpu.load(rows_ref.at[pl.ds(first_q, Mp), pl.ds(half, half)], mask=real[:, None], other=0)
+    # the row's columns are one flat run (their width need not be a multiple of H): this kv
+    # head's query heads are Mp rows of H columns from column (q_row + kh * rows) * H
+    q_col = (q_row + kh * rows + jnp.arange(Mp, dtype=jnp.int32))[:, None] * H
+    cols = jnp.arange(half, dtype=jnp.int32)[None, :]
+    q1 = plgpu.load(rows_ref.at[q_col + cols], mask=real[:, None], other=0)
+    q2 = plgpu.load(rows_ref.at[q_col + half + cols], mask=real[:, None], other=0)
     q1, q2 = _rotate(q1.astype(jnp.float32), q2.astype(jnp.float32), cos, sin, dtype)
-    kr1 = rows_ref[k_row + kh, pl.ds(0, half)].astype(jnp.float32)
-    kr2 = rows_ref[k_row + kh, pl.ds(half, half)].astype(jnp.float32)
+    k_col, v_col = (k_row + kh) * H, (v_row + kh) * H
+    kr1 = rows_ref[pl.ds(k_col, half)].astype(jnp.float32)
+    kr2 = rows_ref[pl.ds(k_col + half, half)].astype(jnp.float32)
     k1, k2 = _rotate(kr1, kr2, cos, sin, dtype)
     k1, k2 = (x.astype(k_ref.dtype).astype(jnp.float32) for x in (k1, k2))  # as the cache holds
-    v_tok = rows_ref[v_row + kh, :].astype(v_ref.dtype)
+    v_tok = rows_ref[pl.ds(v_col, H)].astype(v_ref.dtype)
 
     @pl.when(split == 0)
     def _():

@@ -102,17 +102,16 @@ def _parallel(config, layers, x_btd, positions_bt, inv_freq, caches=None):
                     x_btd, config.dtype, norm=layer.attn_norm, joins=pending, split=False
                 )
                 y_btc, x_btd = y_btc if pending is not None else (y_btc, x_btd)
-                q, k, v, _, _ = layer.fused_in.split(y_btc)
-                a, cache = layer.attn.attend_and_project(q, k, v, positions_bt, inv_freq, cache)
+                a, cache = _attend_five_way(layer, y_btc, positions_bt, inv_freq, cache)
                 new_caches.append(cache)
                 pending = sharding.reduce_tp(a + layer.mlp.down_from(layer.fused_in, y_btc, 3))
                 continue
             # tp-varying from here: the backward's input all-reduce (none at tp=1)
             h_btd = sharding.vary_tp(layer.attn_norm(x_btd).astype(config.dtype))
             if layer.fused_in is not None:  # decoding: one matmul for all five
-                q, k, v, g_btf, u_btf = layer.project_inputs(h_btd, config.dtype)
-                a = layer.attn.attend_and_project(q, k, v, positions_bt, inv_freq, cache)
-                m_btd = layer.mlp.project_down(g_btf, u_btf)
+                y_btc = layer.fused_in(h_btd, config.dtype, split=False)
+                a = _attend_five_way(layer, y_btc, positions_bt, inv_freq, cache)
+                m_btd = layer.mlp.down_from(layer.fused_in, y_btc, 3)
             elif caches is None:
                 a, m_btd = both(layer.attn, layer.mlp, h_btd), None
             else:
@@ -123,6 +122,20 @@ def _parallel(config, layers, x_btd, positions_bt, inv_freq, caches=None):
             y_btd = a if m_btd is None else a + m_btd
             x_btd = x_btd + sharding.reduce_tp(y_btd)
     return (x_btd if pending is None else x_btd + pending), new_caches
+
+
+def _attend_five_way(layer, y_btc, positions_bt, inv_freq, cache):
+    """The attention of a parallel layer from its five-way projection's unsplit output
+    (q, k, v, gate, up): on the Triton kernel (`ragged.attend_new`) the output as it lies,
+    whose q/k/v columns the kernel reads in place; elsewhere split into q, k, v. Splitting
+    and concatenating q/k/v back for the kernel is a copy XLA does not fuse away (a
+    concatenate fusion per layer)."""
+    attn = layer.attn
+    if attn._writes_in_kernel(y_btc.shape[1], positions_bt, cache):
+        n_heads = layer.fused_in.parts[0][0]  # this rank's query heads
+        return attn.attend_rows(y_btc, 0, positions_bt, inv_freq, cache, n_heads=n_heads)
+    q, k, v, _, _ = layer.fused_in.split(y_btc)
+    return attn.attend_and_project(q, k, v, positions_bt, inv_freq, cache)
 
 
 @dataclasses.dataclass(frozen=True)

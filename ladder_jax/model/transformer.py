@@ -20,6 +20,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax._src import config as jax_config
 from jax.experimental.pallas.ops.gpu import attention as pallas_attention
@@ -115,23 +116,32 @@ class RMSNorm(nnx.Module):
         return x * sharding.read_weight(self.scale, jnp.float32)
 
 
-def rope_frequencies(config: ModelConfig) -> jax.Array:
-    """Inverse frequencies (H/2,), with llama-3 scaling when configured."""
+def rope_frequencies(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies (H/2,) float32, with llama-3 scaling when configured: a numpy
+    constant, so a program holds them as a literal rather than computing them each step (a
+    `power` kernel in every program). Bit for bit what the jnp formula gives on XLA:CPU
+    (1 / theta ** (arange(0, H, 2) / H), then the scaling), whose steps it follows in
+    float32: XLA divides by a constant as a product with its float32 reciprocal, and its
+    float32 power is the float64 power rounded once (tests/test_model.py checks every
+    preset, and the distance from the exact values)."""
+    f32 = np.float32
     H = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+    exponent = np.arange(0, H, 2, dtype=f32) * (f32(1) / f32(H))
+    inv = f32(1) / (np.float64(config.rope_theta) ** exponent.astype(np.float64)).astype(f32)
     sc = config.rope_scaling
     if sc is None:
         return inv
-    wavelen = 2 * math.pi / inv
-    low_wavelen = sc.original_max_len / sc.low_freq_factor  # longer than this: fully scaled
-    high_wavelen = sc.original_max_len / sc.high_freq_factor  # shorter than this: untouched
-    smooth = (sc.original_max_len / wavelen - sc.low_freq_factor) / (
-        sc.high_freq_factor - sc.low_freq_factor
+    wavelen = f32(2 * math.pi) / inv
+    low_wavelen = f32(sc.original_max_len / sc.low_freq_factor)  # longer: fully scaled
+    high_wavelen = f32(sc.original_max_len / sc.high_freq_factor)  # shorter: untouched
+    over_factor = f32(1) / f32(sc.factor)
+    smooth = (f32(sc.original_max_len) / wavelen - f32(sc.low_freq_factor)) * (
+        f32(1) / f32(sc.high_freq_factor - sc.low_freq_factor)
     )
-    mid = (1 - smooth) * inv / sc.factor + smooth * inv
-    return jnp.where(
-        wavelen > low_wavelen, inv / sc.factor, jnp.where(wavelen < high_wavelen, inv, mid)
-    )
+    mid = (f32(1) - smooth) * inv * over_factor + smooth * inv
+    return np.where(
+        wavelen > low_wavelen, inv * over_factor, np.where(wavelen < high_wavelen, inv, mid)
+    ).astype(f32)
 
 
 def apply_rope(x_btnh, positions_bt, inv_freq):
@@ -203,9 +213,12 @@ class Attention(FusesInputs):
     ):
         """Everything after the q/k/v projections (RoPE, cache write, attention, the output
         projection); `__call__` documents the arguments. The parallel scheme's fused input
-        projection (`Layer.fused_in`) enters here."""
+        projection (`Layer.fused_in`) enters at `attend_rows` on the Triton kernel, here
+        elsewhere."""
         B, T, N, H = q_btnh.shape
         if self._writes_in_kernel(T, positions_bt, cache):
+            # separate q/k/v: the kernel reads them from one buffer (a copy; the projections'
+            # own callers hand over their unsplit output instead)
             rows = [x.reshape(B, -1, H) for x in (q_btnh, k_btkh, v_btkh)]
             y_btc = jnp.concatenate(rows, axis=1).reshape(B, T, -1)
             return self.attend_rows(y_btc, 0, positions_bt, inv_freq, cache, residual=residual)
@@ -238,17 +251,20 @@ class Attention(FusesInputs):
             and ragged.writes_in_kernel(self.kernel, T, cache[1])
         )
 
-    def attend_rows(self, y_btc, q_col, positions_bt, inv_freq, cache, *, residual=None):
+    def attend_rows(
+        self, y_btc, q_col, positions_bt, inv_freq, cache, *, n_heads=None, residual=None
+    ):
         """`attend_and_project` from a projection's output (B, 1, C) that holds the queries,
-        keys and values one after another from column `q_col` (a multiple of the head width)
-        to its end: RoPE, the cache write and attention run in the one kernel
-        `ragged.attend_new`, which reads them where the projection wrote them. Returns
-        (output, cache)."""
+        keys and values one after another from column `q_col` (a multiple of the head width):
+        `n_heads` query heads (this rank's), or None: q/k/v run to the output's end. Columns
+        after them (the parallel scheme's gate and up) are not read. RoPE, the cache write
+        and attention run in the one kernel `ragged.attend_new`, which reads them where the
+        projection wrote them (no copy). Returns (output, cache)."""
         B, T, C = y_btc.shape
         H = cache[1].shape[-1]
-        N = C // H - q_col // H - 2 * cache[1].shape[1]  # this rank's query heads
+        N = n_heads if n_heads is not None else C // H - q_col // H - 2 * cache[1].shape[1]
         out_btnh, new_cache = ragged.attend_new(
-            y_btc.reshape(B, C // H, H), q_col // H, N, positions_bt, inv_freq, *cache
+            y_btc.reshape(B, C), q_col // H, N, positions_bt, inv_freq, *cache
         )
         y_btd = self.o(out_btnh, self.dtype, residual=residual)
         return y_btd, new_cache
