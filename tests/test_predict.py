@@ -990,6 +990,9 @@ def test_above_upper_bound_is_explained_by_less_work_or_called_a_defect():
     assert "HBM 1.75 vs 3.5 GB" in notes["parallel"] and "90 vs 100 kernels" in notes["parallel"]
     assert "GFLOP" not in notes["parallel"]  # the same FLOPs: not listed as less
     assert "no less work: a costing defect" in notes["ladder"]
+    # level within a thousandth (tp 1: the same work compiled twice) is not a defect
+    level = perfmodel.mark_above_upper_bound([ub, _work_row("ladder", 100.05, 2e9)])
+    assert all(r.get("above_upper_bound") is None for r in level)
 
 
 def test_predict_tables_prints_why_a_scheme_is_above_upper_bound():
