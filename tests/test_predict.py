@@ -1572,6 +1572,11 @@ def test_ll128_only_over_nvlink_and_across_hosts_only_near_the_nic():
     for path in ("PHB", "SYS"):
         assert not perfmodel.ll128_enabled(NV, "sm90", at(path))
     assert hardware.INTER_HOST["h100"].nic_path == "PIX"  # DGX/HGX: the NIC on the GPU's switch
+    # a calibration file may say where the NICs are
+    cal = hardware.calibration("h100").replace(inter_host={"nic_path": "PHB"})
+    assert cal.inter_host.nic_path == "PHB"
+    with pytest.raises(ValueError, match="nic_path='CPU': choose one of LOC, NVL"):
+        hardware.calibration("h100").replace(inter_host={"nic_path": "CPU"})
 
 
 def test_ll128_left_out_where_nccl_disables_it_exact():
