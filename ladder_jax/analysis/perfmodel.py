@@ -357,14 +357,14 @@ def nccl_seconds(
     tuning: hardware.NcclTuning = hardware.NCCL,
     arch: str | None = None,
 ) -> tuple[float, str]:
-    """(seconds, "algorithm/protocol") of one collective over `ranks` GPUs on `hosts` > 1 hosts
-    as NCCL's cost model (`hardware.NcclTuning`) times and picks it: ring or (all-reduce) tree,
+    """(seconds, "algorithm/protocol") of one collective over `ranks` GPUs on `hosts` > 1 hosts as
+    NCCL's cost model (`hardware.NcclTuning`) times and picks it: ring or (all-reduce) tree,
     each in LL, Simple and, where NCCL enables it on `arch` (`ll128_enabled`), LL128; the
-    fastest. The bandwidth term is the hierarchy's
-    (`collective_seconds`) divided by the protocol's share of the bus; a tree moves 2n bytes
-    per rank. Step latencies are NCCL's for the link's class, rescaled by the link's own
-    ring/LL step (`hop_latency_s`); a ring step within a host waits at least the network
-    overhead, since every step of a ring that crosses hosts goes through the proxy."""
+    fastest. The bandwidth term is the hierarchy's (`collective_seconds`) divided by the
+    protocol's share of the bus; a tree moves 2n bytes per rank. Step latencies are NCCL's for
+    the link's class, rescaled by the link's own ring/LL step (`hop_latency_s`); a ring step
+    within a host waits at least the network overhead, since every step of a ring that crosses
+    hosts goes through the proxy."""
     g = ranks // hosts
     ring_bw = collective_seconds(
         collective,
