@@ -18,8 +18,8 @@ Each prints markdown: one row per (link, tp, batch), tokens/s of standard and ea
 ratio to it; under it, a note for every scheme predicted above upper_bound (what its compiled
 programs do less of, or a costing defect). `--split`: instead, each scheme's prefill and
 decode-step speed-up over standard, with the cross-stream waits and without them
-(`--no-stream-sync`), as "with -> without". `--no-nccl-in-host` / `--no-nvls`: the tables under
-that ablation (`python -m ladder_jax.predict --help`).
+(`--no-stream-sync`), as "with -> without". `--no-nccl-in-host` / `--no-nvls` / `--no-waves`: the
+tables under that ablation (`python -m ladder_jax.predict --help`).
 """
 
 from __future__ import annotations
@@ -133,9 +133,16 @@ def main(argv=None) -> int:
         help="collectives within a host as a ring at LL's latency (the ablation)",
     )
     ap.add_argument("--no-nvls", action="store_true", help="no NVLink SHARP within a host")
+    ap.add_argument(
+        "--no-waves",
+        action="store_true",
+        help="GEMMs beside a collective slowed by the SM share, not by waves (the ablation)",
+    )
     args = ap.parse_args(argv)
     flags = "".join(
-        f" --{f}" for f in ("no-nccl-in-host", "no-nvls") if getattr(args, f.replace("-", "_"))
+        f" --{f}"
+        for f in ("no-nccl-in-host", "no-nvls", "no-waves")
+        if getattr(args, f.replace("-", "_"))
     )
     names = args.tables or list(TABLES)
     unknown = [n for n in names if n not in TABLES]
@@ -173,6 +180,7 @@ def main(argv=None) -> int:
                     stream_sync=sync,
                     nccl_in_host=not args.no_nccl_in_host,
                     nvls=not args.no_nvls,
+                    waves=not args.no_waves,
                 )
         wall = time.perf_counter() - t0
         print(

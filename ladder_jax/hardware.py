@@ -168,7 +168,10 @@ class Link:
     all-reduce takes 2*ceil(log2 p) steps instead of 2(p-1). `channels`: how many NCCL
     channels (one thread block, i.e. one SM, each) a large collective runs on
     (`Contention`). An inter-host link's figures are per GPU (one NIC each). `hw`: the class
-    of link in NCCL's tables (`NcclTuning`)."""
+    of link in NCCL's tables (`NcclTuning`). `nic_path`: for an inter-host link, the type of
+    the PCIe path from a GPU to its NIC in NCCL's topology (`NCCL_PATHS`; PIX: the NIC on the
+    GPU's own PCIe switch, as in DGX/HGX systems), which decides whether NCCL runs LL128
+    across hosts (`perfmodel.ll128_enabled`)."""
 
     name: str
     description: str
@@ -178,6 +181,14 @@ class Link:
     sources: str
     channels: int = 24
     hw: str = "nvlink"  # NCCL's class of the link: nvlink, pci (P2P off: through host memory), net
+    nic_path: str = "PIX"  # inter-host links: the GPU -> NIC path type (`NCCL_PATHS`)
+
+
+# NCCL's path types from nearest to farthest (src/graph/topo.h of NVIDIA/nccl, 2.2x: local,
+# NVLink, NVLink through a GPU, chip-to-chip, one PCIe switch, several PCIe switches, C2C to the
+# CPU then PCIe, through another GPU's NIC (PXN), the PCIe host bridge, across CPU sockets,
+# the network, disconnected); NCCL enables a feature when a path is at most some type.
+NCCL_PATHS = ("LOC", "NVL", "NVB", "C2C", "PIX", "PXB", "P2C", "PXN", "PHB", "SYS", "NET", "DIS")
 
 
 LINKS = {
@@ -228,8 +239,14 @@ A100_LINKS = {  # the same two interconnects one generation earlier
         sources="latencies: NCCL's cost model as for H100 (tuning.cc: ring/LL base 6.6 us, "
         "0.6 us per NVLink step); bus bandwidth: NVLink 3 is 12 links x 25 GB/s = "
         "300 GB/s per direction per GPU (A100 datasheet: 600 GB/s bidirectional); "
-        "nccl-tests all_reduce_perf on 8x A100 SXM4 (DGX A100) reports ~230 GB/s busbw "
-        "for large messages (NVIDIA's DGX A100 / nccl-tests material)",
+        "nccl-tests all_reduce_perf on 8x A100 SXM4 40GB in one host (OCI BM.GPU4.8, "
+        "NVSwitch), 10 GiB, busbw 232.2 GB/s out of place, 232.1 in place "
+        "(github.com/oracle-japan/ocitutorials, tutorials/_hpc/benchmark/"
+        "run-nccltests-ubuntu.md); nccl-tests sendrecv_perf on 8x A100 NVLink, 1 GiB: "
+        "195 GB/s one way (github.com/li-plus/playground, cuda/nccl.md), the per-GPU "
+        "rate a ring step can reach. Left uncited: the small-message latencies (no "
+        "published A100 nccl-tests small-message row found that isolates them; NCCL's "
+        "model is used) and a per-kernel CUDA graph launch gap measured on A100",
     ),
     "pcie": Link(
         "pcie",
@@ -302,6 +319,11 @@ class NcclTuning:
     nvls_latency_s: float = 0.0
     nvls_channels: int = 16
     nvls_bus_factor: dict = dataclasses.field(default_factory=dict)  # ranks -> x ring busbw
+    # LL128 (`perfmodel.ll128_enabled`): the archs NCCL enables it on, the farthest GPU -> NIC
+    # path across hosts (`NCCL_PATHS`), and the archs allowed PXN beyond it
+    ll128_archs: tuple = ("sm70", "sm80", "sm90", "sm100", "sm120")
+    ll128_nic_path: str = "PXB"
+    ll128_pxn_archs: tuple = ("sm90", "sm100", "sm120")
 
 
 _PROTOCOLS = ("LL", "LL128", "Simple")
@@ -360,6 +382,11 @@ NCCL = NcclTuning(
     "420 / 440 / 460 / 480 GB/s on 5 / 6 / 7 / 8 (github.com/NVIDIA/nccl issue 1455); "
     "NCCL's maintainer: ring busbw ~370 GB/s, NVLS on 8 GPUs ~480 GB/s busbw "
     "(github.com/NVIDIA/nccl-tests issue 212): taken as factors of the link's ring busbw. "
+    "LL128's enable rule (ncclTopoTuneModel in the same file): only where the ring's "
+    "intra-host path is NVLink (typeIntra <= PATH_NVB: never with P2P off, whose path "
+    "goes through host memory), across hosts only when the GPU -> NIC path is at most "
+    "PXB, or PXN on compute capability 9.0 and later, and only on the archs NCCL has "
+    "tested it on (7.0, 8.0, 9.0, 10.0, 12.0). "
     "No end-to-end throughput was used",
 )
 
@@ -400,7 +427,13 @@ CONTENTION = Contention(
     "all-reduce (Simple, 24 channels, 8 V100) beside a CUTLASS GEMM took 206.4 / 381.5 / "
     "681.3 ms against 106.6 / 174.8 / 301.1 ms alone (github.com/parasailteam/coconet "
     "issue 6; the GEMM covered about half of it, so a lower rate while beside: 0.5 is "
-    "the milder reading). No end-to-end throughput was used",
+    "the milder reading). Wave quantization (`perfmodel.flops_slowdown`): a GEMM's "
+    "thread-block tiles run in waves of one per SM, its time set by the number of waves "
+    "(NVIDIA Deep Learning Performance Guide, 'Matrix Multiplication Background', wave "
+    "quantization); on an H100 (132 SMs) a cuBLAS GEMM of exactly 132 blocks beside a 24-block "
+    "ncclAllGather spilled into a second wave and took nearly twice as long, MFU ~80% -> ~47% "
+    "(forums.developer.nvidia.com topic 337991, 'Compute-Communication Overlap Causes Severe "
+    "GEMM Performance Degradation because of Tail Effect'). No end-to-end throughput was used",
 )
 
 
@@ -597,6 +630,10 @@ def _replaced(obj, fields, where: str):
         if k not in known or k in ("name", "device_kind", "arch", "hw"):
             raise ValueError(f"{where}: unknown field {k!r}")
         if k in ("description", "sources"):
+            continue
+        if k == "nic_path":
+            if v not in NCCL_PATHS:
+                raise ValueError(f"{where}.nic_path={v!r}: choose one of {', '.join(NCCL_PATHS)}")
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             raise ValueError(f"{where}.{k}={v!r} must be a finite number >= 0")

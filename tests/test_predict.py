@@ -1551,3 +1551,173 @@ def test_prefill_collectives_are_slowed_beside_kernels_and_the_ablation_is_exact
     assert both["seconds"] == perfmodel.simulate(ops, copy_rate=0.5).seconds
     assert both["seconds"] >= one_way["seconds"]
     assert all(0 <= o.latency_s <= o.seconds for o in ops if o.kind in ("start", "sync"))
+
+
+# ---------------------------------------------------------------------------------------------
+# NCCL's LL128 enable rule (perfmodel.ll128_enabled) and GEMM wave quantization beside a
+# collective (perfmodel.flops_slowdown, gemm_tiles).
+
+PCI = dataclasses.replace(NV, hop_latency_s=2.0e-6, hw="pci", bus_bytes_per_s=25e9)
+
+
+def test_ll128_only_over_nvlink_and_across_hosts_only_near_the_nic():
+    at = lambda path: dataclasses.replace(NET, nic_path=path)  # noqa: E731
+    assert perfmodel.ll128_enabled(NV, "sm90") and perfmodel.ll128_enabled(NV, None)
+    assert not perfmodel.ll128_enabled(PCI, "sm90")  # P2P off: through host memory
+    assert not perfmodel.ll128_enabled(PCI, "sm80", at("PIX"))
+    assert not perfmodel.ll128_enabled(NV, "sm75")  # an arch NCCL has not validated it on
+    for path in ("PIX", "PXB"):
+        assert perfmodel.ll128_enabled(NV, "sm80", at(path))
+        assert perfmodel.ll128_enabled(NV, "sm90", at(path))
+    # through another GPU's NIC: Hopper only; through the CPU: never
+    assert perfmodel.ll128_enabled(NV, "sm90", at("PXN"))
+    assert not perfmodel.ll128_enabled(NV, "sm80", at("PXN"))
+    for path in ("PHB", "SYS"):
+        assert not perfmodel.ll128_enabled(NV, "sm90", at(path))
+    assert hardware.INTER_HOST["h100"].nic_path == "PIX"  # DGX/HGX: the NIC on the GPU's switch
+    # a calibration file may say where the NICs are
+    cal = hardware.calibration("h100").replace(inter_host={"nic_path": "PHB"})
+    assert cal.inter_host.nic_path == "PHB"
+    with pytest.raises(ValueError, match="nic_path='CPU': choose one of LOC, NVL"):
+        hardware.calibration("h100").replace(inter_host={"nic_path": "CPU"})
+
+
+def test_ll128_left_out_where_nccl_disables_it_exact():
+    # 4 MB all-reduce over 16 ranks on 2 P2P-off hosts (PCI steps: NCCL's figures x 2.0 / 1.0).
+    # The bandwidth term: max(4e6 * 1.75 / 25e9, 5e5 * 1 / 50e9) = 280 us on the PCI level.
+    bw = 280.0
+    tree_ll128 = 14.0 + 2 * (7 * 1.9 * 2 + 8.5) + bw * (2 / 1.875) / (0.92 * 120 / 128)
+    tree_simple = 8.4 + 2 * (7 * 4.0 * 2 + 14.0) + bw * (2 / 1.875) / 0.92
+    ring_simple = (8.4 + 28 * 5.7 * 2 + 2 * 14.0) * 1.4 + bw
+    ring_ll = 6.6 + 28 * 2.0 + 2 * 2.7 + bw / 0.5
+    assert tree_ll128 == pytest.approx(430.48, abs=0.01)  # what NCCL would not run
+    assert min(tree_simple, ring_simple, ring_ll) == tree_simple == pytest.approx(473.04, abs=0.01)
+    s, how = perfmodel.nccl_seconds("all-reduce", 4e6, 16, PCI, hosts=2, inter_host=NET)
+    assert (s, how) == (pytest.approx(tree_simple * 1e-6, rel=1e-12), "tree/Simple")
+    # NVLink hosts whose NICs sit behind the CPU (PHB): 64 MB, the ring's LL128 is out, the
+    # best of the rest runs (test_nccl_large_messages_pay_the_protocol_share_...)
+    n = 64e6
+    bw = 280e-6
+    phb = dataclasses.replace(NET, nic_path="PHB")
+    rest = {
+        "ring/Simple": (8.4 + 28 * 3.4 + 2 * 14.0) * 1.4e-6 + bw,
+        "tree/Simple": (8.4 + 2 * (7 * 4.0 + 14.0)) * 1e-6 + bw * (2 / 1.875) / 0.92,
+        "ring/LL": (6.6 + 28 + 5.4) * 1e-6 + n * 1.875 / 39e9,
+    }
+    best = min(rest, key=rest.get)
+    s, how = perfmodel.nccl_seconds("all-reduce", n, 16, NV, hosts=2, inter_host=phb, arch="sm90")
+    assert (s, how) == (pytest.approx(rest[best], rel=1e-12), best) and best == "tree/Simple"
+    s, how = perfmodel.nccl_seconds("all-reduce", n, 16, NV, hosts=2, inter_host=NET, arch="sm90")
+    assert how == "ring/LL128"
+
+
+def test_ll128_rule_never_makes_a_collective_faster():
+    """A farther NIC, P2P off, more hosts: never faster than the model allowed before."""
+    sizes = [0, 1e3, 64e3, 1e6, 4e6, 16e6, 256e6]
+    for coll in ("all-reduce", "all-gather", "reduce-scatter"):
+        for n in sizes:
+            last = 0.0
+            for path in hardware.NCCL_PATHS[4:10]:  # PIX .. SYS
+                net = dataclasses.replace(NET, nic_path=path)
+                t = perfmodel.nccl_seconds(coll, n, 16, NV, hosts=2, inter_host=net, arch="sm90")
+                assert t[0] >= last, (coll, n, path)
+                last = t[0]
+            on_nv = perfmodel.nccl_seconds(coll, n, 16, NV, hosts=2, inter_host=NET)[0]
+            slow = dataclasses.replace(PCI, bus_bytes_per_s=NV.bus_bytes_per_s)  # only P2P off
+            assert perfmodel.nccl_seconds(coll, n, 16, slow, hosts=2, inter_host=NET)[0] >= on_nv
+            # across 2, 4, 8 hosts (16 ranks), the NICs behind the CPU: never faster
+            cal = dataclasses.replace(
+                hardware.calibration("h100"),
+                inter_host=dataclasses.replace(hardware.INTER_HOST["h100"], nic_path="PHB"),
+            )
+            times = []
+            for hosts in (2, 4, 8):
+                k = perfmodel.Kernel("start", "x", nbytes=n, collective=coll, ranks=16, hosts=hosts)
+                [t] = perfmodel.costed(
+                    [k], calibration=cal, link=cal.links["nvlink"], contention=False
+                )
+                times.append(t.seconds)
+            assert times == sorted(times), (coll, n, times)
+
+
+def test_flops_slowdown_counts_whole_waves_of_tiles():
+    assert perfmodel.flops_slowdown(0.0, 132, 132) == 1.0
+    assert perfmodel.flops_slowdown(16 / 132) == pytest.approx(132 / 116)  # no tiles: SM share
+    assert perfmodel.flops_slowdown(16 / 132, 132, 132) == 2.0  # 1 wave -> 2 on 116 SMs
+    assert perfmodel.flops_slowdown(16 / 132, 100, 132) == 1.0  # fits in the SMs left
+    assert perfmodel.flops_slowdown(16 / 132, 264, 132) == 1.5  # ceil(264 / 116) = 3 against 2
+    assert perfmodel.flops_slowdown(24 / 108, 1000, 108) == 12 / 10  # A100: 84 SMs left
+
+
+def test_waves_exact_on_a_hand_built_schedule():
+    # a 6 us collective on 16 of 132 SMs beside a 5 us FLOP-bound GEMM
+    def run(tiles):
+        ops = [
+            perfmodel.Timed("start", "c", 6e-6, sm_share=16 / 132),
+            perfmodel.Timed("compute", "g", 5e-6, flops_s=5e-6, tiles=tiles, sms=132),
+            perfmodel.Timed("done", "c", 0.0),
+        ]
+        return perfmodel.simulate(ops)
+
+    # 132 tiles: twice as slow while beside it: 3 us of work in 6 us, then 2 us alone
+    t = run(132)
+    assert (t.seconds, t.compute_s) == (pytest.approx(8e-6, rel=1e-12), pytest.approx(8e-6))
+    # no tiles known: 132 / 116 slower, done at 5 x 132 / 116 = 5.69 us, before the 6 us
+    t = run(0)
+    assert t.compute_s == pytest.approx(5e-6 * 132 / 116, rel=1e-12)
+    assert t.seconds == pytest.approx(6e-6, rel=1e-12)
+    # 100 tiles fit in the 116 SMs left: not slowed
+    assert run(100).compute_s == pytest.approx(5e-6, rel=1e-12)
+    # the same through the two-way replay (copies at full rate beside it: copy_rate 1 path)
+    ops = [
+        perfmodel.Timed("start", "c", 6e-6, sm_share=16 / 132),
+        perfmodel.Timed("compute", "g", 5e-6, flops_s=5e-6, tiles=132, sms=132),
+        perfmodel.Timed("done", "c", 0.0),
+    ]
+    assert perfmodel.simulate(ops, copy_rate=0.999999).compute_s == pytest.approx(8e-6, rel=1e-5)
+
+
+def test_gemm_tiles_read_from_the_hlo_and_passed_on_unless_ablated():
+    cfg = (
+        'backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion",'
+        '"block_level_fusion_config":{"num_warps":"4","output_tiles":[{"sizes":["16","64"]}]}}}'
+    )
+    line = '%g = f32[64,256]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm, metadata={op_name="jit(step)/shard_map/layer1.mlp/dot_general"}'  # noqa: E501
+    assert line in HLO
+    tiled = HLO.replace(line, f"{line}, {cfg}")
+    g = next(k for k in perfmodel.read_kernels(tiled) if k.name == "g")
+    assert g.tiles == (64 // 16) * (256 // 64) == 16
+    assert all(k.tiles == 0 for k in perfmodel.read_kernels(HLO))  # no config: not known
+    # a ragged edge and a batch dimension; the older triton_gemm_config with split-k
+    from ladder_jax.analysis import hlo
+
+    op = hlo.parse_instruction(
+        '%f = bf16[3,100,500]{2,1,0} fusion(%a), kind=kCustom, calls=%c, backend_config={"f'
+        'usion_backend_config":{"kind":"__triton_gemm","block_level_fusion_config":{"output_t'
+        'iles":[{"sizes":["64","128"]}]}}}'
+    )
+    assert perfmodel.gemm_tiles(op) == 3 * 2 * 4
+    op = hlo.parse_instruction(
+        '%f = bf16[256,500]{1,0} fusion(%a), kind=kCustom, calls=%c, backend_config={"fusion_'
+        'backend_config":{"kind":"__triton_gemm","triton_gemm_config":{"block_m":"64","block_'
+        'n":"128","block_k":"32","split_k":"2","num_stages":"3","num_warps":"4"}}}'
+    )
+    assert perfmodel.gemm_tiles(op) == 4 * 4 * 2
+    cal = hardware.calibration("h100")
+    k = perfmodel.Kernel("compute", "g", flops=1e9, nbytes=1e6, tiles=16)
+    [t] = perfmodel.costed([k], calibration=cal, link=cal.links["nvlink"])
+    assert (t.tiles, t.sms) == (16, 132)
+    [t] = perfmodel.costed([k], calibration=cal, link=cal.links["nvlink"], waves=False)
+    assert (t.tiles, t.sms) == (0, 0)
+    assert perfmodel.Sweep(waves=False).costing(8, "nvlink")["waves"] is False
+
+
+def test_cli_no_waves_ablation_in_the_json_rows(capsys):
+    argv = flags(**CLI, link="nvlink")
+    rows, _ = predict_json(capsys, argv)
+    off, _ = predict_json(capsys, [*argv, "--no-waves"])
+    assert rows and len(rows) == len(off)
+    assert all(r["waves"] is True for r in rows) and all(r["waves"] is False for r in off)
+    assert all(r["tokens_per_s"] > 0 for r in off)
+    none, _ = predict_json(capsys, [*argv, "--no-contention"])
+    assert all(r["waves"] is False for r in none)  # no contention: no waves either

@@ -56,6 +56,7 @@ class Kernel:
     layer: int | None = None
     ranks: int = 1
     hosts: int = 1
+    tiles: int = 0  # a GEMM's thread-block tiles (`gemm_tiles`; 0: not known)
 
 
 _FREE = {
@@ -180,6 +181,34 @@ def _flash_flops(op_name: str, operands: list) -> float:
     return matmuls * 2.0 * b * h * t * s * d * causal
 
 
+def gemm_tiles(op: hlo.Op) -> int:
+    """Thread-block tiles of a Triton GEMM fusion, from its backend config: the product over
+    the output's dimensions of ceil(dim / tile) for the `output_tiles` of its block-level
+    config (trailing dimensions; leading ones without a tile size count one tile per index),
+    or batch x ceil(M / block_m) x ceil(N / block_n) x split_k for a `triton_gemm_config`.
+    0 where the HLO does not say (a cuBLAS call, any other kernel).
+
+        gemm_tiles(op)  # f32[256,512] with output_tiles sizes [64, 128]: 4 * 4 = 16
+    """
+    dims = op.dims
+    m = re.search(r'"output_tiles":\[\{"sizes":\[([^\]]*)\]', op.text)
+    if m and re.search(r'"kind":"__triton\w*gemm', op.text):
+        sizes = [int(x) for x in re.findall(r"\d+", m.group(1))]
+        if not sizes or len(sizes) > len(dims) or 0 in sizes:
+            return 0
+        lead = dims[: len(dims) - len(sizes)]
+        tail = dims[len(dims) - len(sizes) :]
+        return math.prod(lead) * math.prod(-(-d // t) for d, t in zip(tail, sizes))
+    m = re.search(r'"triton_gemm_config":\{([^}]*)\}', op.text)
+    if m and len(dims) >= 2:
+        cfg = dict(re.findall(r'"(\w+)":"?(\d+)"?', m.group(1)))
+        bm, bn, split = (int(cfg.get(k, 0)) for k in ("block_m", "block_n", "split_k"))
+        if bm and bn:
+            *batch, rows, cols = dims
+            return math.prod(batch) * -(-rows // bm) * -(-cols // bn) * max(split, 1)
+    return 0
+
+
 def _collective_bytes(module: hlo.Module, op: hlo.Op) -> float:
     """Message size: the larger of what goes in and what comes out."""
     entry = [module.op("ENTRY", n) for n in op.operands]
@@ -253,7 +282,8 @@ def read_kernels(
             flops, nbytes = (
                 _fusion_cost(module, op) if code == "fusion" else _plain_cost(module, op, filled)
             )
-            kernels.append(Kernel("compute", op.name, flops, nbytes, layer=op.layer))
+            tiles = gemm_tiles(op) if flops and code == "fusion" else 0
+            kernels.append(Kernel("compute", op.name, flops, nbytes, layer=op.layer, tiles=tiles))
     return kernels
 
 
@@ -329,14 +359,16 @@ def nccl_seconds(
     hosts: int,
     inter_host: hardware.Link,
     tuning: hardware.NcclTuning = hardware.NCCL,
+    arch: str | None = None,
 ) -> tuple[float, str]:
-    """(seconds, "algorithm/protocol") of one collective over `ranks` GPUs on `hosts` > 1 hosts
-    as NCCL's cost model (`hardware.NcclTuning`) times and picks it: ring or (all-reduce) tree,
-    each in LL, LL128 and Simple; the fastest. The bandwidth term is the hierarchy's
-    (`collective_seconds`) divided by the protocol's share of the bus; a tree moves 2n bytes
-    per rank. Step latencies are NCCL's for the link's class, rescaled by the link's own
-    ring/LL step (`hop_latency_s`); a ring step within a host waits at least the network
-    overhead, since every step of a ring that crosses hosts goes through the proxy."""
+    """(seconds, "algorithm/protocol") of one collective over `ranks` GPUs on `hosts` > 1 hosts as
+    NCCL's cost model (`hardware.NcclTuning`) times and picks it: ring or (all-reduce) tree,
+    each in LL, Simple and, where NCCL enables it on `arch` (`ll128_enabled`), LL128; the
+    fastest. The bandwidth term is the hierarchy's (`collective_seconds`) divided by the
+    protocol's share of the bus; a tree moves 2n bytes per rank. Step latencies are NCCL's for
+    the link's class, rescaled by the link's own ring/LL step (`hop_latency_s`); a ring step
+    within a host waits at least the network overhead, since every step of a ring that crosses
+    hosts goes through the proxy."""
     g = ranks // hosts
     ring_bw = collective_seconds(
         collective,
@@ -355,8 +387,11 @@ def nccl_seconds(
         return step[(which.hw, algo, proto)] * (which.hop_latency_s / ll if ll else 1.0)
 
     ll_cap = tuning.ll_bus_bytes_per_s[min(hosts, 3)]
+    ll128 = ll128_enabled(link, arch, inter_host, tuning)
     options = []
     for proto in ("LL", "LL128", "Simple"):
+        if proto == "LL128" and not ll128:
+            continue
         intra = max(
             lat(link, "ring", proto), tuning.net_overhead_s * (3 if proto == "Simple" else 1)
         )
@@ -382,6 +417,35 @@ def nccl_seconds(
                 moved = max(moved, 2 * nbytes / ll_cap)
             options.append((latency + moved, f"tree/{proto}"))
     return min(options)
+
+
+def ll128_enabled(
+    link: hardware.Link,
+    arch: str | None = None,
+    inter_host: hardware.Link | None = None,
+    tuning: hardware.NcclTuning = hardware.NCCL,
+) -> bool:
+    """Whether NCCL enables its LL128 protocol for a ring over `link` within each host (and
+    across hosts over `inter_host`, None within one host), as its tuning code decides by
+    default (`hardware.NcclTuning`): only where the intra-host path is NVLink (never with P2P
+    off: `link.hw` "pci" goes through host memory), only on the archs NCCL has validated it on
+    (None: not known, not restricted), and across hosts only when the GPU -> NIC path
+    (`inter_host.nic_path`) is at most `tuning.ll128_nic_path` (PXB), or PXN on the archs of
+    `tuning.ll128_pxn_archs`.
+
+        ll128_enabled(LINKS["nvlink"], "sm90", dataclasses.replace(ib, nic_path="PHB"))  # False
+    """
+    if link.hw != "nvlink":
+        return False
+    if arch is not None and arch not in tuning.ll128_archs:
+        return False
+    if inter_host is None:
+        return True
+    paths = hardware.NCCL_PATHS
+    rank = paths.index(inter_host.nic_path)
+    if rank <= paths.index(tuning.ll128_nic_path):
+        return True
+    return arch in tuning.ll128_pxn_archs and rank <= paths.index("PXN")
 
 
 def nccl_one_host_seconds(
@@ -418,7 +482,7 @@ def _one_host_pick(collective, nbytes, ranks, link, arch, tuning, nvls) -> tuple
     ll_cap = tuning.ll_one_host_bus_bytes_per_s.get(arch, math.inf)
     options = []  # (latency, bus bandwidth, bytes on the bus, name)
     for proto in _PROTOCOLS:
-        if proto == "LL128" and link.hw != "nvlink":  # NCCL: LL128 only over NVLink paths
+        if proto == "LL128" and not ll128_enabled(link, arch, None, tuning):
             continue
         cap = ll_cap if proto == "LL" else math.inf
         options.append(
@@ -474,6 +538,26 @@ class Timed:
     issue_s: float = 0.0  # host time to issue it (`hardware.Launch`), before it can start
     latency_s: float = 0.0  # of a collective's `seconds`, the part that moves no data
     wait_s: float = 0.0  # start / done: the device's cross-stream wait (`stream_waits`)
+    tiles: int = 0  # compute: its thread-block tiles, and the chip's SMs they fill in waves
+    sms: int = 0  # (`flops_slowdown`; 0: no wave quantization)
+
+
+def flops_slowdown(sm_share: float, tiles: int = 0, sms: int = 0) -> float:
+    """How much longer a kernel's FLOP-bound work takes while a collective holds `sm_share` of
+    the chip's SMs. Without its tiles (or `sms`): 1 / (1 - sm_share), the SMs lost. With them,
+    wave quantization: the kernel's `tiles` thread-block tiles run in waves of one tile per
+    SM, ceil(tiles / sms) waves alone and ceil(tiles / (sms - c)) beside a collective on
+    c = round(sm_share * sms) SMs, so the slowdown is their ratio (1 when the tiles fit in the
+    SMs left; tending to 1 / (1 - sm_share) for many tiles).
+
+        flops_slowdown(16 / 132, tiles=132, sms=132)  # 2 waves instead of 1: 2.0
+    """
+    if sm_share <= 0:
+        return 1.0
+    if tiles <= 0 or sms <= 0:
+        return 1.0 / (1.0 - sm_share)
+    left = max(sms - round(sm_share * sms), 1)
+    return math.ceil(tiles / left) / math.ceil(tiles / sms)
 
 
 def launch_plan(kernels, launch: hardware.Launch, mode: str = "graphs") -> list[tuple[float, bool]]:
@@ -534,6 +618,7 @@ def costed(
     launch: str = "off",
     in_host: bool = True,
     nvls: bool = True,
+    waves: bool = True,
 ) -> list[Timed]:
     """What `simulate` replays: every kernel timed with `calibration` (intra-host `link`).
     `algorithm`: "nccl" times a collective as NCCL picks it, across hosts (`nccl_seconds`)
@@ -541,7 +626,9 @@ def costed(
     `in_host` a ring at LL's latency); "ring" / "tree": that everywhere
     (`collective_seconds`). A collective on NVLS takes its channels' SMs, at most
     `NcclTuning.nvls_channels`. `launch`: how the host issues the kernels (`launch_plan`); a
-    kernel launched outside a command buffer also pays `stream_gap_s` more on the GPU."""
+    kernel launched outside a command buffer also pays `stream_gap_s` more on the GPU.
+    `waves`: a GEMM whose tiles the HLO gives is slowed beside a collective by whole waves of
+    its tiles on the SMs left (`flops_slowdown`), else by the share of SMs taken."""
     cal, out = calibration, []
     chip, eff, con = cal.chip, cal.efficiency, cal.contention
     plan = launch_plan(kernels, cal.launch, launch)
@@ -559,6 +646,8 @@ def costed(
                     flops_s,
                     bytes_s,
                     issue_s=issue[i],
+                    tiles=k.tiles if waves else 0,
+                    sms=chip.sms if waves else 0,
                 )
             )
         elif k.kind == "done":
@@ -584,6 +673,7 @@ def costed(
                         hosts=k.hosts,
                         inter_host=cal.inter_host,
                         tuning=cal.nccl,
+                        arch=chip.arch,
                     )[0]
                     for n in (k.nbytes, 0.0)
                 )
@@ -662,13 +752,13 @@ def simulate(
     and a collective stream, issued by a host.
 
     compute: runs on the compute stream, slowed while a collective is in flight (its work
-    progresses at 1 / max(flops_s / (1 - sm_share), bytes_s / (1 - hbm_share)) of the whole
-    per second then, at 1 / max(flops_s, bytes_s) otherwise; its fixed overhead is not
-    slowed). start: the collective is issued when the compute stream reaches it and runs on
-    the collective stream after the collectives before it. done: the compute stream waits
-    until that collective has finished. sync: a blocking collective (waits for the collective
-    stream, then holds both). The host issues the ops in order, `issue_s` each; none starts
-    before it is issued; a start's collective begins no sooner than `wait_s` after the
+    progresses at 1 / max(flops_s * flops_slowdown(sm_share, tiles, sms), bytes_s / (1 -
+    hbm_share)) of the whole per second then, at 1 / max(flops_s, bytes_s) otherwise; its fixed
+    overhead is not slowed). start: the collective is issued when the compute stream reaches it
+    and runs on the collective stream after the collectives before it. done: the compute stream
+    waits until that collective has finished. sync: a blocking collective (waits for the
+    collective stream, then holds both). The host issues the ops in order, `issue_s` each; none
+    starts before it is issued; a start's collective begins no sooner than `wait_s` after the
     compute stream reached it, and a done lets the compute stream go on `wait_s` after its
     collective ended (`stream_waits`); `step_s` (the program's dispatch, overlapped with the
     previous call) is host time too, so the program lasts at least the host's total.
@@ -802,7 +892,10 @@ class _Replay:
                 self.advance(nxt, True)
                 t = nxt
                 continue
-            slowed = max(op.flops_s / (1 - head[0].sm_share), op.bytes_s / (1 - head[0].hbm_share))
+            slowed = max(
+                op.flops_s * flops_slowdown(head[0].sm_share, op.tiles, op.sms),
+                op.bytes_s / (1 - head[0].hbm_share),
+            )
             until = t + self.head_left(head, True)
             if t + left * slowed <= until:
                 self.advance(t + left * slowed, True)
@@ -859,7 +952,7 @@ def _run_kernel(op: Timed, now: float, flights) -> float:
                 return t + left * work
             left -= (begin - t) / work
             t = begin
-        slowed = max(op.flops_s / (1 - sm), op.bytes_s / (1 - hbm))
+        slowed = max(op.flops_s * flops_slowdown(sm, op.tiles, op.sms), op.bytes_s / (1 - hbm))
         if t + left * slowed <= end:
             return t + left * slowed
         left -= (end - t) / slowed
@@ -1028,6 +1121,7 @@ def program_time(
     stream_sync: bool = True,
     in_host: bool = True,
     nvls: bool = True,
+    waves: bool = True,
 ) -> dict:
     """Predicted seconds, compute seconds and exposed communication of one program; `slots`:
     the decode cache's slots per row (`program_kernels`); `launch`: how the host issues its
@@ -1035,7 +1129,7 @@ def program_time(
     slow down beside a running kernel (`hardware.Contention.copy_rate`; needs `contention`);
     `stream_sync`: asynchronous collectives pay the device's cross-stream waits
     (`stream_waits`; not with launch "off"); `in_host`, `nvls`: NCCL's choice within a host
-    (`costed`)."""
+    (`costed`); `waves`: wave quantization of GEMMs beside a collective (`flops_slowdown`)."""
     cal = calibration or hardware.calibration(target)
     if efficiency is not None:
         cal = dataclasses.replace(cal, efficiency=efficiency)
@@ -1066,6 +1160,7 @@ def program_time(
             launch=launch,
             in_host=in_host,
             nvls=nvls,
+            waves=waves,
         )
         if stream_sync and launch != "off":
             ops = stream_waits(ops, cal.launch.stream_sync_s)
@@ -1119,7 +1214,8 @@ class Sweep:
     asynchronous collectives pay the device's cross-stream waits (`stream_waits`);
     `nccl_in_host`: a collective within one host as NCCL picks it (algorithm "nccl";
     `nccl_one_host_seconds`), else a ring at LL's latency; `nvls`: NVLink SHARP among its
-    options where the chip has it."""
+    options where the chip has it; `waves`: a GEMM beside a collective slowed by whole waves of
+    its tiles (`flops_slowdown`), else by the share of SMs taken."""
 
     tp: tuple = (8,)
     batch: tuple = (1,)
@@ -1140,6 +1236,7 @@ class Sweep:
     stream_sync: bool = True
     nccl_in_host: bool = True
     nvls: bool = True
+    waves: bool = True
 
     def __post_init__(self):
         for name in ("tp", "batch", "links", "residuals"):
@@ -1167,6 +1264,7 @@ class Sweep:
             stream_sync=self.stream_sync,
             in_host=self.nccl_in_host,
             nvls=self.nvls,
+            waves=self.waves,
         )
 
     def check(self, config, *, phase: str = "generate") -> None:
@@ -1668,6 +1766,7 @@ def _row(cfg, sweep: Sweep, tp, batch, link, pre, step) -> dict:
         "stream_sync": sweep.stream_sync and sweep.launch != "off",
         "nccl_in_host": sweep.algorithm == "nccl" and sweep.nccl_in_host,
         "nvls": sweep.algorithm == "nccl" and sweep.nccl_in_host and sweep.nvls,
+        "waves": sweep.contention and sweep.waves,
         "fallback": fallback,
         "slots": sweep.slots,
         "calibration": sweep.calibration.source,

@@ -145,6 +145,12 @@ def parser() -> argparse.ArgumentParser:
         "it, or NCCL_NVLS_ENABLE=0)",
     )
     p.add_argument(
+        "--no-waves",
+        action="store_true",
+        help="a GEMM beside a collective slowed by the share of SMs the collective takes, "
+        "not by whole waves of its tiles on the SMs left (the ablation)",
+    )
+    p.add_argument(
         "--launch",
         default="graphs",
         help="how the host issues kernels: graphs (XLA's command buffers between "
@@ -369,6 +375,7 @@ def _rows(args, show) -> tuple[list[dict], str]:
         stream_sync=not args.no_stream_sync,
         nccl_in_host=not args.no_nccl_in_host,
         nvls=not args.no_nvls,
+        waves=not args.no_waves,
     )
     common = dict(jobs=args.jobs, progress=show)
     if args.phase == "train":
