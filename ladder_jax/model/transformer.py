@@ -20,7 +20,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax._src import config as jax_config
 from jax.experimental.pallas.ops.gpu import attention as pallas_attention
@@ -116,32 +115,23 @@ class RMSNorm(nnx.Module):
         return x * sharding.read_weight(self.scale, jnp.float32)
 
 
-def rope_frequencies(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies (H/2,) float32, with llama-3 scaling when configured: a numpy
-    constant, so a program holds them as a literal rather than computing them each step (a
-    `power` kernel in every program). Bit for bit what the jnp formula gives on XLA:CPU
-    (1 / theta ** (arange(0, H, 2) / H), then the scaling), whose steps it follows in
-    float32: XLA divides by a constant as a product with its float32 reciprocal, and its
-    float32 power is the float64 power rounded once (tests/test_model.py checks every
-    preset, and the distance from the exact values)."""
-    f32 = np.float32
+def rope_frequencies(config: ModelConfig) -> jax.Array:
+    """Inverse frequencies (H/2,), with llama-3 scaling when configured."""
     H = config.head_dim
-    exponent = np.arange(0, H, 2, dtype=f32) * (f32(1) / f32(H))
-    inv = f32(1) / (np.float64(config.rope_theta) ** exponent.astype(np.float64)).astype(f32)
+    inv = 1.0 / (config.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
     sc = config.rope_scaling
     if sc is None:
         return inv
-    wavelen = f32(2 * math.pi) / inv
-    low_wavelen = f32(sc.original_max_len / sc.low_freq_factor)  # longer: fully scaled
-    high_wavelen = f32(sc.original_max_len / sc.high_freq_factor)  # shorter: untouched
-    over_factor = f32(1) / f32(sc.factor)
-    smooth = (f32(sc.original_max_len) / wavelen - f32(sc.low_freq_factor)) * (
-        f32(1) / f32(sc.high_freq_factor - sc.low_freq_factor)
+    wavelen = 2 * math.pi / inv
+    low_wavelen = sc.original_max_len / sc.low_freq_factor  # longer than this: fully scaled
+    high_wavelen = sc.original_max_len / sc.high_freq_factor  # shorter than this: untouched
+    smooth = (sc.original_max_len / wavelen - sc.low_freq_factor) / (
+        sc.high_freq_factor - sc.low_freq_factor
     )
-    mid = (f32(1) - smooth) * inv * over_factor + smooth * inv
-    return np.where(
-        wavelen > low_wavelen, inv * over_factor, np.where(wavelen < high_wavelen, inv, mid)
-    ).astype(f32)
+    mid = (1 - smooth) * inv / sc.factor + smooth * inv
+    return jnp.where(
+        wavelen > low_wavelen, inv / sc.factor, jnp.where(wavelen < high_wavelen, inv, mid)
+    )
 
 
 def apply_rope(x_btnh, positions_bt, inv_freq):
