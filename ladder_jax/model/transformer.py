@@ -510,8 +510,12 @@ class MLP(FusesInputs):
 
     def down_from(self, fused: FusedLinear, y_btc, gate: int, residual=None):
         """`project_down` of parts `gate` and `gate + 1` of `fused`'s unsplit output: silu(gate)
-        * up in the Triton kernel's prologue where it runs."""
-        out = self.down.small_m(y_btc, self.dtype, gate_up=fused.offset(gate), residual=residual)
+        * up in the Triton kernel's prologue where the down projection runs on it."""
+        out = None
+        if self.down.matmul == "pallas":
+            out = self.down.small_m(
+                y_btc, self.dtype, gate_up=fused.offset(gate), residual=residual
+            )
         if out is not None:
             return out
         parts = fused.split(y_btc)
