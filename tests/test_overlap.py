@@ -4,6 +4,7 @@ These compile for a CUDA target on this CPU-only machine through the CUDA PJRT p
 extra). The control (standard) shows the check can fail.
 """
 
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -55,20 +56,24 @@ def test_ladder_overlaps_all_but_the_last_of_each_pass(phase):
     assert "other" not in rep["by_kind"]
 
 
+# bf16 at widths Triton can block at tp 8, the linear layers on the Pallas matmul
+PALLAS_LADDER = lj.ModelConfig.from_preset(
+    "tiny",
+    residual="ladder",
+    n_kv_heads=8,
+    d_model=512,
+    d_ff=1024,
+    dtype="bfloat16",
+    param_dtype="bfloat16",
+    decode_matmul="pallas",
+)
+
+
 def test_ladder_decode_overlaps_with_the_pallas_matmul():
     """`decode_matmul="pallas"` (bf16, widths Triton can block at tp 8): the decode step's
     linear layers are Triton `small_m_matmul` calls, and every all-reduce but the last still
     has the next module's matmuls (those calls) between its start and done."""
-    config = lj.ModelConfig.from_preset(
-        "tiny",
-        residual="ladder",
-        n_kv_heads=8,
-        d_model=512,
-        d_ff=1024,
-        dtype="bfloat16",
-        param_dtype="bfloat16",
-        decode_matmul="pallas",
-    )
+    config = PALLAS_LADDER
     rep = overlap.report(config, phase="decode", tp=8, batch=1, seq=128)
     fwd = _layer_ars(rep, "forward")
     assert _names(fwd) == [(i, m) for i in range(4) for m in ("attn", "mlp")]
@@ -90,17 +95,7 @@ def test_ladder_decode_order_is_the_best_xla_allows(quantize):
     fails."""
     from ladder_jax.analysis import perfmodel
 
-    config = lj.ModelConfig.from_preset(
-        "tiny",
-        residual="ladder",
-        n_kv_heads=8,
-        d_model=512,
-        d_ff=1024,
-        dtype="bfloat16",
-        param_dtype="bfloat16",
-        decode_matmul="pallas",
-        quantize=quantize,
-    )
+    config = dataclasses.replace(PALLAS_LADDER, quantize=quantize)
     text, _ = programs.compile_program(config, phase="decode", tp=8, batch=1, seq=128)
     module = hlo.Module(text)
     matmuls = {op.name for op in module.entry if op.is_matmul()}

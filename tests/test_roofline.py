@@ -33,6 +33,21 @@ CFG = lj.ModelConfig.from_preset(
     residual="standard",
 )
 SHAPE = dict(prompt_len=128, new_tokens=64, target="h100")
+
+
+def two_layer_decode(cfg, tp, batch):
+    """The deviceless H100 decode program of `cfg` cut to two layers, parsed."""
+    text, _ = programs.compile_program(
+        dataclasses.replace(cfg, n_layers=2),
+        phase="decode",
+        tp=tp,
+        batch=batch,
+        seq=SHAPE["prompt_len"],
+        new_tokens=SHAPE["new_tokens"],
+    )
+    return hlo.Module(text)
+
+
 CASES = [(1, None), (1, "int8"), (8, None), (8, "int8")]
 CLI = dict(preset="tiny", tp=2, prompt_len=128, new_tokens=64, link="pcie", residual="standard")
 
@@ -62,15 +77,7 @@ def test_decode_layer_moves_the_minimum(tp, quantize):
     assert 1.0 <= r["bytes_vs_minimum"] < 1.05, r["layer_kernels"]
     # every weight of the deeper program's layers goes into one matmul kernel, and no other
     # kernel reads it (a multiply-reduce of a weight writes a weight-sized product)
-    text, _ = programs.compile_program(
-        dataclasses.replace(cfg, n_layers=2),
-        phase="decode",
-        tp=tp,
-        batch=1,
-        seq=SHAPE["prompt_len"],
-        new_tokens=SHAPE["new_tokens"],
-    )
-    module = hlo.Module(text)
+    module = two_layer_decode(cfg, tp, 1)
     mesh = programs.gpu_mesh("h100", tp)
     n_weights = len(
         jax.tree.leaves(
@@ -262,15 +269,7 @@ def test_pallas_decode_matmul_reads_each_weight_once_at_batch_16(tp):
     # kernel, and at tp 8 the q/k/v split's sum (RoPE and the cache writes outside: 9 at
     # tp 1, 10 at tp 8; nothing folded: 12 and 13)
     assert r["kernels_per_layer"] <= (5 if tp == 1 else 6), r["layer_kernels"]
-    text, _ = programs.compile_program(
-        dataclasses.replace(WIDE, n_layers=2),
-        phase="decode",
-        tp=tp,
-        batch=16,
-        seq=SHAPE["prompt_len"],
-        new_tokens=SHAPE["new_tokens"],
-    )
-    module = hlo.Module(text)
+    module = two_layer_decode(WIDE, tp, 16)
     calls = [
         op for op in module.entry if op.opcode == "custom-call" and hlo.SMALL_M_MATMUL in op.text
     ]
@@ -310,15 +309,7 @@ def test_parallel_attention_reads_the_five_way_projection_in_place(tp):
     projection (gate and up): no concatenate fusion or copy of q/k/v in between (splitting
     and concatenating it back costs a kernel a layer), and the layer within 5% of the
     minimum in one kernel fewer than before (7 at tp 1, 6 at tp 8)."""
-    text, _ = programs.compile_program(
-        dataclasses.replace(PARALLEL, n_layers=2),
-        phase="decode",
-        tp=tp,
-        batch=16,
-        seq=SHAPE["prompt_len"],
-        new_tokens=SHAPE["new_tokens"],
-    )
-    module = hlo.Module(text)
+    module = two_layer_decode(PARALLEL, tp, 16)
     n, kv, f = fuse_columns(PARALLEL, tp)
     width = (n + 2 * kv) * PARALLEL.head_dim + 2 * f
     projections = [
