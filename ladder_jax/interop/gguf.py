@@ -49,6 +49,8 @@ from ladder_jax.interop.tokenizer import HFTokenizer
 from ladder_jax.model import quant
 from ladder_jax.model.transformer import abstract
 
+MAGIC = b"GGUF"  # a GGUF file's first four bytes
+
 
 class GGUFError(hf.HFError):
     """A GGUF file that cannot be imported; the message names the file and key / tensor."""
@@ -126,7 +128,7 @@ def _open(path: str):
             head = f.read(64)
     except OSError as e:
         raise GGUFError(f"{path}: cannot read it ({e.strerror or e})") from None
-    if not head.startswith(b"GGUF"):
+    if not head.startswith(MAGIC):
         raise GGUFError(f"{path} is not a GGUF file{_not_gguf(head)}")
     try:
         return gguf.GGUFReader(path)

@@ -37,6 +37,7 @@ from flax import nnx
 
 from ladder_jax import config as config_lib
 from ladder_jax.config import ConfigError
+from ladder_jax.interop.gguf import MAGIC as GGUF_MAGIC
 from ladder_jax.interop.gguf import gguf_config, load_gguf
 from ladder_jax.interop.hf import config_from_hf, load_hf, read_config
 from ladder_jax.interop.tokenizer import make_tokenizer
@@ -675,9 +676,6 @@ def _config_file(path: str, what: str) -> str | None:
         f"(runs/NAME), the output of ladder_jax.convert, a Hugging Face model "
         f"directory or a .gguf file"
     )
-
-
-GGUF_MAGIC = b"GGUF"
 
 
 def _is_gguf(path: str) -> bool:
