@@ -302,3 +302,28 @@ def test_the_cpu_decode_profile_names_the_kernels_of_both_programs():
             re.fullmatch(r"[\w\-]+: [a-z\-]+ [a-z0-9]+\[[0-9,]*\]|[a-z\-]+", k) for k in kinds
         ), kinds
     assert re.search(r"decode step [0-9.]+ ms, prefill [0-9.]+ ms", out.stdout)
+
+
+def test_gpu_options_a_running_gpu_refuses_are_dropped_and_said(monkeypatch, capsys):
+    """On a running GPU whose jaxlib lacks one of the package's XLA options (a jax other than
+    the pinned one), that option is left out, once, with a line on stderr; the rest stay.
+    The running backend is faked (the probe compiles on this CPU, whose XLA shares the GPU's
+    option table), and a made-up option stands for the missing one."""
+    from ladder_jax.model import compilation
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    options = (("xla_gpu_made_up_option_for_this_test", 1),) + tuple(
+        {"xla_gpu_enable_latency_hiding_scheduler": True}.items()
+    )
+    refused = compilation._refused_by_running_gpu(options)
+    assert refused == {"xla_gpu_made_up_option_for_this_test"}
+    err = capsys.readouterr().err
+    assert "no XLA option xla_gpu_made_up_option_for_this_test" in err
+    assert "latency_hiding" not in err
+    # the package's own options are all known to the pinned jaxlib: nothing is dropped
+    assert sharding.compiler_options("gpu") == {
+        "xla_gpu_enable_latency_hiding_scheduler": True,
+        "xla_gpu_all_reduce_combine_threshold_bytes": 0,
+        "xla_gpu_experimental_parallel_collective_overlap_limit": 8,
+        "xla_disable_hlo_passes": sharding.GPU_KEEP_DOTS_PASS,
+    }

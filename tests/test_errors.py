@@ -1089,3 +1089,20 @@ def test_gpu_benchmarks_without_a_gpu_are_one_line(tmp_path, script):
         "error: no GPU here: run on a GPU, or pass --dry-run to check the script on CPU"
     ), r.stderr
     assert not out.exists()
+
+
+def test_gpu_check_dry_run_runs_every_check_on_the_cpu():
+    """benchmarks/gpu_check.py --dry-run (CPU against CPU) runs every check to a PASS: the
+    script a lent GPU runs first works end to end before any GPU is lent."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "gpu_check.py"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    lines = [x for x in r.stdout.splitlines() if x.split(" ")[0] in ("PASS", "FAIL", "ERROR")]
+    assert r.returncode == 0 and len(lines) >= 10, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert all(x.startswith("PASS") for x in lines), r.stdout
+    assert f"gpu_check: {len(lines)}/{len(lines)} passed" in r.stdout

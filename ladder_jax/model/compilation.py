@@ -8,7 +8,9 @@ the ladder's overlap (and the CPU pass that keeps `tie`'s barriers) are always a
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from typing import Any, Callable
 
 import jax
@@ -60,12 +62,14 @@ def compiler_options(platform: str, program: str = "any") -> dict[str, Any]:
     if program not in ("any", "train"):
         raise ValueError(f"program={program!r}: choose 'any' or 'train'")
     if platform in ("gpu", "cuda", "rocm"):
-        return {
+        opts = {
             "xla_gpu_enable_latency_hiding_scheduler": True,
             "xla_gpu_all_reduce_combine_threshold_bytes": 0,
             "xla_gpu_experimental_parallel_collective_overlap_limit": 8,
             "xla_disable_hlo_passes": GPU_KEEP_DOTS_PASS,
         }
+        refused = _refused_by_running_gpu(tuple(opts.items()))
+        return {k: v for k, v in opts.items() if k not in refused}
     if platform == "cpu":
         opts = {"xla_disable_hlo_passes": CPU_KEEP_BARRIERS_PASS}
         if program == "train":
@@ -73,6 +77,32 @@ def compiler_options(platform: str, program: str = "any") -> dict[str, Any]:
             opts.update({k: v for k, v in CPU_TRAIN_OPTIONS.items() if f"--{k}" not in flags})
         return opts
     return {}
+
+
+@functools.lru_cache(maxsize=None)
+def _refused_by_running_gpu(options: tuple) -> frozenset:
+    """The options among `options` ((name, value) pairs) that the running GPU backend's XLA
+    refuses ("No such compile option": a jaxlib other than the pinned one renamed or dropped
+    it), each said once on stderr; empty where no GPU backend runs (a deviceless compile
+    reports a refused option itself). One tiny compile per option, once per process."""
+    try:
+        if jax.default_backend() not in ("gpu", "cuda", "rocm"):
+            return frozenset()
+    except RuntimeError:
+        return frozenset()
+    refused = set()
+    for name, value in options:
+        try:
+            jax.jit(lambda x: x + 1, compiler_options={name: value}).lower(1.0).compile()
+        except Exception as e:  # noqa: BLE001 - XLA raises its own error types
+            if name in str(e):
+                refused.add(name)
+                print(
+                    f"ladder_jax: this jaxlib ({jax.__version__}) has no XLA option {name}; "
+                    "compiling without it (the package is tested with the pinned jax)",
+                    file=sys.stderr,
+                )
+    return frozenset(refused)
 
 
 # XLA:GPU's pass that rewrites a matmul with a vector operand into multiply + reduce when it is
