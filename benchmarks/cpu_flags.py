@@ -102,6 +102,20 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=8, help="timed rounds after one warm-up")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument(
+        "--shape",
+        default="small",
+        choices=("small", "smollm2"),
+        help="the small preset, or SmolLM2-135M's shapes with the trainer's CPU settings for "
+        "them (loss_chunk=64, model.remat=matmuls; train_memory.py); each set holds a copy of "
+        "the weights and AdamW state (1.6 GB at smollm2): give a few --sets",
+    )
+    ap.add_argument(
+        "--keys",
+        nargs="+",
+        default=[],
+        help="more train keys (key=value), e.g. model.dtype=bfloat16",
+    )
     args = ap.parse_args(argv)
 
     import jax
@@ -114,16 +128,22 @@ def main(argv=None) -> int:
     from ladder_jax.train.trainer import Trainer
 
     here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    from train_memory import SMOLLM2_KEYS
+
+    shape_keys = [*SMOLLM2_KEYS, "loss_chunk=64", "model.remat=matmuls"]
     cfg = config_lib.load_config(
         [
             os.path.join(here, "..", "configs", "tiny.yaml"),
             "model.preset=small",
+            *(shape_keys if args.shape == "smollm2" else []),
             "model.residual=standard",
             f"data.seq_len={args.seq}",
             f"data.batch_size={args.batch}",
             "mesh.tp=1",
             "mesh.data=1",
             "run_dir=" + os.path.join(os.environ.get("TMPDIR", "/tmp"), "ladder_jax_cpu_flags"),
+            *args.keys,
         ]
     )
     lj.runtime.setup(cpu_devices=1)
@@ -134,8 +154,9 @@ def main(argv=None) -> int:
         f"{platform.python_version()}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
     )
     print(
-        f"step: small preset (d_model 256, 8 layers), float32, batch {args.batch} x "
-        f"{args.seq} tokens, AdamW, clipping; {args.rounds} interleaved rounds"
+        f"step: {args.shape} shapes, float32, batch "
+        f"{args.batch} x {args.seq} tokens, AdamW, clipping, {' '.join(args.keys)}; "
+        f"{args.rounds} interleaved rounds"
     )
     state = trainer.state
     train_step = trainer.compiled_step(trainer.graphdef, state)[0]  # the step the trainer jits

@@ -123,10 +123,12 @@ def _check_against_naive(got, q, k, v, q_pos, k_pos, tol=TOL):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=tol * np.abs(b).max())
 
 
-@pytest.mark.parametrize("T", [40, 128])
+@pytest.mark.parametrize("T", [40, 128, 300])
 def test_cpu_causal_kernel_equals_a_naive_reference_forward_and_backward(T):
     """CPU's kernel "matmul" (softmax normalized after the values' product) against autodiff
-    of `_naive`, GQA (8 query / 2 kv heads)."""
+    of `_naive`, GQA (8 query / 2 kv heads): one query block (40), two (128), five with a
+    short last one (300: `causal_blocks`)."""
+    assert len(transformer.causal_blocks(T)) == {40: 1, 128: 2, 300: 5}[T]
     q, k, v = _qkv(T=T)
     pos = jnp.broadcast_to(jnp.arange(T), (2, T))
     _check_against_naive(lambda *a: transformer.attend_causal(*a, "matmul"), q, k, v, pos, pos)

@@ -486,3 +486,29 @@ def test_cpu_hosts_split_the_batch_over_one_device_per_core(tmp_path, monkeypatc
     assert dict(t.mesh.shape) == {"data": 2, "tp": 1}
     t = trainer_module.Trainer(cfg("progress=none", "mesh.data=1", "name=one"))
     assert dict(t.mesh.shape) == {"data": 1, "tp": 1}
+
+
+def test_chunked_cross_entropy_head_layouts_agree():
+    """The head given as (D, V) and as (V, D) (`head_layout`): the same loss, the same
+    gradient of h, and head gradients that are each other's transpose; a bad layout is a
+    ValueError."""
+    k = jax.random.split(jax.random.key(0), 3)
+    h = jax.random.normal(k[0], (2, 10, 16))
+    head_dv = jax.random.normal(k[1], (16, 40)) * 0.3
+    targets = jax.random.randint(k[2], (2, 10), 0, 40)
+
+    def loss(layout):
+        def f(h, w):
+            return step.chunked_cross_entropy(h, w, targets, chunk=4, head_layout=layout)
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
+
+    l_dv, (gh_dv, gw_dv) = loss("dv")(h, head_dv)
+    l_vd, (gh_vd, gw_vd) = loss("vd")(h, head_dv.T)
+    plain = step.cross_entropy(jnp.einsum("btd,dv->btv", h, head_dv), targets)
+    assert float(l_dv) == pytest.approx(float(plain), rel=1e-6)
+    assert float(l_vd) == pytest.approx(float(plain), rel=1e-6)
+    np.testing.assert_allclose(gh_vd, gh_dv, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(gw_vd, gw_dv.T, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="head_layout"):
+        step.chunked_cross_entropy(h, head_dv, targets, chunk=4, head_layout="DV")
