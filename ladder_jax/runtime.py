@@ -148,6 +148,12 @@ def drop_stdout_lines(pieces: tuple) -> None:
     os.close(write)
 
 
+# The command-line flags that set a job's processes (`setup`'s messages name them; the trainer
+# passes its config keys instead).
+CLI_FLAGS = ("--coordinator", "--num-processes", "--process-id")
+TRAIN_KEYS = ("dist.coordinator_address", "dist.num_processes", "dist.process_id")
+
+
 # A child process between this one's native stderr and the real one, for jobs of several
 # processes: jaxlib ends a process whose coordination service failed (its coordinator died) with
 # a C++ stack; the child, which outlives it, shows one line instead. Everything else passes.
@@ -156,6 +162,7 @@ import os, re, select, signal, sys, time
 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
     signal.signal(s, signal.SIG_IGN)
 pid, nproc, timeout = map(int, sys.argv[1:4])
+coordinator_flag, num_flag, pid_flag = sys.argv[4:7]
 out, met, held, fatal, since = 1, False, b"", False, None
 burst = re.compile(rb"^[IWEF]\d{4} [\d:. ]+\d+ (coordination_service|preemption_sync_manager|"
                    rb"client\.h)", re.M)
@@ -168,11 +175,11 @@ def finish():
     tasks = re.search(r"stopped sending heartbeats\):\s*([\d\s,]+)", text)
     peers = sorted({int(x) for x in re.findall(r"\d+", tasks.group(1))} - {pid}) if tasks else []
     if not met:
-        why = ("the coordinator refused this process: is a --process-id given twice, or another "
-               "job using this --coordinator?")
+        why = (f"the coordinator refused this process: is a {pid_flag} given twice, or another "
+               f"job using this {coordinator_flag}?")
         line = (f"process {pid} of {nproc}: the job's processes did not all meet ({why}): start "
-                f"every process with the same --coordinator and --num-processes and its own "
-                f"--process-id from 0 to {nproc - 1}")
+                f"every process with the same {coordinator_flag} and {num_flag} and its own "
+                f"{pid_flag} from 0 to {nproc - 1}")
     else:
         who = (f"process(es) {', '.join(map(str, peers))} stopped answering" if peers else
                "lost process 0, the coordinator" if pid else "the job's coordination failed")
@@ -210,7 +217,7 @@ else:
 """
 
 
-def _filter_stderr(pid: int, nproc: int, timeout: int) -> None:
+def _filter_stderr(pid: int, nproc: int, timeout: int, flags: tuple = None) -> None:
     """Routes this process's native stderr through `_STDERR_FILTER` (a child process that
     outlives it); `_met_stderr()` tells it the job's processes have met."""
     import ctypes
@@ -221,7 +228,8 @@ def _filter_stderr(pid: int, nproc: int, timeout: int) -> None:
     read, write = os.pipe()
     real = os.dup(2)
     _met_stderr.child = subprocess.Popen(  # a session of its own: Ctrl-C is for this process
-        [sys.executable, "-c", _STDERR_FILTER, str(pid), str(nproc), str(timeout)],
+        [sys.executable, "-c", _STDERR_FILTER, str(pid), str(nproc), str(timeout)]
+        + list(flags or CLI_FLAGS),
         stdin=read,
         stdout=real,
         close_fds=True,
@@ -298,8 +306,12 @@ def setup(
     coordinator: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
+    flags: tuple[str, str, str] | None = None,
 ) -> None:
-    """Platform, fake CPU devices and `jax.distributed`, in that order (module docstring)."""
+    """Platform, fake CPU devices and `jax.distributed`, in that order (module docstring).
+    `flags`: how the caller's user sets the coordinator, the number of processes and the
+    process id, for the messages (default `CLI_FLAGS`; the trainer's config keys for it)."""
+    flags = tuple(flags or CLI_FLAGS)
     import jax
 
     from ladder_jax.config import ConfigError
@@ -327,7 +339,7 @@ def setup(
             raise ConfigError(f"process id {pid} must be in [0, {nproc})")
         if cpu:  # first: all jax prints, to the end of the process, goes through the filter
             drop_stdout_lines(_GLOO)
-        _initialize(jax, addr, nproc, pid)
+        _initialize(jax, addr, nproc, pid, flags)
     elif int(os.environ.get("SLURM_NTASKS", "1")) > 1:
         if cpu:
             drop_stdout_lines(_GLOO)
@@ -341,7 +353,7 @@ def setup(
     with quiet():
         jax.devices()
     if addr or (nproc or 1) > 1:  # a job of another size can still meet: say so
-        agree({"num_processes": nproc}, "--num-processes")
+        agree({"num_processes": nproc}, flags[1])
 
 
 def peer_timeout() -> int:
@@ -354,7 +366,7 @@ def peer_timeout() -> int:
     return t or 60
 
 
-def _initialize(jax, addr: str, nproc: int, pid: int) -> None:
+def _initialize(jax, addr: str, nproc: int, pid: int, flags: tuple = CLI_FLAGS) -> None:
     """jax.distributed.initialize with bounded waits; one ConfigError when the job's other
     processes do not all connect in time (none started, a wrong --num-processes, a process id
     given twice). Then `_watch_peers` runs until the process ends."""
@@ -366,7 +378,7 @@ def _initialize(jax, addr: str, nproc: int, pid: int) -> None:
         return (
             f"process {pid} of {nproc}: the job's processes did not all meet at the "
             f"coordinator {addr} within {t} s ({why}): start every process with the same "
-            f"--coordinator and --num-processes and its own --process-id from 0 to "
+            f"{flags[0]} and {flags[1]} and its own {flags[2]} from 0 to "
             f"{nproc - 1} (LADDER_PEER_TIMEOUT sets the wait)"
         )
 
@@ -376,7 +388,7 @@ def _initialize(jax, addr: str, nproc: int, pid: int) -> None:
 
     if pid == 0:  # gRPC shares a port between servers: a second process 0 would go unseen
         _check_port_free(addr, message)
-    _filter_stderr(pid, nproc, t)
+    _filter_stderr(pid, nproc, t, flags)
     timer = threading.Timer(t, give_up)
     timer.daemon = True
     timer.start()

@@ -594,6 +594,9 @@ def test_a_process_started_alone_gives_up_in_one_line(tmp_path):
     (r,) = _finish(_train_procs(tmp_path, [["steps=3"]], env={"LADDER_PEER_TIMEOUT": "5"}), 120)
     line = _one_line_error(r)
     assert "did not all meet at the coordinator" in line and "within 5 s" in line, line
+    # the trainer's own keys, not the other commands' flags
+    assert "same dist.coordinator_address and dist.num_processes" in line, line
+    assert "its own dist.process_id" in line and "--num-processes" not in line, line
     assert time.monotonic() - t0 < 90
 
 

@@ -657,14 +657,14 @@ def _config_file(path: str, what: str) -> str | None:
         raise ConfigError(
             f"{what} {path!r} does not exist: give a training run directory "
             f"(runs/NAME), the output of ladder_jax.convert, a Hugging Face "
-            f"model directory or a .gguf file"
+            f"model directory or a GGUF file (llama.cpp)"
         )
     if os.path.isfile(path):
         raise ConfigError(
             f"{what} {path!r} is a file, not a directory: give the directory holding the "
             f"model (a training run or ladder_jax.convert output: config.yaml and "
             f"checkpoints/; a Hugging Face model: config.json and *.safetensors), or a "
-            f".gguf file"
+            f"GGUF file (llama.cpp)"
         )
     cfg_file = os.path.join(_run_root(path), "config.yaml")
     if os.path.isfile(cfg_file):
@@ -674,7 +674,7 @@ def _config_file(path: str, what: str) -> str | None:
     raise ConfigError(
         f"{what} {path!r}: no config.yaml there: give a training run directory "
         f"(runs/NAME), the output of ladder_jax.convert, a Hugging Face model "
-        f"directory or a .gguf file"
+        f"directory or a GGUF file (llama.cpp)"
     )
 
 

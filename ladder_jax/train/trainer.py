@@ -96,6 +96,7 @@ def init_runtime(cfg: TrainConfig) -> None:
         coordinator=d.coordinator_address,
         num_processes=d.num_processes,
         process_id=d.process_id,
+        flags=runtime.TRAIN_KEYS,
     )
 
 
