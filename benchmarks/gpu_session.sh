@@ -15,7 +15,13 @@
 # next one runs. Every step's output goes to STEP.log, the figures to JSON files, all of them
 # packed into session.tgz after every step (so a run stopped from outside still brings them
 # back); the last lines printed are the summary. Python packages the machine lacks may lie as
-# wheels in .whl/ (installed into /tmp/site first).
+# wheels in .whl/ (installed into /tmp/site first), e.g. for a Python 3.12 image whose jax is
+# not the pinned one:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl flax==0.12.8 \
+#     orbax-checkpoint==0.12.8 grain==0.2.18 array-record==0.8.6 omegaconf==2.4.0 \
+#     antlr4-python3-runtime==4.13.2 portpicker
 set -u
 DEADLINE=${1:-440}
 START=$(date +%s)
