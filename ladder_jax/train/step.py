@@ -158,7 +158,8 @@ def _nll_sum_fwd(layout, h_nbcd, head, targets_nbc, weight_nbc):
         hot_bcv = jax.nn.one_hot(targets_bc, logits_bcv.shape[-1], dtype=jnp.float32)
         g_bcv = (jnp.exp(logits_bcv - lse_bc[..., None]) - hot_bcv) * weight_bc[..., None]
         g_h_bcd = jnp.einsum(eq_h, g_bcv.astype(head.dtype), head)
-        pair = (h_bcd, g_bcv.astype(h_bcd.dtype)) if layout == "dv" else (g_bcv, h_bcd)
+        g_in = g_bcv.astype(h_bcd.dtype)  # the matmuls' operands in the compute dtype
+        pair = (h_bcd, g_in) if layout == "dv" else (g_in, h_bcd)
         g_head = g_head + jnp.einsum(eq_head, *pair, preferred_element_type=jnp.float32)
         total = total + (nll_bc * weight_bc).sum()
         return (total, g_head), (g_h_bcd.astype(h_bcd.dtype), nll_bc)
