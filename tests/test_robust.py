@@ -760,13 +760,13 @@ def test_the_stdout_filter_drops_gloo_lines_however_they_arrive(cut):
     lines (one whole, then two tangled by two threads) cut into two writes at `cut` bytes: they
     go, newlines included, and nothing else does, lines that only start like them, partial
     lines, numbers and a last line without a newline kept."""
-    from ladder_jax import runtime
+    from ladder_jax.children import output_filters
 
     text = b"first\n[Gl" + b"ad line\n" + GLOO + TANGLED + b"42\nlast"
     start = len(b"first\n[Glad line\n")
     p = subprocess.Popen(
-        [sys.executable, "-c", runtime._STDOUT_FILTER]
-        + [x.decode("latin-1") for x in runtime._GLOO],
+        [sys.executable, "-I", output_filters.__file__, "stdout"]
+        + [x.decode("latin-1") for x in output_filters.GLOO],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
     )
@@ -778,3 +778,29 @@ def test_the_stdout_filter_drops_gloo_lines_however_they_arrive(cut):
     p.stdin.close()
     assert p.stdout.read() == b"42\nlast"
     assert p.wait(30) == 0
+
+
+def test_the_stderr_filter_turns_jaxlibs_fatal_stack_into_one_line():
+    """The stderr filter's judge, fed as its child process would be: text before a burst of
+    coordination-service log lines passes at once; a burst that is not fatal passes when the
+    stream goes quiet; a fatal one becomes one line naming the peers that stopped (once the
+    processes met) or the refusal (before)."""
+    from ladder_jax.children.output_filters import FATAL, MET, CondenseFatal
+
+    flags = ("--coordinator", "--num-processes", "--process-id")
+    burst = b"E0101 12:00:00.000000  4242 coordination_service.cc:1] heartbeat\n"
+    f = CondenseFatal(0, 3, 10, flags)
+    assert f.feed(b"step 1\n" + MET) == b"step 1\n" and f.wait() is None
+    assert f.feed(b"before\n" + burst) == b"before\n" and 0 < f.wait() <= 2
+    assert f.idle() == burst and f.wait() is None  # quiet for 2 s: it was not fatal
+    assert f.feed(burst) == b""
+    stack = b"tasks (stopped sending heartbeats): 1, 2\n" + FATAL + b" ...\n*** Check failure\n"
+    assert f.feed(stack) == b"" and f.feed(b"more C++ stack\n") == b""
+    line = f.end().decode()
+    assert line.count("\n") == 1 and line.startswith("error: process 0 of 3: process(es) 1, 2 ")
+    assert "LADDER_PEER_TIMEOUT=10 s" in line and "Check failure" not in line
+    early = CondenseFatal(1, 2, 10, flags)
+    early.feed(burst + FATAL)
+    assert "did not all meet" in early.end().decode() and "--process-id given twice" in (
+        early.last_line()
+    )

@@ -99,7 +99,7 @@ def run_settings(args, per_process=()) -> dict:
     """What every process of a multi-process decode or serve must agree on: the flags but
     each host's own (`PER_PROCESS` and `per_process`), and which weights files were found.
 
-        runtime.agree(run_settings(args), "model or decoding flags")"""
+        processes.agree(run_settings(args), "model or decoding flags")"""
     from ladder_jax.train import checkpoint
 
     own = {*PER_PROCESS, *per_process}

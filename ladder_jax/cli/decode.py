@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ladder_jax import runtime
+from ladder_jax import processes, runtime
 from ladder_jax.cli.common import (
     ArgumentParser,
     add_decode_matmul,
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         shape = setup_devices(args)
-        runtime.agree(run_settings(args), "model or decoding flags")  # many processes
+        processes.agree(run_settings(args), "model or decoding flags")  # many processes
         lead = jax.process_index() == 0
 
         def say(*a, **kw):
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except jax.errors.JaxRuntimeError as e:  # several processes: a peer died, one line
-        runtime.collective_failed(e)
+        processes.collective_failed(e)
         raise
 
 

@@ -24,7 +24,7 @@ import time
 import jax
 from flax import nnx
 
-from ladder_jax import runtime
+from ladder_jax import processes, runtime
 from ladder_jax.cli.common import (
     ArgumentParser,
     add_decode_matmul,
@@ -379,7 +379,7 @@ def _run(args) -> int:
     shape = setup_devices(args)
     if jax.process_count() > 1:  # from now on: jax's preemption notifier would swallow them
         _collect_signals()
-    runtime.agree(run_settings(args, _PER_PROCESS), "model or serving flags")  # many processes
+    processes.agree(run_settings(args, _PER_PROCESS), "model or serving flags")  # many processes
     tp, why = choose_tp(args.tp, shape)
     n = jax.device_count()
     if jax.process_count() > 1 and tp != n:
@@ -508,7 +508,7 @@ def _follow(engine, bound_s: float) -> int:
             os._exit(1)  # the follower thread is blocked in a collective: no clean exit
     if failure:
         if isinstance(failure[0], jax.errors.JaxRuntimeError):  # process 0 died: one line
-            runtime.collective_failed(failure[0])
+            processes.collective_failed(failure[0])
         raise failure[0]
     return 0
 

@@ -8,7 +8,7 @@ import textwrap
 
 import jax
 
-from ladder_jax import runtime
+from ladder_jax import processes
 from ladder_jax.config import UsageError, check, help_rows, load_config
 from ladder_jax.train.trainer import NonFiniteError, SaveError, init_runtime, run
 
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except jax.errors.JaxRuntimeError as e:  # several processes: a peer died, one line
-        runtime.collective_failed(e)
+        processes.collective_failed(e)
         raise
     return 0 if result.get("exit", "done") in ("done", "interrupted") else 1
 

@@ -29,7 +29,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ladder_jax import hardware, runtime
+from ladder_jax import hardware, processes, runtime
 from ladder_jax.config import ConfigError, TrainConfig, check, load_config, model_config
 from ladder_jax.interop.tokenizer import make_tokenizer
 from ladder_jax.model import sharding
@@ -96,7 +96,7 @@ def init_runtime(cfg: TrainConfig) -> None:
         coordinator=d.coordinator_address,
         num_processes=d.num_processes,
         process_id=d.process_id,
-        flags=runtime.TRAIN_KEYS,
+        flags=processes.TRAIN_KEYS,
     )
 
 
@@ -147,7 +147,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, *, devices=None):
         self.cfg = cfg
-        runtime.agree(
+        processes.agree(
             {k: v for k, v in config_dict(cfg).items() if k != "dist"}, "training config"
         )  # many processes: all alike, or exit 2
         self.model_config = check(cfg)
@@ -552,7 +552,7 @@ class Trainer:
 def _stop_signals():
     """SIGTERM / Ctrl-C set `stop["signal"]`; the loop saves and exits. A second Ctrl-C
     aborts at once; a process that cannot reach its loop (blocked in a collective) is ended by
-    `runtime.stop_watchdog`."""
+    `processes.stop_watchdog`."""
     stop = {"signal": None}
 
     def on_signal(signum, _frame):
@@ -562,7 +562,7 @@ def _stop_signals():
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        with runtime.stop_watchdog("training"):  # a process blocked in a collective
+        with processes.stop_watchdog("training"):  # a process blocked in a collective
             yield stop
     finally:
         for sig, h in old.items():
