@@ -458,8 +458,8 @@ def test_generate_and_chat_follow_the_convention(llamas, tmp_path):
     for a tokenizer that adds none (a forced BOS would change the next token's logits)."""
     import jinja2.sandbox
 
+    from ladder_jax.inference.chat import render_chat
     from ladder_jax.inference.generation import generate
-    from ladder_jax.inference.server import render_chat
 
     _, _, state = llamas["tied"]
     model, tok = lj.load_gguf(write_gguf(tmp_path / "m.gguf", state), mesh=_mesh(1))
@@ -670,7 +670,7 @@ def test_decode_chat_on_a_gguf_file(llamas, tmp_path, capsys):
     import jinja2.sandbox
 
     from ladder_jax.cli import decode
-    from ladder_jax.inference.server import render_chat
+    from ladder_jax.inference.chat import render_chat
 
     _, _, state = llamas["tied"]
     file = write_gguf(tmp_path / "m.gguf", state)

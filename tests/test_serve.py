@@ -585,7 +585,7 @@ def test_chat_template_sees_the_tokenizers_bos_and_eos(tmp_path):
     import jinja2.sandbox
     import tokenizers
 
-    from ladder_jax.inference.server import render_chat
+    from ladder_jax.inference.chat import render_chat
     from ladder_jax.interop.tokenizer import HFTokenizer
 
     words = ["<unk>", "<s>", "</s>", "user", "hi", "assistant"]

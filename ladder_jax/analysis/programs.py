@@ -142,7 +142,7 @@ def lower_decoder(
         )
 
     rows = rows_of(jnp.int32)
-    settings = generation.Rows(
+    settings = generation.RowSampling(
         rows_of(jnp.uint32, 2), rows_of(jnp.float32), rows_of(jnp.int32), rows_of(jnp.float32)
     )
     if phase == "prefill":

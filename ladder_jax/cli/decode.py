@@ -405,17 +405,14 @@ def _chat_rows(tokenizer, prompts: list[str]) -> list[list[int]]:
             "tokenizer.chat_template); drop --chat"
         )
     try:
-        import jinja2.sandbox
-
-        from ladder_jax.inference.server import render_chat
+        from ladder_jax.inference.chat import ChatTemplateError, compile_chat_template, render_chat
     except ImportError:
-        raise ConfigError(
-            '--chat needs jinja2 and the server\'s packages: pip install -e ".[serve]"'
-        ) from None
-    compiled = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True
-    ).from_string(template)
-    return [render_chat(compiled, [{"role": "user", "content": p}], tokenizer) for p in prompts]
+        raise ConfigError('--chat needs jinja2: pip install -e ".[serve]"') from None
+    try:
+        compiled = compile_chat_template(template)
+        return [render_chat(compiled, [{"role": "user", "content": p}], tokenizer) for p in prompts]
+    except ChatTemplateError as e:
+        raise ConfigError(f"--chat: {e}") from None
 
 
 def _speed(t0: float, times: list[float], generated: int, batch: int) -> str:

@@ -42,10 +42,10 @@ from ladder_jax.model import sharding
 from ladder_jax.model.transformer import Transformer
 
 try:  # the serve extra; its absence is one line at start-up, not a traceback
-    import jinja2
     import uvicorn
 
-    from ladder_jax.inference.server import compile_chat_template, create_app, deadline_protocol
+    from ladder_jax.inference.chat import ChatTemplateError, compile_chat_template
+    from ladder_jax.inference.server import create_app, deadline_protocol
 
     _MISSING = None
 except ImportError as e:
@@ -261,10 +261,8 @@ def _compiled(template: str, where: str) -> str:
     """`template` once it compiles; a ConfigError naming `where` and the line otherwise."""
     try:
         compile_chat_template(template)
-    except jinja2.TemplateSyntaxError as e:
-        raise ConfigError(
-            f"{where}: the chat template is not valid Jinja (line {e.lineno}: {e.message})"
-        ) from None
+    except ChatTemplateError as e:
+        raise ConfigError(f"{where}: {e}") from None
     return template
 
 

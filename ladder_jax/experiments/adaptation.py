@@ -267,13 +267,9 @@ def chat_prompts(tokenizer, questions) -> list:
     "Question: ...\\nAnswer:" text when it has none."""
     if getattr(tokenizer, "chat_template", None) is None:
         return [f"Question: {q}\nAnswer:" for q in questions]
-    import jinja2.sandbox
+    from ladder_jax.inference.chat import compile_chat_template, render_chat
 
-    from ladder_jax.inference.server import render_chat
-
-    compiled = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True
-    ).from_string(tokenizer.chat_template)
+    compiled = compile_chat_template(tokenizer.chat_template)
     return [render_chat(compiled, [{"role": "user", "content": q}], tokenizer) for q in questions]
 
 

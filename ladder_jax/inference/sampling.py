@@ -107,9 +107,6 @@ class RowSampling:
         )
 
 
-Rows = RowSampling  # its old name
-
-
 def row_key(seed: int, row: int) -> np.ndarray:
     """The key data (2,) uint32 of row `row` of a batch sampled with `seed`."""
     return np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(seed), row)), np.uint32)

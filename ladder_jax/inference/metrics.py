@@ -1,0 +1,70 @@
+"""The server's Prometheus metrics: requests by endpoint and status (499: the client went
+away), prompt and generated tokens, time to first token, and the engine's decode steps, queue
+and slots read at each scrape.
+
+    metrics = Metrics(engine); metrics.request("chat", 200); body = metrics.text()
+"""
+
+from __future__ import annotations
+
+import prometheus_client as prom
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ladder_jax.inference.batching import Engine
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own (two apps in one process keep
+    their counts apart); the engine's own counts are read when /metrics is scraped. No
+    `*_created` series: prometheus_client's switch for them is process-wide, and building
+    Metrics turns it off.
+
+        metrics = Metrics(engine); metrics.request("chat", 200); body = metrics.text()"""
+
+    def __init__(self, engine: Engine):
+        prom.disable_created_metrics()  # read at each scrape, so it holds for this registry
+        self.registry = r = prom.CollectorRegistry()
+        self.requests = prom.Counter(
+            "ladder_requests",
+            "Requests answered, by endpoint and status.",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.prompt_tokens = prom.Counter(
+            "ladder_prompt_tokens", "Prompt tokens admitted.", registry=r
+        )
+        self.generated_tokens = prom.Counter(
+            "ladder_generation_tokens", "Tokens generated.", registry=r
+        )
+        self.ttft = prom.Histogram(
+            "ladder_time_to_first_token_seconds",
+            "From arrival to the first token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        r.register(_EngineCounts(engine))
+
+    def request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+
+    def text(self) -> bytes:
+        return prom.generate_latest(self.registry)
+
+
+class _EngineCounts(prom.registry.Collector):
+    """The engine's decode steps, queue and slots, as they are at each scrape."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self):
+        e = self.engine
+        yield CounterMetricFamily("ladder_decode_steps", "Batched decode steps run.", e.steps)
+        for name, help_, value in (
+            ("queue_depth", "Requests waiting for a slot.", e.waiting),
+            ("slots_busy", "Slots generating.", e.busy),
+            ("slots_total", "Slots (rows of the KV cache).", e.slots),
+        ):
+            yield GaugeMetricFamily(f"ladder_{name}", help_, value)
