@@ -22,6 +22,41 @@ import os
 import sys
 
 
+def _report(path: str, ad) -> list[dict]:
+    """The result rows of `path` with the claims recomputed from its model rows by this
+    version's code (paired margins); the file is rewritten (whole) only when they change. A
+    file that is not this experiment's results is a ConfigError and is left as it is."""
+    from ladder_jax import atomic
+    from ladder_jax.config import ConfigError
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"--report: no {path}: run the experiment first")
+    try:
+        with open(path) as f:
+            results = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--report: cannot read {path} ({e})") from None
+    rows = results if isinstance(results, list) else []
+    kinds = [r.get("kind") if isinstance(r, dict) else None for r in rows]
+    if "model" not in kinds or not all(isinstance(k, str) for k in kinds):
+        raise ConfigError(
+            f"--report: {path} is not the results of this experiment (a JSON list of rows, "
+            f'each with its "kind", the models\' among them): nothing is written'
+        )
+    try:
+        claims = ad.claims(results)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise ConfigError(
+            f"--report: {path} has a damaged row ({type(e).__name__}: {e}): nothing is written"
+        ) from None
+    at = next((i for i, r in enumerate(results) if r["kind"] in ("claim", "done")), len(results))
+    rest = [r for r in results[at:] if r["kind"] != "claim"]
+    new = results[:at] + claims + rest
+    if new != results:
+        atomic.write_text(path, json.dumps(new, indent=1))
+    return new
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the CI-sized setting")
@@ -58,31 +93,16 @@ def main(argv=None) -> int:
             else None
         )
         if args.report:
-            path = os.path.join(out, "results.json")
-            if not os.path.isfile(path):
-                raise lj.ConfigError(f"--report: no {path}: run the experiment first")
-            with open(path) as f:
-                results = json.load(f)
-            # the claims again from the model rows, by this version's code (paired margins)
-            claims = ad.claims(results)
-            if claims:
-                at = next(
-                    (i for i, r in enumerate(results) if r["kind"] in ("claim", "done")),
-                    len(results),
-                )
-                rest = [r for r in results[at:] if r["kind"] != "claim"]
-                results = results[:at] + claims + rest
-                with open(path + ".tmp", "w") as f:
-                    json.dump(results, f, indent=1)
-                os.replace(path + ".tmp", path)
+            results = _report(os.path.join(out, "results.json"), ad)
             for r in results:
                 if emit:
                     emit(r)
         else:
+            ad.check_setting(setting)  # task names before minutes of work
             if args.quick:
                 # freed memory back to the kernel (ladder_jax.runtime.keep_freed_memory): the
                 # quick setting runs each program a few times, so keeping it would save little
-                # time and hold ~2 GB more at the trainer's peak
+                # time and hold more memory at the trainer's peak
                 os.environ.setdefault("LADDER_JAX_HOST_MALLOC", "default")
             lj.sharding.setup_host(1)
             results = ad.run(setting, out, emit=emit)
@@ -92,7 +112,8 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt as e:
         print(
-            f"stopped ({e or 'interrupted'}): run the same command again to resume", file=sys.stderr
+            f"stopped ({str(e) or 'interrupted'}): run the same command again to resume",
+            file=sys.stderr,
         )
         return 130
     if not args.json:

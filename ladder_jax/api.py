@@ -28,9 +28,9 @@ from ladder_jax.config import RESIDUALS, ModelConfig, check_quantize, load_confi
 from ladder_jax.evaluation import suite
 from ladder_jax.evaluation.tasks import DEFAULT_REGIME, DEFAULT_TASKS
 from ladder_jax.inference import generation
+from ladder_jax.loading import load_model, read_model_config
 from ladder_jax.model import sharding
 from ladder_jax.train import trainer
-from ladder_jax.train.checkpoint import load_run, run_model_config
 
 
 @dataclasses.dataclass
@@ -82,7 +82,7 @@ def _note(line: str) -> None:
 
 def load(path: str, *, tp: int | None = None, mesh=None, quantize: str | None = None, **overrides):
     """(model, tokenizer) from a training run / `convert` output (config.yaml), a Hugging Face
-    Llama directory (config.json) or a GGUF file (.gguf): `ladder_jax.train.checkpoint.load_run`.
+    Llama directory (config.json) or a GGUF file (.gguf): `ladder_jax.loading.load_model`.
     `overrides` change the model config, e.g. residual="ladder", ladder_layers=2.
     `quantize="int8"`: int8 weights for decoding (`ladder_jax.model.quant`). `tp` (without
     `mesh`): by default the largest that divides the model's heads and the devices, on a CPU
@@ -90,10 +90,10 @@ def load(path: str, *, tp: int | None = None, mesh=None, quantize: str | None = 
     device count says on stderr that the others are unused)."""
 
     if mesh is None and tp is None:
-        tp = sharding.default_tp(run_model_config(path, what="load"), len(jax.devices()))[0]
+        tp = sharding.default_tp(read_model_config(path, what="load"), len(jax.devices()))[0]
         mesh = sharding.tp_mesh(tp, flag="tp")
     mesh = mesh or sharding.tp_mesh(tp, flag="tp", say=_note)
-    return load_run(path, mesh=mesh, what="load", quantize=quantize, **overrides)
+    return load_model(path, mesh=mesh, what="load", quantize=quantize, **overrides)
 
 
 def generate(model, prompts, **kwargs):

@@ -17,8 +17,8 @@ import numpy as np
 from flax import nnx
 
 import ladder_jax as lj
+from ladder_jax.loading import CHECKSUMS
 from ladder_jax.train import step
-from ladder_jax.train.checkpoint import CHECKSUMS
 
 TINY = lj.ModelConfig.from_preset("tiny")
 SCHEMES = {  # every valid scheme, hybrid included
@@ -256,7 +256,7 @@ def loss_and_grads(config, tp, data, fsdp=False, T=32):
 
 def committed(run, step) -> bool:
     """Checkpoint `step` of `run` is complete: orbax renamed it into place and the trainer then
-    recorded its checksums (`checkpoint.Checkpointer` writes them once a save is finalized)."""
+    recorded its checksums (the trainer's `Checkpointer` writes them once a save is finalized)."""
     return (run / "checkpoints" / str(step) / CHECKSUMS).is_file()
 
 

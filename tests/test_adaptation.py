@@ -373,3 +373,41 @@ def test_report_recomputes_the_claims_from_the_stored_rows(tmp_path, capsys):
     (claim,) = [r for r in got if r["kind"] == "claim"]
     assert "(+0.200 ± 0.115) nats" in claim["measured"] and claim["reproduces"] == "yes"
     assert "(+0.200 ± 0.115) nats" in capsys.readouterr().out
+
+
+def test_cli_refuses_an_unknown_task_before_any_work(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(ad, "run", lambda *a, **k: pytest.fail("the experiment started"))
+    line = cli_error(
+        capsys,
+        benchmark("adaptation").main,
+        ["--quick", "--set", "tasks=[arc_easy,nope]", "--out", str(tmp_path / "x")],
+    )
+    assert "no task 'nope'" in line and "arc_easy" in line, line
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_interrupted_names_what_stopped(capsys, monkeypatch, tmp_path):
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ad, "run", stop)
+    cli = benchmark("adaptation")
+    assert cli.main(["--quick", "--out", str(tmp_path / "x")]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("stopped (interrupted): run the same command again"), err
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["{}", "[]", '[{"kind": "done"}]', '[{"kind": "model"}, 3]', "not json", '[{"kind": "model"}]'],
+)
+def test_report_on_a_file_that_is_not_results_is_one_line_and_touches_nothing(
+    capsys, tmp_path, content
+):
+    (tmp_path / "results.json").write_text(content)
+    before = os.stat(tmp_path / "results.json").st_mtime_ns
+    line = cli_error(capsys, benchmark("adaptation").main, ["--report", "--out", str(tmp_path)])
+    assert "results.json" in line, line
+    assert (tmp_path / "results.json").read_text() == content
+    assert os.stat(tmp_path / "results.json").st_mtime_ns == before
+    assert sorted(os.listdir(tmp_path)) == ["results.json"]  # no plots written

@@ -333,7 +333,7 @@ def test_bad_input_is_one_line(tmp_path, capsys, monkeypatch):
         "--quantize": ["--quantize", "int4"],
         "names a task twice": ["--tasks", "toy,toy"],
         "--ladder-layers": ["--ladder-layers", "x"],
-        "--tp 16: between 1 and the 8 devices": ["--tp", "16"],
+        "--tp 16: the model has 8 query heads": ["--tp", "16"],
     }
     for needle, extra in cases.items():
         line = one_line(capsys, exit_code(eval_cli.main, base + ["--output", str(out)] + extra))

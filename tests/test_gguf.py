@@ -1,4 +1,4 @@
-"""GGUF import (`lj.load_gguf`, `convert --gguf`, `load_run` of a .gguf) and the tokenizers' BOS
+"""GGUF import (`lj.load_gguf`, `convert --gguf`, `load_model` of a .gguf) and the tokenizers' BOS
 convention, against the `gguf` package's own quantize / dequantize and transformers.
 
 Tiny GGUF files are written here with `gguf.GGUFWriter` from a small random transformers Llama,
@@ -23,9 +23,9 @@ import ladder_jax as lj
 from ladder_jax.cli import convert, serve
 from ladder_jax.cli import decode as decode_cli
 from ladder_jax.interop import hf
-from ladder_jax.interop.gguf import gguf_config, gguf_tokenizer
+from ladder_jax.interop.gguf import GGUFError, gguf_config, gguf_tokenizer
 from ladder_jax.interop.tokenizer import ByteTokenizer, HFTokenizer
-from ladder_jax.train.checkpoint import load_run, run_model_config
+from ladder_jax.loading import load_model, read_model_config
 from tests.helpers import logits as _logits
 from tests.helpers import mesh as _mesh
 from tests.test_errors import one_line
@@ -218,14 +218,14 @@ def test_f32_gguf_logits_equal_safetensors_and_transformers(llamas, tmp_path, na
     got = np.asarray(_logits(ours, TOKENS))
     np.testing.assert_allclose(got, np.asarray(_logits(via_st, TOKENS)), atol=2e-5, rtol=0)
     np.testing.assert_allclose(got, _torch_logits(model), atol=1e-4, rtol=0)
-    # load_run (what decode / serve / lj.load open) takes the .gguf path too
-    again, _ = load_run(file, mesh=_mesh(1), residual="ladder", ladder_layers=1)
+    # load_model (what decode / serve / lj.load open) takes the .gguf path too
+    again, _ = load_model(file, mesh=_mesh(1), residual="ladder", ladder_layers=1)
     assert again.config.residual == "ladder" and again.config.ladder_layers == 1
 
 
 def test_a_gguf_file_is_known_by_its_magic_not_its_name(llamas, tmp_path, capsys):
     """A GGUF file without the .gguf suffix (a copy, a symlink) loads through `lj.load`,
-    `load_run` and `run_model_config` (what decode, eval and serve --checkpoint open) as the
+    `load_model` and `read_model_config` (what decode, eval and serve --checkpoint open) as the
     .gguf file does; a suffixless file without the magic is still refused as a file."""
     _, _, state = llamas["untied"]
     file = write_gguf(tmp_path / "m.gguf", state, qtype=Q.Q8_0)
@@ -233,11 +233,11 @@ def test_a_gguf_file_is_known_by_its_magic_not_its_name(llamas, tmp_path, capsys
     shutil.copy(file, tmp_path / "model-q8")
     os.symlink(file, tmp_path / "latest")
     for path in (tmp_path / "model-q8", tmp_path / "latest"):
-        assert run_model_config(str(path)) == gguf_config(file)
+        assert read_model_config(str(path)) == gguf_config(file)
         model, tok = lj.load(str(path), tp=1)
         assert tok is not None
         np.testing.assert_array_equal(np.asarray(_logits(model, TOKENS)), want)
-        again, _ = load_run(path, mesh=_mesh(2), residual="ladder", ladder_layers=1)
+        again, _ = load_model(path, mesh=_mesh(2), residual="ladder", ladder_layers=1)
         assert again.config.residual == "ladder"
     (tmp_path / "notes").write_bytes(b"GGU" + bytes(64))  # one byte short of the magic
     with pytest.raises(lj.ConfigError, match="is a file, not a directory"):
@@ -504,7 +504,7 @@ def test_convert_gguf_writes_what_decode_serve_and_transformers_read(llamas, tmp
         == 0
     )
     assert "read 1 GGUF file(s)" in capsys.readouterr().err
-    run, run_tok = load_run(str(out), mesh=_mesh(1))
+    run, run_tok = load_model(str(out), mesh=_mesh(1))
     np.testing.assert_allclose(np.asarray(_logits(run, TOKENS)), want, atol=1e-6, rtol=0)
     assert run_tok.add_bos is False and run_tok.chat_template == tok.chat_template
     assert run_tok.encode("the ladder <|im_end|>") == tok.encode("the ladder <|im_end|>")
@@ -521,7 +521,7 @@ def test_convert_gguf_writes_what_decode_serve_and_transformers_read(llamas, tmp
         _torch_logits(back), np.asarray(_logits(standard, TOKENS)), atol=1e-4, rtol=0
     )
     assert convert.main(["--gguf", file, "--out", str(tmp_path / "i8"), "--quantize", "int8"]) == 0
-    q, _ = load_run(str(tmp_path / "i8"), mesh=_mesh(1))
+    q, _ = load_model(str(tmp_path / "i8"), mesh=_mesh(1))
     assert q.config.quantize == "int8"
 
 
@@ -535,7 +535,7 @@ def test_a_converted_model_loads_the_same_once_moved(llamas, tmp_path, capsys):
     assert convert.main(["--gguf", file, "--out", str(out)]) == 0
     capsys.readouterr()
     text = "the ladder <|im_end|>"
-    model, tok = load_run(str(out), mesh=_mesh(1))
+    model, tok = load_model(str(out), mesh=_mesh(1))
     want, ids = np.asarray(_logits(model, TOKENS)), tok.encode(text)
     assert "tokenizer: tokenizer.json\n" in (out / "config.yaml").read_text()
     moved = tmp_path / "elsewhere" / "model"
@@ -546,7 +546,7 @@ def test_a_converted_model_loads_the_same_once_moved(llamas, tmp_path, capsys):
         .replace("tokenizer: tokenizer.json", f"tokenizer: {out}/tokenizer.json")
     )
     for path in (moved, moved / "checkpoints"):  # the directory, or its checkpoints/
-        again, again_tok = load_run(str(path), mesh=_mesh(1))
+        again, again_tok = load_model(str(path), mesh=_mesh(1))
         np.testing.assert_array_equal(np.asarray(_logits(again, TOKENS)), want)
         assert again_tok.encode(text) == ids and again_tok.chat_template == tok.chat_template
     os.remove(moved / "tokenizer.json")
@@ -618,7 +618,36 @@ BAD = {
     "nan": (lambda f, s: write_gguf(f, s, edit=_nan), "blk.1.ffn_up.weight"),
     "vocab": (lambda f, s: write_gguf(f, s, vocab=300), "llama.vocab_size"),
     "moe": (lambda f, s: write_gguf(f, s, meta={"llama.expert_count": 8}), "llama.expert_count"),
+    # the data of blk.0.ffn_up pointed at blk.0.ffn_gate's bytes: every tensor in bounds
+    "overlap": (
+        lambda f, s: move_offset(write_gguf(f, s), "blk.0.ffn_up.weight", "blk.0.ffn_gate.weight"),
+        "tensor 'blk.0.ffn_up.weight' has offset",
+    ),
+    # one float further: every value shifted by an element, the last from the next tensor
+    "misaligned": (
+        lambda f, s: move_offset(write_gguf(f, s), "blk.1.attn_v.weight", 4),
+        "(not a multiple of the alignment, 32 bytes)",
+    ),
+    "gap": (
+        lambda f, s: move_offset(write_gguf(f, s), "output_norm.weight", 64),
+        "(leaving a gap after the tensor before it)",
+    ),
 }
+
+
+def move_offset(file: str, name: str, to) -> str:
+    """Rewrites tensor `name`'s data offset in place: to another tensor's (`to` a name) or
+    by `to` bytes. The file's size and every other byte stay as they are."""
+    r = gguf.GGUFReader(file, "r+")
+    tensors = {t.name: t for t in r.tensors}
+    offset = tensors[name].field.parts[-1]  # the uint64 in the tensor info, memory-mapped
+    if isinstance(to, str):
+        offset[0] = tensors[to].field.parts[-1][0]
+    else:
+        offset[0] += to
+    r.data.flush()
+    del r
+    return file
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
@@ -631,6 +660,23 @@ def test_bad_gguf_is_one_line(llamas, tmp_path, capsys, case):
     line = one_line(capsys, convert.main(["--gguf", str(file), "--out", str(out)]))
     assert needle in line, line
     assert not out.exists()
+
+
+@pytest.mark.parametrize("case", ["overlap", "misaligned"])
+def test_a_damaged_layout_is_refused_by_every_reader(llamas, tmp_path, case):
+    """The layout is checked where the file is opened: lj.load_gguf, lj.load, the config read
+    that decode / serve / eval do first, all refuse before reading a tensor."""
+    _, _, state = llamas["untied"]
+    file = tmp_path / "bad.gguf"
+    BAD[case][0](file, state)
+    for call in (
+        lambda: lj.load_gguf(str(file), mesh=_mesh(1)),
+        lambda: lj.load(str(file), tp=1),
+        lambda: read_model_config(str(file)),
+    ):
+        with pytest.raises(GGUFError, match="has offset") as e:
+            call()
+        assert "\n" not in str(e.value) and "expected" in str(e.value)
 
 
 def test_convert_tp_that_does_not_divide_the_heads_is_one_line(llamas, tmp_path, capsys):

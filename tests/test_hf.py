@@ -370,7 +370,8 @@ def test_tokenizer_from_tokenizer_json(llamas, tmp_path):
 
 
 def test_convert_cli_writes_a_checkpoint_init_from_reads(llamas, tmp_path):
-    from ladder_jax.train import checkpoint, trainer
+    from ladder_jax import config as config_lib
+    from ladder_jax import loading
 
     path, _ = llamas["tied"]
     out = tmp_path / "ckpt"
@@ -391,12 +392,12 @@ def test_convert_cli_writes_a_checkpoint_init_from_reads(llamas, tmp_path):
         )
         == 0
     )
-    cfg = trainer.load_config([str(out / "config.yaml")])
-    config = trainer.model_config(cfg)
+    cfg = config_lib.load_config([str(out / "config.yaml")])
+    config = config_lib.model_config(cfg)
     assert config.residual == "ladder" and config.ladder_layers == 2
     imported, _ = lj.load_hf(path, mesh=_mesh(2), ladder_layers=2)
     fresh = lj.Transformer(config, mesh=_mesh(2), rngs=nnx.Rngs(1))  # what train builds
-    params = checkpoint.load_params(str(out), nnx.state(fresh))  # what init_from= does
+    params = loading.load_params(str(out), nnx.state(fresh))  # what init_from= does
     got = jax.tree.map(np.asarray, nnx.to_pure_dict(params))
     jax.tree.map(np.testing.assert_array_equal, got, _weights(imported))
     # and back out to the Hugging Face layout, from the converted run
@@ -410,23 +411,23 @@ def test_convert_cli_writes_a_checkpoint_init_from_reads(llamas, tmp_path):
 def test_residual_ladder_alone_keeps_a_hybrid_runs_ladder_layers(llamas, tmp_path):
     """`--residual ladder` (decode, serve, convert) on a hybrid run keeps its ladder layers, as
     load_hf does for a hybrid's config.json; another scheme drops them."""
+    from ladder_jax import loading
     from ladder_jax.config import scheme_overrides
-    from ladder_jax.train import checkpoint
 
     path, _ = llamas["gqa_scaled"]
     out = tmp_path / "hybrid"
     assert convert.main(["--hf", path, "--out", str(out), "--ladder-layers", "1"]) == 0
-    hybrid, _ = checkpoint.load_run(str(out), mesh=_mesh(1))
+    hybrid, _ = loading.load_model(str(out), mesh=_mesh(1))
     assert hybrid.config.ladder_layer_set() == {2}
-    kept, _ = checkpoint.load_run(str(out), mesh=_mesh(1), **scheme_overrides("ladder", None))
+    kept, _ = loading.load_model(str(out), mesh=_mesh(1), **scheme_overrides("ladder", None))
     assert kept.config == hybrid.config
     tokens = _tokens()
     np.testing.assert_array_equal(
         np.asarray(_logits(kept, tokens)), np.asarray(_logits(hybrid, tokens))
     )  # jitted: one compile serves both (equal configs)
-    whole, _ = checkpoint.load_run(str(out), mesh=_mesh(1), **scheme_overrides("ladder", 3))
+    whole, _ = loading.load_model(str(out), mesh=_mesh(1), **scheme_overrides("ladder", 3))
     assert whole.config.ladder_layer_set() == {0, 1, 2}
-    std, _ = checkpoint.load_run(str(out), mesh=_mesh(1), **scheme_overrides("standard", None))
+    std, _ = loading.load_model(str(out), mesh=_mesh(1), **scheme_overrides("standard", None))
     assert std.config.residual == "standard" and std.config.ladder_layers is None
     # a standard source becomes ladder throughout
     plain, _ = lj.load_hf(path, mesh=_mesh(1), **scheme_overrides("ladder", None))

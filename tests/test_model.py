@@ -187,40 +187,6 @@ def test_bf16_ladder_gradients_track_the_float32_reference():
         assert rel < 0.05, (jax.tree_util.keystr(path), rel)
 
 
-def test_checkpoints_from_before_linear_modules_load(tmp_path):
-    """A checkpoint written when each linear weight sat at its module's name (layers/0/attn/q,
-    head) loads into today's `Linear`s (layers/0/attn/q/weight), as init_from and --checkpoint
-    read it."""
-    import orbax.checkpoint as ocp
-
-    from ladder_jax.train import checkpoint
-
-    model = _model(2, residual="ladder")
-    want = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
-    old = {
-        "embed": want["embed"],
-        "final_norm": want["final_norm"],
-        "head": want["head"]["weight"],
-        "layers": {
-            i: {
-                "attn_norm": lw["attn_norm"],
-                "mlp_norm": lw["mlp_norm"],
-                "attn": {n: lw["attn"][n]["weight"] for n in "qkvo"},
-                "mlp": {n: lw["mlp"][n]["weight"] for n in ("gate", "up", "down")},
-            }
-            for i, lw in want["layers"].items()
-        },
-    }
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(str(tmp_path / "old" / "params"), old)
-    fresh = _model(2, seed=1, residual="ladder")
-    got = checkpoint.load_params(str(tmp_path / "old"), nnx.state(fresh))
-    jax.tree.map(
-        np.testing.assert_array_equal, jax.tree.map(np.asarray, nnx.to_pure_dict(got)), want
-    )
-    assert not np.array_equal(np.asarray(nnx.state(fresh)["embed"][...]), want["embed"])
-
-
 @pytest.mark.parametrize("head_dim", [8, 64, 72, 96, 128, 256])
 @pytest.mark.parametrize("theta", [1e4, 5e5, 1e6])
 def test_rope_frequencies_are_within_a_few_ulp_of_the_exact_values(head_dim, theta):

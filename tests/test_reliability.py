@@ -15,9 +15,12 @@ import time
 import numpy as np
 import pytest
 
+from ladder_jax import config as config_lib
+from ladder_jax import loading
 from ladder_jax.cli import train as train_cli
-from ladder_jax.train import checkpoint, trainer
-from ladder_jax.train.checkpoint import Checkpointer, DamagedCheckpoint
+from ladder_jax.loading import DamagedCheckpoint
+from ladder_jax.train import trainer
+from ladder_jax.train.checkpoint import Checkpointer
 from ladder_jax.train.lock import RunBusy, RunLock
 from ladder_jax.train.step import TrainState
 from tests.helpers import committed, free_port, last_step, one_line, train_process
@@ -68,7 +71,7 @@ def copy_run(trained, tmp_path):
 def target(trained):
     """A Trainer of the same config: the restore targets (its state and data iterator)."""
     return trainer.Trainer(
-        trainer.load_config(SMALL + ["steps=4", f"run_dir={trained.parent}", "name=unused"])
+        config_lib.load_config(SMALL + ["steps=4", f"run_dir={trained.parent}", "name=unused"])
     )
 
 
@@ -116,7 +119,7 @@ DAMAGE = {  # name: (damage to checkpoints/<step>, what the skip says)
         "data/process_0-of-1.json is missing",
     ),
     "checksums_garbled": (
-        lambda c: (c / checkpoint.CHECKSUMS).write_text("[1"),
+        lambda c: (c / loading.CHECKSUMS).write_text("[1"),
         "checksums.json is unreadable",
     ),
 }
@@ -234,7 +237,7 @@ def test_disk_full_during_an_async_save_stops_with_one_line(trained, tmp_path):
     ckpt = Checkpointer(str(run / "checkpoints"))
     try:
         assert ckpt.latest_step() == 4
-        assert checkpoint.verify_checksums(str(run / "checkpoints" / "4"))
+        assert loading.verify_checksums(str(run / "checkpoints" / "4"))
     finally:
         ckpt.close()
 
@@ -357,7 +360,7 @@ def test_resume_on_two_processes_reshards_the_data_iterator(trained, tmp_path):
     one = copy_run(trained, tmp_path / "one")
     two = copy_run(trained, tmp_path / "two")
     ref = trainer.run(
-        trainer.load_config(SMALL + ["steps=6", f"run_dir={one.parent}", "name=run"])
+        config_lib.load_config(SMALL + ["steps=6", f"run_dir={one.parent}", "name=run"])
     )["losses"]
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

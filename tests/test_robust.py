@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
 
+from ladder_jax import config as config_lib
+from ladder_jax import loading
 from ladder_jax.inference import generation
 from ladder_jax.inference.sampling import NonFiniteLogits
 from ladder_jax.interop.tokenizer import ByteTokenizer
@@ -59,10 +60,10 @@ def test_exit_3_marks_the_poisoned_checkpoint_and_resume_skips_it(tmp_path):
     assert "a resume starts from checkpoint 1" in line, line
     ckpts = tmp_path / "run" / "checkpoints"
     assert sorted(os.listdir(ckpts)) == ["1", "2"]  # none written during the non-finite steps
-    assert (ckpts / "2" / checkpoint.UNSOUND).exists()
-    assert not (ckpts / "1" / checkpoint.UNSOUND).exists()
+    assert (ckpts / "2" / loading.UNSOUND).exists()
+    assert not (ckpts / "1" / loading.UNSOUND).exists()
     # decode and init_from pass the unsound checkpoint over too
-    assert checkpoint.find_checkpoint(str(tmp_path / "run"), "x") == str(ckpts / "1" / "params")
+    assert loading.find_checkpoint(str(tmp_path / "run"), "x") == str(ckpts / "1" / "params")
 
     r = run_module(
         "train",
@@ -84,12 +85,12 @@ def test_exit_3_marks_the_poisoned_checkpoint_and_resume_skips_it(tmp_path):
 
 
 def test_a_checkpoint_with_nan_weights_is_skipped_on_resume(tmp_path):
-    cfg = trainer.load_config(
+    cfg = config_lib.load_config(
         SMALL + [f"run_dir={tmp_path}", "name=run", "steps=1", "optim.peak_lr=3e-3"]
     )
     trainer.run(cfg)
     t = trainer.Trainer(
-        trainer.load_config(
+        config_lib.load_config(
             SMALL + [f"run_dir={tmp_path}", "name=run", "steps=3", "optim.peak_lr=3e-3"]
         )
     )
@@ -99,7 +100,7 @@ def test_a_checkpoint_with_nan_weights_is_skipped_on_resume(tmp_path):
     assert not checkpoint.params_finite(nan) and checkpoint.params_finite(state.params)
     ckpt.save(TrainState(nan, state.opt_state, 2), t.data_iter, {**meta, "step": 2})
     ckpt.close()
-    with pytest.raises(checkpoint.DamagedCheckpoint, match="not finite"):
+    with pytest.raises(loading.DamagedCheckpoint, match="not finite"):
         checkpoint.Checkpointer(str(tmp_path / "run" / "checkpoints")).restore(
             2, t.state, t.data_iter
         )
@@ -121,16 +122,12 @@ def test_generate_refuses_nan_logits(sampling):
 
 
 def test_decode_cli_refuses_nan_weights_in_one_line(tmp_path):
-    from ladder_jax.cli.convert import _save_checkpoint, train_config
-
     model = _nan_model()
-    with open(tmp_path / "config.yaml", "w") as f:
-        f.write(OmegaConf.to_yaml(OmegaConf.create(train_config(model.config, None))))
-    _save_checkpoint(model, str(tmp_path), {"step": 0})
+    loading.save_model(model, str(tmp_path / "m"))
     r = run_module(
         "decode",
         "--checkpoint",
-        str(tmp_path),
+        str(tmp_path / "m"),
         "--prompt",
         "Once",
         "--tp",

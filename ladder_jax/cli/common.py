@@ -100,12 +100,12 @@ def run_settings(args, per_process=()) -> dict:
     each host's own (`PER_PROCESS` and `per_process`), and which weights files were found.
 
         processes.agree(run_settings(args), "model or decoding flags")"""
-    from ladder_jax.train import checkpoint
+    from ladder_jax import loading
 
     own = {*PER_PROCESS, *per_process}
     return {
         "flags": {k: v for k, v in vars(args).items() if k not in own},
-        "weights": checkpoint.weights_identity(args.checkpoint) if args.checkpoint else None,
+        "weights": loading.weights_identity(args.checkpoint) if args.checkpoint else None,
     }
 
 
@@ -128,12 +128,12 @@ def load_checkpoint(args, mesh, say, *, quantize: str | None = None):
     tokenizer for a byte-level Hugging Face directory without tokenizer.json
     (`without_tokenizer_json`). decode_matmul is set once loaded, so that it reaches a GGUF
     file or Hugging Face directory too (their loaders take the scheme only)."""
+    from ladder_jax import loading
     from ladder_jax.model.transformer import with_config
-    from ladder_jax.train import checkpoint
 
     overrides = model_overrides(args)
     matmul = overrides.pop("decode_matmul", None)
-    model, tokenizer = checkpoint.load_run(
+    model, tokenizer = loading.load_model(
         args.checkpoint, mesh=mesh, quantize=quantize, **overrides
     )
     if matmul is not None and matmul != model.config.decode_matmul:
@@ -172,13 +172,12 @@ def setup_devices(args):
     processes (--coordinator ...).
 
         shape = setup_devices(args); tp, why = choose_tp(args.tp, shape)"""
-    from ladder_jax import runtime
+    from ladder_jax import loading, runtime
     from ladder_jax.config import ModelConfig
     from ladder_jax.model import sharding
-    from ladder_jax.train import checkpoint
 
     shape = (
-        checkpoint.run_model_config(args.checkpoint)
+        loading.read_model_config(args.checkpoint)
         if args.checkpoint
         else ModelConfig.from_preset(args.preset)
     )

@@ -19,11 +19,14 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 import time
 
 import jax
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ladder_jax import runtime
+from ladder_jax import atomic, runtime
 from ladder_jax.cli.common import ArgumentParser, quantize_mode
 from ladder_jax.config import (
     RESIDUALS,
@@ -35,7 +38,7 @@ from ladder_jax.config import (
 )
 from ladder_jax.evaluation import suite
 from ladder_jax.evaluation.tasks import DEFAULT_REGIME, DEFAULT_TASKS
-from ladder_jax.train import checkpoint
+from ladder_jax.loading import check_tp, load_model, read_model_config
 
 
 def main(argv=None) -> int:
@@ -110,20 +113,21 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
     try:
+        tasks, overrides = _check(args)
         runtime.setup(
             cpu_devices=args.cpu_devices or args.tp or 1,
             coordinator=args.coordinator,
             num_processes=args.num_processes,
             process_id=args.process_id,
         )
-        return _run(args)
+        return _run(args, tasks, overrides)
     except UsageError as e:  # TaskError, ShardingError and HFError included
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
-def _run(args) -> int:
-    lead = jax.process_index() == 0
+def _check(args):
+    """Every check of the arguments before any device is made: (tasks, model overrides)."""
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit {args.limit}: give a number of docs, at least 1")
     if args.batch_size < 1:
@@ -132,17 +136,22 @@ def _run(args) -> int:
         parent = os.path.dirname(os.path.abspath(args.output))
         if os.path.isdir(args.output) or not os.path.isdir(parent):
             raise ConfigError(f"--output {args.output}: give a file in an existing directory")
+        atomic.check_writable(parent, f"--output {args.output}")
     check_quantize(args.quantize, "--quantize")
     overrides = scheme_overrides(args.residual, parse_ladder_layers(args.ladder_layers))
     tasks = suite.load_tasks(
         args.tasks, args.regime, limit=args.limit, seed=args.seed, tasks_dir=args.tasks_dir
     )
+    check_tp(args.tp, read_model_config(args.checkpoint))
+    return tasks, overrides
+
+
+def _run(args, tasks, overrides) -> int:
+    lead = jax.process_index() == 0
     idle = []  # the note when --tp leaves devices idle, once the model has loaded
     mesh = suite.eval_mesh(args.tp, flag="--tp", say=idle.append)
     t0 = time.perf_counter()
-    model, tokenizer = checkpoint.load_run(
-        args.checkpoint, mesh=mesh, quantize=args.quantize, **overrides
-    )
+    model, tokenizer = load_model(args.checkpoint, mesh=mesh, quantize=args.quantize, **overrides)
     if tokenizer is None:
         raise ConfigError(
             f"--checkpoint {args.checkpoint} has no tokenizer.json: evaluation "
@@ -167,24 +176,37 @@ def _run(args) -> int:
     with _progress_bar(lead) as progress:
         results = suite.run(model, tokenizer, tasks, batch_size=args.batch_size, progress=progress)
     wall = time.perf_counter() - t0
-    if lead:
-        if args.output:
-            with open(args.output, "w", encoding="utf-8") as f:
-                for row in results.rows:
-                    f.write(
-                        json.dumps(
-                            {
-                                "checkpoint": args.checkpoint,
-                                "seed": args.seed,
-                                "limit": args.limit,
-                                **row,
-                            }
-                        )
-                        + "\n"
-                    )
-        print(results)
-        print(f"{sum(r['requests'] for r in results.rows)} requests in {wall:.1f} s")
-    return 0
+    if not lead:
+        return 0
+    print(results)
+    print(f"{sum(r['requests'] for r in results.rows)} requests in {wall:.1f} s")
+    return _write_output(args, results) if args.output else 0
+
+
+def _write_output(args, results) -> int:
+    """--output: one JSON line per task, written whole (`ladder_jax.atomic`). Should that fail
+    now (the disk filled meanwhile), the lines go to a new file in the temporary directory and
+    the error says where: a finished evaluation is never lost."""
+    text = "".join(
+        json.dumps({"checkpoint": args.checkpoint, "seed": args.seed, "limit": args.limit, **row})
+        + "\n"
+        for row in results.rows
+    )
+    try:
+        atomic.write_text(args.output, text)
+        return 0
+    except OSError as e:
+        why = f"could not write --output {args.output} ({e.strerror or e})"
+    try:
+        fd, rescue = tempfile.mkstemp(prefix="ladder_jax-eval-", suffix=".jsonl")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        where = f"the results are in {rescue} instead"
+    except OSError:
+        print(text, end="", flush=True)
+        where = "the results are printed above, one JSON line per task"
+    print(f"error: {why}: {where}", file=sys.stderr)
+    return 1
 
 
 @contextlib.contextmanager
@@ -193,15 +215,6 @@ def _progress_bar(show: bool):
     if not show or not sys.stderr.isatty():
         yield None
         return
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-    )
-
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),

@@ -6,26 +6,14 @@
 `Score.logprob` is sum_j log p(cont_j | ctx, cont_<j), the sum over the continuation's tokens
 of the model's log-softmax; `greedy` says whether each of them was also the argmax.
 
-How the prefix is shared: the pairs are grouped by context tokens (a multiple-choice question's
-choices share one; OLMES' unconditional requests share the one bare "Answer:" across every
-doc). A batch of contexts is prefilled once into a KV cache (`ladder_jax.inference.cache`),
-all but each context's last token; then the continuation rows (up to `batch_size` at a time)
-each take their context's cache row and run [last context token] + continuation[:-1] at its
-positions, so that every logit a continuation needs comes from that one short pass. This
-costs one context pass per distinct context plus short continuation passes, where a padded
-forward of context + continuation per choice would repeat the context once per choice
-(4x for ARC and HellaSwag). Each row sees only its own cache row (a query at position p sees
-slots <= p), so a pair's score is the same alone or in any batch.
-
-Shapes are bucketed to powers of two (contexts per batch, context, continuation and cache
-lengths), so a task compiles a handful of programs. A pair longer than the model's
-max_seq_len loses tokens from the left of its context, as lm-evaluation-harness does.
-
-Tokenization (`encode_pair`): the context with the tokenizer's own BOS convention
-(`tokenizer.add_bos` where it says, else a BOS); the continuation's tokens are those the
-whole text has past the context's (a token merging across the boundary belongs to the
-continuation), trailing spaces of the context moved to the continuation first; an empty
-context is the BOS (else EOS) token alone.
+Pairs are grouped by context tokens; a batch of contexts is prefilled once into a KV cache,
+then each continuation row takes its context's cache row and runs [last context token] +
+continuation[:-1], so a shared question is computed once, not once per choice. Each row sees
+only its own cache row, so a pair's score is the same alone or in any batch. Shapes are
+bucketed to powers of two; a pair longer than max_seq_len loses tokens from the left of its
+context. `encode_pair`: the context with the tokenizer's BOS convention; the continuation is
+the tokens the whole text has past the context's. The full account:
+docs/evaluation.md#how-pairs-are-scored.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from ladder_jax.config import ConfigError
 from ladder_jax.evaluation.metrics import METRICS, accuracy, predictions
 from ladder_jax.evaluation.scoring import Scorer, encode_pair
 from ladder_jax.evaluation.tasks import DEFAULT_REGIME, DEFAULT_TASKS, Task, load_task
+from ladder_jax.loading import load_model
 from ladder_jax.model import sharding
 
 
@@ -202,16 +203,14 @@ def evaluate(
     progress=None,
     **overrides,
 ) -> EvalResults:
-    """`model`: a Transformer (with its `tokenizer`) or a path `load_run` opens, loaded on
+    """`model`: a Transformer (with its `tokenizer`) or a path `load_model` opens, loaded on
     `eval_mesh(tp)` with `quantize` and `overrides` (residual=, ladder_layers=). The tasks
     are read (and checked) before any model is loaded."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch size {batch_size!r}: give at least 1")
     chosen = load_tasks(tasks, regime, limit=limit, seed=seed, tasks_dir=tasks_dir)
     if isinstance(model, (str, os.PathLike)):
-        from ladder_jax.train.checkpoint import load_run
-
-        model, loaded = load_run(
+        model, loaded = load_model(
             model, mesh=eval_mesh(tp), what="evaluate", quantize=quantize, **overrides
         )
         tokenizer = tokenizer or loaded

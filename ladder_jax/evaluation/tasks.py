@@ -30,6 +30,7 @@ import os
 import numpy as np
 
 from ladder_jax.config import UsageError
+from ladder_jax.evaluation.metrics import METRICS
 
 # the tasks of the paper's tables, and the regime that suits small models: ranked
 # classification (each answer's text scored as a continuation), no few-shot examples
@@ -135,8 +136,6 @@ def load_task(name: str, regime: str = DEFAULT_REGIME, tasks_dir: str | None = N
         raise TaskError(f"cannot read {cfg_file}: {e}") from None
     except (KeyError, TypeError, AttributeError):
         raise TaskError(f"{cfg_file}: no task_config.primary_metric") from None
-    from ladder_jax.evaluation.metrics import METRICS
-
     if primary not in METRICS:
         raise TaskError(
             f"{cfg_file}: primary_metric {primary!r} is not a multiple-choice "

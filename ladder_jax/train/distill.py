@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ladder_jax.config import ConfigError
+from ladder_jax.loading import load_model
 from ladder_jax.train import step
 
 
@@ -64,9 +65,7 @@ def load_teacher(path: str, mesh, student_config):
     """(graphdef, params) of the teacher at `path` (run, `convert` output, HF directory, GGUF
     file) on `mesh`, as stored (its own residual scheme); its vocabulary must be the
     student's."""
-    from ladder_jax.train.checkpoint import load_run
-
-    model, _ = load_run(path, mesh=mesh, what="distill.teacher")
+    model, _ = load_model(path, mesh=mesh, what="distill.teacher")
     if model.config.vocab_size != student_config.vocab_size:
         raise ConfigError(
             f"distill.teacher={path!r} has vocab_size={model.config.vocab_size} "

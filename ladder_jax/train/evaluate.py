@@ -28,7 +28,7 @@ from ladder_jax.train.step import cross_entropy
 
 
 @nnx.jit
-def _loss_sum(model, tokens_bt, targets_bt, mask_bt):
+def loss_sum(model, tokens_bt, targets_bt, mask_bt):
     """(sum of the masked next-token losses, number of unmasked tokens)."""
     n = mask_bt.astype(jnp.float32).sum()
     return cross_entropy(model(tokens_bt), targets_bt, mask_bt) * n, n
@@ -50,7 +50,7 @@ def held_out_loss(
         mask_bt[len(rows) :] = 0
         rows += [rows[0]] * (batch - len(rows))  # padding, masked out
         x_bt = np.stack(rows)
-        s, c = _loss_sum(model, x_bt[:, :-1], x_bt[:, 1:], mask_bt)
+        s, c = loss_sum(model, x_bt[:, :-1], x_bt[:, 1:], mask_bt)
         total += float(s)
         count += float(c)
     return total / count

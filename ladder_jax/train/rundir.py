@@ -14,7 +14,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import tempfile
 
 import jax
 import numpy as np
@@ -22,7 +21,8 @@ from jax.experimental import multihost_utils
 from omegaconf import OmegaConf
 
 from ladder_jax.config import ConfigError, TrainConfig, to_yaml
-from ladder_jax.train.checkpoint import DamagedCheckpoint, SaveError, load_params
+from ladder_jax.loading import DamagedCheckpoint, load_params
+from ladder_jax.train.checkpoint import SaveError
 from ladder_jax.train.lock import RunBusy, RunLock
 
 # Keys whose change makes a resumed run a different experiment.
@@ -81,27 +81,6 @@ def stored_tokenizer(name: str, run_path: str) -> str:
         return name
     path, run = os.path.abspath(name), os.path.abspath(run_path)
     return os.path.relpath(path, run) if os.path.commonpath([path, run]) == run else path
-
-
-def check_writable(path: str, what: str) -> None:
-    """A one-line ConfigError (naming `what`, e.g. "run_dir='runs'") unless files can be
-    created in `path` (or, where it does not exist yet, in its nearest existing parent): said
-    before data is loaded or anything is compiled. Probes with a temporary file (removed at
-    once), which catches read-only mounts and permissions, the superuser's included."""
-    p = os.path.abspath(path)
-    while not os.path.exists(p):
-        p = os.path.dirname(p)
-    if not os.path.isdir(p):
-        raise ConfigError(f"{what}: {p} is a file, not a directory: give a directory")
-    try:
-        fd, probe = tempfile.mkstemp(dir=p, prefix=".write-probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise ConfigError(
-            f"{what}: cannot write in {p} ({e.strerror}): give a writable "
-            f"directory or fix its permissions"
-        ) from None
 
 
 def config_dict(cfg: TrainConfig) -> dict:

@@ -29,8 +29,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ladder_jax import hardware, processes, runtime
-from ladder_jax.config import ConfigError, TrainConfig, check, load_config, model_config
+from ladder_jax import atomic, hardware, processes, runtime
+from ladder_jax.config import ConfigError, TrainConfig, check
 from ladder_jax.interop.tokenizer import make_tokenizer
 from ladder_jax.model import sharding
 from ladder_jax.model.transformer import Transformer, abstract
@@ -39,7 +39,7 @@ from ladder_jax.train.benchmark import benchmark
 from ladder_jax.train.checkpoint import Checkpointer, SaveError, params_finite
 from ladder_jax.train.evaluate import perplexity
 from ladder_jax.train.report import Reporter, duration, flops_per_token, peak_flops, peak_text
-from ladder_jax.train.rundir import MetricsLog, RunDir, changed_keys, check_writable, config_dict
+from ladder_jax.train.rundir import RunDir, config_dict
 from ladder_jax.train.step import TrainState
 
 __all__ = [
@@ -48,14 +48,6 @@ __all__ = [
     "Trainer",
     "benchmark",
     "run",
-    # the train API, and the old paths of what moved to rundir / report
-    "load_config",
-    "model_config",
-    "MetricsLog",
-    "changed_keys",
-    "check_writable",
-    "flops_per_token",
-    "peak_flops",
 ]
 
 
@@ -153,7 +145,7 @@ class Trainer:
         self.model_config = check(cfg)
         self.reporter = Reporter(cfg)
         self.run_dir = RunDir(cfg, self.log)
-        check_writable(self.run_path, f"run_dir={cfg.run_dir!r}")
+        atomic.check_writable(self.run_path, f"run_dir={cfg.run_dir!r}")
         self.tokenizer = make_tokenizer(cfg.data.tokenizer)
         if self.tokenizer.vocab_size > self.model_config.vocab_size:
             raise ConfigError(
