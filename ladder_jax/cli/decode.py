@@ -214,7 +214,8 @@ def _run(args, shape, say) -> int:
         say(note, file=sys.stderr)  # stays one line
     if model is None:
         model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(args.seed))
-    say(f"{model}\n(random weights: expect noise)" if not args.checkpoint else str(model))
+    summary = f"{model}\n(random weights: expect noise)" if not args.checkpoint else str(model)
+    say(summary, file=sys.stderr)  # stdout is the generated text alone
     _decode(args, model, tokenizer, prompts, rows, sampling, say)
     return 0
 
