@@ -17,6 +17,7 @@ Keyword overrides use `__` for the dots of the command line: `model__residual="l
 from __future__ import annotations
 
 import dataclasses
+import html
 import json
 import os
 import sys
@@ -30,6 +31,7 @@ from ladder_jax.evaluation.tasks import DEFAULT_REGIME, DEFAULT_TASKS
 from ladder_jax.inference import generation
 from ladder_jax.loading import load_model, read_model_config
 from ladder_jax.model import sharding
+from ladder_jax.progress import ProgressLines
 from ladder_jax.train import trainer
 
 
@@ -162,6 +164,64 @@ def overlap_table(
     )
 
 
+class Rows(list):
+    """A list of result rows (dicts): index it, iterate it, `json.dumps` it as it is; it prints
+    as a table of its `columns` (`repr`, and HTML in a notebook), and `.to_json()` is the JSON
+    text of every field."""
+
+    columns: tuple = ()  # (heading, how a row shows there: a key or a function of the row)
+
+    def table(self) -> list[tuple[str, ...]]:
+        """The heading, then one tuple of cell texts per row."""
+        cells = [
+            tuple(str(show(r) if callable(show) else r.get(show, "")) for _, show in self.columns)
+            for r in self
+        ]
+        return [tuple(h for h, _ in self.columns), *cells]
+
+    def __repr__(self):
+        rows = self.table()
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows)
+
+    def _repr_html_(self):
+        head, *body = self.table()
+        cells = lambda row, tag: "".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in row)  # noqa: E731
+        rows = "".join(f"<tr>{cells(row, 'td')}</tr>" for row in body)
+        return f"<table><tr>{cells(head, 'th')}</tr>{rows}</table>"
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(list(self), default=str, **kwargs)
+
+
+class PredictRows(Rows):
+    """`lj.predict`'s rows: predicted speed per (link, tp, batch, scheme)."""
+
+    columns = (
+        ("link", "link"),
+        ("tp", "tp"),
+        ("batch", "batch"),
+        ("residual", "residual"),
+        ("prefill ms", lambda r: f"{r['prefill_s'] * 1e3:.1f}"),
+        ("decode ms/tok", lambda r: f"{r['decode_step_s'] * 1e3:.3f}"),
+        ("tokens/s", lambda r: f"{r['tokens_per_s']:.1f}"),
+        ("tok/s/user", lambda r: f"{r['tokens_per_s_per_user']:.1f}"),
+        ("vs standard", lambda r: "-" if r["vs_standard"] is None else f"{r['vs_standard']:.3f}x"),
+    )
+
+
+def _progress_lines(name: str) -> tuple[ProgressLines, object]:
+    """(lines, perfmodel's progress callback printing them) for `predict`."""
+    lines = ProgressLines(every_s=10)
+
+    def show(done: int, total: int, eta_s: float | None = None, stage: str = "compiling"):
+        what = "programs" if stage == "compiling" else "rows"
+        eta = "" if eta_s is None or done == total else f", about {eta_s:.0f} s left"
+        lines.show(f"{stage} {name}: {done}/{total} {what}{eta}", now=done in (0, total))
+
+    return lines, show
+
+
 def predict(
     preset: str = "llama-3-70b",
     *,
@@ -173,32 +233,43 @@ def predict(
     target: str = "h100",
     residuals=RESIDUALS,
     quantize: str | None = None,
+    progress=True,
     **kwargs,
-) -> list[dict]:
-    """`python -m ladder_jax.predict` as rows: one dict per (tp, batch, scheme, link) with the
-    predicted prefill_s, decode_step_s, tokens_per_s, tokens_per_s_per_user, exposed_comm_s
-    and vs_standard (tokens/s over standard's). `tp`, `batch`, `links` take one value or a
-    list; `quantize="int8"`: int8 weights (`--quantize`); `kwargs` go to
-    `ladder_jax.analysis.perfmodel.predict` (slots (`--max-len`), hosts, gpus_per_host,
-    calibration, contention, launch, efficiency, link_overrides, ...)."""
+) -> PredictRows:
+    """`python -m ladder_jax.predict` as rows (`PredictRows`, a list printing as a table): one
+    dict per (tp, batch, scheme, link) with the predicted prefill_s, decode_step_s,
+    tokens_per_s, tokens_per_s_per_user, exposed_comm_s and vs_standard (tokens/s over
+    standard's). `tp`, `batch`, `links` take one value or a list; `quantize="int8"`: int8
+    weights (`--quantize`); `progress`: True prints progress lines on stderr (at least one every
+    10 s while it compiles), None is silent, a function gets `(done, total, eta_s, stage)`;
+    `kwargs` go to `ladder_jax.analysis.perfmodel.predict` (slots (`--max-len`), hosts,
+    gpus_per_host, calibration, contention, launch, efficiency, link_overrides, ...)."""
 
     if not jax.config.jax_platforms:  # compile for the GPU target; nothing runs on a GPU
         jax.config.update("jax_platforms", "cpu")
     check_quantize(quantize)
     config = ModelConfig.from_preset(preset, quantize=quantize)
-    rows = perfmodel.predict(
-        config,
-        tp=tp,
-        batch=batch,
-        prompt_len=prompt_len,
-        new_tokens=new_tokens,
-        links=links,
-        target=target,
-        residuals=residuals,
-        name=preset,
-        **kwargs,
-    )
-    return [{"preset": preset, **r} for r in perfmodel.with_ratios(rows)]
+    lines = None
+    if progress is True:
+        lines, progress = _progress_lines(preset)
+    try:
+        rows = perfmodel.predict(
+            config,
+            tp=tp,
+            batch=batch,
+            prompt_len=prompt_len,
+            new_tokens=new_tokens,
+            links=links,
+            target=target,
+            residuals=residuals,
+            name=preset,
+            progress=progress or None,
+            **kwargs,
+        )
+    finally:
+        if lines is not None:
+            lines.close()
+    return PredictRows({"preset": preset, **r} for r in perfmodel.with_ratios(rows))
 
 
 def evaluate(

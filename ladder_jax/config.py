@@ -518,8 +518,8 @@ class DataSection:
 class MeshSection:
     tp: int = _doc("tensor-parallel size", 1)
     data: Optional[int] = _doc(
-        "data-parallel size (null: the devices left over; on a CPU host, "
-        "one fake device per core over tp)",
+        "data-parallel size (null: the devices left over; on a CPU host, one fake device "
+        "per core over tp while a copy of the training state is under 1 GiB, else 1)",
         None,
     )
     fsdp: bool = _doc("also shard weights and optimizer state over `data`", False)
@@ -563,12 +563,12 @@ class TrainConfig:
     log_every: int = _doc("a progress line every this many steps", 10)
     eval_every: int = _doc("held-out loss every this many steps (0: only at the end)", 200)
     eval_batches: int = _doc("held-out batches per evaluation", 8)
-    loss_chunk: int = _doc(
+    loss_chunk: Optional[int] = _doc(
         "cross-entropy over this many positions of each sequence at a time, "
         "so that the float32 logits and their gradient are never whole "
-        "(large vocabularies on CPU; 0: all at once; same loss up to "
-        "rounding)",
-        0,
+        "(0: all at once; null: 64 when a step's float32 logits would exceed 64 MiB, "
+        "as with large vocabularies, else 0; same loss up to rounding)",
+        None,
     )
     ckpt_every: int = _doc(
         "a checkpoint every this many steps (0: only at the end and on SIGTERM)", 200
@@ -865,7 +865,7 @@ def check(cfg: TrainConfig) -> ModelConfig:
         "loss_chunk",
     ):
         v = OmegaConf.select(node, key)
-        if not (v >= 0 and math.isfinite(v)):
+        if v is not None and not (v >= 0 and math.isfinite(v)):
             raise ConfigError(f"{key}={v} must be >= 0")
     if not 0 <= cfg.data.seed < 2**32:
         raise ConfigError(f"data.seed={cfg.data.seed} must be in [0, 2**32) (the shuffle's seed)")

@@ -942,11 +942,12 @@ def test_cli_start_is_quiet(tmp_path):
         timeout=300,
     )
     assert p.returncode == 0, p.stderr
-    # nothing on stderr but decode's own speed line (tokens/s, as gpt-fast prints it)
+    # nothing on stderr but decode's own lines: the model, then the speed (tokens/s, as
+    # gpt-fast prints it); stdout is the text alone
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and re.match(r"\d+ tokens in [\d.]+ s; first token after", lines[0]), (
-        p.stderr
-    )
+    assert len(lines) == 3 and lines[0].startswith("Transformer(4L "), p.stderr
+    assert lines[1] == "(random weights: expect noise)" and p.stdout.startswith("a"), p.stderr
+    assert re.match(r"\d+ tokens in [\d.]+ s; first token after", lines[2]), p.stderr
 
 
 def _plugin_failure(logger, plugin: str) -> None:

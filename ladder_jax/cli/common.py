@@ -17,6 +17,7 @@ import difflib
 import re
 import sys
 
+from ladder_jax.config import DECODE_MATMULS, RESIDUALS
 from ladder_jax.runtime import write_stderr  # noqa: F401 (the commands' progress lines)
 
 
@@ -72,10 +73,79 @@ class ArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+# The flag groups several commands share, each said once (a command adds the ones it takes).
+CHECKPOINT_HELP = (
+    "a training run, `convert` output, Hugging Face directory or .gguf file (its weights and "
+    "tokenizer)"
+)
+TP_HELP = (
+    "tensor-parallel size (default: the largest that divides the model's heads and the "
+    "devices, on a CPU host also its cores; said on stderr)"
+)
+
+
+def add_source(p: argparse.ArgumentParser, *, preset_help: str) -> None:
+    """--preset (random weights) or --checkpoint, one of the two."""
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", default="tiny", help=preset_help)
+    src.add_argument("--checkpoint", help=CHECKPOINT_HELP)
+
+
+def add_scheme(p: argparse.ArgumentParser, *, also: tuple = (), residual_help: str = "") -> None:
+    """--residual (RESIDUALS and `also`) and --ladder-layers: the wiring a model is run with."""
+    p.add_argument(
+        "--residual",
+        default=None,
+        choices=[*RESIDUALS, *also],
+        help=residual_help or "residual scheme (default: the preset's / checkpoint's)",
+    )
+    p.add_argument(
+        "--ladder-layers",
+        default=None,
+        help="ladder only: N (the upper N layers) or a comma list of layer indices "
+        "(default: every layer)",
+    )
+
+
+def add_quantize(p: argparse.ArgumentParser) -> None:
+    """--quantize MODE (`quantize_mode`: none is float weights)."""
+    p.add_argument(
+        "--quantize",
+        default=None,
+        metavar="MODE",
+        type=quantize_mode,
+        help="int8: weight-only int8 linear weights (ladder_jax.model.quant); none: float "
+        "weights (the default: as the checkpoint stores them)",
+    )
+
+
+def add_sampling(p: argparse.ArgumentParser, *, seed_help: str) -> None:
+    """--temperature, --top-k, --top-p and --seed, as `Sampling` takes them."""
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="sampling temperature; 0 is greedy (always the most likely token)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="sample among the k most likely tokens (default: 200, or the whole "
+        "vocabulary when it is smaller)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="sample among the most likely tokens whose probabilities sum to p, "
+        "e.g. 0.9 (default: off)",
+    )
+    p.add_argument("--seed", type=int, default=0, help=seed_help)
+
+
 def add_decode_matmul(p: argparse.ArgumentParser) -> None:
     """--decode-matmul, as decode and serve take it (None: the checkpoint's or preset's)."""
-    from ladder_jax.config import DECODE_MATMULS
-
     p.add_argument(
         "--decode-matmul",
         default=None,

@@ -25,12 +25,16 @@ from flax import nnx
 
 from ladder_jax import processes, runtime
 from ladder_jax.cli.common import (
+    TP_HELP,
     ArgumentParser,
     add_decode_matmul,
+    add_quantize,
+    add_sampling,
+    add_scheme,
+    add_source,
     choose_tp,
     load_checkpoint,
     model_overrides,
-    quantize_mode,
     run_settings,
     setup_devices,
     without_tokenizer_json,  # noqa: F401 (importable from here, as before)
@@ -61,14 +65,7 @@ def parser() -> ArgumentParser:
         "JAX_NUM_PROCESSES, JAX_PROCESS_ID); tensor parallelism then spans them and "
         "process 0 prints.",
     )
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", default="tiny", help="model preset, random weights")
-    src.add_argument(
-        "--checkpoint",
-        help="a training run, `convert` output, Hugging Face "
-        "directory or .gguf file (its weights and "
-        "tokenizer)",
-    )
+    add_source(p, preset_help="model preset, random weights")
     p.add_argument(
         "--prompt",
         action="append",
@@ -81,52 +78,14 @@ def parser() -> ArgumentParser:
         default=64,
         help="tokens to generate per prompt (and, with --benchmark, to time)",
     )
-    p.add_argument(
-        "--temperature",
-        type=float,
-        default=0.8,
-        help="sampling temperature; 0 is greedy (always the most likely token)",
-    )
-    p.add_argument(
-        "--top-k",
-        type=int,
-        default=None,
-        help="sample among the k most likely tokens (default: 200, or the whole "
-        "vocabulary when it is smaller)",
-    )
-    p.add_argument(
-        "--top-p",
-        type=float,
-        default=None,
-        help="sample among the most likely tokens whose probabilities sum to p, "
-        "e.g. 0.9 (default: off)",
-    )
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="sampling seed (and, with --preset, the random weights' seed)",
-    )
-    p.add_argument(
-        "--residual",
-        default=None,
-        choices=[*RESIDUALS, "all"],
-        help="residual scheme (default: the preset's / checkpoint's); 'all' "
+    add_sampling(p, seed_help="sampling seed (and, with --preset, the random weights' seed)")
+    add_scheme(
+        p,
+        also=("all",),
+        residual_help="residual scheme (default: the preset's / checkpoint's); 'all' "
         "benchmarks every scheme",
     )
-    p.add_argument(
-        "--ladder-layers",
-        default=None,
-        help="ladder only: N (the upper N layers) or a comma list of layer indices "
-        "(default: every layer)",
-    )
-    p.add_argument(
-        "--tp",
-        type=int,
-        default=None,
-        help="tensor-parallel size (default: the largest that divides the model's "
-        "heads and the devices, on a CPU host also its cores; said on stderr)",
-    )
+    p.add_argument("--tp", type=int, default=None, help=TP_HELP)
     p.add_argument(
         "--benchmark",
         action="store_true",
@@ -140,14 +99,7 @@ def parser() -> ArgumentParser:
         help="--benchmark: prompt length in tokens (random ids)",
     )
     p.add_argument("--json", action="store_true", help="benchmark: print JSON lines")
-    p.add_argument(
-        "--quantize",
-        default=None,
-        metavar="MODE",
-        type=quantize_mode,
-        help="int8: weight-only int8 linear weights (ladder_jax.model.quant); none: float "
-        "weights (the default: as the checkpoint stores them)",
-    )
+    add_quantize(p)
     p.add_argument(
         "--chat",
         action="store_true",
@@ -214,7 +166,8 @@ def _run(args, shape, say) -> int:
         say(note, file=sys.stderr)  # stays one line
     if model is None:
         model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(args.seed))
-    say(f"{model}\n(random weights: expect noise)" if not args.checkpoint else str(model))
+    summary = f"{model}\n(random weights: expect noise)" if not args.checkpoint else str(model)
+    say(summary, file=sys.stderr)  # stdout is the generated text alone
     _decode(args, model, tokenizer, prompts, rows, sampling, say)
     return 0
 

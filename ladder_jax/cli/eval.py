@@ -37,8 +37,9 @@ from ladder_jax.config import (
     scheme_overrides,
 )
 from ladder_jax.evaluation import suite
-from ladder_jax.evaluation.tasks import DEFAULT_REGIME, DEFAULT_TASKS
+from ladder_jax.evaluation.tasks import DEFAULT_REGIME, DEFAULT_TASKS, installed_tasks_dir
 from ladder_jax.loading import check_tp, load_model, read_model_config
+from ladder_jax.progress import ProgressLines
 
 
 def main(argv=None) -> int:
@@ -49,9 +50,14 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--checkpoint",
-        required=True,
-        help="a training run, `convert` output or Hugging Face directory (its "
-        "weights and tokenizer)",
+        default=None,
+        help="required: a training run, `convert` output, Hugging Face directory or GGUF "
+        "file (.gguf): its weights and tokenizer",
+    )
+    p.add_argument(
+        "--list",
+        action="store_true",
+        help="list the tasks and regimes of --tasks-dir (or the installed files) and exit",
     )
     p.add_argument(
         "--tasks",
@@ -112,6 +118,8 @@ def main(argv=None) -> int:
         p, cpu_devices_help="on a CPU host, fake devices to split it into (default: --tp, else 1)"
     )
     args = p.parse_args(argv)
+    if args.list or not args.checkpoint:
+        return _list(args.tasks_dir) if args.list else p.error("--checkpoint is required")
     try:
         tasks, overrides = _check(args)
         runtime.setup(
@@ -209,11 +217,36 @@ def _write_output(args, results) -> int:
     return 1
 
 
+def _list(tasks_dir: str | None) -> int:
+    """--list: one line per task with its regimes; exit 2 (one line) without task files."""
+    try:
+        root = tasks_dir or installed_tasks_dir()
+        names = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+    except (UsageError, OSError) as e:
+        print(
+            f"error: {e}" if isinstance(e, UsageError) else f"error: --tasks-dir: {e}",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"{len(names)} tasks in {root} (task: regimes; the default: {DEFAULT_REGIME}):")
+    for name in names:
+        regimes = sorted(os.listdir(os.path.join(root, name)))
+        print(f"{name}: {' '.join(regimes)}")
+    return 0
+
+
 @contextlib.contextmanager
 def _progress_bar(show: bool):
-    """A rich bar over each task's requests, on a terminal only; yields the callback."""
-    if not show or not sys.stderr.isatty():
+    """A rich bar over each task's requests on a terminal, else progress lines (at least one
+    every 10 s); yields the callback."""
+    if not show:
         yield None
+        return
+    if not sys.stderr.isatty():
+        with ProgressLines(every_s=10) as lines:
+            yield lambda name, done, total: lines.show(
+                f"{name}: {done}/{total} requests", now=done in (0, total)
+            )
         return
     with Progress(
         TextColumn("{task.description}"),

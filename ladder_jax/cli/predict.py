@@ -48,6 +48,7 @@ from ladder_jax.config import (
     model_config,
     parse_ladder_layers,
 )
+from ladder_jax.progress import ProgressLines
 
 
 def parser() -> argparse.ArgumentParser:
@@ -403,12 +404,12 @@ def _rows(args, show) -> tuple[list[dict], str]:
 
 class _Progress:
     """Programs compiled n/N (then rows costed n/N) and the time left, on stderr: one line
-    rewritten in place on a terminal, else (a log file) a line at the start, at most one a
-    minute, and at the end of each stage."""
+    rewritten in place on a terminal, else (a log file) `ProgressLines`: a line at least every
+    `every_s` seconds, and at the end of each stage."""
 
-    def __init__(self, name: str, every_s: float = 60.0):
+    def __init__(self, name: str, every_s: float = 10.0):
         self.name, self.live = name, sys.stderr.isatty()
-        self.width, self.every_s, self.last = 0, every_s, 0.0
+        self.width, self.lines = 0, None if self.live else ProgressLines(every_s)
 
     def __call__(
         self, done: int, total: int, eta_s: float | None, stage: str = "compiling"
@@ -419,11 +420,12 @@ class _Progress:
         if self.live:  # write_stderr: shown while other threads compile, too
             write_stderr("\r" + line.ljust(self.width))
             self.width = len(line)
-        elif done in (0, total) or time.monotonic() - self.last >= self.every_s:
-            self.last = time.monotonic()
-            write_stderr(line + "\n")
+        else:
+            self.lines.show(line, now=done in (0, total))
 
     def clear(self) -> None:
+        if self.lines is not None:
+            self.lines.close()
         if self.live and self.width:
             write_stderr("\r" + " " * self.width + "\r")
             self.width = 0

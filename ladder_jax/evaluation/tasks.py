@@ -64,11 +64,12 @@ class Task:
     total_docs: int  # before any subsample
 
     def subsample(self, limit: int | None, seed: int = 0) -> Task:
-        """`limit` docs drawn without replacement by a generator seeded with `seed`, kept in
-        file order (all of them when limit is None or at least their number)."""
+        """The first `limit` docs of a random order seeded with `seed`, kept in file order (all
+        of them when limit is None or at least their number): a smaller limit's docs are among
+        a larger one's."""
         if limit is None or limit >= len(self.docs):
             return self
-        keep = np.sort(np.random.default_rng(seed).choice(len(self.docs), limit, replace=False))
+        keep = np.sort(np.random.default_rng(seed).permutation(len(self.docs))[:limit])
         return dataclasses.replace(self, docs=tuple(self.docs[i] for i in keep))
 
     @property

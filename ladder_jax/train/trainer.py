@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ladder_jax import atomic, hardware, processes, runtime
-from ladder_jax.config import ConfigError, TrainConfig, check
+from ladder_jax.config import ConfigError, TrainConfig, check, model_config
 from ladder_jax.interop.tokenizer import make_tokenizer
 from ladder_jax.model import sharding
 from ladder_jax.model.transformer import Transformer, abstract
@@ -55,9 +55,27 @@ class NonFiniteError(RuntimeError):
     """Too many non-finite steps in a row. The CLI exits 3."""
 
 
+# Where the defaults of a CPU host change for a large model: a copy of the training state
+# (weights, gradients, Adam's two moments) per data-parallel device, and one step's float32
+# logits, above these sizes.
+CPU_REPLICA_BYTES = 2**30
+LOGITS_BYTES = 64 * 2**20
+AUTO_LOSS_CHUNK = 64
+
+
+def training_state_bytes(config) -> int:
+    """Bytes of one copy of the training state of a ModelConfig: weights, gradients and Adam's
+    two moments, in the weights' dtype."""
+    return 4 * config.num_params() * np.dtype(config.param_dtype).itemsize
+
+
 def cpu_data_parallel(cfg: TrainConfig) -> int:
     """`mesh.data` when it is null on a CPU host: the cores this process may run on over
-    `mesh.tp`, lowered to the largest count that divides `data.batch_size` (at least 1)."""
+    `mesh.tp`, lowered to the largest count that divides `data.batch_size` (at least 1); 1 when
+    a copy of the training state is `CPU_REPLICA_BYTES` or more (each device holds one, and a
+    large model's matmuls keep the cores busy on one device)."""
+    if training_state_bytes(model_config(cfg)) >= CPU_REPLICA_BYTES:
+        return 1
     n = max(1, runtime.cpu_cores() // max(1, cfg.mesh.tp))
     while cfg.data.batch_size % n:
         n -= 1
@@ -72,6 +90,15 @@ def data_parallel(cfg: TrainConfig, *, cpu: bool, devices: int | None = None) ->
         return cfg.mesh.data
     n = cpu_data_parallel(cfg)
     return n if devices is None else min(n, max(1, devices // cfg.mesh.tp))
+
+
+def loss_chunk(cfg: TrainConfig, config) -> int:
+    """`loss_chunk` resolved: as configured; null: `AUTO_LOSS_CHUNK` positions when one step's
+    float32 logits (batch x seq_len x vocabulary) would reach `LOGITS_BYTES`, else 0."""
+    if cfg.loss_chunk is not None:
+        return cfg.loss_chunk
+    logits = cfg.data.batch_size * cfg.data.seq_len * config.vocab_size * 4
+    return AUTO_LOSS_CHUNK if logits >= LOGITS_BYTES else 0
 
 
 def init_runtime(cfg: TrainConfig) -> None:
@@ -153,6 +180,7 @@ class Trainer:
                 f"model vocab_size={self.model_config.vocab_size}"
             )
         self.mesh = train_mesh(cfg, self.model_config, devices)
+        self.loss_chunk = loss_chunk(cfg, self.model_config)
         self.is_main = jax.process_index() == 0
         check_host_memory(self.model_config, self.mesh, cfg.mesh.fsdp)
         self.batch_sharding = NamedSharding(self.mesh, P(None, sharding.DATA, None))
@@ -245,7 +273,7 @@ class Trainer:
         )
         if self.teacher is None:
             train = sharding.jit(
-                step.make_train_step(graphdef, loss_chunk=self.cfg.loss_chunk, **kw),
+                step.make_train_step(graphdef, loss_chunk=self.loss_chunk, **kw),
                 mesh=self.mesh,
                 program="train",
                 donate_argnums=(0, 1),
@@ -262,7 +290,7 @@ class Trainer:
 
         def eval_loss(params, batch_bt):
             return step.loss_fn(
-                graphdef, params, batch_bt[:, :-1], batch_bt[:, 1:], loss_chunk=self.cfg.loss_chunk
+                graphdef, params, batch_bt[:, :-1], batch_bt[:, 1:], loss_chunk=self.loss_chunk
             )
 
         fns = (train, sharding.jit(eval_loss, mesh=self.mesh))
@@ -531,13 +559,33 @@ class Trainer:
         return bool(multihost_utils.process_allgather(int(flag)).max())
 
     def describe(self) -> str:
-        c = self.model_config
+        """The run's first line: the model, the mesh and, where a null key chose them on this
+        host, why that data-parallel size and loss chunk."""
+        c, cfg = self.model_config, self.cfg
         return (
             f"{c.residual} {c.n_layers}L d={c.d_model} ({c.num_params() / 1e6:.2f}M params,"
             f" {c.dtype} compute, {c.param_dtype} params) on {jax.process_count()} "
             f"process(es), mesh data={self.mesh.shape['data']} x tp={self.mesh.shape['tp']}"
-            f"{' fsdp' if self.cfg.mesh.fsdp else ''} ({jax.default_backend()})"
+            f"{' fsdp' if cfg.mesh.fsdp else ''} ({jax.default_backend()}){self._chosen()}"
         )
+
+    def _chosen(self) -> str:
+        c, cfg, notes = self.model_config, self.cfg, []
+        if cfg.mesh.data is None and jax.process_count() == 1 and jax.default_backend() == "cpu":
+            state = training_state_bytes(c) / 2**30
+            notes.append(
+                f"mesh.data null: one device per CPU core (a copy of the training state is "
+                f"{state:.2f} GiB)"
+                if state < CPU_REPLICA_BYTES / 2**30
+                else f"mesh.data null: 1, since a copy of the training state is {state:.2f} GiB"
+            )
+        if cfg.loss_chunk is None and self.loss_chunk:
+            mib = cfg.data.batch_size * cfg.data.seq_len * c.vocab_size * 4 / 2**20
+            notes.append(
+                f"loss_chunk null: {self.loss_chunk} positions at a time, since a step's "
+                f"float32 logits would be {mib:.0f} MiB"
+            )
+        return "".join(f"; {n}" for n in notes)
 
 
 @contextlib.contextmanager
