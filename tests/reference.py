@@ -14,7 +14,7 @@ def _norm(x, scale, eps):
     return x / jnp.sqrt(jnp.mean(x**2, -1, keepdims=True) + eps) * scale
 
 
-def _inv_freq(cfg):
+def _inv_freq(cfg, dtype=jnp.float32):
     H = cfg.head_dim
     freqs = np.array([cfg.rope_theta ** (-2.0 * i / H) for i in range(H // 2)])
     sc = cfg.rope_scaling
@@ -32,7 +32,7 @@ def _inv_freq(cfg):
                 )
                 out.append((1 - s) * f / sc.factor + s * f)
         freqs = np.array(out)
-    return jnp.asarray(freqs, jnp.float32)
+    return jnp.asarray(freqs, dtype)
 
 
 def _rope(x, pos, inv_freq):  # x: B T heads H ; pairs (i, i + H/2)
@@ -40,7 +40,7 @@ def _rope(x, pos, inv_freq):  # x: B T heads H ; pairs (i, i + H/2)
     z = x[..., :half] + 1j * x[..., half:]
     rot = jnp.exp(1j * pos[:, :, None, None] * inv_freq)
     z = z * rot
-    return jnp.concatenate([jnp.real(z), jnp.imag(z)], -1).astype(jnp.float32)
+    return jnp.concatenate([jnp.real(z), jnp.imag(z)], -1).astype(jnp.result_type(x, jnp.float32))
 
 
 def _attention(w, x, cfg, inv_freq):
