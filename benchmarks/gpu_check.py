@@ -64,7 +64,7 @@ def main(argv=None) -> int:
 
     import ladder_jax as lj
     from ladder_jax.model import quant
-    from ladder_jax.model.transformer import attention_kernel
+    from ladder_jax.model.attention import attention_kernel
 
     cpu = jax.devices("cpu")[0]
     dev = jax.devices()[0]

@@ -16,7 +16,7 @@ from flax import nnx
 import ladder_jax as lj
 from ladder_jax.analysis import overlap, perfmodel, programs
 from ladder_jax.inference.cache import KVCache
-from ladder_jax.model import quant, transformer
+from ladder_jax.model import attention, quant, transformer
 from ladder_jax.model.linear import flat_einsum
 from tests import helpers
 from tests.helpers import TINY, tiny_model
@@ -36,7 +36,7 @@ def _qkv(B=2, T=128, N=8, K=2, H=16, seed=0):
 def _reference(q, k, v):
     B, T = q.shape[:2]
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
-    return transformer.attend(q, k, v, pos, pos)
+    return attention.attend(q, k, v, pos, pos)
 
 
 def _check_against_reference(fused, q, k, v):
@@ -52,7 +52,7 @@ def _check_against_reference(fused, q, k, v):
 
 def test_xla_fused_attention_equals_reference_gqa_forward_and_backward():
     q, k, v = _qkv(T=40)
-    _check_against_reference(jax.jit(lambda *a: transformer.attend_causal(*a, "xla")), q, k, v)
+    _check_against_reference(jax.jit(lambda *a: attention.attend_causal(*a, "xla")), q, k, v)
 
 
 def test_flat_matmuls_equal_the_einsums():
@@ -96,7 +96,7 @@ def test_pallas_flash_attention_interpreted_equals_reference():
     def pallas(q, k, v):
         G = q.shape[2] // k.shape[2]
         k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
-        return transformer.pallas_flash(q, k, v, 1.0 / np.sqrt(q.shape[-1]), True)
+        return attention.pallas_flash(q, k, v, 1.0 / np.sqrt(q.shape[-1]), True)
 
     _check_against_reference(jax.jit(pallas), q, k, v)
 
@@ -128,10 +128,10 @@ def test_cpu_causal_kernel_equals_a_naive_reference_forward_and_backward(T):
     """CPU's kernel "matmul" (softmax normalized after the values' product) against autodiff
     of `_naive`, GQA (8 query / 2 kv heads): one query block (40), two (128), five with a
     short last one (300: `causal_blocks`)."""
-    assert len(transformer.causal_blocks(T)) == {40: 1, 128: 2, 300: 5}[T]
+    assert len(attention.causal_blocks(T)) == {40: 1, 128: 2, 300: 5}[T]
     q, k, v = _qkv(T=T)
     pos = jnp.broadcast_to(jnp.arange(T), (2, T))
-    _check_against_naive(lambda *a: transformer.attend_causal(*a, "matmul"), q, k, v, pos, pos)
+    _check_against_naive(lambda *a: attention.attend_causal(*a, "matmul"), q, k, v, pos, pos)
 
 
 def test_attention_over_given_positions_and_a_cache_equals_a_naive_reference():
@@ -141,10 +141,10 @@ def test_attention_over_given_positions_and_a_cache_equals_a_naive_reference():
     q, k, v = _qkv(T=32)
     q_pos = jnp.stack([jnp.arange(32), jnp.arange(32) // 2])
     k_pos = jnp.broadcast_to(jnp.arange(32), (2, 32))
-    _check_against_naive(lambda *a: transformer.attend(*a, q_pos, k_pos), q, k, v, q_pos, k_pos)
+    _check_against_naive(lambda *a: attention.attend(*a, q_pos, k_pos), q, k, v, q_pos, k_pos)
     q1, q1_pos = q[:, :1], jnp.array([[31], [9]])  # a decode step: row 1's cache is shorter
     _check_against_naive(
-        lambda q, k, v: transformer.attend_cache(
+        lambda q, k, v: attention.attend_cache(
             q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), q1_pos, k_pos
         ),
         q1,
@@ -157,11 +157,11 @@ def test_attention_over_given_positions_and_a_cache_equals_a_naive_reference():
 
 def test_kernel_choice_by_platform():
     mesh = helpers.mesh(1)
-    assert transformer.attention_kernel(mesh, "bfloat16", 128) == "matmul"  # CPU
+    assert attention.attention_kernel(mesh, "bfloat16", 128) == "matmul"  # CPU
     gpu = programs.gpu_mesh("h100", 2)  # deviceless: cuDNN cannot be compiled here
-    assert transformer.attention_kernel(gpu, "bfloat16", 128) == "pallas"
+    assert attention.attention_kernel(gpu, "bfloat16", 128) == "pallas"
     with pytest.raises(ValueError, match="unknown attention kernel"):
-        transformer.attend_causal(*_qkv(T=8), "flash")
+        attention.attend_causal(*_qkv(T=8), "flash")
 
 
 @pytest.mark.parametrize("kernel", ["matmul", "xla"])

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import ladder_jax as lj
-from ladder_jax.model import transformer
+from ladder_jax.model import attention
 from tests import helpers, reference
 from tests.helpers import TINY
 from tests.helpers import logits as _logits
@@ -207,6 +207,6 @@ def test_rope_frequencies_are_within_a_few_ulp_of_the_exact_values(head_dim, the
     bound = 2.0 + (0.0 if head_dim & (head_dim - 1) == 0 else 2 * np.log(theta))
     scaled_config = dataclasses.replace(base, rope_scaling=scaling)
     for config, want, ulps in [(base, exact, bound), (scaled_config, scaled, bound + 2)]:
-        got = np.asarray(transformer.rope_frequencies(config)).astype(np.float64)
+        got = np.asarray(attention.rope_frequencies(config)).astype(np.float64)
         ulp = np.spacing(want.astype(np.float32)).astype(np.float64)
         assert np.max(np.abs(got - want) / ulp) <= ulps, (config.rope_scaling, got - want)

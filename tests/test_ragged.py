@@ -19,7 +19,7 @@ from flax import nnx
 
 from ladder_jax.analysis import hlo, perfmodel, programs
 from ladder_jax.inference.cache import KVCache
-from ladder_jax.model import ragged, transformer
+from ladder_jax.model import attention, ragged, transformer
 from tests import helpers, reference
 
 B, N, K, H, S = 4, 8, 2, 16, 200  # S not a multiple of the block (16): the last one overlaps
@@ -96,14 +96,14 @@ def test_rope_and_the_cache_write_inside_the_kernel_equal_the_xla_ops(
     pos_b = np.array([0, block - 1, block, S - 1])
     k, v = _poison(k, v, -(-pos_b // block) * block)
     pos_bt = jnp.asarray(pos_b[:, None], jnp.int32)
-    inv = transformer.rope_frequencies(dataclasses.replace(helpers.TINY, head_dim=Hr))
+    inv = attention.rope_frequencies(dataclasses.replace(helpers.TINY, head_dim=Hr))
     out, (k_got, v_got) = jax.jit(
         lambda *a: ragged.attend_new(*a[:1], 0, N, *a[1:], interpret=True)
     )(rows, pos_bt, inv, k, v)
-    q_new = transformer.apply_rope(rows[:, None, :N], pos_bt, inv)
-    k_new = transformer.apply_rope(rows[:, None, N : N + K], pos_bt, inv)
-    k_want = transformer.write_cache(k, k_new, pos_bt[:, 0], keys=True)
-    v_want = transformer.write_cache(v, rows[:, None, N + K :], pos_bt[:, 0], keys=False)
+    q_new = attention.apply_rope(rows[:, None, :N], pos_bt, inv)
+    k_new = attention.apply_rope(rows[:, None, N : N + K], pos_bt, inv)
+    k_want = attention.write_cache(k, k_new, pos_bt[:, 0], keys=True)
+    v_want = attention.write_cache(v, rows[:, None, N + K :], pos_bt[:, 0], keys=False)
     np.testing.assert_allclose(np.asarray(k_got), np.asarray(k_want), atol=1e-6, rtol=0)
     np.testing.assert_array_equal(np.asarray(v_got), np.asarray(v_want))
     slot = np.arange(S)[None, :] != pos_b[:, None]

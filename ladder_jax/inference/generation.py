@@ -377,20 +377,8 @@ def generate(
     or infinite raise `NonFiniteLogits` (a `GenerationError`).
     """
     c = model.config
-    keywords = {
-        k: v
-        for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed).items()
-        if v is not _UNSET
-    }
-    if sampling is not None and keywords:
-        raise GenerationError(
-            f"give sampling=Sampling(...) or the keywords {', '.join(keywords)}, not both"
-        )
-    if sampling is not None and not isinstance(sampling, Sampling):
-        raise GenerationError(
-            f"sampling={sampling!r} must be a Sampling(temperature, top_k, top_p, seed)"
-        )
-    sampling = (sampling or Sampling(**{"temperature": 0.0, **keywords})).check(c.vocab_size)
+    keywords = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    sampling = _sampling(sampling, keywords, c.vocab_size)
     texts, rows = _prompt_rows(prompts)
     if texts:
         tokenizer = tokenizer or ByteTokenizer()
@@ -441,6 +429,21 @@ def generate(
             break
         pending = nxt
     return [tokenizer.decode(o) for o in out] if texts else out
+
+
+def _sampling(sampling, keywords: dict, vocab_size: int) -> Sampling:
+    """`generate`'s Sampling: the one given, or one built from the keywords given (default
+    greedy), checked against the vocabulary; both forms at once are refused."""
+    keywords = {k: v for k, v in keywords.items() if v is not _UNSET}
+    if sampling is not None and keywords:
+        raise GenerationError(
+            f"give sampling=Sampling(...) or the keywords {', '.join(keywords)}, not both"
+        )
+    if sampling is not None and not isinstance(sampling, Sampling):
+        raise GenerationError(
+            f"sampling={sampling!r} must be a Sampling(temperature, top_k, top_p, seed)"
+        )
+    return (sampling or Sampling(**{"temperature": 0.0, **keywords})).check(vocab_size)
 
 
 def _check_finite(step_tokens: np.ndarray, done: np.ndarray, t: int) -> None:
@@ -578,17 +581,8 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def benchmark(
-    config: ModelConfig,
-    mesh,
-    *,
-    batch: int,
-    prompt_len: int,
-    new_tokens: int,
-    repeats: int = 3,
-    seed: int = 0,
-) -> dict:
-    """Prefill latency and decode throughput of `config` (random weights) on `mesh`."""
+def _check_benchmark(batch, prompt_len: int, new_tokens: int) -> None:
+    """`benchmark`'s sizes, each named with its command-line flag."""
     for name, flag, v, low in (
         ("batch", "batch", batch, 1),
         ("prompt_len", "prompt-len", prompt_len, 1),
@@ -603,6 +597,20 @@ def benchmark(
                     else ""
                 )
             )
+
+
+def benchmark(
+    config: ModelConfig,
+    mesh,
+    *,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    repeats: int = 3,
+    seed: int = 0,
+) -> dict:
+    """Prefill latency and decode throughput of `config` (random weights) on `mesh`."""
+    _check_benchmark(batch, prompt_len, new_tokens)
     sharding.check_batch(batch, mesh)  # rows are split over the data axis as they are
     check_generation(config, [[0] * prompt_len], new_tokens)
     model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(seed))

@@ -9,11 +9,12 @@ model reads it) on the `nnx.Param`; an int8 weight's scale has one value per out
 and is applied after the contraction (`ladder_jax.model.quant`). With `matmul="pallas"` (GPU
 meshes, `ModelConfig.decode_matmul`) a product over at most 16 rows runs the Triton kernel of
 `ladder_jax.model.matvec`, which applies the scale inside; other shapes run the einsum.
+The folds the decode step adds to that kernel (norms, residual adds) are `small_m`'s
+arguments, used only by `ladder_jax.model.decode`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -75,24 +76,20 @@ class Linear(nnx.Module):
             s = sharding.local_kv_head(s, *self.kv_heads)
         return rescale(y, self.equation, s)
 
-    def __call__(self, x, dtype, *, norm=None, residual=None, joins=None):
-        """`norm` (an `RMSNorm`): x is the float32 stream, normalized first, after `joins` (a
-        reduced output, or `Joins`) is added to it: then returns (y, the stream x + joins, or
-        None where `Joins.write` is False); `residual`: returns `residual + y` in float32. All
-        fold into the Triton kernel where it runs."""
+    def __call__(self, x, dtype):
+        """The product over this rank's block: through the Triton kernel where it runs
+        (`small_m`), else `einsum`."""
         if self.matmul == "pallas":
-            y = self.small_m(x, dtype, norm=norm, residual=residual, joins=joins)
-            if y is not None:
-                return y
-        joins = as_joins(joins)
-        stream = None if joins is None else joins.onto(x)
-        if norm is not None:
-            x = norm(x if stream is None else stream).astype(dtype)
+            out = self.small_m(x, dtype)
+            if out is not None:
+                return out[0]
+        return self.einsum(x, dtype)
+
+    def einsum(self, x, dtype):
+        """`jnp.einsum(equation, x, w)` (`flat`: as one 2-D matmul) times the scale: XLA's."""
         w = self.read(dtype)
         y = flat_einsum(self.equation, x, w) if self.flat else jnp.einsum(self.equation, x, w)
-        y = self.rescale(y)
-        y = y if residual is None else residual + y
-        return y if joins is None else (y, stream if joins.write else None)
+        return self.rescale(y)
 
     def small_m(
         self,
@@ -103,16 +100,20 @@ class Linear(nnx.Module):
         norm=None,
         gate_up=None,
         residual=None,
-        joins=None,
+        joins: tuple = (),
+        write: bool = True,
         swiglu: bool = False,
     ):
-        """`self(x, dtype, norm=..., residual=...)` through the Triton kernel
-        (`matvec.small_m_matmul`: int8 values and their scale go in as stored), or None where
-        it does not apply (more than 16 rows, shapes Triton cannot block, a float32 x without
-        `norm`). `gate_up=offset`: x's last axis holds the gate at `offset` and the up
+        """(y, stream) of the product through the Triton kernel (`matvec.small_m_matmul`: int8
+        values and their scale go in as stored), or None where it does not apply (more than 16
+        rows, shapes Triton cannot block, a float32 x without `norm`). stream is None unless
+        `joins` are given. Folded in, each optional: `norm` (an `RMSNorm`): x is the float32
+        stream, normalized first, after `joins` (reduced outputs, added in order) join it; the
+        joined stream comes back unless `write=False`. `residual`: y is `residual + y` in
+        float32. `gate_up=offset`: x's last axis holds the gate at `offset` and the up
         projection after it, and the kernel multiplies silu(gate) * up. `swiglu`: the weight's
-        output columns are the gate's then the up projection's, and the result is silu(gate) *
-        up (half the columns)."""
+        output columns are the gate's then the up projection's, and y is silu(gate) * up (half
+        the columns)."""
         n = len(self.contracted)
         if not _is_flat(self.equation) or x.ndim < n:
             return None
@@ -133,7 +134,6 @@ class Linear(nnx.Module):
             if self.kv_heads is not None:
                 scale = sharding.local_kv_head(scale, *self.kv_heads)
             scale = scale.reshape(-1)
-        joins = as_joins(joins)
         y = matvec.small_m_matmul(
             x,
             w.reshape(k, -1),
@@ -142,44 +142,30 @@ class Linear(nnx.Module):
             norm=None if norm is None else (sharding.read_weight(norm.scale), norm.eps),
             gate_up=gate_up,
             residual=None if residual is None else residual.reshape(m, -1),
-            joins=None if joins is None else tuple(j.reshape(m, -1) for j in joins.parts),
-            write_stream=joins is None or joins.write,
+            joins=tuple(j.reshape(m, -1) for j in joins) if joins else None,
+            write_stream=write or not joins,
             swiglu=swiglu,
             interpret=interpret,
         )
-        if y is None or joins is None:
-            return None if y is None else y.reshape(*rows, *cols)
-        stream = None if y[1] is None else y[1].reshape(joins.parts[0].shape)
+        if y is None:
+            return None
+        if not joins:
+            return y.reshape(*rows, *cols), None
+        stream = None if y[1] is None else y[1].reshape(joins[0].shape)
         return y[0].reshape(*rows, *cols), stream
 
 
 class FusedLinear(Linear):
     """Several linear layers that read one input, as one (D, C) weight split over `tp` by
-    columns (`transformer.fuse_inputs`, for decoding): `fused(x, dtype)` returns each part's
-    output, part i shaped (..., *parts[i]). Its weight is a `FusedInput`."""
+    columns (`transformer.fuse_inputs`, for decoding): `fused(x, dtype)` is the (..., C)
+    output, `split` gives each part's, part i shaped (..., *parts[i]). Its weight is a
+    `FusedInput`."""
 
     def __init__(
         self, weight: nnx.Variable, parts: tuple[tuple[int, ...], ...], matmul: str = "xla"
     ):
         super().__init__(weight, "BTD,DC->BTC", matmul=matmul)
         self.parts = parts
-
-    def __call__(self, x, dtype, *, norm=None, joins=None, split: bool = True):
-        """Each part's output; `split=False`: the (..., C) output as one (`split` it later).
-        With `joins` (`Linear.__call__`): (that, the joined stream)."""
-        y = super().__call__(x, dtype, norm=norm, joins=joins)
-        y, stream = y if joins is not None else (y, None)
-        y = self.split(y) if split else y
-        return y if joins is None else (y, stream)
-
-    def swiglu(self, x, dtype, *, norm=None, joins=None):
-        """silu(gate) * up (..., F) of a fused (gate, up) pair through the Triton kernel, which
-        multiplies both and writes only that (`Linear.small_m`'s `swiglu`); `norm` and `joins`
-        as in `__call__`. None where the kernel does not take it (the caller runs `__call__`
-        and the down projection's `gate_up` prologue)."""
-        if len(self.parts) != 2 or self.parts[0] != self.parts[1] or self.matmul != "pallas":
-            return None
-        return self.small_m(x, dtype, norm=norm, joins=joins, swiglu=True)
 
     def split(self, y):
         """The parts of a (..., C) output, part i shaped (..., *parts[i])."""
@@ -216,43 +202,6 @@ class FusesInputs(nnx.Module):
         for p in self.INPUTS:
             owner, _, name = p.rpartition(".")
             setattr(_get(self, owner) if owner else self, name, None)
-
-    def project_inputs(self, x, dtype, norm=None, joins=None) -> tuple:
-        """The input projections' outputs, from the fused matmul where one is installed;
-        `norm` (an `RMSNorm`): x is the float32 stream, normalized first, after `joins` joins
-        it: then (the outputs, the joined stream). Folded into the fused matmul's kernel
-        where it runs."""
-        fused = getattr(self, self.FUSED)
-        if fused is not None:
-            return fused(x, dtype, norm=norm, joins=joins)
-        joins = as_joins(joins)
-        stream = None if joins is None else joins.onto(x)
-        if norm is not None:
-            x = norm(x if stream is None else stream).astype(dtype)
-        ys = tuple(linear(x, dtype) for linear in self.input_linears())
-        return ys if joins is None else (ys, stream if joins.write else None)
-
-
-@dataclasses.dataclass(frozen=True)
-class Joins:
-    """Reduced outputs that join the float32 stream before a norm, added in order (decoding's
-    folds, `residual._decode_stream`): `Linear(x, dtype, norm=n, joins=Joins((a, b)))`
-    normalizes `x + a + b`. `write=False`: no module reads that joined stream (the next one
-    joins the same outputs again), so the kernel does not write it and the caller gets None."""
-
-    parts: tuple
-    write: bool = True
-
-    def onto(self, x):
-        """x + each part, in order, as the kernel adds them (float32)."""
-        for p in self.parts:
-            x = x + p
-        return x
-
-
-def as_joins(joins) -> Joins | None:
-    """`joins` as a `Joins` (one reduced output: one part, the stream written)."""
-    return joins if joins is None or isinstance(joins, Joins) else Joins((joins,))
 
 
 def _get(obj, dotted: str):

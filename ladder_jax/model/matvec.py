@@ -2,37 +2,16 @@
 
     y_mn = small_m_matmul(x_mk, w_kn, scale_n)     # None where the shapes do not fit
 
-A decode step multiplies at most a few rows (one token per batch row) by every weight. Without
-autotuning, XLA:GPU's split-K rewrite cuts such a GEMM's contraction into slices whose float32
-partial products are written out and read back by the ops that follow; here each program reads
-a block of W's columns (a slice of its rows too where the grid would otherwise be small),
-accumulates in float32 registers and writes the output once:
-
-- x (M, K) with M <= `MAX_ROWS` rows in bfloat16 / float16, padded to a power of two of
-  rows; 16 rows go through Triton's dot, fewer through a broadcast multiply and sum (Triton's
-  dot takes 16 rows or more: padding 1 row to 16 would move 16 times x's and the output's
-  bytes); W (K, N) in x's dtype or int8, whose per-output-channel float32 `scale` (N,)
-  multiplies the float32 sums inside the kernel; the output in x's dtype.
-- the grid is (N / block_n, splits): `block_n` a power of two from 16 to 128 small enough for
-  about `TARGET_PROGRAMS` programs; the contraction is split only where that is too few, and
-  only while the splits' float32 partial outputs stay under 1/64 of W's bytes. One small XLA
-  fusion sums them, behind an optimization barrier: left to itself XLA fuses the sum into
-  each consumer (RoPE, both cache writes), and each reads the partials again.
-- Triton blocks are powers of two: N and K must be multiples of 16, else (and for more rows,
-  or a float32 x) `plan` says None and the caller runs XLA's matmul.
-- what decoding would otherwise run as kernels of their own folds in (`small_m_matmul`'s
-  keywords): the RMSNorm of the float32 stream (each program computes its rows' mean square
-  over all of x, a few KB that stay in cache), outputs that join the stream before it
-  (written back by the first program, unless a later kernel joins them again), silu(gate) *
-  up in the gate/up projection's epilogue (`swiglu`: it writes half the columns, and the down
-  projection reads half) or else in the down projection's prologue, and the residual add in
-  the output projection's epilogue.
-
-Deviceless H100 programs hold it as one `__gpu$xla.gpu.triton` custom call per linear layer
-named `small_m_matmul`. Invariant: the result equals `(x @ W.astype(f32)) * scale` to the
-rounding of the output dtype, and a folded form equals its unfused steps to the same rounding.
-Used by `Linear` when `ModelConfig.decode_matmul` is "pallas" on GPU meshes; `interpret=True`
-runs it through Pallas's interpreter (tests on CPU).
+A decode step multiplies a few rows by every weight; without autotuning XLA:GPU splits such a
+GEMM's contraction and writes float32 partials out. Here each program reads a block of W's
+columns, accumulates in float32 registers and writes the output once (int8 W: its per-channel
+scale applied inside). `small_m_matmul`'s keywords fold in what decoding would otherwise run
+as kernels of its own: the RMSNorm of the stream, outputs joining the stream before it,
+silu(gate) * up, the residual add. Deviceless H100 programs hold it as one custom call per
+linear layer named `small_m_matmul`. Invariant: the result equals `(x @ W.astype(f32)) *
+scale` to the output dtype's rounding, a folded form its unfused steps. Used by `Linear` when
+`ModelConfig.decode_matmul` is "pallas" on GPU meshes; `interpret=True` runs it through
+Pallas's interpreter. The full spec: docs/architecture.md#the-small-m-matmul.
 """
 
 from __future__ import annotations

@@ -2,34 +2,14 @@
 
     out_btnh = attend_filled(q_btnh, k_bkhs, v_bksh, q_pos_bt, kernel="matmul")
 
-A serving cache row is sized for the longest request (`serve --max-len`), but a decode step's
-query at position p sees slots 0..p only. `attend_cache` reads every slot and masks; here the
-slots are visited in blocks of `key_block(S)`, and blocks past what a query can see are never
-read:
-
-- kernel "matmul" / "xla" (CPU and other XLA backends): a `while_loop` over key blocks whose trip
-  count is the longest row's filled length, max(q_pos) + 1, in blocks: each iteration slices one
-  block of keys and values out of the cache (in place, no copy of the cache) and folds it into
-  a running softmax (the running max, the sum of exponentials, the unnormalized output). Rows
-  shorter than the longest are masked within the blocks the longest one needs.
-- kernel "pallas" / "cudnn" (GPU): a Pallas (Triton) kernel, one program per (row, kv head,
-  split of the slots), looping over key blocks up to that row's own filled length, so each row
-  reads its own filled blocks only. A kv head's query heads are its rows (no padded copy of
-  the queries: fewer than Triton's 16 are loaded masked); one split writes the output where
-  the output projection reads it, several (flash decoding: enough programs to fill the GPU at
-  batch 1) write float32 partials of the real rows, combined by their log-sum-exps. Deviceless H100
-  programs hold it as one `__gpu$xla.gpu.triton` custom call per layer named
-  `ragged_decode_attention` (what `ladder_jax.analysis.perfmodel` costs at the filled fraction
-  of its cache operands).
-- `attend_new` (a decode step on GPU, one token per row): the same kernel, with RoPE of the new
-  queries and key and the cache write of the new key and value inside it, reading q/k/v where
-  the projection wrote them (the parallel scheme's five-way q/k/v/gate/up output whole, its
-  gate and up columns unread: no copy of q/k/v), the caches aliased in place; the same custom
-  call with five operands.
-
-Invariant: the same result as `attend_cache` (the reference arithmetic) for every row, to
-rounding: query t of row b sees slot s iff s <= q_pos[b, t]. Forward only (decoding): neither
-form is differentiable in reverse.
+A decode step's query at position p sees slots 0..p only; `attend_cache` reads every slot and
+masks, here blocks of `key_block(S)` slots past what a query can see are never read: a
+`while_loop` over key blocks with a running softmax (kernel "matmul" / "xla"), or a Pallas
+(Triton) kernel per (row, kv head, split of the slots) that reads each row's own filled blocks
+(kernel "pallas" / "cudnn", custom call `ragged_decode_attention`). `attend_new` (a decode
+step on GPU) also runs RoPE and the cache write of the new token inside that kernel, reading
+q/k/v where the projection wrote them. Invariant: the same result as `attend_cache` for every
+row, to rounding. Forward only. The full spec: docs/architecture.md#decode-attention.
 """
 
 from __future__ import annotations
@@ -332,12 +312,12 @@ def attend_new(
     rotated yet; columns past them (the parallel scheme's five-way projection: its gate and
     up, of any width) are never read, so the projection's output goes in whole, uncopied.
     `pos_bt` (B, 1) the token's position (< S); `inv_freq` (H/2,) RoPE's inverse frequencies
-    (`transformer.rope_frequencies`). Returns the attention output (B, 1, N, H) and the caches
+    (`attention.rope_frequencies`). Returns the attention output (B, 1, N, H) and the caches
     with the rotated key and the value written at slot pos[b] of row b, in place (the cache
     operands alias the outputs).
 
-    Invariant: the same as rotating q and k (`transformer.apply_rope`), writing the cache
-    (`transformer.write_cache`) and `attend_filled` over the written cache, to rounding. No
+    Invariant: the same as rotating q and k (`attention.apply_rope`), writing the cache
+    (`attention.write_cache`) and `attend_filled` over the written cache, to rounding. No
     program reads slot pos[b] from memory (the new token's key and value are folded in from
     registers by split 0, which alone writes them), so the splits never race."""
     B = rows_bc.shape[0]
@@ -402,7 +382,7 @@ def attend_new(
 
 
 def _rotate(x1, x2, cos, sin, dtype):
-    """RoPE of the two halves of a head (`transformer.apply_rope`), rounded to `dtype` as the
+    """RoPE of the two halves of a head (`attention.apply_rope`), rounded to `dtype` as the
     XLA form stores them, back in float32."""
     r1 = (x1 * cos - x2 * sin).astype(dtype).astype(jnp.float32)
     r2 = (x2 * cos + x1 * sin).astype(dtype).astype(jnp.float32)

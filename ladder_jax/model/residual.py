@@ -1,7 +1,7 @@
-"""The residual stream of every scheme: `run` wires the layers. For standard, ladder, hybrid and
-upper_bound one wiring, the forward that follows it, and the ladder's hand-written backward
-that walks it in reverse; parallel (`_parallel`), whose two modules share one input and one
-all-reduce, beside them.
+"""The residual stream of every scheme in its training form: `run` wires the layers. For
+standard, ladder, hybrid and upper_bound one wiring, the forward that follows it, and the
+ladder's hand-written backward that walks it in reverse; parallel (`_parallel`), whose two
+modules share one input and one all-reduce, beside them.
 
     slots = wiring(config)        # one Slot per module: immediate or deferred
 
@@ -10,10 +10,8 @@ module(norm(x)); x = x + pending), then pending = psum(y): a deferred module rea
 without the previous module's output, whose all-reduce is in flight meanwhile. Exactly one
 reduced output is pending when a module starts. The backward (`_ladder_stream`) walks the same
 wiring in reverse so that its all-reduces overlap too; it equals autodiff (tested against an
-independent reference). `parallel` (`_parallel`) shares one input and one all-reduce per
-layer. Decoding with the Triton matmul (`_decode_stream`) runs the same wiring with its norms
-and additions folded into the matmul kernels. The derivation:
-docs/architecture.md#the-residual-wiring.
+independent reference). The cached forward (prefill, decode step) reads the same wiring in
+`ladder_jax.model.decode`. The derivation: docs/architecture.md#the-residual-wiring.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ladder_jax.model import sharding
-from ladder_jax.model.linear import Joins
 from ladder_jax.model.sharding import DATA
 
 
@@ -49,12 +46,12 @@ def wiring(config) -> tuple[Slot, ...]:
     )
 
 
-def run(config, layers, x_btd, positions_bt, inv_freq, caches=None):
+def run(config, layers, x_btd, positions_bt, inv_freq):
     """The stream through `layers` (the model's `Layer`s) inside shard_map, wired by
-    `config.residual`. With `caches` (a (k, v) per layer) the attention modules read and write
-    them. Returns (x, updated caches or None)."""
+    `config.residual`: the training form (a KV cache's forward is `ladder_jax.model.decode`).
+    Returns x."""
     if config.residual == "parallel":
-        return _parallel(config, layers, x_btd, positions_bt, inv_freq, caches)
+        return _parallel(config, layers, x_btd, positions_bt, inv_freq)
     modules = [
         pair
         for layer in layers
@@ -73,69 +70,27 @@ def run(config, layers, x_btd, positions_bt, inv_freq, caches=None):
         config.remat == "matmuls",
         slots,
         tuple(graphdefs),
-        caches is not None and folds(layers[0]),
     )
-    if caches is None and any(s.deferred for s in slots):
-        return _ladder_stream(plan, states, x_btd, positions_bt, inv_freq), None
-    if plan.fold:
-        return _decode_stream(plan, states, x_btd, positions_bt, inv_freq, caches)
-    return _stream(plan, states, x_btd, positions_bt, inv_freq, caches=caches)
+    if any(s.deferred for s in slots):
+        return _ladder_stream(plan, states, x_btd, positions_bt, inv_freq)
+    return _stream(plan, states, x_btd, positions_bt, inv_freq)
 
 
-def _parallel(config, layers, x_btd, positions_bt, inv_freq, caches=None):
+def _parallel(config, layers, x_btd, positions_bt, inv_freq):
     """parallel: h = attn_norm(x); x = x + psum(A(h) + M(h)), one all-reduce per layer (the
-    MLP's norm is unused). A decoding clone's layers (`Layer.fused_in`) compute all five input
-    projections as one matmul."""
+    MLP's norm is unused)."""
 
     def both(attn, mlp, h_btd):  # one partial sum for the pair: one all-reduce
         return attn(h_btd, positions_bt, inv_freq) + mlp(h_btd)
 
     if config.remat != "none":
         both = nnx.remat(both, policy=MATMULS if config.remat == "matmuls" else None)
-    new_caches = None if caches is None else []
-    pending = None  # decoding folds: the layer's reduced output joins in the next prologue
     for i, layer in enumerate(layers):
         with jax.named_scope(f"layer{i}.parallel"):
-            cache = None if caches is None else caches[i]
-            if caches is not None and layer.fused_in is not None and folds(layer):  # kernels
-                y_btc = layer.fused_in(
-                    x_btd, config.dtype, norm=layer.attn_norm, joins=pending, split=False
-                )
-                y_btc, x_btd = y_btc if pending is not None else (y_btc, x_btd)
-                a, cache = _attend_five_way(layer, y_btc, positions_bt, inv_freq, cache)
-                new_caches.append(cache)
-                pending = sharding.reduce_tp(a + layer.mlp.down_from(layer.fused_in, y_btc, 3))
-                continue
             # tp-varying from here: the backward's input all-reduce (none at tp=1)
             h_btd = sharding.vary_tp(layer.attn_norm(x_btd).astype(config.dtype))
-            if layer.fused_in is not None:  # decoding: one matmul for all five
-                y_btc = layer.fused_in(h_btd, config.dtype, split=False)
-                a = _attend_five_way(layer, y_btc, positions_bt, inv_freq, cache)
-                m_btd = layer.mlp.down_from(layer.fused_in, y_btc, 3)
-            elif caches is None:
-                a, m_btd = both(layer.attn, layer.mlp, h_btd), None
-            else:
-                a, m_btd = layer.attn(h_btd, positions_bt, inv_freq, cache), layer.mlp(h_btd)
-            if cache is not None:
-                a, cache = a
-                new_caches.append(cache)
-            y_btd = a if m_btd is None else a + m_btd
-            x_btd = x_btd + sharding.reduce_tp(y_btd)
-    return (x_btd if pending is None else x_btd + pending), new_caches
-
-
-def _attend_five_way(layer, y_btc, positions_bt, inv_freq, cache):
-    """The attention of a parallel layer from its five-way projection's unsplit output
-    (q, k, v, gate, up): on the Triton kernel (`ragged.attend_new`) the output as it lies,
-    whose q/k/v columns the kernel reads in place; elsewhere split into q, k, v. Splitting
-    and concatenating q/k/v back for the kernel is a copy XLA does not fuse away (a
-    concatenate fusion per layer)."""
-    attn = layer.attn
-    if attn._writes_in_kernel(y_btc.shape[1], positions_bt, cache):
-        n_heads = layer.fused_in.parts[0][0]  # this rank's query heads
-        return attn.attend_rows(y_btc, 0, positions_bt, inv_freq, cache, n_heads=n_heads)
-    q, k, v, _, _ = layer.fused_in.split(y_btc)
-    return attn.attend_and_project(q, k, v, positions_bt, inv_freq, cache)
+            x_btd = x_btd + sharding.reduce_tp(both(layer.attn, layer.mlp, h_btd))
+    return x_btd
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,25 +103,6 @@ class _Plan:
     matmuls: bool  # modules keep their inputs and weight matmuls' outputs (remat="matmuls")
     slots: tuple[Slot, ...]
     graphdefs: tuple  # (norm graphdef, module graphdef) per slot
-    fold: bool = False  # decoding with the Triton matmul: norms and residual adds folded in
-
-
-def folds(layer) -> bool:
-    """Whether decoding folds the norms (and, where no all-reduce sits between, the residual
-    adds) into `layer`'s matmuls: its linear layers run the Triton kernel
-    (`ModelConfig.decode_matmul="pallas"` on a GPU mesh, `ladder_jax.model.matvec`)."""
-    return layer.attn.o.matmul == "pallas"
-
-
-def _fold_residual(plan, k: int) -> bool:
-    """Whether module k's output joins the stream in its last matmul's epilogue: decoding
-    folds, nothing sits between the two (tp 1: no all-reduce) and both module k and the next
-    are immediate (a deferred module's stream waits for the previous output). upper_bound at
-    tp > 1 joins its outputs in prologues like standard (fewer stream bytes at small shards)."""
-    slots = plan.slots
-    if not plan.fold or slots[k].deferred or (k + 1 < len(slots) and slots[k + 1].deferred):
-        return False
-    return jax.lax.axis_size(sharding.TP) == 1
 
 
 # What a module keeps for its backward under `remat="matmuls"`: the outputs of matmuls without
@@ -184,47 +120,27 @@ def _functions(plan, k, positions_bt, inv_freq):
     def norm(state, x_btd):
         return nnx.merge(gn, state)(x_btd).astype(plan.dtype)
 
-    def module(state, h_btd, cache=None):
+    def module(state, h_btd):
         m = nnx.merge(gm, state)
         if plan.slots[k].name == "attn":
-            return m(h_btd, positions_bt, inv_freq, cache)
+            return m(h_btd, positions_bt, inv_freq)
         return m(h_btd)
 
     return norm, module
 
 
-def _folded(plan, k, positions_bt, inv_freq):
-    """Decoding's module k (`_Plan.fold`): (norm state, module state, x, cache, residual,
-    joins) -> (its output (`residual +` it, given one), its cache or None, the stream with
-    `joins` joined or None), the norm in its first matmul's kernel. x enters tp-invariant:
-    the kernels type their outputs as varying like the weights."""
-    gn, gm = plan.graphdefs[k]
-
-    def module(norm_state, state, x_btd, cache, residual, joins):
-        n, m = nnx.merge(gn, norm_state), nnx.merge(gm, state)
-        kw = dict(norm=n, residual=residual, joins=joins)
-        if plan.slots[k].name == "attn":
-            out = m(x_btd, positions_bt, inv_freq, cache, **kw)
-        else:
-            out = m(x_btd, **kw)
-        out, stream = out if joins is not None else (out, None)
-        y_btd, cache = out if plan.slots[k].name == "attn" else (out, None)
-        return y_btd, cache, stream
-
-    return module
-
-
-def _reduce_and_vary(plan):
-    if plan.no_reduce:
+def reduce_and_vary(no_reduce: bool):
+    """(reduce, vary): a module output's all-reduce and its input's cast to tp-varying; both
+    the identity for upper_bound (`no_reduce`), whose stream is tp-varying itself."""
+    if no_reduce:
         return (lambda y: y), (lambda h: h)
     return sharding.reduce_tp, sharding.vary_tp
 
 
-def _stream(plan, states, x_btd, positions_bt, inv_freq, *, caches=None, vjps=None):
+def _stream(plan, states, x_btd, positions_bt, inv_freq, *, vjps=None):
     """The forward of the wiring (module docstring). With `vjps` (a list) records each
     module's (norm vjp, module vjp) for the backward."""
-    reduce, vary = _reduce_and_vary(plan)
-    caches = None if caches is None else list(caches)
+    reduce, vary = reduce_and_vary(plan.no_reduce)
     pending = None  # the previous module's all-reduced output, not yet added to x
     for k, slot in enumerate(plan.slots):
         with jax.named_scope(f"layer{slot.layer}.{slot.name}"):  # names ops in the HLO
@@ -232,100 +148,38 @@ def _stream(plan, states, x_btd, positions_bt, inv_freq, *, caches=None, vjps=No
                 x_btd, pending = x_btd + pending, None
             norm, module = _functions(plan, k, positions_bt, inv_freq)
             norm_state, module_state = states[k]
-            if caches is not None and slot.name == "attn":  # inference: nothing to remat
-                y_btd, caches[slot.layer] = module(
-                    module_state, vary(norm(norm_state, x_btd)), caches[slot.layer]
-                )
+            if plan.remat:  # keep only the stream x and the module's input h
+                norm, module = jax.checkpoint(norm), jax.checkpoint(module)
+            elif plan.matmuls:  # and the module's weight matmuls' outputs
+                norm = jax.checkpoint(norm)
+                module = jax.checkpoint(module, policy=MATMULS)
+            if vjps is not None and plan.remat:  # keep x alone: `_ladder_bwd` recomputes
+                y_btd = module(module_state, vary(norm(norm_state, x_btd)))
+                vjps.append(x_btd)
+            elif vjps is not None:
+                h_btd, norm_vjp = jax.vjp(norm, norm_state, x_btd)
+                y_btd, module_vjp = jax.vjp(module, module_state, vary(h_btd))
+                vjps.append((norm_vjp, module_vjp))
             else:
-                if plan.remat:  # keep only the stream x and the module's input h
-                    norm, module = jax.checkpoint(norm), jax.checkpoint(module)
-                elif plan.matmuls:  # and the module's weight matmuls' outputs
-                    norm = jax.checkpoint(norm)
-                    module = jax.checkpoint(module, policy=MATMULS)
-                if vjps is not None and plan.remat:  # keep x alone: `_ladder_bwd` recomputes
-                    y_btd = module(module_state, vary(norm(norm_state, x_btd)))
-                    vjps.append(x_btd)
-                elif vjps is not None:
-                    h_btd, norm_vjp = jax.vjp(norm, norm_state, x_btd)
-                    y_btd, module_vjp = jax.vjp(module, module_state, vary(h_btd))
-                    vjps.append((norm_vjp, module_vjp))
-                else:
-                    y_btd = module(module_state, vary(norm(norm_state, x_btd)))
+                y_btd = module(module_state, vary(norm(norm_state, x_btd)))
             if pending is not None:  # deferred: that all-reduce ran while `module` did
                 pending, y_btd = sharding.tie(pending, y_btd)
                 x_btd = x_btd + pending
             pending = reduce(y_btd)
-    return x_btd + pending, caches
-
-
-def _decode_stream(plan, states, x_btd, positions_bt, inv_freq, caches):
-    """`_stream` of a decoding program whose matmuls fold (`_Plan.fold`): the same wiring,
-    its additions moved into kernels. A module normalizes the stream in its first matmul's
-    prologue, after the output still pending joins it there (`joins`: the kernel writes the
-    joined stream out), so no norm or residual add runs as a kernel of its own; where nothing
-    sits between a module's output and the stream (`_fold_residual`) its last matmul adds it
-    in its epilogue instead. A deferred module's pending output joins in the next module's
-    prologue (`late`), as `_stream` adds it after the module; the tie that keeps its
-    all-reduce in flight meanwhile is the same. Where `_holds` says so, an attention module
-    does not write its joined stream: the MLP after it joins the same output again, then its
-    own (`linear.Joins`), and writes the stream once a layer."""
-    reduce, _ = _reduce_and_vary(plan)
-    caches = list(caches)
-    pending = None  # the previous module's all-reduced output, not yet in x
-    late = None  # a deferred module's pending output: joins in the next module's prologue
-    held = ()  # outputs joined in the previous module's prologue whose stream it did not write
-    for k, slot in enumerate(plan.slots):
-        with jax.named_scope(f"layer{slot.layer}.{slot.name}"):
-            joins = None
-            if slot.deferred:
-                joins, late = late, None
-            else:
-                if late is not None:  # a deferred module before an immediate one
-                    x_btd, late = x_btd + late, None
-                joins, pending = pending, None
-            parts = held + (() if joins is None else (joins,))
-            hold = bool(parts) and _holds(plan, k)
-            held = parts if hold else ()
-            residual = x_btd if not parts and _fold_residual(plan, k) else None
-            joins = Joins(parts, write=not hold) if parts else None
-            cache = caches[slot.layer] if slot.name == "attn" else None
-            y_btd, cache, stream = _folded(plan, k, positions_bt, inv_freq)(
-                *states[k], x_btd, cache, residual, joins
-            )
-            if cache is not None:
-                caches[slot.layer] = cache
-            x_btd = x_btd if stream is None else stream
-            if residual is not None:  # y_btd is the stream now
-                x_btd = reduce(y_btd)
-                continue
-            if pending is not None:  # deferred: that all-reduce ran while `module` did
-                late, y_btd = sharding.tie(pending, y_btd)
-            pending = reduce(y_btd)
-    for rest in (*held, late, pending):
-        x_btd = x_btd if rest is None else x_btd + rest
-    return x_btd, caches
-
-
-def _holds(plan, k: int) -> bool:
-    """Whether decoding module k (an attention module that joins an output to the stream)
-    leaves the joined stream unwritten: the MLP after it joins the same output in its own
-    prologue before its own pending one (deferred or not, the order of the additions is
-    `_stream`'s), so the stream is read twice but written once a layer."""
-    slots = plan.slots
-    return slots[k].name == "attn" and k + 1 < len(slots) and not _fold_residual(plan, k + 1)
+    return x_btd + pending
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ladder_stream(plan, states, x_btd, positions_bt, inv_freq):
     """`_stream` with the backward of the module docstring."""
-    return _stream(plan, states, x_btd, positions_bt, inv_freq)[0]
+    return _stream(plan, states, x_btd, positions_bt, inv_freq)
 
 
 def _ladder_fwd(plan, states, x_btd, positions_bt, inv_freq):
     """The forward, and what the backward needs: each module's (norm vjp, module vjp), or
     under remat only each module's input x (with the weights and positions to recompute)."""
     vjps = []
-    y = _stream(plan, states, x_btd, positions_bt, inv_freq, vjps=vjps)[0]
+    y = _stream(plan, states, x_btd, positions_bt, inv_freq, vjps=vjps)
     return y, (vjps, states if plan.remat else None, positions_bt, inv_freq)
 
 
@@ -336,7 +190,7 @@ def _ladder_bwd(plan, res, ct_x_btd):
     s_btd = ct_x_btd  # S: the stream's cotangent
     in_flight = None  # (k, all-reduced input cotangent of deferred module k)
     vjps = {} if plan.remat else dict(enumerate(saved))
-    _, vary = _reduce_and_vary(plan)
+    _, vary = reduce_and_vary(plan.no_reduce)
 
     def recompute(k, s_btd):  # remat: module k's norm and module again, from its input x
         # Through a tie with the stream's cotangent: XLA can neither merge the recomputation
