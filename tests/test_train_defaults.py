@@ -68,5 +68,9 @@ def test_the_tiny_preset_keeps_its_settings_and_says_them(tmp_path, two_cores, c
     assert t.loss_chunk == 0 and dict(t.mesh.shape) == {"data": 2, "tp": 1}
     assert jax.default_backend() == "cpu"
     line = t.describe()
-    assert "mesh data=2 x tp=1 (cpu); mesh.data null: one device per CPU core" in line, line
+    mib = 16 * model.num_params() / 2**20
+    assert (
+        f"mesh data=2 x tp=1 (cpu); mesh.data null: one device per CPU core (a copy of the "
+        f"training state is {mib:.1f} MiB)" in line
+    ), line
     assert "loss_chunk" not in line

@@ -572,12 +572,12 @@ class Trainer:
     def _chosen(self) -> str:
         c, cfg, notes = self.model_config, self.cfg, []
         if cfg.mesh.data is None and jax.process_count() == 1 and jax.default_backend() == "cpu":
-            state = training_state_bytes(c) / 2**30
+            state = training_state_bytes(c)
+            size = f"{state / 2**30:.2f} GiB" if state >= 2**30 else f"{state / 2**20:.1f} MiB"
             notes.append(
-                f"mesh.data null: one device per CPU core (a copy of the training state is "
-                f"{state:.2f} GiB)"
-                if state < CPU_REPLICA_BYTES / 2**30
-                else f"mesh.data null: 1, since a copy of the training state is {state:.2f} GiB"
+                f"mesh.data null: one device per CPU core (a copy of the training state is {size})"
+                if state < CPU_REPLICA_BYTES
+                else f"mesh.data null: 1, since a copy of the training state is {size}"
             )
         if cfg.loss_chunk is None and self.loss_chunk:
             mib = cfg.data.batch_size * cfg.data.seq_len * c.vocab_size * 4 / 2**20
