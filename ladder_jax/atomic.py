@@ -59,6 +59,8 @@ def as_os_error(e: Exception, file: str | None = None) -> OSError:
 def directory(out: str):
     """Yields an empty temporary directory beside `out`; once the block ends without an
     error it becomes `out` (an existing empty `out` is replaced). Removed on any error."""
+    if not os.fspath(out).strip():
+        raise ValueError("no directory to write: the path is empty")
     out = os.path.abspath(out)
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)

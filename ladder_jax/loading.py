@@ -166,7 +166,11 @@ def check_shapes(directory: str, params: nnx.State, what: str) -> None:
     want = flat(nnx.to_pure_dict(params))
     if not have:
         return
-    scales = sorted(k for k in set(have) - set(want) if k.rsplit("/", 1)[-1] == quant.SCALE)
+    scales = sorted(  # a Linear's int8 scale sits beside its weight (a norm's has none)
+        k
+        for k in set(have) - set(want)
+        if k.rsplit("/", 1)[-1] == quant.SCALE and f"{k.rsplit('/', 1)[0]}/weight" in have
+    )
     if scales:
         raise ConfigError(
             f"{what} is quantized (int8 weights with scales such as {scales[0]}, "
@@ -360,11 +364,12 @@ def check_tp(tp: int | None, config: config_lib.ModelConfig, flag: str = "--tp")
     each device holds whole heads. None (the default chosen later) passes."""
     if tp is None:
         return
+    given = f"{flag} {tp}" if flag.startswith("-") else f"{flag}={tp}"
     if tp < 1:
-        raise ConfigError(f"{flag} {tp}: give the number of devices to spread over, at least 1")
+        raise ConfigError(f"{given}: give the number of devices to spread over, at least 1")
     if tp > config.n_heads:
         raise ConfigError(
-            f"{flag} {tp}: the model has {config.n_heads} query heads and each device holds "
+            f"{given}: the model has {config.n_heads} query heads and each device holds "
             f"whole heads, so {flag} can be at most {config.n_heads}"
         )
 

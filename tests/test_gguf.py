@@ -23,7 +23,7 @@ import ladder_jax as lj
 from ladder_jax.cli import convert, serve
 from ladder_jax.cli import decode as decode_cli
 from ladder_jax.interop import hf
-from ladder_jax.interop.gguf import GGUFError, gguf_config, gguf_tokenizer
+from ladder_jax.interop.gguf import GGUFError, check_layout, gguf_config, gguf_tokenizer
 from ladder_jax.interop.tokenizer import ByteTokenizer, HFTokenizer
 from ladder_jax.loading import load_model, read_model_config
 from tests.helpers import logits as _logits
@@ -677,6 +677,28 @@ def test_a_damaged_layout_is_refused_by_every_reader(llamas, tmp_path, case):
         with pytest.raises(GGUFError, match="has offset") as e:
             call()
         assert "\n" not in str(e.value) and "expected" in str(e.value)
+
+
+def test_the_layout_follows_general_alignment(tmp_path):
+    """A file aligned to 64 bytes opens; a tensor moved to a multiple of 32 (but not of 64)
+    is refused, and the gguf package's own reader takes both."""
+    file = str(tmp_path / "a64.gguf")
+    w = gguf.GGUFWriter(file, "llama")
+    w.add_custom_alignment(64)
+    for name, shape in (("a", (3, 5)), ("b", (7,)), ("c", (2, 2))):
+        w.add_tensor(name, np.ones(shape, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    r = gguf.GGUFReader(file)
+    check_layout(r, file)
+    assert [int(t.data_offset - r.data_offset) for t in r.tensors] == [0, 64, 128]
+    move_offset(file, "b", 32)
+    with pytest.raises(
+        GGUFError, match=r"'b' has offset 96, expected 64 \(not a multiple of the alignment, 64"
+    ):
+        check_layout(gguf.GGUFReader(file), file)
 
 
 def test_convert_tp_that_does_not_divide_the_heads_is_one_line(llamas, tmp_path, capsys):

@@ -18,6 +18,8 @@ from ladder_jax import atomic, loading, runtime
 from ladder_jax.cli import convert
 from ladder_jax.cli import decode as decode_cli
 from ladder_jax.cli import eval as eval_cli
+from ladder_jax.cli import serve as serve_cli
+from ladder_jax.cli import train as train_cli
 from ladder_jax.config import ConfigError
 from ladder_jax.interop import hf
 from ladder_jax.interop.tokenizer import ByteTokenizer
@@ -106,6 +108,16 @@ def _damaged(saved, tmp_path, case):
     return m, says
 
 
+def test_a_config_that_does_not_match_the_weights_is_not_called_quantized(saved, tmp_path):
+    """Fewer layers in config.yaml than in the checkpoint: the extra norms' `scale` weights are
+    not int8 scales (those sit beside a Linear's `weight`)."""
+    m = _copy(saved, tmp_path)
+    (m / "config.yaml").write_text("model:\n  preset: tiny\n  n_layers: 1\n")
+    with pytest.raises(ConfigError, match="holds weights this model does not have") as e:
+        lj.load(str(m), tp=1)
+    assert "quantized" not in str(e.value)
+
+
 @pytest.mark.parametrize("case", list(DAMAGE))
 def test_lj_load_refuses_a_damaged_checkpoint_in_one_line(saved, tmp_path, case):
     m, says = _damaged(saved, tmp_path, case)
@@ -155,6 +167,16 @@ def test_serve_refuses_a_damaged_checkpoint_in_one_line(saved, tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # convert: arguments before devices; written whole or not at all.
+
+
+def test_an_empty_out_or_output_is_refused(saved, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # an empty path is the current directory to os.path
+    line = one_line(capsys, convert.main(["--checkpoint", str(saved[0]), "--out", ""]))
+    assert "--out '': give the directory" in line, line
+    argv = ["--checkpoint", str(saved[0]), "--tasks", "toy", "--tasks-dir", _task(tmp_path)]
+    line = one_line(capsys, eval_cli.main(argv + ["--output", ""]))
+    assert "--output '': give a file" in line, line
+    assert os.listdir(tmp_path) == ["toy"]
 
 
 @pytest.mark.parametrize("tp", ["0", "-3", "100000"])
@@ -217,6 +239,18 @@ def test_convert_onto_a_full_disk_leaves_nothing_and_the_rerun_works(
             assert os.stat(os.path.join(d, f)).st_mode & 0o777 == file_mode, f
 
 
+def test_convert_interrupted_while_writing_leaves_nothing(saved, tmp_path, capsys, monkeypatch):
+    def interrupted(self, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", interrupted)
+    out = tmp_path / "out"
+    assert convert.main(["--checkpoint", str(saved[0]), "--out", str(out)]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err == f"stopped: nothing was written to --out {str(out)!r}", err
+    assert os.listdir(tmp_path) == []
+
+
 def test_save_hf_onto_a_full_disk_leaves_nothing(saved, tmp_path, monkeypatch):
     _full_disk(monkeypatch, "safetensors")
     with pytest.raises(OSError, match="No space left on device"):
@@ -270,3 +304,20 @@ def test_eval_results_survive_a_failed_output_write(saved, tmp_path, capsys, mon
     finally:
         os.remove(rescue)
     assert not (tmp_path / "again.jsonl").exists()
+
+
+def test_decode_serve_and_train_refuse_a_tp_that_cannot_exist_before_making_devices(
+    capsys, monkeypatch, tmp_path
+):
+    """The neighbours of convert's --tp: decode and serve (--tp), train (mesh.tp, and a
+    mesh.data larger than the batch) say so before `runtime.setup` makes a device."""
+    monkeypatch.setattr(runtime, "setup", lambda **k: pytest.fail("devices were made"))
+    for main in (decode_cli.main, serve_cli.main):
+        line = one_line(capsys, main(["--preset", "tiny", "--tp", "100000"]))
+        assert f"--tp 100000: the model has {TINY.n_heads} query heads" in line, line
+    common = ["configs/tiny.yaml", "steps=1", f"run_dir={tmp_path}", "name=x"]
+    line = one_line(capsys, train_cli.main(common + ["mesh.tp=100000"]))
+    assert f"mesh.tp=100000: the model has {TINY.n_heads} query heads" in line, line
+    line = one_line(capsys, train_cli.main(common + ["mesh.data=100000"]))
+    assert "mesh.data=100000: between 1 and data.batch_size" in line, line
+    assert not os.listdir(tmp_path)

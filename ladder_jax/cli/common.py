@@ -251,6 +251,7 @@ def setup_devices(args):
         if args.checkpoint
         else ModelConfig.from_preset(args.preset)
     )
+    loading.check_tp(args.tp, shape)  # before any device is made
     runtime.setup(
         cpu_devices=args.cpu_devices
         or args.tp

@@ -155,6 +155,8 @@ def _parser() -> ArgumentParser:
 
 def _check(args) -> None:
     """Every check of the arguments that needs no device."""
+    if not args.out.strip():
+        raise ConfigError("--out '': give the directory to write the result in")
     if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
         raise ConfigError(
             f"--out {args.out!r} exists and is not an empty directory: choose a new directory"
@@ -268,6 +270,9 @@ def main(argv=None) -> int:
     except OSError as e:  # a full disk, a read-only mount: nothing half-written is left
         print(f"error: {_write_error(args, e)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"stopped: nothing was written to --out {args.out!r}", file=sys.stderr)
+        return 130
     print(f"{model}\nwritten to {args.out}" + (" (Hugging Face layout)" if args.to_hf else ""))
     return 0
 

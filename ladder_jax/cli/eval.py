@@ -132,6 +132,9 @@ def main(argv=None) -> int:
     except UsageError as e:  # TaskError, ShardingError and HFError included
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("stopped: no results were written", file=sys.stderr)
+        return 130
 
 
 def _check(args):
@@ -140,6 +143,8 @@ def _check(args):
         raise ConfigError(f"--limit {args.limit}: give a number of docs, at least 1")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size}: give at least 1")
+    if args.output is not None and not args.output.strip():
+        raise ConfigError("--output '': give a file to write the results in")
     if args.output:
         parent = os.path.dirname(os.path.abspath(args.output))
         if os.path.isdir(args.output) or not os.path.isdir(parent):

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from ladder_jax import atomic, hardware, processes, runtime
 from ladder_jax.config import ConfigError, TrainConfig, check, model_config
 from ladder_jax.interop.tokenizer import make_tokenizer
+from ladder_jax.loading import check_tp
 from ladder_jax.model import sharding
 from ladder_jax.model.transformer import Transformer, abstract
 from ladder_jax.train import data, distill, step
@@ -104,6 +105,12 @@ def loss_chunk(cfg: TrainConfig, config) -> int:
 def init_runtime(cfg: TrainConfig) -> None:
     """`ladder_jax.runtime.setup` for this config: on a CPU host, as many fake devices as the
     mesh needs (or `mesh.cpu_devices`); `mesh.data: null` there is `data_parallel`'s."""
+    check_tp(cfg.mesh.tp, check(cfg), flag="mesh.tp")  # before any device is made
+    if cfg.mesh.data is not None and not 1 <= cfg.mesh.data <= cfg.data.batch_size:
+        raise ConfigError(
+            f"mesh.data={cfg.mesh.data}: between 1 and data.batch_size={cfg.data.batch_size} "
+            f"(each data-parallel group takes whole sequences of the batch)"
+        )
     d = cfg.dist
     nproc = d.num_processes or int(os.environ.get("JAX_NUM_PROCESSES") or 1)
     one_cpu_process = (
