@@ -23,7 +23,7 @@ import sys
 
 import jax
 
-from ladder_jax.analysis import overlap, perfmodel
+from ladder_jax.analysis import overlap, perfmodel, tables
 from ladder_jax.config import RESIDUALS, ModelConfig, check_quantize, load_config
 from ladder_jax.evaluation import suite
 from ladder_jax.evaluation.tasks import DEFAULT_REGIME, DEFAULT_TASKS
@@ -198,7 +198,7 @@ def predict(
         name=preset,
         **kwargs,
     )
-    return [{"preset": preset, **r} for r in perfmodel.with_ratios(rows)]
+    return [{"preset": preset, **r} for r in tables.with_ratios(rows)]
 
 
 def evaluate(
