@@ -9,17 +9,17 @@ decode step against them (deviceless H100 compiles; no GPU needed).
     python benchmarks/ladder_bound.py --quantize int8 --batch 1 --timeline
 
 One line per (precision, batch): microseconds per layer of attention's and the MLP's compute
-(`perfmodel.costed`: roofline time plus fixed overhead, alone on the GPU) and of their
+(`timeline.costed`: roofline time plus fixed overhead, alone on the GPU) and of their
 all-reduces, the standard layer (C + A, `serial`), then ladder / standard, each the
 standard's figure over the ladder's:
-- `bound`: the best layer any schedule could reach (`perfmodel.overlap_bound`), handovers
+- `bound`: the best layer any schedule could reach (`timeline.overlap_bound`), handovers
   between the compute and the collective stream free;
 - `waits`: the same, each handover costing the calibration's `stream_sync_s` as the ladder's
   asynchronous all-reduces do;
 - `xla`: the best with those waits where one all-reduce is in flight at a time
   (`overlap_bound(..., one_in_flight=True)`: kernels j, done j - 1, start j);
 - `layer`: the layer of the compiled ladder and standard steps as the model replays them
-  (`perfmodel.simulate` of 4 layers less 3, contention and launches included);
+  (`timeline.simulate` of 4 layers less 3, contention and launches included);
 - `step`: the whole decode step (`perfmodel.program_time`: the head too, at full depth);
 - `predict`: tokens/s as `predict` costs a generation (the prefill and new_tokens - 1 steps).
 `--timeline` prints, after each line, the ladder's compiled layer as the model replays it:
@@ -39,21 +39,21 @@ import jax
 DEPTH = 4  # layers compiled; the layer measured is DEPTH - 2, with layers on both sides
 
 
-def layer_replay(cfg, *, residual: str, shape: dict, cal, link) -> tuple[float, list]:
+def layer_replay(cfg, *, residual: str, shape, cal, link) -> tuple[float, list]:
     """(seconds of one layer, its spans) of the compiled decode step with `residual`, replayed
     as `program_time` replays it: DEPTH layers less DEPTH - 1, and the spans that begin from
     layer DEPTH - 2's first op to layer DEPTH - 1's."""
-    from ladder_jax.analysis import perfmodel
+    from ladder_jax.analysis import compiled, timeline
 
     seconds, trace = [], []
     for depth in (DEPTH - 1, DEPTH):
-        kernels = perfmodel.program_kernels(
-            dataclasses.replace(cfg, residual=residual, n_layers=depth), phase="decode", **shape
+        kernels = compiled.program_kernels(
+            dataclasses.replace(cfg, residual=residual, n_layers=depth), shape, phase="decode"
         ).kernels
-        ops = perfmodel.costed(kernels, calibration=cal, link=link, launch="graphs")
-        ops = perfmodel.stream_waits(ops, cal.launch.stream_sync_s)
+        ops = timeline.costed(kernels, calibration=cal, link=link, launch="graphs")
+        ops = timeline.stream_waits(ops, cal.launch.stream_sync_s)
         trace = []
-        t = perfmodel.simulate(
+        t = timeline.simulate(
             ops, step_s=cal.launch.step_s, copy_rate=cal.contention.copy_rate, trace=trace
         )
         seconds.append(t.seconds)
@@ -68,31 +68,29 @@ def bound_row(cfg, *, tp: int, batch: int, prompt_len: int, new_tokens: int, tar
     """The fields of one line (module docstring), in seconds per layer, and the ladder's
     layer timeline (`ladder_spans`)."""
     from ladder_jax import hardware
-    from ladder_jax.analysis import perfmodel
+    from ladder_jax.analysis import compiled, perfmodel, timeline
 
     cal = hardware.calibration(target)
     link = hardware.links(target)["nvlink"]
-    shape = dict(tp=tp, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, target=target)
+    shape = compiled.Workload(tp, batch, prompt_len, new_tokens, target=target)
     std = dataclasses.replace(cfg, residual="standard")
-    kernels = perfmodel.program_kernels(
-        dataclasses.replace(std, n_layers=DEPTH), phase="decode", **shape
+    kernels = compiled.program_kernels(
+        dataclasses.replace(std, n_layers=DEPTH), shape, phase="decode"
     ).kernels
-    ops = perfmodel.costed(kernels, calibration=cal, link=link, launch="graphs")
-    m = perfmodel.module_times(ops, layer=DEPTH - 2)
+    ops = timeline.costed(kernels, calibration=cal, link=link, launch="graphs")
+    m = timeline.module_times(ops, layer=DEPTH - 2)
     wait = cal.launch.stream_sync_s
-    b = perfmodel.overlap_bound(m["compute_s"], m["collective_s"])
-    waited = perfmodel.overlap_bound(m["compute_s"], m["collective_s"], wait_s=wait)
-    xla = perfmodel.overlap_bound(
-        m["compute_s"], m["collective_s"], wait_s=wait, one_in_flight=True
-    )
+    b = timeline.overlap_bound(m["compute_s"], m["collective_s"])
+    waited = timeline.overlap_bound(m["compute_s"], m["collective_s"], wait_s=wait)
+    xla = timeline.overlap_bound(m["compute_s"], m["collective_s"], wait_s=wait, one_in_flight=True)
     layers, spans, steps, gens = {}, [], {}, {}
     for r in ("standard", "ladder"):
         layers[r], trace = layer_replay(cfg, residual=r, shape=shape, cal=cal, link=link)
         if r == "ladder":
             spans = trace
         c = dataclasses.replace(cfg, residual=r)
-        steps[r] = perfmodel.program_time(c, phase="decode", link=link, **shape)
-        pre = perfmodel.program_time(c, phase="prefill", link=link, **shape)
+        steps[r] = perfmodel.program_time(c, shape, perfmodel.Costing(link), phase="decode")
+        pre = perfmodel.program_time(c, shape, perfmodel.Costing(link), phase="prefill")
         gens[r] = pre["seconds"] + (new_tokens - 1) * steps[r]["seconds"]
     n = cfg.n_layers
     return {

@@ -45,6 +45,7 @@ def main(argv=None) -> int:
     jax.config.update("jax_platforms", "cpu")
 
     from ladder_jax.analysis import roofline
+    from ladder_jax.analysis.compiled import Workload
     from ladder_jax.config import ModelConfig
 
     print(
@@ -61,14 +62,8 @@ def main(argv=None) -> int:
                         quantize=None if q == "none" else q,
                         decode_matmul=mm,
                     )
-                    r = roofline.layer_report(
-                        cfg,
-                        tp=tp,
-                        batch=b,
-                        prompt_len=args.prompt_len,
-                        new_tokens=args.new_tokens,
-                        target=args.target,
-                    )
+                    w = Workload(tp, b, args.prompt_len, args.new_tokens, target=args.target)
+                    r = roofline.layer_report(cfg, w)
                     if args.json:
                         print(
                             json.dumps(

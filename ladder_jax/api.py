@@ -24,7 +24,7 @@ import sys
 
 import jax
 
-from ladder_jax.analysis import overlap, perfmodel
+from ladder_jax.analysis import overlap, perfmodel, tables
 from ladder_jax.config import RESIDUALS, ModelConfig, check_quantize, load_config
 from ladder_jax.evaluation import suite
 from ladder_jax.evaluation.tasks import DEFAULT_REGIME, DEFAULT_TASKS
@@ -269,7 +269,7 @@ def predict(
     finally:
         if lines is not None:
             lines.close()
-    return PredictRows({"preset": preset, **r} for r in perfmodel.with_ratios(rows))
+    return PredictRows({"preset": preset, **r} for r in tables.with_ratios(rows))
 
 
 def evaluate(

@@ -7,9 +7,9 @@ Chip figures are the vendors' dense spec-sheet numbers (H100 / H800 / H200 / A10
 L40S datasheets and the Hopper and Ampere whitepapers); `TARGETS` are the chips with an `arch`
 for `gpu_target_config`. `EFFICIENCY`, `LINKS` (NVLink, PCIe), `INTER_HOST` (InfiniBand),
 `NCCL` (NCCL's tuning model), `CONTENTION` and `LAUNCH` (host launch costs) each name their
-public source. None is fitted
-to a measured end-to-end throughput of any model. How to set them for a cluster:
-docs/analysis.md#calibration.
+public source: its `sources` string, kept beside this module in hardware_sources.json (one
+entry per constant). None is fitted to a measured end-to-end throughput of any model. How
+to set them for a cluster: docs/analysis.md#calibration.
 """
 
 from __future__ import annotations
@@ -19,6 +19,12 @@ import json
 import math
 import os
 import platform
+from importlib import resources
+
+# Each constant's public sources (`sources=`), one entry per constant, read at import.
+SOURCES: dict[str, str] = json.loads(
+    resources.files("ladder_jax").joinpath("hardware_sources.json").read_text(encoding="utf-8")
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +177,7 @@ class Link:
     of link in NCCL's tables (`NcclTuning`). `nic_path`: for an inter-host link, the type of
     the PCIe path from a GPU to its NIC in NCCL's topology (`NCCL_PATHS`; PIX: the NIC on the
     GPU's own PCIe switch, as in DGX/HGX systems), which decides whether NCCL runs LL128
-    across hosts (`perfmodel.ll128_enabled`)."""
+    across hosts (`collectives.ll128_enabled`)."""
 
     name: str
     description: str
@@ -199,12 +205,7 @@ LINKS = {
         hop_latency_s=0.6e-6,
         bus_bytes_per_s=360e9,
         channels=24,
-        sources="latencies: NCCL's own cost model (src/graph/tuning.cc: ring/LL base latency "
-        "6.6 us, 0.6 us per NVLink step); bus bandwidth: nccl-tests all_reduce_perf on "
-        "8x H100 SXM (DGX H100) with the ring algorithm, ~360 GB/s busbw for large "
-        "messages (NVIDIA's NVLink SHARP material reports ~480 GB/s with NVLS, which "
-        "this preset does not assume); NVLink 4 is 450 GB/s per direction per GPU "
-        "(H100 datasheet)",
+        sources=SOURCES["LINKS.nvlink"],
     ),
     "pcie": Link(
         "pcie",
@@ -215,14 +216,7 @@ LINKS = {
         bus_bytes_per_s=25e9,
         channels=4,
         hw="pci",
-        sources="latencies: NCCL's cost model (src/graph/tuning.cc: ring/LL base 6.6 us, "
-        "1.0 us per PCI step), counted twice per step since each step crosses PCIe "
-        "twice through host memory; bus bandwidth: PCIe 5.0 x16 is 63 GB/s per "
-        "direction (PCI-SIG PCIe 5.0 base specification, 32 GT/s x 16 lanes, "
-        "128b/130b); through host memory each byte is written to and read back from "
-        "DRAM shared by all GPUs, taken as ~40% of the link rate (25 GB/s busbw), the "
-        "order nccl-tests reports for P2P-disabled PCIe servers. Least certain figure "
-        "of the table: measure it (see docs/analysis.md)",
+        sources=SOURCES["LINKS.pcie"],
     ),
 }
 # channels: NCCL prints "N coll channels" at start-up; on NVSwitch machines (DGX H100, DGX
@@ -236,17 +230,7 @@ A100_LINKS = {  # the same two interconnects one generation earlier
         hop_latency_s=0.6e-6,
         bus_bytes_per_s=230e9,
         channels=24,
-        sources="latencies: NCCL's cost model as for H100 (tuning.cc: ring/LL base 6.6 us, "
-        "0.6 us per NVLink step); bus bandwidth: NVLink 3 is 12 links x 25 GB/s = "
-        "300 GB/s per direction per GPU (A100 datasheet: 600 GB/s bidirectional); "
-        "nccl-tests all_reduce_perf on 8x A100 SXM4 40GB in one host (OCI BM.GPU4.8, "
-        "NVSwitch), 10 GiB, busbw 232.2 GB/s out of place, 232.1 in place "
-        "(github.com/oracle-japan/ocitutorials, tutorials/_hpc/benchmark/"
-        "run-nccltests-ubuntu.md); nccl-tests sendrecv_perf on 8x A100 NVLink, 1 GiB: "
-        "195 GB/s one way (github.com/li-plus/playground, cuda/nccl.md), the per-GPU "
-        "rate a ring step can reach. Left uncited: the small-message latencies (no "
-        "published A100 nccl-tests small-message row found that isolates them; NCCL's "
-        "model is used) and a per-kernel CUDA graph launch gap measured on A100",
+        sources=SOURCES["A100_LINKS.nvlink"],
     ),
     "pcie": Link(
         "pcie",
@@ -257,10 +241,7 @@ A100_LINKS = {  # the same two interconnects one generation earlier
         bus_bytes_per_s=12.5e9,
         channels=4,
         hw="pci",
-        sources="latencies: as the Gen5 entry (NCCL's cost model, 1.0 us per PCI step, twice "
-        "per step through host memory); bus bandwidth: PCIe 4.0 x16 is 31.5 GB/s per "
-        "direction (PCI-SIG PCIe 4.0 base specification, 16 GT/s x 16 lanes, "
-        "128b/130b), ~40% of it through host memory as for the Gen5 entry",
+        sources=SOURCES["A100_LINKS.pcie"],
     ),
 }
 
@@ -274,11 +255,7 @@ INTER_HOST = {  # one NIC per GPU (rail-optimized DGX/HGX clusters); figures per
         bus_bytes_per_s=45e9,
         channels=16,
         hw="net",
-        sources="latency per inter-host step: NCCL's cost model (src/graph/tuning.cc: network "
-        "ring/LL latency 2.7 us per step, base 6.6 us); bandwidth: NDR is 400 Gb/s = "
-        "50 GB/s per direction per NIC (NVIDIA ConnectX-7 datasheet); perftest "
-        "ib_write_bw and nccl-tests across two DGX H100 reach ~90% of it per NIC "
-        "(~45 GB/s); NCCL uses 2 channels per NIC",
+        sources=SOURCES["INTER_HOST.h100"],
     ),
     "a100": Link(
         "ib-hdr",
@@ -289,9 +266,7 @@ INTER_HOST = {  # one NIC per GPU (rail-optimized DGX/HGX clusters); figures per
         bus_bytes_per_s=22.5e9,
         channels=16,
         hw="net",
-        sources="latency: NCCL's cost model as above; bandwidth: HDR is 200 Gb/s = 25 GB/s per "
-        "direction per NIC (NVIDIA ConnectX-6 datasheet), ~90% reached per NIC by "
-        "perftest / nccl-tests across DGX A100 nodes (~22.5 GB/s)",
+        sources=SOURCES["INTER_HOST.a100"],
     ),
 }
 
@@ -300,7 +275,7 @@ INTER_HOST = {  # one NIC per GPU (rail-optimized DGX/HGX clusters); figures per
 class NcclTuning:
     """NCCL's own cost model, with which it picks an algorithm (ring, tree) and a protocol
     (LL, LL128, Simple) for each collective by message size and topology: every pair's time
-    is `latency + bytes / bandwidth` and the fastest runs. `perfmodel.nccl_seconds` applies it
+    is `latency + bytes / bandwidth` and the fastest runs. `collectives.nccl_seconds` applies it
     to tp groups that span hosts (`--algorithm nccl`, the default). Latencies are NCCL's
     figures for its reference hardware; a link's own `hop_latency_s` (its ring/LL step)
     rescales those of its class, so a calibrated link moves all three protocols."""
@@ -312,25 +287,25 @@ class NcclTuning:
     protocol_share: dict  # (algorithm, protocol) -> share of the link's bus bandwidth
     ring_plateau: float  # Simple ring latency factor across hosts beyond 64 B per channel-rank
     sources: str
-    # within one host (`perfmodel.nccl_one_host_seconds`)
+    # within one host (`collectives.nccl_one_host_seconds`)
     ll_one_host_bus_bytes_per_s: dict = dataclasses.field(default_factory=dict)  # arch -> cap
     tree_ll128_one_host_share: float = 0.92 * 7 / 9
     nvls_archs: tuple = ()  # archs with NVLink SHARP (NVSwitch multicast/reduce)
     nvls_latency_s: float = 0.0
     nvls_channels: int = 16
     nvls_bus_factor: dict = dataclasses.field(default_factory=dict)  # ranks -> x ring busbw
-    # LL128 (`perfmodel.ll128_enabled`): the archs NCCL enables it on, the farthest GPU -> NIC
+    # LL128 (`collectives.ll128_enabled`): the archs NCCL enables it on, the farthest GPU -> NIC
     # path across hosts (`NCCL_PATHS`), and the archs allowed PXN beyond it
     ll128_archs: tuple = ("sm70", "sm80", "sm90", "sm100", "sm120")
     ll128_nic_path: str = "PXB"
     ll128_pxn_archs: tuple = ("sm90", "sm100", "sm120")
 
 
-_PROTOCOLS = ("LL", "LL128", "Simple")
+PROTOCOLS = ("LL", "LL128", "Simple")
 
 
 def _table(**rows) -> dict:
-    return {(*k.split("_"), p): v * 1e-6 for k, vs in rows.items() for p, v in zip(_PROTOCOLS, vs)}
+    return {(*k.split("_"), p): v * 1e-6 for k, vs in rows.items() for p, v in zip(PROTOCOLS, vs)}
 
 
 NCCL = NcclTuning(
@@ -360,34 +335,7 @@ NCCL = NcclTuning(
     nvls_latency_s=25e-6,
     nvls_channels=16,
     nvls_bus_factor={r: gbs / 370 for r, gbs in enumerate((370, 370, 370, 420, 440, 460, 480), 2)},
-    sources="NCCL's tuning model, src/graph/tuning.cc of NVIDIA/nccl (master, 2026): base "
-    "latencies (tree 6.8 / 14.0 / 8.4 us, ring 6.6 / 14.0 / 8.4 us for LL / LL128 / "
-    "Simple), per-step hardware latencies (NVLink tree 0.6 / 1.25 / 4.0, ring 0.6 / "
-    "1.9 / 3.4; PCI tree 1.0 / 1.9 / 4.0, ring 1.0 / 2.5 / 5.7; network tree 5.0 / 8.5 / "
-    "14, ring 2.7 / 4.0 / 14 us), the network overhead per inter-host ring step (1 us "
-    "on Intel hosts, x3 for Simple), LL's bandwidth cap across hosts (llMaxBws, Intel: "
-    "39.0 GB/s on 2 nodes, 20.4 on more), the protocol shares (ring LL x0.5, LL128 "
-    "x0.92; tree x0.92, LL /3.8, LL128 x120/128 across nodes), the tree's "
-    "2((g-1) intra + log2(hosts) inter) latency and its 0.5 algorithm-bandwidth ratio, "
-    "and the Simple ring's 1.4x latency plateau across nodes (sm80 and later). Left "
-    "out across hosts: the tree's size correction table, NVLS/CollNet (NVLink SHARP / "
-    "in-network reduction), per-channel caps. Within one host (same file): LL's cap "
-    "on one node by GPU (llMaxBws Ampere-N1 87.7 GB/s, Hopper-N1 141 GB/s), the tree's "
-    "LL128 share on one node (x7/9 after x0.92), LL128 only where the ring's intra-host "
-    "path is NVLink (none through host memory, PATH_NVB rule), NVLS (NVLink SHARP) on "
-    "Hopper only (nvlsEfficiency 0 on Ampere), Simple protocol only, 25 us NVLink "
-    "latency with no base, 16 channels (src/transport/nvls.cc, NVLS_NCHANNELS_SM90). "
-    "NVLS bandwidth measured, not NCCL's estimate: all_reduce_perf with NCCL_ALGO=NVLS "
-    "on 8x H100 SXM, 2-4 GB messages, busbw 365-370 GB/s on 2 to 4 GPUs (as the ring), "
-    "420 / 440 / 460 / 480 GB/s on 5 / 6 / 7 / 8 (github.com/NVIDIA/nccl issue 1455); "
-    "NCCL's maintainer: ring busbw ~370 GB/s, NVLS on 8 GPUs ~480 GB/s busbw "
-    "(github.com/NVIDIA/nccl-tests issue 212): taken as factors of the link's ring busbw. "
-    "LL128's enable rule (ncclTopoTuneModel in the same file): only where the ring's "
-    "intra-host path is NVLink (typeIntra <= PATH_NVB: never with P2P off, whose path "
-    "goes through host memory), across hosts only when the GPU -> NIC path is at most "
-    "PXB, or PXN on compute capability 9.0 and later, and only on the archs NCCL has "
-    "tested it on (7.0, 8.0, 9.0, 10.0, 12.0). "
-    "No end-to-end throughput was used",
+    sources=SOURCES["NCCL"],
 )
 
 
@@ -414,26 +362,7 @@ class Contention:
 CONTENTION = Contention(
     bytes_per_channel=64 * 1024,
     hbm_bytes_per_bus_byte=3.0,
-    sources="one thread block per channel, resident for the whole collective: NCCL's design "
-    "(NCCL documentation, NCCL_MIN/MAX_NCHANNELS: 'each channel uses one CUDA block'); "
-    "fewer channels for small messages: NCCL's enqueue logic (a thread gets at least a "
-    "few hundred bytes of LL/Simple traffic; ~64 KiB per 512-thread channel here); HBM "
-    "traffic: with the Simple protocol a received chunk lands in a FIFO buffer in HBM, "
-    "is read back and combined with a local read before it is sent on: ~3 HBM bytes "
-    "per byte on the link. copy_rate: an NCCL send/recv run beside a 128-CTA CUTLASS "
-    "GEMM on a 142-SM GPU, SMs to spare, up to 2x slower than alone "
-    "(github.com/NVIDIA/nccl issue 1433), which NCCL's maintainers put down to memory "
-    "bandwidth (a link byte is 2-3 HBM bytes: nccl issues 1428, 1433); an NCCL ring "
-    "all-reduce (Simple, 24 channels, 8 V100) beside a CUTLASS GEMM took 206.4 / 381.5 / "
-    "681.3 ms against 106.6 / 174.8 / 301.1 ms alone (github.com/parasailteam/coconet "
-    "issue 6; the GEMM covered about half of it, so a lower rate while beside: 0.5 is "
-    "the milder reading). Wave quantization (`perfmodel.flops_slowdown`): a GEMM's "
-    "thread-block tiles run in waves of one per SM, its time set by the number of waves "
-    "(NVIDIA Deep Learning Performance Guide, 'Matrix Multiplication Background', wave "
-    "quantization); on an H100 (132 SMs) a cuBLAS GEMM of exactly 132 blocks beside a 24-block "
-    "ncclAllGather spilled into a second wave and took nearly twice as long, MFU ~80% -> ~47% "
-    "(forums.developer.nvidia.com topic 337991, 'Compute-Communication Overlap Causes Severe "
-    "GEMM Performance Degradation because of Tail Effect'). No end-to-end throughput was used",
+    sources=SOURCES["CONTENTION"],
 )
 
 
@@ -451,13 +380,7 @@ EFFICIENCY = Efficiency(
     gemm=0.70,
     memory=0.85,
     kernel_overhead_s=1.5e-6,
-    sources="gemm: cuBLAS bf16 GEMMs on H100 SXM reach ~650-750 TFLOP/s of the 989 dense "
-    "(NVIDIA's cuBLAS 12 / Hopper GEMM performance material); memory: streaming "
-    "benchmarks (BabelStream / STREAM copy) on H100 SXM reach ~2.8-3.0 TB/s of 3.35; "
-    "kernel overhead: NVIDIA's 'Getting Started with CUDA Graphs' shows ~0.5 us launch "
-    "gap between short graph kernels; ~1 us more for a kernel's first DRAM access and "
-    "tail on a 132-SM chip (DRAM latency ~0.6-0.8 us, H100 microbenchmark papers). "
-    "Not measured on a GPU by this package",
+    sources=SOURCES["EFFICIENCY"],
 )
 
 
@@ -465,12 +388,7 @@ A100_EFFICIENCY = Efficiency(
     gemm=0.80,
     memory=0.85,
     kernel_overhead_s=1.5e-6,
-    sources="gemm: large bf16 cuBLAS GEMMs on A100 SXM4 reach ~250-270 TFLOP/s of the 312 "
-    "dense in published matmul benchmarks (e.g. 'maximum achievable matmul FLOPS' "
-    "tables); memory: BabelStream / STREAM on A100 80GB reach ~1.7-1.8 TB/s of 2.039 "
-    "(the 40 GB part is taken at the same fraction of its 1.555); "
-    "kernel overhead: as for H100 (CUDA graph launch gap plus DRAM latency). Not "
-    "measured on a GPU by this package",
+    sources=SOURCES["A100_EFFICIENCY"],
 )
 
 
@@ -507,29 +425,45 @@ LAUNCH = Launch(
     step_s=29e-6,
     min_graph=5,
     stream_sync_s=2e-6,
-    sources="kernel_s: host cost of one asynchronous kernel enqueue, 2.6-2.8 us per launch in a "
-    "published launch probe of chains of 8-117 kernels (github.com/ahrefs/ocannl issue "
-    "488, CUDA 13 driver: individual launches vs a stream-captured graph); graph_s: one "
-    "launch of a straight-line graph costs about one kernel launch on the host whatever "
-    "its node count (NVIDIA blog 'Constant Time Launch for Straight-Line CUDA Graphs', "
-    "CUDA 12.x); stream_gap_s: NVIDIA's 'Getting Started with CUDA Graphs' blog, 2.9 us "
-    "kernels run at 3.8 us each launched back-to-back on a stream and 3.4 us each in a "
-    "graph; collective_s: nccl-tests all_reduce_perf of 1 KB on 4x H800 without CUDA "
-    "graphs, 3.5 us per collective against 0.5 us captured in a graph (github.com/NVIDIA/"
-    "nccl issue 1984); step_s: jax's own dispatch benchmark of a trivial jitted call, "
-    "28.9 us (github.com/jax-ml/jax pull 4128); min_graph: XLA's default "
-    "xla_gpu_graph_min_graph_size (5) and command buffer set (FUSION, CUBLAS, CUBLASLT, "
-    "CUSTOM_CALL, CUDNN, DYNAMIC_SLICE_FUSION; collectives excluded), "
-    "xla/debug_options_flags.cc; stream_sync_s: a device-side synchronization of two "
-    "streams through an event measured at about 3 us (RTX 3080, PCIe 4.0; "
-    "github.com/facebookincubator/velox pull 6096), recording an event and waiting for it "
-    "on the GPU put at about 1 us (github.com/chelsea0x3b/cudarc pull 335): 2 us, between "
-    "the two; XLA runs an asynchronous collective on a stream of its own, which waits "
-    "for the compute stream, and its done waits for the collective's event; a blocking "
-    "one runs on the compute stream (CollectiveThunk::ExecuteOnStream and "
-    "CollectiveDoneThunk, xla/backends/gpu/runtime/collective_thunk.cc). No "
-    "end-to-end throughput was used",
+    sources=SOURCES["LAUNCH"],
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class AllReduceKernel:
+    """XLA's own all-reduce kernel over NVLink peer memory (`--allreduce one_shot`; the
+    compiled HLO names the strategy of each all-reduce): one_shot, every rank reads the n - 1
+    other ranks' buffers and reduces, `base_s + (n - 1) * bytes / link_bytes_per_s`; two_shot,
+    a reduce-scatter then an all-gather, `base_s + 2 * (n - 1) / n * bytes / link_bytes_per_s`.
+    `base_s`: the kernel's launch and its cross-GPU barriers. Within one host over NVLink only
+    (peer access); elsewhere the program's all-reduce runs on NCCL and is costed as NCCL."""
+
+    name: str
+    base_s: float
+    link_bytes_per_s: float
+    sources: str
+
+
+ALLREDUCE_KERNELS = {  # by chip generation (`_GENERATION`), then strategy
+    "h100": {
+        "one_shot": AllReduceKernel(
+            "one_shot", 2.5e-6, 18 * 20e9, SOURCES["ALLREDUCE_KERNELS.h100.one_shot"]
+        ),
+        "two_shot": AllReduceKernel(
+            "two_shot", 4.0e-6, 18 * 20e9, SOURCES["ALLREDUCE_KERNELS.h100.two_shot"]
+        ),
+    },
+    "a100": {
+        "one_shot": AllReduceKernel(
+            "one_shot", 2.5e-6, 12 * 20e9, SOURCES["ALLREDUCE_KERNELS.a100.one_shot"]
+        ),
+        "two_shot": AllReduceKernel(
+            "two_shot", 4.0e-6, 12 * 20e9, SOURCES["ALLREDUCE_KERNELS.a100.two_shot"]
+        ),
+    },
+}
+
+
 LAUNCH_MODES = ("graphs", "streams", "off")  # command buffers (XLA's default), none, ablation
 
 # which link tables and efficiencies a chip uses
@@ -563,6 +497,9 @@ class Calibration:
     source: str = "hardware.py (public figures)"
     nccl: NcclTuning = NCCL
     launch: Launch = LAUNCH
+    allreduce_kernels: dict = dataclasses.field(
+        default_factory=lambda: dict(ALLREDUCE_KERNELS["h100"])
+    )
 
     def replace(self, **sections) -> Calibration:
         """A copy with `chip`, `efficiency`, `inter_host`, `contention`, `launch` fields replaced
@@ -646,5 +583,11 @@ def calibration(target: str) -> Calibration:
         raise ValueError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}")
     gen = _GENERATION.get(target, "h100")
     return Calibration(
-        target, CHIPS[target], efficiency(target), dict(links(target)), INTER_HOST[gen], CONTENTION
+        target,
+        CHIPS[target],
+        efficiency(target),
+        dict(links(target)),
+        INTER_HOST[gen],
+        CONTENTION,
+        allreduce_kernels=dict(ALLREDUCE_KERNELS[gen]),
     )

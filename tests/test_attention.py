@@ -14,7 +14,8 @@ import pytest
 from flax import nnx
 
 import ladder_jax as lj
-from ladder_jax.analysis import overlap, perfmodel, programs
+from ladder_jax.analysis import overlap, programs
+from ladder_jax.analysis.kernels import read_kernels
 from ladder_jax.inference.cache import KVCache
 from ladder_jax.model import attention, quant, transformer
 from ladder_jax.model.linear import flat_einsum
@@ -271,9 +272,7 @@ def test_h100_ladder_programs_hold_the_fused_attention_and_keep_their_overlap(ph
     # the causal (T + 1) / 2T of the scores
     b, h, t, d = 8, 1, 128, WIDE["d_model"] // WIDE["n_heads"]
     per_matmul = 2.0 * b * h * t * t * d * (t + 1) / (2 * t)
-    flash = sum(
-        k.flops for k in perfmodel.read_kernels(hlo, devices=8) if k.name.startswith("pallas_call")
-    )
+    flash = sum(k.flops for k in read_kernels(hlo, devices=8) if k.name.startswith("pallas_call"))
     assert flash == pytest.approx(
         layers * per_matmul * (2 if phase == "prefill" else 7), rel=1e-9
     ), flash

@@ -90,16 +90,16 @@ def test_ladder_decode_order_is_the_best_xla_allows(quantize):
     flight together, so the ladder's decode step (the Pallas-matmul program above, as
     llama-3-8b's, bf16 and int8) runs kernels j, the done of all-reduce j - 1, the start of j: each
     module's all-reduce is done after the next module's matmuls and right before the next
-    start, never after it (which is what `perfmodel.overlap_bound(..., one_in_flight=True)`
+    start, never after it (which is what `timeline.overlap_bound(..., one_in_flight=True)`
     assumes). A schedule queueing start j + 1 before done j, or a kernel between them,
     fails."""
-    from ladder_jax.analysis import perfmodel
+    from ladder_jax.analysis.kernels import read_kernels
 
     config = dataclasses.replace(PALLAS_LADDER, quantize=quantize)
     text, _ = programs.compile_program(config, phase="decode", tp=8, batch=1, seq=128)
     module = hlo.Module(text)
     matmuls = {op.name for op in module.entry if op.is_matmul()}
-    kernels = perfmodel.read_kernels(text, devices=8)
+    kernels = read_kernels(text, devices=8)
     order = [(k.kind, k.name) for k in kernels]
     starts = [k.name for k in kernels if k.kind == "start" and k.collective == "all-reduce"]
     starts = [n for n in starts if ("done", n) in order][: 4 * 2 - 1]  # the layers' async ones

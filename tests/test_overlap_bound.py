@@ -1,26 +1,26 @@
-"""`perfmodel.overlap_bound` (the most the ladder's overlap can gain) and `module_times` on
+"""`timeline.overlap_bound` (the most the ladder's overlap can gain) and `module_times` on
 hand-built schedules: exact values, the two-module closed form, and the model's own two-stream
-replay (`perfmodel.simulate`) of the best ordering as the reference."""
+replay (`timeline.simulate`) of the best ordering as the reference."""
 
 import itertools
 
 import pytest
 
-from ladder_jax.analysis import perfmodel
-from ladder_jax.analysis.perfmodel import Timed
+from ladder_jax.analysis import timeline
+from ladder_jax.analysis.timeline import Timed
 
 
 def test_overlap_bound_exact_values():
-    r = perfmodel.overlap_bound([20.0, 10.0], [15.0, 15.0])
+    r = timeline.overlap_bound([20.0, 10.0], [15.0, 15.0])
     # attention's all-reduce (15) behind the MLP (10): 5 exposed; the MLP's behind attention
     assert r == {"serial_s": 60.0, "best_s": 35.0, "best_exposed_s": 5.0, "bound": 60.0 / 35.0}
     # with 2 s cross-stream handovers: attention -> its all-reduce -> the next attention is a
     # chain of 14 + 2 + 15 + 2 = 33 a layer, more than the collective stream's 30
-    r = perfmodel.overlap_bound([14.0, 11.0], [15.0, 15.0], wait_s=2.0)
+    r = timeline.overlap_bound([14.0, 11.0], [15.0, 15.0], wait_s=2.0)
     assert (r["serial_s"], r["best_s"], r["best_exposed_s"]) == (55.0, 33.0, 8.0)
-    assert perfmodel.overlap_bound([10.0], [0.0])["bound"] == 1.0  # nothing to hide
+    assert timeline.overlap_bound([10.0], [0.0])["bound"] == 1.0  # nothing to hide
     with pytest.raises(ValueError, match="2 compute times for 1 collectives"):
-        perfmodel.overlap_bound([1.0, 2.0], [3.0])
+        timeline.overlap_bound([1.0, 2.0], [3.0])
 
 
 @pytest.mark.parametrize(
@@ -28,7 +28,7 @@ def test_overlap_bound_exact_values():
 )
 def test_two_modules_closed_form(c0, c1, a0, a1):
     """Without waits, a layer of the best schedule takes max(C[1], A[0]) + max(C[0], A[1])."""
-    r = perfmodel.overlap_bound([c0, c1], [a0, a1])
+    r = timeline.overlap_bound([c0, c1], [a0, a1])
     assert r["best_s"] == max(c1, a0) + max(c0, a1)
     assert 1.0 <= r["bound"] <= 2.0
 
@@ -49,8 +49,8 @@ def test_overlap_bound_equals_the_replay_of_the_best_order(wait):
                 out.append(Timed("done", f"ar{j - 1}", 0.0, wait_s=wait))
         return out + [Timed("done", f"ar{2 * layers - 1}", 0.0, wait_s=wait)]
 
-    layer = perfmodel.simulate(ops(41)).seconds - perfmodel.simulate(ops(40)).seconds
-    assert layer == pytest.approx(perfmodel.overlap_bound(c, a, wait_s=wait)["best_s"], abs=1e-9)
+    layer = timeline.simulate(ops(41)).seconds - timeline.simulate(ops(40)).seconds
+    assert layer == pytest.approx(timeline.overlap_bound(c, a, wait_s=wait)["best_s"], abs=1e-9)
 
 
 def test_module_times_splits_a_layer_at_its_collectives():
@@ -67,12 +67,12 @@ def test_module_times_splits_a_layer_at_its_collectives():
         Timed("compute", "tail", 1.0, layer=1),  # after the last collective: the first module's
         Timed("compute", "qkv", 2.0, layer=2),
     ]
-    assert perfmodel.module_times(ops, layer=1) == {
+    assert timeline.module_times(ops, layer=1) == {
         "compute_s": [6.5, 4.0],
         "collective_s": [5.0, 6.0],
     }
-    assert perfmodel.module_times(ops[:5], layer=1) == {"compute_s": [5.5], "collective_s": [0.0]}
-    assert perfmodel.module_times(ops, layer=0) == {"compute_s": [9.0], "collective_s": [0.0]}
+    assert timeline.module_times(ops[:5], layer=1) == {"compute_s": [5.5], "collective_s": [0.0]}
+    assert timeline.module_times(ops, layer=0) == {"compute_s": [9.0], "collective_s": [0.0]}
 
 
 def _xla_order(c, a, wait, layers):
@@ -91,14 +91,14 @@ def test_one_in_flight_exact_values():
     # each all-reduce starts two 2 s handovers after the previous one ended: a module takes
     # max(C[j], A[j - 1] + 4), here 15 + 4 both: 38, against 33 when the next all-reduce is
     # queued before the previous one is awaited
-    r = perfmodel.overlap_bound([14.0, 11.0], [15.0, 15.0], wait_s=2.0, one_in_flight=True)
+    r = timeline.overlap_bound([14.0, 11.0], [15.0, 15.0], wait_s=2.0, one_in_flight=True)
     assert r == {"serial_s": 55.0, "best_s": 38.0, "best_exposed_s": 13.0, "bound": 55.0 / 38.0}
     # compute-bound attention, all-reduce-bound MLP: max(14, 8 + 4) + max(11, 15 + 4) = 33
-    r = perfmodel.overlap_bound([14.0, 11.0], [15.0, 8.0], wait_s=2.0, one_in_flight=True)
+    r = timeline.overlap_bound([14.0, 11.0], [15.0, 8.0], wait_s=2.0, one_in_flight=True)
     assert (r["best_s"], r["best_exposed_s"]) == (33.0, 8.0)
     # without handover costs the rule costs nothing: the collective stream is one queue anyway
     for c, a in (([14.0, 11.0], [15.0, 15.0]), ([20.0, 10.0, 7.0], [15.0, 3.0, 12.0])):
-        assert perfmodel.overlap_bound(c, a, one_in_flight=True) == perfmodel.overlap_bound(c, a)
+        assert timeline.overlap_bound(c, a, one_in_flight=True) == timeline.overlap_bound(c, a)
 
 
 @pytest.mark.parametrize(
@@ -115,14 +115,14 @@ def test_one_in_flight_bound_equals_the_replay_of_the_compiled_order(c, a, wait)
     waits: its steady-state layer is the one-in-flight `best_s`, sum of max(C[j], A[j - 1] +
     2 wait), never below the unconstrained one."""
     layer = (
-        perfmodel.simulate(_xla_order(c, a, wait, 41)).seconds
-        - perfmodel.simulate(_xla_order(c, a, wait, 40)).seconds
+        timeline.simulate(_xla_order(c, a, wait, 41)).seconds
+        - timeline.simulate(_xla_order(c, a, wait, 40)).seconds
     )
-    r = perfmodel.overlap_bound(c, a, wait_s=wait, one_in_flight=True)
+    r = timeline.overlap_bound(c, a, wait_s=wait, one_in_flight=True)
     assert layer == pytest.approx(r["best_s"], abs=1e-9)
     n = len(c)
     assert r["best_s"] == pytest.approx(sum(max(c[j], a[j - 1] + 2 * wait) for j in range(n)))
-    assert r["best_s"] >= perfmodel.overlap_bound(c, a, wait_s=wait)["best_s"] - 1e-12
+    assert r["best_s"] >= timeline.overlap_bound(c, a, wait_s=wait)["best_s"] - 1e-12
 
 
 def test_trace_spans_exact():
@@ -137,8 +137,8 @@ def test_trace_spans_exact():
         Timed("sync", "y", 2.0, layer=1),
     ]
     spans = []
-    t = perfmodel.simulate(ops, trace=spans)
-    S = perfmodel.Span
+    t = timeline.simulate(ops, trace=spans)
+    S = timeline.Span
     assert spans == [
         S("kernel", "a", 0.0, 3.0, 0),
         S("collective", "x", 4.0, 8.0, 0),  # a's end + 1 s
@@ -147,7 +147,7 @@ def test_trace_spans_exact():
         S("collective", "y", 10.0, 12.0, 1),
     ]
     assert t.seconds == 12.0 and t.comm_s == 6.0
-    assert perfmodel.simulate(ops).seconds == t.seconds  # tracing changes nothing
+    assert timeline.simulate(ops).seconds == t.seconds  # tracing changes nothing
 
 
 def _well_formed(spans, t, ops):
@@ -181,8 +181,8 @@ def test_trace_is_well_formed_and_matches_the_time(copy_rate):
         )
     ops += [Timed("done", "ar5", 0.0, wait_s=0.5), Timed("sync", "last", 3.0, latency_s=1.0)]
     spans = []
-    t = perfmodel.simulate(ops, copy_rate=copy_rate, trace=spans)
+    t = timeline.simulate(ops, copy_rate=copy_rate, trace=spans)
     _well_formed(spans, t, ops)
-    assert t.seconds == perfmodel.simulate(ops, copy_rate=copy_rate).seconds
+    assert t.seconds == timeline.simulate(ops, copy_rate=copy_rate).seconds
     if copy_rate < 1.0:  # the copies slowed beside the kernels: longer than their 6 s
         assert max(s.end - s.start for s in spans if s.name.startswith("ar")) > 6.0

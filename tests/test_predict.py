@@ -16,7 +16,10 @@ from flax import nnx
 
 import ladder_jax as lj
 from ladder_jax import hardware
-from ladder_jax.analysis import perfmodel
+from ladder_jax.analysis import collectives, compiled, perfmodel, tables, timeline
+from ladder_jax.analysis.compiled import Workload
+from ladder_jax.analysis.kernels import Kernel, gemm_tiles, read_kernels
+from ladder_jax.analysis.perfmodel import Costing
 from ladder_jax.cli import overlap as overlap_cli
 from ladder_jax.cli import predict as predict_cli
 from ladder_jax.model import quant
@@ -44,7 +47,7 @@ CLI = dict(preset="tiny", tp=2, batch=1, prompt_len=128, new_tokens=64)  # the C
 
 
 def test_overlapped_collective_is_hidden():
-    t = perfmodel.simulate(
+    t = timeline.simulate(
         [
             ("compute", "a", 1.0, 0),
             ("start", "x", 2.0, 0),
@@ -56,7 +59,7 @@ def test_overlapped_collective_is_hidden():
 
 
 def test_collective_waited_on_at_once_is_exposed():
-    t = perfmodel.simulate(
+    t = timeline.simulate(
         [
             ("compute", "a", 1.0, 0),
             ("start", "x", 2.0, 0),
@@ -69,7 +72,7 @@ def test_collective_waited_on_at_once_is_exposed():
 
 def test_partly_hidden_and_queued_collectives():
     # x (3 s) overlaps b (1 s): 2 s exposed; y queues behind x on the collective stream
-    t = perfmodel.simulate(
+    t = timeline.simulate(
         [
             ("start", "x", 3.0, None),
             ("start", "y", 1.0, None),
@@ -80,7 +83,7 @@ def test_partly_hidden_and_queued_collectives():
         ]
     )
     assert t.seconds == 4.0 and t.compute_s == 1.5 and t.exposed_comm_s == 2.5
-    t = perfmodel.simulate(
+    t = timeline.simulate(
         [("compute", "a", 1.0, 0), ("sync", "s", 2.0, None), ("compute", "b", 3.0, 1)]
     )
     assert (t.seconds, t.exposed_comm_s) == (6.0, 2.0)
@@ -97,9 +100,9 @@ def test_extension_adds_one_middle_layer_per_missing_layer():
             ]
         return steps + [("compute", "head", 0.25, None)]
 
-    full = perfmodel.simulate(layers(7))
-    seconds, compute = perfmodel.extended(
-        perfmodel.simulate(layers(3)), perfmodel.simulate(layers(4)), 7, 4
+    full = timeline.simulate(layers(7))
+    seconds, compute = timeline.extended(
+        timeline.simulate(layers(3)), timeline.simulate(layers(4)), 7, 4
     )
     assert (seconds, compute) == (full.seconds, full.compute_s) == (2 + 6 * 2.5 + 0.25, 8.25)
 
@@ -108,14 +111,14 @@ def test_link_model_is_ring_latency_plus_bus_bandwidth():
     link = hardware.Link(
         "l", "", base_latency_s=5e-6, hop_latency_s=1e-6, bus_bytes_per_s=100e9, sources=""
     )
-    assert perfmodel.collective_seconds("all-reduce", 4e6, 8, link) == pytest.approx(
+    assert collectives.collective_seconds("all-reduce", 4e6, 8, link) == pytest.approx(
         5e-6 + 14e-6 + 4e6 * (14 / 8) / 100e9
     )
-    assert perfmodel.collective_seconds("all-reduce", 0, 8, link, "tree") == pytest.approx(11e-6)
-    assert perfmodel.collective_seconds("all-gather", 8e6, 4, link) == pytest.approx(
+    assert collectives.collective_seconds("all-reduce", 0, 8, link, "tree") == pytest.approx(11e-6)
+    assert collectives.collective_seconds("all-gather", 8e6, 4, link) == pytest.approx(
         5e-6 + 3e-6 + 8e6 * 0.75 / 100e9
     )
-    assert perfmodel.collective_seconds("all-reduce", 4e6, 1, link) == 0.0
+    assert collectives.collective_seconds("all-reduce", 4e6, 1, link) == 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,7 +166,7 @@ ENTRY %main (a: bf16[4,1024], b: bf16[4,1], e: bf16[1000,64], i: s32[], x: bf16[
 
 
 def test_read_kernels_counts_slices_updates_and_matmuls():
-    ks = perfmodel.read_kernels(HLO)
+    ks = read_kernels(HLO)
     assert [(k.kind, k.name) for k in ks] == [
         ("compute", "f1"),
         ("compute", "f2"),
@@ -229,13 +232,13 @@ def test_more_tp_means_less_compute_per_device():
     compute = [
         perfmodel.program_time(
             MID,
+            Workload(tp=tp, batch=4, **SHAPE),
+            Costing(
+                link=hardware.LINKS["nvlink"],
+                calibration=dataclasses.replace(hardware.calibration("h100"), efficiency=eff),
+                launch="off",
+            ),
             phase="decode",
-            tp=tp,
-            batch=4,
-            **SHAPE,
-            link=hardware.LINKS["nvlink"],
-            efficiency=eff,
-            launch="off",
         )["compute_s"]  # the GPU's, not the host's
         for tp in (2, 4, 8)
     ]
@@ -254,10 +257,15 @@ def test_more_tp_means_less_compute_per_device():
 def test_few_layers_extended_match_a_full_depth_compile(config, residual):
     cfg = dataclasses.replace(config, residual=residual)
     for link in ("nvlink", "pcie"):
-        kw = dict(tp=8, batch=2, **SHAPE, link=hardware.LINKS[link], efficiency=hardware.EFFICIENCY)
+        w = Workload(tp=8, batch=2, **SHAPE)
+        cal = dataclasses.replace(hardware.calibration("h100"), efficiency=hardware.EFFICIENCY)
         for phase in ("prefill", "decode"):
-            few = perfmodel.program_time(cfg, phase=phase, layers_compiled=4, **kw)
-            full = perfmodel.program_time(cfg, phase=phase, layers_compiled=0, **kw)
+            few, full = (
+                perfmodel.program_time(
+                    cfg, w, Costing(hardware.LINKS[link], cal, layers_compiled=n), phase=phase
+                )
+                for n in (4, 0)
+            )
             assert (few["layers_compiled"], full["layers_compiled"]) == ([3, 4], [8])
             # tiny's whole prefill is ~0.3 ms: one kernel the fused attention lays out
             # differently at one depth is ~2% of it; the model-sized configs hold 2% (the
@@ -350,7 +358,7 @@ def test_decode_memory_equals_a_consuming_decoder_and_a_real_cache_on_a_mesh(res
 
     model = tiny_model(tp, residual=residual)
     cfg = model.config
-    mem = perfmodel.decode_memory(cfg, tp=tp, batch=3, prompt_len=100, new_tokens=20, target="h100")
+    mem = perfmodel.decode_memory(cfg, Workload(tp=tp, batch=3, prompt_len=100, new_tokens=20))
     held = _device0_bytes(jax.tree.leaves(nnx.state(model)))
     decoder = generation.Decoder(model, consume=True)
     live = [x for x in jax.tree.leaves(nnx.state(model)) if not x.is_deleted()]
@@ -364,11 +372,7 @@ def test_decode_memory_equals_a_consuming_decoder_and_a_real_cache_on_a_mesh(res
     assert mem["fits"]
     int8 = perfmodel.decode_memory(
         dataclasses.replace(cfg, quantize="int8"),
-        tp=tp,
-        batch=3,
-        prompt_len=100,
-        new_tokens=20,
-        target="h100",
+        Workload(tp=tp, batch=3, prompt_len=100, new_tokens=20),
     )
     q = quant.quantize(tiny_model(tp, residual=residual))
     assert int8["weights_bytes"] == _device0_bytes(jax.tree.leaves(nnx.state(q))) < held
@@ -428,7 +432,7 @@ def test_missing_cuda_plugin_is_one_line_with_the_install_hint(capsys, monkeypat
         raise ModuleNotFoundError(f"No module named '{name.split('.')[0]}'")
 
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
-    perfmodel.program_kernels.cache_clear()
+    compiled.program_kernels.cache_clear()
     assert 'pip install "jax-cuda12-plugin==' in cli_error(
         capsys, main, ["--preset", "tiny", "--tp", "2"]
     )
@@ -455,7 +459,7 @@ def test_python_m_ladder_jax_predict_and_lj_predict():
 # ---------------------------------------------------------------------------------------------
 # Contention, hosts, targets (issue: predict beyond one node and one chip).
 
-T = perfmodel.Timed
+T = timeline.Timed
 
 
 def test_contention_slows_the_kernels_beside_a_collective_exactly():
@@ -467,7 +471,7 @@ def test_contention_slows_the_kernels_beside_a_collective_exactly():
         T("compute", "a", 4.5, flops_s=4.0, bytes_s=1.0),
         T("done", "x", 0.0),
     ]
-    t = perfmodel.simulate(ops)
+    t = timeline.simulate(ops)
     assert (t.seconds, t.compute_s, t.exposed_comm_s) == (5.75, 5.75, 0.0)
     # memory-bound kernels lose the collective's HBM share instead
     ops = [
@@ -476,18 +480,18 @@ def test_contention_slows_the_kernels_beside_a_collective_exactly():
         T("compute", "n", 2.0, flops_s=2.0, bytes_s=0.5),
         T("done", "x", 0.0),
     ]
-    t = perfmodel.simulate(ops)
+    t = timeline.simulate(ops)
     assert t.compute_s == 4.0 + 2.0 and t.seconds == 10.0  # 1 s of bytes at 1/4; n unaffected
     # the same schedule without contention, and a kernel after the collective ends: full speed
     free = [dataclasses.replace(op, sm_share=0.0, hbm_share=0.0) for op in ops]
-    assert perfmodel.simulate(free).compute_s == 3.0
+    assert timeline.simulate(free).compute_s == 3.0
     late = [
         T("start", "x", 1.0, sm_share=0.5),
         T("compute", "a", 2.0, flops_s=2.0),
         T("done", "x", 0.0),
         T("compute", "b", 2.0, flops_s=2.0),
     ]
-    assert perfmodel.simulate(late).seconds == 2.0 * 0.5 + 1.5 + 2.0  # a: 1 s slowed, 1.5 s
+    assert timeline.simulate(late).seconds == 2.0 * 0.5 + 1.5 + 2.0  # a: 1 s slowed, 1.5 s
 
 
 def test_queued_collectives_slow_each_kernel_segment_by_their_own_share():
@@ -500,7 +504,7 @@ def test_queued_collectives_slow_each_kernel_segment_by_their_own_share():
         T("done", "x", 0.0),
         T("done", "y", 0.0),
     ]
-    assert perfmodel.simulate(ops).seconds == 1.0 + 2.0 + 1.0
+    assert timeline.simulate(ops).seconds == 1.0 + 2.0 + 1.0
 
 
 def test_hierarchical_all_reduce_formula():
@@ -514,19 +518,19 @@ def test_hierarchical_all_reduce_formula():
     # 16 ranks on 2 hosts: g = 8 per host; 2(g-1) NVLink steps + 2(h-1) network steps; the
     # slower level's bytes: max(2n(7/8) / 400e9, 2(n/8)(1/2) / 50e9)
     want = 5e-6 + 14 * 1e-6 + 2 * 3e-6 + max(2 * n * 7 / 8 / 400e9, 2 * (n / 8) / 2 / 50e9)
-    got = perfmodel.collective_seconds("all-reduce", n, 16, intra, hosts=2, inter_host=inter)
+    got = collectives.collective_seconds("all-reduce", n, 16, intra, hosts=2, inter_host=inter)
     assert got == pytest.approx(want, rel=1e-12)
     # a slow network makes the inter-host level the bound
     slow = dataclasses.replace(inter, bus_bytes_per_s=5e9)
-    assert perfmodel.collective_seconds(
+    assert collectives.collective_seconds(
         "all-reduce", n, 16, intra, hosts=2, inter_host=slow
     ) == pytest.approx(5e-6 + 14e-6 + 6e-6 + 2 * (n / 8) / 2 / 5e9, rel=1e-12)
     # one GPU per host: a flat ring over the network (no intra-host steps)
-    assert perfmodel.collective_seconds(
+    assert collectives.collective_seconds(
         "all-reduce", n, 4, intra, hosts=4, inter_host=inter
     ) == pytest.approx(5e-6 + 6 * 3e-6 + 2 * n * 3 / 4 / 50e9, rel=1e-12)
     # all-gather: one pass of each level
-    assert perfmodel.collective_seconds(
+    assert collectives.collective_seconds(
         "all-gather", n, 16, intra, hosts=2, inter_host=inter
     ) == pytest.approx(5e-6 + 7e-6 + 3e-6 + max(n * 7 / 8 / 400e9, (n / 8) / 2 / 50e9), rel=1e-12)
 
@@ -542,16 +546,8 @@ def test_two_host_program_read_correctly():
     devices = programs.gpu_devices("h100", 4, hosts=2)
     assert [d.process_index for d in devices] == [0, 0, 1, 1]  # ids numbered host by host
     for hosts, want in ((2, 2), (1, 1)):
-        p = perfmodel.program_kernels(
-            KV8,
-            phase="decode",
-            tp=4,
-            batch=1,
-            prompt_len=16,
-            new_tokens=16,
-            target="h100",
-            hosts=hosts,
-        )
+        w = Workload(tp=4, batch=1, prompt_len=16, new_tokens=16, hosts=hosts)
+        p = compiled.program_kernels(KV8, w, phase="decode")
         starts = [
             k
             for k in p.kernels
@@ -559,23 +555,30 @@ def test_two_host_program_read_correctly():
         ]
         assert len(starts) == 2 * KV8.n_layers
         assert {(k.ranks, k.hosts) for k in starts} == {(4, want)}
-    kw = dict(
-        phase="decode", tp=4, batch=1, prompt_len=16, new_tokens=16, link=hardware.LINKS["nvlink"]
+    one, two = (
+        perfmodel.program_time(
+            KV8,
+            Workload(tp=4, batch=1, prompt_len=16, new_tokens=16, hosts=hosts),
+            Costing(hardware.LINKS["nvlink"]),
+            phase="decode",
+        )
+        for hosts in (1, 2)
     )
-    one = perfmodel.program_time(KV8, hosts=1, **kw)
-    two = perfmodel.program_time(KV8, hosts=2, **kw)
     assert two["exposed_comm_s"] > one["exposed_comm_s"] > 0  # the network is slower
 
 
 def test_a100_compiles_and_costs_with_a100_figures():
     assert "major: 8 minor: 0" in hardware.gpu_target_config("a100")
-    kw = dict(phase="decode", tp=2, batch=1, prompt_len=16, new_tokens=16)
-    a100 = perfmodel.program_kernels(KV8, target="a100", **kw)
+    kw = dict(tp=2, batch=1, prompt_len=16, new_tokens=16)
+    a100 = compiled.program_kernels(KV8, Workload(target="a100", **kw), phase="decode")
     assert sum(k.kind == "compute" for k in a100.kernels) > 10
     assert sum(k.collective == "all-reduce" for k in a100.kernels) >= 2 * KV8.n_layers
     t = {
         target: perfmodel.program_time(
-            KV8, target=target, link=hardware.links(target)["nvlink"], layers_compiled=0, **kw
+            KV8,
+            Workload(target=target, **kw),
+            Costing(hardware.links(target)["nvlink"], layers_compiled=0),
+            phase="decode",
         )
         for target in ("a100", "h100")
     }
@@ -585,7 +588,7 @@ def test_a100_compiles_and_costs_with_a100_figures():
     eff = hardware.EFFICIENCY
     on = {
         target: sum(
-            perfmodel.kernel_seconds(k, hardware.calibration(target).chip, eff)
+            timeline.kernel_seconds(k, hardware.calibration(target).chip, eff)
             for k in a100.kernels
             if k.kind == "compute"
         )
@@ -612,12 +615,12 @@ def test_a100_40gb_is_the_slower_hbm_part_and_devices_find_it():
     cal = hardware.calibration("a100-40gb")
     assert cal.links == hardware.A100_LINKS and cal.inter_host.name == "ib-hdr"
     # a memory-bound kernel: 1.555 GB at 85% of 1.555 TB/s, plus the fixed 1.5 us
-    k = perfmodel.Kernel("compute", "gemv", flops=3.11e9, nbytes=1.555e9)
-    assert perfmodel.kernel_seconds(k, small, cal.efficiency) == pytest.approx(
+    k = Kernel("compute", "gemv", flops=3.11e9, nbytes=1.555e9)
+    assert timeline.kernel_seconds(k, small, cal.efficiency) == pytest.approx(
         1e-3 / 0.85 + 1.5e-6, rel=1e-12
     )
     # ... and 2.039 / 1.555 times faster on the 80 GB part, less the same fixed cost
-    fast = perfmodel.kernel_seconds(k, big, cal.efficiency) - 1.5e-6
+    fast = timeline.kernel_seconds(k, big, cal.efficiency) - 1.5e-6
     assert fast == pytest.approx(1e-3 / 0.85 * 1.555 / 2.039, rel=1e-12)
 
 
@@ -631,13 +634,11 @@ def test_tp_scaling_on_a_hand_built_layer_grows_with_slower_hbm_and_cheaper_fixe
     def step(target, tp, **eff):
         cal = hardware.calibration(target)
         cal = dataclasses.replace(cal, efficiency=dataclasses.replace(cal.efficiency, **eff))
-        kernels = [perfmodel.Kernel("compute", "mlp", flops=W / tp, nbytes=W / tp)]
+        kernels = [Kernel("compute", "mlp", flops=W / tp, nbytes=W / tp)]
         if tp > 1:
-            kernels.append(
-                perfmodel.Kernel("sync", "ar", nbytes=msg, collective="all-reduce", ranks=tp)
-            )
-        ops = perfmodel.costed(kernels, calibration=cal, link=cal.links["nvlink"], contention=False)
-        return perfmodel.simulate(ops).seconds
+            kernels.append(Kernel("sync", "ar", nbytes=msg, collective="all-reduce", ranks=tp))
+        ops = timeline.costed(kernels, calibration=cal, link=cal.links["nvlink"], contention=False)
+        return timeline.simulate(ops).seconds
 
     ring = 6.6e-6 + 14 * 0.6e-6 + msg * 14 / 8 / 87.7e9  # ring/LL at NCCL's Ampere LL cap
     for target, hbm in (("a100", 2.039e12), ("a100-40gb", 1.555e12)):
@@ -653,7 +654,7 @@ def test_tp_scaling_on_a_hand_built_layer_grows_with_slower_hbm_and_cheaper_fixe
 
 
 def test_a_slower_link_never_predicts_faster():
-    kw = dict(tp=4, batch=1, prompt_len=16, new_tokens=16, target="h100", hosts=2)
+    w = Workload(tp=4, batch=1, prompt_len=16, new_tokens=16, target="h100", hosts=2)
     for residual in ("standard", "ladder"):
         cfg = dataclasses.replace(KV8, residual=residual)
         base = hardware.calibration("h100")
@@ -676,11 +677,9 @@ def test_a_slower_link_never_predicts_faster():
                 for phase in ("prefill", "decode"):
                     t = perfmodel.program_time(
                         cfg,
+                        w,
+                        Costing(cal.links["nvlink"], cal, layers_compiled=0),
                         phase=phase,
-                        calibration=cal,
-                        link=cal.links["nvlink"],
-                        layers_compiled=0,
-                        **kw,
                     )
                     key = (part, phase)
                     if last and key in last:
@@ -754,10 +753,10 @@ def test_a_compile_failure_stops_the_queue(monkeypatch):
         release.wait(1)  # the second is in flight when the first fails
         return True
 
-    monkeypatch.setattr(perfmodel, "_compile_one", one)
+    monkeypatch.setattr(compiled, "_compile_one", one)
     with pytest.raises(perfmodel.PredictError, match="first program failed"):
         try:
-            perfmodel.compile_all([{"i": i} for i in range(50)], jobs=2)
+            compiled.compile_all([{"i": i} for i in range(50)], jobs=2)
         finally:
             release.set()
     assert len(calls) <= 4, calls
@@ -925,16 +924,8 @@ PRESET_TPS = sorted(
 def test_presets_compile_at_small_depth(preset, tp):
     assert _divides(preset, tp)
     config = dataclasses.replace(lj.ModelConfig.from_preset(preset, residual="ladder"), n_layers=1)
-    prog = perfmodel.program_kernels(
-        config,
-        phase="prefill",
-        tp=tp,
-        batch=1,
-        prompt_len=16,
-        new_tokens=16,
-        target="h100",
-        hosts=1 + (tp > 8),
-    )
+    w = Workload(tp=tp, batch=1, prompt_len=16, new_tokens=16, hosts=1 + (tp > 8))
+    prog = compiled.program_kernels(config, w, phase="prefill")
     assert sum(k.collective == "all-reduce" for k in prog.kernels) >= 2 * (tp > 1), (preset, tp)
     assert sum(k.flops > 0 for k in prog.kernels) >= 4, (preset, tp)
 
@@ -942,9 +933,8 @@ def test_presets_compile_at_small_depth(preset, tp):
 def test_3b_at_tp8_compiles_with_cublas_gemms_where_triton_cannot_tile():
     """The shape that crashed: 3b, tp 8, 4 x 1024 prompt tokens (a 288-wide contraction)."""
     config = dataclasses.replace(lj.ModelConfig.from_preset("3b", residual="standard"), n_layers=1)
-    prog = perfmodel.program_kernels(
-        config, phase="prefill", tp=8, batch=4, prompt_len=1024, new_tokens=512, target="h100"
-    )
+    w = Workload(tp=8, batch=4, prompt_len=1024, new_tokens=512)
+    prog = compiled.program_kernels(config, w, phase="prefill")
     # it compiles (with the fused attention the prefill may no longer need the cuBLAS
     # fallback; where it does, the program says so)
     assert prog.fallback in (None, "cublas-gemm"), prog.fallback
@@ -1000,8 +990,8 @@ def test_predict_tables_prints_why_a_scheme_is_above_upper_bound():
     at tp 1, parallel 1.017x upper_bound, printed with no note)."""
     path = pathlib.Path(__file__).parent.parent / "benchmarks" / "predict_tables.py"
     spec = importlib.util.spec_from_file_location("predict_tables", path)
-    tables = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tables)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
     rows = perfmodel.mark_above_upper_bound(
         [
             _work_row("standard", 80.0, 2e9),
@@ -1010,15 +1000,15 @@ def test_predict_tables_prints_why_a_scheme_is_above_upper_bound():
             _work_row("ladder", 90.0, 2e9),
         ]
     )
-    rows = [{"preset": "llama-2-7b", "hosts": 1, **r} for r in perfmodel.with_ratios(rows)]
-    text = tables.markdown(rows)
+    rows = [{"preset": "llama-2-7b", "hosts": 1, **r} for r in tables.with_ratios(rows)]
+    text = bench.markdown(rows)
     assert "| llama-2-7b | nvlink | 8 | 1 | 1 | 80.0 | 1.271 | 1.125 | 1.250 |" in text
     notes = [line for line in text.splitlines() if line.startswith("- ")]
     assert len(notes) == 1, text
     assert notes[0].startswith("- llama-2-7b: parallel tp=8 batch=1 nvlink: predicted 1.02x")
     assert "HBM 1.75 vs 3.5 GB" in notes[0]
     # no scheme above upper_bound: the table alone
-    assert tables.markdown([r for r in rows if r["residual"] != "parallel"]).count("\n") == 2
+    assert bench.markdown([r for r in rows if r["residual"] != "parallel"]).count("\n") == 2
 
 
 def test_predict_tables_split_prefill_and_decode_with_and_without_waits():
@@ -1082,7 +1072,7 @@ def test_a100_no_scheme_above_upper_bound_unless_its_program_does_less_work():
 
 
 # ---------------------------------------------------------------------------------------------
-# Collectives across hosts as NCCL times and picks them (hardware.NCCL, perfmodel.nccl_seconds).
+# Collectives across hosts as NCCL times and picks them (hardware.NCCL, collectives.nccl_seconds).
 
 NV = hardware.Link(
     "nv", "", base_latency_s=0, hop_latency_s=0.6e-6, bus_bytes_per_s=400e9, sources=""
@@ -1112,13 +1102,13 @@ def test_nccl_picks_the_tree_for_tiny_messages_across_hosts():
         "Simple": 8.4 + 2 * (7 * 4.0 + 14.0),
     }
     assert min([*ring.values(), *tree.values()]) == tree["LL"] == pytest.approx(25.2)
-    s, how = perfmodel.nccl_seconds("all-reduce", 0, 16, NV, hosts=2, inter_host=NET)
+    s, how = collectives.nccl_seconds("all-reduce", 0, 16, NV, hosts=2, inter_host=NET)
     assert (s, how) == (pytest.approx(25.2e-6, rel=1e-12), "tree/LL")
     # an all-gather has no tree: the ring's LL
-    s, how = perfmodel.nccl_seconds("all-gather", 0, 16, NV, hosts=2, inter_host=NET)
+    s, how = collectives.nccl_seconds("all-gather", 0, 16, NV, hosts=2, inter_host=NET)
     assert (s, how) == (pytest.approx((6.6 + 14 * 1.0 + 1 * 2.7) * 1e-6, rel=1e-12), "ring/LL")
     # one GPU per host: the ring's network steps take the tree's network latency (NCCL, ppn 1)
-    s, how = perfmodel.nccl_seconds("all-reduce", 0, 4, NV, hosts=4, inter_host=NET)
+    s, how = collectives.nccl_seconds("all-reduce", 0, 4, NV, hosts=4, inter_host=NET)
     assert min(6.6 + 6 * 5.0, 6.8 + 2 * 2 * 5.0) == 26.8
     assert (s, how) == (pytest.approx(26.8e-6, rel=1e-12), "tree/LL")
 
@@ -1135,11 +1125,11 @@ def test_nccl_large_messages_pay_the_protocol_share_of_the_hierarchy_bandwidth()
         "ring/LL": (6.6 + 28 + 5.4) * 1e-6 + n * 1.875 / 39e9,
     }  # LL's cap across hosts
     best = min(want, key=want.get)
-    s, how = perfmodel.nccl_seconds("all-reduce", n, 16, NV, hosts=2, inter_host=NET)
+    s, how = collectives.nccl_seconds("all-reduce", n, 16, NV, hosts=2, inter_host=NET)
     assert (s, how) == (pytest.approx(want[best], rel=1e-12), best) and best == "ring/LL128"
     # a PCIe (P2P off) host: NCCL's PCI step latencies, scaled by the link's own ring/LL step
     pci = dataclasses.replace(NV, hop_latency_s=2.0e-6, hw="pci", bus_bytes_per_s=25e9)
-    s, how = perfmodel.nccl_seconds("all-reduce", 0, 16, pci, hosts=2, inter_host=NET)
+    s, how = collectives.nccl_seconds("all-reduce", 0, 16, pci, hosts=2, inter_host=NET)
     assert (s, how) == (pytest.approx((6.8 + 2 * (7 * 2.0 + 5.0)) * 1e-6, rel=1e-12), "tree/LL")
 
 
@@ -1153,10 +1143,8 @@ def test_nccl_collectives_never_faster_with_more_bytes_hosts_or_slower_links():
             for hosts in (2, 4, 8, 16):
                 times = []
                 for n in sizes:
-                    k = perfmodel.Kernel(
-                        "start", "x", nbytes=n, collective=coll, ranks=16, hosts=hosts
-                    )
-                    [t] = perfmodel.costed([k], calibration=cal, link=link, contention=False)
+                    k = Kernel("start", "x", nbytes=n, collective=coll, ranks=16, hosts=hosts)
+                    [t] = timeline.costed([k], calibration=cal, link=link, contention=False)
                     times.append(t.seconds)
                 assert times == sorted(times), (coll, link.name, hosts, times)
                 if last_hosts and link.name == "nvlink":  # (P2P off, a host's own PCIe path
@@ -1164,7 +1152,7 @@ def test_nccl_collectives_never_faster_with_more_bytes_hosts_or_slower_links():
                     assert all(a >= b for a, b in zip(times, last_hosts)), (coll, link.name, hosts)
                 last_hosts = times
             for n in sizes:  # a slower link (either level) never makes it faster
-                base = perfmodel.nccl_seconds(
+                base = collectives.nccl_seconds(
                     coll, n, 16, link, hosts=2, inter_host=cal.inter_host
                 )[0]
                 for scale in (0.5, 0.1):
@@ -1179,43 +1167,43 @@ def test_nccl_collectives_never_faster_with_more_bytes_hosts_or_slower_links():
                         hop_latency_s=cal.inter_host.hop_latency_s / scale,
                     )
                     assert (
-                        perfmodel.nccl_seconds(
+                        collectives.nccl_seconds(
                             coll, n, 16, slow, hosts=2, inter_host=cal.inter_host
                         )[0]
                         >= base
                     )
                     assert (
-                        perfmodel.nccl_seconds(coll, n, 16, link, hosts=2, inter_host=slow_net)[0]
+                        collectives.nccl_seconds(coll, n, 16, link, hosts=2, inter_host=slow_net)[0]
                         >= base
                     )
 
 
 # ---------------------------------------------------------------------------------------------
-# Collectives within one host as NCCL picks them (perfmodel.nccl_one_host_seconds).
+# Collectives within one host as NCCL picks them (collectives.nccl_one_host_seconds).
 
 
 def test_nccl_in_host_picks_ring_ll_then_nvls_by_size_on_h100():
     nv = hardware.LINKS["nvlink"]  # 6.6 us base, 0.6 us a step, 360 GB/s busbw
     # 16 KB over 8 GPUs: the ring's LL at NCCL's Hopper one-node LL cap (141 GB/s < 360 / 2)
-    s, how = perfmodel.nccl_one_host_seconds("all-reduce", 16384, 8, nv, arch="sm90")
+    s, how = collectives.nccl_one_host_seconds("all-reduce", 16384, 8, nv, arch="sm90")
     assert how == "ring/LL"
     assert s == pytest.approx((6.6 + 14 * 0.6) * 1e-6 + 16384 * 1.75 / 141e9, rel=1e-12)
     # 64 MB: NVLS, 25 us, at the measured 480 / 370 of the ring's busbw on 8 GPUs
     n = 64e6
-    s, how = perfmodel.nccl_one_host_seconds("all-reduce", n, 8, nv, arch="sm90")
+    s, how = collectives.nccl_one_host_seconds("all-reduce", n, 8, nv, arch="sm90")
     assert how == "nvls/Simple"
     assert s == pytest.approx(25e-6 + n * 1.75 / (360e9 * 480 / 370), rel=1e-12)
     # without NVLS (--no-nvls, or an A100): the ring's Simple beats LL128 at 64 MB
     simple = (8.4 + 14 * 3.4) * 1e-6 + n * 1.75 / 360e9
     ll128 = (14.0 + 14 * 1.9) * 1e-6 + n * 1.75 / (360e9 * 0.92)
     assert simple < ll128
-    s, how = perfmodel.nccl_one_host_seconds("all-reduce", n, 8, nv, arch="sm90", nvls=False)
+    s, how = collectives.nccl_one_host_seconds("all-reduce", n, 8, nv, arch="sm90", nvls=False)
     assert (s, how) == (pytest.approx(simple, rel=1e-12), "ring/Simple")
     a100 = hardware.A100_LINKS["nvlink"]
-    s, how = perfmodel.nccl_one_host_seconds("all-reduce", n, 8, a100, arch="sm80")
+    s, how = collectives.nccl_one_host_seconds("all-reduce", n, 8, a100, arch="sm80")
     assert (s, how) == (pytest.approx((8.4 + 14 * 3.4) * 1e-6 + n * 1.75 / 230e9), "ring/Simple")
     # 8 KB on A100: LL at NCCL's Ampere one-node cap (87.7 GB/s)
-    s, how = perfmodel.nccl_one_host_seconds("all-reduce", 8192, 8, a100, arch="sm80")
+    s, how = collectives.nccl_one_host_seconds("all-reduce", 8192, 8, a100, arch="sm80")
     assert (s, how) == (pytest.approx(15.0e-6 + 8192 * 1.75 / 87.7e9, rel=1e-12), "ring/LL")
 
 
@@ -1223,13 +1211,13 @@ def test_nccl_in_host_over_pcie_has_no_ll128_and_no_nvls():
     pci = hardware.LINKS["pcie"]
     for n in (0, 1e4, 1e5, 1e6, 1e7, 1e8):
         for ranks in (2, 4, 8):
-            _, how = perfmodel.nccl_one_host_seconds("all-reduce", n, ranks, pci, arch="sm90")
+            _, how = collectives.nccl_one_host_seconds("all-reduce", n, ranks, pci, arch="sm90")
             assert "LL128" not in how and "nvls" not in how, (n, ranks, how)
     # 4 MB over 8 GPUs: the ring's Simple, NCCL's PCI step (5.7 us) scaled by the link's
     # ring/LL step (2.0 us here against NCCL's 1.0)
     n = 4e6
     want = (8.4 + 14 * 5.7 * 2.0) * 1e-6 + n * 1.75 / 25e9
-    s, how = perfmodel.nccl_one_host_seconds("all-reduce", n, 8, pci, arch="sm90")
+    s, how = collectives.nccl_one_host_seconds("all-reduce", n, 8, pci, arch="sm90")
     assert (s, how) == (pytest.approx(want, rel=1e-12), "ring/Simple")
 
 
@@ -1241,7 +1229,7 @@ def test_nccl_in_host_never_faster_with_more_bytes_or_slower_links():
             for coll in ("all-reduce", "all-gather", "reduce-scatter"):
                 for ranks in (2, 4, 8):
                     at = functools.partial(
-                        perfmodel.nccl_one_host_seconds, coll, ranks=ranks, arch=cal.chip.arch
+                        collectives.nccl_one_host_seconds, coll, ranks=ranks, arch=cal.chip.arch
                     )
                     times = [at(n, link=link)[0] for n in sizes]
                     assert times == sorted(times), (target, link.name, coll, ranks, times)
@@ -1258,17 +1246,17 @@ def test_nccl_in_host_never_faster_with_more_bytes_or_slower_links():
 def test_costed_uses_nccl_in_host_unless_ablated():
     cal = hardware.calibration("h100")
     nv = cal.links["nvlink"]
-    k = perfmodel.Kernel("start", "x", nbytes=64e6, collective="all-reduce", ranks=8)
-    [t] = perfmodel.costed([k], calibration=cal, link=nv)
-    assert t.seconds == perfmodel.nccl_one_host_seconds("all-reduce", 64e6, 8, nv, arch="sm90")[0]
+    k = Kernel("start", "x", nbytes=64e6, collective="all-reduce", ranks=8)
+    [t] = timeline.costed([k], calibration=cal, link=nv)
+    assert t.seconds == collectives.nccl_one_host_seconds("all-reduce", 64e6, 8, nv, arch="sm90")[0]
     assert t.latency_s == pytest.approx(25e-6, rel=1e-12)
     assert t.sm_share == pytest.approx(16 / 132)  # NVLS's 16 channels, not the ring's 24
-    [r] = perfmodel.costed([k], calibration=cal, link=nv, in_host=False)
-    assert r.seconds == perfmodel.collective_seconds("all-reduce", 64e6, 8, nv)
+    [r] = timeline.costed([k], calibration=cal, link=nv, in_host=False)
+    assert r.seconds == collectives.collective_seconds("all-reduce", 64e6, 8, nv)
     assert r.sm_share == pytest.approx(24 / 132)
-    kw = perfmodel.Sweep(nccl_in_host=False, nvls=False).costing(8, "nvlink")
-    assert (kw["in_host"], kw["nvls"]) == (False, False)
-    assert perfmodel.Sweep().costing(8, "nvlink")["in_host"] is True
+    c = perfmodel.Sweep(nccl_in_host=False, nvls=False).costing("nvlink")
+    assert (c.in_host, c.nvls) == (False, False)
+    assert perfmodel.Sweep().costing("nvlink").in_host is True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1289,25 +1277,25 @@ def _kernels(kinds: str) -> list:
     """c: compute, s: collective start, d: its done, y: a blocking collective."""
     kind = {"c": "compute", "s": "start", "d": "done", "y": "sync"}
     return [
-        perfmodel.Kernel(kind[k], "x" if k in "sd" else f"k{i}", collective="all-reduce")
+        Kernel(kind[k], "x" if k in "sd" else f"k{i}", collective="all-reduce")
         for i, k in enumerate(kinds)
     ]
 
 
 def test_launch_plan_graphs_long_runs_and_launches_the_rest_one_by_one():
     ks = _kernels("cccccsccdcy")
-    graphs = perfmodel.launch_plan(ks, LAUNCH, "graphs")
+    graphs = timeline.launch_plan(ks, LAUNCH, "graphs")
     assert graphs == [(3.0, True)] + [(0.0, True)] * 4 + [(4.0, False)] + [(2.0, False)] * 2 + [
         (0.0, False),
         (2.0, False),
         (4.0, False),
     ]
-    streams = perfmodel.launch_plan(ks, LAUNCH, "streams")
+    streams = timeline.launch_plan(ks, LAUNCH, "streams")
     assert [s for s, _ in streams] == [2.0] * 5 + [4.0, 2.0, 2.0, 0.0, 2.0, 4.0]
     assert not any(g for _, g in streams)
-    assert perfmodel.launch_plan(ks, LAUNCH, "off") == [(0.0, True)] * len(ks)
+    assert timeline.launch_plan(ks, LAUNCH, "off") == [(0.0, True)] * len(ks)
     with pytest.raises(perfmodel.PredictError, match="launch mode 'eager'"):
-        perfmodel.launch_plan(ks, LAUNCH, "eager")
+        timeline.launch_plan(ks, LAUNCH, "eager")
 
 
 def test_the_gpu_waits_for_the_host_exactly():
@@ -1317,9 +1305,9 @@ def test_the_gpu_waits_for_the_host_exactly():
         T("compute", "a", 1.0, flops_s=1.0, issue_s=2.0),
         T("compute", "b", 1.0, flops_s=1.0, issue_s=2.0),
     ]
-    t = perfmodel.simulate(ops, step_s=1.0)
+    t = timeline.simulate(ops, step_s=1.0)
     assert (t.seconds, t.compute_s, t.exposed_comm_s) == (5.0, 5.0, 0.0)
-    assert perfmodel.simulate(ops, step_s=3.0).seconds == 7.0
+    assert timeline.simulate(ops, step_s=3.0).seconds == 7.0
     # a collective is issued after the kernel before it (host 2 s + 1 s), runs 3-7 s; c waits
     ops = [
         T("compute", "a", 1.0, flops_s=1.0, issue_s=2.0),
@@ -1327,24 +1315,24 @@ def test_the_gpu_waits_for_the_host_exactly():
         T("compute", "c", 1.0, flops_s=1.0),
         T("done", "x", 0.0),
     ]
-    t = perfmodel.simulate(ops)
+    t = timeline.simulate(ops)
     assert (t.seconds, t.compute_s, t.comm_s) == (7.0, 4.0, 4.0)
     # a host that issues each op while the one before runs is hidden: the GPU alone, 5 s
     fast = [dataclasses.replace(op, issue_s=s) for op, s in zip(ops, (0.0, 0.5, 0.5, 0.0))]
     assert (
-        perfmodel.simulate(fast).seconds
-        == perfmodel.simulate([dataclasses.replace(op, issue_s=0.0) for op in ops]).seconds
+        timeline.simulate(fast).seconds
+        == timeline.simulate([dataclasses.replace(op, issue_s=0.0) for op in ops]).seconds
         == 5.0
     )
 
 
 def test_costed_kernels_outside_a_command_buffer_pay_the_stream_gap():
     cal = dataclasses.replace(hardware.calibration("h100"), launch=LAUNCH)
-    ks = [perfmodel.Kernel("compute", f"k{i}", flops=1e9, nbytes=1e6) for i in range(6)]
+    ks = [Kernel("compute", f"k{i}", flops=1e9, nbytes=1e6) for i in range(6)]
     roof = max(1e9 / (989e12 * 0.70), 1e6 / (3.35e12 * 0.85)) + 1.5e-6
     link = cal.links["nvlink"]
-    graphs = perfmodel.costed(ks, calibration=cal, link=link, launch="graphs")
-    streams = perfmodel.costed(ks, calibration=cal, link=link, launch="streams")
+    graphs = timeline.costed(ks, calibration=cal, link=link, launch="graphs")
+    streams = timeline.costed(ks, calibration=cal, link=link, launch="streams")
     assert [o.seconds for o in graphs] == pytest.approx([roof] * 6, rel=1e-12)
     assert [o.seconds for o in streams] == pytest.approx([roof + 0.5] * 6, rel=1e-12)
     assert [o.issue_s for o in graphs] == [3.0] + [0.0] * 5
@@ -1353,29 +1341,23 @@ def test_costed_kernels_outside_a_command_buffer_pay_the_stream_gap():
 
 # a tp 4 decode step of a short context, the KV8 model's programs read whole (no layer
 # extrapolation): what the host-cost and cross-stream-wait tests cost under each option
-SMALL_DECODE = dict(
-    phase="decode",
-    tp=4,
-    batch=1,
-    prompt_len=16,
-    new_tokens=16,
-    link=hardware.LINKS["nvlink"],
-    layers_compiled=0,
-)
+SMALL = Workload(tp=4, batch=1, prompt_len=16, new_tokens=16)
+SMALL_COSTING = Costing(hardware.LINKS["nvlink"], layers_compiled=0)
+
+
+def _small_time(cfg, phase="decode", **costing) -> float:
+    """program_time of `cfg` on SMALL, SMALL_COSTING with `costing` replaced: seconds."""
+    c = dataclasses.replace(SMALL_COSTING, **costing)
+    return perfmodel.program_time(cfg, SMALL, c, phase=phase)["seconds"]
 
 
 def test_host_costs_never_predict_faster_and_off_is_the_gpu_alone():
-    kw = SMALL_DECODE
     for residual in ("standard", "ladder"):
         cfg = dataclasses.replace(KV8, residual=residual)
-        t = {
-            m: perfmodel.program_time(cfg, launch=m, **kw)["seconds"] for m in hardware.LAUNCH_MODES
-        }
-        kernels = perfmodel.program_kernels(
-            cfg, phase="decode", tp=4, batch=1, prompt_len=16, new_tokens=16, target="h100"
-        ).kernels
-        alone = perfmodel.simulate(
-            perfmodel.costed(
+        t = {m: _small_time(cfg, launch=m) for m in hardware.LAUNCH_MODES}
+        kernels = compiled.program_kernels(cfg, SMALL, phase="decode").kernels
+        alone = timeline.simulate(
+            timeline.costed(
                 kernels, calibration=hardware.calibration("h100"), link=hardware.LINKS["nvlink"]
             )
         ).seconds
@@ -1383,27 +1365,26 @@ def test_host_costs_never_predict_faster_and_off_is_the_gpu_alone():
         assert t["off"] <= t["graphs"] <= t["streams"], (residual, t)
         # a slower host never predicts a faster step
         slow = hardware.calibration("h100").replace(launch={"kernel_s": 20e-6})
-        assert (
-            perfmodel.program_time(cfg, launch="streams", calibration=slow, **kw)["seconds"]
-            >= t["streams"]
-        )
+        assert _small_time(cfg, launch="streams", calibration=slow) >= t["streams"]
 
 
 def test_a_program_is_compiled_and_read_once_however_its_arguments_are_spelled():
     """compile_all's tasks (keywords in one order) and program_time's calls (another) must
     meet in one cache entry: a second spelling re-reads nothing."""
     cfg = dataclasses.replace(KV8, n_layers=1)
-    perfmodel.program_kernels.cache_clear()
-    a = perfmodel.program_kernels(
-        cfg, phase="decode", tp=2, batch=1, prompt_len=16, new_tokens=16, target="h100"
+    compiled.program_kernels.cache_clear()
+    a = compiled.program_kernels(
+        cfg, Workload(tp=2, batch=1, prompt_len=16, new_tokens=16), phase="decode"
     )
-    b = perfmodel.program_kernels(
-        **dict(target="h100", new_tokens=16, prompt_len=16, batch=1, tp=2, phase="decode"),
+    b = compiled.program_kernels(
+        **dict(
+            phase="decode",
+            workload=Workload(2, 1, 16, 16, target="h100", hosts=1),
+        ),
         config=cfg,
-        hosts=1,
     )
     assert a is b
-    info = perfmodel.program_kernels.cache_info()
+    info = compiled.program_kernels.cache_info()
     assert (info.misses, info.hits) == (1, 1), info
 
 
@@ -1417,11 +1398,11 @@ def test_asynchronous_collectives_wait_across_streams_exactly():
         T("done", "x", 0.0),
         T("compute", "c", 1.0, flops_s=1.0),
     ]
-    waited = perfmodel.stream_waits(ops, 0.5)
+    waited = timeline.stream_waits(ops, 0.5)
     assert [o.wait_s for o in waited] == [0.0, 0.5, 0.0, 0.5, 0.0]
     for rate in (1.0, 0.5):  # the event replay (copy contention) waits alike
-        assert perfmodel.simulate(waited, copy_rate=rate).seconds == 6.0
-        assert perfmodel.simulate(ops, copy_rate=rate).seconds == 5.0
+        assert timeline.simulate(waited, copy_rate=rate).seconds == 6.0
+        assert timeline.simulate(ops, copy_rate=rate).seconds == 5.0
     # a wait that ends while the collective stream is still busy costs nothing: y queues
     # behind x (1.5-4.5 s) and starts when x ends; c waits for y's end (7.5 s) + 0.5 s
     two = [
@@ -1431,36 +1412,26 @@ def test_asynchronous_collectives_wait_across_streams_exactly():
         T("done", "y", 0.0),
         T("compute", "c", 1.0, flops_s=1.0),
     ]
-    assert perfmodel.simulate(perfmodel.stream_waits(two, 0.5)).seconds == 9.0
+    assert timeline.simulate(timeline.stream_waits(two, 0.5)).seconds == 9.0
     # a blocking collective runs on the compute stream: no wait
     sync = [T("compute", "a", 1.0, flops_s=1.0), T("sync", "z", 2.0)]
-    assert perfmodel.stream_waits(sync, 0.5) == sync
+    assert timeline.stream_waits(sync, 0.5) == sync
 
 
 def test_cross_stream_waits_never_predict_faster_and_only_asynchronous_collectives_pay():
-    kw = SMALL_DECODE
     for residual in ("standard", "ladder"):
         cfg = dataclasses.replace(KV8, residual=residual)
         starts = sum(
-            k.kind == "start"
-            for k in perfmodel.program_kernels(
-                cfg, phase="decode", tp=4, batch=1, prompt_len=16, new_tokens=16, target="h100"
-            ).kernels
+            k.kind == "start" for k in compiled.program_kernels(cfg, SMALL, phase="decode").kernels
         )
+        h100 = hardware.calibration("h100")
         t = [
-            perfmodel.program_time(
-                cfg,
-                calibration=hardware.calibration("h100").replace(launch={"stream_sync_s": d}),
-                **kw,
-            )["seconds"]
+            _small_time(cfg, calibration=h100.replace(launch={"stream_sync_s": d}))
             for d in (0.0, 2e-6, 20e-6)
         ]
         assert t[0] <= t[1] <= t[2], (residual, t)
-        assert perfmodel.program_time(cfg, stream_sync=False, **kw)["seconds"] == t[0]
-        assert (
-            perfmodel.program_time(cfg, launch="off", **kw)["seconds"]
-            == (perfmodel.program_time(cfg, launch="off", stream_sync=False, **kw)["seconds"])
-        )
+        assert _small_time(cfg, stream_sync=False) == t[0]
+        assert _small_time(cfg, launch="off") == _small_time(cfg, launch="off", stream_sync=False)
         if starts:  # the ladder's all-reduces are asynchronous: each wait is paid at most twice
             assert t[0] < t[2] <= t[0] + 2 * starts * 20e-6 + 1e-12, (residual, t)
         else:  # standard's block the compute stream: nothing changes
@@ -1479,16 +1450,16 @@ def test_a_collective_moves_its_data_slower_beside_a_running_kernel_exactly():
         T("compute", "a", 4.0, flops_s=4.0),
         T("done", "x", 0.0),
     ]
-    t = perfmodel.simulate(ops, copy_rate=0.5)
+    t = timeline.simulate(ops, copy_rate=0.5)
     assert (t.seconds, t.compute_s, t.comm_s) == (4.5, 4.0, 4.5)
-    assert perfmodel.simulate(ops).seconds == 4.0  # one way only: x ends at 3 s
+    assert timeline.simulate(ops).seconds == 4.0  # one way only: x ends at 3 s
     # with x holding half the SMs too: a at half speed until x ends at 1 + 2 / 0.5 = 5 s,
     # then its last 1.5 s alone
     ops[0] = T("start", "x", 3.0, latency_s=1.0, sm_share=0.5)
-    assert perfmodel.simulate(ops, copy_rate=0.5).seconds == 6.5
+    assert timeline.simulate(ops, copy_rate=0.5).seconds == 6.5
     # a kernel's fixed overhead does not slow the copies; a kernel with no work neither
     ops = [T("start", "x", 2.0), T("compute", "o", 1.0), T("done", "x", 0.0)]
-    assert perfmodel.simulate(ops, copy_rate=0.5).seconds == 2.0
+    assert timeline.simulate(ops, copy_rate=0.5).seconds == 2.0
 
 
 def test_contention_both_ways_at_rate_one_is_the_one_way_replay():
@@ -1530,50 +1501,47 @@ def test_contention_both_ways_at_rate_one_is_the_one_way_replay():
                     )
                 )
         ops += [T("done", n, 0.0) for n in open_]
-        one, both = perfmodel.simulate(ops), perfmodel._Replay(1.0).run(ops, 0.0)
+        one, both = timeline.simulate(ops), timeline._Replay(1.0).run(ops, 0.0)
         assert both.seconds == pytest.approx(one.seconds, rel=1e-12, abs=1e-12)
         assert both.compute_s == pytest.approx(one.compute_s, rel=1e-12, abs=1e-12)
-        slower = [perfmodel.simulate(ops, copy_rate=r).seconds for r in (0.9, 0.5, 0.2)]
+        slower = [timeline.simulate(ops, copy_rate=r).seconds for r in (0.9, 0.5, 0.2)]
         assert one.seconds - 1e-12 <= slower[0] <= slower[1] + 1e-12 <= slower[2] + 2e-12
 
 
 def test_prefill_collectives_are_slowed_beside_kernels_and_the_ablation_is_exact():
-    kw = dict(SMALL_DECODE, phase="prefill", launch="off")
     cfg = dataclasses.replace(KV8, residual="ladder")
-    one_way = perfmodel.program_time(cfg, copy_contention=False, **kw)
-    both = perfmodel.program_time(cfg, **kw)
-    kernels = perfmodel.program_kernels(
-        cfg, phase="prefill", tp=4, batch=1, prompt_len=16, new_tokens=16, target="h100"
-    ).kernels
+    one_way = _small_time(cfg, "prefill", launch="off", copy_contention=False)
+    both = _small_time(cfg, "prefill", launch="off")
+    kernels = compiled.program_kernels(cfg, SMALL, phase="prefill").kernels
     cal = hardware.calibration("h100")
-    ops = perfmodel.costed(kernels, calibration=cal, link=hardware.LINKS["nvlink"])
-    assert one_way["seconds"] == perfmodel.simulate(ops).seconds
-    assert both["seconds"] == perfmodel.simulate(ops, copy_rate=0.5).seconds
-    assert both["seconds"] >= one_way["seconds"]
+    ops = timeline.costed(kernels, calibration=cal, link=hardware.LINKS["nvlink"])
+    assert one_way == timeline.simulate(ops).seconds
+    assert both == timeline.simulate(ops, copy_rate=0.5).seconds
+    assert both >= one_way
     assert all(0 <= o.latency_s <= o.seconds for o in ops if o.kind in ("start", "sync"))
 
 
 # ---------------------------------------------------------------------------------------------
-# NCCL's LL128 enable rule (perfmodel.ll128_enabled) and GEMM wave quantization beside a
-# collective (perfmodel.flops_slowdown, gemm_tiles).
+# NCCL's LL128 enable rule (collectives.ll128_enabled) and GEMM wave quantization beside a
+# collective (timeline.flops_slowdown, gemm_tiles).
 
 PCI = dataclasses.replace(NV, hop_latency_s=2.0e-6, hw="pci", bus_bytes_per_s=25e9)
 
 
 def test_ll128_only_over_nvlink_and_across_hosts_only_near_the_nic():
     at = lambda path: dataclasses.replace(NET, nic_path=path)  # noqa: E731
-    assert perfmodel.ll128_enabled(NV, "sm90") and perfmodel.ll128_enabled(NV, None)
-    assert not perfmodel.ll128_enabled(PCI, "sm90")  # P2P off: through host memory
-    assert not perfmodel.ll128_enabled(PCI, "sm80", at("PIX"))
-    assert not perfmodel.ll128_enabled(NV, "sm75")  # an arch NCCL has not validated it on
+    assert collectives.ll128_enabled(NV, "sm90") and collectives.ll128_enabled(NV, None)
+    assert not collectives.ll128_enabled(PCI, "sm90")  # P2P off: through host memory
+    assert not collectives.ll128_enabled(PCI, "sm80", at("PIX"))
+    assert not collectives.ll128_enabled(NV, "sm75")  # an arch NCCL has not validated it on
     for path in ("PIX", "PXB"):
-        assert perfmodel.ll128_enabled(NV, "sm80", at(path))
-        assert perfmodel.ll128_enabled(NV, "sm90", at(path))
+        assert collectives.ll128_enabled(NV, "sm80", at(path))
+        assert collectives.ll128_enabled(NV, "sm90", at(path))
     # through another GPU's NIC: Hopper only; through the CPU: never
-    assert perfmodel.ll128_enabled(NV, "sm90", at("PXN"))
-    assert not perfmodel.ll128_enabled(NV, "sm80", at("PXN"))
+    assert collectives.ll128_enabled(NV, "sm90", at("PXN"))
+    assert not collectives.ll128_enabled(NV, "sm80", at("PXN"))
     for path in ("PHB", "SYS"):
-        assert not perfmodel.ll128_enabled(NV, "sm90", at(path))
+        assert not collectives.ll128_enabled(NV, "sm90", at(path))
     assert hardware.INTER_HOST["h100"].nic_path == "PIX"  # DGX/HGX: the NIC on the GPU's switch
     # a calibration file may say where the NICs are
     cal = hardware.calibration("h100").replace(inter_host={"nic_path": "PHB"})
@@ -1592,7 +1560,7 @@ def test_ll128_left_out_where_nccl_disables_it_exact():
     ring_ll = 6.6 + 28 * 2.0 + 2 * 2.7 + bw / 0.5
     assert tree_ll128 == pytest.approx(430.48, abs=0.01)  # what NCCL would not run
     assert min(tree_simple, ring_simple, ring_ll) == tree_simple == pytest.approx(473.04, abs=0.01)
-    s, how = perfmodel.nccl_seconds("all-reduce", 4e6, 16, PCI, hosts=2, inter_host=NET)
+    s, how = collectives.nccl_seconds("all-reduce", 4e6, 16, PCI, hosts=2, inter_host=NET)
     assert (s, how) == (pytest.approx(tree_simple * 1e-6, rel=1e-12), "tree/Simple")
     # NVLink hosts whose NICs sit behind the CPU (PHB): 64 MB, the ring's LL128 is out, the
     # best of the rest runs (test_nccl_large_messages_pay_the_protocol_share_...)
@@ -1605,9 +1573,9 @@ def test_ll128_left_out_where_nccl_disables_it_exact():
         "ring/LL": (6.6 + 28 + 5.4) * 1e-6 + n * 1.875 / 39e9,
     }
     best = min(rest, key=rest.get)
-    s, how = perfmodel.nccl_seconds("all-reduce", n, 16, NV, hosts=2, inter_host=phb, arch="sm90")
+    s, how = collectives.nccl_seconds("all-reduce", n, 16, NV, hosts=2, inter_host=phb, arch="sm90")
     assert (s, how) == (pytest.approx(rest[best], rel=1e-12), best) and best == "tree/Simple"
-    s, how = perfmodel.nccl_seconds("all-reduce", n, 16, NV, hosts=2, inter_host=NET, arch="sm90")
+    s, how = collectives.nccl_seconds("all-reduce", n, 16, NV, hosts=2, inter_host=NET, arch="sm90")
     assert how == "ring/LL128"
 
 
@@ -1619,12 +1587,12 @@ def test_ll128_rule_never_makes_a_collective_faster():
             last = 0.0
             for path in hardware.NCCL_PATHS[4:10]:  # PIX .. SYS
                 net = dataclasses.replace(NET, nic_path=path)
-                t = perfmodel.nccl_seconds(coll, n, 16, NV, hosts=2, inter_host=net, arch="sm90")
+                t = collectives.nccl_seconds(coll, n, 16, NV, hosts=2, inter_host=net, arch="sm90")
                 assert t[0] >= last, (coll, n, path)
                 last = t[0]
-            on_nv = perfmodel.nccl_seconds(coll, n, 16, NV, hosts=2, inter_host=NET)[0]
+            on_nv = collectives.nccl_seconds(coll, n, 16, NV, hosts=2, inter_host=NET)[0]
             slow = dataclasses.replace(PCI, bus_bytes_per_s=NV.bus_bytes_per_s)  # only P2P off
-            assert perfmodel.nccl_seconds(coll, n, 16, slow, hosts=2, inter_host=NET)[0] >= on_nv
+            assert collectives.nccl_seconds(coll, n, 16, slow, hosts=2, inter_host=NET)[0] >= on_nv
             # across 2, 4, 8 hosts (16 ranks), the NICs behind the CPU: never faster
             cal = dataclasses.replace(
                 hardware.calibration("h100"),
@@ -1632,8 +1600,8 @@ def test_ll128_rule_never_makes_a_collective_faster():
             )
             times = []
             for hosts in (2, 4, 8):
-                k = perfmodel.Kernel("start", "x", nbytes=n, collective=coll, ranks=16, hosts=hosts)
-                [t] = perfmodel.costed(
+                k = Kernel("start", "x", nbytes=n, collective=coll, ranks=16, hosts=hosts)
+                [t] = timeline.costed(
                     [k], calibration=cal, link=cal.links["nvlink"], contention=False
                 )
                 times.append(t.seconds)
@@ -1641,23 +1609,23 @@ def test_ll128_rule_never_makes_a_collective_faster():
 
 
 def test_flops_slowdown_counts_whole_waves_of_tiles():
-    assert perfmodel.flops_slowdown(0.0, 132, 132) == 1.0
-    assert perfmodel.flops_slowdown(16 / 132) == pytest.approx(132 / 116)  # no tiles: SM share
-    assert perfmodel.flops_slowdown(16 / 132, 132, 132) == 2.0  # 1 wave -> 2 on 116 SMs
-    assert perfmodel.flops_slowdown(16 / 132, 100, 132) == 1.0  # fits in the SMs left
-    assert perfmodel.flops_slowdown(16 / 132, 264, 132) == 1.5  # ceil(264 / 116) = 3 against 2
-    assert perfmodel.flops_slowdown(24 / 108, 1000, 108) == 12 / 10  # A100: 84 SMs left
+    assert timeline.flops_slowdown(0.0, 132, 132) == 1.0
+    assert timeline.flops_slowdown(16 / 132) == pytest.approx(132 / 116)  # no tiles: SM share
+    assert timeline.flops_slowdown(16 / 132, 132, 132) == 2.0  # 1 wave -> 2 on 116 SMs
+    assert timeline.flops_slowdown(16 / 132, 100, 132) == 1.0  # fits in the SMs left
+    assert timeline.flops_slowdown(16 / 132, 264, 132) == 1.5  # ceil(264 / 116) = 3 against 2
+    assert timeline.flops_slowdown(24 / 108, 1000, 108) == 12 / 10  # A100: 84 SMs left
 
 
 def test_waves_exact_on_a_hand_built_schedule():
     # a 6 us collective on 16 of 132 SMs beside a 5 us FLOP-bound GEMM
     def run(tiles):
         ops = [
-            perfmodel.Timed("start", "c", 6e-6, sm_share=16 / 132),
-            perfmodel.Timed("compute", "g", 5e-6, flops_s=5e-6, tiles=tiles, sms=132),
-            perfmodel.Timed("done", "c", 0.0),
+            timeline.Timed("start", "c", 6e-6, sm_share=16 / 132),
+            timeline.Timed("compute", "g", 5e-6, flops_s=5e-6, tiles=tiles, sms=132),
+            timeline.Timed("done", "c", 0.0),
         ]
-        return perfmodel.simulate(ops)
+        return timeline.simulate(ops)
 
     # 132 tiles: twice as slow while beside it: 3 us of work in 6 us, then 2 us alone
     t = run(132)
@@ -1670,11 +1638,11 @@ def test_waves_exact_on_a_hand_built_schedule():
     assert run(100).compute_s == pytest.approx(5e-6, rel=1e-12)
     # the same through the two-way replay (copies at full rate beside it: copy_rate 1 path)
     ops = [
-        perfmodel.Timed("start", "c", 6e-6, sm_share=16 / 132),
-        perfmodel.Timed("compute", "g", 5e-6, flops_s=5e-6, tiles=132, sms=132),
-        perfmodel.Timed("done", "c", 0.0),
+        timeline.Timed("start", "c", 6e-6, sm_share=16 / 132),
+        timeline.Timed("compute", "g", 5e-6, flops_s=5e-6, tiles=132, sms=132),
+        timeline.Timed("done", "c", 0.0),
     ]
-    assert perfmodel.simulate(ops, copy_rate=0.999999).compute_s == pytest.approx(8e-6, rel=1e-5)
+    assert timeline.simulate(ops, copy_rate=0.999999).compute_s == pytest.approx(8e-6, rel=1e-5)
 
 
 def test_gemm_tiles_read_from_the_hlo_and_passed_on_unless_ablated():
@@ -1685,9 +1653,9 @@ def test_gemm_tiles_read_from_the_hlo_and_passed_on_unless_ablated():
     line = '%g = f32[64,256]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm, metadata={op_name="jit(step)/shard_map/layer1.mlp/dot_general"}'  # noqa: E501
     assert line in HLO
     tiled = HLO.replace(line, f"{line}, {cfg}")
-    g = next(k for k in perfmodel.read_kernels(tiled) if k.name == "g")
+    g = next(k for k in read_kernels(tiled) if k.name == "g")
     assert g.tiles == (64 // 16) * (256 // 64) == 16
-    assert all(k.tiles == 0 for k in perfmodel.read_kernels(HLO))  # no config: not known
+    assert all(k.tiles == 0 for k in read_kernels(HLO))  # no config: not known
     # a ragged edge and a batch dimension; the older triton_gemm_config with split-k
     from ladder_jax.analysis import hlo
 
@@ -1696,20 +1664,20 @@ def test_gemm_tiles_read_from_the_hlo_and_passed_on_unless_ablated():
         'usion_backend_config":{"kind":"__triton_gemm","block_level_fusion_config":{"output_t'
         'iles":[{"sizes":["64","128"]}]}}}'
     )
-    assert perfmodel.gemm_tiles(op) == 3 * 2 * 4
+    assert gemm_tiles(op) == 3 * 2 * 4
     op = hlo.parse_instruction(
         '%f = bf16[256,500]{1,0} fusion(%a), kind=kCustom, calls=%c, backend_config={"fusion_'
         'backend_config":{"kind":"__triton_gemm","triton_gemm_config":{"block_m":"64","block_'
         'n":"128","block_k":"32","split_k":"2","num_stages":"3","num_warps":"4"}}}'
     )
-    assert perfmodel.gemm_tiles(op) == 4 * 4 * 2
+    assert gemm_tiles(op) == 4 * 4 * 2
     cal = hardware.calibration("h100")
-    k = perfmodel.Kernel("compute", "g", flops=1e9, nbytes=1e6, tiles=16)
-    [t] = perfmodel.costed([k], calibration=cal, link=cal.links["nvlink"])
+    k = Kernel("compute", "g", flops=1e9, nbytes=1e6, tiles=16)
+    [t] = timeline.costed([k], calibration=cal, link=cal.links["nvlink"])
     assert (t.tiles, t.sms) == (16, 132)
-    [t] = perfmodel.costed([k], calibration=cal, link=cal.links["nvlink"], waves=False)
+    [t] = timeline.costed([k], calibration=cal, link=cal.links["nvlink"], waves=False)
     assert (t.tiles, t.sms) == (0, 0)
-    assert perfmodel.Sweep(waves=False).costing(8, "nvlink")["waves"] is False
+    assert perfmodel.Sweep(waves=False).costing("nvlink").waves is False
 
 
 def test_cli_no_waves_ablation_in_the_json_rows(capsys):

@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 import ladder_jax as lj
 from ladder_jax import config as config_lib
-from ladder_jax.analysis import hlo, overlap, perfmodel, programs
+from ladder_jax.analysis import hlo, overlap, programs
+from ladder_jax.analysis.kernels import read_kernels
 from ladder_jax.cli import convert as convert_cli
 from ladder_jax.cli import decode as decode_cli
 from ladder_jax.config import ConfigError
@@ -342,7 +343,7 @@ def test_int8_decode_program_reads_int8_weights():
         )
 
     def read(text):
-        return sum(k.nbytes for k in perfmodel.read_kernels(text) if k.kind == "compute")
+        return sum(k.nbytes for k in read_kernels(text) if k.kind == "compute")
 
     print(
         f"decode step per GPU: weights {wb / 1e6:.1f} MB bf16, {wq / 1e6:.1f} MB int8; "

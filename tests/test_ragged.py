@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ladder_jax.analysis import hlo, perfmodel, programs
+from ladder_jax.analysis import compiled, hlo, programs
+from ladder_jax.analysis.kernels import read_kernels
 from ladder_jax.inference.cache import KVCache
 from ladder_jax.model import attention, ragged, transformer
 from tests import helpers, reference
@@ -298,12 +299,12 @@ def test_the_decode_attention_moves_the_cache_and_little_else_at_batch_16(prompt
     text, _ = programs.compile_program(
         GQA, phase="decode", tp=tp, batch=B, seq=prompt_len, new_tokens=new, cache=False
     )
-    fill = perfmodel.decode_fill(GQA, prompt_len=prompt_len, new_tokens=new)
+    fill = compiled.decode_fill(GQA, compiled.Workload(tp, B, prompt_len, new))
     module = hlo.Module(text)
     ops = {op.name: op for op in module.entry}
     kernels = [
         k
-        for k in perfmodel.read_kernels(text, devices=tp, filled=fill)
+        for k in read_kernels(text, devices=tp, filled=fill)
         if k.kind == "compute" and k.layer == GQA.n_layers - 1
     ]
     matmuls = [i for i, k in enumerate(kernels) if hlo.SMALL_M_MATMUL in ops[k.name].text]

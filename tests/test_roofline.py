@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 
 import ladder_jax as lj
-from ladder_jax.analysis import hlo, perfmodel, programs, roofline
+from ladder_jax.analysis import compiled, hlo, perfmodel, programs, roofline
+from ladder_jax.analysis.compiled import Workload
 from ladder_jax.cli import predict as predict_cli
 from ladder_jax.inference import generation
 from ladder_jax.model import ragged
@@ -72,7 +73,7 @@ def hand_minimum(cfg, tp: int, batch: int) -> int:
 @pytest.mark.parametrize("tp, quantize", CASES)
 def test_decode_layer_moves_the_minimum(tp, quantize):
     cfg = dataclasses.replace(CFG, quantize=quantize)
-    r = roofline.layer_report(cfg, tp=tp, batch=1, layers_compiled=2, **SHAPE)
+    r = roofline.layer_report(cfg, Workload(tp, 1, **SHAPE), layers_compiled=2)
     assert r["layer_min_bytes"] == hand_minimum(cfg, tp, 1)
     assert 1.0 <= r["bytes_vs_minimum"] < 1.05, r["layer_kernels"]
     # every weight of the deeper program's layers goes into one matmul kernel, and no other
@@ -230,17 +231,17 @@ def test_the_decode_step_launches_as_cuda_graphs_broken_only_at_collectives():
     layer's all-reduces. With command buffers turned off there is none (the reading
     can fail)."""
     cfg = dataclasses.replace(CFG, n_layers=2)
-    one = roofline.command_buffers(cfg, tp=1, batch=1, **SHAPE)
-    kernels = perfmodel.program_kernels(cfg, phase="decode", tp=1, batch=1, **SHAPE).kernels
+    one = roofline.command_buffers(cfg, Workload(1, 1, **SHAPE))
+    kernels = compiled.program_kernels(cfg, Workload(1, 1, **SHAPE), phase="decode").kernels
     compute = sum(k.kind == "compute" for k in kernels)
     assert one["graphs"] == 1 and one["collectives"] == 0, one
     assert one["graph_kernels"][0] >= compute - 4 and one["kernels_outside"] <= 4, (one, compute)
-    eight = roofline.command_buffers(cfg, tp=8, batch=1, **SHAPE)
+    eight = roofline.command_buffers(cfg, Workload(8, 1, **SHAPE))
     assert eight["kernels_outside"] <= 4, eight
     # a graph after each of the layers' two all-reduces, none without a collective before it
     assert 2 * cfg.n_layers <= eight["graphs"] <= eight["collectives"] + 1, eight
     off = roofline.command_buffers(
-        cfg, tp=1, batch=1, **SHAPE, options={"xla_gpu_enable_command_buffer": ""}
+        cfg, Workload(1, 1, **SHAPE), options={"xla_gpu_enable_command_buffer": ""}
     )
     assert off["graphs"] == 0, off  # the graph's kernels are launched one by one instead
     assert off["kernels_outside"] == one["graph_kernels"][0] + one["kernels_outside"], off
@@ -261,7 +262,7 @@ def test_pallas_decode_matmul_reads_each_weight_once_at_batch_16(tp):
     float32 partial products that RoPE, the cache writes and the MLP's product read back:
     1.02x at tp 1, 1.10x at tp 8 at these widths). RoPE and the cache writes run inside the
     attention kernel, which reads q/k/v as the q/k/v matmul wrote them."""
-    r = roofline.layer_report(WIDE, tp=tp, batch=16, layers_compiled=2, **SHAPE)
+    r = roofline.layer_report(WIDE, Workload(tp, 16, **SHAPE), layers_compiled=2)
     assert r["layer_min_bytes"] == hand_minimum(WIDE, tp, 16)
     assert 1.0 <= r["bytes_vs_minimum"] < 1.05, r["layer_kernels"]
     # the norms, silu(gate) * up and the residual adds run inside those calls, RoPE and the
@@ -335,7 +336,7 @@ def test_parallel_attention_reads_the_five_way_projection_in_place(tp):
             for op in ops
         )
         assert kinds == ["attention", "down"], (projection, [op.name for op in ops])
-    r = roofline.layer_report(PARALLEL, tp=tp, batch=16, layers_compiled=2, **SHAPE)
+    r = roofline.layer_report(PARALLEL, Workload(tp, 16, **SHAPE), layers_compiled=2)
     assert not [k for k in r["layer_kernels"] if "concatenate" in k[0] or "copy" in k[0]]
     assert 1.0 <= r["bytes_vs_minimum"] < (1.05 if tp == 1 else 1.10), r["layer_kernels"]
     assert r["kernels_per_layer"] <= (6 if tp == 1 else 5), r["layer_kernels"]

@@ -56,6 +56,9 @@ def nbytes(shape: str) -> int:
     return total
 
 
+_KERNEL_STRATEGY = re.compile(r'"kernel_strategy":"KERNEL_STRATEGY_TRITON_(ONE_SHOT|TWO_SHOT)"')
+
+
 @dataclasses.dataclass
 class Op:
     name: str
@@ -114,6 +117,14 @@ class Op:
     @property
     def is_sync(self) -> bool:
         return '"is_sync":true' in self.text
+
+    @property
+    def kernel_strategy(self) -> str:
+        """The kernel XLA annotated a collective with (its backend config's
+        `kernel_strategy`): "one_shot" or "two_shot" (XLA's own all-reduce kernels, which it
+        runs only in a program compiled for them), else "" (NCCL)."""
+        m = _KERNEL_STRATEGY.search(self.text)
+        return m.group(1).lower() if m else ""
 
     @property
     def replica_group(self) -> list[int] | None:

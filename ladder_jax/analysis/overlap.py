@@ -23,14 +23,16 @@ from ladder_jax.analysis.programs import OverlapError, compile_program, compile_
 from ladder_jax.train import step
 
 
-def read_all_reduces(hlo: str, d_model: int) -> list[dict]:
+def read_all_reduces(hlo: str, d_model: int, allreduce: str = "nccl") -> list[dict]:
     """Every all-reduce of a scheduled HLO module, in schedule order (see the module doc).
 
     `kind` says what it reduces: `module` (a layer's attention / MLP output in the forward,
     its input cotangent in the backward: what the residual scheme is about), `head` (the LM
     head's input cotangent), `weight_grad` (gradient of a weight replicated over tp),
     `loss` (log-sum-exp and target logit over the vocab-sharded logits) or `optimizer`
-    (scalar reductions such as the gradient norm).
+    (scalar reductions such as the gradient norm). `kernel`: what runs it, nccl, or with
+    `allreduce="one_shot"` the kernel XLA annotated it with (one_shot, two_shot; nccl where
+    the message is too large for them).
     """
     module = _module(hlo)
     found = []
@@ -64,6 +66,7 @@ def read_all_reduces(hlo: str, d_model: int) -> list[dict]:
                     "gemms_between": gemms,
                     "overlapped": gemms >= 1,
                     "bytes": nbytes(done.shape),
+                    "kernel": (op.kernel_strategy if allreduce == "one_shot" else "") or "nccl",
                     "computation": cname,
                     "op_name": op.op_name,
                 }
@@ -173,7 +176,16 @@ def summarize(all_reduces: list[dict]) -> dict:
             "total": len(rs),
             "overlapped": sum(r["overlapped"] for r in rs),
             "all_but_last_overlapped": bool(rs) and all(r["overlapped"] for r in rs[:-1]),
+            "module_overlapped": sum(r["overlapped"] for r in rs if r["kind"] == "module"),
+            "kernels": _counts(r["kernel"] for r in rs),
         }
+    return out
+
+
+def _counts(names) -> dict:
+    out: dict = {}
+    for n in names:
+        out[n] = out.get(n, 0) + 1
     return out
 
 
@@ -188,9 +200,13 @@ def report(
     new_tokens: int = 512,
     hosts: int = 1,
     hlo_file: str | None = None,
+    allreduce: str = "nccl",
 ) -> dict:
     """Compile and read: the JSON-able report that `python -m ladder_jax.overlap` prints.
-    `hlo_file`: also write the scheduled HLO text there."""
+    `hlo_file`: also write the scheduled HLO text there; `allreduce`: how the program's
+    all-reduces run (`compilation.ALLREDUCES`); each all-reduce's `kernel` says which one XLA
+    gave it (nccl, one_shot, two_shot), each pass's `module_overlapped` how many module
+    all-reduces still overlap a matmul."""
     hlo, seconds = compile_program(
         config,
         phase=phase,
@@ -200,9 +216,10 @@ def report(
         target=target,
         new_tokens=new_tokens,
         hosts=hosts,
+        **({"allreduce": allreduce} if allreduce != "nccl" else {}),
     )
     _dump(hlo, hlo_file)
-    ars = read_all_reduces(hlo, config.d_model)
+    ars = read_all_reduces(hlo, config.d_model, allreduce)
     return {
         "preset_config": dataclasses.asdict(config),
         "residual": config.residual,
@@ -213,6 +230,7 @@ def report(
         "seq": seq,
         "target": target,
         "hosts": hosts,
+        "allreduce": allreduce,
         "compile_seconds": round(seconds, 2),
         **summarize(ars),
         "all_reduces": ars,
@@ -327,7 +345,8 @@ def verdict(rep: dict) -> str:
         s = rep[p]
         if s["total"]:
             tail = " (all but the last)" if s["all_but_last_overlapped"] and s["total"] > 1 else ""
-            parts.append(f"{p} {s['overlapped']}/{s['total']}{tail}")
+            kernels = ", ".join(f"{n} {k}" for k, n in sorted(s.get("kernels", {}).items()))
+            parts.append(f"{p} {s['overlapped']}/{s['total']}{tail} [{kernels}]")
     others = {k: v for k, v in rep["by_kind"].items() if k not in ("module", "head")}
     other = "".join(f"; {k}: {v['overlapped']}/{v['total']}" for k, v in sorted(others.items()))
     ll = f" ladder_layers={rep['ladder_layers']}" if rep["ladder_layers"] is not None else ""

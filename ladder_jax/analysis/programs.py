@@ -170,8 +170,10 @@ def compile_program(
     cache: bool = True,
     quantize: str | None = None,
     slots: int | None = None,
+    allreduce: str = "nccl",
 ) -> tuple:
-    """Compiles `phase` of `config` for `tp` GPUs of `target` on `hosts` hosts; returns
+    """Compiles `phase` of `config` for `tp` GPUs of `target` on `hosts` hosts, its
+    all-reduces as `allreduce` says (`sharding.ALLREDUCES`); returns
     (scheduled hlo_text, seconds). `seq` is the prompt (prefill, decode) or training length;
     `new_tokens` sizes the decode cache (`slots`: that many per row instead, as a server sized
     by `--max-len` holds them); `quantize="int8"`: int8 linear weights (prefill and
@@ -198,7 +200,10 @@ def compile_program(
             raise OverlapError(f"{name}={v!r} must be a positive integer")
     mesh = gpu_mesh(target, tp, hosts=hosts)
     sharding.check_divisible(config, tp)
-    options = sharding.compiler_options("gpu")
+    try:
+        options = sharding.compiler_options("gpu", allreduce=allreduce)
+    except ValueError as e:
+        raise OverlapError(str(e)) from None
     t0 = time.perf_counter()
     if phase in ("prefill", "decode"):
         lowered = lower_decoder(
@@ -225,7 +230,7 @@ def compile_program(
         return hlo, time.perf_counter() - t0
     with _kernel_reuse(target) as reuse:
         hlo, fallback = compile_lowered(
-            lowered, what=f"the {phase} program at tp={tp} on {target}", options=reuse
+            lowered, what=f"the {phase} program at tp={tp} on {target}", options=options | reuse
         )
     LAST.update(hit=False, fallback=fallback)
     CACHE_STATS["misses"] += 1

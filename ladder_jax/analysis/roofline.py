@@ -1,13 +1,13 @@
 """The decode step against the HBM roofline: bytes and kernels per layer of the compiled
 program, against the least a step must move.
 
-    r = layer_report(config, tp=8, batch=1, prompt_len=1024, new_tokens=512, target="h100")
+    r = layer_report(config, Workload(tp=8, batch=1, prompt_len=1024, new_tokens=512))
     r["bytes_vs_minimum"], r["kernels_per_layer"]
 
 At one token per row a decode step is memory bound: it must read each weight shard of the GPU
 once and the KV cache once, and anything else it reads or writes (a weight-sized product
 written and read back, an int8 weight converted to a float copy) is waste. A layer's bytes and
-kernels are the difference between compiles of `d` and `d - 1` layers (`perfmodel`'s depths),
+kernels are the difference between compiles of `d` and `d - 1` layers (`compiled_depths`),
 so the embedding, head and sampling drop out; its minimum is the layer's weight blocks as one
 GPU reads them (int8 values and their scales; the fused input projection where decoding fuses
 it) plus its slice of the KV cache's filled slots. Invariant: `bytes_vs_minimum >= 1` up to
@@ -19,39 +19,32 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
+import glob
 import os
+import re
+import shutil
+import tempfile
 
 from flax import nnx
 
 from ladder_jax import hardware
-from ladder_jax.analysis import perfmodel, programs
-
-
-def _device_bytes(x) -> int:
-    return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+from ladder_jax.analysis import programs
+from ladder_jax.analysis.compiled import Workload, compiled_depths, decode_fill, program_kernels
+from ladder_jax.inference import generation
+from ladder_jax.model.layout import device_bytes
+from ladder_jax.model.linear import Linear
+from ladder_jax.model.transformer import abstract, fuse_inputs
 
 
 @functools.lru_cache(maxsize=64)
-def layer_minimum(
-    config,
-    *,
-    tp: int,
-    batch: int,
-    prompt_len: int,
-    new_tokens: int,
-    target: str = "h100",
-    hosts: int = 1,
-) -> dict:
+def layer_minimum(config, workload: Workload) -> dict:
     """Bytes one GPU must read per layer of a decode step: `weights_bytes` (layer 0's weights
     as decoding holds them, a replicated kv head counted once: the one the GPU reads) and
     `kv_cache_bytes` (the layer's K and V blocks of the slots the average step of the request
-    has filled, prompt + new_tokens / 2: what the ragged attention reads, `decode_fill`)."""
-    from ladder_jax.inference import generation
-    from ladder_jax.model.linear import Linear
-    from ladder_jax.model.transformer import abstract, fuse_inputs
-
-    mesh = programs.gpu_mesh(target, tp, hosts=hosts)
+    has filled, prompt + new_tokens / 2: what the ragged attention reads, `decode_fill`; the
+    request's own cache, whatever `slots` a server holds)."""
+    w = dataclasses.replace(workload, slots=None)
+    mesh = programs.gpu_mesh(w.target, w.tp, hosts=w.hosts)
     config = dataclasses.replace(config, n_layers=1)
     model = fuse_inputs(nnx.merge(*abstract(config, mesh)))
     layer = model.layers[0]
@@ -62,7 +55,7 @@ def layer_minimum(
         share = node.kv_heads[0] if node.kv_heads else 1  # the rank reads one of its heads
         for v in (node.weight, node.scale):
             if v is not None:
-                weights += _device_bytes(v.get_value()) // share
+                weights += device_bytes(v.get_value()) // share
     linear_ids = {
         id(v)
         for _, n in nnx.iter_graph(layer)
@@ -72,109 +65,61 @@ def layer_minimum(
     }
     for _, node in nnx.iter_graph(layer):  # norms and anything else not in a Linear
         if isinstance(node, nnx.Variable) and id(node) not in linear_ids:
-            weights += _device_bytes(node.get_value())
+            weights += device_bytes(node.get_value())
     cache = generation.KVCache.abstract(
-        config, mesh, batch, generation.cache_length(config, prompt_len, new_tokens)
+        config, mesh, w.batch, generation.cache_length(config, w.prompt_len, w.new_tokens)
     )
-    kv = _device_bytes(cache.k[0]) + _device_bytes(cache.v[0])
-    kv = round(kv * perfmodel.decode_fill(config, prompt_len=prompt_len, new_tokens=new_tokens))
+    kv = device_bytes(cache.k[0]) + device_bytes(cache.v[0])
+    kv = round(kv * decode_fill(config, w))
     return {"weights_bytes": weights, "kv_cache_bytes": kv}
 
 
-def step_minimum(
-    config,
-    *,
-    tp: int,
-    batch: int,
-    prompt_len: int,
-    new_tokens: int,
-    target: str = "h100",
-    hosts: int = 1,
-) -> int:
+def step_minimum(config, workload: Workload) -> int:
     """Bytes one GPU must read per decode step: every layer's minimum (`layer_minimum`), the
     final norm and the LM head's block (the tied embedding's vocab rows); an untied
     embedding's table is only gathered from, and is not counted."""
-    per_layer = layer_minimum(
-        config,
-        tp=tp,
-        batch=batch,
-        prompt_len=prompt_len,
-        new_tokens=new_tokens,
-        target=target,
-        hosts=hosts,
-    )
-    head = _head_bytes(config, tp, target, hosts)
+    per_layer = layer_minimum(config, workload)
+    head = _head_bytes(config, workload.tp, workload.target, workload.hosts)
     return config.n_layers * (per_layer["weights_bytes"] + per_layer["kv_cache_bytes"]) + head
 
 
 @functools.lru_cache(maxsize=64)
 def _head_bytes(config, tp: int, target: str, hosts: int) -> int:
-    from ladder_jax.model.transformer import abstract
-
     mesh = programs.gpu_mesh(target, tp, hosts=hosts)
     model = nnx.merge(*abstract(dataclasses.replace(config, n_layers=1), mesh))
     out = (
-        _device_bytes(model.final_norm.scale.get_value())
+        device_bytes(model.final_norm.scale.get_value())
         if hasattr(model.final_norm, "scale")
         else 0
     )
     if model.head is None:
-        return out + _device_bytes(model.embed.get_value())
+        return out + device_bytes(model.embed.get_value())
     for v in (model.head.weight, model.head.scale):
         if v is not None:
-            out += _device_bytes(v.get_value())
+            out += device_bytes(v.get_value())
     return out
 
 
-def layer_report(
-    config,
-    *,
-    tp: int,
-    batch: int,
-    prompt_len: int,
-    new_tokens: int,
-    target: str = "h100",
-    hosts: int = 1,
-    layers_compiled: int = 4,
-    slots: int | None = None,
-) -> dict:
+def layer_report(config, workload: Workload, *, layers_compiled: int = 4) -> dict:
     """One decode program's layer against the roofline: `layer_bytes` (HBM bytes its kernels
     read and write), `layer_min_bytes`, `bytes_vs_minimum`, `kernels_per_layer` (compute
     kernels), `collectives_per_layer`, `step_bytes` (the whole step at full depth) and
     `layer_kernels` ((name, bytes) of the deepest compile's last layer's kernels). A layer is
-    the difference of the depths `perfmodel.compiled_depths` compiles (`layers_compiled` and
-    one fewer), or, where it compiles the full depth only (`layers_compiled=0`, hybrid ladders),
-    the step less its head (the minimum's `step_minimum` less `layer_minimum`s) over the layers:
-    `per_layer` says which. `slots`: the cache's slots per row (a server's `--max-len`); the
-    minimum stays the request's own cache, which is all the ragged attention should read.
-    Compiles (or reads from the cache) the programs."""
-    depths = perfmodel.compiled_depths(config, layers_compiled)
+    the difference of the depths `compiled_depths` compiles (`layers_compiled` and one fewer),
+    or, where it compiles the full depth only (`layers_compiled=0`, hybrid ladders), the step
+    less its head (the minimum's `step_minimum` less `layer_minimum`s) over the layers:
+    `per_layer` says which. The workload's `slots`: the cache's slots per row (a server's
+    `--max-len`); the minimum stays the request's own cache, which is all the ragged attention
+    should read. Compiles (or reads from the cache) the programs."""
+    depths = compiled_depths(config, layers_compiled)
     progs = [
-        perfmodel.program_kernels(
-            dataclasses.replace(config, n_layers=d),
-            phase="decode",
-            tp=tp,
-            batch=batch,
-            prompt_len=prompt_len,
-            new_tokens=new_tokens,
-            target=target,
-            hosts=hosts,
-            **({"slots": slots} if slots is not None else {}),
-        )
+        program_kernels(dataclasses.replace(config, n_layers=d), workload, phase="decode")
         for d in depths
     ]
     compute = [[k for k in p.kernels if k.kind == "compute"] for p in progs]
     colls = [sum(k.kind in ("start", "sync") for k in p.kernels) for p in progs]
     total = [sum(k.nbytes for k in c) for c in compute]
-    minimum = layer_minimum(
-        config,
-        tp=tp,
-        batch=batch,
-        prompt_len=prompt_len,
-        new_tokens=new_tokens,
-        target=target,
-        hosts=hosts,
-    )
+    minimum = layer_minimum(config, workload)
     low = minimum["weights_bytes"] + minimum["kv_cache_bytes"]
     n = config.n_layers
     if len(depths) == 2:
@@ -182,18 +127,7 @@ def layer_report(
         collectives, per_layer = colls[1] - colls[0], "difference"
         step = total[1] + (n - depths[1]) * nbytes
     else:
-        head = (
-            step_minimum(
-                config,
-                tp=tp,
-                batch=batch,
-                prompt_len=prompt_len,
-                new_tokens=new_tokens,
-                target=target,
-                hosts=hosts,
-            )
-            - n * low
-        )
+        head = step_minimum(config, workload) - n * low
         step = total[0]
         nbytes, kernels = (step - head) / n, len(compute[0]) / n
         collectives, per_layer = colls[0] / n, "step over layers"
@@ -214,43 +148,19 @@ def layer_report(
 
 def roofline_fields(
     config,
+    workload: Workload,
     *,
-    tp: int,
-    batch: int,
-    prompt_len: int,
-    new_tokens: int,
-    target: str,
-    hosts: int,
     layers_compiled: int,
     decode_step_s: float,
     calibration: hardware.Calibration | None = None,
-    slots: int | None = None,
 ) -> dict:
     """The report's fields of one `predict` row (docs/analysis.md#the-roofline-report): the
     layer's bytes and kernels (`layer_report`), the step's bytes and minimum, the roofline's
     step time (the minimum at the chip's HBM bandwidth) and `roofline_fraction`, that time over
     the predicted `decode_step_s`."""
-    rep = layer_report(
-        config,
-        tp=tp,
-        batch=batch,
-        prompt_len=prompt_len,
-        new_tokens=new_tokens,
-        target=target,
-        hosts=hosts,
-        layers_compiled=layers_compiled,
-        slots=slots,
-    )
-    chip = calibration.chip if calibration is not None else hardware.CHIPS[target]
-    low = step_minimum(
-        config,
-        tp=tp,
-        batch=batch,
-        prompt_len=prompt_len,
-        new_tokens=new_tokens,
-        target=target,
-        hosts=hosts,
-    )
+    rep = layer_report(config, workload, layers_compiled=layers_compiled)
+    chip = calibration.chip if calibration is not None else hardware.CHIPS[workload.target]
+    low = step_minimum(config, workload)
     roof_s = low / chip.hbm_bytes_per_s
     return {
         "layer_bytes": rep["layer_bytes"],
@@ -290,63 +200,32 @@ def format_table(rows: list[dict]) -> str:
     )
 
 
-def hlo_text(
-    config,
-    *,
-    tp: int,
-    batch: int,
-    prompt_len: int,
-    new_tokens: int,
-    target: str = "h100",
-    layers: int = 4,
-) -> str:
-    """The scheduled HLO of the decode step at `layers` layers (for reading what XLA did)."""
-    text, _ = programs.compile_program(
-        dataclasses.replace(config, n_layers=layers),
-        phase="decode",
-        tp=tp,
-        batch=batch,
-        seq=prompt_len,
-        target=target,
-        new_tokens=new_tokens,
-    )
-    return text
-
-
-def command_buffers(
-    config,
-    *,
-    tp: int,
-    batch: int,
-    prompt_len: int,
-    new_tokens: int,
-    target: str = "h100",
-    options: dict | None = None,
-) -> dict:
+def command_buffers(config, workload: Workload, *, options: dict | None = None) -> dict:
     """How the compiled decode step would launch on a GPU: XLA wraps runs of kernels into
     command buffers (CUDA graphs) after its thunk passes, which the scheduled HLO does not show;
     this compiles the step once more with XLA's dump and reads its thunk sequence.
 
-        command_buffers(config, tp=8, batch=1, prompt_len=1024, new_tokens=512)
+        command_buffers(config, Workload(tp=8, batch=1, prompt_len=1024, new_tokens=512))
 
     Returns `graphs` (command buffers, each one launch), `graph_kernels` (kernels per graph,
     in order), `kernels_outside` (kernels launched one by one) and `collectives` (collective
     starts, which end a graph: collectives are not in XLA's default command buffer types).
     `options` are added to the package's GPU options (for experiments)."""
-    import glob
-    import re
-    import shutil
-    import tempfile
-
-    mesh = programs.gpu_mesh(target, tp)
+    w = workload
+    mesh = programs.gpu_mesh(w.target, w.tp)
     lowered = programs.lower_decoder(
-        config, mesh, phase="decode", batch=batch, prompt_len=prompt_len, new_tokens=new_tokens
+        config,
+        mesh,
+        phase="decode",
+        batch=w.batch,
+        prompt_len=w.prompt_len,
+        new_tokens=w.new_tokens,
     )
     d = tempfile.mkdtemp(prefix="ladder_jax_thunks_")
     try:
         programs.compile_lowered(
             lowered,
-            what=f"the decode program at tp={tp} on {target}",
+            what=f"the decode program at tp={w.tp} on {w.target}",
             options={**(options or {}), "xla_dump_to": d},
         )
         found = {

@@ -49,7 +49,7 @@ from ladder_jax.inference.generation import (
     generate,
 )
 from ladder_jax.interop.tokenizer import ByteTokenizer
-from ladder_jax.model import sharding
+from ladder_jax.model import compilation, sharding
 from ladder_jax.model.transformer import Transformer
 
 # ---------------------------------------------------------------------------------------------
@@ -107,6 +107,12 @@ def parser() -> ArgumentParser:
         "template (as the server's /v1/chat/completions does)",
     )
     add_decode_matmul(p)
+    p.add_argument(
+        "--allreduce",
+        default="nccl",
+        help="how the GPU programs' all-reduces run: nccl, or one_shot (XLA's one-shot / "
+        "two-shot kernels over NVLink peer memory; CPU programs ignore it)",
+    )
     runtime.add_arguments(
         p,
         cpu_devices_help="on a CPU host, fake devices to split it into "
@@ -118,6 +124,7 @@ def parser() -> ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
+        compilation.use_allreduce(args.allreduce)
         shape = setup_devices(args)
         processes.agree(run_settings(args), "model or decoding flags")  # many processes
         lead = jax.process_index() == 0

@@ -37,6 +37,7 @@ from ladder_jax.config import (
     load_config,
     parse_ladder_layers,
 )
+from ladder_jax.model.compilation import check_allreduce
 from ladder_jax.train import step
 
 
@@ -111,6 +112,12 @@ def parser() -> argparse.ArgumentParser:
         "group spans (tp / hosts GPUs each)",
     )
     p.add_argument("--gpus-per-host", type=int, default=8, help="with --config: GPUs per host")
+    p.add_argument(
+        "--allreduce",
+        default="nccl",
+        help="how the all-reduces run: nccl (XLA's default) or one_shot (XLA's one-shot / "
+        "two-shot kernels over NVLink peer memory); each all-reduce's kernel is reported",
+    )
     return p
 
 
@@ -132,6 +139,7 @@ def main(argv=None) -> int:
 
     try:
         check_quantize(args.quantize, "--quantize")
+        check_allreduce(args.allreduce)
         config = ModelConfig.from_preset(
             args.preset,
             residual=args.residual,
@@ -148,6 +156,7 @@ def main(argv=None) -> int:
             new_tokens=args.new_tokens,
             hosts=args.hosts,
             hlo_file=args.dump_hlo,
+            allreduce=args.allreduce,
         )
     except CompileError as e:
         print(f"error: --preset {args.preset}: {e}".splitlines()[0], file=sys.stderr)

@@ -29,15 +29,19 @@ from ladder_jax.analysis.perfmodel import (
     Sweep,
     check_knobs,
     context_note,
+    predict,
+    predict_train,
+)
+from ladder_jax.analysis.programs import OverlapError
+from ladder_jax.analysis.tables import (
+    decision,
+    format_decision,
     format_table,
     format_train_table,
     memory_note,
-    predict,
-    predict_train,
     summary,
     with_ratios,
 )
-from ladder_jax.analysis.programs import OverlapError
 from ladder_jax.cli.common import ArgumentParser, EveryDefaultFormatter, quantize_mode, write_stderr
 from ladder_jax.config import (
     RESIDUALS,
@@ -48,6 +52,7 @@ from ladder_jax.config import (
     model_config,
     parse_ladder_layers,
 )
+from ladder_jax.model.compilation import check_allreduce
 from ladder_jax.progress import ProgressLines
 
 
@@ -57,6 +62,20 @@ def parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=EveryDefaultFormatter,
     )
+    _model_flags(p)
+    _shape_flags(p)
+    _hardware_flags(p)
+    _ablation_flags(p)
+    _figure_flags(p)
+    p.add_argument(
+        "--jobs", type=int, default=None, help="programs compiled at a time, in threads (None: 1)"
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
+    return p
+
+
+def _model_flags(p) -> None:
+    """What is compiled: the model, its schemes and weights, the phase."""
     p.add_argument("--preset", default="llama-3-70b", help="model preset (ladder_jax.PRESETS)")
     p.add_argument(
         "--residual", nargs="+", default=["all"], help=f"schemes: {', '.join(RESIDUALS)}, or all"
@@ -70,6 +89,25 @@ def parser() -> argparse.ArgumentParser:
         "--phase", default="generate", help="generate (prefill + decode) or train (needs --config)"
     )
     p.add_argument("--config", default=None, help="train: a training config (YAML)")
+    p.add_argument(
+        "--quantize",
+        default=None,
+        metavar="MODE",
+        type=quantize_mode,
+        help="int8: the programs with weight-only int8 linear weights (generate); none: float "
+        "weights (the default)",
+    )
+    p.add_argument(
+        "--decode-matmul",
+        default="xla",
+        metavar="KIND",
+        help="xla | pallas: the linear layers' matmul at up to 16 rows (ModelConfig."
+        "decode_matmul; pallas: a Triton kernel that reads each weight once)",
+    )
+
+
+def _shape_flags(p) -> None:
+    """The grid of request shapes: tp, batch, prompt and new tokens, cache slots."""
     p.add_argument(
         "--tp",
         type=int,
@@ -93,6 +131,10 @@ def parser() -> argparse.ArgumentParser:
         help="KV cache slots per row, as `serve --max-len N` holds them (None: sized "
         "for the prompt and new tokens); the decode step reads the filled ones",
     )
+
+
+def _hardware_flags(p) -> None:
+    """The GPUs and their links, hosts, and a calibration file."""
     p.add_argument(
         "--link",
         nargs="+",
@@ -116,6 +158,10 @@ def parser() -> argparse.ArgumentParser:
         help="calibration file (JSON) written by benchmarks/calibrate_gpu.py on a "
         "real GPU; replaces the public figures it names",
     )
+
+
+def _ablation_flags(p) -> None:
+    """The model's switches (each on by default), the launch mode, the collective algorithm."""
     p.add_argument(
         "--no-contention",
         action="store_true",
@@ -159,6 +205,14 @@ def parser() -> argparse.ArgumentParser:
         "hardware.LAUNCH)",
     )
     p.add_argument(
+        "--allreduce",
+        nargs="+",
+        default=["nccl"],
+        help="how the programs' all-reduces run, compiled each way: nccl (XLA's default), "
+        "one_shot (XLA's one-shot / two-shot kernels over NVLink peer memory); several give "
+        "the decision table",
+    )
+    p.add_argument(
         "--algorithm",
         default="nccl",
         help="collectives: nccl (NCCL's own choice of ring, tree or NVLS and protocol, "
@@ -170,6 +224,10 @@ def parser() -> argparse.ArgumentParser:
         default=4,
         help="compile this many layers and one fewer, extend to full depth (0: compile all)",
     )
+
+
+def _figure_flags(p) -> None:
+    """Figures that replace the calibration's: efficiencies, kernel overhead, link figures."""
     p.add_argument(
         "--gemm-efficiency",
         type=float,
@@ -204,26 +262,6 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="override the links' bus bandwidth (nccl-tests busbw, GB/s)",
     )
-    p.add_argument(
-        "--jobs", type=int, default=None, help="programs compiled at a time, in threads (None: 1)"
-    )
-    p.add_argument("--json", action="store_true", help="one JSON object per row")
-    p.add_argument(
-        "--quantize",
-        default=None,
-        metavar="MODE",
-        type=quantize_mode,
-        help="int8: the programs with weight-only int8 linear weights (generate); none: float "
-        "weights (the default)",
-    )
-    p.add_argument(
-        "--decode-matmul",
-        default="xla",
-        metavar="KIND",
-        help="xla | pallas: the linear layers' matmul at up to 16 rows (ModelConfig."
-        "decode_matmul; pallas: a Triton kernel that reads each weight once)",
-    )
-    return p
 
 
 def main(argv=None) -> int:
@@ -243,6 +281,9 @@ def main(argv=None) -> int:
     if args.json:
         for r in with_ratios(rows):
             print(json.dumps({"preset": name, **r}))
+        if len(args.allreduce) > 1:
+            for d in decision(rows):
+                print(json.dumps({"preset": name, "decision": d}))
     elif args.phase == "train":
         print(f"{name}: training step, predicted in {time.perf_counter() - t0:.0f} s")
         print(format_train_table(rows))
@@ -263,6 +304,7 @@ def main(argv=None) -> int:
             context_note(rows),
             memory_note(rows),
             summary(rows),
+            format_decision(decision(rows)),
             *sorted({r["above_upper_bound"] for r in rows if r.get("above_upper_bound")}),
         ):
             if s:
@@ -282,8 +324,12 @@ def _finite(name: str, v, low: float | None = None, *, positive=False):
     return v
 
 
-def _rows(args, show) -> tuple[list[dict], str]:
+def _check_decode_flags(args) -> None:
+    """--quantize, --allreduce and --max-len: for decoding, and a row holds the prompt and new
+    tokens."""
     check_quantize(args.quantize, "--quantize")
+    if args.phase == "train" and args.allreduce != ["nccl"]:
+        raise PredictError("--allreduce is for decoding and prefill: drop it with --phase train")
     if args.quantize and args.phase == "train":
         raise PredictError(
             f"--quantize {args.quantize} is for decoding: drop it with --phase train"
@@ -299,14 +345,10 @@ def _rows(args, show) -> tuple[list[dict], str]:
                 f"new tokens, at least {args.prompt_len + args.new_tokens} "
                 f"(--prompt-len + --new-tokens)"
             )
-    config = ModelConfig.from_preset(
-        args.preset, quantize=args.quantize, decode_matmul=args.decode_matmul
-    )
-    if args.ladder_layers is not None:
-        config = dataclasses.replace(
-            config, residual="ladder", ladder_layers=parse_ladder_layers(args.ladder_layers)
-        )
-    residuals = RESIDUALS if args.residual == ["all"] else tuple(args.residual)
+
+
+def _calibration(args) -> hardware.Calibration:
+    """The target's figures (or --hardware's), with the command line's figures in place."""
     if args.target not in hardware.TARGETS:
         raise PredictError(
             f"unknown target {args.target!r}: choose one of {', '.join(hardware.TARGETS)}"
@@ -323,12 +365,7 @@ def _rows(args, show) -> tuple[list[dict], str]:
             for k, v in (
                 ("gemm", _finite("--gemm-efficiency", args.gemm_efficiency)),
                 ("memory", _finite("--memory-efficiency", args.memory_efficiency)),
-                (
-                    "kernel_overhead_s",
-                    None
-                    if args.kernel_overhead_us is None
-                    else _finite("--kernel-overhead-us", args.kernel_overhead_us, 0) * 1e-6,
-                ),
+                ("kernel_overhead_s", _us("--kernel-overhead-us", args.kernel_overhead_us)),
             )
             if v is not None
         },
@@ -336,18 +373,8 @@ def _rows(args, show) -> tuple[list[dict], str]:
     overrides = {
         k: v
         for k, v in (
-            (
-                "base_latency_s",
-                None
-                if args.link_latency_us is None
-                else _finite("--link-latency-us", args.link_latency_us, 0) * 1e-6,
-            ),
-            (
-                "hop_latency_s",
-                None
-                if args.link_hop_us is None
-                else _finite("--link-hop-us", args.link_hop_us, 0) * 1e-6,
-            ),
+            ("base_latency_s", _us("--link-latency-us", args.link_latency_us)),
+            ("hop_latency_s", _us("--link-hop-us", args.link_hop_us)),
             (
                 "bus_bytes_per_s",
                 None
@@ -359,8 +386,25 @@ def _rows(args, show) -> tuple[list[dict], str]:
     }
     check_knobs(eff, overrides)
     cal = dataclasses.replace(cal, efficiency=eff)
-    if overrides:
-        cal = cal.replace(links={"*": overrides})
+    return cal.replace(links={"*": overrides}) if overrides else cal
+
+
+def _us(name: str, v) -> float | None:
+    """A flag in microseconds, finite and >= 0, in seconds (None stays None)."""
+    return None if v is None else _finite(name, v, 0) * 1e-6
+
+
+def _rows(args, show) -> tuple[list[dict], str]:
+    _check_decode_flags(args)
+    config = ModelConfig.from_preset(
+        args.preset, quantize=args.quantize, decode_matmul=args.decode_matmul
+    )
+    if args.ladder_layers is not None:
+        config = dataclasses.replace(
+            config, residual="ladder", ladder_layers=parse_ladder_layers(args.ladder_layers)
+        )
+    residuals = RESIDUALS if args.residual == ["all"] else tuple(args.residual)
+    cal = _calibration(args)
     sweep = Sweep(
         links=tuple(args.link),
         target=args.target,
@@ -377,6 +421,7 @@ def _rows(args, show) -> tuple[list[dict], str]:
         nccl_in_host=not args.no_nccl_in_host,
         nvls=not args.no_nvls,
         waves=not args.no_waves,
+        allreduces=tuple(check_allreduce(a) for a in args.allreduce),
     )
     common = dict(jobs=args.jobs, progress=show)
     if args.phase == "train":

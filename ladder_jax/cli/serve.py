@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import sys
@@ -38,7 +37,8 @@ from ladder_jax.config import RESIDUALS, ConfigError, ModelConfig, UsageError
 from ladder_jax.inference.batching import Engine
 from ladder_jax.inference.cache import KVCache
 from ladder_jax.interop.tokenizer import ByteTokenizer
-from ladder_jax.model import sharding
+from ladder_jax.model import compilation, sharding
+from ladder_jax.model.layout import device_bytes
 from ladder_jax.model.transformer import Transformer
 
 try:  # the serve extra; its absence is one line at start-up, not a traceback
@@ -190,6 +190,12 @@ def parser() -> argparse.ArgumentParser:
         help="compile programs on first use instead of before serving",
     )
     add_decode_matmul(p)
+    p.add_argument(
+        "--allreduce",
+        default="nccl",
+        help="how the GPU programs' all-reduces run: nccl, or one_shot (XLA's one-shot / "
+        "two-shot kernels over NVLink peer memory; CPU programs ignore it)",
+    )
     runtime.add_arguments(
         p,
         cpu_devices_help="on a CPU host, fake devices to split it into "
@@ -201,6 +207,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
+        compilation.use_allreduce(args.allreduce)
         return _run(args)
     except UsageError as e:  # GenerationError and ShardingError included
         print(f"error: {e}", file=sys.stderr)
@@ -300,13 +307,7 @@ def _default_max_len(model, slots: int) -> int | None:
     on stderr naming --max-len; a ConfigError when not even 64 fit."""
     c, mesh = model.config, model.mesh
     sample = KVCache.abstract(c, mesh, slots, 64)
-    per_device = (
-        sum(
-            math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-            for x in (*sample.k, *sample.v)
-        )
-        / 64
-    )
+    per_device = sum(device_bytes(x) for x in (*sample.k, *sample.v)) / 64
     device = mesh.devices.flat[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and "bytes_limit" in stats:

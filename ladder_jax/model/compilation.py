@@ -16,8 +16,30 @@ from typing import Any, Callable
 import jax
 from jax.sharding import Mesh
 
+from ladder_jax.config import UsageError
 
-def compiler_options(platform: str, program: str = "any") -> dict[str, Any]:
+# How the GPU programs run their all-reduces (`compiler_options(..., allreduce=)`): "nccl"
+# (XLA's default, NCCL's ring / tree / NVLS), "one_shot" (XLA's own one-shot / two-shot
+# all-reduce kernels over NVLink peer memory where a message is small enough and every rank is
+# on one host, NCCL elsewhere). The jaxlib's other all-reduce options and why they are not
+# offered: docs/analysis.md, "Faster all-reduces".
+ALLREDUCES = ("nccl", "one_shot")
+_ALLREDUCE_OPTIONS = {
+    "nccl": {},
+    "one_shot": {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True},
+}
+
+
+def check_allreduce(allreduce: str, flag: str = "--allreduce") -> str:
+    """`allreduce` when it is one of `ALLREDUCES`, else a UsageError of one line."""
+    if allreduce not in ALLREDUCES:
+        raise UsageError(f"{flag} {allreduce!r}: choose one of {', '.join(ALLREDUCES)}")
+    return allreduce
+
+
+def compiler_options(
+    platform: str, program: str = "any", allreduce: str = "nccl"
+) -> dict[str, Any]:
     """XLA options ladder_jax compiles its programs with, per platform (and, on CPU, per kind
     of program: `program="train"` for training steps). One place, documented.
 
@@ -41,7 +63,7 @@ def compiler_options(platform: str, program: str = "any") -> dict[str, Any]:
       all-reduces all span the same GPUs. So the ladder's decode step runs module j's
       kernels, the done of all-reduce j - 1, then the start of j (each all-reduce waits
       for the previous one to be awaited, not only to end); no option changes that order
-      (`perfmodel.overlap_bound(..., one_in_flight=True)`; docs/analysis.md, "How much the
+      (`timeline.overlap_bound(..., one_in_flight=True)`; docs/analysis.md, "How much the
       ladder can hide").
     - `xla_disable_hlo_passes=GPU_KEEP_DOTS_PASS`: keep one-row matmuls (a decode step at
       batch 1: the activation is a vector) as matmul kernels. XLA:GPU rewrites such a dot
@@ -57,16 +79,21 @@ def compiler_options(platform: str, program: str = "any") -> dict[str, Any]:
     - training steps only (`program="train"`): `CPU_TRAIN_OPTIONS`, XLA:CPU's library path
       that wins for them on the CPUs measured (see there). A user's own XLA_FLAGS setting of
       the same option wins over the package's.
+    - `allreduce="one_shot"` (`ALLREDUCES`): `xla_gpu_unsupported_use_all_reduce_one_shot_kernel`,
+      XLA's one-shot (two-shot for larger messages) all-reduce kernels; the scheduled HLO says
+      which each all-reduce takes (its `kernel_strategy`). CPU programs ignore it.
     `python -m ladder_jax.overlap` compiles with exactly the GPU ones and shows the schedule.
     """
     if program not in ("any", "train"):
         raise ValueError(f"program={program!r}: choose 'any' or 'train'")
+    check_allreduce(allreduce, "allreduce=")
     if platform in ("gpu", "cuda", "rocm"):
         opts = {
             "xla_gpu_enable_latency_hiding_scheduler": True,
             "xla_gpu_all_reduce_combine_threshold_bytes": 0,
             "xla_gpu_experimental_parallel_collective_overlap_limit": 8,
             "xla_disable_hlo_passes": GPU_KEEP_DOTS_PASS,
+            **_ALLREDUCE_OPTIONS[allreduce],
         }
         refused = _refused_by_running_gpu(tuple(opts.items()))
         return {k: v for k, v in opts.items() if k not in refused}
@@ -148,15 +175,27 @@ def jit(
     platform: str | None = None,
     mesh: Mesh | None = None,
     program: str = "any",
+    allreduce: str | None = None,
     **jit_kwargs,
 ) -> Callable:
     """`jax.jit` with ladder_jax's compiler options for `platform`: given, else that of `mesh`'s
     devices (a deviceless GPU mesh on a CPU host compiles for the GPU), else the backend's;
-    `program="train"` for a training step (`compiler_options`)."""
+    `program="train"` for a training step; `allreduce` (None: the process's, `use_allreduce`)
+    (`compiler_options`)."""
     if platform is None and mesh is not None:
         platform = mesh.devices.flat[0].platform
     platform = platform or jax.default_backend()
-    opts = compiler_options(platform, program)
+    opts = compiler_options(platform, program, allreduce or _PROCESS["allreduce"])
     if opts:
         jit_kwargs.setdefault("compiler_options", opts)
     return jax.jit(fn, **jit_kwargs)
+
+
+_PROCESS = {"allreduce": "nccl"}
+
+
+def use_allreduce(allreduce: str) -> None:
+    """The all-reduce implementation every later `jit` of this process compiles GPU programs
+    with (`ALLREDUCES`; the `decode` and `serve` commands' `--allreduce`). CPU programs ignore
+    it (XLA:CPU has one all-reduce), so CPU runs are unchanged."""
+    _PROCESS["allreduce"] = check_allreduce(allreduce)

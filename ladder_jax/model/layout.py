@@ -10,6 +10,7 @@ Invariant: a weight's `spec` is how the model reads it (split over tp); its `sto
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -142,6 +143,11 @@ class WeightSpecs:
 # four cache-sized transposes per layer), and XLA:CPU spent ~3 ms of a 5 ms step (`small`,
 # batch 16) in those copies.
 CACHE_BKSH = P(DATA, TP, None, None)
+
+
+def device_bytes(x) -> int:
+    """Bytes one device holds of an array (or ShapeDtypeStruct) carrying its sharding."""
+    return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
 
 
 def cache_kv_heads(config, tp: int) -> int:
