@@ -187,3 +187,46 @@ def test_the_decode_program_all_reduces_once_per_synced_module(pattern):
     syncs = config.desync_syncs()
     want = [(i, m) for i, pair in enumerate(syncs) for m, s in zip(("attn", "mlp"), pair) if s]
     assert got == want and len(want) == {"every_layer": 4, "every_2_layers": 2}.get(pattern, 1)
+
+
+def test_hf_export_round_trips_the_desync_keys(tmp_path):
+    """save_hf records reduce_pattern and desync_tp beside the ladder keys; load_hf reads
+    them back (on another mesh: the same streams), keywords override them, another scheme
+    drops them."""
+    explicit = ((T_, F), (F, F), (T_, T_), (F, T_))
+    model = _model(2, seed=3, reduce_pattern=explicit, desync_tp=4)
+    lj.save_hf(model, tmp_path / "hf")
+    again, _ = lj.load_hf(tmp_path / "hf", mesh=mesh(1))
+    assert again.config == model.config and again.config.desync_tp == 4
+    tokens = _tokens()
+    np.testing.assert_allclose(logits(again, tokens), logits(model, tokens), atol=2e-5)
+    other, _ = lj.load_hf(tmp_path / "hf", mesh=mesh(1), reduce_pattern="final_only", desync_tp=2)
+    assert other.config.desync_syncs()[-2:] == ((F, F), (F, T_)) and other.config.desync_tp == 2
+    plain, _ = lj.load_hf(tmp_path / "hf", mesh=mesh(1), residual="standard")
+    assert plain.config.reduce_pattern is None and plain.config.desync_tp is None
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--residual", "desync", "--desync-tp", "3"], "desync_tp=3 cannot split"),
+        (["--reduce-pattern", "ny,zz"], "--reduce-pattern 'ny,zz'"),
+        (["--desync-tp", "4", "--tp", "8"], "desync_tp=4 streams cannot be split over tp=8"),
+        (["--residual", "ladder", "--desync-tp", "2"], "--desync-tp applies to --residual"),
+    ],
+)
+def test_decode_flags_say_what_is_wrong_in_one_line(capsys, flags, message):
+    from ladder_jax.cli import decode as decode_cli
+    from tests.helpers import exit_code, one_line
+
+    argv = ["--preset", "tiny", "--prompt", "a", "--max-new-tokens", "2", *flags]
+    assert message in one_line(capsys, exit_code(decode_cli.main, argv))
+
+
+def test_decode_command_runs_a_desync_model(capsys):
+    from ladder_jax.cli import decode as decode_cli
+
+    argv = ["--preset", "tiny", "--prompt", "Once", "--max-new-tokens", "4", "--tp", "2"]
+    assert decode_cli.main([*argv, "--reduce-pattern", "every_2_layers", "--desync-tp", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and out.strip()

@@ -27,6 +27,7 @@ from ladder_jax import runtime
 from ladder_jax.cli.common import (
     ArgumentParser,
     add_decode_matmul,
+    add_desync_flags,
     choose_tp,
     load_checkpoint,
     model_overrides,
@@ -35,7 +36,14 @@ from ladder_jax.cli.common import (
     setup_devices,
     without_tokenizer_json,  # noqa: F401 (importable from here, as before)
 )
-from ladder_jax.config import RESIDUALS, ConfigError, ModelConfig, UsageError, check_quantize
+from ladder_jax.config import (
+    RESIDUALS,
+    SCHEMES,
+    ConfigError,
+    ModelConfig,
+    UsageError,
+    check_quantize,
+)
 from ladder_jax.inference.generation import (
     Decoder,
     GenerationError,
@@ -110,7 +118,7 @@ def parser() -> ArgumentParser:
     p.add_argument(
         "--residual",
         default=None,
-        choices=[*RESIDUALS, "all"],
+        choices=[*SCHEMES, "all"],
         help="residual scheme (default: the preset's / checkpoint's); 'all' "
         "benchmarks every scheme",
     )
@@ -155,6 +163,7 @@ def parser() -> ArgumentParser:
         "template (as the server's /v1/chat/completions does)",
     )
     add_decode_matmul(p)
+    add_desync_flags(p)
     runtime.add_arguments(
         p,
         cpu_devices_help="on a CPU host, fake devices to split it into "
