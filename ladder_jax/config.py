@@ -40,7 +40,12 @@ class ConfigError(UsageError):
 # ---------------------------------------------------------------------------------------------
 # The model.
 
+# The residual schemes: RESIDUALS, what "all" compares (benchmarks, predict), and desync,
+# whose function depends on desync_tp; SCHEMES, every value of `ModelConfig.residual`.
 RESIDUALS = ("standard", "parallel", "ladder", "upper_bound")
+SCHEMES = (*RESIDUALS, "desync")
+# Desync's named reduce patterns (`ModelConfig.desync_syncs`): which modules all-reduce.
+REDUCE_PATTERNS = ("every_layer", "every_2_layers", "final_only")
 
 # Activation rematerialization for training. "none": the backward reads what the forward
 # stored (every module's intermediate activations). "module": each module (attention, MLP;
@@ -108,11 +113,22 @@ class ModelConfig:
     tie_embeddings: bool = _doc("the LM head is the embedding, transposed", False)
     residual: str = _doc(
         "residual wiring: standard | parallel | ladder | upper_bound (a speed "
-        "ceiling for benchmarks, not a valid model)",
+        "ceiling for benchmarks, not a valid model) | desync (per-rank streams that sync "
+        "where reduce_pattern says)",
         "standard",
     )
     ladder_layers: int | tuple[int, ...] | None = _doc(
         "ladder only: N (the upper N layers) or a list of layer indices (null: every layer)", None
+    )
+    reduce_pattern: str | tuple[tuple[bool, bool], ...] | None = _doc(
+        "desync only: every_layer | every_2_layers | final_only, or per layer a pair "
+        "[attention syncs, mlp syncs] (null: every_layer)",
+        None,
+    )
+    desync_tp: int | None = _doc(
+        "desync only: the residual streams the model carries, the tp size it is defined for "
+        "(null: the mesh's tp, fixed when the model is built)",
+        None,
     )
     dtype: str = _doc("matmul compute dtype, e.g. bfloat16", "float32")
     param_dtype: str = _doc("dtype of the weights (and of the optimizer state)", "float32")
@@ -172,12 +188,12 @@ class ModelConfig:
         if not isinstance(self.tie_embeddings, bool):
             raise ConfigError(f"tie_embeddings={self.tie_embeddings!r} must be true or false")
         object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling))
-        if self.residual not in RESIDUALS:
-            close = difflib.get_close_matches(str(self.residual), RESIDUALS, n=1)
+        if self.residual not in SCHEMES:
+            close = difflib.get_close_matches(str(self.residual), SCHEMES, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(
                 f"unknown residual scheme {self.residual!r}{hint}: choose one of "
-                f"{', '.join(RESIDUALS)}"
+                f"{', '.join(SCHEMES)}"
             )
         if self.remat not in REMAT:
             raise ConfigError(f"remat={self.remat!r}: choose one of {', '.join(REMAT)}")
@@ -195,6 +211,7 @@ class ModelConfig:
             if dt is None or not jnp.issubdtype(dt, jnp.floating):
                 why = "is not a dtype name" if dt is None else "is not a floating-point dtype"
                 raise ConfigError(f"{name}={v!r} {why}: choose float32, bfloat16 or float16")
+        self._check_desync()
         ll = self.ladder_layers
         if ll is None:
             return
@@ -218,6 +235,46 @@ class ModelConfig:
                 f"ladder_layers={list(idx)} must be distinct layer indices in [0, {self.n_layers})"
             )
         object.__setattr__(self, "ladder_layers", tuple(sorted(idx)))
+
+    def _check_desync(self) -> None:
+        """reduce_pattern and desync_tp: set only with residual="desync", and valid."""
+        for name in ("reduce_pattern", "desync_tp"):
+            if getattr(self, name) is not None and self.residual != "desync":
+                raise ConfigError(
+                    f"{name}={getattr(self, name)!r} is set but residual={self.residual!r}: "
+                    f"{name} only applies to residual='desync'"
+                )
+        if self.residual != "desync":
+            return
+        if self.quantize is not None:
+            raise ConfigError(f"quantize={self.quantize!r}: desync decodes float weights only")
+        rp = self.reduce_pattern
+        if isinstance(rp, list):
+            rp = tuple(tuple(p) if isinstance(p, list) else p for p in rp)
+            object.__setattr__(self, "reduce_pattern", rp)
+        if isinstance(rp, tuple):
+            _check_pattern(rp, self.n_layers)
+        elif rp is not None and rp not in REDUCE_PATTERNS:
+            close = difflib.get_close_matches(str(rp), REDUCE_PATTERNS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"unknown reduce_pattern {rp!r}{hint}: choose one of "
+                f"{', '.join(REDUCE_PATTERNS)}, or a list of [attention, mlp] sync pairs"
+            )
+        if self.desync_tp is not None:
+            check_desync_tp(self, self.desync_tp)
+
+    def desync_syncs(self) -> tuple[tuple[bool, bool], ...]:
+        """Per layer (attention syncs, mlp syncs): the resolved reduce_pattern of a desync
+        model (every_layer when unset); the last layer's MLP always syncs."""
+        rp, L = self.reduce_pattern, self.n_layers
+        if isinstance(rp, tuple):
+            return rp
+        if rp in (None, "every_layer"):
+            return tuple((False, True) for _ in range(L))
+        if rp == "every_2_layers":
+            return tuple((False, i % 2 == 1 or i == L - 1) for i in range(L))
+        return tuple((False, i == L - 1) for i in range(L))  # final_only
 
     # -- presets ---------------------------------------------------------------------------
 
@@ -255,6 +312,37 @@ class ModelConfig:
         layer = attn + 3 * D * F + 2 * D
         embed = V * D * (1 if self.tie_embeddings else 2)
         return self.n_layers * layer + embed + D
+
+
+def _check_pattern(rp: tuple, n_layers: int) -> None:
+    """An explicit reduce_pattern: n_layers pairs of bools, the last layer's MLP syncing."""
+    ok = all(
+        isinstance(p, tuple) and len(p) == 2 and all(isinstance(b, bool) for b in p) for p in rp
+    )
+    if not ok or len(rp) != n_layers:
+        raise ConfigError(
+            f"reduce_pattern: give {n_layers} [attention, mlp] pairs of true/false (one per "
+            f"layer), got {[list(p) if isinstance(p, tuple) else p for p in rp]!r}"
+        )
+    if not rp[-1][1]:
+        raise ConfigError(
+            "reduce_pattern: the last layer's MLP must sync (its streams become the logits); "
+            "use residual=upper_bound for no sync at all"
+        )
+
+
+def check_desync_tp(config, desync_tp) -> None:
+    """desync_tp: a positive int that splits the query heads, the MLP hidden units and the kv
+    heads (or is a multiple of their count) into that many streams."""
+    T = desync_tp
+    if not _is_int(T) or T <= 0:
+        raise ConfigError(f"desync_tp={T!r} must be a positive integer (or null: the mesh's tp)")
+    K = config.n_kv_heads
+    if config.n_heads % T or config.d_ff % T or (K % T and T % K):
+        raise ConfigError(
+            f"desync_tp={T} cannot split n_heads={config.n_heads}, d_ff={config.d_ff} and "
+            f"n_kv_heads={K} into {T} streams: choose a divisor of the heads and of d_ff"
+        )
 
 
 def _is_int(v) -> bool:
@@ -420,11 +508,35 @@ def parse_ladder_layers(text: str | None):
         ) from None
 
 
-def scheme_overrides(residual: str | None, ladder_layers) -> dict:
-    """ModelConfig overrides for the command-line flags --residual / --ladder-layers:
-    ladder_layers alone implies residual="ladder"; another scheme alone drops any
-    ladder_layers; "ladder" alone keeps the model's own, so a hybrid checkpoint stays the hybrid
-    it is (as `load_hf` and `with_config` do) and any other model becomes ladder throughout."""
+def parse_reduce_pattern(text: str | None):
+    """The command-line form of `reduce_pattern`: a preset name, or per layer two letters of
+    y/n (attention, mlp) separated by commas, e.g. "ny,ny,ny,ny" for every_layer."""
+    if text is None or text in REDUCE_PATTERNS:
+        return text
+    pairs = [p.strip().lower() for p in text.split(",")]
+    if not all(len(p) == 2 and set(p) <= {"y", "n"} for p in pairs):
+        raise ConfigError(
+            f"--reduce-pattern {text!r}: give {', '.join(REDUCE_PATTERNS)}, or per layer two "
+            f"letters y/n (attention, mlp), comma separated, e.g. ny,ny"
+        )
+    return tuple((p[0] == "y", p[1] == "y") for p in pairs)
+
+
+def scheme_overrides(
+    residual: str | None, ladder_layers, reduce_pattern=None, desync_tp=None
+) -> dict:
+    """ModelConfig overrides for the command-line flags --residual / --ladder-layers /
+    --reduce-pattern / --desync-tp: a scheme's own keys alone imply it (ladder_layers: ladder;
+    reduce_pattern, desync_tp: desync); another scheme alone drops them; a scheme alone keeps
+    the model's own, so a hybrid checkpoint stays the hybrid it is (as `load_hf` and
+    `with_config` do) and any other model becomes that scheme throughout."""
+    desync = (("reduce_pattern", reduce_pattern), ("desync_tp", desync_tp))
+    desync = {k: v for k, v in desync if v is not None}
+    if desync:
+        if residual not in (None, "desync") or ladder_layers is not None:
+            flags = ", ".join("--" + k.replace("_", "-") for k in desync)
+            raise ConfigError(f"{flags} applies to --residual desync, not {residual!r}")
+        return {"residual": "desync", "ladder_layers": None, **desync}
     if ladder_layers is not None:
         if residual not in (None, "ladder"):
             raise ConfigError(f"--ladder-layers applies to --residual ladder, not {residual!r}")
@@ -450,7 +562,7 @@ class Choice(enum.StrEnum):
         return repr(self.value)
 
 
-Residual = Choice("Residual", {r: r for r in RESIDUALS})
+Residual = Choice("Residual", {r: r for r in SCHEMES})
 Remat = Choice("Remat", {r: r for r in REMAT})
 Progress = Choice("Progress", {p: p for p in ("auto", "bar", "lines", "none")})
 
@@ -807,6 +919,8 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
     over = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in m.items() if v is not None}
     if isinstance(over.get("ladder_layers"), list):
         over["ladder_layers"] = tuple(over["ladder_layers"])
+    if isinstance(over.get("reduce_pattern"), list):
+        over["reduce_pattern"] = tuple(tuple(p) for p in over["reduce_pattern"])
     try:
         return ModelConfig.from_preset(preset, **over)
     except ConfigError as e:
@@ -840,7 +954,10 @@ _RANGES = {  # key: (low, high, closed at high)
 
 def check(cfg: TrainConfig) -> ModelConfig:
     """Everything about a training config that can be checked without data or devices;
-    returns its `ModelConfig`. Raises ConfigError naming the key."""
+    returns its `ModelConfig`. Raises ConfigError naming the key. A desync model's unset
+    desync_tp is fixed here to mesh.tp, in `cfg` too, so the run records its streams."""
+    if cfg.model.residual == "desync" and cfg.model.desync_tp is None:
+        cfg.model.desync_tp = cfg.mesh.tp
     model = model_config(cfg)
     if model.quantize is not None:
         raise ConfigError(

@@ -17,7 +17,7 @@ import difflib
 import re
 import sys
 
-from ladder_jax.config import DECODE_MATMULS, RESIDUALS
+from ladder_jax.config import DECODE_MATMULS, SCHEMES
 from ladder_jax.runtime import write_stderr  # noqa: F401 (the commands' progress lines)
 
 
@@ -92,11 +92,11 @@ def add_source(p: argparse.ArgumentParser, *, preset_help: str) -> None:
 
 
 def add_scheme(p: argparse.ArgumentParser, *, also: tuple = (), residual_help: str = "") -> None:
-    """--residual (RESIDUALS and `also`) and --ladder-layers: the wiring a model is run with."""
+    """--residual (every scheme and `also`) and --ladder-layers: the wiring a model is run with."""
     p.add_argument(
         "--residual",
         default=None,
-        choices=[*RESIDUALS, *also],
+        choices=[*SCHEMES, *also],
         help=residual_help or "residual scheme (default: the preset's / checkpoint's)",
     )
     p.add_argument(
@@ -156,6 +156,24 @@ def add_decode_matmul(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_desync_flags(p: argparse.ArgumentParser) -> None:
+    """--reduce-pattern and --desync-tp, desync's keys (either alone implies --residual
+    desync; `ladder_jax.config.scheme_overrides`)."""
+    p.add_argument(
+        "--reduce-pattern",
+        default=None,
+        help="desync only: every_layer, every_2_layers, final_only, or per layer two letters "
+        "y/n (attention, mlp syncs), comma separated (default: the model's, every_layer)",
+    )
+    p.add_argument(
+        "--desync-tp",
+        type=int,
+        default=None,
+        help="desync only: the residual streams the model carries (default: the model's, "
+        "else the mesh's tp)",
+    )
+
+
 def quantize_mode(value: str) -> str | None:
     """--quantize's argparse type: `none` is float weights (None), as the config's null; any
     other mode is kept for `ladder_jax.config.check_quantize` to check."""
@@ -181,13 +199,18 @@ def run_settings(args, per_process=()) -> dict:
 
 def model_overrides(args) -> dict:
     """The ModelConfig changes that decode's and serve's flags ask: --residual (not "all"),
-    --ladder-layers, --decode-matmul; none for a flag left out.
+    --ladder-layers, --reduce-pattern, --desync-tp, --decode-matmul; none for a flag left out.
 
         ModelConfig.from_preset(args.preset, **model_overrides(args))"""
-    from ladder_jax.config import parse_ladder_layers, scheme_overrides
+    from ladder_jax.config import parse_ladder_layers, parse_reduce_pattern, scheme_overrides
 
     residual = None if args.residual == "all" else args.residual
-    overrides = scheme_overrides(residual, parse_ladder_layers(args.ladder_layers))
+    overrides = scheme_overrides(
+        residual,
+        parse_ladder_layers(args.ladder_layers),
+        parse_reduce_pattern(getattr(args, "reduce_pattern", None)),
+        getattr(args, "desync_tp", None),
+    )
     if args.decode_matmul is not None:
         overrides["decode_matmul"] = args.decode_matmul
     return overrides

@@ -28,6 +28,7 @@ from ladder_jax.cli.common import (
     TP_HELP,
     ArgumentParser,
     add_decode_matmul,
+    add_desync_flags,
     add_quantize,
     add_sampling,
     add_scheme,
@@ -113,6 +114,7 @@ def parser() -> ArgumentParser:
         help="how the GPU programs' all-reduces run: nccl, or one_shot (XLA's one-shot / "
         "two-shot kernels over NVLink peer memory; CPU programs ignore it)",
     )
+    add_desync_flags(p)
     runtime.add_arguments(
         p,
         cpu_devices_help="on a CPU host, fake devices to split it into "

@@ -27,13 +27,14 @@ from ladder_jax import processes, runtime
 from ladder_jax.cli.common import (
     ArgumentParser,
     add_decode_matmul,
+    add_desync_flags,
     choose_tp,
     load_checkpoint,
     model_overrides,
     run_settings,
     setup_devices,
 )
-from ladder_jax.config import RESIDUALS, ConfigError, ModelConfig, UsageError
+from ladder_jax.config import SCHEMES, ConfigError, ModelConfig, UsageError
 from ladder_jax.inference.batching import Engine
 from ladder_jax.inference.cache import KVCache
 from ladder_jax.interop.tokenizer import ByteTokenizer
@@ -100,7 +101,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--residual",
         default=None,
-        choices=list(RESIDUALS),
+        choices=list(SCHEMES),
         help="residual scheme (default: the preset's / checkpoint's)",
     )
     p.add_argument("--ladder-layers", default=None, help="ladder only: N or a comma list")
@@ -196,6 +197,7 @@ def parser() -> argparse.ArgumentParser:
         help="how the GPU programs' all-reduces run: nccl, or one_shot (XLA's one-shot / "
         "two-shot kernels over NVLink peer memory; CPU programs ignore it)",
     )
+    add_desync_flags(p)
     runtime.add_arguments(
         p,
         cpu_devices_help="on a CPU host, fake devices to split it into "

@@ -171,7 +171,14 @@ def _recorded_scheme(hf: dict) -> tuple[str, Any, bool]:
 
 
 def config_from_hf(
-    hf: dict, *, residual=None, ladder_layers=KEEP, dtype="float32", param_dtype="float32"
+    hf: dict,
+    *,
+    residual=None,
+    ladder_layers=KEEP,
+    dtype="float32",
+    param_dtype="float32",
+    reduce_pattern=None,
+    desync_tp=None,
 ) -> ModelConfig:
     """The `ModelConfig` of an HF LlamaForCausalLM / LlamaLadderForCausalLM config.json (a
     dict). See the module doc, "Residual scheme", for how arguments and file combine."""
@@ -226,6 +233,13 @@ def config_from_hf(
     else:  # another scheme, asked for by name: the same weights, another function
         ladder_layers = None
     theta, scaling = _rope(hf)
+    desync = {}
+    if residual == "desync":  # the file's pattern and streams unless given
+        mine = file_residual == "desync"
+        pattern = reduce_pattern or (hf.get("reduce_pattern") if mine else None)
+        desync = dict(
+            reduce_pattern=pattern, desync_tp=desync_tp or (hf.get("desync_tp") if mine else None)
+        )
     try:
         return ModelConfig(
             vocab_size=hf["vocab_size"],
@@ -244,6 +258,7 @@ def config_from_hf(
             ladder_layers=ladder_layers,
             dtype=dtype,
             param_dtype=param_dtype,
+            **desync,
         )
     except ConfigError as e:
         raise HFError(f"config.json: {e}") from None
@@ -301,6 +316,10 @@ def hf_config(config: ModelConfig, tokenizer=None) -> dict:
         "ladder_residual": config.residual,
         "ladder_layers": list(ll) if isinstance(ll, tuple) else ll,
     }
+    if config.residual == "desync":  # a reader that knows only Llama gets the standard model
+        rp = config.reduce_pattern
+        out["reduce_pattern"] = [list(p) for p in rp] if isinstance(rp, tuple) else rp
+        out["desync_tp"] = config.desync_tp
     if sc is not None:
         out["rope_scaling"] = dict(rope)
     if tokenizer is not None:
@@ -648,12 +667,16 @@ def load_hf(
     param_dtype: str = "float32",
     transfer: Transfer | None = None,
     quantize: str | None = None,
+    reduce_pattern=None,
+    desync_tp: int | None = None,
 ):
     """(model, tokenizer) from a local Hugging Face Llama directory; tokenizer is an
     `HFTokenizer`, or None when there is no tokenizer.json.
 
     residual / ladder_layers: any scheme (default: what config.json records, else standard;
-    `ladder_layers` alone implies "ladder"). dtype: matmul compute dtype; param_dtype: the
+    `ladder_layers` alone implies "ladder"); reduce_pattern / desync_tp: desync's (default:
+    the file's, recorded beside the ladder keys; a plain Llama reader gets the standard
+    model of the same weights). dtype: matmul compute dtype; param_dtype: the
     weights' dtype on the devices (float32 unless given). `transfer` counts what is read.
     `quantize="int8"`: the linear weights quantized once loaded (`ladder_jax.model.quant`; the
     float model is on the devices until then)."""
@@ -662,7 +685,13 @@ def load_hf(
     transfer = transfer if transfer is not None else Transfer()
     hf = read_config(path)
     config = config_from_hf(
-        hf, residual=residual, ladder_layers=ladder_layers, dtype=dtype, param_dtype=param_dtype
+        hf,
+        residual=residual,
+        ladder_layers=ladder_layers,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        reduce_pattern=reduce_pattern,
+        desync_tp=desync_tp,
     )
     graphdef, state = abstract(config, mesh)  # raises ShardingError if config does not fit
     files = _weight_files(path)

@@ -151,6 +151,10 @@ def device_bytes(x) -> int:
 
 
 def cache_kv_heads(config, tp: int) -> int:
+    """The kv heads of the cache: max(K, tp); a desync model's max(K, desync_tp), every
+    stream's own (`ladder_jax.model.desync`)."""
+    if config.residual == "desync":
+        return max(config.n_kv_heads, config.desync_tp or tp)
     return max(config.n_kv_heads, tp)
 
 

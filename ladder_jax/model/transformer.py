@@ -26,8 +26,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ladder_jax.config import ConfigError, ModelConfig
-from ladder_jax.model import decode, quant, residual, sharding
+from ladder_jax.config import ConfigError, ModelConfig, check_desync_tp
+from ladder_jax.model import decode, desync, quant, residual, sharding
 from ladder_jax.model.attention import attend_rotated, attention_kernel, rope_frequencies
 from ladder_jax.model.linear import FusedInput, FusedLinear, FusesInputs, Linear
 from ladder_jax.model.sharding import DATA, TP, WeightSpecs
@@ -211,6 +211,7 @@ class Transformer(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, *, mesh: Mesh, rngs: nnx.Rngs, fsdp: bool = False):
+        config = resolve_desync(config, mesh)
         specs = WeightSpecs.for_model(config, mesh, fsdp=fsdp)
         if fsdp and config.quantize is not None:
             raise ConfigError(
@@ -245,6 +246,10 @@ class Transformer(nnx.Module):
         ladder = ""
         if c.residual == "ladder" and c.ladder_layers is not None:
             ladder = f", ladder_layers={c.ladder_layers}"
+        if c.residual == "desync":
+            ladder = (
+                f", reduce_pattern={c.reduce_pattern or 'every_layer'}, desync_tp={c.desync_tp}"
+            )
         return (
             f"Transformer({c.n_layers}L d={c.d_model} heads={c.n_heads}/{c.n_kv_heads} "
             f"ff={c.d_ff} vocab={c.vocab_size}, residual={c.residual!r}{ladder}, "
@@ -367,8 +372,11 @@ class Transformer(nnx.Module):
     def layer_loop(self, x_btd, positions_bt, caches=None):
         """THE layer loop: the layers wired by the config's residual scheme. The training form
         (`ladder_jax.model.residual.run`) without a cache, the cached forward
-        (`ladder_jax.model.decode.run`) with one or on a decoding clone. Returns (x, caches)."""
+        (`ladder_jax.model.decode.run`) with one or on a decoding clone; desync's streams
+        (`ladder_jax.model.desync.run`) either way. Returns (x, caches)."""
         inv_freq = rope_frequencies(self.config)
+        if self.config.residual == "desync":
+            return desync.run(self.config, self.layers, x_btd, positions_bt, inv_freq, caches)
         if caches is None and not decode.fused(self.layers[0]):
             return residual.run(self.config, self.layers, x_btd, positions_bt, inv_freq), None
         return decode.run(self.config, self.layers, x_btd, positions_bt, inv_freq, caches)
@@ -453,6 +461,8 @@ def fuse_inputs(model: Transformer, *, in_place: bool = False) -> Transformer:
     H = model.config.head_dim
     parts = {"q": (n, H), "k": (kv, H), "v": (kv, H), "gate": (f,), "up": (f,)}
     clone = nnx.merge(*nnx.split(model))
+    if model.config.residual == "desync":  # its streams read per-stream blocks: not fused
+        return clone
     for layer in clone.layers:
         for owner in [layer] if model.config.residual == "parallel" else [layer.attn, layer.mlp]:
             linears = owner.input_linears()
@@ -479,6 +489,21 @@ def fuse_inputs(model: Transformer, *, in_place: bool = False) -> Transformer:
                 fused.scale = nnx.data(scale)
             owner.install_fused(fused)
     return clone
+
+
+def resolve_desync(config: ModelConfig, mesh: Mesh) -> ModelConfig:
+    """`config` with a desync model's desync_tp fixed: the mesh's tp unless set, refused in one
+    line when the mesh's tp does not divide it (each device carries desync_tp / tp streams)."""
+    if config.residual != "desync":
+        return config
+    tp = sharding.tp_size(mesh)
+    T = config.desync_tp if config.desync_tp is not None else tp
+    if T % tp:
+        raise sharding.ShardingError(
+            f"desync_tp={T} streams cannot be split over tp={tp} devices: use a tp that divides {T}"
+        )
+    check_desync_tp(config, T)
+    return dataclasses.replace(config, desync_tp=T)
 
 
 def param_specs(state: nnx.State) -> nnx.State:
@@ -523,7 +548,9 @@ def with_config(model: Transformer, **changes) -> Transformer:
     "standard")`), unless ladder_layers is given too."""
     if changes.get("residual", "ladder") != "ladder":
         changes = {"ladder_layers": None, **changes}
-    config = dataclasses.replace(model.config, **changes)
+    if changes.get("residual", "desync") != "desync":
+        changes = {"reduce_pattern": None, "desync_tp": None, **changes}
+    config = resolve_desync(dataclasses.replace(model.config, **changes), model.mesh)
     WeightSpecs.for_model(config, model.mesh)
     graphdef, state = nnx.split(model)
     clone = nnx.merge(graphdef, state)
