@@ -155,3 +155,23 @@ def test_readme_model_on_a_mesh_runs_as_a_plain_script(tmp_path):
     # prints at that import are not the package's to filter)
     assert "Jax plugin configuration error" not in p.stderr, p.stderr[-3000:]
     assert "Traceback" not in p.stderr and "ERROR" not in p.stderr, p.stderr[-3000:]
+
+
+def test_readme_test_commands_work_pasted_alone_and_are_what_ci_runs():
+    """README's Tests section: each command is one line that installs what it runs (pasted
+    alone into a fresh clone, no earlier block needed), and the full one is .ci/run's installs
+    and pytest call, in its order."""
+    section = README.read_text().split("## Run the tests", 1)[1]
+    blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 2, blocks
+    full, quick = (commands(b) for b in blocks)
+    assert len(full) == 1 and len(quick) == 1, (full, quick)
+    steps = [s.strip() for s in full[0].split("&&")]
+    assert steps[0] == 'python -m pip install -q -e ".[test]"' and quick[0].startswith(steps[0])
+    assert quick[0].endswith("python -m pytest -q -m quick")
+    ci = [
+        line.strip()
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line.startswith(("python -m pip", "python -m pytest"))
+    ]
+    assert steps == ci, (steps, ci)

