@@ -38,7 +38,7 @@ from ladder_jax.interop.gguf import MAGIC as GGUF_MAGIC
 from ladder_jax.interop.gguf import gguf_config, load_gguf
 from ladder_jax.interop.hf import TOKENIZER, config_from_hf, load_hf, read_config
 from ladder_jax.interop.tokenizer import HFTokenizer, make_tokenizer
-from ladder_jax.model import quant
+from ladder_jax.model import layout, quant
 from ladder_jax.model.transformer import abstract
 
 
@@ -360,8 +360,10 @@ def read_model_config(path: str, *, what: str = "--checkpoint") -> config_lib.Mo
 
 def check_tp(tp: int | None, config: config_lib.ModelConfig, flag: str = "--tp") -> None:
     """A tensor-parallel size against what can exist, before any device is made (fake CPU
-    devices cost memory and time each): at least 1, and at most the model's query heads, as
-    each device holds whole heads. None (the default chosen later) passes."""
+    devices cost memory and time each): at least 1, at most the model's query heads (each
+    device holds whole heads), and one its heads, kv heads, MLP and vocabulary split over
+    evenly (`layout.check_divisible` names the largest that does). None (the default chosen
+    later) passes."""
     if tp is None:
         return
     given = f"{flag} {tp}" if flag.startswith("-") else f"{flag}={tp}"
@@ -372,6 +374,7 @@ def check_tp(tp: int | None, config: config_lib.ModelConfig, flag: str = "--tp")
             f"{given}: the model has {config.n_heads} query heads and each device holds "
             f"whole heads, so {flag} can be at most {config.n_heads}"
         )
+    layout.check_divisible(config, tp, flag=flag)
 
 
 def load_model(

@@ -464,11 +464,15 @@ def test_a_tp_the_heads_do_not_divide_names_the_flag(tmp_path, capsys):
 
     path = _save_hf(tmp_path / "hf", n_heads=4, n_kv_heads=2)
     for main in (decode_cli.main, serve_cli.main):
+        rc = main(["--checkpoint", path, "--tp", "3"])
+        out, err = capsys.readouterr()
+        assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert err.startswith("error: n_heads=4 is not divisible by tp=3") and (
+            "(set by --tp; e.g. --tp 2)" in err
+        ), err
         rc = main(["--checkpoint", path, "--tp", "8"])
         out, err = capsys.readouterr()
         assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-        assert err.startswith("error: n_heads=4 is not divisible by tp=8") and (
-            "(set by --tp; e.g. --tp 4)" in err
-        ), err
+        assert "--tp 8: the model has 4 query heads" in err and "at most 4" in err, err
     with pytest.raises(lj.ShardingError, match=r"tp=3: .*set by mesh\.tp; e\.g\. mesh\.tp=2"):
         sharding.check_divisible(lj.ModelConfig.from_preset("tiny"), 3, flag="mesh.tp")

@@ -167,7 +167,7 @@ def check_divisible(config, tp: int, flag: str | None = None) -> None:
     except ShardingError as e:
         if flag is None:
             raise
-        fit = largest_tp(config, tp)
+        fit = largest_tp(config, min(tp, config.n_heads))  # no tp above the heads fits
         use = f"{flag} {fit}" if flag.startswith("-") else f"{flag}={fit}"
         raise ShardingError(f"{e} (set by {flag}; e.g. {use})") from None
 
