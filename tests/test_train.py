@@ -175,6 +175,34 @@ def test_resume_on_another_mesh_and_init_from(tmp_path):
     assert c["losses"][1] < a["losses"][1] - 0.5
 
 
+def test_desync_resume_is_bit_exact_and_records_its_streams(tmp_path):
+    """A desync model (every_2_layers, desync_tp from the mesh: 2) trained 4 steps straight,
+    and 2 steps then resumed to 4: the same losses bit for bit; config.yaml records
+    desync_tp, so the same run resumed on tp 1 carries the 2 streams (losses to rounding)."""
+    scheme = ("model.residual=desync", "model.reduce_pattern=every_2_layers", "eval_every=0")
+    base = (*scheme, "ckpt_every=2", "mesh.tp=2", "mesh.data=1")
+    a = trainer.run(config(tmp_path, "steps=4", *base, name="ref"))
+    trainer.run(config(tmp_path, "steps=2", *base))
+    b = trainer.run(config(tmp_path, "steps=4", *base))
+    assert [b["losses"][s] for s in (3, 4)] == [a["losses"][s] for s in (3, 4)]
+    assert "desync_tp: 2" in (tmp_path / "run" / "config.yaml").read_text()
+    trainer.run(config(tmp_path, "steps=2", *base, name="moved"))
+    c = trainer.run(
+        config(
+            tmp_path,
+            "steps=4",
+            *scheme,
+            "ckpt_every=2",
+            "mesh.tp=1",
+            "model.desync_tp=2",
+            name="moved",
+        )
+    )
+    np.testing.assert_allclose(
+        [c["losses"][s] for s in (3, 4)], [a["losses"][s] for s in (3, 4)], rtol=2e-5
+    )
+
+
 def _leaves(tree) -> dict:
     """{"layers/0/attn/q/weight": numpy array} of a tree of weights (list indices as text, as
     orbax restores them)."""

@@ -27,13 +27,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ladder_jax import atomic, runtime
-from ladder_jax.cli.common import ArgumentParser, quantize_mode
+from ladder_jax.cli.common import ArgumentParser, add_desync_flags, quantize_mode
 from ladder_jax.config import (
-    RESIDUALS,
+    SCHEMES,
     ConfigError,
     UsageError,
     check_quantize,
     parse_ladder_layers,
+    parse_reduce_pattern,
     scheme_overrides,
 )
 from ladder_jax.evaluation import suite
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--residual",
         default=None,
-        choices=RESIDUALS,
+        choices=SCHEMES,
         help="residual scheme (default: the checkpoint's)",
     )
     p.add_argument(
@@ -114,6 +115,7 @@ def main(argv=None) -> int:
         help="int8: weight-only int8 linear weights (ladder_jax.model.quant); none: float "
         "weights (the default: as the checkpoint stores them)",
     )
+    add_desync_flags(p)
     runtime.add_arguments(
         p, cpu_devices_help="on a CPU host, fake devices to split it into (default: --tp, else 1)"
     )
@@ -151,7 +153,12 @@ def _check(args):
             raise ConfigError(f"--output {args.output}: give a file in an existing directory")
         atomic.check_writable(parent, f"--output {args.output}")
     check_quantize(args.quantize, "--quantize")
-    overrides = scheme_overrides(args.residual, parse_ladder_layers(args.ladder_layers))
+    overrides = scheme_overrides(
+        args.residual,
+        parse_ladder_layers(args.ladder_layers),
+        parse_reduce_pattern(args.reduce_pattern),
+        args.desync_tp,
+    )
     tasks = suite.load_tasks(
         args.tasks, args.regime, limit=args.limit, seed=args.seed, tasks_dir=args.tasks_dir
     )

@@ -567,13 +567,16 @@ def load_gguf(
     param_dtype: str = "float32",
     transfer: hf.Transfer | None = None,
     quantize: str | None = None,
+    reduce_pattern=None,
+    desync_tp: int | None = None,
 ):
     """(model, tokenizer) from a local GGUF Llama file; tokenizer an `HFTokenizer` from the
     file's metadata (chat template included).
 
     As `ladder_jax.interop.hf.load_hf`: residual / ladder_layers any scheme (default standard;
-    `ladder_layers` alone implies "ladder"), dtype the matmuls', param_dtype the weights' on the
-    devices, `transfer` counts what is read, `quantize="int8"` quantizes once loaded."""
+    `ladder_layers` alone implies "ladder"; reduce_pattern / desync_tp desync's), dtype the
+    matmuls', param_dtype the weights' on the devices, `transfer` counts what is read,
+    `quantize="int8"` quantizes once loaded."""
     check_quantize(quantize)
     path = os.fspath(path)
     gguf = _gguf()
@@ -587,6 +590,8 @@ def load_gguf(
             ladder_layers=ladder_layers,
             dtype=dtype,
             param_dtype=param_dtype,
+            reduce_pattern=reduce_pattern,
+            desync_tp=desync_tp,
         )
     except hf.HFError as e:
         raise GGUFError(f"{path}: {str(e).removeprefix('config.json: ')}") from None

@@ -139,9 +139,7 @@ class WeightSpecs:
 # two attention products are then plain matmuls batched over (B, K) that read each head's
 # block as it lies: q (G, H) x keys (H, S), probabilities (G, S) x values (S, H). Stored
 # (B, S, K, H), XLA copied the whole cache into that order and back in every layer of every
-# step wherever a rank holds several kv heads (a deviceless H100 compile of llama-3-8b at tp 2:
-# four cache-sized transposes per layer), and XLA:CPU spent ~3 ms of a 5 ms step (`small`,
-# batch 16) in those copies.
+# step wherever a rank holds several kv heads (measured: docs/results.md, CPU decoding).
 CACHE_BKSH = P(DATA, TP, None, None)
 
 

@@ -172,19 +172,25 @@ def _kernel(
 
     zero = jnp.zeros((rows, cols), jnp.float32)
     accs = jax.lax.fori_loop(0, steps, body, tuple(zero for _ in halves))
-    if scaled:
+    o_ref[...] = _epilogue(accs, halves, s_ref, r_ref, dtype).astype(o_ref.dtype)
+
+
+def _epilogue(accs, halves, s_ref, r_ref, dtype):
+    """The float32 sums times the scale (`s_ref`, None for float weights), silu(gate) * up of
+    the two halves (`swiglu`: halves (0, 1)), plus the residual (`r_ref`, else None)."""
+    if s_ref is not None:
         accs = tuple(
             a * (s_ref[...] if h is None else s_ref[h, :]).astype(jnp.float32)[None, :]
             for a, h in zip(accs, halves)
         )
-    if swiglu:  # silu(gate) * up of the outputs as the unfused path rounds them
+    if len(halves) == 2:  # silu(gate) * up of the outputs as the unfused path rounds them
         g, u = (a.astype(dtype).astype(jnp.float32) for a in accs)
         acc = g / (1.0 + jnp.exp(-g)) * u
     else:
         acc = accs[0]
-    if ends:  # the residual stream plus the output as the unfused path rounds it
+    if r_ref is not None:  # the residual stream plus the output as the unfused path rounds it
         acc = r_ref[...] + acc.astype(dtype).astype(jnp.float32)
-    o_ref[...] = acc.astype(o_ref.dtype)
+    return acc
 
 
 def small_m_matmul(

@@ -477,9 +477,15 @@ def _new_kernel(
         return m_new, total * fix + p.sum(axis=1), acc * fix[:, None] + pv
 
     m, total, acc = jax.lax.fori_loop(first, last, body, (m, total, acc))
+    _store(o_ref, lse_ref, m, total, acc, real)
+
+
+def _store(o_ref, lse_ref, m, total, acc, real):
+    """The running softmax's output (its real rows), and its log-sum-exp where the splits'
+    partials are combined afterwards (`lse_ref`, else None)."""
     seen = total > 0
     out = acc / jnp.where(seen, total, 1.0)[:, None]
     plgpu.store(o_ref, out.astype(o_ref.dtype), mask=real[:, None])
-    if partial:
+    if lse_ref is not None:
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), -1e30)
         plgpu.store(lse_ref, lse, mask=real)
