@@ -180,7 +180,9 @@ def predict(
     and vs_standard (tokens/s over standard's). `tp`, `batch`, `links` take one value or a
     list; `quantize="int8"`: int8 weights (`--quantize`); `kwargs` go to
     `ladder_jax.analysis.perfmodel.predict` (slots (`--max-len`), hosts, gpus_per_host,
-    calibration, contention, launch, efficiency, link_overrides, ...)."""
+    calibration, contention, launch, efficiency, link_overrides, allreduces=("nccl",
+    "one_shot"): each row's `allreduce`, ...); `ladder_jax.analysis.tables.decision(rows)` is
+    `predict`'s decision table."""
 
     if not jax.config.jax_platforms:  # compile for the GPU target; nothing runs on a GPU
         jax.config.update("jax_platforms", "cpu")
