@@ -232,3 +232,10 @@ def test_sweep_refuses_an_unknown_allreduce_before_compiling():
     config = lj.ModelConfig.from_preset("tiny")
     with pytest.raises(perfmodel.PredictError, match="allreduce 'x'"):
         perfmodel.Sweep(tp=2, allreduces=("x",)).check(config)
+
+
+def test_overlap_of_a_training_step_refuses_allreduce(capsys):
+    argv = ["--config", "configs/tiny.yaml", "--allreduce", "one_shot"]
+    assert "--allreduce one_shot is for decode and prefill" in cli_error(
+        capsys, overlap_cli.main, argv
+    )

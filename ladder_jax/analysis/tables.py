@@ -89,13 +89,13 @@ def summary(rows: list[dict]) -> str:
     order = {name: i for i, name in enumerate(hardware.LINKS)}
     for r in sorted(with_ratios(rows), key=lambda r: order.get(r["link"], 99)):
         if r["residual"] in ("ladder", "upper_bound") and r["vs_standard"] is not None:
-            name = r["residual"] + _implementation(r)
+            name = f"{r['residual']}/standard{_implementation(r)}"
             out.append((r["link"], r["tp"], r["batch"], name, r["vs_standard"]))
     by = {}
     for link, tp, b, res, v in out:
         by.setdefault((link, tp, b), {})[res] = v
     return "\n".join(
-        f"{link} tp={tp} batch={b}: " + ", ".join(f"{k}/standard {v:.3f}" for k, v in d.items())
+        f"{link} tp={tp} batch={b}: " + ", ".join(f"{k} {v:.3f}" for k, v in d.items())
         for (link, tp, b), d in by.items()
     )
 

@@ -127,6 +127,13 @@ def main(argv=None) -> int:
     with runtime.quiet():  # the CUDA plugin's start-up lines
         jax.devices()
     if args.config or args.overrides:
+        if args.allreduce != "nccl":
+            print(
+                f"error: --allreduce {args.allreduce} is for decode and prefill programs: drop "
+                f"it with --config (a training step)",
+                file=sys.stderr,
+            )
+            return 2
         if args.quantize:
             print(
                 f"error: --quantize {args.quantize} is for decoding: drop it with --config "
