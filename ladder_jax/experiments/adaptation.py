@@ -44,7 +44,7 @@ from ladder_jax import atomic
 from ladder_jax.config import ConfigError
 from ladder_jax.evaluation.tasks import DEFAULT_REGIME, DEFAULT_TASKS, task_path
 from ladder_jax.experiments import corpora
-from ladder_jax.experiments.paper_quality import PAPER, _smooth, replace_fields, verdict
+from ladder_jax.experiments.paper_quality import PAPER, replace_fields, smooth, verdict
 from ladder_jax.interop.tokenizer import make_tokenizer
 from ladder_jax.train import data
 from ladder_jax.train.evaluate import loss_sum
@@ -172,7 +172,7 @@ SETTINGS = {
         held_out_records=3,
         chat_tokens=12,
     ),
-    # The run of docs/adaptation.md, sized for a 2-core CPU (~1-2 hours): the three
+    # The run of docs/adaptation.md, sized for a 2-core CPU (its wall time is there): the three
     # conversions of the issue, both recoveries and the control (40 steps of 2 x 256 tokens
     # each), the six tasks at 40 documents each, held-out loss and chat.
     "full": Setting("full", steps=40, batch_size=2, grad_accum=1, held_out_records=6),
@@ -897,7 +897,7 @@ def plots(results: list[dict], out: str) -> list[str]:
     ax = fig.subplots()
     for r in runs:
         k = max(1, len(r["curve"]) // 10)
-        y = _smooth(r["curve"], k)
+        y = smooth(r["curve"], k)
         ax.plot(
             np.arange(len(y)) + k,
             y,

@@ -719,7 +719,8 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _smooth(y, k):
+def smooth(y, k):
+    """`y`'s running mean over `k` points (as it is when k <= 1 or `y` is shorter)."""
     y = np.asarray(y, float)
     if k <= 1 or len(y) < k:
         return y
@@ -737,7 +738,7 @@ def plots(results: list[dict], out: str) -> list[str]:
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
     for residual in SCHEMES:
-        curves = np.array([_smooth(r["curve"], k) for r in scratch if r["residual"] == residual])
+        curves = np.array([smooth(r["curve"], k) for r in scratch if r["residual"] == residual])
         if not len(curves):
             continue
         x = np.arange(curves.shape[1]) + k
@@ -749,7 +750,7 @@ def plots(results: list[dict], out: str) -> list[str]:
         ylabel=f"training loss (nats/byte, mean of {k} steps)",
         title=f"From scratch: {'-'.join(map(str, n))} seeds per scheme",
     )
-    lo = min(float(np.min(_smooth(r["curve"], k))) for r in scratch)
+    lo = min(float(np.min(smooth(r["curve"], k))) for r in scratch)
     ax.set_ylim(lo - 0.05, lo + 1.0)
     ax.legend()
     fig.tight_layout()
