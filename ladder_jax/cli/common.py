@@ -172,7 +172,7 @@ def setup_devices(args):
     processes (--coordinator ...).
 
         shape = setup_devices(args); tp, why = choose_tp(args.tp, shape)"""
-    from ladder_jax import runtime
+    from ladder_jax import compile_cache, runtime
     from ladder_jax.config import ModelConfig
     from ladder_jax.model import sharding
     from ladder_jax.train import checkpoint
@@ -190,6 +190,7 @@ def setup_devices(args):
         num_processes=args.num_processes,
         process_id=args.process_id,
     )
+    compile_cache.enable(off=getattr(args, "no_compile_cache", False))
     return shape
 
 

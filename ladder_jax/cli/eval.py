@@ -23,7 +23,7 @@ import time
 
 import jax
 
-from ladder_jax import runtime
+from ladder_jax import compile_cache, runtime
 from ladder_jax.cli.common import ArgumentParser, quantize_mode
 from ladder_jax.config import (
     RESIDUALS,
@@ -116,6 +116,7 @@ def main(argv=None) -> int:
             num_processes=args.num_processes,
             process_id=args.process_id,
         )
+        compile_cache.enable()
         return _run(args)
     except UsageError as e:  # TaskError, ShardingError and HFError included
         print(f"error: {e}", file=sys.stderr)
