@@ -113,6 +113,18 @@ def parser() -> argparse.ArgumentParser:
         help="tensor-parallel size (default: the largest that divides the model's "
         "heads and the devices, on a CPU host also its cores; said on stderr)",
     )
+    _add_serving_flags(p)
+    add_decode_matmul(p)
+    runtime.add_arguments(
+        p,
+        cpu_devices_help="on a CPU host, fake devices to split it into "
+        "(default: --tp, else the default tp)",
+    )
+    return p
+
+
+def _add_serving_flags(p) -> None:
+    """The HTTP, batching and start-up flags of `parser`."""
     p.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
     )
@@ -197,13 +209,6 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="compile programs on first use instead of before serving",
     )
-    add_decode_matmul(p)
-    runtime.add_arguments(
-        p,
-        cpu_devices_help="on a CPU host, fake devices to split it into "
-        "(default: --tp, else the default tp)",
-    )
-    return p
 
 
 def main(argv=None) -> int:
@@ -300,6 +305,7 @@ _PER_PROCESS = (  # process 0's (HTTP); `common.PER_PROCESS`: each host's own
     "drain_seconds",
     "chat_template",
     "max_tokens",
+    "no_compile_cache",  # each host's own cache directory
 )
 
 
