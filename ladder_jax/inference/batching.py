@@ -584,7 +584,7 @@ class Engine:
         WARM_PROMPT_TOKENS, a full admission group of the shortest bucket; other prefill
         programs compile on first use (and land in the compilation cache)."""
         buckets = sorted({prompt_bucket(n, self.length) for n in range(1, self.length + 1)})
-        group = min(prefill_group(self.admit), prefill_rows(buckets[0]))
+        group = min(prefill_group(min(self.admit, self.slots)), prefill_rows(buckets[0]))
         ones = [(1, T) for T in buckets if T <= WARM_PROMPT_TOKENS] or [(1, buckets[0])]
         return ones + ([(group, buckets[0])] if group > 1 else []) + [(self.slots, 0)]
 
