@@ -265,7 +265,7 @@ def setup_devices(args):
     processes (--coordinator ...).
 
         shape = setup_devices(args); tp, why = choose_tp(args.tp, shape)"""
-    from ladder_jax import loading, runtime
+    from ladder_jax import compile_cache, loading, runtime
     from ladder_jax.config import ModelConfig
     from ladder_jax.model import sharding
 
@@ -283,6 +283,7 @@ def setup_devices(args):
         num_processes=args.num_processes,
         process_id=args.process_id,
     )
+    compile_cache.enable(off=getattr(args, "no_compile_cache", False))
     return shape
 
 

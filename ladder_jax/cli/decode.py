@@ -210,6 +210,13 @@ def _prompts(args) -> list[str]:
     for b, prompt in enumerate(prompts):
         if not prompt:
             raise GenerationError(f"prompt {b} is empty: give at least one character")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # bytes from the command line that are not UTF-8
+            raise GenerationError(
+                f"prompt {b}: character {e.start} is not UTF-8 text ({prompt[e.start]!r}): "
+                f"give UTF-8 text"
+            ) from None
     return prompts
 
 

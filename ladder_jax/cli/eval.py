@@ -26,7 +26,7 @@ import jax
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ladder_jax import atomic, runtime
+from ladder_jax import atomic, compile_cache, runtime
 from ladder_jax.cli.common import ArgumentParser, add_desync_flags, quantize_mode
 from ladder_jax.config import (
     SCHEMES,
@@ -130,6 +130,7 @@ def main(argv=None) -> int:
             num_processes=args.num_processes,
             process_id=args.process_id,
         )
+        compile_cache.enable()
         return _run(args, tasks, overrides)
     except UsageError as e:  # TaskError, ShardingError and HFError included
         print(f"error: {e}", file=sys.stderr)

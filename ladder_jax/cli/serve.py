@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import sys
 import threading
@@ -54,6 +55,7 @@ except ImportError as e:
 
 API_KEY_ENV = "LADDER_API_KEY"
 MAX_HEADER_BYTES = 16 * 1024  # a request's line and headers (h11's incomplete-event limit)
+FD_RESERVE = 128  # file descriptors kept for the process when bounding the connections
 STOP_KEY = "ladder_jax/serve/stop/"  # coordination-service keys: processes told to stop
 STOP_MARGIN_S = 30.0  # a follower told to stop waits --drain-seconds plus this for process 0
 
@@ -112,6 +114,25 @@ def parser() -> argparse.ArgumentParser:
         help="tensor-parallel size (default: the largest that divides the model's "
         "heads and the devices, on a CPU host also its cores; said on stderr)",
     )
+    _add_serving_flags(p)
+    add_decode_matmul(p)
+    p.add_argument(
+        "--allreduce",
+        default="nccl",
+        help="how the GPU programs' all-reduces run: nccl, or one_shot (XLA's one-shot / "
+        "two-shot kernels over NVLink peer memory; CPU programs ignore it)",
+    )
+    add_desync_flags(p)
+    runtime.add_arguments(
+        p,
+        cpu_devices_help="on a CPU host, fake devices to split it into "
+        "(default: --tp, else the default tp)",
+    )
+    return p
+
+
+def _add_serving_flags(p) -> None:
+    """The HTTP, batching and start-up flags of `parser`."""
     p.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
     )
@@ -186,24 +207,16 @@ def parser() -> argparse.ArgumentParser:
         "tokenizer_config.json chat_template or a GGUF file's, if any)",
     )
     p.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="compile every program afresh (default: JAX's persistent compilation cache "
+        "in the user cache directory, or $LADDER_COMPILE_CACHE; off there too)",
+    )
+    p.add_argument(
         "--no-warmup",
         action="store_true",
         help="compile programs on first use instead of before serving",
     )
-    add_decode_matmul(p)
-    p.add_argument(
-        "--allreduce",
-        default="nccl",
-        help="how the GPU programs' all-reduces run: nccl, or one_shot (XLA's one-shot / "
-        "two-shot kernels over NVLink peer memory; CPU programs ignore it)",
-    )
-    add_desync_flags(p)
-    runtime.add_arguments(
-        p,
-        cpu_devices_help="on a CPU host, fake devices to split it into "
-        "(default: --tp, else the default tp)",
-    )
-    return p
 
 
 def main(argv=None) -> int:
@@ -228,10 +241,11 @@ def _check(args) -> None:
         ("--prefills-per-step", args.prefills_per_step, 1),
         ("--steps-per-plan", args.steps_per_plan, 1),
         ("--max-request-bytes", args.max_request_bytes, 1),
-        ("--port", args.port, 0),
     ):
         if v < low:
             raise ConfigError(f"{flag} {v}: must be >= {low}")
+    if not 1 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port}: a TCP port is from 1 to 65535")
     if args.max_len is not None and args.max_len < 2:
         raise ConfigError(f"--max-len {args.max_len}: must be >= 2 (a prompt token and a new one)")
     if not args.request_timeout > 0:
@@ -300,6 +314,7 @@ _PER_PROCESS = (  # process 0's (HTTP); `common.PER_PROCESS`: each host's own
     "drain_seconds",
     "chat_template",
     "max_tokens",
+    "no_compile_cache",  # each host's own cache directory
 )
 
 
@@ -394,6 +409,11 @@ def _run(args) -> int:
     model, tokenizer, name = _load(args, mesh)
     template = template or _tokenizer_template(tokenizer)
 
+    if args.max_len is not None and args.max_len > model.config.max_seq_len:
+        raise ConfigError(
+            f"--max-len {args.max_len}: more than the model's context of "
+            f"{model.config.max_seq_len} positions (max_seq_len); give at most that"
+        )
     max_len = args.max_len or _default_max_len(model, args.slots)
     engine = Engine(
         model,
@@ -518,14 +538,12 @@ def _warmup(engine) -> None:
     """`engine.warmup()` with its progress on stderr (process 0): what it will compile before
     the first program starts, then each program's k/N as it is done."""
     programs = engine.warmup_programs()
-    prefills = [p for p in programs if p[1]]
-    groups = sorted({n for n, _ in prefills})
-    buckets = sorted({t for _, t in prefills})
+    shapes = ", ".join(f"{N} x {T}" for N, T in programs if T)
     _note(
         f"warm-up: compiling {len(programs)} programs before serving (--no-warmup: compile "
-        f"each on first use instead): prefill of {'/'.join(map(str, groups))} prompt(s) x "
-        f"{len(buckets)} prompt lengths ({buckets[0]}..{buckets[-1]} tokens), then the "
-        f"decode round ({engine.slots} slots, {engine.steps_per_plan} step(s))",
+        f"each on first use instead): prefill of prompts x tokens {shapes}, then the decode "
+        f"round ({engine.slots} slots, {engine.steps_per_plan} step(s)); other prompt shapes "
+        f"compile on first use",
         file=sys.stderr,
     )
     start = time.perf_counter()
@@ -536,6 +554,20 @@ def _warmup(engine) -> None:
         _note(f"warm-up {k}/{n}: {what} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
 
     engine.warmup(progress)
+
+
+def _cache_bytes(engine) -> int:
+    """The bytes of the engine's KV cache, all devices together."""
+    return sum(x.nbytes for x in (*engine.cache.k, *engine.cache.v))
+
+
+def _max_connections() -> int:
+    """Open connections the server keeps: its file descriptors but a reserve for the rest of
+    the process (the runtime's files and sockets)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 16
+    return max(16, soft - FD_RESERVE)
 
 
 def _serve(args, engine, tokenizer, name, api_key, template) -> int:
@@ -555,7 +587,8 @@ def _serve(args, engine, tokenizer, name, api_key, template) -> int:
             port=args.port,
             log_level="warning",
             timeout_graceful_shutdown=5,
-            http=deadline_protocol(args.request_timeout),  # partial requests: closed in time
+            # partial requests: closed in time, and never more connections than descriptors
+            http=deadline_protocol(args.request_timeout, _max_connections()),
             h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         )
     )  # a longer head: 400
@@ -573,8 +606,8 @@ def _serve(args, engine, tokenizer, name, api_key, template) -> int:
             announced = True
             print(
                 f"serving {name!r} on http://{args.host}:{args.port} ({engine.slots} slots, "
-                f"{engine.length} positions each, tp={sharding.tp_size(engine.mesh)}, "
-                f"{jax.process_count()} process(es))",
+                f"{engine.length} positions each, KV cache {_cache_bytes(engine) / 2**20:,.1f} "
+                f"MiB, tp={sharding.tp_size(engine.mesh)}, {jax.process_count()} process(es))",
                 flush=True,
             )
     if not http.is_alive() and not server.started:

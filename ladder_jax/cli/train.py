@@ -8,7 +8,7 @@ import textwrap
 
 import jax
 
-from ladder_jax import processes
+from ladder_jax import compile_cache, processes
 from ladder_jax.config import UsageError, check, help_rows, load_config
 from ladder_jax.train.trainer import NonFiniteError, SaveError, init_runtime, run
 
@@ -69,6 +69,7 @@ def main(argv=None) -> int:
         cfg = load_config(argv)
         check(cfg)
         init_runtime(cfg)
+        compile_cache.enable()
         result = run(cfg)
     except UsageError as e:  # ShardingError, DataError, RunBusy and tokenizer errors
         print(f"error: {e}", file=sys.stderr)

@@ -19,6 +19,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response, StreamingResponse
 
 from ladder_jax.inference.batching import Engine, EngineFull, Request
+from ladder_jax.inference.detokenize import Detokenizer
 from ladder_jax.inference.metrics import Metrics
 from ladder_jax.inference.openai_schema import (
     NONFINITE_EVENT,
@@ -39,31 +40,34 @@ class TextStream:
     def __init__(self, tokenizer, stops: list[str]):
         self.tokenizer, self.stops = tokenizer, stops
         self.hold = max((len(s) for s in stops), default=1) - 1
-        self.tokens: list[int] = []
+        self.text = Detokenizer(tokenizer)
+        self.tokens = self.text.ids
         self.sent = 0
         self.stopped = False
 
     def add(self, token: int) -> str:
-        self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens)
-        for stop in self.stops:
-            at = text.find(stop)
-            if at >= 0:
-                piece, self.sent, self.stopped = text[self.sent : at], max(self.sent, at), True
-                return piece
-        safe = len(text) - self.hold
-        while safe > self.sent and text[safe - 1] == "\ufffd":
+        """The piece that can be sent now; a stop string cuts the text at the earliest
+        one found (the text before `sent` never holds one: it was searched then)."""
+        self.text.add(token)
+        rest = self.text.from_char(self.sent)
+        hits = [at for stop in self.stops if (at := rest.find(stop)) >= 0]
+        if hits:
+            at = min(hits)
+            self.sent, self.stopped = self.sent + at, True
+            return rest[:at]
+        safe = len(rest) - self.hold
+        while safe > 0 and rest[safe - 1] == "\ufffd":
             safe -= 1
-        if safe <= self.sent:
+        if safe <= 0:
             return ""
-        piece, self.sent = text[self.sent : safe], safe
-        return piece
+        self.sent += safe
+        return rest[:safe]
 
     def flush(self) -> str:
         if self.stopped:
             return ""
-        text = self.tokenizer.decode(self.tokens)
-        piece, self.sent = text[self.sent :], len(text)
+        piece = self.text.from_char(self.sent)
+        self.sent += len(piece)
         return piece
 
 
@@ -111,6 +115,13 @@ async def disconnected(request: HTTPRequest) -> None:
             return
 
 
+def _settled(future: asyncio.Future) -> None:
+    """Reads a cancelled future's outcome, so asyncio logs no "exception was never
+    retrieved" traceback for it."""
+    if not future.cancelled():
+        future.exception()
+
+
 class Answers:
     """The answering paths of one engine: submit runs, wait for them whole (`collect`) or
     stream them (`streamed`), counting each request once in `metrics`."""
@@ -125,14 +136,11 @@ class Answers:
         return error(e.status, str(e), e.param, e.code)
 
     def submit(self, runs: list[Run], endpoint: str) -> Response | None:
-        """Submits every run, or none (the counted 503 of a full queue, 400 of a prompt the
-        engine refuses)."""
+        """Submits every run, or none (the counted 503 of a queue full now, 400 of a prompt
+        the engine refuses or of a batch the queue can never hold)."""
         try:
-            for run in runs:
-                self.engine.submit(run.req)
+            self.engine.submit_all([run.req for run in runs])
         except GenerationError as e:
-            for run in runs:
-                self.engine.cancel(run.req)
             full = isinstance(e, EngineFull)
             self.metrics.request(endpoint, 503 if full else 400)
             return error(503, str(e)) if full else error(400, str(e), "prompt")
@@ -179,6 +187,7 @@ class Answers:
         finally:
             watcher.cancel()
         if not result.done():  # the client went away
+            result.add_done_callback(_settled)
             result.cancel()
             return self.cancelled(runs, endpoint, 499, Response(status_code=499))
         outs = result.result()
@@ -229,7 +238,7 @@ class Answers:
                 yield head
             first = True
             async for piece, reason in self.steps(run):
-                if first and opening is not None and (opened := opening()) is not None:
+                if first and opening is not None and (opened := await asyncio.to_thread(opening)):
                     yield opened
                 first = False
                 if reason == "nonfinite":  # OpenAI's way to fail mid-stream: an error event
@@ -327,13 +336,15 @@ class Scores:
         req = run.req
         if self.top is None or not self.echo or req.prompt_scores is None:
             return None
-        return self.logprobs.of(req.prompt, [None, *req.prompt_scores], 0)
+        text = Detokenizer(self.logprobs.tokenizer)
+        text.extend(req.prompt)
+        return self.logprobs.of(req.prompt, [None, *req.prompt_scores], text.starts, 0)
 
     def new(self, run: Run, base: int, start: int) -> dict | None:
         """The generated tokens' object from token `start` on, offsets from `base`."""
         if self.top is None:
             return None
-        return self.logprobs.of(run.text.tokens, run.req.scores, base, start)
+        return self.logprobs.of(run.text.tokens, run.req.scores, run.text.text.starts, base, start)
 
     def whole(self, run: Run, base: int) -> dict | None:
         """The whole answer's object: the prompt's (with echo), then the generated tokens'."""

@@ -39,6 +39,9 @@ from ladder_jax.inference.sampling import NONFINITE, GenerationError, RowSamplin
 from ladder_jax.model import sharding
 from ladder_jax.model.transformer import Transformer
 
+PREFILL_TOKENS = 8192  # prompt tokens (padded) one prefill program holds at most
+WARM_PROMPT_TOKENS = 512  # warm-up compiles one-prompt prefills up to this bucket
+
 
 class EngineFull(GenerationError):
     """The waiting queue is full (or the engine is draining): try again later."""
@@ -68,6 +71,12 @@ class Request:
 def prefill_group(n: int) -> int:
     """The rows of a prefill of n admitted prompts: the next power of two >= n."""
     return 1 << (n - 1).bit_length()
+
+
+def prefill_rows(T: int) -> int:
+    """The most prompts of bucket T one prefill program takes: PREFILL_TOKENS in all (a power
+    of two, at least one), so long prompts never make one huge program."""
+    return prefill_group(max(1, PREFILL_TOKENS // T + 1)) // 2 if T < PREFILL_TOKENS else 1
 
 
 def prompt_bucket(n: int, length: int) -> int:
@@ -272,25 +281,44 @@ class Engine:
             )
 
     def submit(self, req: Request) -> None:
-        self.check(req)
-        req.sampling.check(self.config.vocab_size)
-        req.rows = RowSampling.of([req.sampling], rows=[0])
+        self.submit_all([req])
+
+    def submit_all(self, reqs: list[Request]) -> None:
+        """Queues every request or none: each checked first (GenerationError); more than the
+        queue can ever hold is a GenerationError that says so, a queue too full now for all
+        of them is EngineFull (try again later)."""
+        for req in reqs:
+            self.check(req)
+            req.sampling.check(self.config.vocab_size)
+            req.rows = RowSampling.of([req.sampling], rows=[0])
         with self.lock:
             if not self.admitting:
                 raise EngineFull("the server is shutting down")
-            if len(self.queue) >= self.max_queue:
+            if len(reqs) > 1 and len(reqs) > self.max_queue:
+                raise GenerationError(
+                    f"a batch of {len(reqs)} prompts can never fit: this server queues at "
+                    f"most {self.max_queue} requests; send at most {self.max_queue} prompts "
+                    f"per request"
+                )
+            if len(self.queue) + len(reqs) > self.max_queue:
                 raise EngineFull(
                     f"all {self.slots} slots are busy and {len(self.queue)} "
                     f"requests wait: try again later"
                 )
-            self.queue.append(req)
+            self.queue.extend(reqs)
             self.lock.notify()
 
     def cancel(self, req: Request) -> None:
-        """Frees the request's slot before the next step (or drops it from the queue)."""
+        """Frees the request's slot before the next step; a queued one leaves the queue at
+        once (its place is free for the next request)."""
         req.cancelled = True
         with self.lock:
+            queued = req in self.queue
+            if queued:
+                self.queue.remove(req)
             self.lock.notify()
+        if queued:
+            req.on_finish("cancelled")
 
     @property
     def busy(self) -> int:
@@ -438,7 +466,8 @@ class Engine:
 
     def _prefill(self, admissions: list[Admission]) -> None:
         """The admitted prompts into their slots, one program per prompt bucket among them
-        (several prompts of a bucket share one; a power-of-two count of rows, the padding rows
+        (several prompts of a bucket share one, up to PREFILL_TOKENS tokens in all; a
+        power-of-two count of rows, the padding rows
         naming slot `slots`, past the cache: computed, never written), then their first tokens
         handed out, in the plan's order."""
         B, mesh, rep = self.slots, self.mesh, P()
@@ -446,7 +475,12 @@ class Engine:
         for j, a in enumerate(admissions):
             groups.setdefault(prompt_bucket(len(a.prompt), self.length), []).append(j)
         first: dict[int, tuple] = {}  # admission -> (first token, its scores or None)
-        for T, group in groups.items():
+        chunks = [
+            (T, group[i : i + prefill_rows(T)])
+            for T, group in groups.items()
+            for i in range(0, len(group), prefill_rows(T))
+        ]
+        for T, group in chunks:
             N = prefill_group(len(group))
             slots_n = np.full(N, B, np.int32)
             tokens_nt, lengths_n = np.zeros((N, T), np.int32), np.ones(N, np.int32)
@@ -546,10 +580,13 @@ class Engine:
 
     def warmup_programs(self) -> list[tuple[int, int]]:
         """What `warmup` compiles, in order: (rows, prompt tokens) of each prefill program, then
-        (slots, 0) for the decode round."""
+        (slots, 0) for the decode round. A handful: one prompt of each bucket up to
+        WARM_PROMPT_TOKENS, a full admission group of the shortest bucket; other prefill
+        programs compile on first use (and land in the compilation cache)."""
         buckets = sorted({prompt_bucket(n, self.length) for n in range(1, self.length + 1)})
-        groups = sorted({prefill_group(n) for n in range(1, self.admit + 1)})
-        return [(N, T) for N in groups for T in buckets] + [(self.slots, 0)]
+        group = min(prefill_group(min(self.admit, self.slots)), prefill_rows(buckets[0]))
+        ones = [(1, T) for T in buckets if T <= WARM_PROMPT_TOKENS] or [(1, buckets[0])]
+        return ones + ([(group, buckets[0])] if group > 1 else []) + [(self.slots, 0)]
 
     def warmup(self, progress=None) -> None:
         """Compiles the decode round and every prefill program (each prompt bucket x each

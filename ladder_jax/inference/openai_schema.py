@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.responses import JSONResponse
@@ -93,16 +93,19 @@ class Checked(BaseModel):
         try:
             return cls.model_validate(data, context=limits)
         except ValidationError as e:
-            field = e.errors()[0]["loc"][0]
-            raise BadRequest(_SAYS[field].format(data.get(field), **limits), field) from None
+            loc = e.errors()[0]["loc"]
+            field, value = loc[0], data.get(loc[0])
+            if loc[:2] == ("stream_options", "include_usage"):
+                field, value = "stream_options.include_usage", value["include_usage"]
+            raise BadRequest(_SAYS[field].format(value, **limits), loc[0]) from None
 
 
 _Stop = Annotated[str, Field(min_length=1)]
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: Any = None
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool | None = None
 
 
 class SamplingFields(Checked):
@@ -135,6 +138,7 @@ _SAYS = {
     "stop": "stop must be a non-empty string or a list of up to 4 of them",
     "stream": "stream={!r} must be true or false",
     "stream_options": "stream_options may only hold include_usage",
+    "stream_options.include_usage": "stream_options.include_usage={!r} must be true or false",
     "logprobs": f"logprobs={{!r}} must be an integer from 0 to {TOP_LOGPROBS} (or null)",
     "echo": "echo={!r} must be true or false",
 }
@@ -186,15 +190,14 @@ class Logprobs:
             self.texts[token] = self.tokenizer.decode([token]) or self.tokenizer.special_text(token)
         return self.texts[token]
 
-    def of(self, ids: list[int], scores: list, base: int, start: int = 0) -> dict:
+    def of(self, ids: list[int], scores: list, starts: list[int], base: int, start: int = 0):
         """The object of ids[start:], scores[i] = (log p, top ids, top log p) of ids[i] or None;
-        offsets count from the start of `ids` (text at `base`)."""
+        starts[i]: the characters of whole text before ids[i] (`Detokenizer.starts`), offsets
+        at `base` plus those."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for i in range(start, len(ids)):
             out["tokens"].append(self.text(ids[i]))
-            out["text_offset"].append(
-                base + len(self.tokenizer.decode(ids[:i]).rstrip("\ufffd")) if i else base
-            )
+            out["text_offset"].append(base + starts[i])
             if scores[i] is None:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
@@ -250,4 +253,31 @@ def parse_json(body: bytes) -> dict:
         raise BadRequest(f"the body is not valid JSON here: {e}") from None
     if not isinstance(data, dict):
         raise BadRequest("the body must be a JSON object")
+    for key, value in data.items():
+        bad = _lone_surrogate(key, value)
+        if bad is not None:
+            raise BadRequest(
+                f"{key!r} holds {bad!r}, a lone surrogate: not Unicode text (send each "
+                f"character whole, a pair of surrogates above U+FFFF)",
+                key if isinstance(key, str) and _lone_surrogate(key, "") is None else None,
+            )
     return data
+
+
+def _lone_surrogate(key, value) -> str | None:
+    """The first lone surrogate (JSON allows "\\ud800" alone; UTF-8 cannot carry it) in a
+    key or anywhere in a value, else None (no recursion: the nesting is JSON's)."""
+    stack = [key, value]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return x[e.start]
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return None

@@ -15,6 +15,8 @@ before temperature, top_k and top_p).
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import hmac
 import logging
 import secrets
@@ -212,7 +214,7 @@ class App:
             data = await self.read_json(request)
             if not chat and scored(data):
                 return await self.scored_completions(request, data)
-            parsed = self.checks.parse(data, chat)
+            parsed = await asyncio.to_thread(self.checks.parse, data, chat)
         except BadRequest as e:
             return self.answers.refused(endpoint, e)
         run = Run(self.tokenizer, parsed)
@@ -264,15 +266,18 @@ class App:
         top, echo = scoring(data)
         raw = data.get("prompt")
         prompts = raw if is_batch(raw) else [raw]
-        parsed = self.checks.parse_each(data, prompts)
+        parsed = await asyncio.to_thread(self.checks.parse_each, data, prompts)
         if parsed[0].stream and len(prompts) > 1:
             raise BadRequest(f"stream=true takes one prompt, got {len(prompts)}", "stream")
         runs = [Run(self.tokenizer, p, logprobs=top, echo=echo) for p in parsed]
         refused = self.answers.submit(runs, "completions")
         if refused is not None:
             return refused
+        decode = self.tokenizer.decode
         echoed = [
-            (p if isinstance(p, str) else self.tokenizer.decode(r.req.prompt)) if echo else ""
+            (p if isinstance(p, str) else await asyncio.to_thread(decode, r.req.prompt))
+            if echo
+            else ""
             for p, r in zip(prompts, runs)
         ]
         scores = Scores(Logprobs(self.tokenizer), top, echo)
@@ -282,18 +287,18 @@ class App:
         outs = await self.answers.collect(request, runs, "completions")
         if isinstance(outs, Response):
             return outs
-        choices = [
-            {
-                "index": i,
-                "text": pre + out,
-                "logprobs": scores.whole(run, len(pre)),
-                "finish_reason": reason,
-            }
-            for i, (run, (out, reason), pre) in enumerate(zip(runs, outs, echoed))
-        ]
-        self.metrics.request("completions", 200)
-        return JSONResponse(
-            {
+
+        def answer() -> JSONResponse:  # linear in the tokens, but off the event loop
+            choices = [
+                {
+                    "index": i,
+                    "text": pre + out,
+                    "logprobs": scores.whole(run, len(pre)),
+                    "finish_reason": reason,
+                }
+                for i, (run, (out, reason), pre) in enumerate(zip(runs, outs, echoed))
+            ]
+            body = {
                 "id": rid,
                 "object": "text_completion",
                 "created": int(time.time()),
@@ -301,7 +306,11 @@ class App:
                 "choices": choices,
                 "usage": usage(runs),
             }
-        )
+            return JSONResponse(body)
+
+        response = await asyncio.to_thread(answer)
+        self.metrics.request("completions", 200)
+        return response
 
 
 def create_app(
@@ -326,20 +335,29 @@ def create_app(
     ).starlette()
 
 
-def deadline_protocol(seconds: float):
+def deadline_protocol(seconds: float, max_connections: int | None = None):
     """uvicorn's h11 protocol class with a deadline: a connection must deliver one whole
     request (head and body) within `seconds` of opening or of its previous response, else it
     is closed (a body cut short reaches the app as a disconnect). uvicorn has no such timeout of
     its own (its keep-alive timeout starts only after a response), so partial requests held
-    open would pin file descriptors forever.
-    Use: `uvicorn.Config(app, http=deadline_protocol(30))`."""
+    open would pin file descriptors. `max_connections` bounds the open connections below the
+    process's file descriptors: one more closes the oldest still sending its request (or,
+    when none is, the new one), so clients holding half-sent requests never lock others out.
+    Use: `uvicorn.Config(app, http=deadline_protocol(30, 900))`."""
+    opened: set = set()
+    sending: collections.OrderedDict = collections.OrderedDict()  # oldest first
 
     class DeadlineH11Protocol(H11Protocol):
         _deadline = None
 
         def connection_made(self, transport):
             super().connection_made(transport)
+            opened.add(self)
             self._arm()
+            if max_connections is not None and len(opened) > max_connections:
+                oldest = next(iter(sending))  # self at least
+                oldest._disarm()
+                oldest.transport.close()
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
@@ -354,19 +372,22 @@ def deadline_protocol(seconds: float):
 
         def connection_lost(self, exc) -> None:
             self._disarm()
+            opened.discard(self)
             super().connection_lost(exc)
 
         def _arm(self) -> None:
             self._disarm()
             self._deadline = self.loop.call_later(seconds, self._expired)
+            sending[self] = None
 
         def _disarm(self) -> None:
+            sending.pop(self, None)
             if self._deadline is not None:
                 self._deadline.cancel()
                 self._deadline = None
 
         def _expired(self) -> None:
-            self._deadline = None
+            self._disarm()
             if not self.transport.is_closing():
                 self.transport.close()
 

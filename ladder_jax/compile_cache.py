@@ -1,0 +1,58 @@
+"""JAX's persistent compilation cache for the commands (serve, decode, eval, train), on by
+default: a second start of the same model with the same settings loads its compiled programs
+from disk instead of compiling them again.
+
+`LADDER_COMPILE_CACHE`: unset, the user cache directory ($XDG_CACHE_HOME/ladder_jax/xla, else
+~/.cache/ladder_jax/xla); a path, that directory; `off` (or 0, no, false), no cache.
+`JAX_COMPILATION_CACHE_DIR`, when set, wins (jax reads it itself). Programs that compile in
+under MIN_COMPILE_S are not stored (the many small eager ones; jax's
+JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS wins). A directory that cannot be
+made is one `note:` line on stderr, and the command runs without a cache.
+
+    compile_cache.enable()   # before the first compile: the directory used, or None
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+
+ENV = "LADDER_COMPILE_CACHE"
+OFF = ("off", "0", "no", "false")
+MIN_COMPILE_S = 0.2
+
+
+def directory() -> str | None:
+    """The cache directory the environment asks for, or None (off)."""
+    setting = os.environ.get(ENV, "").strip()
+    if setting.lower() in OFF:
+        return None
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.environ["JAX_COMPILATION_CACHE_DIR"]
+    if setting:
+        return os.path.abspath(os.path.expanduser(setting))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ladder_jax", "xla")
+
+
+def enable(off: bool = False) -> str | None:
+    """Turns the cache on (unless `off` or the environment says off); the directory, or None."""
+    path = None if off else directory()
+    if path is None or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return path  # off, or jax's own variable: jax read it at import
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        print(
+            f"note: no compilation cache: cannot make {path} ({e.strerror or e}); set {ENV} to "
+            f"a writable directory or to off",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    jax.config.update("jax_compilation_cache_dir", path)
+    if not os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):  # else jax read it
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_S)
+    return path

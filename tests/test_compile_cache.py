@@ -1,0 +1,50 @@
+"""JAX's persistent compilation cache in the commands (`ladder_jax.compile_cache`): a second
+start of the same command compiles nothing anew, counted by the cache directory's entries."""
+
+import os
+import subprocess
+import sys
+
+DECODE = ("--preset", "tiny", "--prompt", "hi", "--max-new-tokens", "3", "--tp", "1")
+
+
+def _decode(cache: str | None, home=None):
+    """decode's stdout, with LADDER_COMPILE_CACHE=cache (None: unset) and XDG_CACHE_HOME=home."""
+    drop = ("JAX_COMPILATION_CACHE_DIR", "LADDER_COMPILE_CACHE", "XDG_CACHE_HOME")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(JAX_PLATFORMS="cpu", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env.update({"LADDER_COMPILE_CACHE": cache} if cache is not None else {})
+    env.update({"XDG_CACHE_HOME": str(home)} if home is not None else {})
+    r = subprocess.run(
+        [sys.executable, "-m", "ladder_jax.decode", *DECODE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def _entries(path) -> dict[str, int]:
+    """The cached programs (jax's access-time files left out) and when each was written."""
+    return {
+        e.name: e.stat().st_mtime_ns
+        for e in os.scandir(path)
+        if e.is_file() and not e.name.endswith("-atime")
+    }
+
+
+def test_a_second_start_loads_every_program_from_the_user_cache(tmp_path):
+    """On by default, in $XDG_CACHE_HOME/ladder_jax/xla."""
+    cache = tmp_path / "ladder_jax" / "xla"
+    first = _decode(None, home=tmp_path)
+    stored = _entries(cache)
+    assert any(name.startswith("jit_") for name in stored), stored  # the programs it compiled
+    assert _decode(None, home=tmp_path) == first
+    assert _entries(cache) == stored  # none added, none written again: every one was a hit
+
+
+def test_off_writes_nothing(tmp_path):
+    _decode("off", home=tmp_path / "off")
+    assert not (tmp_path / "off").exists()
