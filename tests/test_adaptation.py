@@ -151,6 +151,29 @@ def test_conversion_changes_the_model_and_zero_layers_do_not(experiment):
     assert orig["held_out"]["devils"]["loss"] != zs["held_out"]["devils"]["loss"]
 
 
+def test_desync_zero_shot_rows_sit_beside_the_ladder_ones(experiment):
+    """The base rewired as residual="desync" (2 streams), zero-shot: one row per pattern in a
+    stage of its own, a different function from the original, and the claims unchanged."""
+    out, s, results, _ = experiment
+    setting = ad.with_changes(s, desync=["every_layer", "final_only"], desync_tp=2)
+    exp = ad.Experiment(setting, os.path.join(out, "exp"), log=lambda m: None)
+    exp.write_data()
+    rows = exp.zero_shot()
+    by = {r["name"]: r for r in rows}
+    assert list(by) == [
+        "original",
+        "ladder2 zero-shot",
+        "desync-every_layer zero-shot",
+        "desync-final_only zero-shot",
+    ]
+    losses = {n: r["held_out"]["devils"]["loss"] for n, r in by.items()}
+    assert len(set(losses.values())) == 4, losses
+    assert all(by[n]["stage"] == "desync zero-shot" for n in list(by)[2:])
+    claims = ad.claims([*results, *rows[2:]])
+    assert [c["claim"] for c in claims] == [c["claim"] for c in ad.claims(results)]
+    assert "| desync-final_only zero-shot |" in ad.table([*results, *rows[2:]])
+
+
 def test_held_out_loss_matches_a_plain_forward(experiment):
     out, s, results, _ = experiment
     model, tok = lj.load(os.path.join(out, "base", "base"), mesh=mesh(1))

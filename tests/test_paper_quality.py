@@ -11,6 +11,7 @@ import pathlib
 import nbformat
 import numpy as np
 import pytest
+from flax import nnx
 from nbclient import NotebookClient
 from omegaconf import OmegaConf
 
@@ -19,6 +20,7 @@ from ladder_jax.experiments import corpora
 from ladder_jax.experiments import paper_quality as pq
 from ladder_jax.interop.tokenizer import make_tokenizer
 from ladder_jax.train import data
+from tests import desync_reference
 from tests.helpers import benchmark, cli_error, logits, mesh, shrink
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -211,6 +213,35 @@ def test_held_out_loss_matches_a_plain_forward(experiment):
     logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
     want = -np.take_along_axis(logp, x[:, 1:, None], -1).mean()
     assert row["held_out_loss"] == pytest.approx(want, rel=1e-5)
+
+
+def test_desync_variants_train_beside_the_schemes(experiment):
+    """Desync patterns from scratch in the same `out` (the schemes' runs are reused): paired
+    rows beside standard, and each trained checkpoint is the desync function the reference
+    computes from its weights."""
+    out, results, _ = experiment
+    setting = pq.with_changes(TINY, desync=["every_layer", "final_only"], desync_tp=2)
+    again = pq.run(setting, out, log=lambda m: None, trainer_out=io.StringIO(), adapt=False)
+    scratch = {r["residual"]: r for r in again if r["kind"] == "scratch"}
+    first = {r["residual"]: r for r in results if r["kind"] == "scratch"}
+    assert scratch["standard"]["held_out_loss"] == first["standard"]["held_out_loss"]
+    summary = {r["residual"]: r for r in again if r["kind"] == "summary"}
+    tokens = np.arange(2 * 16).reshape(2, 16) % 256
+    for p in ("every_layer", "final_only"):
+        row, name = scratch[f"desync-{p}"], f"desync-{p}"
+        assert row["desync_tp"] == 2 and len(row["curve"]) == TINY.steps
+        assert abs(row["held_out_loss"] - first["standard"]["held_out_loss"]) > 1e-4
+        want = row["held_out_loss"] - first["standard"]["held_out_loss"]
+        assert summary[name]["vs_standard_loss"] == pytest.approx(want)
+        cfg = OmegaConf.load(os.path.join(out, "runs", f"{name}-seed0", "config.yaml"))
+        assert (cfg.model.residual, cfg.model.reduce_pattern) == ("desync", p)
+        model, _ = lj.load(row["run"], mesh=mesh(1))
+        ref = desync_reference.forward(
+            nnx.to_pure_dict(nnx.state(model)), model.config, tokens, 2, p
+        )
+        np.testing.assert_allclose(np.asarray(logits(model, tokens)), ref, atol=5e-5, rtol=5e-5)
+    assert "| desync-final_only |" in pq.table(again)
+    assert len(pq.plots(again, out)) == 2
 
 
 def test_held_out_documents_are_not_trained_on(experiment):

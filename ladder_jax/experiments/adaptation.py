@@ -126,6 +126,8 @@ class Setting:
     base: str = "smollm2"  # "smollm2" or a run / convert output directory
     ladder_layers: tuple = (8, 15, 20)  # upper layers converted, zero-shot
     recover_layers: int = 15  # the hybrid that gets the recovery
+    desync: tuple = ()  # residual="desync" reduce patterns converted zero-shot too
+    desync_tp: int = 3  # their residual streams (SmolLM2: 9 heads, 3 kv heads)
     methods: tuple = ("lm", "distill")
     control: bool = True  # also recover the unconverted model alike
     sources: tuple = SOURCES
@@ -527,6 +529,12 @@ class Experiment:
             rows.append(
                 self.measure(hybrid, f"ladder{k} zero-shot", ladder_layers=k, stage="zero-shot")
             )
+        for p in self.s.desync:  # a stage of its own: the ladder claims do not read it
+            desync = lj.with_config(
+                self.model, residual="desync", reduce_pattern=p, desync_tp=self.s.desync_tp
+            )
+            name = f"desync-{p} zero-shot"
+            rows.append(self.measure(desync, name, ladder_layers=0, stage="desync zero-shot"))
         return rows
 
     def recover(self, k: int, method: str) -> lj.Run:

@@ -94,6 +94,8 @@ class Setting:
     adapt_layers: tuple = (0.5, 0.625)  # fractions of n_layers made ladder (upper ones)
     eval_records: int | None = 1024  # held-out records evaluated, evenly spaced (None: all)
     eval_batch: int = 64
+    desync: tuple = ()  # reduce patterns of residual="desync" also trained from scratch
+    desync_tp: int = 2  # their residual streams (all carried by the one device)
 
     @property
     def tokens_per_step(self) -> int:
@@ -102,6 +104,14 @@ class Setting:
     @property
     def finetune_steps(self) -> int:
         return max(1, round(self.steps * self.finetune_fraction))
+
+    def variants(self) -> dict[str, dict]:
+        """The from-scratch runs of each seed: name -> model overrides (SCHEMES, then a
+        "desync-<pattern>" per `desync` pattern)."""
+        out = {r: {"residual": r} for r in SCHEMES}
+        for p in self.desync:
+            out[f"desync-{p}"] = dict(residual="desync", reduce_pattern=p, desync_tp=self.desync_tp)
+        return out
 
     def ladder_counts(self) -> list[int]:
         return sorted(
@@ -214,6 +224,8 @@ class Experiment:
             lj.ModelConfig.from_preset(
                 "tiny", **self.model_fields(), residual="ladder", ladder_layers=k
             )  # bad shapes fail before any work
+        for fields in setting.variants().values():
+            lj.ModelConfig.from_preset("tiny", **self.model_fields(), **fields)
         docs = corpora.documents(setting.corpus)
         if fresh and os.path.isdir(os.path.join(out, "runs")):
             shutil.rmtree(os.path.join(out, "runs"))
@@ -308,7 +320,7 @@ class Experiment:
         """Every scheme x seed from scratch (schemes interleaved within a seed)."""
         s, rows = self.s, []
         for seed in seeds:
-            for residual in SCHEMES:
+            for residual, fields in s.variants().items():
                 t0 = time.perf_counter()
                 run = self.fit(
                     f"{residual}-seed{seed}",
@@ -317,7 +329,7 @@ class Experiment:
                     data_seed=seed,
                     peak_lr=s.peak_lr,
                     warmup=s.warmup_steps,
-                    model__residual=residual,
+                    **{f"model__{k}": v for k, v in fields.items()},
                 )
                 model, _ = lj.load(run.path, mesh=self.mesh)
                 loss = self.loss(model, run.path)
@@ -337,6 +349,7 @@ class Experiment:
                     "curve": curve,
                     "run": run.path,
                     "wall_s": round(time.perf_counter() - t0, 1),
+                    **({"desync_tp": s.desync_tp} if fields["residual"] == "desync" else {}),
                 }
                 self.log(
                     f"scratch {residual:<9} seed {seed}: held-out loss {loss:.4f} "
@@ -486,7 +499,7 @@ def collect(setting: Setting, out: str) -> list[dict]:
         [],
     )
     for seed in s.seeds:
-        for residual in SCHEMES:
+        for residual in s.variants():
             path = os.path.join(runs, f"{residual}-seed{seed}")
             loss = cached(path)
             if loss is None:
@@ -547,18 +560,17 @@ def _spread(values) -> float:
 
 
 def summarize(scratch: list[dict]) -> list[dict]:
-    """One "summary" row per scheme: mean and spread over seeds, and the paired difference
-    from standard (same seed: same init and data order)."""
-    by = {
-        r: {x["seed"]: x["held_out_loss"] for x in scratch if x["residual"] == r} for r in SCHEMES
-    }
+    """One "summary" row per scheme (or desync variant): mean and spread over seeds, and the
+    paired difference from standard (same seed: same init and data order)."""
+    names = list(dict.fromkeys([*SCHEMES, *(x["residual"] for x in scratch)]))
+    by = {r: {x["seed"]: x["held_out_loss"] for x in scratch if x["residual"] == r} for r in names}
     rows = []
-    for r in SCHEMES:
+    for r in names:
         losses = list(by[r].values())
         if not losses:
             continue
         diffs = [by[r][k] - by["standard"][k] for k in by[r] if k in by["standard"]]
-        paper = {size: v[r] for size, v in PAPER["scratch_ppl"].items()}
+        paper = {size: v.get(r, "-") for size, v in PAPER["scratch_ppl"].items()}
         rows.append(
             {
                 "kind": "summary",
@@ -601,7 +613,7 @@ def claims(results: list[dict]) -> list[dict]:
     0.005 nats (one seed has no spread to measure)."""
     summ = {r["residual"]: r for r in results if r["kind"] == "summary"}
     adapt = sorted((r for r in results if r["kind"] == "adapt"), key=lambda r: r["ladder_layers"])
-    if set(summ) != set(SCHEMES):
+    if not set(SCHEMES) <= set(summ):
         return []
     st, pa, la = summ["standard"], summ["parallel"], summ["ladder"]
     margin = max(2 * la["vs_standard_loss_std"], 2 * pa["vs_standard_loss_std"], 0.005)
@@ -732,19 +744,21 @@ def plots(results: list[dict], out: str) -> list[str]:
     held_out.png (held-out loss per scheme and seed; adaptation). Returns the paths."""
     scratch = [r for r in results if r["kind"] == "scratch"]
     adapt = [r for r in results if r["kind"] == "adapt"]
-    colors = {"standard": "tab:blue", "parallel": "tab:orange", "ladder": "tab:green"}
+    names = list(dict.fromkeys([*SCHEMES, *(r["residual"] for r in scratch)]))
+    colors = dict(zip(names, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
+    colors = {r: colors.get(r, "tab:gray") for r in names}
     steps = max(len(r["curve"]) for r in scratch)
     k = max(1, steps // 20)
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
-    for residual in SCHEMES:
+    for residual in names:
         curves = np.array([smooth(r["curve"], k) for r in scratch if r["residual"] == residual])
         if not len(curves):
             continue
         x = np.arange(curves.shape[1]) + k
         ax.plot(x, curves.mean(0), label=residual, color=colors[residual])
         ax.fill_between(x, curves.min(0), curves.max(0), color=colors[residual], alpha=0.2)
-    n = sorted({sum(r["residual"] == x for r in scratch) for x in SCHEMES})
+    n = sorted({sum(r["residual"] == x for r in scratch) for x in names})
     ax.set(
         xlabel="step",
         ylabel=f"training loss (nats/byte, mean of {k} steps)",
@@ -759,13 +773,15 @@ def plots(results: list[dict], out: str) -> list[str]:
 
     fig = Figure(figsize=(10, 4))
     ax1, ax2 = fig.subplots(1, 2)
-    for i, residual in enumerate(SCHEMES):
+    for i, residual in enumerate(names):
         ys = [r["held_out_loss"] for r in scratch if r["residual"] == residual] or [np.nan]
         ax1.bar(i, np.mean(ys), color=colors[residual], alpha=0.5)
         ax1.scatter([i] * len(ys), ys, color="k", s=12, zorder=3)
     ys = [r["held_out_loss"] for r in scratch]
     ax1.set_ylim(min(ys) - 0.05, max(ys) + 0.05)
-    ax1.set_xticks(range(len(SCHEMES)), SCHEMES)
+    ax1.set_xticks(range(len(names)), names)
+    if len(names) > len(SCHEMES):
+        ax1.tick_params(axis="x", labelrotation=15, labelsize=8)
     ax1.set(ylabel="held-out loss (nats/byte)", title="From scratch (dots: seeds)")
     if adapt:
         labels = ["original", "zero-shot", "fine-tuned", "standard\nfine-tuned"]
