@@ -5,8 +5,8 @@
     cache.nbytes, cache.batch, cache.length
 
 Keys are (B, K', H, S) and values (B, K', S, H), K' = max(K, tp) kv heads
-(`sharding.cache_kv_heads`: under tp > K every rank holds one copy of its kv head), batch rows
-on `data` and kv heads on `tp` (`sharding.CACHE_BKSH`, which says why keys keep their slots
+(`layout.cache_kv_heads`: under tp > K every rank holds one copy of its kv head), batch rows
+on `data` and kv heads on `tp` (`layout.CACHE_BKSH`, which says why keys keep their slots
 last). The model reads and writes it as a list of (k, v) per layer (`layers()` /
 `from_layers`): `Transformer.forward_cached` writes row b's new entries at slots
 positions[b, 0] onwards.
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from ladder_jax.config import ModelConfig
-from ladder_jax.model import sharding
+from ladder_jax.model import layout
 
 
 @jax.tree_util.register_dataclass
@@ -37,9 +37,9 @@ class KVCache:
     @staticmethod
     def abstract(config: ModelConfig, mesh, batch: int, length: int) -> "KVCache":
         """The cache as `jax.ShapeDtypeStruct`s carrying their shardings (nothing allocated)."""
-        heads = sharding.cache_kv_heads(config, sharding.tp_size(mesh))
+        heads = layout.cache_kv_heads(config, layout.tp_size(mesh))
         H, dtype = config.head_dim, jnp.dtype(config.dtype)
-        spec = NamedSharding(mesh, sharding.CACHE_BKSH)
+        spec = NamedSharding(mesh, layout.CACHE_BKSH)
         k = jax.ShapeDtypeStruct((batch, heads, H, length), dtype, sharding=spec)
         v = jax.ShapeDtypeStruct((batch, heads, length, H), dtype, sharding=spec)
         return KVCache((k,) * config.n_layers, (v,) * config.n_layers)

@@ -9,13 +9,11 @@ over `tp`), one row-parallel output per module whose partial sum `reduce_tp` all
 single source of truth for where each weight lives (tp specs; FSDP adds `data` to the stored
 ones) and `CACHE_BKSH` for the KV cache. `check_vma=True` everywhere: jax sums replicated
 weights' gradients. The table, the cache layout, why the compile options are needed and the
-jax internals used here (pinned jax): docs/architecture.md. The names live by job in
-`layout` (mesh, weight and cache layout), `collectives` (inside shard_map) and `compilation`
-(XLA options, jit); this module re-exports them.
+jax internals used here (pinned jax): docs/architecture.md. This is the public namespace
+`lj.sharding`; the names live by job in `layout` (mesh, weight and cache layout), `collectives`
+(inside shard_map) and `compilation` (XLA options, jit), which the package imports directly.
 """
 
-# The names live by job in `layout` (mesh, weight and cache layout), `collectives` (inside
-# shard_map) and `compilation` (XLA options, jit); this module keeps every public name.
 from ladder_jax.model.collectives import (  # noqa: F401
     axis_index_tp,
     embed_lookup,
