@@ -27,9 +27,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ladder_jax import atomic, compile_cache, runtime
-from ladder_jax.cli.common import ArgumentParser, add_desync_flags, quantize_mode
+from ladder_jax.cli.common import ArgumentParser, add_desync_flags, add_quantize, add_scheme
 from ladder_jax.config import (
-    SCHEMES,
     ConfigError,
     UsageError,
     check_quantize,
@@ -43,7 +42,7 @@ from ladder_jax.loading import check_tp, load_model, read_model_config
 from ladder_jax.progress import ProgressLines
 
 
-def main(argv=None) -> int:
+def parser() -> ArgumentParser:
     p = ArgumentParser(
         prog="python -m ladder_jax.eval",
         description=__doc__.split("\n\n")[0],
@@ -89,36 +88,23 @@ def main(argv=None) -> int:
         "--batch-size", type=int, default=32, help="continuations scored per forward pass"
     )
     p.add_argument("--output", default=None, help="write one JSON line per task here")
-    p.add_argument(
-        "--residual",
-        default=None,
-        choices=SCHEMES,
-        help="residual scheme (default: the checkpoint's)",
-    )
-    p.add_argument(
-        "--ladder-layers",
-        default=None,
-        help="ladder only: N (the upper N layers) or a comma list of layer indices "
-        "(default: every layer)",
-    )
+    add_scheme(p, residual_help="residual scheme (default: the checkpoint's)")
     p.add_argument(
         "--tp",
         type=int,
         default=None,
         help="tensor-parallel size (default: 1 on a CPU host, else all devices)",
     )
-    p.add_argument(
-        "--quantize",
-        default=None,
-        metavar="MODE",
-        type=quantize_mode,
-        help="int8: weight-only int8 linear weights (ladder_jax.model.quant); none: float "
-        "weights (the default: as the checkpoint stores them)",
-    )
+    add_quantize(p)
     add_desync_flags(p)
     runtime.add_arguments(
         p, cpu_devices_help="on a CPU host, fake devices to split it into (default: --tp, else 1)"
     )
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if args.list or not args.checkpoint:
         return _list(args.tasks_dir) if args.list else p.error("--checkpoint is required")

@@ -170,18 +170,8 @@ def _recorded_scheme(hf: dict) -> tuple[str, Any, bool]:
     )
 
 
-def config_from_hf(
-    hf: dict,
-    *,
-    residual=None,
-    ladder_layers=KEEP,
-    dtype="float32",
-    param_dtype="float32",
-    reduce_pattern=None,
-    desync_tp=None,
-) -> ModelConfig:
-    """The `ModelConfig` of an HF LlamaForCausalLM / LlamaLadderForCausalLM config.json (a
-    dict). See the module doc, "Residual scheme", for how arguments and file combine."""
+def _check_llama(hf: dict) -> None:
+    """An HF config.json (a dict) is a Llama this package can import, or one-line HFError."""
     kind = hf.get("model_type")
     if kind not in ("llama", LADDER_TYPE):
         arch = ", ".join(hf.get("architectures") or []) or "unknown architecture"
@@ -207,6 +197,21 @@ def config_from_hf(
     if missing:
         raise HFError(f"config.json lacks {', '.join(missing)}")
     _check_types(hf, need)
+
+
+def config_from_hf(
+    hf: dict,
+    *,
+    residual=None,
+    ladder_layers=KEEP,
+    dtype="float32",
+    param_dtype="float32",
+    reduce_pattern=None,
+    desync_tp=None,
+) -> ModelConfig:
+    """The `ModelConfig` of an HF LlamaForCausalLM / LlamaLadderForCausalLM config.json (a
+    dict). See the module doc, "Residual scheme", for how arguments and file combine."""
+    _check_llama(hf)
     n = hf["num_hidden_layers"]
     file_residual, file_layers, named = _recorded_scheme(hf)
     if isinstance(ladder_layers, list):
@@ -657,6 +662,40 @@ def leaf(tree, path):
     return tree
 
 
+def _checked_headers(path: str, config: ModelConfig, files: dict, table) -> dict:
+    """Each weights file's header, checked against the config's weight table before any tensor
+    is read: every tensor present, of its shape and dtype, and none unexpected."""
+    headers = {f: _SafetensorsFile(f) for f in sorted(set(files.values()))}
+    missing = [e.name for e in table if e.name not in files]
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise HFError(
+            f"tensor {missing[0]!r} is missing from {path!r}{more}: "
+            f"{', '.join(repr(m) for m in missing[:3])}"
+        )
+    for e in table:
+        h = headers[files[e.name]]
+        if e.name not in h.header:
+            raise HFError(
+                f"tensor {e.name!r} is listed in {INDEX} under "
+                f"{os.path.basename(files[e.name])} but is not in that file"
+            )
+        if h.shape(e.name) != e.hf_shape:
+            raise HFError(
+                f"tensor {e.name!r} in {os.path.basename(h.file)} has shape "
+                f"{h.shape(e.name)}, but config.json implies {e.hf_shape}"
+            )
+        h.check_dtype(e.name)
+    known = {e.name for e in table} | ({"lm_head.weight"} if config.tie_embeddings else set())
+    extra = [n for n in files if n not in known and not n.endswith(_IGNORED)]
+    if extra:
+        raise HFError(
+            f"tensor {extra[0]!r} in {os.path.basename(files[extra[0]])} is not a "
+            f"weight of a Llama model with this config.json ({len(extra)} unexpected)"
+        )
+    return headers
+
+
 def load_hf(
     path: str,
     *,
@@ -697,35 +736,7 @@ def load_hf(
     files = _weight_files(path)
     table = weight_table(config)
 
-    # Check everything before reading anything.
-    headers = {f: _SafetensorsFile(f) for f in sorted(set(files.values()))}
-    missing = [e.name for e in table if e.name not in files]
-    if missing:
-        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-        raise HFError(
-            f"tensor {missing[0]!r} is missing from {path!r}{more}: "
-            f"{', '.join(repr(m) for m in missing[:3])}"
-        )
-    for e in table:
-        h = headers[files[e.name]]
-        if e.name not in h.header:
-            raise HFError(
-                f"tensor {e.name!r} is listed in {INDEX} under "
-                f"{os.path.basename(files[e.name])} but is not in that file"
-            )
-        if h.shape(e.name) != e.hf_shape:
-            raise HFError(
-                f"tensor {e.name!r} in {os.path.basename(h.file)} has shape "
-                f"{h.shape(e.name)}, but config.json implies {e.hf_shape}"
-            )
-        h.check_dtype(e.name)
-    known = {e.name for e in table} | ({"lm_head.weight"} if config.tie_embeddings else set())
-    extra = [n for n in files if n not in known and not n.endswith(_IGNORED)]
-    if extra:
-        raise HFError(
-            f"tensor {extra[0]!r} in {os.path.basename(files[extra[0]])} is not a "
-            f"weight of a Llama model with this config.json ({len(extra)} unexpected)"
-        )
+    headers = _checked_headers(path, config, files, table)  # everything before any read
 
     tokenizer = HFTokenizer.from_dir(path, hf)  # a bad tokenizer.json fails before the reads
     if tokenizer is None and hf.get(BYTE_TOKENIZER_KEY) == "byte":
