@@ -1,13 +1,10 @@
 """ladder_jax: the Ladder Transformer (arXiv 2501.06589) in JAX, with explicit tensor parallelism.
 
-from flax import nnx
-import ladder_jax as lj
+    mesh = lj.make_mesh(tp=8)
+    model = lj.Transformer(lj.ModelConfig.from_preset("tiny", residual="ladder"), mesh=mesh,
+                           rngs=nnx.Rngs(0))
 
-mesh = lj.make_mesh(tp=8)
-config = lj.ModelConfig.from_preset("tiny", residual="ladder")
-model = lj.Transformer(config, mesh=mesh, rngs=nnx.Rngs(0))
-logits = nnx.jit(lambda m, t: m(t))(model, tokens)      # (B, T, V) float32
-"""
+The notebook API (`lj.fit`, `lj.load`, `lj.generate`, ...): `ladder_jax.api`."""
 
 from ladder_jax import runtime as _runtime
 

@@ -1,11 +1,9 @@
-"""Mesh and layout: the (data, tp) mesh, every weight's partition spec (`WeightSpecs`, FSDP's
-stored layout), the KV cache's layout (`CACHE_BKSH`), and the divisibility checks.
+"""Mesh and layout: the (data, tp) mesh, every weight's partition spec (`WeightSpecs`: `spec` as
+the model reads it, `stored` with FSDP's `data`), the KV cache's (`CACHE_BKSH`), the checks.
 
     mesh = make_mesh(tp=4, data=2); specs = WeightSpecs.for_model(config, mesh)
 
-Invariant: a weight's `spec` is how the model reads it (split over tp); its `stored` spec
-(FSDP) only adds `data`. The table of specs is in `ladder_jax.model.sharding`'s docstring.
-"""
+The table: docs/architecture.md, 'Where weights live: stored vs tp specs'."""
 
 from __future__ import annotations
 

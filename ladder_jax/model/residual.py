@@ -1,18 +1,10 @@
-"""The residual stream of every scheme in its training form: `run` wires the layers. For
-standard, ladder, hybrid and upper_bound one wiring, the forward that follows it, and the
-ladder's hand-written backward that walks it in reverse; parallel (`_parallel`), whose two
-modules share one input and one all-reduce, beside them.
+"""The residual stream of every scheme in its training form: `run` wires the layers. Standard,
+ladder, hybrid and upper_bound follow one wiring, with a hand-written backward that overlaps
+its all-reduces too; parallel (`_parallel`) runs beside them.
 
     slots = wiring(config)        # one Slot per module: immediate or deferred
 
-A module is *immediate* (x = x + pending; y = module(norm(x))) or *deferred* (y =
-module(norm(x)); x = x + pending), then pending = psum(y): a deferred module reads the stream
-without the previous module's output, whose all-reduce is in flight meanwhile. Exactly one
-reduced output is pending when a module starts. The backward (`_ladder_stream`) walks the same
-wiring in reverse so that its all-reduces overlap too; it equals autodiff (tested against an
-independent reference). The cached forward (prefill, decode step) reads the same wiring in
-`ladder_jax.model.decode`. The derivation: docs/architecture.md#the-residual-wiring.
-"""
+The derivation: docs/architecture.md, 'The residual wiring'."""
 
 from __future__ import annotations
 
