@@ -1,10 +1,8 @@
-"""ladder_jax: the Ladder Transformer (arXiv 2501.06589) in JAX, with explicit tensor parallelism.
+"""ladder_jax: the Ladder Transformer (arXiv 2501.06589) in JAX, with explicit tensor parallelism;
+the notebook API (`lj.fit`, `lj.load`, `lj.generate`, ...) is `ladder_jax.api`.
 
-    mesh = lj.make_mesh(tp=8)
-    model = lj.Transformer(lj.ModelConfig.from_preset("tiny", residual="ladder"), mesh=mesh,
-                           rngs=nnx.Rngs(0))
-
-The notebook API (`lj.fit`, `lj.load`, `lj.generate`, ...): `ladder_jax.api`."""
+    model = lj.Transformer(lj.ModelConfig.from_preset("tiny", residual="ladder"),
+                           mesh=lj.make_mesh(tp=8), rngs=nnx.Rngs(0))"""
 
 from ladder_jax import runtime as _runtime
 

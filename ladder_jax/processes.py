@@ -1,10 +1,9 @@
-"""The plumbing of a job of several processes, once `runtime.setup` has chosen the platform.
+"""The plumbing of a job of several processes, once `runtime.setup` has chosen the platform:
+bounded waits, the peer watch, native output, exit codes (docs/training.md, 'Many processes
+and hosts'). Importing the module does nothing.
 
     processes.start(coordinator="host0:1234", num_processes=8, process_id=3, cpu=True)
-    processes.agree(settings, "model or decoding flags")    # all started alike, else exit 2
-
-Bounded waits, the peer watch, native output and exit codes: docs/training.md, 'Many processes
-and hosts'. Importing the module does nothing."""
+    processes.agree(settings, "model or decoding flags")    # all started alike, else exit 2"""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ platform (fake CPU devices where no NVIDIA device is), the host allocator, the m
 join, and `quiet()` / `hush_missing_cuda()` for the CUDA plugin's start-up noise. Importing it
 changes nothing; it imports jax only inside its functions.
 
-    runtime.setup(cpu_devices=2)
-    runtime.setup(coordinator="host0:1234", num_processes=8, process_id=3)"""
+    runtime.setup(cpu_devices=2)      # or coordinator=, num_processes=, process_id="""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Loglikelihoods of (context, continuation) token pairs, each context computed once into a KV
-cache; a pair's score is the same alone or in any batch.
+cache; a pair's score is the same alone or in any batch (docs/evaluation.md, 'How pairs are
+scored').
 
-    pairs = [encode_pair(tokenizer, context, continuation), ...]
-    scores = Scorer(model).score(pairs, batch_size=32)    # [Score(logprob, tokens, greedy)]
-
-docs/evaluation.md, 'How pairs are scored'."""
+    scores = Scorer(model).score([encode_pair(tokenizer, context, continuation)], batch_size=32)"""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
-"""The KV cache: a typed pytree, one key and one value array per layer.
+"""The KV cache: a typed pytree, one key and one value array per layer. Its layout, and why to
+size it with `cache_length`: docs/architecture.md, 'The KV cache layout'.
 
     cache = KVCache.init(config, mesh, batch=4, length=256)      # zeros, in their sharding
-    shapes = KVCache.abstract(config, mesh, batch=4, length=256)  # ShapeDtypeStructs only
-
-Its layout, and why to size it with `cache_length`: docs/architecture.md, 'The KV cache layout'."""
+    shapes = KVCache.abstract(config, mesh, batch=4, length=256)  # ShapeDtypeStructs only"""
 
 from __future__ import annotations
 

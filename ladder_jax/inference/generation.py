@@ -1,10 +1,8 @@
 """KV-cached generation: the jitted prefill and one-token step (`Decoder`), batched `generate`
-and the decode benchmark (`python -m ladder_jax.decode`).
+and the decode benchmark (`python -m ladder_jax.decode`). What it guarantees and checks:
+docs/inference.md, 'Decode' and 'From Python'.
 
-    texts = generate(model, ["Once upon a time"], max_new_tokens=64,
-                     sampling=Sampling(temperature=0.8, top_k=200, seed=0))
-
-What it guarantees and checks: docs/inference.md, 'Decode' and 'From Python'."""
+    texts = generate(model, ["Once upon a time"], max_new_tokens=64, temperature=0.8, seed=0)"""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """Tokenizers: the embedded byte-level default (`ByteTokenizer`, no download) and a local Hugging
 Face `tokenizer.json` (`HFTokenizer`), alike: `encode(text, bos=, eos=)`, `decode(ids)`,
-`vocab_size`, `bos_id` / `eos_id` / `pad_id`, `add_bos`, `chat_template`.
+`vocab_size`, `bos_id` / `eos_id` / `pad_id`, `add_bos`, `chat_template`. Ids and the BOS
+convention: docs/training.md, 'Tokenizers'.
 
-    tok = make_tokenizer("byte")        # or the path of a tokenizer.json (`data.tokenizer`)
-
-Ids and the BOS convention: docs/training.md, 'Tokenizers'."""
+    tok = make_tokenizer("byte")        # or the path of a tokenizer.json (`data.tokenizer`)"""
 
 from __future__ import annotations
 

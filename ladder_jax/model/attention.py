@@ -1,9 +1,8 @@
 """Attention arithmetic, no weights: RoPE, the KV cache write, grouped-query attention over keys
-or a cache, causal flash attention on the platform's kernel (`attention_kernel`).
+or a cache, causal flash attention on the platform's kernel (`attention_kernel`). Dimension
+letters and the cache layout: docs/architecture.md, 'The model', 'The KV cache layout'.
 
-    out_btnh = attend_causal(q_btnh, k_btkh, v_btkh, attention_kernel(mesh, dtype, H))
-
-Dimension letters and the cache layout: docs/architecture.md, 'The model', 'The KV cache layout'."""
+    out_btnh = attend_causal(q_btnh, k_btkh, v_btkh, attention_kernel(mesh, dtype, H))"""
 
 from __future__ import annotations
 

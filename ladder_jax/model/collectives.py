@@ -1,9 +1,8 @@
 """Inside shard_map: the tp all-reduce (`reduce_tp`) and its transpose (`vary_tp`), the ordering
-barrier `tie`, FSDP weight reads, the shard_map boundary (`shard`) and `global_norm`.
+barrier `tie`, FSDP weight reads, the shard_map boundary (`shard`) and `global_norm`. The jax
+internals used: docs/architecture.md, 'jax internals and the pins they need'.
 
-    y = reduce_tp(partial_sum); pending, y = tie(pending, y)
-
-The jax internals used: docs/architecture.md, 'jax internals and the pins they need'."""
+    y = reduce_tp(partial_sum); pending, y = tie(pending, y)"""
 
 from __future__ import annotations
 

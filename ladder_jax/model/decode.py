@@ -1,10 +1,8 @@
-"""The cached forward of every scheme (a prompt's prefill or a decode step) against a KV cache;
-the same arithmetic, in the same order, as the training form (`ladder_jax.model.residual`).
+"""The cached forward of every scheme (prefill or decode step) against a KV cache, with the same
+arithmetic in the same order as the training form (`ladder_jax.model.residual`). Its streams:
+docs/architecture.md, 'The KV cache layout' ("Where a decode step goes").
 
-    x_btd, caches = run(config, layers, x_btd, positions_bt, inv_freq, caches)
-
-Its streams (`_parallel`, `_stream`, `_folded_stream`): docs/architecture.md, 'The KV cache
-layout' ("Where a decode step goes")."""
+    x_btd, caches = run(config, layers, x_btd, positions_bt, inv_freq, caches)"""
 
 from __future__ import annotations
 

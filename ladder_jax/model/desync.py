@@ -1,9 +1,8 @@
 """Desync Residual: T = `config.desync_tp` residual streams that all-reduce only where
 `ModelConfig.desync_syncs` says; a tp rank carries T / tp of them, so results depend on T only.
+The spec: docs/architecture.md, 'Desync Residual'.
 
-    x_btd, caches = run(config, layers, x_btd, positions_bt, inv_freq, caches)
-
-The spec: docs/architecture.md, 'Desync Residual'."""
+    x_btd, caches = run(config, layers, x_btd, positions_bt, inv_freq, caches)"""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
-"""Mesh and layout: the (data, tp) mesh, every weight's partition spec (`WeightSpecs`: `spec` as
-the model reads it, `stored` with FSDP's `data`), the KV cache's (`CACHE_BKSH`), the checks.
+"""Mesh and layout: the (data, tp) mesh, every weight's partition spec (`WeightSpecs`), the KV
+cache's (`CACHE_BKSH`), the divisibility checks. The table: docs/architecture.md, 'Where
+weights live: stored vs tp specs'.
 
-    mesh = make_mesh(tp=4, data=2); specs = WeightSpecs.for_model(config, mesh)
-
-The table: docs/architecture.md, 'Where weights live: stored vs tp specs'."""
+    mesh = make_mesh(tp=4, data=2); specs = WeightSpecs.for_model(config, mesh)"""
 
 from __future__ import annotations
 

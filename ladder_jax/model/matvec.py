@@ -1,9 +1,8 @@
 """A Pallas (Triton) matmul for a few rows, y = x @ W reading each weight once (decoding), with
-optional folds (RMSNorm, residual adds, silu(gate) * up) and int8 scales applied inside.
+optional folds (RMSNorm, residual adds, silu(gate) * up) and int8 scales applied inside. The
+spec: docs/architecture.md, 'The small-M matmul'.
 
-    y_mn = small_m_matmul(x_mk, w_kn, scale_n)     # None where the shapes do not fit
-
-The spec: docs/architecture.md, 'The small-M matmul'."""
+    y_mn = small_m_matmul(x_mk, w_kn, scale_n)     # None where the shapes do not fit"""
 
 from __future__ import annotations
 

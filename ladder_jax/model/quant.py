@@ -1,9 +1,8 @@
 """Weight-only int8 quantization for decoding: int8 weights with a float32 scale per output
-channel, which `Linear` applies after the contraction.
+channel, which `Linear` applies after the contraction. Details and limits: docs/architecture.md
+and docs/inference.md, 'Weight-only int8'.
 
-    qmodel = quantize(model)                      # or ModelConfig(..., quantize="int8")
-
-Details and limits: docs/architecture.md and docs/inference.md, 'Weight-only int8'."""
+    qmodel = quantize(model)                      # or ModelConfig(..., quantize="int8")"""
 
 from __future__ import annotations
 

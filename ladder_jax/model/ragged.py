@@ -1,9 +1,8 @@
 """Decode attention over the filled slots of a KV cache only (a key-block loop, or a Pallas
-kernel that with `attend_new` also runs RoPE and the cache write); forward only.
+kernel that with `attend_new` also runs RoPE and the cache write); forward only. The spec:
+docs/architecture.md, 'Decode attention'.
 
-    out_btnh = attend_filled(q_btnh, k_bkhs, v_bksh, q_pos_bt, kernel="matmul")
-
-The spec: docs/architecture.md, 'Decode attention'."""
+    out_btnh = attend_filled(q_btnh, k_bkhs, v_bksh, q_pos_bt, kernel="matmul")"""
 
 from __future__ import annotations
 

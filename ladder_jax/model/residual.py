@@ -1,10 +1,8 @@
-"""The residual stream of every scheme in its training form: `run` wires the layers. Standard,
-ladder, hybrid and upper_bound follow one wiring, with a hand-written backward that overlaps
-its all-reduces too; parallel (`_parallel`) runs beside them.
+"""The residual stream of every scheme in its training form: `run` wires the layers; standard,
+ladder, hybrid and upper_bound follow one wiring (with a hand-written backward that overlaps
+its all-reduces too), parallel runs beside them. docs/architecture.md, 'The residual wiring'.
 
-    slots = wiring(config)        # one Slot per module: immediate or deferred
-
-The derivation: docs/architecture.md, 'The residual wiring'."""
+    slots = wiring(config)        # one Slot per module: immediate or deferred"""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """The Ladder Transformer: a Llama-style decoder with every residual scheme, in Flax NNX; one
-weight tree for all schemes, `__call__` one shard_map over the model's mesh.
+weight tree for all schemes, `__call__` one shard_map over the model's mesh. The layer diagram
+and the code map: docs/architecture.md, 'The model' and 'The code'.
 
     model = Transformer(ModelConfig.from_preset("tiny", residual="ladder"), mesh=mesh,
                         rngs=nnx.Rngs(0))
-    logits = nnx.jit(lambda m, t: m(t))(model, tokens)   # (B, T, V) float32, V split on tp
-
-The layer diagram and the code map: docs/architecture.md, 'The model' and 'The code'."""
+    logits = nnx.jit(lambda m, t: m(t))(model, tokens)   # (B, T, V) float32, V split on tp"""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """Training data: text or token files -> packed (seq_len + 1)-token records -> grain pipeline;
-each process reads only its shard, and the iterator's state resumes exactly.
+each process reads only its shard, and the iterator's state resumes exactly. Sources and
+packing: docs/training.md, 'Your own data'.
 
-    tokens = load_tokens(path, tokenizer)             # one flat int32 stream, documents joined
-    it = train_iterator(train, seq_len=..., batch=..., seed=..., shard=(i, n))
-
-Sources and packing: docs/training.md, 'Your own data'."""
+    train, held_out = split(load_tokens(path, tokenizer), seq_len, eval_fraction)
+    it = train_iterator(train, batch=..., seed=..., shard=(i, n))"""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """Distillation: a student's loss against a frozen teacher's next-token distribution,
-(1 - weight) x cross-entropy + weight x T^2 x KL(teacher_T || student_T) per token.
+(1 - weight) x cross-entropy + weight x T^2 x KL(teacher_T || student_T) per token
+(docs/adaptation.md, 'What it does').
 
-    python -m ladder_jax.train ... init_from=runs/smollm2 distill.teacher=runs/smollm2
-
-docs/adaptation.md, 'What it does'."""
+    python -m ladder_jax.train ... init_from=runs/smollm2 distill.teacher=runs/smollm2"""
 
 from __future__ import annotations
 

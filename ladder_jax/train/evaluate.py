@@ -1,9 +1,7 @@
 """Held-out loss of a model on a token stream it never trained on, packed as training packs it,
-every record counted.
+every record counted (docs/training.md, 'Held-out loss').
 
-    loss = held_out_loss(model, data.load_tokens("held_out_books/", tokenizer), seq_len=128)
-
-docs/training.md, 'Held-out loss'."""
+    loss = held_out_loss(model, data.load_tokens("held_out_books/", tokenizer), seq_len=128)"""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
-"""The training step as pure functions: loss, optimizer, one update (`make_train_step`); the
-trainer and the deviceless report (`overlap --config`) build the same program from them.
+"""The training step as pure functions: loss, optimizer, one update (`make_train_step`), which
+the trainer and the deviceless report (`overlap --config`) build alike. Tokens (A, B, T) are A
+accumulated micro-batches; a non-finite step leaves the state unchanged (`metrics["skipped"]`).
 
     params, opt_state, metrics = train_step(graphdef, params, opt_state, tokens, targets,
-                                            optimizer=optimizer, shardings=shardings)
-
-Tokens (A, B, T) are A accumulated micro-batches; a non-finite loss or gradient norm leaves
-the state unchanged (`metrics["skipped"]`)."""
+                                            optimizer=optimizer, shardings=shardings)"""
 
 from __future__ import annotations
 
