@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     import ladder_jax as lj  # first: it imports jax without the CUDA plugin's start-up lines
-    from ladder_jax import config as config_lib
+    from ladder_jax import train_config
     from ladder_jax.model import sharding
     from ladder_jax.train.trainer import Trainer
 
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     from train_memory import SMOLLM2_KEYS
 
     shape_keys = [*SMOLLM2_KEYS, "loss_chunk=64", "model.remat=matmuls"]
-    cfg = config_lib.load_config(
+    cfg = train_config.load_config(
         [
             os.path.join(here, "..", "configs", "tiny.yaml"),
             "model.preset=small",

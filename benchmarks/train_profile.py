@@ -42,10 +42,10 @@ def jax_profile(args) -> dict:
     import optax
     from flax import nnx
 
-    from ladder_jax.config import OptimizerConfig
     from ladder_jax.model import sharding
     from ladder_jax.model.transformer import Transformer
     from ladder_jax.train import step
+    from ladder_jax.train_config import OptimizerConfig
 
     if args.policy:
         from ladder_jax.model import residual

@@ -2,7 +2,7 @@
 the command-line tools. Keyword overrides use `__` for the command line's dots.
 
     import ladder_jax as lj
-    lj.sharding.setup_host(8)                      # CPU: 8 fake devices (before any jax work)
+    lj.runtime.setup_host(8)                      # CPU: 8 fake devices (before any jax work)
     run = lj.fit("configs/tiny.yaml", steps=200, model__residual="ladder")
     model, tokenizer = run.load()                  # or lj.load("runs/tiny") / an HF directory
     lj.generate(model, ["LOVE, n."], tokenizer=tokenizer, max_new_tokens=80)
@@ -19,14 +19,15 @@ import sys
 import jax
 
 from ladder_jax.analysis import overlap, perfmodel, tables
-from ladder_jax.config import RESIDUALS, ModelConfig, check_quantize, load_config
+from ladder_jax.config import RESIDUALS, ModelConfig, check_quantize
 from ladder_jax.evaluation import suite
 from ladder_jax.evaluation.tasks import DEFAULT_REGIME, DEFAULT_TASKS
 from ladder_jax.inference import generation
 from ladder_jax.loading import load_model, read_model_config
-from ladder_jax.model import sharding
+from ladder_jax.model import layout
 from ladder_jax.progress import ProgressLines
 from ladder_jax.train import trainer
+from ladder_jax.train_config import load_config
 
 
 @dataclasses.dataclass
@@ -86,9 +87,9 @@ def load(path: str, *, tp: int | None = None, mesh=None, quantize: str | None = 
     device count says on stderr that the others are unused)."""
 
     if mesh is None and tp is None:
-        tp = sharding.default_tp(read_model_config(path, what="load"), len(jax.devices()))[0]
-        mesh = sharding.tp_mesh(tp, flag="tp")
-    mesh = mesh or sharding.tp_mesh(tp, flag="tp", say=_note)
+        tp = layout.default_tp(read_model_config(path, what="load"), len(jax.devices()))[0]
+        mesh = layout.tp_mesh(tp, flag="tp")
+    mesh = mesh or layout.tp_mesh(tp, flag="tp", say=_note)
     return load_model(path, mesh=mesh, what="load", quantize=quantize, **overrides)
 
 

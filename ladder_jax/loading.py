@@ -31,7 +31,7 @@ from absl import logging as absl_logging
 from flax import nnx
 from omegaconf import OmegaConf
 
-from ladder_jax import atomic
+from ladder_jax import atomic, train_config
 from ladder_jax import config as config_lib
 from ladder_jax.config import ConfigError
 from ladder_jax.interop.gguf import MAGIC as GGUF_MAGIC
@@ -353,7 +353,7 @@ def read_model_config(path: str, *, what: str = "--checkpoint") -> config_lib.Mo
     if cfg_file is None:
         return config_from_hf(read_config(path))
     try:
-        return config_lib.model_config(config_lib.load_config([cfg_file]))
+        return train_config.model_config(train_config.load_config([cfg_file]))
     except (ConfigError, TypeError) as e:
         raise ConfigError(f"{what} {path!r}: {e}") from None
 
@@ -398,8 +398,8 @@ def load_model(
     if cfg_file is None:
         return load_hf(path, mesh=mesh, quantize=quantize, **overrides)
     try:
-        run = config_lib.load_config([cfg_file])
-        model_config = dataclasses.replace(config_lib.model_config(run), **overrides)
+        run = train_config.load_config([cfg_file])
+        model_config = dataclasses.replace(train_config.model_config(run), **overrides)
         tokenizer = make_tokenizer(run.data.tokenizer)
     except (ConfigError, TypeError) as e:
         raise ConfigError(f"{what} {path!r}: {e}") from None
@@ -438,7 +438,7 @@ def quiet_orbax_failures() -> None:
     sys.unraisablehook = unraisable
 
 
-def train_config(config, tokenizer_path: str | None) -> dict:
+def run_config_doc(config, tokenizer_path: str | None) -> dict:
     """The model section (+ data.tokenizer) of a train config for `config` (a ModelConfig):
     every field, as the schema's model section is ModelConfig's fields."""
     mc = dataclasses.asdict(config)
@@ -493,7 +493,7 @@ def save_model(model, out: str, *, tokenizer=None, source: str | None = None) ->
         if isinstance(tokenizer, HFTokenizer):
             tok_path = TOKENIZER  # beside config.yaml: the directory can move
             tokenizer.save(tmp)  # + tokenizer_config.json: BOS, chat template
-        doc = train_config(model.config, tok_path)
+        doc = run_config_doc(model.config, tok_path)
         with open(os.path.join(tmp, "config.yaml"), "w") as f:
             f.write(OmegaConf.to_yaml(OmegaConf.create(doc)))
         meta = {"step": 0, "config": doc, "model_config": dataclasses.asdict(model.config)}

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 import ladder_jax as lj
-from ladder_jax.config import check
 from ladder_jax.experiments import adaptation as ad
 from ladder_jax.train import distill
+from ladder_jax.train_config import check
 from tests.helpers import benchmark, cli_error, logits, mesh
 
 ROOT = pathlib.Path(__file__).parent.parent

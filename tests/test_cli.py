@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 import ladder_jax as lj
-from ladder_jax import config as config_lib
+from ladder_jax import train_config
 from ladder_jax.cli import common, convert, decode, demo, overlap, predict, serve
 from ladder_jax.cli import eval as eval_cli
 from ladder_jax.cli import train as train_cli
@@ -49,7 +49,7 @@ def _exit_line(capsys, main, argv) -> str:
             "decode",
             ["--residual", "ladr"],
             "error: --residual: invalid choice: 'ladr' (choose from "
-            "'standard', 'parallel', 'ladder', 'upper_bound', 'all'); "
+            "'standard', 'parallel', 'ladder', 'upper_bound', 'desync', 'all'); "
             "did you mean 'ladder'?",
         ),
         (
@@ -190,7 +190,7 @@ def test_train_help_lists_every_key_with_default_and_description(capsys):
         m = re.match(r"  (\S+)\s+(\S+)\s+(\S.*)$", line)
         if m and not line.startswith("   "):
             rows[m.group(1)] = (m.group(2), m.group(3))
-    keys = [k for k, _, _, section in config_lib.help_rows() if not section]
+    keys = [k for k, _, _, section in train_config.help_rows() if not section]
     assert set(keys) <= set(rows), set(keys) - set(rows)
     assert len(keys) > 50
     assert rows["steps"][0] == "1000" and rows["model.residual"][0] == "standard"
@@ -202,13 +202,13 @@ def test_train_help_lists_every_key_with_default_and_description(capsys):
 
 
 def test_the_model_section_is_modelconfigs_fields():
-    section = {f.name: f for f in dataclasses.fields(config_lib.ModelSection)}
+    section = {f.name: f for f in dataclasses.fields(train_config.ModelSection)}
     model = [f.name for f in dataclasses.fields(lj.ModelConfig)]
     assert list(section) == ["preset", *model]
     for f in dataclasses.fields(lj.ModelConfig):
         assert f.metadata["help"] == section[f.name].metadata["help"] != ""
     # every field overrides the preset from a key=value ...
-    cfg = config_lib.load_config(
+    cfg = train_config.load_config(
         [
             "model.d_model=128",
             "model.n_heads=4",
@@ -219,7 +219,7 @@ def test_the_model_section_is_modelconfigs_fields():
             "model.ladder_layers=[0,2]",
         ]
     )
-    got = config_lib.model_config(cfg)
+    got = train_config.model_config(cfg)
     want = lj.ModelConfig.from_preset(
         "tiny",
         d_model=128,
@@ -243,7 +243,7 @@ def test_every_config_file_loads_as_its_yaml_says(file):
     }
     over.setdefault("param_dtype", "float32")  # the training schema's own default
     want = lj.ModelConfig.from_preset(raw.get("preset", "tiny"), **over)
-    assert config_lib.model_config(config_lib.load_config([str(file)])) == want
+    assert train_config.model_config(train_config.load_config([str(file)])) == want
 
 
 @pytest.mark.parametrize(
@@ -252,7 +252,7 @@ def test_every_config_file_loads_as_its_yaml_says(file):
         (
             "model.residual=ladr",
             "model.residual='ladr' (did you mean 'ladder'?): choose one of "
-            "standard, parallel, ladder, upper_bound",
+            "standard, parallel, ladder, upper_bound, desync",
         ),
         ("model.remat=layers", "model.remat='layers': choose one of none, module, matmuls"),
         (
@@ -264,7 +264,7 @@ def test_every_config_file_loads_as_its_yaml_says(file):
 )
 def test_choices_are_checked_by_the_schema(arg, expect):
     with pytest.raises(lj.ConfigError) as e:
-        config_lib.load_config([arg])
+        train_config.load_config([arg])
     assert str(e.value) == expect
 
 
@@ -313,21 +313,23 @@ def test_a_config_files_tokenizer_is_found_from_wherever_the_file_is(tmp_path, m
     file = _config_yaml(out, "tokenizer.json")
     (out / "tokenizer.json").write_text("{}")
     monkeypatch.chdir(tmp_path / "out" / "checkpoints")  # anywhere but beside it
-    assert config_lib.load_config([file]).data.tokenizer == str(out / "tokenizer.json")
+    assert train_config.load_config([file]).data.tokenizer == str(out / "tokenizer.json")
     stale = _config_yaml(tmp_path / "moved", str(tmp_path / "gone" / "tokenizer.json"))
     (tmp_path / "moved" / "tokenizer.json").write_text("{}")
-    assert config_lib.load_config([stale]).data.tokenizer == str(tmp_path / "moved/tokenizer.json")
+    assert train_config.load_config([stale]).data.tokenizer == str(
+        tmp_path / "moved/tokenizer.json"
+    )
     (tmp_path / "cwd" / "tok").mkdir(parents=True)
     (tmp_path / "cwd" / "tok" / "t.json").write_text("{}")
     monkeypatch.chdir(tmp_path / "cwd")
     train = _config_yaml(tmp_path / "configs", "tok/t.json", checkpoints=False)
-    assert config_lib.load_config([train]).data.tokenizer == "tok/t.json"  # the working dir's
+    assert train_config.load_config([train]).data.tokenizer == "tok/t.json"  # the working dir's
     later = _config_yaml(tmp_path / "configs", "runs/x/tokenizer.json", checkpoints=False)
-    assert config_lib.load_config([later]).data.tokenizer == "runs/x/tokenizer.json"
-    assert config_lib.load_config([later, "data.tokenizer=byte"]).data.tokenizer == "byte"
+    assert train_config.load_config([later]).data.tokenizer == "runs/x/tokenizer.json"
+    assert train_config.load_config([later, "data.tokenizer=byte"]).data.tokenizer == "byte"
     lost = _config_yaml(tmp_path / "lost", "/nowhere/tokenizer.json")
     with pytest.raises(lj.ConfigError) as e:
-        config_lib.load_config([lost])
+        train_config.load_config([lost])
     assert str(e.value) == (
         f"{lost}: data.tokenizer='/nowhere/tokenizer.json' is not there, nor is a "
         f"tokenizer.json beside the file: copy the model's tokenizer.json into {tmp_path}/lost"

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import ladder_jax as lj
-from ladder_jax import config as config_lib
+from ladder_jax import train_config
 from ladder_jax.model import quant, sharding
 from ladder_jax.train import step
 from ladder_jax.train import trainer as trainer_module
@@ -142,7 +142,7 @@ def test_training_steps_compile_with_the_cpu_training_options(monkeypatch, tmp_p
 
     monkeypatch.setattr(trainer_module.sharding, "jit", jit)
     tiny = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml")
-    cfg = config_lib.load_config([tiny, f"run_dir={tmp_path}", "mesh.tp=1", "mesh.data=1"])
+    cfg = train_config.load_config([tiny, f"run_dir={tmp_path}", "mesh.tp=1", "mesh.data=1"])
     t = trainer_module.Trainer(cfg)
     t.compiled_step(t.graphdef, t.state)
     assert asked == ["train", "any"]  # the step, then the evaluation loss

@@ -370,8 +370,7 @@ def test_tokenizer_from_tokenizer_json(llamas, tmp_path):
 
 
 def test_convert_cli_writes_a_checkpoint_init_from_reads(llamas, tmp_path):
-    from ladder_jax import config as config_lib
-    from ladder_jax import loading
+    from ladder_jax import loading, train_config
 
     path, _ = llamas["tied"]
     out = tmp_path / "ckpt"
@@ -392,8 +391,8 @@ def test_convert_cli_writes_a_checkpoint_init_from_reads(llamas, tmp_path):
         )
         == 0
     )
-    cfg = config_lib.load_config([str(out / "config.yaml")])
-    config = config_lib.model_config(cfg)
+    cfg = train_config.load_config([str(out / "config.yaml")])
+    config = train_config.model_config(cfg)
     assert config.residual == "ladder" and config.ladder_layers == 2
     imported, _ = lj.load_hf(path, mesh=_mesh(2), ladder_layers=2)
     fresh = lj.Transformer(config, mesh=_mesh(2), rngs=nnx.Rngs(1))  # what train builds

@@ -9,62 +9,31 @@ import ladder_jax
 
 ROOT = pathlib.Path(ladder_jax.__file__).parent
 
-# part -> the parts it may import (itself included); `experiments` (runs built on the public
-# API) sits above it
+# part -> the parts it may import (itself included): start-up and small shared pieces (BASE),
+# then config -> model -> jobs -> analysis / evaluation -> api; `experiments` (runs built on the
+# public API) sits above it
+BASE = {"config", "hardware", "atomic", "children", "compile_cache", "processes", "runtime"}
 ALLOWED = {
     "config": {"config"},
     "hardware": {"hardware"},
-    "runtime": {"runtime", "config"},
-    "model": {"model", "config", "hardware", "runtime"},
-    "interop": {"interop", "model", "config"},
-    "inference": {"inference", "model", "interop", "config", "hardware", "runtime"},
-    "train": {"train", "model", "interop", "config", "hardware", "runtime"},
-    "analysis": {
-        "analysis",
-        "train",
-        "inference",
-        "model",
-        "interop",
-        "config",
-        "hardware",
-        "runtime",
-    },
-    "evaluation": {
-        "evaluation",
-        "train",
-        "inference",
-        "model",
-        "interop",
-        "config",
-        "hardware",
-        "runtime",
-    },
-    "api": {
-        "api",
-        "analysis",
-        "evaluation",
-        "train",
-        "inference",
-        "model",
-        "interop",
-        "config",
-        "hardware",
-        "runtime",
-    },
-    "experiments": {
-        "experiments",
-        "api",
-        "analysis",
-        "evaluation",
-        "train",
-        "inference",
-        "model",
-        "interop",
-        "config",
-        "hardware",
-        "runtime",
-    },
+    "children": {"children"},
+    "compile_cache": {"compile_cache"},
+    "atomic": {"atomic", "config"},
+    "train_config": {"train_config", "config"},
+    "processes": {"processes", "children", "config"},
+    "runtime": {"runtime", "processes", "children", "config"},
+    "progress": {"progress", "runtime", "processes", "children", "config"},
+    "model": {"model"} | BASE,
+    "interop": {"interop", "model"} | BASE,
+    "loading": {"loading", "interop", "model", "train_config"} | BASE,
+    "inference": {"inference", "model", "interop"} | BASE,
+    "train": {"train", "model", "interop", "loading", "train_config", "progress"} | BASE,
 }
+JOBS = {"train", "inference", "model", "interop", "loading", "train_config", "progress"} | BASE
+ALLOWED["analysis"] = {"analysis"} | JOBS
+ALLOWED["evaluation"] = {"evaluation"} | JOBS
+ALLOWED["api"] = {"api", "analysis", "evaluation"} | JOBS
+ALLOWED["experiments"] = {"experiments", "api", "analysis", "evaluation"} | JOBS
 LIBRARY = set(ALLOWED)
 
 

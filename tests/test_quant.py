@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ladder_jax as lj
-from ladder_jax import config as config_lib
+from ladder_jax import train_config
 from ladder_jax.analysis import hlo, overlap, programs
 from ladder_jax.analysis.kernels import read_kernels
 from ladder_jax.cli import convert as convert_cli
@@ -58,7 +58,7 @@ REL_ERROR_PER_POSITION = 0.01  # measured: max 0.0021, mean 0.0011 over 512 posi
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     path = tmp_path_factory.mktemp("quant")
-    out = trainer.run(config_lib.load_config(TRAIN + [f"run_dir={path}", "name=float"]))
+    out = trainer.run(train_config.load_config(TRAIN + [f"run_dir={path}", "name=float"]))
     assert out["eval_loss"] < 3.0  # predictions are not trivial: well below ln(320) = 5.8
     return str(path / "float")
 
@@ -190,14 +190,16 @@ def test_float_only_paths_refuse_quantized_weights(run, tmp_path, capsys):
     assert convert_cli.main(["--checkpoint", run, "--out", out, "--quantize", "int8"]) == 0
     capsys.readouterr()
     # training from it
-    cfg = config_lib.load_config(
+    cfg = train_config.load_config(
         TRAIN + [f"run_dir={tmp_path}", "name=ft", f"init_from={out}", "steps=1"]
     )
     with pytest.raises(ConfigError, match=r"is quantized .* decoding only"):
         trainer.run(cfg)
     with pytest.raises(ConfigError, match=r"model.quantize=int8: training runs on float"):
         trainer.run(
-            config_lib.load_config(TRAIN + [f"run_dir={tmp_path}", "name=q", "model.quantize=int8"])
+            train_config.load_config(
+                TRAIN + [f"run_dir={tmp_path}", "name=q", "model.quantize=int8"]
+            )
         )
     assert not os.path.exists(tmp_path / "q")
     # exporting it to the Hugging Face layout: one line, nothing written

@@ -15,8 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from ladder_jax import config as config_lib
-from ladder_jax import loading
+from ladder_jax import loading, train_config
 from ladder_jax.cli import train as train_cli
 from ladder_jax.loading import DamagedCheckpoint
 from ladder_jax.train import trainer
@@ -71,7 +70,7 @@ def copy_run(trained, tmp_path):
 def target(trained):
     """A Trainer of the same config: the restore targets (its state and data iterator)."""
     return trainer.Trainer(
-        config_lib.load_config(SMALL + ["steps=4", f"run_dir={trained.parent}", "name=unused"])
+        train_config.load_config(SMALL + ["steps=4", f"run_dir={trained.parent}", "name=unused"])
     )
 
 
@@ -360,7 +359,7 @@ def test_resume_on_two_processes_reshards_the_data_iterator(trained, tmp_path):
     one = copy_run(trained, tmp_path / "one")
     two = copy_run(trained, tmp_path / "two")
     ref = trainer.run(
-        config_lib.load_config(SMALL + ["steps=6", f"run_dir={one.parent}", "name=run"])
+        train_config.load_config(SMALL + ["steps=6", f"run_dir={one.parent}", "name=run"])
     )["losses"]
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

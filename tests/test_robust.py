@@ -13,8 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ladder_jax import config as config_lib
-from ladder_jax import loading
+from ladder_jax import loading, train_config
 from ladder_jax.inference import generation
 from ladder_jax.inference.sampling import NonFiniteLogits
 from ladder_jax.interop.tokenizer import ByteTokenizer
@@ -85,12 +84,12 @@ def test_exit_3_marks_the_poisoned_checkpoint_and_resume_skips_it(tmp_path):
 
 
 def test_a_checkpoint_with_nan_weights_is_skipped_on_resume(tmp_path):
-    cfg = config_lib.load_config(
+    cfg = train_config.load_config(
         SMALL + [f"run_dir={tmp_path}", "name=run", "steps=1", "optim.peak_lr=3e-3"]
     )
     trainer.run(cfg)
     t = trainer.Trainer(
-        config_lib.load_config(
+        train_config.load_config(
             SMALL + [f"run_dir={tmp_path}", "name=run", "steps=3", "optim.peak_lr=3e-3"]
         )
     )

@@ -17,9 +17,9 @@ import ladder_jax as lj
 from ladder_jax.analysis import overlap, programs
 from ladder_jax.cli import overlap as overlap_cli
 from ladder_jax.cli import train as train_cli
-from ladder_jax.config import load_config
 from ladder_jax.model import compilation
 from ladder_jax.train import step, trainer
+from ladder_jax.train_config import load_config
 from tests.helpers import SCHEMES, TINY, loss_and_grads
 
 # tiny, ladder, FSDP over 2 hosts (data 2) x 4 GPUs (tp 4), remat, 2 accumulated micro-batches

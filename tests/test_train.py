@@ -20,7 +20,7 @@ from flax import nnx
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 import ladder_jax as lj
-from ladder_jax import config as config_lib
+from ladder_jax import train_config
 from ladder_jax.config import ModelConfig
 from ladder_jax.interop.tokenizer import ByteTokenizer
 from ladder_jax.model.transformer import Transformer
@@ -43,7 +43,7 @@ SMALL = [
 
 
 def config(tmp_path, *overrides, name="run"):
-    return config_lib.load_config(SMALL + [f"run_dir={tmp_path}", f"name={name}", *overrides])
+    return train_config.load_config(SMALL + [f"run_dir={tmp_path}", f"name={name}", *overrides])
 
 
 def metrics(tmp_path, name="run"):
@@ -226,7 +226,7 @@ def test_init_from_loads_into_shapes_and_reports_to_a_callers_stderr(tmp_path, m
         f"init_from={tmp_path}/src",
         name="ft",
     )
-    source = Transformer(config_lib.model_config(ft), mesh=helpers.mesh(1), rngs=nnx.Rngs(3))
+    source = Transformer(train_config.model_config(ft), mesh=helpers.mesh(1), rngs=nnx.Rngs(3))
     weights = _leaves(nnx.to_pure_dict(nnx.state(source)))
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(tmp_path / "src" / "params", nnx.to_pure_dict(nnx.state(source)))
@@ -267,7 +267,7 @@ def test_a_run_with_a_tokenizer_loads_after_mv(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path / "work")
     args = ["run_dir=runs", "steps=1", "eval_every=0", "data.eval_fraction=0.0"]
     trainer.run(
-        config_lib.load_config(SMALL + args + ["name=r", "data.tokenizer=tok/tokenizer.json"])
+        train_config.load_config(SMALL + args + ["name=r", "data.tokenizer=tok/tokenizer.json"])
     )
     os.rename(tmp_path / "work" / "runs" / "r", tmp_path / "moved")
     monkeypatch.chdir(tmp_path)  # decode / eval from elsewhere
@@ -280,13 +280,15 @@ def test_a_run_with_a_tokenizer_loads_after_mv(tmp_path, monkeypatch):
     assert changed_keys({"data": {"tokenizer": "tok/tokenizer.json"}}, absolute) == {}
     # a tokenizer inside the run directory moves with it
     _tokenizer_json(tmp_path / "work" / "runs" / "in" / "assets" / "t.json")
-    cfg = config_lib.load_config(SMALL + args + ["name=in", "data.tokenizer=runs/in/assets/t.json"])
+    cfg = train_config.load_config(
+        SMALL + args + ["name=in", "data.tokenizer=runs/in/assets/t.json"]
+    )
     RunDir(cfg, print).open_files(0, {})[1].close()
     with open(tmp_path / "work" / "runs" / "in" / "config.yaml") as f:
         assert yaml.safe_load(f)["data"]["tokenizer"] == os.path.join("assets", "t.json")
     os.rename(tmp_path / "work" / "runs" / "in", tmp_path / "in2")
     monkeypatch.chdir(tmp_path)
-    moved = config_lib.load_config([str(tmp_path / "in2" / "config.yaml")])
+    moved = train_config.load_config([str(tmp_path / "in2" / "config.yaml")])
     assert moved.data.tokenizer == str(tmp_path / "in2" / "assets" / "t.json")
 
 
@@ -375,7 +377,7 @@ def test_bad_config_is_a_clear_error(args, message):
 
 def test_two_processes_equal_one(tmp_path):
     common = SMALL + ["steps=3", "eval_every=0", "mesh.tp=2", "mesh.data=2"]
-    ref = trainer.run(config_lib.load_config(common + [f"run_dir={tmp_path}", "name=one"]))[
+    ref = trainer.run(train_config.load_config(common + [f"run_dir={tmp_path}", "name=one"]))[
         "losses"
     ]
     port = free_port()
@@ -427,8 +429,8 @@ def test_byte_tokenizer_and_sources(tmp_path):
 
 @pytest.mark.parametrize("name", ["tiny", "1b", "3b"])
 def test_shipped_configs_parse(name):
-    cfg = config_lib.load_config([f"configs/{name}.yaml"])
-    mc = config_lib.model_config(cfg)
+    cfg = train_config.load_config([f"configs/{name}.yaml"])
+    mc = train_config.model_config(cfg)
     assert mc.param_dtype == "float32" and cfg.data.seq_len <= mc.max_seq_len
     if name != "tiny":  # the paper's recipe: ~4M tokens per step, bf16 compute, AdamW
         assert cfg.data.batch_size * cfg.data.grad_accum * cfg.data.seq_len == 4 * 2**20
@@ -477,7 +479,7 @@ def test_fit_keywords_resolve_like_the_command_line():
         data__path=None,
         mesh__fsdp=True,
     )
-    want = config_lib.load_config(
+    want = train_config.load_config(
         [
             "configs/tiny.yaml",
             "model.ladder_layers=[1,3]",
@@ -488,7 +490,7 @@ def test_fit_keywords_resolve_like_the_command_line():
         ]
     )
     assert got == want
-    assert config_lib.model_config(got).ladder_layers == (1, 3) and got.optim.peak_lr == 1e-3
+    assert train_config.model_config(got).ladder_layers == (1, 3) and got.optim.peak_lr == 1e-3
     with pytest.raises(trainer.ConfigError, match="did you mean 'optim.peak_lr'"):
         api.fit_config("configs/tiny.yaml", optim__peek_lr=1.0)
 
@@ -496,13 +498,13 @@ def test_fit_keywords_resolve_like_the_command_line():
 def test_cpu_hosts_split_the_batch_over_one_device_per_core(tmp_path, monkeypatch):
     """`mesh.data: null` on a CPU host: one fake device per core over tp, lowered to a divisor
     of the batch (`trainer.cpu_data_parallel`); the trainer's mesh takes that many."""
-    from ladder_jax import config as config_lib
+    from ladder_jax import train_config
     from ladder_jax.train import trainer as trainer_module
 
     tiny = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml")
 
     def cfg(*over):
-        return config_lib.load_config([tiny, f"run_dir={tmp_path}", *over])
+        return train_config.load_config([tiny, f"run_dir={tmp_path}", *over])
 
     assert cfg().mesh.data is None  # the embedded default leaves it to the host
     for cores, over, want in [

@@ -8,7 +8,7 @@ import types
 import jax
 import pytest
 
-from ladder_jax import config as config_lib
+from ladder_jax import train_config
 from ladder_jax.train import trainer
 
 TINY = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml")
@@ -28,7 +28,7 @@ SMOLLM2 = [
 
 
 def _cfg(tmp_path, *over):
-    return config_lib.load_config([TINY, f"run_dir={tmp_path}", *over])
+    return train_config.load_config([TINY, f"run_dir={tmp_path}", *over])
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def two_cores(monkeypatch):
 
 def test_a_large_model_gets_a_chunked_loss_and_one_device(tmp_path, two_cores):
     cfg = _cfg(tmp_path, *SMOLLM2)
-    model = config_lib.check(cfg)
+    model = train_config.check(cfg)
     assert 130e6 < model.num_params() < 140e6
     # float32 logits of 8 x 256 positions over 49152 tokens: 384 MiB, over the 64 MiB line
     assert 8 * 256 * 49152 * 4 / 2**20 == 384
@@ -62,7 +62,7 @@ def test_the_tiny_preset_keeps_its_settings_and_says_them(tmp_path, two_cores, c
     """The tiny config: the loss at once and one device per core, as before the large-model
     defaults (its losses are the same); the first line names the per-core choice."""
     cfg = _cfg(tmp_path, "steps=2", "eval_every=0", "ckpt_every=0", "progress=lines")
-    model = config_lib.check(cfg)
+    model = train_config.check(cfg)
     assert trainer.loss_chunk(cfg, model) == 0 and trainer.cpu_data_parallel(cfg) == 2
     t = trainer.Trainer(cfg)
     assert t.loss_chunk == 0 and dict(t.mesh.shape) == {"data": 2, "tp": 1}

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ladder_jax import config as config_lib
-from ladder_jax import hardware
+from ladder_jax import hardware, train_config
 from ladder_jax.analysis.hlo import SCOPE, HloError, Module, nbytes
 from ladder_jax.analysis.programs import OverlapError, compile_program, compile_train_config
 from ladder_jax.train import step
@@ -261,7 +260,7 @@ def report_config(
     compiled, mesh, seconds = compile_train_config(
         cfg, hosts=hosts, gpus_per_host=gpus_per_host, target=target
     )
-    model = config_lib.model_config(cfg)
+    model = train_config.model_config(cfg)
     hlo = compiled.as_text()
     _dump(hlo, hlo_file)
     data, tp = mesh.shape["data"], mesh.shape["tp"]

@@ -42,7 +42,7 @@ from ladder_jax.analysis.kernels import PredictError
 from ladder_jax.analysis.timeline import costed, extended, simulate, stream_waits
 from ladder_jax.config import RESIDUALS
 from ladder_jax.inference import generation
-from ladder_jax.model import sharding
+from ladder_jax.model import layout
 from ladder_jax.model.compilation import check_allreduce
 from ladder_jax.model.layout import device_bytes
 from ladder_jax.model.transformer import abstract, fuse_inputs
@@ -261,7 +261,7 @@ class Sweep:
                     f"tp={t} cannot span {h} host(s) of {self.gpus_per_host} GPUs evenly: "
                     f"use --hosts H with tp/H a whole number <= --gpus-per-host"
                 )
-            sharding.check_divisible(config, t)
+            layout.check_divisible(config, t)
         check_calibration(self.calibration)
 
 

@@ -5,7 +5,7 @@ target on a machine with no GPU (the CUDA PJRT plugin, the `analysis` extra).
 
 Phases are the programs users run: `Decoder`'s prefill and one-token step, and the trainer's
 step (`train_program`, the one builder of every training program; `compile_train_config` for a
-whole TrainConfig on N hosts of G GPUs). Options are `sharding.compiler_options("gpu")`, with
+whole TrainConfig on N hosts of G GPUs). Options are `compilation.compiler_options("gpu")`, with
 cuBLAS GEMMs as the fallback where untuned Triton tiling fails. The scheduled HLO is cached on
 disk (`cache_dir()`, `LADDER_JAX_CACHE`), keyed on what is compiled (`program_key`); the
 backend runs lean (no LLVM optimization, no machine code), which leaves the schedule unchanged
@@ -39,10 +39,9 @@ from jax.experimental import topologies
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ladder_jax import config as config_lib
-from ladder_jax import hardware, runtime
+from ladder_jax import hardware, runtime, train_config
 from ladder_jax.inference import generation
-from ladder_jax.model import sharding
+from ladder_jax.model import compilation, layout
 from ladder_jax.model.transformer import abstract
 from ladder_jax.train import step
 
@@ -173,7 +172,7 @@ def compile_program(
     allreduce: str = "nccl",
 ) -> tuple:
     """Compiles `phase` of `config` for `tp` GPUs of `target` on `hosts` hosts, its
-    all-reduces as `allreduce` says (`sharding.ALLREDUCES`); returns
+    all-reduces as `allreduce` says (`compilation.ALLREDUCES`); returns
     (scheduled hlo_text, seconds). `seq` is the prompt (prefill, decode) or training length;
     `new_tokens` sizes the decode cache (`slots`: that many per row instead, as a server sized
     by `--max-len` holds them); `quantize="int8"`: int8 linear weights (prefill and
@@ -199,9 +198,9 @@ def compile_program(
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise OverlapError(f"{name}={v!r} must be a positive integer")
     mesh = gpu_mesh(target, tp, hosts=hosts)
-    sharding.check_divisible(config, tp)
+    layout.check_divisible(config, tp)
     try:
-        options = sharding.compiler_options("gpu", allreduce=allreduce)
+        options = compilation.compiler_options("gpu", allreduce=allreduce)
     except ValueError as e:
         raise OverlapError(str(e)) from None
     t0 = time.perf_counter()
@@ -358,7 +357,7 @@ def compile_lowered(lowered, *, what: str, options: dict | None = None) -> tuple
 
         text, fallback = compile_lowered(lowered, what="the decode step", options={...})
     """
-    options = {**sharding.compiler_options("gpu"), **_analysis_options(), **(options or {})}
+    options = {**compilation.compiler_options("gpu"), **_analysis_options(), **(options or {})}
     return _compile_text(lowered, options, what=what)
 
 
@@ -464,7 +463,7 @@ def train_program(
     jitted with the package's options): weights stored as trained (`fsdp`), AdamW moments
     stored like their params, a batch of `grad_accum` x `batch` sequences of `seq_len` + 1
     tokens split over `data`. `optim` is an OptimizerConfig (default: its defaults)."""
-    optim = optim or config_lib.OptimizerConfig()
+    optim = optim or train_config.OptimizerConfig()
     graphdef, params = abstract(config, mesh, fsdp=fsdp)  # stored as trained
     optimizer = step.make_optimizer(optim, total_steps=total_steps)
     # moments stored like their params, counters replicated (`jax.eval_shape` drops the
@@ -479,7 +478,7 @@ def train_program(
     tokens = jax.ShapeDtypeStruct(
         (grad_accum, batch, seq_len + 1),
         jnp.int32,
-        sharding=NamedSharding(mesh, P(None, sharding.DATA, None)),
+        sharding=NamedSharding(mesh, P(None, layout.DATA, None)),
     )
     train_step = step.make_train_step(
         graphdef,
@@ -488,7 +487,7 @@ def train_program(
         param_shardings=[x.sharding for x in jax.tree.leaves(params)],
         opt_shardings=[x.sharding for x in jax.tree.leaves(opt_state)],
     )
-    return sharding.jit(train_step, platform="gpu", donate_argnums=(0, 1)).lower(
+    return compilation.jit(train_step, platform="gpu", donate_argnums=(0, 1)).lower(
         params, opt_state, tokens
     )
 
@@ -501,7 +500,7 @@ def compile_train_config(cfg, *, hosts: int = 1, gpus_per_host: int = 8, target:
     `data.batch_size` x `data.seq_len`) and rematerialization, the step function the trainer
     jits (`step.make_train_step`) with the same options. Returns (compiled, mesh, seconds)."""
 
-    model_config = config_lib.check(cfg)
+    model_config = train_config.check(cfg)
     n = hosts * gpus_per_host
     tp = cfg.mesh.tp
     if cfg.mesh.data is not None and cfg.mesh.data * tp != n:
@@ -514,7 +513,7 @@ def compile_train_config(cfg, *, hosts: int = 1, gpus_per_host: int = 8, target:
         raise OverlapError(f"mesh.tp={tp} does not divide the {n} GPUs")
     data = n // tp
     mesh = gpu_mesh(target, tp, data=data, hosts=hosts)
-    sharding.check_batch(cfg.data.batch_size, mesh)
+    layout.check_batch(cfg.data.batch_size, mesh)
     t0 = time.perf_counter()
     lowered = train_program(
         model_config,
@@ -528,6 +527,6 @@ def compile_train_config(cfg, *, hosts: int = 1, gpus_per_host: int = 8, target:
     )
     with runtime.quiet():  # the lean backend (module doc: compile time); nothing runs it
         compiled = lowered.compile(
-            compiler_options={**sharding.compiler_options("gpu"), **_analysis_options()}
+            compiler_options={**compilation.compiler_options("gpu"), **_analysis_options()}
         )
     return compiled, mesh, time.perf_counter() - t0

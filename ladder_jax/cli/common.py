@@ -261,7 +261,7 @@ def setup_devices(args):
         shape = setup_devices(args); tp, why = choose_tp(args.tp, shape)"""
     from ladder_jax import compile_cache, loading, runtime
     from ladder_jax.config import ModelConfig
-    from ladder_jax.model import sharding
+    from ladder_jax.model import layout
 
     shape = (
         loading.read_model_config(args.checkpoint)
@@ -272,7 +272,7 @@ def setup_devices(args):
     runtime.setup(
         cpu_devices=args.cpu_devices
         or args.tp
-        or sharding.default_tp(shape, runtime.cpu_cores(), backend="cpu")[0],
+        or layout.default_tp(shape, runtime.cpu_cores(), backend="cpu")[0],
         coordinator=args.coordinator,
         num_processes=args.num_processes,
         process_id=args.process_id,
@@ -283,18 +283,18 @@ def setup_devices(args):
 
 def choose_tp(tp: int | None, shape) -> tuple[int, str | None]:
     """(tensor-parallel size, why: the note to print once the input is checked, or None):
-    --tp if given, every device with several processes, else `sharding.default_tp`; a
+    --tp if given, every device with several processes, else `layout.default_tp`; a
     ConfigError unless it is between 1 and the devices."""
     import jax
 
     from ladder_jax.config import ConfigError
-    from ladder_jax.model import sharding
+    from ladder_jax.model import layout
 
     n = jax.device_count()
     if tp is not None or jax.process_count() > 1:  # several: the model spans them all
         tp, why = (n if tp is None else tp), None
     else:
-        tp, why = sharding.default_tp(shape, n)
+        tp, why = layout.default_tp(shape, n)
     if not 1 <= tp <= n:
         raise ConfigError(f"--tp {tp}: between 1 and the {n} devices")
     return tp, why

@@ -49,7 +49,7 @@ from ladder_jax.config import (
 from ladder_jax.interop import gguf, hf
 from ladder_jax.interop.tokenizer import ByteTokenizer
 from ladder_jax.loading import check_tp, load_model, read_model_config, save_model
-from ladder_jax.model import sharding
+from ladder_jax.model import layout
 
 
 def _check_param_dtype(name: str) -> None:
@@ -255,7 +255,7 @@ def main(argv=None) -> int:
             raise ConfigError(
                 f"--tp {args.tp}: this host has {len(jax.devices())} devices; give at most that"
             )
-        mesh = sharding.make_mesh(tp=args.tp, devices=jax.devices()[: args.tp])
+        mesh = layout.make_mesh(tp=args.tp, devices=jax.devices()[: args.tp])
         model, tokenizer = _load(args, mesh, parse_ladder_layers(args.ladder_layers))
         if args.to_hf and model.config.quantize:
             raise ConfigError(

@@ -34,11 +34,11 @@ from ladder_jax.config import (
     ModelConfig,
     UsageError,
     check_quantize,
-    load_config,
     parse_ladder_layers,
 )
 from ladder_jax.model.compilation import check_allreduce
 from ladder_jax.train import step
+from ladder_jax.train_config import load_config
 
 
 def parser() -> argparse.ArgumentParser:

@@ -48,12 +48,11 @@ from ladder_jax.config import (
     ModelConfig,
     UsageError,
     check_quantize,
-    load_config,
-    model_config,
     parse_ladder_layers,
 )
 from ladder_jax.model.compilation import check_allreduce
 from ladder_jax.progress import ProgressLines
+from ladder_jax.train_config import load_config, model_config
 
 
 def parser() -> argparse.ArgumentParser:

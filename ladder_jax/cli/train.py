@@ -9,8 +9,9 @@ import textwrap
 import jax
 
 from ladder_jax import compile_cache, processes
-from ladder_jax.config import UsageError, check, help_rows, load_config
+from ladder_jax.config import UsageError
 from ladder_jax.train.trainer import NonFiniteError, SaveError, init_runtime, run
+from ladder_jax.train_config import check, help_rows, load_config
 
 USAGE = """usage: python -m ladder_jax.train [CONFIG.yaml ...] [key=value ...]
 

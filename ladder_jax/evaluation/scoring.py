@@ -21,7 +21,7 @@ from ladder_jax.config import ConfigError
 from ladder_jax.inference.cache import KVCache
 from ladder_jax.inference.generation import to_device, to_host
 from ladder_jax.model import quant, sharding
-from ladder_jax.model.sharding import DATA
+from ladder_jax.model.layout import DATA
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ from ladder_jax.evaluation.metrics import METRICS, accuracy, predictions
 from ladder_jax.evaluation.scoring import Scorer, encode_pair
 from ladder_jax.evaluation.tasks import DEFAULT_REGIME, DEFAULT_TASKS, Task, load_task
 from ladder_jax.loading import load_model
-from ladder_jax.model import sharding
+from ladder_jax.model import layout
 
 
 class EvalResults:
@@ -175,12 +175,12 @@ def load_tasks(
 
 
 def eval_mesh(tp: int | None = None, *, flag: str = "tp", say=None):
-    """A mesh of the first `tp` devices (data 1, `sharding.tp_mesh`): default 1 on a CPU host,
+    """A mesh of the first `tp` devices (data 1, `layout.tp_mesh`): default 1 on a CPU host,
     every device elsewhere. `say` gets a note when an explicit `tp` leaves devices idle."""
     devices = jax.devices()
     if tp is None:
         tp, say = (1 if devices[0].platform == "cpu" else len(devices)), None
-    return sharding.tp_mesh(tp, flag=flag, say=say)
+    return layout.tp_mesh(tp, flag=flag, say=say)
 
 
 def evaluate(

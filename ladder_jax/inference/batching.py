@@ -36,7 +36,7 @@ from ladder_jax.inference.generation import (
     to_host,
 )
 from ladder_jax.inference.sampling import NONFINITE, GenerationError, RowSampling, Sampling
-from ladder_jax.model import sharding
+from ladder_jax.model import layout
 from ladder_jax.model.transformer import Transformer
 
 PREFILL_TOKENS = 8192  # prompt tokens (padded) one prefill program holds at most
@@ -224,10 +224,10 @@ class Engine:
         consume: bool = False,
     ):
         mesh = model.mesh
-        if sharding.data_size(mesh) != 1:
+        if layout.data_size(mesh) != 1:
             raise GenerationError(
                 f"the server batches over slots of one cache: use a mesh "
-                f"with data=1 (got data={sharding.data_size(mesh)})"
+                f"with data=1 (got data={layout.data_size(mesh)})"
             )
         c = model.config
         self.model, self.mesh, self.config = model, mesh, c

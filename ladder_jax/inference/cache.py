@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from ladder_jax.config import ModelConfig
-from ladder_jax.model import sharding
+from ladder_jax.model import layout
 
 
 @jax.tree_util.register_dataclass
@@ -26,9 +26,9 @@ class KVCache:
     @staticmethod
     def abstract(config: ModelConfig, mesh, batch: int, length: int) -> "KVCache":
         """The cache as `jax.ShapeDtypeStruct`s carrying their shardings (nothing allocated)."""
-        heads = sharding.cache_kv_heads(config, sharding.tp_size(mesh))
+        heads = layout.cache_kv_heads(config, layout.tp_size(mesh))
         H, dtype = config.head_dim, jnp.dtype(config.dtype)
-        spec = NamedSharding(mesh, sharding.CACHE_BKSH)
+        spec = NamedSharding(mesh, layout.CACHE_BKSH)
         k = jax.ShapeDtypeStruct((batch, heads, H, length), dtype, sharding=spec)
         v = jax.ShapeDtypeStruct((batch, heads, length, H), dtype, sharding=spec)
         return KVCache((k,) * config.n_layers, (v,) * config.n_layers)

@@ -33,7 +33,7 @@ from ladder_jax.inference.sampling import (
 )
 from ladder_jax.interop.tokenizer import ByteTokenizer
 from ladder_jax.model import quant, sharding
-from ladder_jax.model.sharding import DATA
+from ladder_jax.model.layout import DATA
 from ladder_jax.model.transformer import Transformer, fuse_inputs
 
 __all__ = [

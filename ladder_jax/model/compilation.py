@@ -182,7 +182,12 @@ def jit(
     if platform is None and mesh is not None:
         platform = mesh.devices.flat[0].platform
     platform = platform or jax.default_backend()
-    opts = compiler_options(platform, program, allreduce or _PROCESS["allreduce"])
+    allreduce = allreduce or _PROCESS["allreduce"]
+    opts = (
+        compiler_options(platform, program)
+        if allreduce == "nccl"
+        else compiler_options(platform, program, allreduce)
+    )
     if opts:
         jit_kwargs.setdefault("compiler_options", opts)
     return jax.jit(fn, **jit_kwargs)

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ladder_jax.model import sharding
-from ladder_jax.model.sharding import DATA
+from ladder_jax.model import collectives
+from ladder_jax.model.layout import DATA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +78,8 @@ def _parallel(config, layers, x_btd, positions_bt, inv_freq):
     for i, layer in enumerate(layers):
         with jax.named_scope(f"layer{i}.parallel"):
             # tp-varying from here: the backward's input all-reduce (none at tp=1)
-            h_btd = sharding.vary_tp(layer.attn_norm(x_btd).astype(config.dtype))
-            x_btd = x_btd + sharding.reduce_tp(both(layer.attn, layer.mlp, h_btd))
+            h_btd = collectives.vary_tp(layer.attn_norm(x_btd).astype(config.dtype))
+            x_btd = x_btd + collectives.reduce_tp(both(layer.attn, layer.mlp, h_btd))
     return x_btd
 
 
@@ -124,7 +124,7 @@ def reduce_and_vary(no_reduce: bool):
     the identity for upper_bound (`no_reduce`), whose stream is tp-varying itself."""
     if no_reduce:
         return (lambda y: y), (lambda h: h)
-    return sharding.reduce_tp, sharding.vary_tp
+    return collectives.reduce_tp, collectives.vary_tp
 
 
 def _stream(plan, states, x_btd, positions_bt, inv_freq, *, vjps=None):
@@ -153,7 +153,7 @@ def _stream(plan, states, x_btd, positions_bt, inv_freq, *, vjps=None):
             else:
                 y_btd = module(module_state, vary(norm(norm_state, x_btd)))
             if pending is not None:  # deferred: that all-reduce ran while `module` did
-                pending, y_btd = sharding.tie(pending, y_btd)
+                pending, y_btd = collectives.tie(pending, y_btd)
                 x_btd = x_btd + pending
             pending = reduce(y_btd)
     return x_btd + pending
@@ -188,7 +188,7 @@ def _ladder_bwd(plan, res, ct_x_btd):
         # nor run it before the backward has reached module k (holding every module's
         # recomputed activations at once).
         leaves, treedef = jax.tree.flatten((states[k], saved[k], s_btd))
-        (norm_state, module_state), x_btd, _ = treedef.unflatten(sharding.tie(*leaves))
+        (norm_state, module_state), x_btd, _ = treedef.unflatten(collectives.tie(*leaves))
         norm, module = _functions(plan, k, positions_bt, inv_freq)
         h_btd, norm_vjp = jax.vjp(norm, norm_state, x_btd)
         _, module_vjp = jax.vjp(module, module_state, vary(h_btd))
@@ -204,14 +204,14 @@ def _ladder_bwd(plan, res, ct_x_btd):
         with jax.named_scope(f"layer{slot.layer}.{slot.name}"):
             if plan.remat:
                 vjps[k] = recompute(k, s_btd)
-            ct_y_btd = sharding.vary_tp(s_btd.astype(plan.dtype))  # psum^T
+            ct_y_btd = collectives.vary_tp(s_btd.astype(plan.dtype))  # psum^T
             ct_module_state, ct_h_btd = vjps[k][1](ct_y_btd)  # module k's backward matmuls
             ct_states[k] = ct_module_state
             if in_flight is not None:  # module k+1's all-reduce ran during those matmuls
                 j, ct_in_flight = in_flight
-                ct_in_flight, ct_h_btd = sharding.tie(ct_in_flight, ct_h_btd)
+                ct_in_flight, ct_h_btd = collectives.tie(ct_in_flight, ct_h_btd)
                 s_btd, in_flight = add_input_contribution(j, ct_in_flight, s_btd), None
-            ct_h_btd = sharding.reduce_tp(ct_h_btd)  # module k's input-cotangent all-reduce
+            ct_h_btd = collectives.reduce_tp(ct_h_btd)  # module k's input-cotangent all-reduce
             if slot.deferred:
                 in_flight = (k, ct_h_btd)
             else:
@@ -234,7 +234,7 @@ def lm_head(h_btd, head_dv):
     The backward issues the all-reduce of the input cotangent, then computes the head's
     weight gradient while it is in flight."""
     return jnp.einsum(
-        "BTD,DV->BTV", sharding.vary_tp(h_btd), head_dv, preferred_element_type=jnp.float32
+        "BTD,DV->BTV", collectives.vary_tp(h_btd), head_dv, preferred_element_type=jnp.float32
     )
 
 
@@ -245,14 +245,14 @@ def _lm_head_fwd(h_btd, head_dv):
 def _lm_head_bwd(res, ct_btv):
     h_btd, head_dv = res
     ct_btv = ct_btv.astype(head_dv.dtype)
-    ct_h_btd = sharding.reduce_tp(jnp.einsum("BTV,DV->BTD", ct_btv, head_dv))
-    ct_head_dv = jnp.einsum("BTD,BTV->DV", sharding.vary_tp(h_btd), ct_btv)
-    ct_h_btd, ct_head_dv = sharding.tie(ct_h_btd, ct_head_dv)
+    ct_h_btd = collectives.reduce_tp(jnp.einsum("BTV,DV->BTD", ct_btv, head_dv))
+    ct_head_dv = jnp.einsum("BTD,BTV->DV", collectives.vary_tp(h_btd), ct_btv)
+    ct_h_btd, ct_head_dv = collectives.tie(ct_h_btd, ct_head_dv)
     # The data-parallel gradient sum comes after the tie: tied in, it would hold the all-reduce
     # above back until it is done too (and XLA then makes that one synchronous). A head
     # gathered over data where it is read (FSDP) is data-varying here: its gather's transpose
     # reduce-scatters the gradient instead.
-    if not sharding.varies_over(head_dv, DATA):
+    if not collectives.varies_over(head_dv, DATA):
         ct_head_dv = jax.lax.psum(ct_head_dv, DATA)
     return ct_h_btd, ct_head_dv
 

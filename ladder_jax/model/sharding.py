@@ -1,10 +1,9 @@
-"""Megatron-style tensor parallelism spelled out by hand; re-exports `layout` (mesh, weight and
-cache layout), `collectives` (inside shard_map) and `compilation` (XLA options, `jit`).
+"""The public namespace `lj.sharding`: Megatron-style tensor parallelism spelled out by hand.
+It re-exports `layout` (mesh, weight and cache layout), `collectives` (inside shard_map) and
+`compilation` (XLA options, `jit`), which the package itself imports directly.
 
     mesh = make_mesh(tp=4, data=2); forward = jit(fn, mesh=mesh)"""
 
-# The names live by job in `layout` (mesh, weight and cache layout), `collectives` (inside
-# shard_map) and `compilation` (XLA options, jit); this module keeps every public name.
 from ladder_jax.model.collectives import (  # noqa: F401
     axis_index_tp,
     embed_lookup,

@@ -21,8 +21,8 @@ from jax.sharding import PartitionSpec as P
 from ladder_jax.config import ConfigError, ModelConfig, check_desync_tp
 from ladder_jax.model import decode, desync, quant, residual, sharding
 from ladder_jax.model.attention import attend_rotated, attention_kernel, rope_frequencies
+from ladder_jax.model.layout import DATA, TP, WeightSpecs
 from ladder_jax.model.linear import FusedInput, FusedLinear, FusesInputs, Linear
-from ladder_jax.model.sharding import DATA, TP, WeightSpecs
 
 # ---------------------------------------------------------------------------------------------
 # Initialization: each weight is drawn directly into its sharding, from a key that depends only

@@ -15,7 +15,7 @@ import numpy as np
 
 from ladder_jax import hardware
 from ladder_jax.config import RESIDUALS
-from ladder_jax.model import sharding
+from ladder_jax.model import compilation
 from ladder_jax.train.report import flops_per_token, peak_flops
 from ladder_jax.train.rundir import config_dict
 from ladder_jax.train.step import TrainState
@@ -35,7 +35,7 @@ def benchmark(trainer) -> list[dict]:
         trainer.log(
             f"  cpu: {hardware.cpu_description()}; XLA_FLAGS="
             f"{os.environ.get('XLA_FLAGS', '')!r}; compiler options "
-            f"{sharding.compiler_options('cpu', 'train')}"
+            f"{compilation.compiler_options('cpu', 'train')}"
         )
     runs, states = {}, {}
     for residual in RESIDUALS:

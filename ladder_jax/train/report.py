@@ -10,7 +10,7 @@ import jax
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ladder_jax import hardware
-from ladder_jax.config import TrainConfig
+from ladder_jax.train_config import TrainConfig
 
 
 def flops_per_token(c, seq_len: int) -> float:

@@ -20,10 +20,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 from omegaconf import OmegaConf
 
-from ladder_jax.config import ConfigError, TrainConfig, to_yaml
+from ladder_jax.config import ConfigError
 from ladder_jax.loading import DamagedCheckpoint, load_params
 from ladder_jax.train.checkpoint import SaveError
 from ladder_jax.train.lock import RunBusy, RunLock
+from ladder_jax.train_config import TrainConfig, to_yaml
 
 # Keys whose change makes a resumed run a different experiment.
 RESUME_KEYS = (

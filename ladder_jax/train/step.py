@@ -17,8 +17,9 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ladder_jax.config import ConfigError, OptimizerConfig
-from ladder_jax.model import sharding
+from ladder_jax.config import ConfigError
+from ladder_jax.model import collectives
+from ladder_jax.train_config import OptimizerConfig
 
 
 @struct.dataclass
@@ -248,7 +249,7 @@ def train_step(
     `loss_fn`, `loss_and_grads`."""
     loss, grads = loss_and_grads(graphdef, params, tokens_bt, targets_bt, mask_bt, loss_chunk, loss)
     grads = jax.tree.map(jax.lax.with_sharding_constraint, grads, shardings)
-    grad_norm = sharding.global_norm(grads, shardings)  # one all-reduce
+    grad_norm = collectives.global_norm(grads, shardings)  # one all-reduce
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
     def update(params, opt_state, grads):

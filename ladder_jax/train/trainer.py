@@ -30,10 +30,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ladder_jax import atomic, hardware, processes, runtime
-from ladder_jax.config import ConfigError, TrainConfig, check, model_config
+from ladder_jax.config import ConfigError
 from ladder_jax.interop.tokenizer import make_tokenizer
 from ladder_jax.loading import check_tp
-from ladder_jax.model import sharding
+from ladder_jax.model import compilation, layout
 from ladder_jax.model.transformer import Transformer, abstract
 from ladder_jax.train import data, distill, step
 from ladder_jax.train.benchmark import benchmark
@@ -42,6 +42,7 @@ from ladder_jax.train.evaluate import perplexity
 from ladder_jax.train.report import Reporter, duration, flops_per_token, peak_flops, peak_text
 from ladder_jax.train.rundir import RunDir, config_dict
 from ladder_jax.train.step import TrainState
+from ladder_jax.train_config import TrainConfig, check, model_config
 
 __all__ = [
     "NonFiniteError",
@@ -136,9 +137,9 @@ def train_mesh(cfg: TrainConfig, config, devices=None):
             data = data_parallel(cfg, cpu=jax.default_backend() == "cpu", devices=len(devices))
             want = cfg.mesh.tp * (data or len(devices) // cfg.mesh.tp)
             devices = devices[:want] if 0 < want <= len(devices) else devices
-    mesh = sharding.make_mesh(tp=cfg.mesh.tp, data=cfg.mesh.data, devices=devices)
-    sharding.check_divisible(config, cfg.mesh.tp, flag="mesh.tp")
-    sharding.check_batch(cfg.data.batch_size, mesh)
+    mesh = layout.make_mesh(tp=cfg.mesh.tp, data=cfg.mesh.data, devices=devices)
+    layout.check_divisible(config, cfg.mesh.tp, flag="mesh.tp")
+    layout.check_batch(cfg.data.batch_size, mesh)
     return mesh
 
 
@@ -190,8 +191,8 @@ class Trainer:
         self.loss_chunk = loss_chunk(cfg, self.model_config)
         self.is_main = jax.process_index() == 0
         check_host_memory(self.model_config, self.mesh, cfg.mesh.fsdp)
-        self.batch_sharding = NamedSharding(self.mesh, P(None, sharding.DATA, None))
-        self.eval_sharding = NamedSharding(self.mesh, P(sharding.DATA, None))
+        self.batch_sharding = NamedSharding(self.mesh, P(None, layout.DATA, None))
+        self.eval_sharding = NamedSharding(self.mesh, P(layout.DATA, None))
         self._load_data()
         self.lr_schedule = step.lr_schedule(cfg.optim, total_steps=cfg.steps)
         self.optimizer = step.make_optimizer(cfg.optim, total_steps=cfg.steps)
@@ -213,7 +214,7 @@ class Trainer:
             {i for i, row in enumerate(mesh.devices) for dv in row if dv.process_index == me}
         )
         per_proc = len(rows)
-        shard = (rows[0] // per_proc, mesh.shape[sharding.DATA] // per_proc)
+        shard = (rows[0] // per_proc, mesh.shape[layout.DATA] // per_proc)
         self.local_batch = cfg.data.batch_size // shard[1]
         tokens = data.load_tokens(cfg.data.path, self.tokenizer, self.model_config.vocab_size)
         train_records, eval_records = data.split(tokens, cfg.data.seq_len, cfg.data.eval_fraction)
@@ -279,7 +280,7 @@ class Trainer:
             opt_shardings=step.shardings_of(state.opt_state),
         )
         if self.teacher is None:
-            train = sharding.jit(
+            train = compilation.jit(
                 step.make_train_step(graphdef, loss_chunk=self.loss_chunk, **kw),
                 mesh=self.mesh,
                 program="train",
@@ -291,7 +292,7 @@ class Trainer:
                 graphdef, self.teacher[0], weight=d.weight, temperature=d.temperature, **kw
             )
             train = functools.partial(
-                sharding.jit(fn, mesh=self.mesh, program="train", donate_argnums=(1, 2)),
+                compilation.jit(fn, mesh=self.mesh, program="train", donate_argnums=(1, 2)),
                 self.teacher[1],
             )
 
@@ -300,7 +301,7 @@ class Trainer:
                 graphdef, params, batch_bt[:, :-1], batch_bt[:, 1:], loss_chunk=self.loss_chunk
             )
 
-        fns = (train, sharding.jit(eval_loss, mesh=self.mesh))
+        fns = (train, compilation.jit(eval_loss, mesh=self.mesh))
         self._steps[key] = fns
         return fns
 
