@@ -14,7 +14,8 @@ METRICS = ("acc_raw", "acc_per_token", "acc_per_char", "acc_uncond")
 
 
 def predictions(loglik, tokens, chars, uncond_loglik=None) -> dict[str, int]:
-    """The index each metric picks among one doc's choices (module docstring)."""
+    """The index each metric picks among one doc's choices (docs/evaluation.md, 'What the
+    metrics mean')."""
     ll = np.asarray(loglik, np.float64)
     scores = {
         "acc_raw": ll,

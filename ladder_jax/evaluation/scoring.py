@@ -32,7 +32,8 @@ class Score:
 
 
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """(context ids, continuation ids) of one request (module docstring)."""
+    """(context ids, continuation ids) of one request (docs/evaluation.md, 'How pairs are
+    scored')."""
     n = len(context) - len(context.rstrip())
     if n:
         context, continuation = context[:-n], context[-n:] + continuation
@@ -95,7 +96,7 @@ def _programs(graphdef, treedef, mesh):
 
 
 class Scorer:
-    """One model's jitted context prefill and continuation scoring (module docstring). A
+    """One model's jitted context prefill and continuation scoring (docs/evaluation.md). A
     quantized model on a CPU mesh is scored through its float copy, as decoding does."""
 
     def __init__(self, model):

@@ -106,7 +106,8 @@ def _read_lines(path: str):
 
 
 def load_task(name: str, regime: str = DEFAULT_REGIME, tasks_dir: str | None = None) -> Task:
-    """The task's docs, each with its choices in order and its gold (module docstring)."""
+    """The task's docs, each with its choices in order and its gold (docs/evaluation.md, 'Your
+    own tasks')."""
     path = task_path(name, regime, tasks_dir)
     cfg_file = os.path.join(path, "config.json")
     try:

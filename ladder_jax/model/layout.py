@@ -81,7 +81,7 @@ def data_size(mesh: Mesh) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class WeightSpecs:
-    """Partition spec of every weight, by einsum shape (see the module docstring)."""
+    """Partition spec of every weight, by einsum shape (docs/architecture.md)."""
 
     embed_vd: P
     head_dv: P

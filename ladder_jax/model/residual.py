@@ -128,8 +128,8 @@ def reduce_and_vary(no_reduce: bool):
 
 
 def _stream(plan, states, x_btd, positions_bt, inv_freq, *, vjps=None):
-    """The forward of the wiring (module docstring). With `vjps` (a list) records each
-    module's (norm vjp, module vjp) for the backward."""
+    """The forward of the wiring (docs/architecture.md, 'The residual wiring'). With `vjps` (a
+    list) records each module's (norm vjp, module vjp) for the backward."""
     reduce, vary = reduce_and_vary(plan.no_reduce)
     pending = None  # the previous module's all-reduced output, not yet added to x
     for k, slot in enumerate(plan.slots):
@@ -161,7 +161,7 @@ def _stream(plan, states, x_btd, positions_bt, inv_freq, *, vjps=None):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ladder_stream(plan, states, x_btd, positions_bt, inv_freq):
-    """`_stream` with the backward of the module docstring."""
+    """`_stream` with the backward of docs/architecture.md, 'The residual wiring'."""
     return _stream(plan, states, x_btd, positions_bt, inv_freq)
 
 
