@@ -1,6 +1,7 @@
 """Opening a model, for every place that reads weights (the API, the commands, evaluation,
 distillation, `init_from=`): a run or `convert` output, a Hugging Face directory or a GGUF
-file, checksums verified, weights straight into their shardings; and the writer of the first.
+file, checksums verified, weights straight into their shardings; `save_model` writes the
+`convert` layout.
 
     model, tokenizer = load_model("runs/tiny", mesh=mesh); save_model(model, "runs/copy")"""
 

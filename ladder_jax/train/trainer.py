@@ -1,6 +1,7 @@
-"""Train a Ladder Transformer: config -> mesh -> model -> step -> `runs/<name>/`. The loop
-fetches the loss every step, so it never queues work ahead (XLA:CPU's fake devices deadlock
-otherwise). Resume, faults, exit codes, many hosts: docs/training.md.
+"""Train a Ladder Transformer: config -> mesh -> model -> step -> `runs/<name>/` (config.yaml,
+metrics.jsonl, checkpoints/). The loop fetches the loss every step, so it never queues work
+ahead (XLA:CPU's fake devices deadlock otherwise). Resume, faults, exit codes, many hosts:
+docs/training.md.
 
     python -m ladder_jax.train configs/tiny.yaml model.residual=ladder name=tiny-ladder"""
 
