@@ -1,13 +1,8 @@
-"""ladder_jax: the Ladder Transformer (arXiv 2501.06589) in JAX, with explicit tensor parallelism.
+"""ladder_jax: the Ladder Transformer (arXiv 2501.06589) in JAX, with explicit tensor parallelism;
+the notebook API (`lj.fit`, `lj.load`, `lj.generate`, ...) is `ladder_jax.api`.
 
-from flax import nnx
-import ladder_jax as lj
-
-mesh = lj.make_mesh(tp=8)
-config = lj.ModelConfig.from_preset("tiny", residual="ladder")
-model = lj.Transformer(config, mesh=mesh, rngs=nnx.Rngs(0))
-logits = nnx.jit(lambda m, t: m(t))(model, tokens)      # (B, T, V) float32
-"""
+    model = lj.Transformer(lj.ModelConfig.from_preset("tiny", residual="ladder"),
+                           mesh=lj.make_mesh(tp=8), rngs=nnx.Rngs(0))"""
 
 from ladder_jax import runtime as _runtime
 

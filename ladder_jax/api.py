@@ -1,18 +1,12 @@
-"""The notebook API: from nothing to trained models, text and schedules in a few calls. Every
-call goes through the same code as the command-line tools.
+"""The notebook API: trained models, text and schedules in a few calls, through the same code as
+the command-line tools. Keyword overrides use `__` for the command line's dots.
 
     import ladder_jax as lj
     lj.runtime.setup_host(8)                      # CPU: 8 fake devices (before any jax work)
     run = lj.fit("configs/tiny.yaml", steps=200, model__residual="ladder")
     model, tokenizer = run.load()                  # or lj.load("runs/tiny") / an HF directory
     lj.generate(model, ["LOVE, n."], tokenizer=tokenizer, max_new_tokens=80)
-    lj.overlap_table("llama-3-8b", tp=8)           # the compiled GPU schedule, as a table
-    lj.predict("llama-3-70b", tp=[2, 4, 8])        # predicted tokens/s per scheme (no GPU)
-    lj.evaluate("runs/tiny", tasks="arc_easy,piqa", limit=100)   # OLMES accuracies, a table
-
-Keyword overrides use `__` for the dots of the command line: `model__residual="ladder"` is
-`model.residual=ladder`.
-"""
+    lj.predict("llama-3-70b", tp=[2, 4, 8])        # predicted tokens/s per scheme (no GPU)"""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
-"""Writes that appear whole or not at all: exports, converted models, results.
+"""Writes that appear whole or not at all (exports, converted models, results): into a temporary
+sibling of the destination, renamed into place once complete; on any failure the temporary is
+removed and the destination untouched.
 
-    with atomic.directory("exported/") as tmp:     # fill tmp; renamed to exported/ at the end
-        write_everything(tmp)
-    atomic.write_text("results.jsonl", text)      # a temporary sibling, then a rename
-
-Everything is written into a temporary sibling of the destination (same directory, so the
-final `os.rename` is atomic) and renamed into place only once complete; on any failure (a full
-disk, Ctrl-C) the temporary is removed and the destination is untouched, so the same command
-can simply be run again. Files and directories get the permissions an ordinary `open` /
-`mkdir` gives under the process's umask.
-"""
+    with atomic.directory("exported/") as tmp: write_everything(tmp)"""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
 """JAX's persistent compilation cache for the commands (serve, decode, eval, train), on by
-default: a second start of the same model with the same settings loads its compiled programs
-from disk instead of compiling them again.
+default: a second start loads the same programs from disk. `LADDER_COMPILE_CACHE` (a
+directory, or `off`): docs/inference.md, 'Serve' ("Fast restarts").
 
-`LADDER_COMPILE_CACHE`: unset, the user cache directory ($XDG_CACHE_HOME/ladder_jax/xla, else
-~/.cache/ladder_jax/xla); a path, that directory; `off` (or 0, no, false), no cache.
-`JAX_COMPILATION_CACHE_DIR`, when set, wins (jax reads it itself). Programs that compile in
-under MIN_COMPILE_S are not stored (the many small eager ones; jax's
-JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS wins). A directory that cannot be
-made is one `note:` line on stderr, and the command runs without a cache.
-
-    compile_cache.enable()   # before the first compile: the directory used, or None
-"""
+    compile_cache.enable()   # before the first compile: the directory used, or None"""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """The model's configuration: `ModelConfig` (frozen) and its presets, the residual schemes and
 their checks, and `UsageError` (the base of every user error; `ConfigError` for configs), which
-every command-line tool turns into one line and exit code 2. A training run's schema, derived
-from `ModelConfig`'s fields, is `ladder_jax.train_config`.
+every command-line tool turns into one line and exit code 2. A training run's schema is
+`ladder_jax.train_config`.
 
-    config = ModelConfig.from_preset("llama-3-8b", residual="ladder", ladder_layers=16)
-"""
+    config = ModelConfig.from_preset("llama-3-8b", residual="ladder", ladder_layers=16)"""
 
 from __future__ import annotations
 

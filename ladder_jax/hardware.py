@@ -1,16 +1,8 @@
-"""The GPUs ladder_jax knows, in one table: MFU (training), the memory-bandwidth roofline
-(decoding), the deviceless compile targets and the performance model's calibration read it.
+"""The GPUs ladder_jax knows, in one table read by MFU, the decode roofline, the deviceless
+compile targets (`TARGETS`) and the performance model; each constant names its public source
+(hardware_sources.json), none is fitted to a measured throughput (docs/analysis.md, 'Calibration').
 
-    cal = calibration("h100")          # or Calibration.load("gpu.json") from calibrate_gpu.py
-
-Chip figures are the vendors' dense spec-sheet numbers (H100 / H800 / H200 / A100 / B200 /
-L40S datasheets and the Hopper and Ampere whitepapers); `TARGETS` are the chips with an `arch`
-for `gpu_target_config`. `EFFICIENCY`, `LINKS` (NVLink, PCIe), `INTER_HOST` (InfiniBand),
-`NCCL` (NCCL's tuning model), `CONTENTION` and `LAUNCH` (host launch costs) each name their
-public source: its `sources` string, kept beside this module in hardware_sources.json (one
-entry per constant). None is fitted to a measured end-to-end throughput of any model. How
-to set them for a cluster: docs/analysis.md#calibration.
-"""
+    cal = calibration("h100")          # or Calibration.load("gpu.json") from calibrate_gpu.py"""
 
 from __future__ import annotations
 

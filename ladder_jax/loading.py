@@ -1,18 +1,9 @@
-"""Opening a model: one loader for every place that reads weights (the API, every command,
-evaluation, distillation, `init_from=`), and the writer of the directories it opens.
+"""Opening a model, for every place that reads weights (the API, the commands, evaluation,
+distillation, `init_from=`): a run or `convert` output, a Hugging Face directory or a GGUF
+file, checksums verified, weights straight into their shardings; `save_model` writes the
+`convert` layout.
 
-    model, tokenizer = load_model("runs/tiny", mesh=mesh)    # run, convert output, HF, GGUF
-    config = read_model_config("runs/tiny")                  # its shapes, weights untouched
-    save_model(model, "runs/copy", tokenizer=tokenizer)      # what `convert` writes
-
-Sources: a training run or `python -m ladder_jax.convert` output (config.yaml and
-checkpoints/<step>/params, orbax), a Hugging Face Llama directory (config.json + safetensors,
-`ladder_jax.interop.hf`), a GGUF file (known by its magic, `ladder_jax.interop.gguf`). A
-checkpoint's `checksums.json` (every file's size and CRC-32) is verified before its weights are
-read; a damaged one is `DamagedCheckpoint`, one line naming the file. Weights go straight into
-their shardings on the mesh; no random weights are made. The trainer's own checkpoints
-(`ladder_jax.train.checkpoint`) build on this module.
-"""
+    model, tokenizer = load_model("runs/tiny", mesh=mesh); save_model(model, "runs/copy")"""
 
 from __future__ import annotations
 

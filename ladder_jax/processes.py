@@ -1,17 +1,9 @@
-"""The plumbing of a job of several processes, once `runtime.setup` has chosen the platform.
+"""The plumbing of a job of several processes, once `runtime.setup` has chosen the platform:
+bounded waits, the peer watch, native output, exit codes (docs/training.md, 'Many processes
+and hosts'). Importing the module does nothing.
 
     processes.start(coordinator="host0:1234", num_processes=8, process_id=3, cpu=True)
-    processes.agree(settings, "model or decoding flags")    # all started alike, else exit 2
-
-`start` joins `jax.distributed` (from the arguments, the JAX_* variables or SLURM) with bounded
-waits: every process waits at most LADDER_PEER_TIMEOUT seconds (default 60) for its peers, and a
-peer watch then ends the process in one line when a peer stops answering. Native output goes
-through child processes (`children/output_filters.py`, run from its file: a child outlives its
-process, so it sees what C++ libraries print at the very end): Gloo's lines leave stdout, and
-jaxlib's C++ stack when its coordination service fails becomes one line on stderr, with exit
-code 6 and no core dump. `collective_failed` and `stop_watchdog` end a process blocked in a
-collective whose peer is gone. Only `start` does any of this; importing the module does not.
-"""
+    processes.agree(settings, "model or decoding flags")    # all started alike, else exit 2"""
 
 from __future__ import annotations
 

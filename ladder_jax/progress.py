@@ -1,17 +1,8 @@
-"""Progress lines on stderr for long work, also where no terminal shows a bar (a log file, CI, a
-notebook): the first state at once, then a line whenever the state changes but at most one
-every `every_s` seconds, and, while nothing changes, the last state again with the time spent
-so far, so that a reader never waits more than `every_s` seconds for a sign of life.
+"""Progress lines on stderr for long work where no bar shows (a log file, CI): the first state at
+once, then each change at most every `every_s` seconds, and the last state again (with the time
+spent) while nothing changes.
 
-    with ProgressLines(every_s=10) as lines:
-        for k in range(n):
-            lines.show(f"compiling llama-3-70b: {k}/{n} programs")
-            ...
-        lines.show(f"compiling llama-3-70b: {n}/{n} programs", now=True)   # at once
-
-Lines go through `runtime.write_stderr` (shown while `runtime.quiet()` captures the native
-stderr of compiling threads).
-"""
+    with ProgressLines(every_s=10) as lines: lines.show(f"compiling: {k}/{n} programs")"""
 
 from __future__ import annotations
 

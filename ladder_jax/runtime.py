@@ -1,17 +1,9 @@
-"""Process start-up, the same for every command-line tool, before jax touches a backend.
+"""Process start-up, the same for every command-line tool, before jax touches a backend: the
+platform (fake CPU devices where no NVIDIA device is), the host allocator, the multi-process
+join, and `quiet()` / `hush_missing_cuda()` for the CUDA plugin's start-up noise. Importing it
+changes nothing; it imports jax only inside its functions.
 
-    runtime.setup(cpu_devices=2)                      # one process
-    runtime.setup(coordinator="host0:1234", num_processes=8, process_id=3)
-
-CPU when no NVIDIA device is present; CPU hosts split into fake devices so tensor parallelism
-runs for real; on CPU, glibc keeps the memory XLA frees between steps (`keep_freed_memory`,
-LADDER_JAX_HOST_MALLOC=default turns it off); a job of several processes is joined by
-`processes.start` (the arguments, the JAX_* variables or SLURM). `quiet()` drops the CUDA
-plugin's start-up lines and `hush_missing_cuda()` its "cannot load CUDA" log record on a
-GPU-less host: `import ladder_jax` imports this module first and jax inside both, so this
-module imports jax (and the config, which imports jax) only inside the functions that use it.
-Importing it changes nothing.
-"""
+    runtime.setup(cpu_devices=2)      # or coordinator=, num_processes=, process_id="""
 
 from __future__ import annotations
 

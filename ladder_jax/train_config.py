@@ -1,12 +1,9 @@
-"""A training run's configuration: `TrainConfig`, the schema of `python -m ladder_jax.train`
-(its model section derived from `ModelConfig`'s own fields), `load_config` and its checks.
+"""A training run's configuration: `TrainConfig`, the schema of `python -m ladder_jax.train` (its
+model section derived from `ModelConfig`'s fields, each field with its help text), and
+`load_config`: YAML files merged left to right, then `key=value` overrides, an error naming the
+key or the file and line. Imports neither jax's backends nor the rest of the package.
 
-    cfg = load_config(["configs/tiny.yaml", "model.residual=ladder"])
-
-YAML files merge left to right, then `key=value` overrides (OmegaConf structured configs); an
-error names the key (and the closest valid one) or the file and line. Every field carries its
-help text (`train --help`). Nothing here imports jax's backends or the rest of the package.
-"""
+    cfg = load_config(["configs/tiny.yaml", "model.residual=ladder"])"""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""Timing one collective: NCCL's algorithms and protocols within a host (NVLink or PCIe,
-NVLS where the chip has it) and hierarchically across hosts, from the public figures in
-`ladder_jax.hardware` (`NcclTuning`, `Link`).
+"""Timing one collective as NCCL runs it, within a host (NVLink, PCIe, NVLS) and across hosts,
+from the public figures of `ladder_jax.hardware` (`NcclTuning`, `Link`). The model, term by
+term: docs/analysis.md, 'Collectives across hosts', 'Collectives within a host'.
 
-    seconds, latency, pick = time_collective(kernel, link=cal.links["nvlink"], calibration=cal)
-
-`collective_seconds` is the textbook ring / tree (alpha-beta) model; `nccl_seconds` and
-`nccl_one_host_seconds` follow NCCL's tuner (its base latencies, per-hop latencies, LL128
-enable rule and bandwidth shares). docs/analysis.md derives every term.
-"""
+    seconds, latency, pick = time_collective(kernel, link=cal.links["nvlink"], calibration=cal)"""
 
 from __future__ import annotations
 

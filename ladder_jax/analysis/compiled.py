@@ -1,11 +1,9 @@
-"""The compiled programs the performance model reads: one request shape (`Workload`), the
-kernels of its prefill, decode-step or training program (`program_kernels`, compiled once
-per process and shape), and the depths compiled for a model (`compiled_depths`: all its
-layers, or a few and one fewer, extended linearly by the costing).
+"""The compiled programs the performance model reads: a request shape (`Workload`), the kernels
+of its prefill, decode-step or training program (`program_kernels`, compiled once per process
+and shape), and the depths compiled for a model (`compiled_depths`).
 
     w = Workload(tp=8, batch=1, prompt_len=1024, new_tokens=512)
-    kernels = program_kernels(config, w, phase="decode").kernels
-"""
+    kernels = program_kernels(config, w, phase="decode").kernels"""
 
 from __future__ import annotations
 

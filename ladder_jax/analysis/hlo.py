@@ -1,14 +1,8 @@
-"""THE reader of compiled HLO text: a scheduled module as computations of typed instructions.
+"""The one reader of compiled HLO text: a scheduled module as computations of typed instructions
+(`Op`: operands, attributes, shape, replica group, the model layer that made it, whether it is
+a matmul kernel). docs/analysis.md, 'See the overlap'.
 
-    module = Module(text); [(op.opcode, op.layer, module.collective(op)) for op in module.entry]
-
-An `Op` reads everything from its text: operands, attributes, shape, replica group, the JAX op
-and model layer that made it, whether it is a matmul kernel (a cuBLAS call, a Triton GEMM
-fusion, the package's Triton small-M matmul, a `dot`, or a fusion of a `dot_general`). The
-overlap report and the performance model read programs only through this module. Text,
-because jaxlib's HLO objects do not expose shapes, attributes or metadata, and the program
-cache stores text.
-"""
+    module = Module(text); [(op.opcode, op.layer, module.collective(op)) for op in module.entry]"""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""Reading the scheduled program: one `Kernel` per ENTRY instruction that takes time on a GPU.
+"""Reading the scheduled program: one `Kernel` per ENTRY instruction that takes time on a GPU,
+with the HBM bytes and FLOPs of a compute kernel, or a collective's message bytes, ranks and
+hosts. What is counted: docs/analysis.md, 'Predict the speed-up'.
 
-    kernels = read_kernels(hlo_text, devices=8)
-
-A compute kernel carries the HBM bytes it reads and writes and the FLOPs it does (GEMMs,
-fusions, the ragged attention at the cache's filled share, Pallas / Triton calls); a
-collective becomes a start and a done (asynchronous) or one sync kernel, with its message
-bytes, ranks and hosts; free instructions (bitcasts, tuples, parameters) are dropped. The
-costing (`timeline.costed`) times them; docs/analysis.md says what is counted and why.
-"""
+    kernels = read_kernels(hlo_text, devices=8)"""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
 """Deviceless GPU programs and their schedules: every all-reduce, every other collective and the
 memory per device of a program compiled for an NVIDIA GPU target on a machine with no GPU.
+What counts as overlapped: docs/analysis.md, 'See the overlap'.
 
-    python -m ladder_jax.overlap --preset llama-3-8b --tp 8 --phase decode
-    python -m ladder_jax.overlap --config configs/llama-3-70b.yaml --hosts 8
-
-An all-reduce is *overlapped* when a matmul kernel is scheduled between its start and done (and
-XLA did not mark it `is_sync`). Module all-reduces are attributed through the model's
-`layer{i}.{attn|mlp}` named scopes; backward ones carry `transpose(`. `--config` compiles the
-training step a config runs and checks it fits (`step.check_memory`, the trainer's check on a
-GPU). Programs come from `ladder_jax.analysis.programs`, read by `ladder_jax.analysis.hlo`.
-See docs/analysis.md.
-"""
+    python -m ladder_jax.overlap --preset llama-3-8b --tp 8 --phase decode"""
 
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
 """Predict tokens/s of each residual scheme on GPUs you do not have, from the schedule XLA
-compiles for them.
+compiles: programs (`compiled`) -> kernels (`kernels`) -> kernels and collectives timed
+(`collectives`) -> streams replayed (`timeline`) -> rows (`predict`, printed by `tables`).
+Method, calibration and limits: docs/analysis.md, 'Predict the speed-up'.
 
-    python -m ladder_jax.predict --preset llama-3-70b --tp 8 --batch 1 --link nvlink pcie
-    rows = lj.predict("llama-3-70b", tp=[2, 4, 8])
-
-In order: the programs of a `Workload` compiled deviceless (`compiled`), their kernels read
-from the scheduled HLO (`kernels`), each kernel timed as a roofline plus a fixed overhead and
-each collective as NCCL picks it (`collectives`), the two streams replayed as scheduled
-(`timeline`), 3- and 4-layer compiles extended linearly to full depth (`program_time`, as a
-`Costing` says), rows for a `Sweep` (`predict`), printed by `tables`. The calibration is
-`ladder_jax.hardware`, never fitted to a measured model throughput. Method, flags and what it
-leaves out: docs/analysis.md.
-"""
+    rows = lj.predict("llama-3-70b", tp=[2, 4, 8])   # python -m ladder_jax.predict ..."""
 
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
-"""What gets compiled: the model programs users run, built from shapes alone for an NVIDIA GPU
-target on a machine with no GPU (the CUDA PJRT plugin, the `analysis` extra).
+"""What gets compiled, from shapes alone, for an NVIDIA GPU target on a machine with no GPU: the
+decoder's programs (`compile_program`) and the trainer's step (`train_program`;
+`compile_train_config` for a whole TrainConfig on N hosts). Options and the on-disk cache
+(`LADDER_JAX_CACHE`): docs/analysis.md, 'Predict the speed-up'.
 
-    hlo_text, seconds = compile_program(config, phase="decode", tp=8, batch=1, seq=1024)
-
-Phases are the programs users run: `Decoder`'s prefill and one-token step, and the trainer's
-step (`train_program`, the one builder of every training program; `compile_train_config` for a
-whole TrainConfig on N hosts of G GPUs). Options are `compilation.compiler_options("gpu")`, with
-cuBLAS GEMMs as the fallback where untuned Triton tiling fails. The scheduled HLO is cached on
-disk (`cache_dir()`, `LADDER_JAX_CACHE`), keyed on what is compiled (`program_key`); the
-backend runs lean (no LLVM optimization, no machine code), which leaves the schedule unchanged
-(tested). See docs/analysis.md.
-"""
+    hlo_text, seconds = compile_program(config, phase="decode", tp=8, batch=1, seq=1024)"""
 
 from __future__ import annotations
 

@@ -1,19 +1,8 @@
-"""The decode step against the HBM roofline: bytes and kernels per layer of the compiled
-program, against the least a step must move.
+"""The decode step against the HBM roofline: bytes and kernels per layer of the compiled program,
+against the least a step must move (its weight shards and the KV cache's filled slots, once).
+What is counted: docs/analysis.md, 'The roofline report'.
 
-    r = layer_report(config, Workload(tp=8, batch=1, prompt_len=1024, new_tokens=512))
-    r["bytes_vs_minimum"], r["kernels_per_layer"]
-
-At one token per row a decode step is memory bound: it must read each weight shard of the GPU
-once and the KV cache once, and anything else it reads or writes (a weight-sized product
-written and read back, an int8 weight converted to a float copy) is waste. A layer's bytes and
-kernels are the difference between compiles of `d` and `d - 1` layers (`compiled_depths`),
-so the embedding, head and sampling drop out; its minimum is the layer's weight blocks as one
-GPU reads them (int8 values and their scales; the fused input projection where decoding fuses
-it) plus its slice of the KV cache's filled slots. Invariant: `bytes_vs_minimum >= 1` up to
-the few bytes of activations and norms a layer cannot avoid (docs/analysis.md, the roofline
-report).
-"""
+    r = layer_report(config, Workload(tp=8, batch=1, prompt_len=1024, new_tokens=512))"""
 
 from __future__ import annotations
 

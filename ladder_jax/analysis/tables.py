@@ -1,10 +1,7 @@
-"""The `predict` rows as text: the scheme table with its ratios over standard, the training
-table, the memory note, the one-line-per-cell summary and the decision table (each scheme with
-NCCL and with the best all-reduce implementation, and what the ladder buys over the best
-standard configuration).
+"""The `predict` rows as text: the scheme table (ratios over standard), the training table, the
+memory note, the one-line summary and the decision table (docs/analysis.md).
 
-    print(format_table(rows)); print(summary(rows)); print(format_decision(decision(rows)))
-"""
+    print(format_table(rows)); print(summary(rows)); print(format_decision(decision(rows)))"""
 
 from __future__ import annotations
 

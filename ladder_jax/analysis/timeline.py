@@ -1,14 +1,8 @@
-"""The timeline simulation: kernels timed (`costed`), then the compute and collective
-streams replayed exactly as XLA scheduled them (`simulate`), with contention between a
-collective in flight and the kernels beside it, the host's launches and cross-stream waits.
+"""The timeline simulation: kernels timed (`costed`), then the compute and collective streams
+replayed as XLA scheduled them (`simulate`); `extended` carries a short replay to full depth,
+`overlap_bound` is the most any schedule could hide (docs/analysis.md, 'Predict the speed-up').
 
-    ops = costed(kernels, calibration=cal, link=cal.links["nvlink"], launch="graphs")
-    t = simulate(ops, step_s=cal.launch.step_s)      # t.seconds, t.compute_s
-
-`extended` carries a 3- and 4-layer replay to full depth; `overlap_bound` is the most any
-schedule could hide of each module's all-reduce behind the next module's compute (with
-`one_in_flight`, as XLA keeps one collective in flight). docs/analysis.md, the timeline.
-"""
+    t = simulate(costed(kernels, calibration=cal, link=cal.links["nvlink"]), step_s=...)"""
 
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
-"""The child process between a multi-process job's native output and the real one
-(`processes.start` routes file descriptor 1 or 2 of each process through one).
+"""The child process between a multi-process job's native output and the real one (file
+descriptor 1 or 2, `processes.start`): `stdout` drops Gloo's connection lines, `stderr` turns
+jaxlib's C++ stack on a coordination failure into one line. Standard library only; it runs from
+its file, not with `python -m` (which would import jax in every child).
 
-    python -I output_filters.py stdout PIECE ...      # drops lines made only of the pieces
-    python -I output_filters.py stderr PID NPROC TIMEOUT FLAG FLAG FLAG
-
-`stdout` drops Gloo's connection lines (lines of the pieces and numbers only, however threads
-tangle them); `stderr` turns jaxlib's C++ stack, when the job's coordination service fails, into
-one line. Everything else passes at once. A child outlives its process, so it also sees what C++
-libraries print after Python's exit handlers; it ignores the signals meant for its process. It
-runs from its file, not with `python -m`, which would import the package and with it jax in
-every child; it imports the standard library only.
-"""
+    python -I output_filters.py stdout PIECE ...      # drops lines made only of the pieces"""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""What every command line shares: `ArgumentParser`, argparse with one-line errors and help
-that shows each flag's default.
+"""What every command line shares: `ArgumentParser`, argparse whose bad flags are one line on
+stderr and exit code 2 (with a "did you mean" hint), never the usage dump, and whose help adds
+"(default: X)" where a flag's help does not name its default.
 
-    p = ArgumentParser(prog="python -m ladder_jax.decode", description=...)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")   # "(default: 0)"
-
-A bad flag is one line on stderr and exit code 2, like every other bad input of the package:
-`error: --seed: invalid int value '1.5'`, `error: unrecognized arguments: --sed (did you mean
---seed?)`; never argparse's usage dump. Help adds "(default: X)" to a flag whose help text
-does not already name its default (not for flags without a value, nor for a None default).
-"""
+    p = ArgumentParser(prog="python -m ladder_jax.decode", description=...)"""
 
 from __future__ import annotations
 

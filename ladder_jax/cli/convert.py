@@ -1,21 +1,11 @@
 """Convert checkpoints: `python -m ladder_jax.convert --hf PATH --out DIR [...]`.
 
-    # a Hugging Face Llama -> a ladder_jax checkpoint, upper 8 layers converted to ladder
-    python -m ladder_jax.convert --hf Llama-3.2-1B/ --out runs/llama-hybrid \\
-        --residual ladder --ladder-layers 8
-    # a trained run (or a Hugging Face directory) -> the Hugging Face layout
+    python -m ladder_jax.convert --hf llama-1b/ --out runs/hyb --residual ladder --ladder-layers 8
     python -m ladder_jax.convert --checkpoint runs/tiny --out exported/ --to-hf
-    # int8 weights for decoding, stored quantized (loaded without re-quantizing)
     python -m ladder_jax.convert --checkpoint runs/tiny --out runs/tiny-int8 --quantize int8
-    # a llama.cpp GGUF file (quantized blocks dequantized; its tokenizer and chat template)
     python -m ladder_jax.convert --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out runs/smollm2
 
-The output is laid out like a training run (config.yaml, tokenizer.json, checkpoints/0 with
-its checksums), which `lj.load`, decode, eval and `train`'s `init_from=` read; with `--to-hf`,
-config.json + safetensors + tokenizer.json. The residual scheme is free: every scheme reads the
-same weights (`--residual ladder --ladder-layers N` is the paper's post-training conversion).
-Bad input: one line, exit 2, before any work. docs/training.md#converting has the layout.
-"""
+Every scheme reads the same weights. Output layouts: docs/training.md, 'Converting'."""
 
 from __future__ import annotations
 

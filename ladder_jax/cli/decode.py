@@ -1,16 +1,8 @@
-"""Generate from the command line: `python -m ladder_jax.decode`.
+"""Generate from the command line: `python -m ladder_jax.decode` (the library behind it:
+`ladder_jax.inference.generation`). More: docs/inference.md, 'Decode'.
 
     python -m ladder_jax.decode --preset tiny --prompt "Once upon a time" --max-new-tokens 64
-    python -m ladder_jax.decode --checkpoint runs/tiny --prompt "LOVE, n." --temperature 0.7
-    python -m ladder_jax.decode --preset small --benchmark --residual all --batch 16
-    python -m ladder_jax.decode --checkpoint runs/tiny --quantize int8 --prompt "LOVE, n."
-    python -m ladder_jax.decode --checkpoint runs/smollm2 --chat --temperature 0 \
-        --prompt "What is the capital of France?"
-
-The library behind it (KV cache, prefill and one-token step, sampling, `generate`, the
-benchmark) is `ladder_jax.inference.generation`. Bad input is one
-line and exit code 2.
-"""
+    python -m ladder_jax.decode --preset small --benchmark --residual all --batch 16"""
 
 from __future__ import annotations
 

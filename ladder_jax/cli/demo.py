@@ -1,9 +1,5 @@
-"""A first look, on any machine: every residual scheme, sharded over all devices, checked
-against an unsharded run of the same weights. `python -m ladder_jax.demo --help`.
-
-On CPU the demo splits the host into 8 devices (XLA's fake host devices) so tensor
-parallelism is real: the all-reduces run, only slower than on GPUs.
-"""
+"""A first look on any machine: every residual scheme, sharded over all devices (8 fake devices
+on a CPU), checked against an unsharded run of the same weights. `python -m ladder_jax.demo`."""
 
 from __future__ import annotations
 

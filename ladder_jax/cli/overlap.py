@@ -1,12 +1,8 @@
-"""Prove the overlap: `python -m ladder_jax.overlap` compiles a model program for an NVIDIA GPU
-target on a machine with no GPU and reports every all-reduce of its schedule (how, and what
-counts: `ladder_jax.analysis.overlap`).
+"""Prove the overlap: compile a model program for an NVIDIA GPU target on a machine with no GPU
+and report every all-reduce of its schedule (`ladder_jax.analysis.overlap`).
 
     python -m ladder_jax.overlap --preset llama-3-8b --tp 8 --phase decode
-    python -m ladder_jax.overlap --preset tiny --residual standard --phase train --json
-    python -m ladder_jax.overlap --config configs/llama-3-70b.yaml --hosts 8
-    python -m ladder_jax.overlap --preset tiny --tp 2 --dump-hlo decode.hlo   # the program
-"""
+    python -m ladder_jax.overlap --config configs/llama-3-70b.yaml --hosts 8"""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
 """Predict tokens/s of each residual scheme on GPUs you do not have, from the schedule XLA
-compiles for them (deviceless, on this CPU) and public hardware figures.
+compiles for them (deviceless, on this CPU) and public hardware figures (docs/analysis.md).
 
     python -m ladder_jax.predict --preset llama-3-70b --tp 2 4 8 --batch 1 4 16 --link nvlink pcie
-    python -m ladder_jax.predict --preset llama-3.1-405b --tp 16 --hosts 2 --batch 1 4
-    python -m ladder_jax.predict --preset llama-2-7b --target a100 --tp 1 2 4 8
-    python -m ladder_jax.predict --phase train --config configs/tiny.yaml --tp 2
-
-The method, its calibration and what it leaves out: `ladder_jax.analysis.perfmodel`'s
-docstring and docs/analysis.md. Compiled programs are cached (LADDER_JAX_CACHE, default
-~/.cache/ladder_jax/programs; LADDER_JAX_CACHE=off to disable).
-"""
+    python -m ladder_jax.predict --phase train --config configs/tiny.yaml --tp 2"""
 
 from __future__ import annotations
 

@@ -3,12 +3,7 @@
     python -m ladder_jax.serve --checkpoint runs/tiny --port 8000
     python -m ladder_jax.serve --preset small --tp 2 --slots 16 --api-key secret
 
-Continuous batching over the jitted decode step (`ladder_jax.inference.batching`), the HTTP
-API of `ladder_jax.inference.server` on uvicorn (`pip install -e ".[serve]"`). Binds 127.0.0.1
-unless --host says otherwise. SIGTERM (or Ctrl-C) stops admitting (503), lets running requests
-finish for up to --drain-seconds, cancels the rest and exits 0; with several processes, a signal
-to any of them stops them all. Bad input is one line and exit code 2.
-"""
+Batching, draining, several processes: docs/inference.md, 'Serve'."""
 
 from __future__ import annotations
 

@@ -1,22 +1,8 @@
-"""Multiple-choice accuracies as OLMES defines them, with binomial standard errors.
+"""Multiple-choice accuracies as OLMES defines them (acc_raw, acc_per_token, acc_per_char,
+acc_uncond), with binomial standard errors. docs/evaluation.md, 'What the metrics mean'.
 
     preds = predictions(loglik, tokens, chars, uncond_loglik)   # {metric: chosen index}
-    value, stderr = accuracy([pred == gold for ...])
-
-A doc's choice i has a summed loglikelihood ll_i of its continuation given its context, the
-continuation's token count and its character count (the continuation string as the request
-gives it, leading space included). The choice picked is the argmax (the first on ties) of:
-
-    acc_raw        ll_i                      the plain sum
-    acc_per_token  ll_i / tokens_i           per token (depends on the tokenizer)
-    acc_per_char   ll_i / chars_i            per character (OLMES' usual length normalization)
-    acc_uncond     ll_i - ll_uncond_i        minus the continuation's loglikelihood after the
-                                             bare answer prompt (pointwise mutual information)
-
-acc_uncond exists only where the task has unconditional requests (its config's
-`uncond_docid_offset`). A task's accuracy is the mean over docs of (pick == gold); its
-standard error the binomial sqrt(p (1 - p) / n).
-"""
+    value, stderr = accuracy([pred == gold for ...])"""
 
 from __future__ import annotations
 
@@ -28,7 +14,8 @@ METRICS = ("acc_raw", "acc_per_token", "acc_per_char", "acc_uncond")
 
 
 def predictions(loglik, tokens, chars, uncond_loglik=None) -> dict[str, int]:
-    """The index each metric picks among one doc's choices (module docstring)."""
+    """The index each metric picks among one doc's choices (docs/evaluation.md, 'What the
+    metrics mean')."""
     ll = np.asarray(loglik, np.float64)
     scores = {
         "acc_raw": ll,

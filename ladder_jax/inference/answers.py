@@ -1,14 +1,8 @@
-"""How the server answers once a request is checked: `Run` (one engine request, its tokens
-posted from the engine's thread to the event loop with `loop.call_soon_threadsafe`, read back
-as text through a `TextStream` that holds back a possible stop string or a cut character, so
-streamed pieces add up to the final text), and `Answers`: submit, wait for whole answers or
-stream server-sent events, each request counted once by endpoint and status (499: the client
-went away, a dropped stream too; NaN logits: a 500, streamed an error event). A disconnect
-cancels its request.
+"""How the server answers a checked request: `Run` (one engine request, its tokens posted to the
+event loop and read back as text) and `Answers` (submit, collect or stream server-sent events,
+count each request once). docs/inference.md, 'Inside the server'.
 
-    answers = Answers(engine, metrics, "tiny")
-    refused = answers.submit([run], "completions") or await answers.collect(request, [run], ...)
-"""
+    refused = answers.submit([run], "completions") or await answers.collect(request, [run], ...)"""
 
 from __future__ import annotations
 

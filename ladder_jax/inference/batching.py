@@ -1,18 +1,8 @@
 """Continuous batching over the jitted decode step: a fixed number of slots, each owning one row
-of one KV cache, filled and emptied between decode steps.
+of one KV cache, filled and emptied between decode steps. Rounds, processes and limits:
+docs/inference.md, 'Inside the server'.
 
-    engine = Engine(model, slots=16, max_queue=64); engine.start(); engine.submit(request)
-
-Each round is one *plan*, built on process 0 from host state: `steps_per_plan` decode steps
-over all slots, then up to `prefills_per_step` waiting requests prefilled into free rows, one
-program per prompt-length bucket. Every token reaches the host each round (at most one program
-queued); finished requests free their slot at once. Invariant: a slot's tokens depend only on
-its own prompt, settings and key, so greedy it equals `generate` of that prompt alone. Many
-processes: process 0 broadcasts each plan, the others `follow()`. Meshes with data > 1 are
-refused; callbacks run on the scheduling thread and must not block.
-Requests with `logprobs` run the scored variants of both programs (`Decoder.*_scored`,
-compiled on first use); the others keep the plain programs.
-"""
+    engine = Engine(model, slots=16, max_queue=64); engine.start(); engine.submit(request)"""
 
 from __future__ import annotations
 

@@ -1,19 +1,8 @@
-"""The KV cache: a typed pytree, one key and one value array per layer.
+"""The KV cache: a typed pytree, one key and one value array per layer. Its layout, and why to
+size it with `cache_length`: docs/architecture.md, 'The KV cache layout'.
 
     cache = KVCache.init(config, mesh, batch=4, length=256)      # zeros, in their sharding
-    shapes = KVCache.abstract(config, mesh, batch=4, length=256)  # ShapeDtypeStructs, no memory
-    cache.nbytes, cache.batch, cache.length
-
-Keys are (B, K', H, S) and values (B, K', S, H), K' = max(K, tp) kv heads
-(`layout.cache_kv_heads`: under tp > K every rank holds one copy of its kv head), batch rows
-on `data` and kv heads on `tp` (`layout.CACHE_BKSH`, which says why keys keep their slots
-last). The model reads and writes it as a list of (k, v) per layer (`layers()` /
-`from_layers`): `Transformer.forward_cached` writes row b's new entries at slots
-positions[b, 0] onwards.
-
-Footgun: XLA clamps out-of-range dynamic updates silently, so a row written past `length`
-overwrites its last slot: size it with `cache_length` and check lengths on the host.
-"""
+    shapes = KVCache.abstract(config, mesh, batch=4, length=256)  # ShapeDtypeStructs only"""
 
 from __future__ import annotations
 

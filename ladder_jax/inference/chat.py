@@ -1,12 +1,7 @@
-"""Chat templates, compiled and rendered one way for the server and `decode --chat`: jinja2 in
-a sandbox with trim / lstrip blocks and `raise_exception`, as transformers'
-`apply_chat_template` does. Every failure (a template that does not parse, one that calls
-`raise_exception`, one that fails on the messages) is one `ChatTemplateError` whose message is
-a single line for the user; jinja2 is the `serve` extra's.
+"""Chat templates, compiled and rendered one way for the server and `decode --chat` (jinja2 in a
+sandbox, as transformers' `apply_chat_template`); every failure is one `ChatTemplateError`.
 
-    template = compile_chat_template(source)
-    ids = render_chat(template, [{"role": "user", "content": "Hi"}], tokenizer)
-"""
+    ids = render_chat(compile_chat_template(source), messages, tokenizer)"""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Text of a growing list of token ids in linear time: each new token decodes a few tokens
-(a short window before the committed end, then the tokens of a character still being cut),
-never the whole list again. The text equals the tokenizer's decode of all the ids for
-tokenizers whose decode of a list is the decode of its parts joined (byte-level BPE, the byte
-tokenizer); the window covers those that drop a leading space at the start of a decode.
+"""Text of a growing list of token ids in linear time: each new token decodes a short window, never
+the whole list again (docs/inference.md, 'Inside the server').
 
-    text = Detokenizer(tokenizer); text.add(token); text.starts[i]; text.from_char(k)
-"""
+    text = Detokenizer(tokenizer); text.add(token); text.starts[i]; text.from_char(k)"""
 
 from __future__ import annotations
 

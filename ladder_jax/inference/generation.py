@@ -1,15 +1,8 @@
 """KV-cached generation: the jitted prefill and one-token step (`Decoder`), batched `generate`
-and the paper's decode benchmark; the command line is `python -m ladder_jax.decode`.
+and the decode benchmark (`python -m ladder_jax.decode`). What it guarantees and checks:
+docs/inference.md, 'Decode' and 'From Python'.
 
-    texts = generate(model, ["Once upon a time"], max_new_tokens=64,
-                     sampling=Sampling(temperature=0.8, top_k=200, seed=0))
-
-Programs are jitted once per shape with the cache donated and run the model's own scheme and
-sharding. Rows are right-padded, each with its own positions and causal mask, so a prompt gives
-the same tokens alone or in any batch. Checked on the host first: prompt + new tokens must fit
-the cache (XLA clamps out-of-range updates silently) and token ids must be integers. At most one
-step is in flight beyond the one being read (fake CPU devices deadlock otherwise).
-"""
+    texts = generate(model, ["Once upon a time"], max_new_tokens=64, temperature=0.8, seed=0)"""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""The server's Prometheus metrics: requests by endpoint and status (499: the client went
-away), prompt and generated tokens, time to first token, and the engine's decode steps, queue
-and slots read at each scrape.
+"""The server's Prometheus metrics: requests by endpoint and status, tokens, time to first token,
+and the engine's decode steps, queue and slots read at each scrape.
 
-    metrics = Metrics(engine); metrics.request("chat", 200); body = metrics.text()
-"""
+    metrics = Metrics(engine); metrics.request("chat", 200); body = metrics.text()"""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""The OpenAI request and response schema of the server: the body fields accepted, the
-types and ranges of those with fixed limits (pydantic, strict), the error body
-`{"error": {message, type, param, code}}`, the legacy completions `logprobs` object and the
-server-sent event framing. Pure data: no engine, no HTTP.
+"""The OpenAI request and response schema of the server (pydantic, strict): body fields and their
+fixed limits, the error body, the legacy `logprobs` object, server-sent event framing. Pure data.
 
-    data = parse_json(body); top, echo = scoring(data)
-    return error(400, "temperature=3 must be a number from 0 to 2", "temperature")
-"""
+    data = parse_json(body); top, echo = scoring(data)"""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""The checks of one completion or chat request body against the engine it goes to: only
-known fields (unsupported ones at their neutral value), the served model's name, a prompt
-(text, token ids in the vocabulary, or chat messages through the chat template) and
-`max_tokens` that fit the positions of a request, the sampling fields. Each failure is one
-`BadRequest` naming the field; the first wrong field wins.
+"""The checks of one completion or chat request body against the engine it goes to (fields, model
+name, prompt, `max_tokens`, sampling); each failure is one `BadRequest` naming the field.
 
-    checks = RequestChecks(engine, tokenizer, model_name="tiny")
-    parsed = checks.parse(data, chat=False)
-"""
+    parsed = RequestChecks(engine, tokenizer, model_name="tiny").parse(data, chat=False)"""
 
 from __future__ import annotations
 

@@ -1,17 +1,8 @@
-"""Sampling: the settings of one request (`Sampling`) and the one sampler every program uses.
+"""Sampling: the settings of one request (`Sampling`) and the one sampler every program uses, with
+per-row settings and keys: one program serves any mix of greedy and sampled rows. Keys, order,
+non-finite logits: docs/inference.md, 'Inside the server'.
 
-    Sampling(temperature=0.8, top_k=200, top_p=0.95, seed=7).check(vocab_size)
-
-Every row samples with its own settings and key, all arrays (`RowSampling`), so one program
-serves any
-mix of greedy and sampled rows. Token n of a row draws with `fold_in(row key, n)`, the row key
-`fold_in(key(seed), r)`: `generate([p], seed=s)` and a server request (p, seed s) draw the same
-tokens. Temperature 0 (or top_k 1) is greedy; otherwise temperature, then top_k (0: off), then
-top_p (1: off). Seeds are uint32 and `check` refuses anything else (no `int()` of bools, floats
-or strings). An all-greedy batch skips the vocabulary sort (`lax.cond`).
-A row whose logits hold a NaN or +inf (broken weights) gets the token `NONFINITE` (-1);
-`generate` and the serving engine refuse it with `NonFiniteLogits`.
-"""
+    Sampling(temperature=0.8, top_k=200, top_p=0.95, seed=7).check(vocab_size)"""
 
 from __future__ import annotations
 

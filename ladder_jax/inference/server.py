@@ -1,17 +1,8 @@
-"""The OpenAI-compatible HTTP API over the continuous-batching engine (Starlette on uvicorn,
-from `python -m ladder_jax.serve`; the `serve` extra).
+"""The OpenAI-compatible HTTP API over the continuous-batching engine (Starlette on uvicorn, the
+`serve` extra): one handler per endpoint, over `openai_schema`, `request_checks`, `answers` and
+`metrics`. docs/inference.md, 'Serve'; logprobs: docs/logprobs.md.
 
-    app = create_app(engine, tokenizer, model_name="tiny", api_key="secret")
-
-`App` has one handler per endpoint: /v1/completions, /v1/chat/completions (with a chat
-template), /v1/models, /health, /metrics. The parts: the schema (`openai_schema`), the checks
-of a body (`request_checks`), the answering paths (`answers`), the counts (`metrics`). Every
-error is OpenAI's `{"error": {message, type, param, code}}` with its status, naming the field;
-one bad request never stops the server (anything unforeseen is one counted 500 and one log
-line). Starlette, not FastAPI: errors keep OpenAI's shape. See docs/inference.md; logprobs,
-echo and max_tokens=0 on /v1/completions: docs/logprobs.md (the log-softmax of the raw logits,
-before temperature, top_k and top_p).
-"""
+    app = create_app(engine, tokenizer, model_name="tiny", api_key="secret")"""
 
 from __future__ import annotations
 

@@ -1,22 +1,8 @@
-"""GGUF (llama.cpp) Llama checkpoints in: `load_gguf`, `gguf_tokenizer`. Local files only.
+"""GGUF (llama.cpp) Llama checkpoints in: `load_gguf`, `gguf_tokenizer`; local files, the `gguf`
+extra. Everything is checked before a weight is read (`GGUFError`, one line); the mapping and
+what is refused: docs/real_model.md, 'GGUF files'.
 
-    model, tokenizer = lj.load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", mesh=lj.make_mesh(tp=1))
-    model, _ = lj.load_gguf(path, mesh=mesh, residual="ladder", ladder_layers=8)  # hybrid
-    model, _ = lj.load_gguf(path, mesh=mesh, quantize="int8")  # int8 weights, decoding
-
-Read with the `gguf` package (`pip install "ladder_jax[gguf]"`): every tensor type it
-dequantizes loads, as float (`param_dtype`), then int8 where asked. The `llama.*` metadata
-becomes a Hugging Face config (`ladder_jax.interop.hf.config_from_hf`), GGUF tensor names map to
-Hugging Face names and from there through `load_hf`'s table; llama.cpp's RoPE row order of q
-and k is undone (`unpermute`). A "gpt2" (byte-level BPE) tokenizer becomes an `HFTokenizer`
-built as transformers builds it, chat template included.
-
-Everything is checked before a weight is read: the layout of the data (offsets aligned, in
-bounds, in order, not overlapping), metadata keys and types, tensor names, shapes and types;
-each tensor is refused if it dequantizes to NaN or inf. Anything wrong raises `GGUFError` (an
-`HFError`: one line, exit 2 in the commands) naming the key or tensor. The mapping, the
-tokenizer and what is not supported: docs/real_model.md#gguf-files.
-"""
+    model, tokenizer = lj.load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", mesh=lj.make_mesh(tp=1))"""
 
 from __future__ import annotations
 

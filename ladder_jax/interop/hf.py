@@ -1,15 +1,8 @@
-"""Hugging Face Llama checkpoints in and out: `load_hf` / `save_hf`. Local files only.
+"""Hugging Face Llama checkpoints in and out: `load_hf` / `save_hf`, local files only, headers
+checked before a tensor is read. The mapping, the ladder keys, the footguns:
+docs/architecture.md, 'Hugging Face checkpoints'.
 
-    model, tokenizer = ladder_jax.load_hf("Llama-3.2-1B/", mesh=lj.make_mesh(tp=8))
-    ladder_jax.save_hf(model, "out/", tokenizer=tokenizer)
-
-config.json, the safetensors index and every file's header are checked before any tensor is
-read (naming file and tensor); then one tensor at a time is mapped, checked for NaN / inf and
-placed straight into its sharding. The model is built from shapes: no random weights. Ladder
-layers follow the authors' `llamaLadder` format; the file's own always win. The name and shape
-mapping, the ladder keys and the footguns (transformers' LlamaForCausalLM runs such a file as a
-standard Llama; the vocabulary must divide by tp): docs/architecture.md#hugging-face-checkpoints.
-"""
+    model, tokenizer = ladder_jax.load_hf("Llama-3.2-1B/", mesh=lj.make_mesh(tp=8))"""
 
 from __future__ import annotations
 

@@ -1,25 +1,9 @@
-"""Tokenizers: the embedded byte-level default (no download) and a local Hugging Face
-`tokenizer.json`. Both have `encode(text, bos=, eos=) -> ids`, `decode(ids) -> str`,
-`vocab_size`, the special ids `bos_id`, `eos_id`, `pad_id` (None when absent), `add_bos`
-(whether the tokenizer's own convention starts a text with BOS) and `chat_template` (a Jinja
-string, or None).
+"""Tokenizers: the embedded byte-level default (`ByteTokenizer`, no download) and a local Hugging
+Face `tokenizer.json` (`HFTokenizer`), alike: `encode(text, bos=, eos=)`, `decode(ids)`,
+`vocab_size`, `bos_id` / `eos_id` / `pad_id`, `add_bos`, `chat_template`. Ids and the BOS
+convention: docs/training.md, 'Tokenizers'.
 
-BOS: `encode(text)` (bos=None) follows `add_bos`, as transformers' tokenizer of the same files
-does; `bos=True` / `bos=False` force it. The byte tokenizer adds BOS. An `HFTokenizer` adds it
-when tokenizer_config.json says `"add_bos_token": true`, else when tokenizer.json's
-post-processor puts BOS first (as transformers decides); SmolLM2's tokenizer adds none.
-
-`ByteTokenizer`: ids 0-255 are the UTF-8 bytes, then BOS 256, EOS 257, PAD 258. Any preset whose
-vocab_size >= 259 can use it (`tiny` and `small` have 320: a multiple of 16 and of 64, so every
-tp up to 16 divides it).
-
-`HFTokenizer`: a checkpoint's tokenizer.json through the `tokenizers` package; its special ids
-come from the model's config.json, else tokenizer_config.json's token strings, else (a lone
-tokenizer.json) the usual names (<s>, <|begin_of_text|>, ...).
-
-`make_tokenizer(name)`: "byte" or the path of a tokenizer.json, as in a training config's
-`data.tokenizer`.
-"""
+    tok = make_tokenizer("byte")        # or the path of a tokenizer.json (`data.tokenizer`)"""
 
 from __future__ import annotations
 

@@ -1,3 +1,2 @@
-"""The model: the Transformer and its modules (`transformer`), the residual wiring every scheme
-runs (`residual`), and where weights, caches and activations live on the mesh, with the
-collectives spelled out (`sharding`)."""
+"""The model: the Transformer (`transformer`), the residual wiring of every scheme (`residual`,
+`decode`, `desync`) and its layout on the mesh (`sharding`)."""

@@ -1,14 +1,8 @@
-"""Attention arithmetic, no weights: RoPE, the KV cache write, grouped-query attention over
-keys or a cache, and causal flash attention on the platform's kernel.
+"""Attention arithmetic, no weights: RoPE, the KV cache write, grouped-query attention over keys
+or a cache, causal flash attention on the platform's kernel (`attention_kernel`). Dimension
+letters and the cache layout: docs/architecture.md, 'The model', 'The KV cache layout'.
 
-    inv_freq = rope_frequencies(config)              # (H/2,)
-    out_btnh = attend_causal(q_btnh, k_btkh, v_btkh, attention_kernel(mesh, dtype, H))
-
-Dimension letters as everywhere in the package (docs/architecture.md): B batch, T queries,
-S keys / cache slots, N query heads, K kv heads, G = N/K, H head dim. The cache layout
-(`sharding.CACHE_BKSH`): keys (B, K, H, S), values (B, K, S, H). The Pallas flash kernel is
-wrapped with jax internals of the pinned version (see `pallas_flash`).
-"""
+    out_btnh = attend_causal(q_btnh, k_btkh, v_btkh, attention_kernel(mesh, dtype, H))"""
 
 from __future__ import annotations
 

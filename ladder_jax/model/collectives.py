@@ -1,12 +1,8 @@
-"""Inside shard_map: the tp all-reduce of module outputs (`reduce_tp`) and its transpose
-(`vary_tp`), the ordering barrier `tie`, their size-1 primitives, weight reads (FSDP gathers),
-the one shard_map boundary (`shard`) and the one-all-reduce `global_norm`.
+"""Inside shard_map: the tp all-reduce (`reduce_tp`) and its transpose (`vary_tp`), the ordering
+barrier `tie`, FSDP weight reads, the shard_map boundary (`shard`) and `global_norm`. The jax
+internals used: docs/architecture.md, 'jax internals and the pins they need'.
 
-    y = reduce_tp(partial_sum); pending, y = tie(pending, y)
-
-Invariant: `check_vma=True` everywhere; these primitives keep jax's own typing rules of the
-pinned jax version (they import `jax._src` internals).
-"""
+    y = reduce_tp(partial_sum); pending, y = tie(pending, y)"""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The XLA options ladder_jax compiles with (`compiler_options`) and `jit`, which applies them.
+"""The XLA options every program compiles with (`compiler_options`) and `jit`, which applies them
+(they keep the ladder's overlap on GPUs and `tie`'s barriers on CPU).
 
-    step = jit(train_step, mesh=mesh, program="train", donate_argnums=(0, 1))
-
-Invariant: every program of the package compiles through `jit`, so the GPU options that keep
-the ladder's overlap (and the CPU pass that keeps `tie`'s barriers) are always applied.
-"""
+    step = jit(train_step, mesh=mesh, program="train", donate_argnums=(0, 1))"""
 
 from __future__ import annotations
 

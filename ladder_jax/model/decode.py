@@ -1,21 +1,8 @@
-"""The cached forward: a prompt's prefill or a decode step, every scheme, in one place.
+"""The cached forward of every scheme (prefill or decode step) against a KV cache, with the same
+arithmetic in the same order as the training form (`ladder_jax.model.residual`). Its streams:
+docs/architecture.md, 'The KV cache layout' ("Where a decode step goes").
 
-    x_btd, caches = run(config, layers, x_btd, positions_bt, inv_freq, caches)
-
-The modules of `ladder_jax.model.transformer` keep their training form; this module runs them
-against a KV cache (`sharding.CACHE_BKSH`), and runs the decoding clone's fused input
-projections (`transformer.fuse_inputs`: one matmul for q/k/v, one for gate/up, parallel all
-five). Three streams, each the wiring of `ladder_jax.model.residual` read forward:
-
-- `_parallel`: one input and one all-reduce per layer.
-- `_stream`: standard, ladder, hybrid and upper_bound, module by module.
-- `_folded_stream`: `_stream` when the linear layers run the Triton kernel (`folds`): norms
-  and residual adds move into the matmul kernels (`Linear.small_m`).
-
-On the Triton attention kernel a decode step runs RoPE, the cache write and attention as one
-kernel (`ragged.attend_new`) on the q/k/v projection's output as it lies. Same arithmetic as
-the training form, in the same order (tests/test_decode.py, test_matvec.py, test_ragged.py).
-"""
+    x_btd, caches = run(config, layers, x_btd, positions_bt, inv_freq, caches)"""
 
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
-"""Desync Residual: per-stream residual streams that all-reduce only where a pattern says.
+"""Desync Residual: T = `config.desync_tp` residual streams that all-reduce only where
+`ModelConfig.desync_syncs` says; a tp rank carries T / tp of them, so results depend on T only.
+The spec: docs/architecture.md, 'Desync Residual'.
 
-    x_btd, caches = run(config, layers, x_btd, positions_bt, inv_freq, caches)
-
-The model carries T = `config.desync_tp` residual streams. Stream r owns the r-th contiguous
-block of the query heads (with the kv heads they use, shared by several streams when K < T)
-and of the MLP's hidden units, so a module's output on stream r is a partial sum p_r computed
-from norm(x_r). A module that does not sync adds it to its own stream, x_r <- x_r + p_r; one
-that syncs (`ModelConfig.desync_syncs`) all-reduces p + x / T, every x_r <- sum_s (p_s + x_s /
-T). Each device of a tp mesh carries T / tp streams on a leading stream axis S, so the function
-depends on T alone, never on the mesh. The last layer's MLP always syncs: the streams are then
-equal and the head reads them once. Training runs through autodiff (`check_vma=True`), a KV
-cache holds every stream's keys and values (`sharding.cache_kv_heads`: max(K, T) heads).
-The spec: docs/architecture.md#desync-residual.
-"""
+    x_btd, caches = run(config, layers, x_btd, positions_bt, inv_freq, caches)"""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""Mesh and layout: the (data, tp) mesh, every weight's partition spec (`WeightSpecs`, FSDP's
-stored layout), the KV cache's layout (`CACHE_BKSH`), and the divisibility checks.
+"""Mesh and layout: the (data, tp) mesh, every weight's partition spec (`WeightSpecs`), the KV
+cache's (`CACHE_BKSH`), the divisibility checks. The table: docs/architecture.md, 'Where
+weights live: stored vs tp specs'.
 
-    mesh = make_mesh(tp=4, data=2); specs = WeightSpecs.for_model(config, mesh)
-
-Invariant: a weight's `spec` is how the model reads it (split over tp); its `stored` spec
-(FSDP) only adds `data`. The table of specs is in `ladder_jax.model.sharding`'s docstring.
-"""
+    mesh = make_mesh(tp=4, data=2); specs = WeightSpecs.for_model(config, mesh)"""
 
 from __future__ import annotations
 
@@ -84,7 +81,7 @@ def data_size(mesh: Mesh) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class WeightSpecs:
-    """Partition spec of every weight, by einsum shape (see the module docstring)."""
+    """Partition spec of every weight, by einsum shape (docs/architecture.md)."""
 
     embed_vd: P
     head_dv: P

@@ -1,17 +1,8 @@
 """`Linear`: one linear layer's weight, its int8 scale, its layout, and the matmul that reads it.
+Every matmul over a model weight goes through one; with `ModelConfig.decode_matmul="pallas"` on
+GPU meshes, products of at most 16 rows run the Triton kernel of `ladder_jax.model.matvec`.
 
-    y_btnh = attn.q(x_btd, "bfloat16")        # inside shard_map: this rank's block
-
-Every matmul over a weight of the model (attention q/k/v/o, MLP gate/up/down, the untied LM
-head, and the decoder's fused input projections) goes through a `Linear`. Invariant: the
-weight is held in the layout its einsum `equation` names, with its partition spec (how the
-model reads it) on the `nnx.Param`; an int8 weight's scale has one value per output channel
-and is applied after the contraction (`ladder_jax.model.quant`). With `matmul="pallas"` (GPU
-meshes, `ModelConfig.decode_matmul`) a product over at most 16 rows runs the Triton kernel of
-`ladder_jax.model.matvec`, which applies the scale inside; other shapes run the einsum.
-The folds the decode step adds to that kernel (norms, residual adds) are `small_m`'s
-arguments, used only by `ladder_jax.model.decode`.
-"""
+    y_btnh = attn.q(x_btd, "bfloat16")        # inside shard_map: this rank's block"""
 
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
-"""A Pallas (Triton) matmul for a few rows: y = x @ W that reads each weight once (decoding).
+"""A Pallas (Triton) matmul for a few rows, y = x @ W reading each weight once (decoding), with
+optional folds (RMSNorm, residual adds, silu(gate) * up) and int8 scales applied inside. The
+spec: docs/architecture.md, 'The small-M matmul'.
 
-    y_mn = small_m_matmul(x_mk, w_kn, scale_n)     # None where the shapes do not fit
-
-A decode step multiplies a few rows by every weight; without autotuning XLA:GPU splits such a
-GEMM's contraction and writes float32 partials out. Here each program reads a block of W's
-columns, accumulates in float32 registers and writes the output once (int8 W: its per-channel
-scale applied inside). `small_m_matmul`'s keywords fold in what decoding would otherwise run
-as kernels of its own: the RMSNorm of the stream, outputs joining the stream before it,
-silu(gate) * up, the residual add. Deviceless H100 programs hold it as one custom call per
-linear layer named `small_m_matmul`. Invariant: the result equals `(x @ W.astype(f32)) *
-scale` to the output dtype's rounding, a folded form its unfused steps. Used by `Linear` when
-`ModelConfig.decode_matmul` is "pallas" on GPU meshes; `interpret=True` runs it through
-Pallas's interpreter. The full spec: docs/architecture.md#the-small-m-matmul.
-"""
+    y_mn = small_m_matmul(x_mk, w_kn, scale_n)     # None where the shapes do not fit"""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
-"""Weight-only int8 quantization for decoding: half the weight bytes of bf16 per token.
+"""Weight-only int8 quantization for decoding: int8 weights with a float32 scale per output
+channel, which `Linear` applies after the contraction. Details and limits: docs/architecture.md
+and docs/inference.md, 'Weight-only int8'.
 
-    qmodel = quantize(model)                      # or ModelConfig(..., quantize="int8")
-    python -m ladder_jax.decode --checkpoint runs/tiny --quantize int8
-
-Every `Linear` (q, k, v, o, gate, up, down, an untied head) holds int8 values `weight` plus a
-float32 `scale` per output channel, shaped like the weight with size 1 on the contracted axes,
-so it is sharded like its weight. `Linear` applies the scale after the contraction (XLA:GPU then
-reads 1 byte per weight); a row-parallel scale multiplies the partial sum before the psum, so
-the wiring is unchanged. On CPU meshes the decoder runs a dequantized float copy. Training,
-FSDP and `save_hf` refuse quantized weights; `dequantize(quantize(m))` is not `m`.
-Details: docs/architecture.md#weight-only-int8.
-"""
+    qmodel = quantize(model)                      # or ModelConfig(..., quantize="int8")"""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
-"""Decode attention over the filled slots of a KV cache only.
+"""Decode attention over the filled slots of a KV cache only (a key-block loop, or a Pallas
+kernel that with `attend_new` also runs RoPE and the cache write); forward only. The spec:
+docs/architecture.md, 'Decode attention'.
 
-    out_btnh = attend_filled(q_btnh, k_bkhs, v_bksh, q_pos_bt, kernel="matmul")
-
-A decode step's query at position p sees slots 0..p only; `attend_cache` reads every slot and
-masks, here blocks of `key_block(S)` slots past what a query can see are never read: a
-`while_loop` over key blocks with a running softmax (kernel "matmul" / "xla"), or a Pallas
-(Triton) kernel per (row, kv head, split of the slots) that reads each row's own filled blocks
-(kernel "pallas" / "cudnn", custom call `ragged_decode_attention`). `attend_new` (a decode
-step on GPU) also runs RoPE and the cache write of the new token inside that kernel, reading
-q/k/v where the projection wrote them. Invariant: the same result as `attend_cache` for every
-row, to rounding. Forward only. The full spec: docs/architecture.md#decode-attention.
-"""
+    out_btnh = attend_filled(q_btnh, k_bkhs, v_bksh, q_pos_bt, kernel="matmul")"""
 
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
-"""The residual stream of every scheme in its training form: `run` wires the layers. For
-standard, ladder, hybrid and upper_bound one wiring, the forward that follows it, and the
-ladder's hand-written backward that walks it in reverse; parallel (`_parallel`), whose two
-modules share one input and one all-reduce, beside them.
+"""The residual stream of every scheme in its training form: `run` wires the layers; standard,
+ladder, hybrid and upper_bound follow one wiring (with a hand-written backward that overlaps
+its all-reduces too), parallel runs beside them. docs/architecture.md, 'The residual wiring'.
 
-    slots = wiring(config)        # one Slot per module: immediate or deferred
-
-A module is *immediate* (x = x + pending; y = module(norm(x))) or *deferred* (y =
-module(norm(x)); x = x + pending), then pending = psum(y): a deferred module reads the stream
-without the previous module's output, whose all-reduce is in flight meanwhile. Exactly one
-reduced output is pending when a module starts. The backward (`_ladder_stream`) walks the same
-wiring in reverse so that its all-reduces overlap too; it equals autodiff (tested against an
-independent reference). The cached forward (prefill, decode step) reads the same wiring in
-`ladder_jax.model.decode`. The derivation: docs/architecture.md#the-residual-wiring.
-"""
+    slots = wiring(config)        # one Slot per module: immediate or deferred"""
 
 from __future__ import annotations
 
@@ -138,8 +128,8 @@ def reduce_and_vary(no_reduce: bool):
 
 
 def _stream(plan, states, x_btd, positions_bt, inv_freq, *, vjps=None):
-    """The forward of the wiring (module docstring). With `vjps` (a list) records each
-    module's (norm vjp, module vjp) for the backward."""
+    """The forward of the wiring (docs/architecture.md, 'The residual wiring'). With `vjps` (a
+    list) records each module's (norm vjp, module vjp) for the backward."""
     reduce, vary = reduce_and_vary(plan.no_reduce)
     pending = None  # the previous module's all-reduced output, not yet added to x
     for k, slot in enumerate(plan.slots):
@@ -171,7 +161,7 @@ def _stream(plan, states, x_btd, positions_bt, inv_freq, *, vjps=None):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ladder_stream(plan, states, x_btd, positions_bt, inv_freq):
-    """`_stream` with the backward of the module docstring."""
+    """`_stream` with the backward of docs/architecture.md, 'The residual wiring'."""
     return _stream(plan, states, x_btd, positions_bt, inv_freq)
 
 

@@ -1,18 +1,8 @@
-"""Mesh, weight partition specs, the shard_map boundary, the collectives and compile options.
+"""The public namespace `lj.sharding`: Megatron-style tensor parallelism spelled out by hand.
+It re-exports `layout` (mesh, weight and cache layout), `collectives` (inside shard_map) and
+`compilation` (XLA options, `jit`), which the package itself imports directly.
 
-    mesh = make_mesh(tp=4, data=2)              # axes data x tp, both AxisType.Auto
-    forward = jit(fn, mesh=mesh)                # jax.jit with the package's XLA options
-
-Megatron-style tensor parallelism spelled out by hand: column-parallel inputs (N, K, F split
-over `tp`), one row-parallel output per module whose partial sum `reduce_tp` all-reduces;
-`tie` keeps an all-reduce in flight across the next module's matmuls. `WeightSpecs` is the
-single source of truth for where each weight lives (tp specs; FSDP adds `data` to the stored
-ones) and `CACHE_BKSH` for the KV cache. `check_vma=True` everywhere: jax sums replicated
-weights' gradients. The table, the cache layout, why the compile options are needed and the
-jax internals used here (pinned jax): docs/architecture.md. This is the public namespace
-`lj.sharding`; the names live by job in `layout` (mesh, weight and cache layout), `collectives`
-(inside shard_map) and `compilation` (XLA options, jit), which the package imports directly.
-"""
+    mesh = make_mesh(tp=4, data=2); forward = jit(fn, mesh=mesh)"""
 
 from ladder_jax.model.collectives import (  # noqa: F401
     axis_index_tp,

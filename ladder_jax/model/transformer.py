@@ -1,18 +1,10 @@
-"""The Ladder Transformer: a Llama-style decoder with four residual schemes, in Flax NNX.
+"""The Ladder Transformer: a Llama-style decoder with every residual scheme, in Flax NNX; one
+weight tree for all schemes, `__call__` one shard_map over the model's mesh. The layer diagram
+and the code map: docs/architecture.md, 'The model' and 'The code'.
 
     model = Transformer(ModelConfig.from_preset("tiny", residual="ladder"), mesh=mesh,
                         rngs=nnx.Rngs(0))
-    logits = nnx.jit(lambda m, t: m(t))(model, tokens)   # (B, T, V) float32, V split on tp
-
-Embedding -> L layers of attention and SwiGLU MLP, each behind an RMSNorm -> RMSNorm -> head.
-`__call__` is one `shard_map` over the model's mesh; the wiring of each scheme is
-`ladder_jax.model.residual` (training form) and `ladder_jax.model.decode` (against a KV cache,
-and a decoding clone's fused projections: `fuse_inputs`), attention arithmetic
-`ladder_jax.model.attention`, weight specs `ladder_jax.model.sharding`. Invariants: every scheme
-shares one weight tree; tp N equals tp 1; `ladder_layers=0` is the standard program bit for
-bit. Dimension letters, the layer diagram, the cache layout and the jax internals the Pallas
-kernel relies on: docs/architecture.md. On GPUs compile with `sharding.jit`.
-"""
+    logits = nnx.jit(lambda m, t: m(t))(model, tokens)   # (B, T, V) float32, V split on tp"""
 
 from __future__ import annotations
 

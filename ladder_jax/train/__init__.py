@@ -1,4 +1,2 @@
-"""Training: the trainer and its run directory (`trainer`), the jitted step and optimizer
-(`step`), the data pipeline (`data`) and checkpoints (`checkpoint`).
-
-`python -m ladder_jax.train` runs `ladder_jax.cli.train`."""
+"""Training: the trainer (`trainer`, run by `python -m ladder_jax.train`), its run directory
+(`rundir`), the step (`step`), the data pipeline (`data`) and checkpoints (`checkpoint`)."""

@@ -1,11 +1,7 @@
-"""Tokens/s and MFU of every residual scheme on one trainer's model, mesh and data.
+"""Tokens/s and MFU of every residual scheme on one trainer's model, mesh and data
+(`benchmark=true`); the schemes' steps are interleaved so that load drift slows them alike.
 
-    rows = benchmark(Trainer(cfg))      # python -m ladder_jax.train ... benchmark=true
-
-The schemes' steps are interleaved (one step of each in turn), so that a machine whose load
-drifts slows them alike and their ratios hold; the median step time is reported, and
-`<run>/benchmark.json` written (process 0).
-"""
+    rows = benchmark(Trainer(cfg))      # also writes <run>/benchmark.json (process 0)"""
 
 from __future__ import annotations
 

@@ -1,17 +1,8 @@
-"""The trainer's checkpoints with orbax: weights, optimizer state, step, data-iterator state,
-config.
+"""The trainer's checkpoints with orbax (weights, optimizer state, step, data-iterator state,
+config): asynchronous saves, verified restores onto any mesh and process count
+(docs/training.md, 'Resume, one writer, faults'). Weights alone: `ladder_jax.loading`.
 
-    ckpt.save(state, data_iter, meta); state, meta = ckpt.restore(step, state_like, data_iter)
-
-A checkpoint appears only once complete (orbax's rename); saves are asynchronous and a failed
-one surfaces as `SaveError` at the next call. Process 0 records every file's size and CRC-32;
-`restore` verifies them first and raises `DamagedCheckpoint` (deleting nothing). Restores go
-onto any mesh (targets carry the new mesh's concrete shardings) and any process count (the
-data position is re-sharded). Weights that are not finite are never restored, and a
-checkpoint marked `<step>/unsound.json` (its weights gave non-finite losses) is skipped.
-Reading weights alone (decode, eval, `init_from=`) is `ladder_jax.loading`.
-See docs/training.md#resume-one-writer-faults.
-"""
+    ckpt.save(state, data_iter, meta); state, meta = ckpt.restore(step, state_like, data_iter)"""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
-"""Training data: text or token files -> packed (seq_len + 1)-token records -> grain pipeline.
+"""Training data: text or token files -> packed (seq_len + 1)-token records -> grain pipeline;
+each process reads only its shard, and the iterator's state resumes exactly. Sources and
+packing: docs/training.md, 'Your own data'.
 
-    tokens = load_tokens(path, tokenizer)             # one flat int32 stream, documents joined
-    it = train_iterator(train, seq_len=..., batch=..., seed=..., shard=(i, n))
-
-Sources: the embedded corpus (unset), text files / globs / directories (UTF-8; binary refused),
-or pre-tokenized `.npy` arrays (positioned reads, every id checked against the vocabulary).
-Packing is concatenate-and-chunk: no padding; the last `eval_fraction` of records is held out,
-never shuffled in. Each process reads only its shard, and the iterator's state resumes exactly.
-Text is tokenized when the run starts: pre-tokenize large corpora to `.npy`.
-"""
+    train, held_out = split(load_tokens(path, tokenizer), seq_len, eval_fraction)
+    it = train_iterator(train, batch=..., seed=..., shard=(i, n))"""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""Distillation: the loss of a student against a frozen teacher's next-token distribution.
+"""Distillation: a student's loss against a frozen teacher's next-token distribution,
+(1 - weight) x cross-entropy + weight x T^2 x KL(teacher_T || student_T) per token
+(docs/adaptation.md, 'What it does').
 
-    python -m ladder_jax.train ... init_from=runs/smollm2 model.residual=ladder \\
-        model.ladder_layers=15 distill.teacher=runs/smollm2      # recover from the original
-
-`distill_loss` = (1 - weight) x cross-entropy on the data + weight x T^2 x KL(teacher_T ||
-student_T), both per token, where x_T is softmax(logits / T). The teacher is loaded once
-(`load_teacher`), on the student's mesh, and never trained: its parameters enter the step as
-an argument that gets no gradient (`make_train_step`). weight=1 recovers the teacher's
-function on any text (no labels needed); weight=0 is plain language-model fine-tuning.
-"""
+    python -m ladder_jax.train ... init_from=runs/smollm2 distill.teacher=runs/smollm2"""
 
 from __future__ import annotations
 

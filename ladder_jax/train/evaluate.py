@@ -1,19 +1,7 @@
-"""Held-out loss of a model on a token stream it never trained on.
+"""Held-out loss of a model on a token stream it never trained on, packed as training packs it,
+every record counted (docs/training.md, 'Held-out loss').
 
-    tokens = data.load_tokens("held_out_books/", tokenizer)      # BOS ... EOS per document
-    loss = held_out_loss(model, tokens, seq_len=128)             # mean nats per token
-    loss_b = held_out_loss(lj.with_config(model, residual="ladder", ladder_layers=4), ...)
-
-The stream is packed the way training packs it (`data.split`: consecutive seq_len + 1 token
-records, inputs the first seq_len, targets the last seq_len) and every record counts: the last
-batch is padded with masked rows, so the figure is the token-weighted mean over all records (or
-the first `max_records`), not a mean of per-batch means. The trainer's own held-out split is
-the last records of the training stream; this evaluates any stream, so held-out data can be
-whole documents kept out of training.
-
-Footgun: the jitted loss is cached per model graph (config), so evaluating several schemes
-compiles once per scheme; the model's mesh decides where it runs (inputs are plain numpy).
-"""
+    loss = held_out_loss(model, data.load_tokens("held_out_books/", tokenizer), seq_len=128)"""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""One writer per run directory: `RunLock(run_path)`, held by the trainer while it runs.
+"""One writer per run directory: `RunLock(run_path)` holds `<run>/.lock` (`fcntl.flock`) while a
+trainer runs. How it behaves: docs/training.md, 'Resume, one writer, faults'.
 
-    with RunLock("runs/tiny") as lock:      # RunBusy (a UsageError) if another trainer holds it
-        ...                                  # lock.stale: the holder a killed process left, or None
-
-`<run>/.lock` is locked with `fcntl.flock` and names its holder (host, pid, started). The kernel
-drops the lock when its process dies, however it dies, so a file left behind is stale and taken
-over. Released, the file is removed; a directory the lock created is removed again if the run
-fails before writing anything. Multi-process: process 0 alone locks and tells the others.
-`flock` on a network file system is only as good as the server's lock support.
-"""
+    with RunLock("runs/tiny") as lock:      # RunBusy (a UsageError) if another trainer holds it"""
 
 from __future__ import annotations
 

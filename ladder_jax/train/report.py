@@ -1,9 +1,5 @@
-"""What a training run says while it runs: log lines, the progress bar or lines, MFU.
-
-    reporter = Reporter(cfg); with reporter.progress(start): reporter.row(rec, start)
-
-Process 0 alone prints. `progress=auto` is a rich bar on a terminal, plain lines otherwise.
-"""
+"""What a training run says while it runs: log lines, the progress bar or lines, MFU (process 0
+alone prints; `progress=auto` is a rich bar on a terminal, plain lines otherwise)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""A training run's directory, `<run_dir>/<name>/`: its lock, resume-or-init, and its files.
+"""A training run's directory, `<run_dir>/<name>/`: its lock, resume-or-init, and its files
+(config.yaml, changes.jsonl, metrics.jsonl, tensorboard/, checkpoints/); process 0 alone writes.
 
-    run = RunDir(cfg, log=print); with run.lock(): start, state, damaged, changes = ...
-
-Holds config.yaml, changes.jsonl, metrics.jsonl (`MetricsLog`), tensorboard/ and checkpoints/.
-Invariants: process 0 alone writes; resuming reads only until the run is sure to go on; a
-resume whose config changed a `RESUME_KEYS` key is refused unless `accept_changes=true`.
-"""
+    run = RunDir(cfg, log=print); with run.lock(): start, state, damaged, changes = ..."""
 
 from __future__ import annotations
 

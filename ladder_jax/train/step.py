@@ -1,16 +1,9 @@
-"""The training step as pure functions: loss, optimizer, one update.
+"""The training step as pure functions: loss, optimizer, one update (`make_train_step`), which
+the trainer and the deviceless report (`overlap --config`) build alike. Tokens (A, B, T) are A
+accumulated micro-batches; a non-finite step leaves the state unchanged (`metrics["skipped"]`).
 
     params, opt_state, metrics = train_step(graphdef, params, opt_state, tokens, targets,
-                                            optimizer=optimizer, shardings=shardings)
-
-Tokens of shape (A, B, T) are A accumulated micro-batches (the mean of their gradients). A
-non-finite loss or gradient norm leaves params and optimizer state unchanged
-(`metrics["skipped"]`). Layouts are NamedShardings throughout (`shardings_of`). The trainer
-and the deviceless report (`overlap --config`) build the step from the same pieces
-(`make_train_step`, `opt_state_shardings`, `memory_use` / `check_memory`), so the report is
-about the program a run executes. `TrainState(params, opt_state, step)` is what a run and a
-checkpoint carry.
-"""
+                                            optimizer=optimizer, shardings=shardings)"""
 
 from __future__ import annotations
 

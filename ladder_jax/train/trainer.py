@@ -1,16 +1,9 @@
-"""Train a Ladder Transformer: `python -m ladder_jax.train [config.yaml ...] [key=value ...]`.
+"""Train a Ladder Transformer: config -> mesh -> model -> step -> `runs/<name>/` (config.yaml,
+metrics.jsonl, checkpoints/). The loop fetches the loss every step, so it never queues work
+ahead (XLA:CPU's fake devices deadlock otherwise). Resume, faults, exit codes, many hosts:
+docs/training.md.
 
-    python -m ladder_jax.train configs/tiny.yaml model.residual=ladder name=tiny-ladder
-
-config -> mesh -> model -> step -> `runs/<name>/` (config.yaml, metrics.jsonl, checkpoints/).
-Invariants: a resumed run's losses equal an uninterrupted run's, bit for bit; one writer per run
-directory (`ladder_jax.train.rundir`); bad input is one line and exit 2 before anything is
-written; a non-finite step is skipped (after `max_bad_steps` in a row: exit 3, the checkpoints
-holding those weights marked unsound); a signal saves and exits 0. The loop fetches the loss
-every step, so it never queues work ahead (XLA:CPU's fake devices deadlock otherwise). The
-schema is `ladder_jax.config`, the step `ladder_jax.train.step`, checkpoints
-`ladder_jax.train.checkpoint`. Resume, faults, exit codes, many hosts: docs/training.md.
-"""
+    python -m ladder_jax.train configs/tiny.yaml model.residual=ladder name=tiny-ladder"""
 
 from __future__ import annotations
 
