@@ -11,7 +11,21 @@ import difflib
 import re
 import sys
 
-from ladder_jax.config import DECODE_MATMULS, SCHEMES
+import jax
+
+from ladder_jax import compile_cache, loading, runtime
+from ladder_jax.config import (
+    DECODE_MATMULS,
+    SCHEMES,
+    ConfigError,
+    ModelConfig,
+    parse_ladder_layers,
+    parse_reduce_pattern,
+    scheme_overrides,
+)
+from ladder_jax.interop.tokenizer import ByteTokenizer
+from ladder_jax.model import layout
+from ladder_jax.model.transformer import with_config
 from ladder_jax.runtime import write_stderr  # noqa: F401 (the commands' progress lines)
 
 
@@ -182,7 +196,6 @@ def run_settings(args, per_process=()) -> dict:
     each host's own (`PER_PROCESS` and `per_process`), and which weights files were found.
 
         processes.agree(run_settings(args), "model or decoding flags")"""
-    from ladder_jax import loading
 
     own = {*PER_PROCESS, *per_process}
     return {
@@ -196,7 +209,6 @@ def model_overrides(args) -> dict:
     --ladder-layers, --reduce-pattern, --desync-tp, --decode-matmul; none for a flag left out.
 
         ModelConfig.from_preset(args.preset, **model_overrides(args))"""
-    from ladder_jax.config import parse_ladder_layers, parse_reduce_pattern, scheme_overrides
 
     residual = None if args.residual == "all" else args.residual
     overrides = scheme_overrides(
@@ -215,8 +227,6 @@ def load_checkpoint(args, mesh, say, *, quantize: str | None = None):
     tokenizer for a byte-level Hugging Face directory without tokenizer.json
     (`without_tokenizer_json`). decode_matmul is set once loaded, so that it reaches a GGUF
     file or Hugging Face directory too (their loaders take the scheme only)."""
-    from ladder_jax import loading
-    from ladder_jax.model.transformer import with_config
 
     overrides = model_overrides(args)
     matmul = overrides.pop("decode_matmul", None)
@@ -234,8 +244,6 @@ def without_tokenizer_json(path: str, config, say):
     """A Hugging Face directory without tokenizer.json: the byte tokenizer when the vocabulary
     is byte-level (said on stderr), else a ConfigError (decoding text with the wrong
     tokenizer would print garbage)."""
-    from ladder_jax.config import ConfigError
-    from ladder_jax.interop.tokenizer import ByteTokenizer
 
     byte = ByteTokenizer()
     if byte.vocab_size <= config.vocab_size <= 320:  # the byte presets' padded vocabulary
@@ -259,9 +267,6 @@ def setup_devices(args):
     processes (--coordinator ...).
 
         shape = setup_devices(args); tp, why = choose_tp(args.tp, shape)"""
-    from ladder_jax import compile_cache, loading, runtime
-    from ladder_jax.config import ModelConfig
-    from ladder_jax.model import layout
 
     shape = (
         loading.read_model_config(args.checkpoint)
@@ -285,10 +290,6 @@ def choose_tp(tp: int | None, shape) -> tuple[int, str | None]:
     """(tensor-parallel size, why: the note to print once the input is checked, or None):
     --tp if given, every device with several processes, else `layout.default_tp`; a
     ConfigError unless it is between 1 and the devices."""
-    import jax
-
-    from ladder_jax.config import ConfigError
-    from ladder_jax.model import layout
 
     n = jax.device_count()
     if tp is not None or jax.process_count() > 1:  # several: the model spans them all

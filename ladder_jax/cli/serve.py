@@ -18,6 +18,7 @@ import time
 
 import jax
 from flax import nnx
+from jax._src import distributed
 
 from ladder_jax import processes, runtime
 from ladder_jax.cli.common import (
@@ -57,7 +58,6 @@ STOP_MARGIN_S = 30.0  # a follower told to stop waits --drain-seconds plus this 
 
 def _distributed() -> bool:
     """Whether this process joined a `jax.distributed` job (without starting a backend)."""
-    from jax._src import distributed
 
     return distributed.global_state.client is not None
 
@@ -466,7 +466,6 @@ def _stop_requests() -> list[str]:
     (SIGTERM)"; none with one process."""
     if not _distributed():
         return []
-    from jax._src import distributed
 
     try:
         asked = distributed.global_state.client.key_value_dir_get(STOP_KEY)
@@ -478,7 +477,6 @@ def _stop_requests() -> list[str]:
 def _ask_stop(signum: int) -> None:
     """Tells process 0, through jax's coordination service, that this process was told to
     stop: process 0 then drains and stops every process (`_stop_requests`)."""
-    from jax._src import distributed
 
     try:
         distributed.global_state.client.key_value_set(
