@@ -528,7 +528,7 @@ def _files(tmp_path):
             "error: n_heads=8 is not divisible by tp=3: use a tp that divides 8 (set by --tp; "
             "e.g. --tp 2)",
         ),
-        (["--tp", "0"], "--tp 0: between 1 and the 8 devices"),
+        (["--tp", "0"], "--tp 0: give the number of devices to spread over, at least 1"),
         (
             ["--residual", "standard", "--ladder-layers", "2"],
             "--ladder-layers applies to --residual ladder",
@@ -558,8 +558,13 @@ def test_a_tp_above_the_devices_is_one_line(capsys):
     from ladder_jax.cli import serve
 
     for main in (decode_cli.main, serve.main):
-        line = cli_error(capsys, main, ["--preset", "tiny", "--tp", "16"])
+        line = cli_error(capsys, main, ["--preset", "3b", "--tp", "16"])  # 32 heads split 16 ways
         assert line == "error: --tp 16: between 1 and the 8 devices", line
+        line = cli_error(capsys, main, ["--preset", "tiny", "--tp", "16"])  # 8 heads cannot
+        assert line == (
+            "error: --tp 16: the model has 8 query heads and each device holds whole heads, "
+            "so --tp can be at most 8"
+        ), line
     with pytest.raises(lj.ShardingError, match=r"^tp 16: between 1 and the 8 devices$"):
         lj.load("runs/never-read", tp=16)
 
