@@ -230,3 +230,29 @@ def test_decode_command_runs_a_desync_model(capsys):
     assert decode_cli.main([*argv, "--reduce-pattern", "every_2_layers", "--desync-tp", "4"]) == 0
     out, err = capsys.readouterr()
     assert "Traceback" not in err and out.strip()
+
+
+def test_convert_makes_and_keeps_a_desync_model(tmp_path, capsys):
+    """convert --residual desync --reduce-pattern --desync-tp turns any Llama into a desync
+    model (the same function as load_hf with those keywords); --to-hf of it keeps the keys."""
+    from ladder_jax.cli import convert
+    from ladder_jax.loading import load_model
+
+    lj.save_hf(_model(1, seed=5), tmp_path / "hf")
+    flags = ["--residual", "desync", "--reduce-pattern", "final_only", "--desync-tp", "2"]
+    out = tmp_path / "run"
+    assert convert.main(["--hf", str(tmp_path / "hf"), "--out", str(out), "--tp", "1", *flags]) == 0
+    run, _ = load_model(str(out), mesh=mesh(1))
+    want, _ = lj.load_hf(
+        tmp_path / "hf", mesh=mesh(1), residual="desync", reduce_pattern="final_only", desync_tp=2
+    )
+    assert run.config.residual == "desync" and run.config.desync_tp == 2
+    assert run.config.desync_syncs() == want.config.desync_syncs()
+    tokens = _tokens()
+    np.testing.assert_array_equal(logits(run, tokens), logits(want, tokens))
+    standard, _ = lj.load_hf(tmp_path / "hf", mesh=mesh(1))
+    assert np.abs(logits(run, tokens) - logits(standard, tokens)).max() > 1e-3
+    assert convert.main(["--checkpoint", str(out), "--out", str(tmp_path / "back"), "--to-hf"]) == 0
+    back, _ = lj.load_hf(tmp_path / "back", mesh=mesh(1))
+    assert back.config.desync_syncs() == run.config.desync_syncs()
+    assert back.config.desync_tp == 2

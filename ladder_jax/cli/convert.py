@@ -27,13 +27,14 @@ from rich.progress import (
 )
 
 from ladder_jax import atomic, runtime
-from ladder_jax.cli.common import ArgumentParser, quantize_mode
+from ladder_jax.cli.common import ArgumentParser, add_desync_flags, quantize_mode
 from ladder_jax.config import (
-    RESIDUALS,
+    SCHEMES,
     ConfigError,
     UsageError,
     check_quantize,
     parse_ladder_layers,
+    parse_reduce_pattern,
     scheme_overrides,
 )
 from ladder_jax.interop import gguf, hf
@@ -108,7 +109,7 @@ def _parser() -> ArgumentParser:
     )
     p.add_argument(
         "--residual",
-        choices=RESIDUALS,
+        choices=SCHEMES,
         help="residual scheme of the result (default: the source's)",
     )
     p.add_argument(
@@ -116,6 +117,7 @@ def _parser() -> ArgumentParser:
         default=None,
         help="ladder only: N (upper N layers) or a comma list of layer indices",
     )
+    add_desync_flags(p)
     p.add_argument(
         "--param-dtype", default="float32", help="the weights' dtype in the result, e.g. bfloat16"
     )
@@ -168,22 +170,22 @@ def _check(args) -> None:
 
 def _load(args, mesh, ladder_layers):
     """(model, tokenizer) of the source on `mesh`, with the scheme the flags ask."""
+    pattern = parse_reduce_pattern(args.reduce_pattern)
+    scheme = scheme_overrides(args.residual, ladder_layers, pattern, args.desync_tp)
     if args.checkpoint:
         return load_model(
-            args.checkpoint,
-            mesh=mesh,
-            what="--checkpoint",
-            quantize=args.quantize,
-            **scheme_overrides(args.residual, ladder_layers),
+            args.checkpoint, mesh=mesh, what="--checkpoint", quantize=args.quantize, **scheme
         )
     kw = {} if ladder_layers is None else {"ladder_layers": ladder_layers}
+    if scheme.get("residual") == "desync":  # the file's pattern and streams unless given
+        kw.update(reduce_pattern=pattern, desync_tp=args.desync_tp)
     load, source = (hf.load_hf, args.hf) if args.hf else (gguf.load_gguf, args.gguf)
     transfer = hf.Transfer(kind="safetensors" if args.hf else "GGUF")
     with _progress_bar(transfer, "reading"):
         loaded = load(
             source,
             mesh=mesh,
-            residual=args.residual,
+            residual=scheme.get("residual", args.residual),
             param_dtype=args.param_dtype,
             transfer=transfer,
             quantize=args.quantize,
