@@ -197,7 +197,8 @@ def test_cli_prints_what_generate_samples_with_its_sampling(capsys):
     ]
     assert decode_cli.main(argv) == 0
     out, err = capsys.readouterr()
-    assert out == f"Once{want[0]}\n" and "Transformer(" in err  # stdout: the text alone
+    assert out == f"{want[0]}\n" and "Transformer(" in err  # stdout: the new text alone
+    assert "\nOnce\n" in err  # the prompt, for the eye, on stderr
     assert decode_cli.main(argv + ["--prompt", "LOVE, n."]) == 0
     assert capsys.readouterr().out == (
         f"--- 'Once'\nOnce{want[0]}\n--- 'LOVE, n.'\nLOVE, n.{want[1]}\n"
@@ -207,7 +208,8 @@ def test_cli_prints_what_generate_samples_with_its_sampling(capsys):
 def test_cli_streams_text():
     r = run_module("decode", "--prompt", "Hello", "--max-new-tokens", "6", "--temperature", "0")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("Hello") and "Transformer(" in r.stderr, r.stdout
+    assert r.stdout.endswith("\n"), r.stdout  # the answer (test above: exactly the new text)
+    assert "\nHello\n" in r.stderr and "Transformer(" in r.stderr, r.stderr
 
 
 _WORKER = textwrap.dedent("""

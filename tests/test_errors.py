@@ -947,12 +947,13 @@ def test_cli_start_is_quiet(tmp_path):
         timeout=300,
     )
     assert p.returncode == 0, p.stderr
-    # nothing on stderr but decode's own lines: the model, then the speed (tokens/s, as
-    # gpt-fast prints it); stdout is the text alone
+    # nothing on stderr but decode's own lines: the model, the prompt, then the speed
+    # (tokens/s, as gpt-fast prints it); stdout is the new text alone
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 3 and lines[0].startswith("Transformer(4L "), p.stderr
-    assert lines[1] == "(random weights: expect noise)" and p.stdout.startswith("a"), p.stderr
-    assert re.match(r"\d+ tokens in [\d.]+ s; first token after", lines[2]), p.stderr
+    assert len(lines) == 4 and lines[0].startswith("Transformer(4L "), p.stderr
+    assert lines[1] == "(random weights: expect noise)" and lines[2] == "a", p.stderr
+    assert re.match(r"\d+ tokens in [\d.]+ s; first token after", lines[3]), p.stderr
+    assert p.stdout.endswith("\n"), p.stdout
 
 
 def _plugin_failure(logger, plugin: str) -> None:

@@ -236,12 +236,12 @@ def _prompt_file(file: str) -> list[str]:
 
 
 def _decode(args, model, tokenizer, prompts, rows, sampling, say) -> None:
-    """`generate` with `sampling`: one prompt printed as its text arrives, several each
-    after its prompt once all are done; the speed on stderr."""
+    """`generate` with `sampling`: one prompt's new text printed on stdout as it arrives (the
+    prompt on stderr), several each after its prompt once all are done; the speed on stderr."""
     single = len(prompts) == 1
     echo = _Echo(tokenizer, say if single else None)
-    if single:
-        say(prompts[0], end="\n" if args.chat else "")
+    if single:  # the prompt on stderr: stdout is the answer alone, as it streams
+        say(prompts[0], file=sys.stderr)
     t0 = time.perf_counter()
     out = generate(
         model,
