@@ -245,7 +245,8 @@ def predict(
     10 s while it compiles), None is silent, a function gets `(done, total, eta_s, stage)`;
     `kwargs` go to `ladder_jax.analysis.perfmodel.predict` (slots (`--max-len`), hosts,
     gpus_per_host, calibration, contention, launch, efficiency, link_overrides,
-    allreduces=("nccl", "one_shot"): each row's `allreduce`, ...);
+    allreduces=("nccl", "one_shot"): each row's `allreduce`; residuals=("desync",) with
+    reduce_patterns: a row per pattern, ...);
     `ladder_jax.analysis.tables.decision(rows)` is `predict`'s decision table."""
 
     if not jax.config.jax_platforms:  # compile for the GPU target; nothing runs on a GPU
