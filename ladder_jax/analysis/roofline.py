@@ -46,7 +46,7 @@ def layer_minimum(config, workload: Workload) -> dict:
     request's own cache, whatever `slots` a server holds)."""
     w = dataclasses.replace(workload, slots=None)
     mesh = programs.gpu_mesh(w.target, w.tp, hosts=w.hosts)
-    config = dataclasses.replace(config, n_layers=1)
+    config = _one_layer(config)
     model = fuse_inputs(nnx.merge(*abstract(config, mesh)))
     layer = model.layers[0]
     weights = 0
@@ -75,6 +75,13 @@ def layer_minimum(config, workload: Workload) -> dict:
     return {"weights_bytes": weights, "kv_cache_bytes": kv}
 
 
+def _one_layer(config):
+    """`config` at one layer, for its weights: an explicit desync pattern (one pair per layer)
+    becomes the named one, which holds the same weights."""
+    explicit = isinstance(config.reduce_pattern, tuple)
+    return dataclasses.replace(config, n_layers=1, **({"reduce_pattern": None} if explicit else {}))
+
+
 def step_minimum(config, workload: Workload) -> int:
     """Bytes one GPU must read per decode step: every layer's minimum (`layer_minimum`), the
     final norm and the LM head's block (the tied embedding's vocab rows); an untied
@@ -87,7 +94,7 @@ def step_minimum(config, workload: Workload) -> int:
 @functools.lru_cache(maxsize=64)
 def _head_bytes(config, tp: int, target: str, hosts: int) -> int:
     mesh = programs.gpu_mesh(target, tp, hosts=hosts)
-    model = nnx.merge(*abstract(dataclasses.replace(config, n_layers=1), mesh))
+    model = nnx.merge(*abstract(_one_layer(config), mesh))
     out = (
         device_bytes(model.final_norm.scale.get_value())
         if hasattr(model.final_norm, "scale")
