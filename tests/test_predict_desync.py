@@ -139,3 +139,14 @@ def test_residual_all_keeps_the_four_schemes(capsys):
 )
 def test_predict_refuses_in_one_line(capsys, argv, message):
     assert message in cli_error(capsys, predict_cli.main, [*flags(**CLI), *argv])
+
+
+def test_train_rows_per_pattern(capsys):
+    argv = ["--phase", "train", "--config", "configs/tiny.yaml", "--tp", "2", "--link", "nvlink"]
+    rows, _ = predict_json(capsys, [*argv, "--residual", "upper_bound", "desync"])
+    desync = {r["reduce_pattern"]: r for r in rows if r["residual"] == "desync"}
+    (bound,) = [r for r in rows if r["residual"] == "upper_bound"]
+    assert set(desync) == set(REDUCE_PATTERNS)
+    assert all(r["desync_tp"] == 2 and r["step_s"] >= bound["step_s"] for r in desync.values())
+    assert predict_cli.main([*argv, "--residual", "desync"]) == 0
+    assert "desync/2L" in capsys.readouterr().out

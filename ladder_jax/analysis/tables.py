@@ -30,7 +30,7 @@ def format_train_table(rows: list[dict]) -> str:
     for r in with_ratios(rows):
         ratio = "-" if r["vs_standard"] is None else f"{r['vs_standard']:.3f}x"
         lines.append(
-            f"{r['link']:<7} {r['tp']:>3} {r['residual']:<12} {r['step_s'] * 1e3:>10.1f} "
+            f"{r['link']:<7} {r['tp']:>3} {scheme_name(r):<12} {r['step_s'] * 1e3:>10.1f} "
             f"{r['exposed_comm_s'] * 1e3:>10.1f} {r['tokens_per_s']:>10.0f} {ratio:>11}"
         )
     return "\n".join(lines)

@@ -302,6 +302,8 @@ def main(argv=None) -> int:
     elif args.phase == "train":
         print(f"{name}: training step, predicted in {time.perf_counter() - t0:.0f} s")
         print(format_train_table(rows))
+        if desync_note(rows):
+            print(desync_note(rows))
     else:
         hosts = sorted({r["hosts"] for r in rows})
         print(
