@@ -202,7 +202,7 @@ class PredictRows(Rows):
         ("link", "link"),
         ("tp", "tp"),
         ("batch", "batch"),
-        ("residual", "residual"),
+        ("residual", tables.scheme_name),  # desync with its pattern: desync/2L
         ("prefill ms", lambda r: f"{r['prefill_s'] * 1e3:.1f}"),
         ("decode ms/tok", lambda r: f"{r['decode_step_s'] * 1e3:.3f}"),
         ("tokens/s", lambda r: f"{r['tokens_per_s']:.1f}"),

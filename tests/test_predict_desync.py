@@ -150,3 +150,21 @@ def test_train_rows_per_pattern(capsys):
     assert all(r["desync_tp"] == 2 and r["step_s"] >= bound["step_s"] for r in desync.values())
     assert predict_cli.main([*argv, "--residual", "desync"]) == 0
     assert "desync/2L" in capsys.readouterr().out
+
+
+def test_lj_predict_takes_desync_and_its_patterns():
+    rows = lj.predict(
+        "tiny",
+        tp=2,
+        batch=1,
+        prompt_len=128,
+        new_tokens=64,
+        links="nvlink",
+        residuals=("desync",),
+        reduce_patterns=("final_only",),
+        progress=None,
+    )
+    assert [(r["residual"], r["reduce_pattern"], r["desync_tp"]) for r in rows] == [
+        ("desync", "final_only", 2)
+    ]
+    assert "desync/end" in repr(rows)
