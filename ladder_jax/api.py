@@ -196,7 +196,7 @@ class PredictRows(Rows):
         ("link", "link"),
         ("tp", "tp"),
         ("batch", "batch"),
-        ("residual", "residual"),
+        ("residual", tables.scheme_name),  # desync with its pattern: desync/2L
         ("prefill ms", lambda r: f"{r['prefill_s'] * 1e3:.1f}"),
         ("decode ms/tok", lambda r: f"{r['decode_step_s'] * 1e3:.3f}"),
         ("tokens/s", lambda r: f"{r['tokens_per_s']:.1f}"),
@@ -239,7 +239,8 @@ def predict(
     10 s while it compiles), None is silent, a function gets `(done, total, eta_s, stage)`;
     `kwargs` go to `ladder_jax.analysis.perfmodel.predict` (slots (`--max-len`), hosts,
     gpus_per_host, calibration, contention, launch, efficiency, link_overrides,
-    allreduces=("nccl", "one_shot"): each row's `allreduce`, ...);
+    allreduces=("nccl", "one_shot"): each row's `allreduce`; residuals=("desync",) with
+    reduce_patterns: a row per pattern, ...);
     `ladder_jax.analysis.tables.decision(rows)` is `predict`'s decision table."""
 
     if not jax.config.jax_platforms:  # compile for the GPU target; nothing runs on a GPU

@@ -850,6 +850,7 @@ def test_cli_hosts_rows_and_bad_knobs(capsys):
         links="nvlink",
         residuals=["standard"],
         layers_compiled=0,
+        progress=None,  # its progress lines would precede the first refusal's on stderr
     )
     assert [(r["hosts"], r["target"], r["inter_host"]) for r in rows] == [(2, "h100", "ib-ndr")]
     for bad, message in (

@@ -1,6 +1,7 @@
 """The compiled programs the performance model reads: a request shape (`Workload`), the kernels
 of its prefill, decode-step or training program (`program_kernels`, compiled once per process
-and shape), and the depths compiled for a model (`compiled_depths`).
+and shape), and the depths compiled for a model (`compiled_depths`: all its layers, or a few
+and one period of layers fewer, extended linearly by the costing).
 
     w = Workload(tp=8, batch=1, prompt_len=1024, new_tokens=512)
     kernels = program_kernels(config, w, phase="decode").kernels"""
@@ -98,16 +99,33 @@ def check_layers_compiled(layers_compiled: int) -> None:
         )
 
 
+def layer_period(config) -> int | None:
+    """Layers after which `config`'s wiring repeats: 2 for desync every_2_layers (a synced
+    layer after each unsynced one), None for an explicit per-layer wiring (hybrid ladder
+    layers, desync pairs: compiled at full depth), else 1."""
+    if config.ladder_layers is not None:
+        return None
+    if config.residual == "desync":
+        return {"every_2_layers": 2, None: 1, "every_layer": 1, "final_only": 1}.get(
+            config.reduce_pattern
+        )
+    return 1
+
+
 def compiled_depths(config, layers_compiled: int) -> list[int]:
-    """The depths compiled for `config`: all layers, or `layers_compiled` and one fewer."""
+    """The depths compiled for `config`: all layers, or `layers_compiled` and one period of
+    layers fewer (`layer_period`; one layer for a uniform model), the deeper of the two as
+    many periods short of the full depth as it takes."""
     check_layers_compiled(layers_compiled)
-    if (
-        not layers_compiled
-        or config.ladder_layers is not None
-        or config.n_layers <= layers_compiled
-    ):
+    period = layer_period(config)
+    if not layers_compiled or period is None:
         return [config.n_layers]
-    return [layers_compiled - 1, layers_compiled]
+    deep = layers_compiled
+    while deep - period < 1 or (config.n_layers - deep) % period:
+        deep += 1
+    if config.n_layers <= deep:
+        return [config.n_layers]
+    return [deep - period, deep]
 
 
 def compile_all(tasks: list[dict], jobs: int | None = None, progress=None) -> None:

@@ -32,7 +32,7 @@ from ladder_jax.analysis.compiled import (
 )
 from ladder_jax.analysis.kernels import PredictError
 from ladder_jax.analysis.timeline import costed, extended, simulate, stream_waits
-from ladder_jax.config import RESIDUALS
+from ladder_jax.config import REDUCE_PATTERNS, RESIDUALS, SCHEMES, ConfigError
 from ladder_jax.inference import generation
 from ladder_jax.model import layout
 from ladder_jax.model.compilation import check_allreduce
@@ -102,9 +102,10 @@ def program_time(config, workload: Workload, costing: Costing, *, phase: str) ->
         seconds, compute = timelines[0].seconds, timelines[0].compute_s
         done = works[0]
     else:  # the two depths can fuse a kernel differently: keep 0 <= exposed <= seconds
-        seconds, compute = extended(*timelines, config.n_layers, c.layers_compiled)
+        period = depths[1] - depths[0]
+        seconds, compute = extended(*timelines, config.n_layers, depths[1], period)
         compute = min(compute, seconds)
-        extra = config.n_layers - c.layers_compiled
+        extra = (config.n_layers - depths[1]) // period
         done = {k: works[1][k] + extra * (works[1][k] - works[0][k]) for k in works[1]}
     fallbacks.discard(None)
     return {
@@ -132,7 +133,9 @@ class Sweep:
     `nccl_in_host`: a collective within one host as NCCL picks it (algorithm "nccl";
     `nccl_one_host_seconds`), else a ring at LL's latency; `nvls`: NVLink SHARP among its
     options where the chip has it; `waves`: a GEMM beside a collective slowed by whole waves of
-    its tiles (`flops_slowdown`), else by the share of SMs taken."""
+    its tiles (`flops_slowdown`), else by the share of SMs taken. `reduce_patterns`: the
+    rows of residual "desync", one per pattern (a name of `REDUCE_PATTERNS` or explicit
+    (attention, mlp) sync pairs), each with `desync_tp` the row's tp."""
 
     tp: tuple = (8,)
     batch: tuple = (1,)
@@ -155,10 +158,14 @@ class Sweep:
     nvls: bool = True
     waves: bool = True
     allreduces: tuple = ("nccl",)
+    reduce_patterns: tuple = REDUCE_PATTERNS
 
     def __post_init__(self):
         for name in ("tp", "batch", "links", "residuals", "allreduces"):
             object.__setattr__(self, name, _as_tuple(getattr(self, name)))
+        rp = self.reduce_patterns
+        rp = (rp,) if isinstance(rp, str) else tuple(_pattern(p) for p in rp)
+        object.__setattr__(self, "reduce_patterns", rp)
         if self.calibration is None and self.target in hardware.CHIPS:
             object.__setattr__(self, "calibration", hardware.calibration(self.target))
 
@@ -210,9 +217,9 @@ class Sweep:
                     f"unknown link {name!r}: choose one of {', '.join(self.calibration.links)}"
                 )
         for r in self.residuals:
-            if r not in RESIDUALS:
+            if r not in SCHEMES:
                 raise PredictError(
-                    f"unknown residual {r!r}: choose one of {', '.join(RESIDUALS)} or all"
+                    f"unknown residual {r!r}: choose one of {', '.join(SCHEMES)} or all"
                 )
         for a in self.allreduces:
             _checked(lambda: check_allreduce(a, "allreduce"))
@@ -254,6 +261,8 @@ class Sweep:
                     f"use --hosts H with tp/H a whole number <= --gpus-per-host"
                 )
             layout.check_divisible(config, t)
+            if "desync" in self.residuals:  # a pattern or tp desync cannot take: one line
+                _scheme_configs(config, "desync", t, self.reduce_patterns)
         check_calibration(self.calibration)
 
 
@@ -439,7 +448,7 @@ def mark_above_upper_bound(rows: list[dict]) -> list[dict]:
         )
         note = (
             (
-                f"{r['residual']} tp={r['tp']} batch={r['batch']} {r['link']}: predicted "
+                f"{_scheme(r)} tp={r['tp']} batch={r['batch']} {r['link']}: predicted "
                 f"{r['tokens_per_s'] / bound['tokens_per_s']:.2f}x upper_bound because its "
                 f"compiled programs do less per GPU and token ("
                 + ", ".join(less)
@@ -448,12 +457,22 @@ def mark_above_upper_bound(rows: list[dict]) -> list[dict]:
             )
             if less
             else (
-                f"{r['residual']} tp={r['tp']} batch={r['batch']} {r['link']}: predicted above "
+                f"{_scheme(r)} tp={r['tp']} batch={r['batch']} {r['link']}: predicted above "
                 f"upper_bound with no less work: a costing defect, please report it"
             )
         )
         out.append({**r, "above_upper_bound": note})
     return out
+
+
+def _scheme(row: dict) -> str:
+    """The row's scheme, with its reduce pattern for desync."""
+    rp = row.get("reduce_pattern")
+    return (
+        row["residual"]
+        if rp is None
+        else f"{row['residual']} {rp if isinstance(rp, str) else 'own pattern'}"
+    )
 
 
 def _per_token(row: dict, what: str) -> float:
@@ -560,6 +579,7 @@ def predict_train(
                     "phase": "train",
                     "residual": cfg.residual,
                     "ladder_layers": cfg.ladder_layers,
+                    **desync_fields(cfg),
                     "tp": t,
                     "hosts": sweep.hosts_for(t),
                     "batch": batch,
@@ -581,19 +601,45 @@ def predict_train(
 
 def _cases(sweep: Sweep, config) -> list[tuple]:
     """(tp, batch, config) of every cell of `sweep`, one config per residual scheme (the
-    ladder keeps `config.ladder_layers`, the others have none)."""
+    ladder keeps `config.ladder_layers`, the others have none) and, for desync, one per
+    reduce pattern with `desync_tp` the cell's tp."""
     return [
-        (
-            t,
-            b,
-            dataclasses.replace(
-                config, residual=r, ladder_layers=(config.ladder_layers if r == "ladder" else None)
-            ),
-        )
+        (t, b, cfg)
         for t in sweep.tp
         for b in sweep.batch
         for r in sweep.residuals
+        for cfg in _scheme_configs(config, r, t, sweep.reduce_patterns)
     ]
+
+
+def _scheme_configs(config, residual: str, tp: int, patterns: tuple) -> list:
+    """`config` as `residual` at `tp`: one config, or desync's one per pattern."""
+    keep = dict(reduce_pattern=None, desync_tp=None)
+    if residual != "desync":
+        ladder = config.ladder_layers if residual == "ladder" else None
+        return [dataclasses.replace(config, residual=residual, ladder_layers=ladder, **keep)]
+    try:
+        return [
+            dataclasses.replace(
+                config, residual=residual, ladder_layers=None, reduce_pattern=p, desync_tp=tp
+            )
+            for p in patterns
+        ]
+    except ConfigError as e:
+        raise PredictError(f"desync at tp={tp}: {e}") from None
+
+
+def _pattern(p):
+    """A reduce pattern as the config holds it: a name, or a tuple of (attention, mlp)."""
+    return p if isinstance(p, str) else tuple(tuple(pair) for pair in p)
+
+
+def desync_fields(cfg) -> dict:
+    """A desync row's `reduce_pattern` (its name, or the (attention, mlp) pairs) and
+    `desync_tp`; nothing for the other schemes, whose rows stay as they were."""
+    if cfg.residual != "desync":
+        return {}
+    return {"reduce_pattern": cfg.reduce_pattern, "desync_tp": cfg.desync_tp}
 
 
 def _compile_cases(name, sweep: Sweep, cases, phases, jobs, progress) -> None:
@@ -623,6 +669,7 @@ def _row(cfg, sweep: Sweep, tp, batch, link, pre, step) -> dict:
     return {
         "residual": cfg.residual,
         "ladder_layers": cfg.ladder_layers,
+        **desync_fields(cfg),
         "tp": tp,
         "batch": batch,
         "prompt_len": sweep.prompt_len,

@@ -19,6 +19,7 @@ from flax import nnx
 from ladder_jax import hardware
 from ladder_jax.analysis import programs
 from ladder_jax.analysis.compiled import Workload, compiled_depths, decode_fill, program_kernels
+from ladder_jax.analysis.tables import scheme_name
 from ladder_jax.inference import generation
 from ladder_jax.model.layout import device_bytes
 from ladder_jax.model.linear import Linear
@@ -34,7 +35,7 @@ def layer_minimum(config, workload: Workload) -> dict:
     request's own cache, whatever `slots` a server holds)."""
     w = dataclasses.replace(workload, slots=None)
     mesh = programs.gpu_mesh(w.target, w.tp, hosts=w.hosts)
-    config = dataclasses.replace(config, n_layers=1)
+    config = _one_layer(config)
     model = fuse_inputs(nnx.merge(*abstract(config, mesh)))
     layer = model.layers[0]
     weights = 0
@@ -63,6 +64,13 @@ def layer_minimum(config, workload: Workload) -> dict:
     return {"weights_bytes": weights, "kv_cache_bytes": kv}
 
 
+def _one_layer(config):
+    """`config` at one layer, for its weights: an explicit desync pattern (one pair per layer)
+    becomes the named one, which holds the same weights."""
+    explicit = isinstance(config.reduce_pattern, tuple)
+    return dataclasses.replace(config, n_layers=1, **({"reduce_pattern": None} if explicit else {}))
+
+
 def step_minimum(config, workload: Workload) -> int:
     """Bytes one GPU must read per decode step: every layer's minimum (`layer_minimum`), the
     final norm and the LM head's block (the tied embedding's vocab rows); an untied
@@ -75,7 +83,7 @@ def step_minimum(config, workload: Workload) -> int:
 @functools.lru_cache(maxsize=64)
 def _head_bytes(config, tp: int, target: str, hosts: int) -> int:
     mesh = programs.gpu_mesh(target, tp, hosts=hosts)
-    model = nnx.merge(*abstract(dataclasses.replace(config, n_layers=1), mesh))
+    model = nnx.merge(*abstract(_one_layer(config), mesh))
     out = (
         device_bytes(model.final_norm.scale.get_value())
         if hasattr(model.final_norm, "scale")
@@ -94,7 +102,8 @@ def layer_report(config, workload: Workload, *, layers_compiled: int = 4) -> dic
     read and write), `layer_min_bytes`, `bytes_vs_minimum`, `kernels_per_layer` (compute
     kernels), `collectives_per_layer`, `step_bytes` (the whole step at full depth) and
     `layer_kernels` ((name, bytes) of the deepest compile's last layer's kernels). A layer is
-    the difference of the depths `compiled_depths` compiles (`layers_compiled` and one fewer),
+    the difference of the depths `compiled_depths` compiles (`layers_compiled` and one period
+    fewer, over the period),
     or, where it compiles the full depth only (`layers_compiled=0`, hybrid ladders), the step
     less its head (the minimum's `step_minimum` less `layer_minimum`s) over the layers:
     `per_layer` says which. The workload's `slots`: the cache's slots per row (a server's
@@ -112,9 +121,11 @@ def layer_report(config, workload: Workload, *, layers_compiled: int = 4) -> dic
     low = minimum["weights_bytes"] + minimum["kv_cache_bytes"]
     n = config.n_layers
     if len(depths) == 2:
-        nbytes, kernels = total[1] - total[0], len(compute[1]) - len(compute[0])
-        collectives, per_layer = colls[1] - colls[0], "difference"
-        step = total[1] + (n - depths[1]) * nbytes
+        period = depths[1] - depths[0]  # a layer: the difference over one period, shared
+        per = (lambda x: x) if period == 1 else (lambda x: x / period)  # noqa: E731
+        nbytes, kernels = per(total[1] - total[0]), per(len(compute[1]) - len(compute[0]))
+        collectives, per_layer = per(colls[1] - colls[0]), "difference"
+        step = total[1] + (n - depths[1]) // period * (total[1] - total[0])
     else:
         head = step_minimum(config, workload) - n * low
         step = total[0]
@@ -172,12 +183,12 @@ def format_table(rows: list[dict]) -> str:
     ]
     seen = set()
     for r in sorted(rows, key=lambda r: (r["tp"], r["batch"])):
-        key = (r["tp"], r["batch"], r["residual"], r["link"])
+        key = (r["tp"], r["batch"], scheme_name(r), r["link"])
         if "layer_bytes" not in r or key[:3] in seen:
             continue
         seen.add(key[:3])
         lines.append(
-            f"{r['tp']:>3} {r['batch']:>5} {r['residual']:<12} "
+            f"{r['tp']:>3} {r['batch']:>5} {key[2]:<12} "
             f"{r['layer_bytes'] / 1e6:>9.2f} {r['layer_min_bytes'] / 1e6:>9.2f} "
             f"{r['bytes_vs_minimum']:>5.2f}x {r['kernels_per_layer']:>13g} "
             f"{r['roofline_step_s'] * 1e3:>11.3f} {r['roofline_fraction']:>11.2f}"

@@ -1,5 +1,6 @@
-"""The `predict` rows as text: the scheme table (ratios over standard), the training table, the
-memory note, the one-line summary and the decision table (docs/analysis.md).
+"""The `predict` rows as text: the scheme table (ratios over standard; desync's rows named by
+pattern), the training table, the memory note, the one-line summary and the decision table
+(docs/analysis.md).
 
     print(format_table(rows)); print(summary(rows)); print(format_decision(decision(rows)))"""
 
@@ -27,7 +28,7 @@ def format_train_table(rows: list[dict]) -> str:
     for r in with_ratios(rows):
         ratio = "-" if r["vs_standard"] is None else f"{r['vs_standard']:.3f}x"
         lines.append(
-            f"{r['link']:<7} {r['tp']:>3} {r['residual']:<12} {r['step_s'] * 1e3:>10.1f} "
+            f"{r['link']:<7} {r['tp']:>3} {scheme_name(r):<12} {r['step_s'] * 1e3:>10.1f} "
             f"{r['exposed_comm_s'] * 1e3:>10.1f} {r['tokens_per_s']:>10.0f} {ratio:>11}"
         )
     return "\n".join(lines)
@@ -49,7 +50,7 @@ def format_table(rows: list[dict]) -> str:
             else f" {r['memory_per_gpu_bytes'] / 2**30:>7.1f}"
             + ("" if r["fits"] else " does not fit")
         )
-        name = r["residual"] + _implementation(r)
+        name = scheme_name(r) + _implementation(r)
         lines.append(
             f"{r['link']:<7} {r['tp']:>3} {r['batch']:>5} {name:<12} "
             f"{r['prefill_s'] * 1e3:>10.1f} {r['decode_step_s'] * 1e3:>13.3f} "
@@ -94,6 +95,34 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(
         f"{link} tp={tp} batch={b}: " + ", ".join(f"{k} {v:.3f}" for k, v in d.items())
         for (link, tp, b), d in by.items()
+    )
+
+
+# desync's rows in the text table, by reduce pattern (`desync_note` says what each is)
+DESYNC_NAMES = {
+    "every_layer": "desync/1L",
+    "every_2_layers": "desync/2L",
+    "final_only": "desync/end",
+}
+
+
+def scheme_name(row: dict) -> str:
+    """The row's scheme as the text table names it: its residual, or desync and its pattern
+    (`DESYNC_NAMES`; "desync/own" for explicit sync pairs)."""
+    rp = row.get("reduce_pattern")
+    if row["residual"] != "desync":
+        return row["residual"]
+    return DESYNC_NAMES.get(rp, "desync/own") if isinstance(rp, str) else "desync/own"
+
+
+def desync_note(rows: list[dict]) -> str:
+    """What the desync rows' names mean, when the rows have any."""
+    if not any(r["residual"] == "desync" for r in rows):
+        return ""
+    return (
+        "desync/1L: one all-reduce per layer (reduce_pattern every_layer), desync/2L: one "
+        "every two layers (every_2_layers), desync/end: the last layer's only (final_only), "
+        "desync/own: the given sync pairs; desync_tp is the row's tp"
     )
 
 

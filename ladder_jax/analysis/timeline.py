@@ -431,11 +431,11 @@ def _run_kernel(op: Timed, now: float, flights) -> float:
 
 
 def extended(
-    shallow: Timeline, deep: Timeline, n_layers: int, deep_layers: int
+    shallow: Timeline, deep: Timeline, n_layers: int, deep_layers: int, period: int = 1
 ) -> tuple[float, float]:
-    """(seconds, compute seconds) at `n_layers`, from timelines of `deep_layers - 1` and
-    `deep_layers` layers: each missing layer adds their difference."""
-    extra = n_layers - deep_layers
+    """(seconds, compute seconds) at `n_layers`, from timelines of `deep_layers - period` and
+    `deep_layers` layers: each missing period of layers adds their difference."""
+    extra = (n_layers - deep_layers) // period
     return (
         deep.seconds + extra * (deep.seconds - shallow.seconds),
         deep.compute_s + extra * (deep.compute_s - shallow.compute_s),

@@ -2,7 +2,9 @@
 and report every all-reduce of its schedule (`ladder_jax.analysis.overlap`).
 
     python -m ladder_jax.overlap --preset llama-3-8b --tp 8 --phase decode
-    python -m ladder_jax.overlap --config configs/llama-3-70b.yaml --hosts 8"""
+    python -m ladder_jax.overlap --config configs/llama-3-70b.yaml --hosts 8
+    python -m ladder_jax.overlap --preset tiny --tp 2 --residual desync --reduce-pattern every_layer
+"""
 
 from __future__ import annotations
 
@@ -23,14 +25,21 @@ from ladder_jax.analysis.overlap import (
     verdict,
 )
 from ladder_jax.analysis.programs import PHASES, CompileError, OverlapError
-from ladder_jax.cli.common import ArgumentParser, EveryDefaultFormatter, quantize_mode
+from ladder_jax.cli.common import (
+    ArgumentParser,
+    EveryDefaultFormatter,
+    add_desync_flags,
+    quantize_mode,
+)
 from ladder_jax.config import (
-    RESIDUALS,
+    SCHEMES,
     ConfigError,
     ModelConfig,
     UsageError,
     check_quantize,
     parse_ladder_layers,
+    parse_reduce_pattern,
+    scheme_overrides,
 )
 from ladder_jax.model.compilation import check_allreduce
 from ladder_jax.train import step
@@ -47,14 +56,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--residual",
         default=None,
-        choices=RESIDUALS,
-        help="scheme (None: ladder; with --config: the config's)",
+        choices=SCHEMES,
+        help="scheme (None: ladder, desync with --reduce-pattern / --desync-tp; with "
+        "--config: the config's)",
     )
     p.add_argument(
         "--ladder-layers",
         default=None,
         help="ladder only: N (upper N layers) or a comma list of layer indices",
     )
+    add_desync_flags(p)
     p.add_argument("--tp", type=int, default=8, help="tensor-parallel size (GPUs per program)")
     p.add_argument("--batch", type=int, default=1, help="sequences per program")
     p.add_argument("--seq", type=int, default=1024, help="prompt / training length")
@@ -138,17 +149,10 @@ def main(argv=None) -> int:
             )
             return 2
         return _main_config(args)
-    args.residual = args.residual or "ladder"
-
     try:
         check_quantize(args.quantize, "--quantize")
         check_allreduce(args.allreduce)
-        config = ModelConfig.from_preset(
-            args.preset,
-            residual=args.residual,
-            ladder_layers=parse_ladder_layers(args.ladder_layers),
-            quantize=args.quantize,
-        )
+        config = ModelConfig.from_preset(args.preset, **_scheme(args), quantize=args.quantize)
         rep = report(
             config,
             phase=args.phase,
@@ -177,6 +181,18 @@ def main(argv=None) -> int:
     return 0
 
 
+def _scheme(args) -> dict:
+    """The ModelConfig scheme keys of --residual (None: ladder, or desync with its flags),
+    --ladder-layers, --reduce-pattern and --desync-tp."""
+    over = scheme_overrides(
+        args.residual,
+        parse_ladder_layers(args.ladder_layers),
+        parse_reduce_pattern(args.reduce_pattern),
+        args.desync_tp,
+    )
+    return over or {"residual": "ladder", "ladder_layers": None}
+
+
 def _dumped(path) -> None:
     if path:  # relative to where the command ran; say where that is
         print(f"scheduled HLO written to {os.path.abspath(path)}", file=sys.stderr)
@@ -194,6 +210,11 @@ def _main_config(args) -> int:
             over.append(f"model.residual={args.residual}")
         if args.ladder_layers is not None:
             over.append(f"model.ladder_layers={args.ladder_layers}")
+        desync = {k: getattr(args, k) for k in ("reduce_pattern", "desync_tp")}
+        desync = [f"model.{k}={v}" for k, v in desync.items() if v is not None]
+        if desync and not args.residual:
+            desync.insert(0, "model.residual=desync")
+        over += desync
         cfg = load_config([args.config, *over])
         rep = report_config(
             cfg,

@@ -28,6 +28,7 @@ from ladder_jax.analysis.perfmodel import (
 from ladder_jax.analysis.programs import OverlapError
 from ladder_jax.analysis.tables import (
     decision,
+    desync_note,
     format_decision,
     format_table,
     format_train_table,
@@ -37,11 +38,14 @@ from ladder_jax.analysis.tables import (
 )
 from ladder_jax.cli.common import ArgumentParser, EveryDefaultFormatter, quantize_mode, write_stderr
 from ladder_jax.config import (
+    REDUCE_PATTERNS,
     RESIDUALS,
+    SCHEMES,
     ModelConfig,
     UsageError,
     check_quantize,
     parse_ladder_layers,
+    parse_reduce_pattern,
 )
 from ladder_jax.model.compilation import check_allreduce
 from ladder_jax.progress import ProgressLines
@@ -70,7 +74,19 @@ def _model_flags(p) -> None:
     """What is compiled: the model, its schemes and weights, the phase."""
     p.add_argument("--preset", default="llama-3-70b", help="model preset (ladder_jax.PRESETS)")
     p.add_argument(
-        "--residual", nargs="+", default=["all"], help=f"schemes: {', '.join(RESIDUALS)}, or all"
+        "--residual",
+        nargs="+",
+        default=["all"],
+        help=f"schemes: {', '.join(SCHEMES)}, or all ({', '.join(RESIDUALS)})",
+    )
+    p.add_argument(
+        "--reduce-pattern",
+        nargs="+",
+        default=None,
+        metavar="PATTERN",
+        help="desync's rows, one per pattern: every_layer, every_2_layers, final_only, or per "
+        "layer two letters y/n (attention, mlp syncs), comma separated (None: the three "
+        "named ones); desync_tp is each row's tp",
     )
     p.add_argument(
         "--ladder-layers",
@@ -279,6 +295,8 @@ def main(argv=None) -> int:
     elif args.phase == "train":
         print(f"{name}: training step, predicted in {time.perf_counter() - t0:.0f} s")
         print(format_train_table(rows))
+        if desync_note(rows):
+            print(desync_note(rows))
     else:
         hosts = sorted({r["hosts"] for r in rows})
         print(
@@ -295,6 +313,7 @@ def main(argv=None) -> int:
         for s in (
             context_note(rows),
             memory_note(rows),
+            desync_note(rows),
             summary(rows),
             format_decision(decision(rows)),
             *sorted({r["above_upper_bound"] for r in rows if r.get("above_upper_bound")}),
@@ -337,6 +356,19 @@ def _check_decode_flags(args) -> None:
                 f"new tokens, at least {args.prompt_len + args.new_tokens} "
                 f"(--prompt-len + --new-tokens)"
             )
+
+
+def _schemes(args) -> tuple[tuple, tuple]:
+    """(residual schemes, desync's reduce patterns) of --residual ("all": the four of
+    RESIDUALS, desync beside them when named) and --reduce-pattern."""
+    residuals = []
+    for r in args.residual:
+        residuals += [x for x in (RESIDUALS if r == "all" else (r,)) if x not in residuals]
+    if args.reduce_pattern is None:
+        return tuple(residuals), REDUCE_PATTERNS
+    if "desync" not in residuals:
+        raise PredictError("--reduce-pattern applies to desync: add desync to --residual")
+    return tuple(residuals), tuple(parse_reduce_pattern(p) for p in args.reduce_pattern)
 
 
 def _calibration(args) -> hardware.Calibration:
@@ -395,7 +427,7 @@ def _rows(args, show) -> tuple[list[dict], str]:
         config = dataclasses.replace(
             config, residual="ladder", ladder_layers=parse_ladder_layers(args.ladder_layers)
         )
-    residuals = RESIDUALS if args.residual == ["all"] else tuple(args.residual)
+    residuals, patterns = _schemes(args)
     cal = _calibration(args)
     sweep = Sweep(
         links=tuple(args.link),
@@ -414,6 +446,7 @@ def _rows(args, show) -> tuple[list[dict], str]:
         nvls=not args.no_nvls,
         waves=not args.no_waves,
         allreduces=tuple(check_allreduce(a) for a in args.allreduce),
+        reduce_patterns=patterns,
     )
     common = dict(jobs=args.jobs, progress=show)
     if args.phase == "train":
