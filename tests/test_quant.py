@@ -247,7 +247,7 @@ def test_decode_cli_int8(capsys):
         )
         == 0
     )
-    assert "weights int8" in capsys.readouterr().out
+    assert "weights int8" in capsys.readouterr().err  # the model summary, on stderr
     assert (
         decode_cli.main(
             [
