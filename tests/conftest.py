@@ -33,6 +33,10 @@ if not _SHARED:
     os.environ["LADDER_JAX_TESTS_XLA_CACHE"] = _SHARED
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _SHARED)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# The commands' own cache (`ladder_jax.compile_cache`, on by default in the user's cache
+# directory) stays off wherever a test drops the session's: no test writes to $HOME's cache
+# (tests/test_compile_cache.py sets its own, in a temporary directory).
+os.environ.setdefault("LADDER_COMPILE_CACHE", "off")
 
 # ---------------------------------------------------------------------------------------------
 # The quick first check, `python -m pytest -m quick` (README): these files, and the tests

@@ -134,13 +134,13 @@ def test_training_steps_compile_with_the_cpu_training_options(monkeypatch, tmp_p
     monkeypatch.delenv("XLA_FLAGS")
 
     asked = []
-    real_jit = trainer_module.sharding.jit
+    real_jit = trainer_module.compilation.jit
 
     def jit(fn, **kw):
         asked.append(kw.get("program", "any"))
         return real_jit(fn, **kw)
 
-    monkeypatch.setattr(trainer_module.sharding, "jit", jit)
+    monkeypatch.setattr(trainer_module.compilation, "jit", jit)
     tiny = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml")
     cfg = train_config.load_config([tiny, f"run_dir={tmp_path}", "mesh.tp=1", "mesh.data=1"])
     t = trainer_module.Trainer(cfg)
