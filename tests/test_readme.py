@@ -125,9 +125,9 @@ def test_docs_cpu_commands_run_in_order(tmp_path):
         "upper_bound",
     }
     assert "tp=1 has no all-reduce to overlap" in out
-    # decode: the text, then the speed on stderr
+    # decode: the new text on stdout; the prompt, then the speed, on stderr
     decode = [(o, e) for s, o, e in logs if "ladder_jax.decode --checkpoint runs/tiny" in s]
-    assert decode and "LOVE, n." in decode[0][0]
+    assert decode and decode[0][0].endswith("\n") and "\nLOVE, n.\n" in decode[0][1], decode
     assert re.search(r"tokens/s", decode[0][1]), decode[0][1]
 
 
