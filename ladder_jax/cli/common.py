@@ -164,6 +164,24 @@ def add_decode_matmul(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_program_flags(p: argparse.ArgumentParser) -> None:
+    """decode's and serve's flags for the programs they compile: --decode-matmul, --allreduce,
+    desync's (`add_desync_flags`), and the process flags (`runtime.add_arguments`)."""
+    add_decode_matmul(p)
+    p.add_argument(
+        "--allreduce",
+        default="nccl",
+        help="how the GPU programs' all-reduces run: nccl, or one_shot (XLA's one-shot / "
+        "two-shot kernels over NVLink peer memory; CPU programs ignore it)",
+    )
+    add_desync_flags(p)
+    runtime.add_arguments(
+        p,
+        cpu_devices_help="on a CPU host, fake devices to split it into "
+        "(default: --tp, else the default tp)",
+    )
+
+
 def add_desync_flags(p: argparse.ArgumentParser) -> None:
     """--reduce-pattern and --desync-tp, desync's keys (either alone implies --residual
     desync; `ladder_jax.config.scheme_overrides`)."""

@@ -19,8 +19,7 @@ from ladder_jax import processes, runtime
 from ladder_jax.cli.common import (
     TP_HELP,
     ArgumentParser,
-    add_decode_matmul,
-    add_desync_flags,
+    add_program_flags,
     add_quantize,
     add_sampling,
     add_scheme,
@@ -99,19 +98,7 @@ def parser() -> ArgumentParser:
         help="each prompt is a user message, rendered with the checkpoint's chat "
         "template (as the server's /v1/chat/completions does)",
     )
-    add_decode_matmul(p)
-    p.add_argument(
-        "--allreduce",
-        default="nccl",
-        help="how the GPU programs' all-reduces run: nccl, or one_shot (XLA's one-shot / "
-        "two-shot kernels over NVLink peer memory; CPU programs ignore it)",
-    )
-    add_desync_flags(p)
-    runtime.add_arguments(
-        p,
-        cpu_devices_help="on a CPU host, fake devices to split it into "
-        "(default: --tp, else the default tp)",
-    )
+    add_program_flags(p)
     return p
 
 

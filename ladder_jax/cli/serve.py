@@ -23,8 +23,7 @@ from jax._src import distributed
 from ladder_jax import processes, runtime
 from ladder_jax.cli.common import (
     ArgumentParser,
-    add_decode_matmul,
-    add_desync_flags,
+    add_program_flags,
     choose_tp,
     load_checkpoint,
     model_overrides,
@@ -110,19 +109,7 @@ def parser() -> argparse.ArgumentParser:
         "heads and the devices, on a CPU host also its cores; said on stderr)",
     )
     _add_serving_flags(p)
-    add_decode_matmul(p)
-    p.add_argument(
-        "--allreduce",
-        default="nccl",
-        help="how the GPU programs' all-reduces run: nccl, or one_shot (XLA's one-shot / "
-        "two-shot kernels over NVLink peer memory; CPU programs ignore it)",
-    )
-    add_desync_flags(p)
-    runtime.add_arguments(
-        p,
-        cpu_devices_help="on a CPU host, fake devices to split it into "
-        "(default: --tp, else the default tp)",
-    )
+    add_program_flags(p)
     return p
 
 
