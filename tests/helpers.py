@@ -289,3 +289,24 @@ def shrink(nb, cell: int, **values):
         src = re.sub(pattern, lambda m: m.group(1) + value, src)
     nb.cells[cell].source = src
     return nb
+
+
+def largest_data_file(step_dir, item: str) -> str:
+    """The largest of orbax's data files (under .../d/) of `item` (params, opt_state) in a
+    checkpoint step directory: the one a damage test truncates or corrupts."""
+    files = [
+        os.path.join(d, f)
+        for d, _, fs in os.walk(os.path.join(step_dir, item))
+        for f in fs
+        if f"{os.sep}d{os.sep}" in os.path.join(d, f)
+    ]
+    return max(files, key=os.path.getsize)
+
+
+def flip_byte(file) -> None:
+    """Corrupt `file` in place: one bit of its middle byte flipped."""
+    with open(file, "r+b") as f:
+        raw = bytearray(f.read())
+        raw[len(raw) // 2] ^= 0x10
+        f.seek(0)
+        f.write(bytes(raw))

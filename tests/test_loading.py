@@ -23,7 +23,16 @@ from ladder_jax.cli import train as train_cli
 from ladder_jax.config import ConfigError
 from ladder_jax.interop import hf
 from ladder_jax.interop.tokenizer import ByteTokenizer
-from tests.helpers import TINY, free_port, logits, one_line, run_module, tiny_model
+from tests.helpers import (
+    TINY,
+    flip_byte,
+    free_port,
+    largest_data_file,
+    logits,
+    one_line,
+    run_module,
+    tiny_model,
+)
 
 TOKENS = np.array([[1, 72, 101, 108, 108, 111, 32, 119]], np.int32)
 
@@ -59,21 +68,7 @@ def test_a_saved_model_loads_back_equal(saved):
 
 def _weights(m):
     """The largest weights file of checkpoint 0 (orbax's data under params/)."""
-    files = [
-        os.path.join(d, f)
-        for d, _, fs in os.walk(m / "checkpoints" / "0" / "params")
-        for f in fs
-        if f"{os.sep}d{os.sep}" in os.path.join(d, f)
-    ]
-    return max(files, key=os.path.getsize)
-
-
-def _flip(file):
-    with open(file, "r+b") as f:
-        raw = bytearray(f.read())
-        raw[len(raw) // 2] ^= 0x10
-        f.seek(0)
-        f.write(bytes(raw))
+    return largest_data_file(m / "checkpoints" / "0", "params")
 
 
 def _unrecorded(m):
@@ -85,7 +80,7 @@ def _unrecorded(m):
 DAMAGE = {  # name: (damage to the model directory, what the line says)
     "truncated": (lambda m: os.truncate(_weights(m), os.path.getsize(_weights(m)) // 2), "bytes"),
     "emptied": (lambda m: os.truncate(_weights(m), 0), "has 0 bytes"),
-    "corrupted": (lambda m: _flip(_weights(m)), "is corrupt"),
+    "corrupted": (lambda m: flip_byte(_weights(m)), "is corrupt"),
     "params_metadata_removed": (
         lambda m: os.remove(m / "checkpoints" / "0" / "params" / "_METADATA"),
         "params/_METADATA is missing",

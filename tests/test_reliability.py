@@ -22,7 +22,15 @@ from ladder_jax.train import trainer
 from ladder_jax.train.checkpoint import Checkpointer
 from ladder_jax.train.lock import RunBusy, RunLock
 from ladder_jax.train.step import TrainState
-from tests.helpers import committed, free_port, last_step, one_line, train_process
+from tests.helpers import (
+    committed,
+    flip_byte,
+    free_port,
+    largest_data_file,
+    last_step,
+    one_line,
+    train_process,
+)
 
 SMALL = [
     "model.n_layers=2",
@@ -78,24 +86,6 @@ def target(trained):
 # Damaged checkpoints: never trusted, never deleted.
 
 
-def _data_file(step_dir, item):
-    files = [
-        os.path.join(d, f)
-        for d, _, fs in os.walk(step_dir / item)
-        for f in fs
-        if f"{os.sep}d{os.sep}" in os.path.join(d, f)
-    ]
-    return max(files, key=os.path.getsize)
-
-
-def _flip(file):
-    with open(file, "r+b") as f:
-        raw = bytearray(f.read())
-        raw[len(raw) // 2] ^= 0x10
-        f.seek(0)
-        f.write(bytes(raw))
-
-
 DAMAGE = {  # name: (damage to checkpoints/<step>, what the skip says)
     "manifest_removed": (
         lambda c: os.remove(c / "params" / "manifest.ocdbt"),
@@ -103,11 +93,11 @@ DAMAGE = {  # name: (damage to checkpoints/<step>, what the skip says)
     ),
     "data_truncated": (
         lambda c: os.truncate(
-            _data_file(c, "params"), os.path.getsize(_data_file(c, "params")) // 2
+            largest_data_file(c, "params"), os.path.getsize(largest_data_file(c, "params")) // 2
         ),
         "(truncated or overwritten)",
     ),
-    "bit_flipped": (lambda c: _flip(_data_file(c, "opt_state")), "is corrupt"),
+    "bit_flipped": (lambda c: flip_byte(largest_data_file(c, "opt_state")), "is corrupt"),
     "metadata_removed": (lambda c: os.remove(c / "meta" / "metadata"), "no meta/metadata"),
     "metadata_garbled": (
         lambda c: (c / "meta" / "metadata").write_text('{"step": 4, "con'),
@@ -172,7 +162,7 @@ def test_nothing_to_do_changes_nothing(trained, tmp_path, capsys, extra):
 
 def test_no_checkpoint_verifies_is_one_line_and_changes_nothing(trained, tmp_path, capsys):
     run = copy_run(trained, tmp_path)
-    _flip(_data_file(run / "checkpoints" / "4", "params"))
+    flip_byte(largest_data_file(run / "checkpoints" / "4", "params"))
     os.remove(run / "checkpoints" / "2" / "meta" / "metadata")
     before = snapshot(run)
     line = one_line(capsys, train_cli.main(SMALL + ["steps=6", f"run_dir={tmp_path}", "name=run"]))
@@ -183,7 +173,7 @@ def test_no_checkpoint_verifies_is_one_line_and_changes_nothing(trained, tmp_pat
 
 def test_resume_past_a_damaged_checkpoint_is_bit_exact_and_keeps_it(trained, tmp_path, capsys):
     run = copy_run(trained, tmp_path)
-    _flip(_data_file(run / "checkpoints" / "4", "opt_state"))
+    flip_byte(largest_data_file(run / "checkpoints" / "4", "opt_state"))
     damaged = snapshot(run / "checkpoints" / "4")
     assert train_cli.main(SMALL + ["steps=4", f"run_dir={tmp_path}", "name=run"]) == 0
     out = capsys.readouterr().out
