@@ -85,6 +85,10 @@ def simulate(seed, slots=5, block=2, vocab=3, rounds=200):
                 continue
             got = cache.claim(prompt, free)
             assert got == want, (prompt, [list(k) for k in ref.kv])
+            if rng.random() < 0.5:  # as the engine does: the row's KV past the reuse is doomed
+                keep = got.reused if got.source is None else 0
+                cache.keep(got.slot, keep)
+                ref.kv[got.slot] = ref.kv[got.slot][:keep]
             assert got.reused % block == 0 and got.reused <= len(prompt) - 1
             claims.append((got, prompt))
             queried, reused_total = queried + len(prompt), reused_total + got.reused
@@ -230,3 +234,17 @@ def test_a_pending_copy_source_is_not_overwritten_by_another_copy():
     cache.claim([5], [2])  # row 2 is busy
     assert cache.claim([1, 2, 3, 4, 5], [1]) == Claim(1, 4, 0)
     assert cache.claim([7, 7, 7], [0]) == Claim(0, 0, None)
+
+
+def test_a_copied_row_is_a_source_once_written():
+    """The engine's order: claim (a copy), keep(dst, 0) at once, the copy runs (`copied`), the
+    rest of the prompt is written; the row then holds the whole prompt for later claims."""
+    cache = PrefixCache(3, block=2)
+    cache.wrote(0, 0, [1, 2, 3, 4, 5])
+    cache.claim([9], [0])  # row 0 is busy
+    c = cache.claim([1, 2, 3, 4, 6, 7, 8], [1, 2])
+    assert c == Claim(1, 4, 0)
+    cache.keep(1, 0)
+    cache.copied(0, 1, 4)
+    cache.wrote(1, 4, [6, 7, 8])
+    assert cache.claim([1, 2, 3, 4, 6, 7, 8, 9], [2]) == Claim(2, 6, 1)

@@ -108,8 +108,9 @@ class PrefixCache:
             self._set(slot, start, tokens)
 
     def keep(self, slot: int, length: int) -> None:
-        """Row `slot` holds valid KV below `length` only (drops blocks reaching past it)."""
-        self._finish_pending(self._check_row(slot))
+        """Row `slot` holds valid KV below `length` only (drops blocks reaching past it). A row
+        whose copy is pending holds nothing until `copied` (its claim dropped what it held)."""
+        self._check_row(slot)
         if length < 0:
             raise ValueError(f"keep: length must be >= 0, got {length}")
         self._set(slot, length, ())
