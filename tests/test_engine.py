@@ -4,12 +4,16 @@ tokens equal its offline tokens, greedy for several schemes at tp 1 and 2, seede
 
 import threading
 
+import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from ladder_jax.cli import serve
 from ladder_jax.inference import generation
 from ladder_jax.inference.batching import Engine, Request
-from ladder_jax.inference.sampling import GenerationError, Sampling
+from ladder_jax.inference.cache import KVCache
+from ladder_jax.inference.generation import rows_to_device, to_device
+from ladder_jax.inference.sampling import GenerationError, RowSampling, Sampling
 from tests.helpers import cli_error, tiny_model
 
 CASES = [(n, 1) for n in ("standard", "ladder", "parallel")] + [
@@ -88,18 +92,49 @@ def test_chunked_prefix_cached_speculative_engine_equals_generate(name, tp):
     requests = [r for phase in PHASES for r in phase]
     want = generation.generate(model, [p for p, _ in requests], max_new_tokens=16)
     history = requests[-1][0] + want[-1][: requests[-1][1]] + [9]  # the last one's chat turn
-    want += generation.generate(model, [history], max_new_tokens=5)
-    requests.append((history, 5))
+    want += generation.generate(model, [history], max_new_tokens=4)
+    requests.append((history, 4))  # ends a block: were its unfed last token counted, it shows
     engine = Engine(
         model, slots=3, max_len=64, prefills_per_step=1, chunk=8, prefix_block=4, speculate=3
     )
     copies = _counted_copies(engine)
-    got, reasons, reqs = _run(engine, [*PHASES, [(history, 5)]])
+    got, reasons, reqs = _run(engine, [*PHASES, [(history, 4)]])
     assert reasons == ["length"] * len(requests)
     assert got == [w[:m] for w, (_, m) in zip(want, requests)]
     assert engine.prefix_hit_tokens >= 2 * 24 and copies
     assert reqs[-1].cached_tokens == (len(history) - 1) // 4 * 4  # all but the new token
     assert engine.accepted_tokens > 0 and engine.drafted_tokens >= engine.accepted_tokens
+    _check_registered_kv(engine)
+
+
+def _check_registered_kv(engine):
+    """Every block the prefix cache says a row holds (generated tokens and accepted drafts
+    included, never a rejected draft's position) holds the KV a plain prefill of those tokens
+    writes."""
+    pc = engine.prefix
+    held = [pc._tokens[r][: len(pc._chain[r]) * pc.block] for r in range(engine.slots)]
+    assert any(len(h) > 24 for h in held), held
+    rows = [r for r in range(engine.slots) if held[r]]
+    T = 64
+    tokens = np.zeros((len(rows), T), np.int32)
+    for n, r in enumerate(rows):
+        tokens[n, : len(held[r])] = held[r]
+    mesh, rep = engine.mesh, P()
+    fresh = KVCache.init(engine.config, mesh, engine.slots, engine.cache.length)
+    _, fresh = engine.decoder.prefill_slots(
+        fresh,
+        to_device(np.array(rows, np.int32), mesh, rep),
+        to_device(tokens, mesh, rep),
+        to_device(np.array([len(held[r]) for r in rows], np.int32), mesh, rep),
+        rows_to_device(RowSampling.empty(len(rows)), mesh, rep),
+    )
+    for keys, got, want in [(True, engine.cache.k, fresh.k), (False, engine.cache.v, fresh.v)]:
+        for layer in range(len(got)):
+            g, w = np.asarray(got[layer]), np.asarray(want[layer])  # (B, K, H, S) / (B, K, S, H)
+            for r in rows:
+                n = len(held[r])
+                a, b = (x[r][..., :n] if keys else x[r][:, :n] for x in (g, w))
+                np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4, err_msg=f"row {r}")
 
 
 def test_seeded_sampling_with_speculation_equals_generate():
@@ -118,6 +153,7 @@ def test_seeded_sampling_with_speculation_equals_generate():
     got, _, _ = _run(engine, PHASES[:2], sampling)
     assert got == [w[:m] for w, (_, m) in zip(want, requests)]
     assert engine.accepted_tokens > 0
+    _check_registered_kv(engine)
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,8 @@
 """Continuous batching over the jitted decode step: a fixed number of slots, each owning one row
-of one KV cache, filled and emptied between decode steps. Rounds, processes and limits:
-docs/inference.md, 'Inside the server'.
+of one KV cache. Each round (a `Plan`) copies reused prompt prefixes, runs the decode steps (or
+one step verifying prompt-lookup drafts) of the slots decoding, then one prompt chunk per slot
+still prefilling. Rounds, prefix reuse, speculation, processes and limits: docs/inference.md,
+'Inside the server'.
 
     engine = Engine(model, slots=16, max_queue=64); engine.start(); engine.submit(request)"""
 
@@ -321,7 +323,7 @@ class Engine:
             self._draft(plan)
         if self.stopping:
             return plan
-        for i in self.prefilling:
+        for i in list(self.prefilling):  # (a final chunk leaves the list)
             plan.chunks.append(self._next_chunk(i))
         self._admit(plan)
         return plan
@@ -356,8 +358,10 @@ class Engine:
         while self.queue and free and len(plan.chunks) < self.admit:
             req = self.queue[0]
             scored = req.logprobs is not None
-            if scored and pool + len(req.prompt) > self.shape.pool:
-                break  # waits for a round with room for its whole prompt
+            if pool + (len(req.prompt) if scored else min(self.chunk, len(req.prompt))) > (
+                self.shape.pool
+            ):
+                break  # waits for a round with room for its tokens (a scored one: all)
             self.queue.popleft()
             if req.cancelled:
                 req.on_finish("cancelled")
@@ -460,7 +464,7 @@ class Engine:
                         int(tokens[i]),
                         None if scored is None else tuple(x[k, i] for x in scored),
                     )
-        self._wrote_fed(plan, self.steps_per_plan)
+        self._wrote_fed(plan, np.full(self.slots, self.steps_per_plan))
 
     def _verify(self, plan: Plan) -> None:
         """One speculative step: each row's newest token and its drafts; a row takes the drawn
@@ -474,26 +478,29 @@ class Engine:
         self.steps += 1
         if not self.lead:
             return
+        fed_b = np.zeros(self.slots, np.int32)  # the tokens fed that are the row's own
         for i in np.flatnonzero(plan.busy_b):
             n, a = int(plan.drafted_b[i]), 0
             while a < n and plan.drafts_bk[i, a] == drawn_bk[i, a]:
                 a += 1
             self.drafted_tokens += n
             self.accepted_tokens += a
+            fed_b[i] = a + 1  # its newest token and the accepted drafts (the rest: garbage)
             for j in range(a + 1):
                 if self.owner[i] is None:
                     break
                 self._deliver(i, int(drawn_bk[i, j]))
-        self._wrote_fed(plan, tokens_bk.shape[1])
+        self._wrote_fed(plan, fed_b)
 
-    def _wrote_fed(self, plan: Plan, fed: int) -> None:
-        """Tells the prefix cache what a decode part wrote: each decoding row's `fed` tokens
-        from its position on, those that are part of its sequence (not past a stop)."""
+    def _wrote_fed(self, plan: Plan, fed_b: np.ndarray) -> None:
+        """Tells the prefix cache what a decode part wrote: each decoding row's first fed_b[i]
+        tokens fed from its position on, those that are part of its sequence (not past a
+        stop: a token drawn after the last delivered one is not)."""
         if self.prefix is None:
             return
         for i in np.flatnonzero(plan.busy_b):
             p = int(plan.positions_b[i])
-            self.prefix.wrote(i, p, self.seq[i][p : p + fed])
+            self.prefix.wrote(i, p, self.seq[i][p : p + int(fed_b[i])])
 
     def _prefill(self, chunks: list[Chunk]) -> None:
         """The round's chunks, one program per chunk bucket among them (several chunks of a
