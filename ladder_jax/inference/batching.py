@@ -633,17 +633,15 @@ class Engine:
     def warmup_programs(self) -> list[tuple[int, int]]:
         """What `warmup` compiles, in order: (rows, tokens) of each chunk program, then
         (slots, 0) for the decode round (with the speculative step when speculating and the
-        prefix copy when caching prefixes). A handful: one row of each chunk bucket up to
-        WARM_PROMPT_TOKENS, then a full admission group of whole chunks; other programs
-        compile on first use (and land in the compilation cache)."""
-        buckets = sorted(
-            {min(prompt_bucket(n, self.length), self.chunk) for n in range(1, self.chunk + 1)}
-        )
-        group = min(prefill_group(min(self.admit, self.slots)), prefill_rows(buckets[-1]))
-        ones = [
-            (1, T) for T in buckets if T <= WARM_PROMPT_TOKENS and (T, group) != (buckets[-1], 1)
-        ]
-        return ones + [(group, buckets[-1])] + [(self.slots, 0)]
+        prefix copy when caching prefixes). A handful: one row of each shorter chunk bucket
+        (up to WARM_PROMPT_TOKENS), then every row group of whole chunks (where long prompts
+        spend their prefill); other programs compile on first use (and land in the
+        compilation cache)."""
+        buckets = {min(prompt_bucket(n, self.length), self.chunk) for n in range(1, self.chunk)}
+        group = min(prefill_group(min(self.admit, self.slots)), prefill_rows(self.chunk))
+        ones = [(1, T) for T in sorted(buckets - {self.chunk}) if T <= WARM_PROMPT_TOKENS]
+        whole = [(1 << k, self.chunk) for k in range(group.bit_length())]
+        return ones + whole + [(self.slots, 0)]
 
     def warmup(self, progress=None) -> None:
         """Compiles `warmup_programs` on every process before serving: chunks run on padding
