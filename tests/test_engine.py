@@ -137,6 +137,20 @@ def _check_registered_kv(engine):
                 np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4, err_msg=f"row {r}")
 
 
+def test_chunks_alone_without_the_prefix_cache_equal_generate():
+    """`--no-prefix-cache`, no speculation: chunks of 8 only; the same tokens as `generate`,
+    nothing reused, no row copied, nothing counted."""
+    model = tiny_model(2, residual="ladder")
+    requests = [r for phase in PHASES for r in phase]
+    want = generation.generate(model, [p for p, _ in requests], max_new_tokens=16)
+    engine = Engine(model, slots=3, max_len=64, prefills_per_step=1, chunk=8, prefix_block=None)
+    copies = _counted_copies(engine)
+    got, reasons, reqs = _run(engine, PHASES)
+    assert got == [w[:m] for w, (_, m) in zip(want, requests)]
+    assert not copies and engine.prefix_queried_tokens == 0 and engine.drafted_tokens == 0
+    assert {r.cached_tokens for r in reqs} == {0}
+
+
 def test_seeded_sampling_with_speculation_equals_generate():
     """Sampled tokens (temperature 0.5, top_k 3, a seed) through chunks, reused prefixes and
     verify steps are `generate`'s with the same seed: each token drawn with its own key."""
