@@ -177,6 +177,60 @@ def _scored_programs(graphdef, treedef, mesh, top: int):
     return jit(prefill_slots), jit(decode_steps, static_argnums=(6,))
 
 
+@functools.lru_cache(maxsize=16)
+def _serving_programs(graphdef, treedef, mesh):
+    """The server's jitted (extend_slots, verify, copy_prefix) (`Decoder`'s methods of those
+    names): a chunk of several rows' prompts at each row's own offset, the K tokens of a
+    speculative step, and a copy of rows' leading cache positions. Compiled on first use."""
+    replicated = NamedSharding(mesh, P())
+
+    def merged(weights):
+        return nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
+
+    def extend_slots(weights, cache, slots_n, tokens_nt, starts_n, lengths_n, rows_n, token_n):
+        # as prefill_slots, but row n's T tokens sit at positions starts_n[n]...: its cache
+        # row keeps what lies before and the chunk attends to it
+        picked = jax.tree.map(lambda c: jnp.take(c, slots_n, axis=0, mode="clip"), cache)
+        T = tokens_nt.shape[1]
+        positions_nt = starts_n[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+        logits_ntv, layers = merged(weights).forward_cached(
+            tokens_nt, positions_nt, picked.layers()
+        )
+        last_nv = jnp.take_along_axis(logits_ntv, (lengths_n - 1)[:, None, None], axis=1)[:, 0]
+        new = KVCache.from_layers(layers)
+        return sample_rows(last_nv, rows_n, token_n), jax.tree.map(
+            lambda c, r: c.at[slots_n].set(r, mode="drop"), cache, new
+        )
+
+    def verify(weights, cache, tokens_bk, positions_b, rows, token_b):
+        B, K = tokens_bk.shape
+        positions_bk = positions_b[:, None] + jnp.arange(K, dtype=jnp.int32)[None]
+        logits_bkv, layers = merged(weights).forward_cached(tokens_bk, positions_bk, cache.layers())
+        # position j draws token token_b + j with that token's own key, as a decode step would
+        rows_x = jax.tree.map(lambda x: jnp.repeat(x, K, axis=0), rows)
+        index_x = (token_b[:, None] + jnp.arange(K, dtype=jnp.int32)[None]).reshape(-1)
+        sampled_x = sample_rows(logits_bkv.reshape(B * K, -1), rows_x, index_x)
+        return sampled_x.reshape(B, K), KVCache.from_layers(layers)
+
+    def copy_prefix(cache, src_n, dst_n, lengths_n):
+        def one(c, axis):  # slots lie on `axis` of a layer's (B, ...) array
+            S = c.shape[axis]
+            shape = [1] * c.ndim
+            shape[0], shape[axis] = -1, S
+            keep = (jnp.arange(S, dtype=jnp.int32)[None] < lengths_n[:, None]).reshape(shape)
+            src = jnp.take(c, src_n, axis=0, mode="clip")
+            dst = jnp.take(c, dst_n, axis=0, mode="clip")
+            return c.at[dst_n].set(jnp.where(keep, src, dst), mode="drop")
+
+        return KVCache(tuple(one(k, 3) for k in cache.k), tuple(one(v, 2) for v in cache.v))
+
+    cache_sharding = NamedSharding(mesh, sharding.CACHE_BKSH)
+    out = (replicated, cache_sharding)
+    jit = functools.partial(sharding.jit, mesh=mesh, donate_argnums=(1,), out_shardings=out)
+    copy = sharding.jit(copy_prefix, mesh=mesh, donate_argnums=(0,), out_shardings=cache_sharding)
+    return jit(extend_slots), jit(verify), copy
+
+
 class Decoder:
     """The jitted prefill and decode step of one model (compiled once per shape).
 
@@ -190,6 +244,8 @@ class Decoder:
         data = 1); slots >= the cache's batch are padding (computed, not written)
     `prefill_slots_scored`, `decode_steps_scored`: the same, also returning log-probabilities
         (the server's logprobs and echo; compiled on first use)
+    `extend_slots`, `verify`, `copy_prefix`: the server's chunked prefill, speculative step
+        and prefix copy (their docstrings; compiled on first use)
     The cache argument is donated: use only the returned one. `rows` is a `RowSampling`.
 
     A quantized model (`ladder_jax.model.quant`) on a CPU mesh is decoded through its float
@@ -246,6 +302,31 @@ class Decoder:
         """n prompts into rows `slots_n` of the cache in one program (the server's admissions
         of one round); a slot >= the cache's batch is padding, computed and never written."""
         return self._prefill_slots(self.weights, cache, slots_n, tokens_nt, lengths_n, rows_n)
+
+    def extend_slots(self, cache, slots_n, tokens_nt, starts_n, lengths_n, rows_n, token_n):
+        """n rows' next T tokens (ragged: `lengths_n` of them real) at positions starts_n[n]...
+        of cache rows `slots_n` (a slot >= the cache's batch is padding: computed, never
+        written), attending to what each row holds before them -> (the token drawn at each
+        row's last real position, as token `token_n` of its output (n,), cache): a prompt's
+        chunk at its offset, or the rest of a prompt after a reused prefix."""
+        return self._serving()[0](
+            self.weights, cache, slots_n, tokens_nt, starts_n, lengths_n, rows_n, token_n
+        )
+
+    def verify(self, cache, tokens_bk, positions_b, rows, token_b):
+        """Every row's K tokens (its newest token, then K - 1 drafted ones) at positions
+        positions_b[b]... -> (tokens (B, K), cache): the token drawn after each of them,
+        position j as token token_b + j of its row's output (the key a decode step would use).
+        Drafts are right up to the first j where draft j + 1 != drawn j (speculation)."""
+        return self._serving()[1](self.weights, cache, tokens_bk, positions_b, rows, token_b)
+
+    def copy_prefix(self, cache, src_n, dst_n, lengths_n):
+        """Cache row dst_n[n]'s positions [0, lengths_n[n]) := row src_n[n]'s, for every n (a
+        dst >= the cache's batch is padding) -> cache. Rows must not be both a src and a dst."""
+        return self._serving()[2](cache, src_n, dst_n, lengths_n)
+
+    def _serving(self):
+        return _serving_programs(self._graphdef, self._treedef, self.model.mesh)
 
     def _scored(self):
         top = min(TOP_LOGPROBS, self.model.config.vocab_size)
