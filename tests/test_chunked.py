@@ -192,3 +192,34 @@ def test_copy_prefix_then_extend_equals_a_prefill_from_scratch(case):
     end = 16 + CHUNK  # the chunk's padding writes reach this far
     np.testing.assert_array_equal(np.asarray(cache.v[0])[2][:, end:], before[1][2][:, end:])
     np.testing.assert_array_equal(np.asarray(cache.k[0])[0], before[0][0])  # the source row
+
+
+def test_a_chunk_compiles_for_h100_and_a_verify_step_keeps_the_kernel():
+    """Deviceless H100 compiles of attention over the cache: a 256-token chunk of 32 query
+    heads over 8 kv heads (1,024 query rows a kv head, more than a Triton program's shared
+    memory) takes the XLA loop and compiles; a verify step of 4 tokens keeps the kernel."""
+    import jax
+    import jax.numpy as jnp
+
+    from ladder_jax.analysis import programs
+    from ladder_jax.model import ragged
+
+    mesh = programs.gpu_mesh("h100", 1)
+    rep = jax.sharding.NamedSharding(mesh, P())
+
+    def arg(shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+
+    for T, kernel in [(256, False), (4, True)]:
+        hlo = (
+            jax.jit(lambda *a: ragged.attend_filled(*a, kernel="pallas"))
+            .lower(
+                arg((2, T, 32, 128)),
+                arg((2, 8, 128, 1024)),
+                arg((2, 8, 1024, 128)),
+                arg((2, T), jnp.int32),
+            )
+            .compile()
+            .as_text()
+        )
+        assert (ragged.KERNEL_NAME in hlo) == kernel, T

@@ -546,13 +546,13 @@ def test_engine_in_process_equals_generate_with_multi_step_plans(
         steps_per_plan=steps_per_plan,
         prefills_per_step=prefills_per_step,
     )
-    groups, prefill_slots = [], engine.decoder.prefill_slots
+    groups, extend_slots = [], engine.decoder.extend_slots
 
     def counted(cache, slots_n, *rest):
         groups.append(int((np.asarray(slots_n) < engine.slots).sum()))
-        return prefill_slots(cache, slots_n, *rest)
+        return extend_slots(cache, slots_n, *rest)
 
-    engine.decoder.prefill_slots = counted
+    engine.decoder.extend_slots = counted
     got, reasons, done = [[] for _ in prompts], [None] * 10, threading.Semaphore(0)
 
     def finish(i, why):
@@ -661,13 +661,14 @@ def test_warmup_says_what_it_compiles_and_sigterm_ends_an_idle_server_at_once(tm
 
 
 def test_plan_round_trips_through_its_array_bit_for_bit():
-    """A multi-host plan: `Plan.from_array(plan.to_array())` gives every field back, float
-    settings bit for bit (-0.0, a denormal, inf, a NaN payload), at the offsets of the layout
-    written out by hand."""
-    from ladder_jax.inference.batching import Admission, Plan
+    """A multi-host plan: `Plan.from_array(plan.to_array())` gives every field back (slots,
+    drafts, copies, chunks with their tokens in the pool), float settings bit for bit (-0.0, a
+    denormal, inf, a NaN payload), at the offsets of the layout written out by hand."""
+    from ladder_jax.inference.batching import Chunk, Copy, Plan, PlanShape
     from ladder_jax.inference.sampling import RowSampling
 
-    B, admit, length = 3, 2, 16
+    shape = PlanShape(slots=3, admit=2, pool=16, drafts=2)
+    B = shape.slots
     odd = np.array([-0.0, 1e-45, np.inf], np.float32)
     nan = np.array([0x7FC00123], np.int32).view(np.float32)  # a NaN with a payload
     rows = RowSampling(
@@ -681,56 +682,72 @@ def test_plan_round_trips_through_its_array_bit_for_bit():
     )
     plan = Plan(
         True,
-        2,
+        3,
         np.array([9, 8, 7], np.int32),
         np.array([4, 0, 11], np.int32),
         rows,
         np.array([1, 0, 3], np.int32),
         np.array([True, False, True]),
-        [Admission(1, np.array([10, 20, 30], np.int32), one, True)],
+        np.array([[21, 22], [0, 0], [23, 0]], np.int32),
+        np.array([2, 0, 1], np.int32),
+        [Copy(2, 1, 32)],
+        [
+            Chunk(1, 32, np.array([10, 20, 30], np.int32), one, True),
+            Chunk(0, 0, np.array([40, 50], np.int32), one, False, True),
+        ],
     )
-    arr = plan.to_array(admit, length)
-    assert arr.dtype == np.int32 and arr.shape == (3 + 9 * B + admit * (8 + length),)
-    assert arr[:3].tolist() == [1, 2, 1]
-    slot1 = arr[3 + 9 : 3 + 18]  # token, position, key (2), temperature, top_k, top_p, count, busy
+    arr = plan.to_array(shape)
+    assert arr.dtype == np.int32 and arr.shape == (4 + 10 * B + B * 2 + 2 * (3 + 10) + 16,)
+    assert arr.shape == (shape.size,) and arr[:4].tolist() == [1, 3, 1, 2]
+    # token, position, key (2), temperature, top_k, top_p, count, busy, drafted
+    slot1 = arr[4 + 10 : 4 + 20]
+    f = np.float32
     assert slot1.tolist() == [
         8,
         0,
         3,
         4,
-        np.float32(1e-45).view(np.int32),
+        f(1e-45).view(np.int32),
         40,
-        np.float32(0.9).view(np.int32),
+        f(0.9).view(np.int32),
+        0,
         0,
         0,
     ]
-    o = 3 + 9 * B
-    assert arr[o : o + 8].tolist() == [
-        1,
-        3,
-        7,
-        -(2**31),
-        0x7FC00123,
-        5,
-        np.float32(0.5).view(np.int32),
-        1,
-    ]
-    assert arr[o + 8 : o + 11].tolist() == [10, 20, 30] and not arr[o + 11 :].any()
-    back = Plan.from_array(arr, B, length)
-    assert (back.run, back.decode, len(back.admissions)) == (True, 2, 1)
+    o = 4 + 10 * B
+    assert arr[o : o + 6].tolist() == [21, 22, 0, 0, 23, 0]  # the drafts
+    o += 6
+    assert arr[o : o + 6].tolist() == [2, 1, 32, 0, 0, 0]  # the copies (room for admit)
+    o += 6  # chunk: slot, start, length, key (2), temperature, top_k, top_p, final, scored
+    half = f(0.5).view(np.int32)
+    assert arr[o : o + 10].tolist() == [1, 32, 3, 7, -(2**31), 0x7FC00123, 5, half, 1, 0]
+    assert arr[o + 10 : o + 20].tolist() == [0, 0, 2, 7, -(2**31), 0x7FC00123, 5, half, 0, 1]
+    o += 20
+    assert arr[o:].tolist() == [10, 20, 30, 40, 50] + [0] * 11  # the pool
+    back = Plan.from_array(arr, shape)
+    assert (back.run, back.decode, len(back.copies), len(back.chunks)) == (True, 3, 1, 2)
     for got, want in [
         (back.tokens_b, plan.tokens_b),
         (back.positions_b, plan.positions_b),
         (back.count_b, plan.count_b),
         (back.busy_b, plan.busy_b),
+        (back.drafts_bk, plan.drafts_bk),
+        (back.drafted_b, plan.drafted_b),
     ]:
         np.testing.assert_array_equal(got, want)
-    for got, want in [(back.rows, rows), (back.admissions[0].rows, one)]:
+    for got, want in [(back.rows, rows), (back.chunks[0].rows, one), (back.chunks[1].rows, one)]:
         for field in ("keys", "temperature", "top_k", "top_p"):
             g, w = getattr(got, field), getattr(want, field)
             assert g.dtype == w.dtype and g.tobytes() == w.tobytes(), field
-    a = back.admissions[0]
-    assert (a.slot, a.prompt.tolist(), a.scored) == (1, [10, 20, 30], True)
+    assert back.copies == plan.copies
+    for got, want in zip(back.chunks, plan.chunks):
+        assert (got.slot, got.start, got.tokens.tolist(), got.final, got.scored) == (
+            want.slot,
+            want.start,
+            want.tokens.tolist(),
+            want.final,
+            want.scored,
+        )
     stop = Plan(
         False,
         0,
@@ -738,6 +755,10 @@ def test_plan_round_trips_through_its_array_bit_for_bit():
         RowSampling.empty(B),
         np.zeros(B, np.int32),
         np.zeros(B, bool),
-        [],
+        np.zeros((B, 2), np.int32),
+        np.zeros(B, np.int32),
     )
-    assert not Plan.from_array(stop.to_array(admit, length), B, length).run
+    assert not Plan.from_array(stop.to_array(shape), shape).run
+    stop.chunks = [Chunk(0, 0, np.arange(17, dtype=np.int32), one, True)]
+    with pytest.raises(ValueError, match="at most 16 tokens"):
+        stop.to_array(shape)

@@ -177,6 +177,26 @@ def _add_serving_flags(p) -> None:
         "request waits at most this many steps to start)",
     )
     p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=256,
+        help="prompt tokens a request prefills per round, beside the running streams "
+        "(chunked prefill: a long prompt never stalls the others for its whole length)",
+    )
+    p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="never reuse the KV of a prompt prefix an earlier request left in its row "
+        "(default: reused in blocks of 16 tokens)",
+    )
+    p.add_argument(
+        "--speculate",
+        type=int,
+        default=0,
+        help="tokens drafted per step by prompt lookup and verified in one step "
+        "(speculative decoding without a draft model; default 0: off)",
+    )
+    p.add_argument(
         "--drain-seconds",
         type=float,
         default=10.0,
@@ -222,6 +242,8 @@ def _check(args) -> None:
         ("--max-queue", args.max_queue, 0),
         ("--prefills-per-step", args.prefills_per_step, 1),
         ("--steps-per-plan", args.steps_per_plan, 1),
+        ("--prefill-chunk", args.prefill_chunk, 1),
+        ("--speculate", args.speculate, 0),
         ("--max-request-bytes", args.max_request_bytes, 1),
     ):
         if v < low:
@@ -404,6 +426,9 @@ def _run(args) -> int:
         max_queue=args.max_queue,
         prefills_per_step=args.prefills_per_step,
         steps_per_plan=args.steps_per_plan,
+        chunk=args.prefill_chunk,
+        prefix_block=None if args.no_prefix_cache else 16,
+        speculate=args.speculate,
         consume=True,
     )  # fused in place: nothing else uses the model
     if args.max_tokens is not None and not 1 <= args.max_tokens < engine.length:

@@ -1,6 +1,8 @@
 """Continuous batching over the jitted decode step: a fixed number of slots, each owning one row
-of one KV cache, filled and emptied between decode steps. Rounds, processes and limits:
-docs/inference.md, 'Inside the server'.
+of one KV cache. Each round (a `Plan`) copies reused prompt prefixes, runs the decode steps (or
+one step verifying prompt-lookup drafts) of the slots decoding, then one prompt chunk per slot
+still prefilling. Rounds, prefix reuse, speculation, processes and limits: docs/inference.md,
+'Inside the server'.
 
     engine = Engine(model, slots=16, max_queue=64); engine.start(); engine.submit(request)"""
 
@@ -17,6 +19,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
+from ladder_jax.inference import lookup
 from ladder_jax.inference.cache import KVCache
 from ladder_jax.inference.generation import (
     TOP_LOGPROBS,
@@ -25,6 +28,8 @@ from ladder_jax.inference.generation import (
     to_device,
     to_host,
 )
+from ladder_jax.inference.plan import DECODE, IDLE, SCORED, VERIFY, Chunk, Copy, Plan, PlanShape
+from ladder_jax.inference.prefix_cache import PrefixCache
 from ladder_jax.inference.sampling import NONFINITE, GenerationError, RowSampling, Sampling
 from ladder_jax.model import layout
 from ladder_jax.model.transformer import Transformer
@@ -56,6 +61,7 @@ class Request:
     echo: bool = False
     scores: list = dataclasses.field(default_factory=list)
     prompt_scores: list | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (set on admission)
 
 
 def prefill_group(n: int) -> int:
@@ -74,132 +80,6 @@ def prompt_bucket(n: int, length: int) -> int:
     return min(max(16, 1 << (n - 1).bit_length()), length)
 
 
-def _bits(x) -> np.ndarray:
-    """float32 values as the int32 words that carry them in a plan (bit for bit)."""
-    return np.ascontiguousarray(x, np.float32).view(np.int32)
-
-
-def _floats(x) -> np.ndarray:
-    return np.ascontiguousarray(x, np.int32).view(np.float32)
-
-
-@dataclasses.dataclass
-class Admission:
-    """One prompt a plan prefills: into cache row `slot`, with its sampling settings (one row),
-    scored when its request wants logprobs."""
-
-    slot: int
-    prompt: np.ndarray  # (n,) int32
-    rows: RowSampling
-    scored: bool
-
-
-@dataclasses.dataclass
-class Plan:
-    """One round of the engine, built on process 0 and run on every process.
-
-        arr = plan.to_array(admit, length); Plan.from_array(arr, slots, length) == plan
-
-    `decode`: 0 no decode round, 1 the plain one, 2 the scored one (some request wants
-    logprobs); per slot b its newest token, position, settings, tokens so far (`count_b`) and
-    whether it was busy when planned; then the admitted prompts. `to_array` is the int32
-    vector processes broadcast (float settings as their bits), of `size(slots, admit,
-    length)` words whatever the plan holds: the one place its layout is written."""
-
-    run: bool  # False: stop the loop
-    decode: int
-    tokens_b: np.ndarray  # (B,) int32
-    positions_b: np.ndarray  # (B,) int32
-    rows: RowSampling  # (B,)
-    count_b: np.ndarray  # (B,) int32
-    busy_b: np.ndarray  # (B,) bool
-    admissions: list[Admission]
-
-    HEADER = 3  # run, decode, admissions
-    SLOT = 9  # a slot's words: token, position, key (2), temperature, top_k, top_p, count, busy
-    ADMISSION = 8  # an admission's header: slot, length, key (2), temperature, top_k, top_p,
-    # scored; then `length` words of prompt
-
-    @classmethod
-    def size(cls, slots: int, admit: int, length: int) -> int:
-        return cls.HEADER + cls.SLOT * slots + admit * (cls.ADMISSION + length)
-
-    def to_array(self, admit: int, length: int) -> np.ndarray:
-        B = len(self.tokens_b)
-        out = np.zeros(self.size(B, admit, length), np.int32)
-        out[:3] = [self.run, self.decode, len(self.admissions)]
-        r = self.rows
-        block = np.stack(
-            [
-                self.tokens_b,
-                self.positions_b,
-                r.keys[:, 0].view(np.int32),
-                r.keys[:, 1].view(np.int32),
-                _bits(r.temperature),
-                r.top_k,
-                _bits(r.top_p),
-                self.count_b,
-                self.busy_b.astype(np.int32),
-            ],
-            1,
-        )
-        out[3 : 3 + self.SLOT * B] = block.reshape(-1)
-        o = 3 + self.SLOT * B
-        for a in self.admissions:
-            n, r = len(a.prompt), a.rows
-            out[o : o + self.ADMISSION] = [
-                a.slot,
-                n,
-                *r.keys[0].view(np.int32),
-                _bits(r.temperature)[0],
-                r.top_k[0],
-                _bits(r.top_p)[0],
-                a.scored,
-            ]
-            out[o + self.ADMISSION : o + self.ADMISSION + n] = a.prompt
-            o += self.ADMISSION + length
-        return out
-
-    @classmethod
-    def from_array(cls, arr: np.ndarray, slots: int, length: int) -> "Plan":
-        B = slots
-        block = arr[3 : 3 + cls.SLOT * B].reshape(B, cls.SLOT)
-        rows = RowSampling(
-            np.ascontiguousarray(block[:, 2:4]).view(np.uint32),
-            _floats(block[:, 4]),
-            block[:, 5].copy(),
-            _floats(block[:, 6]),
-        )
-        admissions, o = [], 3 + cls.SLOT * B
-        for _ in range(int(arr[2])):
-            h = arr[o : o + cls.ADMISSION]
-            n = int(h[1])
-            admissions.append(
-                Admission(
-                    int(h[0]),
-                    arr[o + cls.ADMISSION : o + cls.ADMISSION + n].copy(),
-                    RowSampling(
-                        np.ascontiguousarray(h[2:4]).view(np.uint32)[None],
-                        _floats(h[4:5]),
-                        h[5:6].copy(),
-                        _floats(h[6:7]),
-                    ),
-                    bool(h[7]),
-                )
-            )
-            o += cls.ADMISSION + length
-        return cls(
-            bool(arr[0]),
-            int(arr[1]),
-            block[:, 0].copy(),
-            block[:, 1].copy(),
-            rows,
-            block[:, 7].copy(),
-            block[:, 8].astype(bool),
-            admissions,
-        )
-
-
 class Engine:
     def __init__(
         self,
@@ -210,6 +90,9 @@ class Engine:
         max_queue: int = 64,
         prefills_per_step: int = 4,
         steps_per_plan: int = 2,
+        chunk: int = 256,
+        prefix_block: int | None = 16,
+        speculate: int = 0,
         heartbeat_s: float = 1.0,
         consume: bool = False,
     ):
@@ -219,31 +102,58 @@ class Engine:
                 f"the server batches over slots of one cache: use a mesh "
                 f"with data=1 (got data={layout.data_size(mesh)})"
             )
+        for name, v, low in (
+            ("steps_per_plan", steps_per_plan, 1),
+            ("chunk", chunk, 1),
+            ("speculate", speculate, 0),
+            ("prefix_block", 1 if prefix_block is None else prefix_block, 1),
+        ):
+            if v < low:
+                raise GenerationError(f"{name} must be >= {low}, got {v}")
         c = model.config
         self.model, self.mesh, self.config = model, mesh, c
         self.slots, self.max_queue = slots, max_queue
-        self.length = min(max_len or c.max_seq_len, c.max_seq_len)
+        self.length = min(max_len or c.max_seq_len, c.max_seq_len)  # positions a request may use
         self.prefills_per_step, self.heartbeat_s = prefills_per_step, heartbeat_s
-        if steps_per_plan < 1:
-            raise GenerationError(f"steps_per_plan must be >= 1, got {steps_per_plan}")
-        self.steps_per_plan = steps_per_plan
-        self.admit = prefills_per_step * steps_per_plan  # prefills per plan: same rate per step
+        self.steps_per_plan, self.speculate = steps_per_plan, speculate
+        self.chunk = min(chunk, self.length)
+        self.admit = prefills_per_step * steps_per_plan  # chunks per round: same rate per step
+        # the cache's spare tail: where idle rows write in decode rounds and where a chunk's
+        # or a verify step's padding lands, so that no write is clamped back over a row's KV
+        self.spare = max(self.chunk, speculate + 1, steps_per_plan)
+        self.shape = PlanShape(
+            slots, self.admit, max(self.admit * self.chunk, self.length), speculate
+        )
         self.decoder = Decoder(model, consume=consume)  # consume: the engine owns model
-        self.cache = KVCache.init(c, mesh, slots, self.length)
+        self.cache = KVCache.init(c, mesh, slots, self.length + self.spare)
+        self.prefix = None if prefix_block is None else PrefixCache(slots, prefix_block)
         self.lead = jax.process_index() == 0
         self.many = jax.process_count() > 1
         # host state of the slots (process 0)
         self.owner: list[Request | None] = [None] * slots
         self.last = np.zeros(slots, np.int32)  # each slot's newest token
         self.length_b = np.zeros(slots, np.int32)  # prompt lengths
+        self.fed_b = np.zeros(slots, np.int32)  # prompt tokens planned into the cache
         self.count_b = np.zeros(slots, np.int32)  # tokens produced so far
+        self.seq: list[list[int]] = [[] for _ in range(slots)]  # prompt + tokens produced
+        self.prefilling: list[int] = []  # slots whose prompt is not all in, oldest first
+        self.released: list[int] = []  # freed slots the prefix cache hears of after the round
         self.settings = RowSampling.empty(slots)
         self.queue: collections.deque[Request] = collections.deque()
         self.lock = threading.Condition()
         self.admitting, self.stopping = True, False
         self.thread: threading.Thread | None = None
         self.steps = 0  # decode steps run
+        self.drafted_tokens = self.accepted_tokens = 0  # speculation
         self.error: str | None = None  # why the loop died, if it did
+
+    @property
+    def prefix_queried_tokens(self) -> int:
+        return 0 if self.prefix is None else self.prefix.queried_tokens
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        return 0 if self.prefix is None else self.prefix.hit_tokens
 
     # -- process 0: requests in ---------------------------------------------------------------
 
@@ -366,145 +276,286 @@ class Engine:
                 while not (self.stopping or self.queue or self.busy):
                     if not self.lock.wait(timeout=self.heartbeat_s) and self.many:
                         break  # a heartbeat for the followers
-                plan = self._plan().to_array(self.admit, self.length)
+                plan = self._plan().to_array(self.shape)
             if self.many:
                 multihost_utils.broadcast_one_to_all(plan)
-            if not self._execute(Plan.from_array(plan, self.slots, self.length)):
+            if not self._execute(Plan.from_array(plan, self.shape)):
                 return
 
     def follow(self) -> None:
         """Processes other than 0: run process 0's plans until it stops."""
-        zeros = np.zeros(Plan.size(self.slots, self.admit, self.length), np.int32)
+        zeros = np.zeros(self.shape.size, np.int32)
         while self._execute(
-            Plan.from_array(
-                np.asarray(multihost_utils.broadcast_one_to_all(zeros)), self.slots, self.length
-            )
+            Plan.from_array(np.asarray(multihost_utils.broadcast_one_to_all(zeros)), self.shape)
         ):
             pass
 
+    # -- process 0: the next round ------------------------------------------------------------
+
     def _plan(self) -> Plan:
-        """The next iteration (module docstring); frees cancelled slots and pops admitted
-        requests from the queue (called with the lock held)."""
+        """The next round (docs/inference.md, 'Inside the server'): frees cancelled slots, the
+        decode part over the slots decoding, a chunk for each slot still prefilling, then new
+        requests from the queue, each claiming a free row (and a cached prefix) with its first
+        chunk, up to `admit` chunks (called with the lock held)."""
         for i, req in enumerate(self.owner):
             if req is not None and req.cancelled:
                 self._free(i, "cancelled")
-        busy_b = np.array([o is not None for o in self.owner])
-        decode = int(busy_b.any()) and not self.stopping
-        if decode and any(o is not None and o.logprobs is not None for o in self.owner):
-            decode = 2  # the scored decode round
+        self._release()
+        B, K = self.slots, self.speculate
+        busy_b = np.array([o is not None and self.count_b[i] > 0 for i, o in enumerate(self.owner)])
+        decode = DECODE if busy_b.any() and not self.stopping else IDLE
+        if decode and any(self.owner[i].logprobs is not None for i in np.flatnonzero(busy_b)):
+            decode = SCORED
         s = self.settings
         plan = Plan(
             not self.stopping,
             decode,
             self.last.copy(),
-            np.where(busy_b, self.length_b + self.count_b - 1, 0).astype(np.int32),
+            # rows not decoding write into the spare tail, never over a row's KV
+            np.where(busy_b, self.length_b + self.count_b - 1, self.length).astype(np.int32),
             RowSampling(s.keys.copy(), s.temperature.copy(), s.top_k.copy(), s.top_p.copy()),
             self.count_b.copy(),
             busy_b,
-            [],
+            np.zeros((B, K), np.int32),
+            np.zeros(B, np.int32),
         )
+        if decode == DECODE and K:
+            self._draft(plan)
+        if self.stopping:
+            return plan
+        for i in list(self.prefilling):  # (a final chunk leaves the list)
+            plan.chunks.append(self._next_chunk(i))
+        self._admit(plan)
+        return plan
+
+    def _draft(self, plan: Plan) -> None:
+        """Prompt-lookup drafts for the decoding rows (never past a request's max_tokens); any
+        at all make the round one VERIFY step."""
+        for i in np.flatnonzero(plan.busy_b):
+            room = min(self.speculate, self.owner[i].max_tokens - int(self.count_b[i]) - 1)
+            d = lookup.draft(self.seq[i], room) if room > 0 else []
+            plan.drafts_bk[i, : len(d)], plan.drafted_b[i] = d, len(d)
+        if plan.drafted_b.any():
+            plan.decode = VERIFY
+
+    def _next_chunk(self, i: int) -> Chunk:
+        """Slot i's next prompt chunk (at most `chunk` tokens from where its prompt stands)."""
+        start = int(self.fed_b[i])
+        n = min(self.chunk, int(self.length_b[i]) - start)
+        self.fed_b[i] = start + n
+        final = start + n == self.length_b[i]
+        if final:
+            self.prefilling.remove(i)
+        tokens = np.asarray(self.owner[i].prompt[start : start + n], np.int32)
+        return Chunk(i, start, tokens, self.owner[i].rows, final)
+
+    def _admit(self, plan: Plan) -> None:
+        """New requests into free rows while the round has room: a plain one claims the row
+        (and the prefix some row holds: copied first when another row holds it) and gets its
+        first chunk; a scored one (logprobs) is prefilled whole from position 0, scored."""
         free = [i for i in range(self.slots) if self.owner[i] is None]
-        while self.queue and free and len(plan.admissions) < self.admit and not self.stopping:
-            req = self.queue.popleft()
+        pool = sum(len(c.tokens) for c in plan.chunks)
+        while self.queue and free and len(plan.chunks) < self.admit:
+            req = self.queue[0]
+            scored = req.logprobs is not None
+            if pool + (len(req.prompt) if scored else min(self.chunk, len(req.prompt))) > (
+                self.shape.pool
+            ):
+                break  # waits for a round with room for its tokens (a scored one: all)
+            self.queue.popleft()
             if req.cancelled:
                 req.on_finish("cancelled")
                 continue
-            i = free.pop(0)
-            self.owner[i] = req
+            i, reused = self._claim(req, free, plan, scored)
+            free.remove(i)
+            self.owner[i], self.seq[i] = req, list(req.prompt)
             r = req.rows
             self.settings.keys[i], self.settings.temperature[i] = r.keys[0], r.temperature[0]
             self.settings.top_k[i], self.settings.top_p[i] = r.top_k[0], r.top_p[0]
-            self.length_b[i], self.count_b[i] = len(req.prompt), 0
-            plan.admissions.append(
-                Admission(i, np.asarray(req.prompt, np.int32), r, req.logprobs is not None)
-            )
-        return plan
+            self.length_b[i], self.count_b[i], self.fed_b[i] = len(req.prompt), 0, reused
+            req.cached_tokens = reused
+            if scored:
+                self.fed_b[i] = len(req.prompt)
+                plan.chunks.append(Chunk(i, 0, np.asarray(req.prompt, np.int32), r, True, True))
+            else:
+                self.prefilling.append(i)
+                plan.chunks.append(self._next_chunk(i))
+            pool += len(plan.chunks[-1].tokens)
+
+    def _claim(self, req: Request, free: list[int], plan: Plan, scored: bool) -> tuple[int, int]:
+        """(the free row a request goes to, prompt tokens it reuses); a copy of the reused
+        prefix joins the plan when another row holds it. Scored requests reuse nothing."""
+        if self.prefix is None:
+            return free[0], 0
+        if scored:  # a row whose loss costs least, no lookup counted
+            counts = self.prefix.queried_tokens, self.prefix.hit_tokens
+            claim = self.prefix.claim(req.prompt[:1], free)
+            self.prefix.queried_tokens, self.prefix.hit_tokens = counts
+            self.prefix.keep(claim.slot, 0)
+            return claim.slot, 0
+        claim = self.prefix.claim(req.prompt, free)
+        if claim.source is not None and claim.reused:
+            plan.copies.append(Copy(claim.source, claim.slot, claim.reused))
+        # from here on the row's KV past what it reuses is being replaced
+        self.prefix.keep(claim.slot, claim.reused if claim.source is None else 0)
+        return claim.slot, claim.reused
+
+    # -- every process: run a round -----------------------------------------------------------
 
     def _execute(self, plan: Plan) -> bool:
-        """Runs one plan on this process's devices; process 0 also hands out the tokens.
-        False: stop."""
+        """Runs one plan on this process's devices, in order: copies, the decode part, the
+        chunks; process 0 also hands out the tokens and tells the prefix cache what the rows
+        now hold. False: stop."""
         if not plan.run:
             return False
-        B, mesh, rep = self.slots, self.mesh, P()
-        if plan.decode:
-            args = (
-                to_device(plan.tokens_b, mesh, rep),
-                to_device(plan.positions_b, mesh, rep),
-                rows_to_device(plan.rows, mesh, rep),
-                to_device(plan.count_b, mesh, rep),
-            )
-            if plan.decode == 2:
-                scored, self.cache = self.decoder.decode_steps_scored(
-                    self.cache, *args, self.steps_per_plan
-                )
-                tokens_kb, *scored = map(to_host, scored)
-            else:
-                tokens_kb, scored = self._decode_round(*args), None
-            self.steps += self.steps_per_plan
-            if self.lead:
-                for k, tokens in enumerate(tokens_kb):  # a slot freed at step j ignores the
-                    for i in range(B):  # rest of its tokens
-                        if plan.busy_b[i] and self.owner[i] is not None:  # busy when planned
-                            self._deliver(
-                                i,
-                                int(tokens[i]),
-                                None if scored is None else tuple(x[k, i] for x in scored),
-                            )
-        if plan.admissions:
-            self._prefill(plan.admissions)
+        if plan.copies:
+            self._copy(plan.copies)
+        if plan.decode == VERIFY:
+            self._verify(plan)
+        elif plan.decode:
+            self._decode(plan)
+        if plan.chunks:
+            self._prefill(plan.chunks)
+        if self.lead:
+            self._release()
         return True
 
-    def _prefill(self, admissions: list[Admission]) -> None:
-        """The admitted prompts into their slots, one program per prompt bucket among them
-        (several prompts of a bucket share one, up to PREFILL_TOKENS tokens in all; a
-        power-of-two count of rows, the padding rows
-        naming slot `slots`, past the cache: computed, never written), then their first tokens
-        handed out, in the plan's order."""
-        B, mesh, rep = self.slots, self.mesh, P()
-        groups: dict[int, list[int]] = {}
-        for j, a in enumerate(admissions):
-            groups.setdefault(prompt_bucket(len(a.prompt), self.length), []).append(j)
-        first: dict[int, tuple] = {}  # admission -> (first token, its scores or None)
-        chunks = [
-            (T, group[i : i + prefill_rows(T)])
-            for T, group in groups.items()
-            for i in range(0, len(group), prefill_rows(T))
-        ]
-        for T, group in chunks:
-            N = prefill_group(len(group))
-            slots_n = np.full(N, B, np.int32)
-            tokens_nt, lengths_n = np.zeros((N, T), np.int32), np.ones(N, np.int32)
-            rows = RowSampling.empty(N)
-            for n, j in enumerate(group):
-                a = admissions[j]
-                slots_n[n], lengths_n[n] = a.slot, len(a.prompt)
-                tokens_nt[n, : len(a.prompt)] = a.prompt
-                rows.keys[n], rows.temperature[n] = a.rows.keys[0], a.rows.temperature[0]
-                rows.top_k[n], rows.top_p[n] = a.rows.top_k[0], a.rows.top_p[0]
-            args = (
-                self.cache,
-                to_device(slots_n, mesh, rep),
-                to_device(tokens_nt, mesh, rep),
-                to_device(lengths_n, mesh, rep),
-                rows_to_device(rows, mesh, rep),
+    def _copy(self, copies: list[Copy]) -> None:
+        """The round's prefix copies in one program (`admit` rows, padding rows past the cache)."""
+        src, dst, n = (np.zeros(self.admit, np.int32) for _ in range(3))
+        dst[:] = self.slots
+        for j, c in enumerate(copies):
+            src[j], dst[j], n[j] = c.src, c.dst, c.length
+        mesh, rep = self.mesh, P()
+        self.cache = self.decoder.copy_prefix(
+            self.cache, *(to_device(x, mesh, rep) for x in (src, dst, n))
+        )
+        if self.lead and self.prefix is not None:
+            for c in copies:
+                self.prefix.copied(c.src, c.dst, c.length)
+
+    def _decode_args(self, plan: Plan):
+        mesh, rep = self.mesh, P()
+        return (
+            to_device(plan.positions_b, mesh, rep),
+            rows_to_device(plan.rows, mesh, rep),
+            to_device(plan.count_b, mesh, rep),
+        )
+
+    def _decode(self, plan: Plan) -> None:
+        """The plain or scored decode steps of the round, then their tokens handed out."""
+        tokens_b = to_device(plan.tokens_b, self.mesh, P())
+        args = (tokens_b, *self._decode_args(plan))
+        if plan.decode == SCORED:
+            scored, self.cache = self.decoder.decode_steps_scored(
+                self.cache, *args, self.steps_per_plan
             )
-            if any(admissions[j].scored for j in group):  # some request wants logprobs
-                scored, self.cache = self.decoder.prefill_slots_scored(*args)
-                first_n, *scored = map(to_host, scored)
-            else:
-                first_n, self.cache = self.decoder.prefill_slots(*args)
-                first_n, scored = to_host(first_n), None
-            for n, j in enumerate(group):
-                first[j] = int(first_n[n]), None
-                if scored is not None and self.lead:
-                    a = admissions[j]
-                    first[j] = (
-                        int(first_n[n]),
-                        self._score_prompt(a.slot, len(a.prompt), *(x[n] for x in scored)),
+            tokens_kb, *scored = map(to_host, scored)
+        else:
+            tokens_kb, scored = self._decode_round(*args), None
+        self.steps += self.steps_per_plan
+        if not self.lead:
+            return
+        for k, tokens in enumerate(tokens_kb):  # a slot freed at step j ignores the rest
+            for i in np.flatnonzero(plan.busy_b):
+                if self.owner[i] is not None:
+                    self._deliver(
+                        i,
+                        int(tokens[i]),
+                        None if scored is None else tuple(x[k, i] for x in scored),
                     )
-        if self.lead:
-            for j, a in enumerate(admissions):
-                self._deliver(a.slot, *first[j])
+        self._wrote_fed(plan, np.full(self.slots, self.steps_per_plan))
+
+    def _verify(self, plan: Plan) -> None:
+        """One speculative step: each row's newest token and its drafts; a row takes the drawn
+        tokens up to and including the first whose draft was wrong (all of them drawn with the
+        keys plain decoding uses, so the tokens are plain decoding's)."""
+        tokens_bk = np.concatenate([plan.tokens_b[:, None], plan.drafts_bk], 1)
+        drawn_bk, self.cache = self.decoder.verify(
+            self.cache, to_device(tokens_bk, self.mesh, P()), *self._decode_args(plan)
+        )
+        drawn_bk = to_host(drawn_bk)
+        self.steps += 1
+        if not self.lead:
+            return
+        fed_b = np.zeros(self.slots, np.int32)  # the tokens fed that are the row's own
+        for i in np.flatnonzero(plan.busy_b):
+            n, a = int(plan.drafted_b[i]), 0
+            while a < n and plan.drafts_bk[i, a] == drawn_bk[i, a]:
+                a += 1
+            self.drafted_tokens += n
+            self.accepted_tokens += a
+            fed_b[i] = a + 1  # its newest token and the accepted drafts (the rest: garbage)
+            for j in range(a + 1):
+                if self.owner[i] is None:
+                    break
+                self._deliver(i, int(drawn_bk[i, j]))
+        self._wrote_fed(plan, fed_b)
+
+    def _wrote_fed(self, plan: Plan, fed_b: np.ndarray) -> None:
+        """Tells the prefix cache what a decode part wrote: each decoding row's first fed_b[i]
+        tokens fed from its position on, those that are part of its sequence (not past a
+        stop: a token drawn after the last delivered one is not)."""
+        if self.prefix is None:
+            return
+        for i in np.flatnonzero(plan.busy_b):
+            p = int(plan.positions_b[i])
+            self.prefix.wrote(i, p, self.seq[i][p : p + int(fed_b[i])])
+
+    def _prefill(self, chunks: list[Chunk]) -> None:
+        """The round's chunks, one program per chunk bucket among them (several chunks of a
+        bucket share one, up to PREFILL_TOKENS tokens in all; a power-of-two count of rows, the
+        padding rows naming slot `slots`, past the cache: computed, never written); then the
+        first tokens of the prompts whose last chunk ran, in the plan's order. Scored prompts
+        run whole from position 0 through the scored prefill."""
+        groups: dict[tuple[bool, int], list[int]] = {}
+        for j, c in enumerate(chunks):
+            T = prompt_bucket(len(c.tokens), self.length)
+            groups.setdefault((c.scored, T if c.scored else min(T, self.chunk)), []).append(j)
+        first: dict[int, tuple] = {}  # chunk -> (first token, its scores or None)
+        for (scored, T), group in groups.items():
+            for k in range(0, len(group), prefill_rows(T)):
+                part = group[k : k + prefill_rows(T)]
+                first.update(self._prefill_group([chunks[j] for j in part], part, T, scored))
+        if not self.lead:
+            return
+        for j, c in enumerate(chunks):
+            if self.prefix is not None:
+                self.prefix.wrote(c.slot, c.start, c.tokens.tolist())
+        for j, c in enumerate(chunks):
+            if c.final and self.owner[c.slot] is not None:
+                self._deliver(c.slot, *first[j])
+
+    def _prefill_group(self, chunks: list[Chunk], ids: list[int], T: int, scored: bool) -> dict:
+        """One program over `chunks` (their tokens padded to T) -> {chunk id: (first token,
+        scores or None)}."""
+        mesh, rep = self.mesh, P()
+        N = prefill_group(len(chunks))
+        slots_n, starts_n = np.full(N, self.slots, np.int32), np.zeros(N, np.int32)
+        tokens_nt, lengths_n = np.zeros((N, T), np.int32), np.ones(N, np.int32)
+        rows = RowSampling.empty(N)
+        for n, c in enumerate(chunks):
+            slots_n[n], starts_n[n], lengths_n[n] = c.slot, c.start, len(c.tokens)
+            tokens_nt[n, : len(c.tokens)] = c.tokens
+            rows.keys[n], rows.temperature[n] = c.rows.keys[0], c.rows.temperature[0]
+            rows.top_k[n], rows.top_p[n] = c.rows.top_k[0], c.rows.top_p[0]
+        args = [to_device(x, mesh, rep) for x in (slots_n, tokens_nt, starts_n, lengths_n)]
+        args.append(rows_to_device(rows, mesh, rep))
+        if scored:
+            del args[2]  # whole prompts from position 0
+            out, self.cache = self.decoder.prefill_slots_scored(self.cache, *args)
+            first_n, *scores = map(to_host, out)
+        else:
+            zero = to_device(np.zeros(N, np.int32), mesh, rep)
+            first_n, self.cache = self.decoder.extend_slots(self.cache, *args, zero)
+            first_n, scores = to_host(first_n), None
+        out = {}
+        for n, (j, c) in enumerate(zip(ids, chunks)):
+            out[j] = int(first_n[n]), None
+            if scores is not None and self.lead:
+                x = (s[n] for s in scores)
+                out[j] = int(first_n[n]), self._score_prompt(c.slot, len(c.tokens), *x)
+        return out
 
     def _decode_round(self, tokens_b, positions_b, rows, token_b) -> np.ndarray:
         """One round's decode steps on the device (one program) -> their tokens (k, B) on the
@@ -543,6 +594,7 @@ class Engine:
             with self.lock:
                 self._free(i, "stop")
             return
+        self.seq[i].append(token)
         req.on_token(token)
         if self.count_b[i] >= req.max_tokens:
             with self.lock:
@@ -563,43 +615,72 @@ class Engine:
     def _free(self, i: int, reason: str) -> None:
         req, self.owner[i] = self.owner[i], None
         self.settings.temperature[i], self.settings.top_k[i] = 0, 0
-        self.count_b[i], self.last[i], self.length_b[i] = 0, 0, 0
+        self.count_b[i], self.last[i], self.length_b[i], self.fed_b[i] = 0, 0, 0, 0
+        if i in self.prefilling:
+            self.prefilling.remove(i)
+        self.released.append(i)  # its KV stays reusable (seq says what it holds)
         req.on_finish(reason)
+
+    def _release(self) -> None:
+        """The prefix cache hears of the slots freed since (after what they wrote)."""
+        if self.prefix is not None:
+            for i in self.released:
+                self.prefix.release(i)
+        self.released.clear()
 
     # -- compile ahead ------------------------------------------------------------------------
 
     def warmup_programs(self) -> list[tuple[int, int]]:
-        """What `warmup` compiles, in order: (rows, prompt tokens) of each prefill program, then
-        (slots, 0) for the decode round. A handful: one prompt of each bucket up to
-        WARM_PROMPT_TOKENS, a full admission group of the shortest bucket; other prefill
-        programs compile on first use (and land in the compilation cache)."""
-        buckets = sorted({prompt_bucket(n, self.length) for n in range(1, self.length + 1)})
-        group = min(prefill_group(min(self.admit, self.slots)), prefill_rows(buckets[0]))
-        ones = [(1, T) for T in buckets if T <= WARM_PROMPT_TOKENS] or [(1, buckets[0])]
-        return ones + ([(group, buckets[0])] if group > 1 else []) + [(self.slots, 0)]
+        """What `warmup` compiles, in order: (rows, tokens) of each chunk program, then
+        (slots, 0) for the decode round (with the speculative step when speculating and the
+        prefix copy when caching prefixes). A handful: one row of each chunk bucket up to
+        WARM_PROMPT_TOKENS, then a full admission group of whole chunks; other programs
+        compile on first use (and land in the compilation cache)."""
+        buckets = sorted(
+            {min(prompt_bucket(n, self.length), self.chunk) for n in range(1, self.chunk + 1)}
+        )
+        group = min(prefill_group(min(self.admit, self.slots)), prefill_rows(buckets[-1]))
+        ones = [
+            (1, T) for T in buckets if T <= WARM_PROMPT_TOKENS and (T, group) != (buckets[-1], 1)
+        ]
+        return ones + [(group, buckets[-1])] + [(self.slots, 0)]
 
     def warmup(self, progress=None) -> None:
-        """Compiles the decode round and every prefill program (each prompt bucket x each
-        admission group size, `warmup_programs`), on every process, before serving: prefills
-        run on padding rows only (nothing is written), the decode round on free slots.
+        """Compiles `warmup_programs` on every process before serving: chunks run on padding
+        rows only (nothing is written), the decode round on free slots (at the spare tail).
         `progress(k, n)` is called after the k-th of the n programs has compiled."""
-        rep, mesh = P(), self.mesh
+        rep, mesh, B = P(), self.mesh, self.slots
         programs = self.warmup_programs()
         for k, (N, T) in enumerate(programs, 1):
             if T:
-                rows = rows_to_device(RowSampling.empty(N), mesh, rep)
-                first, self.cache = self.decoder.prefill_slots(
+                zeros = to_device(np.zeros(N, np.int32), mesh, rep)
+                first, self.cache = self.decoder.extend_slots(
                     self.cache,
-                    to_device(np.full(N, self.slots, np.int32), mesh, rep),
+                    to_device(np.full(N, B, np.int32), mesh, rep),
                     to_device(np.zeros((N, T), np.int32), mesh, rep),
+                    zeros,
                     to_device(np.ones(N, np.int32), mesh, rep),
-                    rows,
+                    rows_to_device(RowSampling.empty(N), mesh, rep),
+                    zeros,
                 )
                 to_host(first)
             else:
-                z = to_device(np.zeros(self.slots, np.int32), mesh, rep)
-                self._decode_round(
-                    z, z, rows_to_device(RowSampling.empty(self.slots), mesh, rep), z
+                idle = Plan(
+                    True,
+                    DECODE,
+                    *(np.zeros(B, np.int32),) * 2,
+                    RowSampling.empty(B),
+                    np.zeros(B, np.int32),
+                    np.zeros(B, bool),
+                    np.zeros((B, self.speculate), np.int32),
+                    np.zeros(B, np.int32),
                 )
+                idle.positions_b[:] = self.length
+                self._decode(idle)
+                if self.speculate:
+                    self._verify(idle)
+                if self.prefix is not None:
+                    self._copy([])
+                self.steps = 0
             if progress is not None:
                 progress(k, len(programs))

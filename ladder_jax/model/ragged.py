@@ -19,6 +19,9 @@ from ladder_jax.model.collectives import vary_like
 
 KERNEL_NAME = "ragged_decode_attention"
 MIN_BLOCK, MAX_BLOCK = 16, 512
+# the most query rows (G x T) a Triton program holds: 1,024 rows of head_dim 128 ask for more
+# shared memory than an H100 has (a deviceless compile refuses it); 64 compile
+MAX_KERNEL_ROWS = 64
 
 
 def key_block(slots: int) -> int:
@@ -39,13 +42,21 @@ def attend_filled(
     """Attention of queries (B, T, N, H) at positions (B, T) over a cache of keys (B, K, H, S)
     and values (B, K, S, H) (`sharding.CACHE_BKSH`), reading only the blocks of slots some
     query can see (module doc). `kernel`: the model's `attention_kernel`; "pallas" or "cudnn"
-    run the Triton kernel (`interpret=True`: through Pallas's interpreter, for tests)."""
+    run the Triton kernel (`interpret=True`: through Pallas's interpreter, for tests) when a
+    kv head's queries (its G query heads x T) fit one program's registers, MAX_KERNEL_ROWS:
+    decode and speculative steps; a server's prompt chunks take the XLA loop."""
     S = v_bksh.shape[2]
     block = block or key_block(S)
     block = min(block, 1 << (S.bit_length() - 1))  # a power of two within the cache
     H = v_bksh.shape[3]
+    rows = q_btnh.shape[1] * (q_btnh.shape[2] // k_bkhs.shape[1])
     # Triton's blocks: 16 or more slots, and a head width that is a power of two
-    if kernel in ("pallas", "cudnn") and S >= MIN_BLOCK and H == 1 << (H - 1).bit_length():
+    if (
+        kernel in ("pallas", "cudnn")
+        and S >= MIN_BLOCK
+        and H == 1 << (H - 1).bit_length()
+        and rows <= MAX_KERNEL_ROWS
+    ):
         return _pallas(q_btnh, k_bkhs, v_bksh, q_pos_bt, block, interpret)
     return _blocked(q_btnh, k_bkhs, v_bksh, q_pos_bt, block)
 

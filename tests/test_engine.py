@@ -1,0 +1,179 @@
+"""The serving engine in-process (no HTTP) with chunked prefill, prefix caching and speculative
+decoding, against `generate` (plain prefill, one token per step, no reuse): every request's
+tokens equal its offline tokens, greedy for several schemes at tp 1 and 2, seeded sampling too."""
+
+import threading
+
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from ladder_jax.cli import serve
+from ladder_jax.inference import generation
+from ladder_jax.inference.batching import Engine, Request
+from ladder_jax.inference.cache import KVCache
+from ladder_jax.inference.generation import rows_to_device, to_device
+from ladder_jax.inference.sampling import GenerationError, RowSampling, Sampling
+from tests.helpers import cli_error, tiny_model
+
+CASES = [(n, 1) for n in ("standard", "ladder", "parallel")] + [
+    (n, 2) for n in ("standard", "ladder", "parallel", "desync")
+]
+SHARED = [256] + [(11 * i + 5) % 200 for i in range(23)]  # a 24-token "system prompt"
+LOOP = [256] + [30, 31, 32, 33, 34, 35] * 5  # repetitive: drafts find their n-grams
+
+
+def _tail(seed, n):
+    return [(seed * 37 + 13 * i) % 250 for i in range(n)]
+
+
+# phases of requests (prompt, max_tokens): each phase starts when the one before has finished,
+# so its requests find the rows of the earlier ones released (their prefixes reusable)
+PHASES = [
+    [(SHARED + _tail(1, 12), 10), (_tail(2, 19), 8)],
+    [
+        (SHARED + _tail(3, 5), 12),  # reuses the released row of the first request in place
+        (SHARED + _tail(4, 9), 9),  # admitted with it: copies the prefix from that row
+        (LOOP, 16),
+        (_tail(5, 33), 6),
+        (_tail(6, 26), 7),  # five prompts, three slots: rows are evicted, requests wait
+    ],
+    [(SHARED + _tail(1, 12), 10), (LOOP[:20] + _tail(7, 3), 12)],
+]
+
+
+def _run(engine, phases, sampling=Sampling()):
+    """Each phase's requests submitted together, the next once they all finished -> tokens of
+    every request in order, their finish reasons and the requests."""
+    got, reasons, reqs = [], [], []
+    engine.start()
+    try:
+        for phase in phases:
+            done = threading.Semaphore(0)
+            for prompt, m in phase:
+                out, k = [], len(reasons)
+                reasons.append(None)
+
+                def finish(why, k=k):
+                    reasons[k] = why
+                    done.release()
+
+                got.append(out)
+                reqs.append(
+                    Request(prompt, m, sampling=sampling, on_token=out.append, on_finish=finish)
+                )
+                engine.submit(reqs[-1])
+            for _ in phase:
+                assert done.acquire(timeout=180), (reasons, engine.error)
+    finally:
+        engine.drain(5)
+    return got, reasons, reqs
+
+
+def _counted_copies(engine):
+    copies = []
+    copy = engine._copy
+
+    def counted(plan_copies):
+        copies.extend(plan_copies)
+        return copy(plan_copies)
+
+    engine._copy = counted
+    return copies
+
+
+@pytest.mark.parametrize("name,tp", CASES, ids=[f"{n}-tp{t}" for n, t in CASES])
+def test_chunked_prefix_cached_speculative_engine_equals_generate(name, tp):
+    """3 slots, chunks of 8 (prompts of up to 36 tokens: up to 5 chunks, ragged), prefix
+    blocks of 4 and 3 drafted tokens: every request's greedy tokens equal `generate`'s; the
+    shared prefix was reused (in place and by a copy), drafts were accepted; a last request
+    continuing an earlier one's prompt and answer (a chat history) reuses the answer's KV too."""
+    model = tiny_model(tp, residual=name)
+    requests = [r for phase in PHASES for r in phase]
+    want = generation.generate(model, [p for p, _ in requests], max_new_tokens=16)
+    history = requests[-1][0] + want[-1][: requests[-1][1]] + [9]  # the last one's chat turn
+    want += generation.generate(model, [history], max_new_tokens=4)
+    requests.append((history, 4))  # ends a block: were its unfed last token counted, it shows
+    engine = Engine(
+        model, slots=3, max_len=64, prefills_per_step=1, chunk=8, prefix_block=4, speculate=3
+    )
+    copies = _counted_copies(engine)
+    got, reasons, reqs = _run(engine, [*PHASES, [(history, 4)]])
+    assert reasons == ["length"] * len(requests)
+    assert got == [w[:m] for w, (_, m) in zip(want, requests)]
+    assert engine.prefix_hit_tokens >= 2 * 24 and copies
+    assert reqs[-1].cached_tokens == (len(history) - 1) // 4 * 4  # all but the new token
+    assert engine.accepted_tokens > 0 and engine.drafted_tokens >= engine.accepted_tokens
+    _check_registered_kv(engine)
+
+
+def _check_registered_kv(engine):
+    """Every block the prefix cache says a row holds (generated tokens and accepted drafts
+    included, never a rejected draft's position) holds the KV a plain prefill of those tokens
+    writes."""
+    pc = engine.prefix
+    held = [pc._tokens[r][: len(pc._chain[r]) * pc.block] for r in range(engine.slots)]
+    assert any(len(h) > 24 for h in held), held
+    rows = [r for r in range(engine.slots) if held[r]]
+    T = 64
+    tokens = np.zeros((len(rows), T), np.int32)
+    for n, r in enumerate(rows):
+        tokens[n, : len(held[r])] = held[r]
+    mesh, rep = engine.mesh, P()
+    fresh = KVCache.init(engine.config, mesh, engine.slots, engine.cache.length)
+    _, fresh = engine.decoder.prefill_slots(
+        fresh,
+        to_device(np.array(rows, np.int32), mesh, rep),
+        to_device(tokens, mesh, rep),
+        to_device(np.array([len(held[r]) for r in rows], np.int32), mesh, rep),
+        rows_to_device(RowSampling.empty(len(rows)), mesh, rep),
+    )
+    for keys, got, want in [(True, engine.cache.k, fresh.k), (False, engine.cache.v, fresh.v)]:
+        for layer in range(len(got)):
+            g, w = np.asarray(got[layer]), np.asarray(want[layer])  # (B, K, H, S) / (B, K, S, H)
+            for r in rows:
+                n = len(held[r])
+                a, b = (x[r][..., :n] if keys else x[r][:, :n] for x in (g, w))
+                np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4, err_msg=f"row {r}")
+
+
+def test_seeded_sampling_with_speculation_equals_generate():
+    """Sampled tokens (temperature 0.5, top_k 3, a seed) through chunks, reused prefixes and
+    verify steps are `generate`'s with the same seed: each token drawn with its own key."""
+    model = tiny_model(1, residual="ladder")
+    sampling = Sampling(temperature=0.5, top_k=3, seed=7)
+    requests = [r for phase in PHASES[:2] for r in phase]
+    want = [
+        generation.generate(model, [p], max_new_tokens=16, sampling=sampling)[0]
+        for p, _ in requests
+    ]
+    engine = Engine(
+        model, slots=3, max_len=64, prefills_per_step=1, chunk=8, prefix_block=4, speculate=3
+    )
+    got, _, _ = _run(engine, PHASES[:2], sampling)
+    assert got == [w[:m] for w, (_, m) in zip(want, requests)]
+    assert engine.accepted_tokens > 0
+    _check_registered_kv(engine)
+
+
+@pytest.mark.parametrize(
+    "flag,value,message",
+    [
+        ("--prefill-chunk", "0", "--prefill-chunk 0: must be >= 1"),
+        ("--prefill-chunk", "-5", "--prefill-chunk -5: must be >= 1"),
+        ("--speculate", "-1", "--speculate -1: must be >= 0"),
+    ],
+)
+def test_bad_serving_flags_are_one_line(capsys, flag, value, message):
+    assert message in cli_error(capsys, serve.main, ["--preset", "tiny", flag, value])
+
+
+def test_engine_refuses_bad_settings():
+    model = tiny_model(1)
+    for kw, words in [
+        (dict(chunk=0), "chunk must be >= 1"),
+        (dict(speculate=-1), "speculate must be >= 0"),
+        (dict(prefix_block=0), "prefix_block must be >= 1"),
+    ]:
+        with pytest.raises(GenerationError, match=words):
+            Engine(model, slots=1, max_len=16, **kw)
