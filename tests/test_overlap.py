@@ -14,12 +14,13 @@ import pytest
 import ladder_jax as lj
 from ladder_jax.analysis import hlo, overlap, programs
 from ladder_jax.cli import overlap as overlap_cli
+from ladder_jax.model import ragged
 
 # tiny, with as many kv heads as ranks (no kv replication), like llama-3-8b at tp=8
 BASE = dict(n_kv_heads=8)
-# the server's step programs over several rows: 4 rows x a 32-token chunk at runtime offsets
+# the server's step programs over several rows: 2 rows x a 128-token chunk at runtime offsets
 # (extend), 4 rows x 1 + 4 drafted tokens (verify)
-SHAPES = {"extend": dict(batch=4, seq=32), "verify": dict(batch=4, seq=128, draft=4)}
+SHAPES = {"extend": dict(batch=2, seq=128), "verify": dict(batch=4, seq=128, draft=4)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,15 +125,31 @@ def test_standard_never_overlaps_in_inference(phase):
     assert not any(r["overlapped"] for r in fwd), [r["gemms_between"] for r in fwd]
 
 
-@pytest.mark.parametrize("phase, tokens", [("extend", 4 * 32), ("verify", 4 * 5)])
-def test_serving_programs_reduce_every_row_and_token(phase, tokens):
+@pytest.mark.parametrize(
+    "phase, tokens, kernel", [("extend", 2 * 128, False), ("verify", 4 * 5, True)]
+)
+def test_serving_programs_reduce_every_row_and_token(phase, tokens, kernel):
     """The extend and verify reports read the server's programs at their shapes: each module
     all-reduce carries every row's chunk or drafts (rows x tokens x d_model float32), so the
-    overlap above is proven on those programs, not on a one-token step."""
+    overlap above is proven on those programs, not on a one-token step. Between them they
+    hold both forms of the attention over the cache: the chunk's 128 query rows a kv head
+    the XLA loop, verify's 5 the Triton kernel (`ladder_jax.model.ragged`)."""
     for residual in ("ladder", "standard"):
         rep = _report(residual, phase)
         assert {r["bytes"] for r in _layer_ars(rep, "forward")} == {tokens * 64 * 4}
     assert rep.get("draft") == SHAPES[phase].get("draft")
+    config = lj.ModelConfig.from_preset("tiny", residual="ladder", **BASE)
+    shape = dict(SHAPES[phase])
+    lowered = programs.lower_decoder(
+        config,
+        programs.gpu_mesh("h100", 8),
+        phase=phase,
+        batch=shape.pop("batch"),
+        prompt_len=shape.pop("seq"),
+        new_tokens=512,
+        **shape,
+    )
+    assert (ragged.KERNEL_NAME in lowered.as_text()) == kernel
 
 
 def test_ladder_overlaps_strictly_more_than_standard_in_training():
