@@ -14,9 +14,13 @@ import pytest
 import ladder_jax as lj
 from ladder_jax.analysis import hlo, overlap, programs
 from ladder_jax.cli import overlap as overlap_cli
+from ladder_jax.model import ragged
 
 # tiny, with as many kv heads as ranks (no kv replication), like llama-3-8b at tp=8
 BASE = dict(n_kv_heads=8)
+# the server's step programs over several rows: 2 rows x a 128-token chunk at runtime offsets
+# (extend), 4 rows x 1 + 4 drafted tokens (verify)
+SHAPES = {"extend": dict(batch=2, seq=128), "verify": dict(batch=4, seq=128, draft=4)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -24,7 +28,8 @@ def _report(residual, phase, ladder_layers=None):
     config = lj.ModelConfig.from_preset(
         "tiny", residual=residual, ladder_layers=ladder_layers, **BASE
     )
-    return overlap.report(config, phase=phase, tp=8, batch=1, seq=128)
+    shape = SHAPES.get(phase, dict(batch=1, seq=128))
+    return overlap.report(config, phase=phase, tp=8, **shape)
 
 
 def _layer_ars(rep, pass_):
@@ -35,7 +40,7 @@ def _names(ars):
     return [(r["layer"], r["module"]) for r in ars]
 
 
-@pytest.mark.parametrize("phase", ["prefill", "decode", "train"])
+@pytest.mark.parametrize("phase", ["prefill", "decode", "extend", "verify", "train"])
 def test_ladder_overlaps_all_but_the_last_of_each_pass(phase):
     rep = _report("ladder", phase)
     fwd = _layer_ars(rep, "forward")
@@ -112,12 +117,39 @@ def test_ladder_decode_order_is_the_best_xla_allows(quantize):
         assert s_next == d + 1, (this, order[d : s_next + 1])  # one in flight, no gap
 
 
-@pytest.mark.parametrize("phase", ["prefill", "decode"])
+@pytest.mark.parametrize("phase", ["prefill", "decode", "extend", "verify"])
 def test_standard_never_overlaps_in_inference(phase):
     rep = _report("standard", phase)
     fwd = _layer_ars(rep, "forward")
     assert len(fwd) == 8
     assert not any(r["overlapped"] for r in fwd), [r["gemms_between"] for r in fwd]
+
+
+@pytest.mark.parametrize(
+    "phase, tokens, kernel", [("extend", 2 * 128, False), ("verify", 4 * 5, True)]
+)
+def test_serving_programs_reduce_every_row_and_token(phase, tokens, kernel):
+    """The extend and verify reports read the server's programs at their shapes: each module
+    all-reduce carries every row's chunk or drafts (rows x tokens x d_model float32), so the
+    overlap above is proven on those programs, not on a one-token step. Between them they
+    hold both forms of the attention over the cache: the chunk's 128 query rows a kv head
+    the XLA loop, verify's 5 the Triton kernel (`ladder_jax.model.ragged`)."""
+    for residual in ("ladder", "standard"):
+        rep = _report(residual, phase)
+        assert {r["bytes"] for r in _layer_ars(rep, "forward")} == {tokens * 64 * 4}
+    assert rep.get("draft") == SHAPES[phase].get("draft")
+    config = lj.ModelConfig.from_preset("tiny", residual="ladder", **BASE)
+    shape = dict(SHAPES[phase])
+    lowered = programs.lower_decoder(
+        config,
+        programs.gpu_mesh("h100", 8),
+        phase=phase,
+        batch=shape.pop("batch"),
+        prompt_len=shape.pop("seq"),
+        new_tokens=512,
+        **shape,
+    )
+    assert (ragged.KERNEL_NAME in lowered.as_text()) == kernel
 
 
 def test_ladder_overlaps_strictly_more_than_standard_in_training():
@@ -147,6 +179,9 @@ def test_cli_json_and_errors(capsys):
     assert {"pass", "layer", "module", "asynchronous", "gemms_between", "bytes"} <= set(first)
     assert overlap_cli.main(["--preset", "tiny", "--phase", "decode"]) == 0
     assert "all-reduces overlapping a matmul" in capsys.readouterr().out
+    verify = ["--preset", "tiny", "--tp", "2", "--phase", "verify", "--draft", "2", "--seq", "16"]
+    assert overlap_cli.main([*verify, "--new-tokens", "16"]) == 0
+    assert "ladder verify draft=2 tp=2 on h100" in capsys.readouterr().out
     assert overlap_cli.main(["--preset", "tiny", "--tp", "3"]) == 2
     assert "n_heads=8 is not divisible by tp=3" in capsys.readouterr().err
 
@@ -165,6 +200,7 @@ def test_missing_plugin_says_what_to_install(monkeypatch):
         (["--seq", "-3"], "seq=-3 must be a positive integer"),
         (["--tp", "2", "--hosts", "0"], "hosts=0 must be a positive integer"),
         (["--tp", "4", "--hosts", "3"], "4 GPUs cannot be spread evenly over 3 hosts"),
+        (["--phase", "verify", "--draft", "0"], "draft=0 must be a positive integer"),
     ],
 )
 def test_cli_bad_numbers_one_line_exit_2(capsys, args, message):

@@ -192,12 +192,13 @@ def report(
     hosts: int = 1,
     hlo_file: str | None = None,
     allreduce: str = "nccl",
+    draft: int = 4,
 ) -> dict:
     """Compile and read: the JSON-able report that `python -m ladder_jax.overlap` prints.
     `hlo_file`: also write the scheduled HLO text there; `allreduce`: how the program's
     all-reduces run (`compilation.ALLREDUCES`); each all-reduce's `kernel` says which one XLA
     gave it (nccl, one_shot, two_shot), each pass's `module_overlapped` how many module
-    all-reduces still overlap a matmul."""
+    all-reduces still overlap a matmul; `draft`: the verify phase's drafted tokens per row."""
     hlo, seconds = compile_program(
         config,
         phase=phase,
@@ -208,6 +209,7 @@ def report(
         new_tokens=new_tokens,
         hosts=hosts,
         **({"allreduce": allreduce} if allreduce != "nccl" else {}),
+        **({"draft": draft} if phase == "verify" else {}),
     )
     _dump(hlo, hlo_file)
     ars = read_all_reduces(hlo, config.d_model, allreduce)
@@ -219,6 +221,7 @@ def report(
         "tp": tp,
         "batch": batch,
         "seq": seq,
+        **({"draft": draft} if phase == "verify" else {}),
         "target": target,
         "hosts": hosts,
         "allreduce": allreduce,
@@ -341,8 +344,9 @@ def verdict(rep: dict) -> str:
     others = {k: v for k, v in rep["by_kind"].items() if k not in ("module", "head")}
     other = "".join(f"; {k}: {v['overlapped']}/{v['total']}" for k, v in sorted(others.items()))
     ll = f" ladder_layers={rep['ladder_layers']}" if rep["ladder_layers"] is not None else ""
+    phase = rep["phase"] + (f" draft={rep['draft']}" if "draft" in rep else "")
     return (
-        f"{rep['residual']}{ll} {rep['phase']} tp={rep['tp']} on {rep['target']}: layer "
+        f"{rep['residual']}{ll} {phase} tp={rep['tp']} on {rep['target']}: layer "
         f"all-reduces overlapping a matmul: {', '.join(parts)}{other}; compiled in "
         f"{rep['compile_seconds']:.1f}s"
     )

@@ -116,12 +116,16 @@ def lower_decoder(
     new_tokens: int,
     quantize: str | None = None,
     slots: int | None = None,
+    draft: int = 4,
 ):
-    """The lowered `Decoder` prefill or one-token step (KV cache, per-row sampling) of `config`
-    on `mesh`, from shapes: the cache holds `prompt_len + new_tokens` (rounded as `decode`
-    does), or `slots` per row (a server's `--max-len`). Sampling settings are runtime arrays,
-    so one program serves greedy and sampled rows. `quantize="int8"`: int8 linear weights
-    (`ladder_jax.model.quant`)."""
+    """The lowered `Decoder` program `phase` (KV cache, per-row sampling) of `config` on
+    `mesh`, from shapes: `prefill`, the one-token `decode` step, or the server's step programs:
+    `extend` (`batch` cache rows take a chunk of `prompt_len` tokens each, at offsets that are
+    runtime arrays: chunked prefill, the rest of a prompt after a reused prefix) and `verify`
+    (every row's newest token and `draft` drafted ones: speculative decoding). The cache holds
+    `prompt_len + new_tokens` (rounded as `decode` does), or `slots` per row (a server's
+    `--max-len`). Sampling settings are runtime arrays, so one program serves greedy and
+    sampled rows. `quantize="int8"`: int8 linear weights (`ladder_jax.model.quant`)."""
     if quantize is not None:
         config = dataclasses.replace(config, quantize=quantize)
     decoder = generation.Decoder(nnx.merge(*abstract(config, mesh)))  # weights: shapes
@@ -138,10 +142,12 @@ def lower_decoder(
         rows_of(jnp.uint32, 2), rows_of(jnp.float32), rows_of(jnp.int32), rows_of(jnp.float32)
     )
     if phase == "prefill":
-        tokens = jax.ShapeDtypeStruct(
-            (batch, prompt_len), jnp.int32, sharding=NamedSharding(mesh, P("data", None))
-        )
-        return decoder.lower_prefill(cache, tokens, rows, settings)
+        return decoder.lower_prefill(cache, rows_of(jnp.int32, prompt_len), rows, settings)
+    if phase == "extend":  # slots, tokens, starts, lengths, rows, token index
+        tokens = rows_of(jnp.int32, prompt_len)
+        return decoder.lower_extend(cache, rows, tokens, rows, rows, settings, rows)
+    if phase == "verify":
+        return decoder.lower_verify(cache, rows_of(jnp.int32, draft + 1), rows, settings, rows)
     return decoder.lower_decode(cache, rows, rows, settings, rows)
 
 
@@ -163,13 +169,15 @@ def compile_program(
     quantize: str | None = None,
     slots: int | None = None,
     allreduce: str = "nccl",
+    draft: int = 4,
 ) -> tuple:
     """Compiles `phase` of `config` for `tp` GPUs of `target` on `hosts` hosts, its
     all-reduces as `allreduce` says (`compilation.ALLREDUCES`); returns
-    (scheduled hlo_text, seconds). `seq` is the prompt (prefill, decode) or training length;
+    (scheduled hlo_text, seconds). `seq` is the prompt (prefill, decode), chunk (extend) or
+    training length; `draft` the drafted tokens per row (verify: each row feeds draft + 1);
     `new_tokens` sizes the decode cache (`slots`: that many per row instead, as a server sized
-    by `--max-len` holds them); `quantize="int8"`: int8 linear weights (prefill and
-    decode only). Read from / written to the persistent cache unless `cache=False` (module
+    by `--max-len` holds them); `quantize="int8"`: int8 linear weights (the decoder's
+    phases only). Read from / written to the persistent cache unless `cache=False` (module
     doc); `LAST` says whether the last call was a cache hit and which fallback, if any, it
     compiled with."""
 
@@ -186,6 +194,7 @@ def compile_program(
         ("batch", batch),
         ("seq", seq),
         ("new_tokens", new_tokens),
+        ("draft", draft),
         *((("slots", slots),) if slots is not None else ()),
     ):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -197,7 +206,7 @@ def compile_program(
     except ValueError as e:
         raise OverlapError(str(e)) from None
     t0 = time.perf_counter()
-    if phase in ("prefill", "decode"):
+    if phase != "train":
         lowered = lower_decoder(
             config,
             mesh,
@@ -206,6 +215,7 @@ def compile_program(
             prompt_len=seq,
             new_tokens=new_tokens,
             slots=slots,
+            draft=draft,
         )
     else:
         lowered = train_program(config, mesh, batch=batch, seq_len=seq)
@@ -231,7 +241,7 @@ def compile_program(
     return hlo, time.perf_counter() - t0
 
 
-PHASES = ("prefill", "decode", "train")
+PHASES = ("prefill", "decode", "extend", "verify", "train")
 LAST: dict = {"hit": False, "fallback": None}
 CACHE_STATS = {"hits": 0, "misses": 0}
 _TILING = "Couldn't find output tile sizes"

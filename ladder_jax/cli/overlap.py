@@ -2,6 +2,7 @@
 and report every all-reduce of its schedule (`ladder_jax.analysis.overlap`).
 
     python -m ladder_jax.overlap --preset llama-3-8b --tp 8 --phase decode
+    python -m ladder_jax.overlap --preset llama-3-8b --tp 8 --phase verify --draft 4
     python -m ladder_jax.overlap --config configs/llama-3-70b.yaml --hosts 8
     python -m ladder_jax.overlap --preset tiny --tp 2 --residual desync --reduce-pattern every_layer
 """
@@ -68,7 +69,7 @@ def parser() -> argparse.ArgumentParser:
     add_desync_flags(p)
     p.add_argument("--tp", type=int, default=8, help="tensor-parallel size (GPUs per program)")
     p.add_argument("--batch", type=int, default=1, help="sequences per program")
-    p.add_argument("--seq", type=int, default=1024, help="prompt / training length")
+    p.add_argument("--seq", type=int, default=1024, help="prompt / extend chunk / training length")
     p.add_argument(
         "--new-tokens", type=int, default=512, help="decode: new tokens the KV cache has room for"
     )
@@ -76,7 +77,15 @@ def parser() -> argparse.ArgumentParser:
         "--phase",
         default="decode",
         choices=PHASES,
-        help="prefill / decode: the decoder's programs; train: a training step",
+        help="prefill / decode: the decoder's programs; extend / verify: the server's chunked "
+        "prefill (--batch rows x --seq tokens at runtime offsets) and speculative step "
+        "(--batch rows x 1 + --draft tokens); train: a training step",
+    )
+    p.add_argument(
+        "--draft",
+        type=int,
+        default=4,
+        help="verify: drafted tokens per row (each row feeds its newest token and these)",
     )
     p.add_argument(
         "--target",
@@ -164,6 +173,7 @@ def main(argv=None) -> int:
             hosts=args.hosts,
             hlo_file=args.dump_hlo,
             allreduce=args.allreduce,
+            draft=args.draft,
         )
     except CompileError as e:
         print(f"error: --preset {args.preset}: {e}".splitlines()[0], file=sys.stderr)

@@ -325,6 +325,16 @@ class Decoder:
         dst >= the cache's batch is padding) -> cache. Rows must not be both a src and a dst."""
         return self._serving()[2](cache, src_n, dst_n, lengths_n)
 
+    def lower_extend(self, cache, slots_n, tokens_nt, starts_n, lengths_n, rows_n, token_n):
+        """The extend_slots program lowered for these arguments, as `lower_prefill`."""
+        return self._serving()[0].lower(
+            self.weights, cache, slots_n, tokens_nt, starts_n, lengths_n, rows_n, token_n
+        )
+
+    def lower_verify(self, cache, tokens_bk, positions_b, rows, token_b):
+        """The verify program lowered for these arguments, as `lower_prefill`."""
+        return self._serving()[1].lower(self.weights, cache, tokens_bk, positions_b, rows, token_b)
+
     def _serving(self):
         return _serving_programs(self._graphdef, self._treedef, self.model.mesh)
 
