@@ -48,3 +48,50 @@ def test_a_second_start_loads_every_program_from_the_user_cache(tmp_path):
 def test_off_writes_nothing(tmp_path):
     _decode("off", home=tmp_path / "off")
     assert not (tmp_path / "off").exists()
+
+
+def test_the_flag_writes_nothing(tmp_path):
+    """decode --no-compile-cache (serve's and eval's flag too): the default cache stays empty."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LADDER_COMPILE_CACHE",)}
+    env.update(JAX_PLATFORMS="cpu", XDG_CACHE_HOME=str(tmp_path))
+    r = subprocess.run(
+        [sys.executable, "-m", "ladder_jax.decode", *DECODE, "--no-compile-cache"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "ladder_jax").exists()
+
+
+COUNT = """
+import sys, jax, jax.numpy as jnp
+from ladder_jax import compile_cache
+compile_cache.enable()
+f = lambda x: jnp.sin(x) @ x.T
+with compile_cache.Counts() as counts:
+    jax.jit(f)(jnp.ones((64, 64))).block_until_ready()
+print(counts.hits, counts.misses)
+"""
+
+
+def test_counts_tell_a_program_loaded_from_the_cache(tmp_path):
+    """`compile_cache.Counts` (what serve's warm-up reports): misses in a fresh process, as
+    many hits in the next one with the same cache."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(
+        JAX_PLATFORMS="cpu",
+        LADDER_COMPILE_CACHE=str(tmp_path),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    )
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", COUNT], capture_output=True, text=True, timeout=120, env=env
+        )
+        for _ in range(2)
+    ]
+    assert [r.returncode for r in runs] == [0, 0], runs[-1].stderr
+    (hits, misses), (hits2, misses2) = (map(int, r.stdout.split()) for r in runs)
+    assert hits == 0 and misses >= 1  # the jitted function and the arrays it builds
+    assert (hits2, misses2) == (misses, 0)  # each one loaded, none compiled
