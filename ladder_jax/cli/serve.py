@@ -326,9 +326,10 @@ def _kv_plan(args, model) -> sizing.KVPlan:
         where, platform = "of host memory", "cpu"
         devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
         free = runtime.available_memory()
-    if jax.process_count() > 1:
-        every = multihost_utils.process_allgather(np.int64(-1 if free is None else free))
-        free = None if min(every) < 0 else int(min(every))
+    if jax.process_count() > 1:  # in MiB: int32 without jax's x64
+        mib = np.int32(-1 if free is None else free >> 20)
+        least = int(np.min(multihost_utils.process_allgather(mib)))
+        free = None if least < 0 else least << 20
     fraction = args.memory_fraction or sizing.DEFAULT_FRACTION[platform]
     return sizing.plan_kv(
         c,
