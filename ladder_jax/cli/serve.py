@@ -53,8 +53,8 @@ API_KEY_ENV = "LADDER_API_KEY"
 MAX_HEADER_BYTES = 16 * 1024  # a request's line and headers (h11's incomplete-event limit)
 FD_RESERVE = 128  # file descriptors kept for the process when bounding the connections
 STOP_KEY = "ladder_jax/serve/stop/"  # coordination-service keys: processes told to stop
-STOP_MARGIN_S = 30.0
-DEFAULT_SLOTS = 16  # a follower told to stop waits --drain-seconds plus this for process 0
+STOP_MARGIN_S = 30.0  # a follower told to stop waits --drain-seconds plus this for process 0
+DEFAULT_SLOTS = 16  # --slots, unless fewer fit (`sizing.plan_kv`)
 
 
 def _distributed() -> bool:
