@@ -48,11 +48,11 @@ def main() -> int:
                 plan = sizing.plan_kv(
                     config, 1, slots=16, max_len=None, free=free, fraction=fraction, where=where
                 )
-                chose = f"{plan.slots} x {plan.positions:,}", sizing.gib(plan.kv_bytes)
+                chose = f"{plan.slots} x {plan.positions:,}", sizing.size_text(plan.kv_bytes)
             except ConfigError as e:
                 chose = "error", str(e)
             print(
-                f"| {label} | {machine} | {sizing.gib(free)} | {fraction:g} | {chose[0]} | "
+                f"| {label} | {machine} | {sizing.size_text(free)} | {fraction:g} | {chose[0]} | "
                 f"{chose[1]} |"
             )
     return 0

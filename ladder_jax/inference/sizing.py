@@ -52,17 +52,21 @@ class KVPlan:
 
     def line(self) -> str:
         """One start-up line: what was chosen, from what memory, and why."""
-        kv = f"{gib(self.kv_bytes)} {self.where}"
+        kv = f"{size_text(self.kv_bytes)} {self.where}"
         if self.free is None:
             return f"KV cache: {self.slots} slots x {self.positions:,} positions, {kv} ({self.why})"
         return (
             f"KV cache: {self.slots} slots x {self.positions:,} positions, {kv}: {self.why} "
-            f"({FLAG} {self.fraction:g} of {gib(self.free)} free after the weights)"
+            f"({FLAG} {self.fraction:g} of {size_text(self.free)} free after the weights)"
         )
 
 
-def gib(n: float) -> str:
-    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+def size_text(n: float) -> str:
+    """Bytes in GiB, MiB or KiB, whichever keeps a digit before the point."""
+    for shift, unit in ((30, "GiB"), (20, "MiB")):
+        if n >= 2**shift:
+            return f"{n / 2**shift:,.1f} {unit}"
+    return f"{n / 2**10:,.1f} KiB"
 
 
 def plan_kv(
@@ -90,8 +94,8 @@ def plan_kv(
     budget = int(fraction * free)
     if slots * want * per <= budget:
         return plan(slots, want, "fits" if max_len else "the model's max_seq_len fits")
-    asked = f"{slots} slots x {want:,} positions need {gib(slots * want * per)} {where}"
-    room = f"{FLAG} {fraction:g} of {gib(free)} free is {gib(budget)}"
+    asked = f"{slots} slots x {want:,} positions need {size_text(slots * want * per)} {where}"
+    room = f"{FLAG} {fraction:g} of {size_text(free)} free is {size_text(budget)}"
     if max_len is None:  # positions first, to a multiple of the step
         n = budget // (slots * per) // POSITION_STEP * POSITION_STEP
         if n >= POSITION_STEP:
@@ -105,6 +109,6 @@ def plan_kv(
     fixes += ["lower --slots"] if least > 1 else []
     fixes += [f"raise {FLAG}", "use a smaller model or more devices"]
     raise SizingError(
-        f"no room for a KV cache of {least} slot(s) x {n:,} positions ({gib(least * n * per)} "
-        f"{where}): {room}; {', '.join(fixes)}"
+        f"no room for a KV cache of {least} slot(s) x {n:,} positions "
+        f"({size_text(least * n * per)} {where}): {room}; {', '.join(fixes)}"
     )
