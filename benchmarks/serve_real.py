@@ -370,7 +370,7 @@ def parse() -> argparse.Namespace:
     bad = [s for s in args.scenarios if s not in SCENARIOS]
     if bad:
         p.error(f"--scenarios: unknown {', '.join(bad)} (known: {', '.join(SCENARIOS)})")
-    if not os.path.isdir(args.checkpoint):
+    if not args.table and not os.path.isdir(args.checkpoint):
         p.error(f"--checkpoint {args.checkpoint}: no such directory")
     return args
 
