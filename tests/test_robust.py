@@ -365,6 +365,10 @@ def test_the_kv_cache_fits_the_free_memory(monkeypatch):
     assert plan(per_position * 100).slots == 12  # 16 x 64 do not fit in 50 positions' room
     with pytest.raises(serve.ConfigError, match="lower --slots"):
         plan(per_position * 100, slots=16)
+    # with chunked prefill every row also holds the engine's tail: the largest of a chunk
+    # (32), a verify step (K + 1 = 5) and a decode round (2 steps)
+    tail = plan(per_position * 1000, prefill_chunk=32, speculate=4, steps_per_plan=2)
+    assert tail.kv_bytes == per_position * (c.max_seq_len + 32)
 
 
 def _serve_args(tmp_path, llama_dir):

@@ -45,6 +45,14 @@ def test_positions_are_cut_first_to_a_multiple_of_64():
     assert "positions cut" in p.why and "--max-len" in p.why
 
 
+def test_a_spare_tail_is_counted_in_every_row():
+    p = plan(free=5 * 10**9, spare=256)  # 1,192.1 positions a row, 256 of them spare: 896
+    assert (p.slots, p.positions, p.kv_bytes) == (16, 896, 16 * (896 + 256) * L8_POSITION)
+    p = plan(free=200 * MiB, spare=256)  # a slot of 64 + 256 positions is 40 MiB: 2 of them
+    assert (p.slots, p.positions, p.kv_bytes) == (2, 64, 80 * MiB)
+    assert plan(spare=256).kv_bytes == 16 * (8192 + 256) * L8_POSITION  # 16.5 GiB: fits
+
+
 def test_then_slots_when_64_positions_do_not_fit():
     p = plan(free=200 * MiB)  # budget 100 MiB; 16 x 64 positions need 128 MiB; a slot 8 MiB
     assert (p.slots, p.positions) == (12, 64)

@@ -339,9 +339,19 @@ def _kv_plan(args, model) -> sizing.KVPlan:
         free=free,
         fraction=fraction,
         devices=devices,
+        spare=_spare_positions(args),
         slots_given=args.slots is not None,
         where=where,
     )
+
+
+def _spare_positions(args) -> int:
+    """Positions each cache row holds beyond a request's: the engine's scratch tail, where
+    idle rows and padding write (the largest of a prefill chunk, a verify step and a decode
+    round, with chunked prefill; none where those flags are absent)."""
+    if getattr(args, "prefill_chunk", None) is None:
+        return 0
+    return max(args.prefill_chunk, getattr(args, "speculate", 0) + 1, args.steps_per_plan)
 
 
 def _api_key(args) -> str | None:

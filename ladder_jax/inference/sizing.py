@@ -44,7 +44,7 @@ def check_fraction(fraction: float) -> float:
 class KVPlan:
     slots: int
     positions: int
-    kv_bytes: int  # slots x positions x position_bytes, in the memory `free` counts
+    kv_bytes: int  # slots x (positions + spare) x position_bytes, in the memory `free` counts
     free: int | None  # bytes free after loading the weights (None: unknown, nothing cut)
     fraction: float
     where: str  # "of host memory" or "on each device"
@@ -78,30 +78,33 @@ def plan_kv(
     free: int | None,
     fraction: float,
     devices: int = 1,
+    spare: int = 0,
     slots_given: bool = False,
     where: str = "of host memory",
 ) -> KVPlan:
     """The cache's slots and positions: `slots` x (`max_len` or the model's max_seq_len) when it
     fits in `fraction` x `free` bytes, else positions cut (unless `max_len` was given), then
     slots (unless `slots_given`), each to what fits; SizingError when even one slot of
-    POSITION_STEP positions (or of the given --max-len) does not."""
+    POSITION_STEP positions (or of the given --max-len) does not. Each row also holds `spare`
+    positions no request uses (an engine's scratch tail), counted in the bytes."""
     check_fraction(fraction)
     per = position_bytes(config, tp, devices)
     want = min(max_len or config.max_seq_len, config.max_seq_len)
-    plan = lambda s, n, why: KVPlan(s, n, s * n * per, free, fraction, where, why)  # noqa: E731
+    need = lambda s, n: s * (n + spare) * per  # noqa: E731
+    plan = lambda s, n, why: KVPlan(s, n, need(s, n), free, fraction, where, why)  # noqa: E731
     if free is None:
         return plan(slots, want, f"free memory unknown: not sized, {FLAG} unused")
     budget = int(fraction * free)
-    if slots * want * per <= budget:
+    if need(slots, want) <= budget:
         return plan(slots, want, "fits" if max_len else "the model's max_seq_len fits")
-    asked = f"{slots} slots x {want:,} positions need {size_text(slots * want * per)} {where}"
+    asked = f"{slots} slots x {want:,} positions need {size_text(need(slots, want))} {where}"
     room = f"{FLAG} {fraction:g} of {size_text(free)} free is {size_text(budget)}"
     if max_len is None:  # positions first, to a multiple of the step
-        n = budget // (slots * per) // POSITION_STEP * POSITION_STEP
+        n = (budget // (slots * per) - spare) // POSITION_STEP * POSITION_STEP
         if n >= POSITION_STEP:
             return plan(slots, n, f"positions cut to fit ({asked}; give --max-len to choose)")
     n = max_len or POSITION_STEP
-    s = budget // (n * per)
+    s = budget // ((n + spare) * per)
     if not slots_given and s >= 1:
         return plan(int(s), n, f"slots cut to fit ({asked}; give --slots to choose)")
     least = slots if slots_given else 1
@@ -110,5 +113,5 @@ def plan_kv(
     fixes += [f"raise {FLAG}", "use a smaller model or more devices"]
     raise SizingError(
         f"no room for a KV cache of {least} slot(s) x {n:,} positions "
-        f"({size_text(least * n * per)} {where}): {room}; {', '.join(fixes)}"
+        f"({size_text(need(least, n))} {where}): {room}; {', '.join(fixes)}"
     )
