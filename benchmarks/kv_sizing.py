@@ -6,7 +6,8 @@ models on a 24 GB CPU host and an 80 GB GPU, from stated memory figures (no mach
 CPU: the free memory is the host's available memory before loading (--host-available GiB,
 default 23: a 24 GB host's kernel and services take the rest) less the weights. GPU: jax's
 memory pool is 75% of the device (its default XLA_PYTHON_CLIENT_MEM_FRACTION), less the
-weights. Prints a markdown table."""
+weights. Each row also holds --spare positions (the serving engine's tail: its prefill
+chunk, 256 by default). Prints a markdown table."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ def main() -> int:
     p.add_argument("--host-available", type=float, default=23.0, help="GiB, before loading")
     p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB of device memory")
     p.add_argument("--gpu-pool", type=float, default=0.75, help="jax's share of it")
+    p.add_argument(
+        "--spare", type=int, default=256, help="each row's spare tail (chunked prefill's chunk)"
+    )
     args = p.parse_args()
     hosts = {
         "24 GB CPU host": ("cpu", args.host_available * GiB),
@@ -46,7 +50,14 @@ def main() -> int:
             where = "of host memory" if platform == "cpu" else "on each device"
             try:
                 plan = sizing.plan_kv(
-                    config, 1, slots=16, max_len=None, free=free, fraction=fraction, where=where
+                    config,
+                    1,
+                    slots=16,
+                    max_len=None,
+                    free=free,
+                    fraction=fraction,
+                    spare=args.spare,
+                    where=where,
                 )
                 chose = f"{plan.slots} x {plan.positions:,}", sizing.size_text(plan.kv_bytes)
             except ConfigError as e:
