@@ -95,3 +95,43 @@ def test_counts_tell_a_program_loaded_from_the_cache(tmp_path):
     (hits, misses), (hits2, misses2) = (map(int, r.stdout.split()) for r in runs)
     assert hits == 0 and misses >= 1  # the jitted function and the arrays it builds
     assert (hits2, misses2) == (misses, 0)  # each one loaded, none compiled
+
+
+SERVE = ("--preset", "tiny", "--max-len", "16", "--slots", "2", "--prefills-per-step", "1")
+
+
+def _serve_warmup(cache) -> list[str]:
+    """serve's warm-up lines (2 programs: a 1 x 16 prefill, the decode round), then SIGTERM."""
+    from tests.helpers import free_port, stop_server
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="", LADDER_COMPILE_CACHE=str(cache))
+    env.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    args = ["--steps-per-plan", "1", "--tp", "1", "--port", str(free_port())]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ladder_jax.serve", *SERVE, *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        lines = []
+        for line in proc.stderr:  # bounded: the process ends, or its last warm-up line comes
+            if line.startswith("warm-up ") and "/" in line.split()[1]:
+                lines.append(line.strip())
+            if line.startswith("warm-up 2/2"):
+                break
+        return lines
+    finally:
+        stop_server(proc)
+
+
+def test_a_second_serve_start_loads_its_warm_up_from_the_cache(tmp_path):
+    """serve's warm-up says per program whether it came from the compilation cache: none on a
+    first start, every one on the second."""
+    first = _serve_warmup(tmp_path)
+    second = _serve_warmup(tmp_path)
+    assert len(first) == len(second) == 2, (first, second)
+    assert not any("from the compilation cache" in line for line in first), first
+    assert all("from the compilation cache" in line for line in second), second
