@@ -156,6 +156,8 @@ def _initialize(addr: str, nproc: int, pid: int, flags: tuple) -> None:
     timer = threading.Timer(t, give_up)
     timer.daemon = True
     timer.start()
+    met = threading.Event()
+    threading.Thread(target=_say_waiting, args=(met, addr, nproc, pid, t), daemon=True).start()
     try:  # jaxlib's heartbeat ends a process with a C++ stack: later than the watch below
         jax.distributed.initialize(
             addr, nproc, pid, initialization_timeout=t + 30, heartbeat_timeout_seconds=2 * t + 30
@@ -164,9 +166,33 @@ def _initialize(addr: str, nproc: int, pid: int, flags: tuple) -> None:
         raise ConfigError(_message(addr, nproc, pid, t, flags, _first_line(e))) from None
     finally:
         timer.cancel()
+        met.set()
     sys.stderr.flush()  # tells the stderr filter the processes have met
     os.write(2, output_filters.MET)
     _PeerWatch(jax_distributed.global_state.client, pid, nproc, t).start()
+
+
+def _say_waiting(met: threading.Event, addr: str, nproc: int, pid: int, t: int) -> None:
+    """Progress while the processes meet: a line after a few seconds, then every 15 s, until
+    they have met or the wait ends."""
+    start, first = time.monotonic(), min(3.0, t / 4)
+    if met.wait(first):
+        return
+    print(
+        f"process {pid} of {nproc}: waiting for the other processes at {addr} (up to {t} s; "
+        f"LADDER_PEER_TIMEOUT sets the wait)",
+        file=sys.stderr,
+        flush=True,
+    )
+    while not met.wait(15.0):
+        waited = time.monotonic() - start
+        if waited >= t:
+            return
+        print(
+            f"process {pid} of {nproc}: still waiting, {waited:.0f} of {t} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _check_port_free(addr: str, message) -> None:

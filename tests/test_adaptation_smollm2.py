@@ -18,12 +18,13 @@ import sys
 import pytest
 
 from ladder_jax.experiments import adaptation as ad
+from ladder_jax.experiments import adaptation_report as report
 
 ROOT = pathlib.Path(__file__).parent.parent
 
 
 def _held_out(row) -> float:
-    return ad._held_out_mean(row)[0]
+    return report.held_out_mean(row)[0]
 
 
 def test_smollm2_quick_runs_end_to_end(tmp_path):
@@ -82,7 +83,7 @@ def _check_quick(out: pathlib.Path):
 
     # converting the upper layers hurts, by more than two paired standard errors
     orig, zs = models["original"], models[f"ladder{k} zero-shot"]
-    d, se, paired = ad._loss_diff(zs, orig)
+    d, se, paired = report.loss_diff(zs, orig)
     assert paired and d > 2 * se, (d, se)
     # each recovery brings the held-out loss down from the zero-shot hybrid's
     for m in s.methods:

@@ -608,6 +608,8 @@ def test_a_process_started_alone_gives_up_in_one_line(tmp_path):
     # the trainer's own keys, not the other commands' flags
     assert "same dist.coordinator_address and dist.num_processes" in line, line
     assert "its own dist.process_id" in line and "--num-processes" not in line, line
+    # it said it was waiting while it waited, not only when it gave up
+    assert "process 0 of 2: waiting for the other processes at" in r.stderr, r.stderr
     assert time.monotonic() - t0 < 90
 
 

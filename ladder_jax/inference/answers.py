@@ -95,10 +95,17 @@ class Run:
 
 
 def usage(runs: list[Run]) -> dict:
-    """OpenAI's `usage` of the runs of one response."""
+    """OpenAI's `usage` of the runs of one response; `prompt_tokens_details.cached_tokens`: the
+    prompt tokens whose KV the engine reused from its prefix cache (0 when it has none)."""
     p = sum(len(r.req.prompt) for r in runs)
     n = sum(len(r.text.tokens) for r in runs)
-    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+    cached = sum(getattr(r.req, "cached_tokens", 0) for r in runs)
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": n,
+        "total_tokens": p + n,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 async def disconnected(request: HTTPRequest) -> None:

@@ -1,5 +1,6 @@
 """The server's Prometheus metrics: requests by endpoint and status, tokens, time to first token,
-and the engine's decode steps, queue and slots read at each scrape.
+and the engine's decode steps, queue, slots, prefix-cache and speculative-decoding counts read at
+each scrape (an engine without the latter two reports 0).
 
     metrics = Metrics(engine); metrics.request("chat", 200); body = metrics.text()"""
 
@@ -51,8 +52,27 @@ class Metrics:
         return prom.generate_latest(self.registry)
 
 
+# (series, help, the engine's counter): prompt tokens looked up in / reused from the prefix
+# cache; tokens drafted by prompt lookup / accepted by the model's verification
+ENGINE_COUNTERS = (
+    (
+        "prefix_cache_queried_tokens",
+        "Prompt tokens looked up in the prefix cache.",
+        "prefix_queried_tokens",
+    ),
+    (
+        "prefix_cache_hit_tokens",
+        "Prompt tokens whose KV the prefix cache supplied.",
+        "prefix_hit_tokens",
+    ),
+    ("spec_drafted_tokens", "Tokens drafted by prompt lookup.", "drafted_tokens"),
+    ("spec_accepted_tokens", "Drafted tokens the model accepted.", "accepted_tokens"),
+)
+
+
 class _EngineCounts(prom.registry.Collector):
-    """The engine's decode steps, queue and slots, as they are at each scrape."""
+    """The engine's decode steps, queue, slots and cache / drafting counts, as they are at each
+    scrape."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -60,6 +80,14 @@ class _EngineCounts(prom.registry.Collector):
     def collect(self):
         e = self.engine
         yield CounterMetricFamily("ladder_decode_steps", "Batched decode steps run.", e.steps)
+        for name, help_, attr in ENGINE_COUNTERS:
+            yield CounterMetricFamily(f"ladder_{name}", help_, getattr(e, attr, 0))
+        drafted, accepted = getattr(e, "drafted_tokens", 0), getattr(e, "accepted_tokens", 0)
+        yield GaugeMetricFamily(
+            "ladder_spec_acceptance_rate",
+            "Accepted / drafted tokens since start (0 before any draft).",
+            accepted / drafted if drafted else 0.0,
+        )
         for name, help_, value in (
             ("queue_depth", "Requests waiting for a slot.", e.waiting),
             ("slots_busy", "Slots generating.", e.busy),
