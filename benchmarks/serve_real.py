@@ -12,9 +12,10 @@ scenarios: "shared" (concurrent chat requests with one ~1,000-token system promp
 questions), "mix" (short streams decoding while a ~4,000-token prompt arrives: the short
 streams' inter-token p99), "lookup" (a code-editing prompt, greedy: tokens/s and the draft
 acceptance read from /metrics). Each scenario first runs unmeasured on other text of the
-same shapes (what they compile on first use compiles there). Every wait is bounded (per
-request and per phase); the servers' output goes to files whose paths are printed. Prints a
-table (markdown rows to paste into docs/results.md) and writes JSON with --out.
+same shapes (what they compile on first use compiles there; "shared" keeps its system
+prompt, as a server that has seen it before would). Every wait is bounded (per request and
+per phase); the servers' output goes to files whose paths are printed. Prints a table
+(markdown rows to paste into docs/results.md) and writes JSON with --out.
 """
 
 from __future__ import annotations
@@ -258,8 +259,9 @@ def client_for(server: Server, timeout: float):
 
 
 async def shared(server: Server, tokens: Tokens, size: dict, timeout: float, variant: int) -> dict:
-    """`clients` concurrent chats with one system prompt and distinct questions."""
-    system = tokens.cut(corpus_text(200 + 3000 * variant), size["system_tokens"])
+    """`clients` concurrent chats with one system prompt and distinct questions. The warm pass
+    sends the same system prompt (a server that has seen it before), other questions."""
+    system = tokens.cut(corpus_text(200), size["system_tokens"])
     words = corpus_text(4000 + 1000 * variant).split()[::7][: size["clients"]]
     asks = [
         [
