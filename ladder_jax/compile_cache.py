@@ -2,7 +2,8 @@
 default: a second start loads the same programs from disk. `LADDER_COMPILE_CACHE` (a
 directory, or `off`): docs/inference.md, 'Serve' ("Fast restarts").
 
-    compile_cache.enable()   # before the first compile: the directory used, or None"""
+    compile_cache.enable()   # before the first compile: the directory used, or None
+    with compile_cache.Counts() as counts: ...   # counts.hits: programs loaded from it"""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import jax
 ENV = "LADDER_COMPILE_CACHE"
 OFF = ("off", "0", "no", "false")
 MIN_COMPILE_S = 0.2
+HIT, MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
 
 
 def directory() -> str | None:
@@ -48,3 +50,24 @@ def enable(off: bool = False) -> str | None:
     if not os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):  # else jax read it
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_S)
     return path
+
+
+class Counts:
+    """Programs loaded from the cache (`hits`) and looked up there in vain (`misses`) while the
+    `with` block runs, from jax's monitoring events (nothing is counted with the cache off).
+
+        with Counts() as counts: warm_up(); print(counts.hits)"""
+
+    def __enter__(self) -> "Counts":
+        self.hits = self.misses = 0
+        jax.monitoring.register_event_listener(self._event)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_listener(self._event)
+
+    def _event(self, event: str, **_) -> None:
+        if event == HIT:
+            self.hits += 1
+        elif event == MISS:
+            self.misses += 1

@@ -340,22 +340,35 @@ def test_a_template_raise_exception_is_the_templates_message(app_client):
     assert r.status_code == 200, r.text
 
 
-def test_default_max_len_fits_the_free_memory(monkeypatch, capsys):
+def test_the_kv_cache_fits_the_free_memory(monkeypatch):
+    """serve sizes its cache from the host's available memory, its 2 CPU devices' halves
+    together: the model's length when it fits in --memory-fraction, else positions cut to a
+    multiple of 64, else fewer slots, else one line naming the flags."""
+    import argparse
+
     from ladder_jax import runtime
     from ladder_jax.cli import serve
 
-    model = tiny_model(2)  # 2 CPU devices: the cache's two halves share the host's memory
+    model = tiny_model(2)
     c = model.config
     per_position = 2 * c.n_layers * 16 * c.n_kv_heads * c.head_dim * 4  # k and v, 16 slots
-    monkeypatch.setattr(runtime, "available_memory", lambda: per_position * c.max_seq_len * 4)
-    assert serve._default_max_len(model, 16) is None  # fits in half: the model's length
-    monkeypatch.setattr(runtime, "available_memory", lambda: per_position * 200)
-    assert serve._default_max_len(model, 16) == 64  # 100 positions fit: 64, a multiple of 64
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--max-len" in err[0] and "64 positions" in err[0], err
-    monkeypatch.setattr(runtime, "available_memory", lambda: per_position * 100)
+
+    def plan(free, **flags):
+        monkeypatch.setattr(runtime, "available_memory", lambda: free)
+        args = {"slots": None, "max_len": None, "memory_fraction": None, **flags}
+        return serve._kv_plan(argparse.Namespace(**args), model)
+
+    p = plan(per_position * c.max_seq_len * 2)  # fits in half: the model's length
+    assert (p.slots, p.positions, p.kv_bytes) == (16, c.max_seq_len, per_position * c.max_seq_len)
+    assert (plan(per_position * 200).positions, plan(per_position * 200).slots) == (64, 16)
+    assert plan(per_position * 64, memory_fraction=1.0).positions == 64
+    assert plan(per_position * 100).slots == 12  # 16 x 64 do not fit in 50 positions' room
     with pytest.raises(serve.ConfigError, match="lower --slots"):
-        serve._default_max_len(model, 16)
+        plan(per_position * 100, slots=16)
+    # with chunked prefill every row also holds the engine's tail: the largest of a chunk
+    # (32), a verify step (K + 1 = 5) and a decode round (2 steps)
+    tail = plan(per_position * 1000, prefill_chunk=32, speculate=4, steps_per_plan=2)
+    assert tail.kv_bytes == per_position * (c.max_seq_len + 32)
 
 
 def _serve_args(tmp_path, llama_dir):
@@ -372,6 +385,8 @@ def _serve_args(tmp_path, llama_dir):
         (["--api-key", "s ecret"], {}, "--api-key holds ' '"),
         (["--api-key", "sécret"], {}, "--api-key holds 'é'"),
         (["--max-len", "-5"], {}, "--max-len -5: must be >= 2"),
+        (["--memory-fraction", "1.5"], {}, "--memory-fraction 1.5: a share of the free memory"),
+        (["--memory-fraction", "1e-12"], {}, "no room for a KV cache of 1 slot(s) x 64"),
         (["--chat-template", str(bad_jinja)], {}, "the chat template is not valid Jinja"),
         (["--chat-template", str(binary)], {}, "is not UTF-8"),
         (["--checkpoint", str(garbage)], {}, "tokenizer_config.json is not valid JSON"),

@@ -611,9 +611,10 @@ def test_chat_template_sees_the_tokenizers_bos_and_eos(tmp_path):
 
 
 def test_warmup_says_what_it_compiles_and_sigterm_ends_an_idle_server_at_once(tmp_path):
-    """Before the first compile, one line of what warm-up will compile (and --no-warmup); then
-    k/N per program; N by hand: --max-len 16, one prompt per step and one step per plan is
-    one prompt bucket (16) x one group (1) prefill, plus the decode round. An idle server
+    """Before the first compile, the KV cache's size and one line of what warm-up will compile
+    (and --no-warmup); then k/N per program with the time left; N by hand: --max-len 16, one
+    prompt per step and one step per plan is one prompt bucket (16) x one group (1) prefill,
+    plus the decode round. An idle server
     exits 0 within seconds of SIGTERM (the interpreter's teardown is skipped)."""
     port = free_port()
     proc = subprocess.Popen(
@@ -647,9 +648,12 @@ def test_warmup_says_what_it_compiles_and_sigterm_ends_an_idle_server_at_once(tm
             err.append(line.rstrip("\n"))
             if line.startswith("warm-up 2/"):
                 break
-        assert err[0].startswith("warm-up: compiling 2 programs before serving (--no-warmup"), err
-        assert err[1].startswith("warm-up 1/2: prefill 1 x 16 tokens"), err
-        assert err[2].startswith("warm-up 2/2: decode round"), err
+        # 2 slots x 16 positions x (k and v, 4 layers, 4 kv heads of 8 float32) = 32 KiB
+        assert err[0].startswith("KV cache: 2 slots x 16 positions, 32.0 KiB of host memory: fits")
+        assert err[1].startswith("warm-up: compiling 2 programs before serving (--no-warmup"), err
+        assert err[2].startswith("warm-up 1/2: prefill 1 x 16 tokens ("), err
+        assert " s to go)" in err[2], err  # the rest's estimate
+        assert err[3].startswith("warm-up 2/2: decode round ("), err
         assert proc.stdout.readline().startswith(f"serving 'tiny' on http://127.0.0.1:{port}")
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
         start = time.monotonic()

@@ -166,7 +166,8 @@ def add_decode_matmul(p: argparse.ArgumentParser) -> None:
 
 def add_program_flags(p: argparse.ArgumentParser) -> None:
     """decode's and serve's flags for the programs they compile: --decode-matmul, --allreduce,
-    desync's (`add_desync_flags`), and the process flags (`runtime.add_arguments`)."""
+    desync's (`add_desync_flags`), --no-compile-cache and the process flags
+    (`runtime.add_arguments`)."""
     add_decode_matmul(p)
     p.add_argument(
         "--allreduce",
@@ -175,10 +176,21 @@ def add_program_flags(p: argparse.ArgumentParser) -> None:
         "two-shot kernels over NVLink peer memory; CPU programs ignore it)",
     )
     add_desync_flags(p)
+    add_compile_cache_flag(p)
     runtime.add_arguments(
         p,
         cpu_devices_help="on a CPU host, fake devices to split it into "
         "(default: --tp, else the default tp)",
+    )
+
+
+def add_compile_cache_flag(p: argparse.ArgumentParser) -> None:
+    """--no-compile-cache (`ladder_jax.compile_cache`): decode, serve and eval's."""
+    p.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="compile every program afresh (default: JAX's persistent compilation cache "
+        f"in the user cache directory, or ${compile_cache.ENV}; off there too)",
     )
 
 

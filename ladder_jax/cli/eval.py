@@ -19,7 +19,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ladder_jax import atomic, compile_cache, runtime
-from ladder_jax.cli.common import ArgumentParser, add_desync_flags, add_quantize, add_scheme
+from ladder_jax.cli.common import (
+    ArgumentParser,
+    add_compile_cache_flag,
+    add_desync_flags,
+    add_quantize,
+    add_scheme,
+)
 from ladder_jax.config import (
     ConfigError,
     UsageError,
@@ -89,6 +95,7 @@ def parser() -> ArgumentParser:
     )
     add_quantize(p)
     add_desync_flags(p)
+    add_compile_cache_flag(p)
     runtime.add_arguments(
         p, cpu_devices_help="on a CPU host, fake devices to split it into (default: --tp, else 1)"
     )
@@ -108,7 +115,7 @@ def main(argv=None) -> int:
             num_processes=args.num_processes,
             process_id=args.process_id,
         )
-        compile_cache.enable()
+        compile_cache.enable(off=args.no_compile_cache)
         return _run(args, tasks, overrides)
     except UsageError as e:  # TaskError, ShardingError and HFError included
         print(f"error: {e}", file=sys.stderr)

@@ -17,10 +17,12 @@ import threading
 import time
 
 import jax
+import numpy as np
 from flax import nnx
 from jax._src import distributed
+from jax.experimental import multihost_utils
 
-from ladder_jax import processes, runtime
+from ladder_jax import compile_cache, processes, runtime
 from ladder_jax.cli.common import (
     ArgumentParser,
     add_program_flags,
@@ -31,11 +33,10 @@ from ladder_jax.cli.common import (
     setup_devices,
 )
 from ladder_jax.config import SCHEMES, ConfigError, ModelConfig, UsageError
+from ladder_jax.inference import sizing
 from ladder_jax.inference.batching import Engine
-from ladder_jax.inference.cache import KVCache
 from ladder_jax.interop.tokenizer import ByteTokenizer
 from ladder_jax.model import compilation, sharding
-from ladder_jax.model.layout import device_bytes
 from ladder_jax.model.transformer import Transformer
 
 try:  # the serve extra; its absence is one line at start-up, not a traceback
@@ -53,6 +54,7 @@ MAX_HEADER_BYTES = 16 * 1024  # a request's line and headers (h11's incomplete-e
 FD_RESERVE = 128  # file descriptors kept for the process when bounding the connections
 STOP_KEY = "ladder_jax/serve/stop/"  # coordination-service keys: processes told to stop
 STOP_MARGIN_S = 30.0  # a follower told to stop waits --drain-seconds plus this for process 0
+DEFAULT_SLOTS = 16  # --slots, unless fewer fit (`sizing.plan_kv`)
 
 
 def _distributed() -> bool:
@@ -130,7 +132,11 @@ def _add_serving_flags(p) -> None:
         help="the model id clients name (default: the checkpoint directory's name or the preset)",
     )
     p.add_argument(
-        "--slots", type=int, default=16, help="requests decoded together (rows of the KV cache)"
+        "--slots",
+        type=int,
+        default=None,
+        help=f"requests decoded together, rows of the KV cache (default {DEFAULT_SLOTS}, fewer "
+        f"if even {sizing.POSITION_STEP} positions each do not fit)",
     )
     p.add_argument(
         "--max-queue", type=int, default=64, help="requests that may wait for a slot; more get 503"
@@ -139,8 +145,17 @@ def _add_serving_flags(p) -> None:
         "--max-len",
         type=int,
         default=None,
-        help="positions per request, prompt + max_tokens (default: max_seq_len, "
-        "or what fits in half the free memory)",
+        help="positions per request, prompt + max_tokens (default: the model's max_seq_len, "
+        "or the multiple of 64 that fits --memory-fraction)",
+    )
+    p.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=None,
+        help="share of the memory free once the weights are loaded that the KV cache may take "
+        "(GPU: the device's, CPU: the host's available memory), 0 < F <= 1 (default "
+        + ", ".join(f"{v:g} on {k.upper()}" for k, v in sizing.DEFAULT_FRACTION.items())
+        + "); slots and positions are cut to fit, said at start",
     )
     p.add_argument(
         "--max-tokens",
@@ -209,12 +224,6 @@ def _add_serving_flags(p) -> None:
         "tokenizer_config.json chat_template or a GGUF file's, if any)",
     )
     p.add_argument(
-        "--no-compile-cache",
-        action="store_true",
-        help="compile every program afresh (default: JAX's persistent compilation cache "
-        "in the user cache directory, or $LADDER_COMPILE_CACHE; off there too)",
-    )
-    p.add_argument(
         "--no-warmup",
         action="store_true",
         help="compile programs on first use instead of before serving",
@@ -237,8 +246,10 @@ def _note(*a, **kw) -> None:
 
 
 def _check(args) -> None:
+    if args.memory_fraction is not None:
+        sizing.check_fraction(args.memory_fraction)
     for flag, v, low in (
-        ("--slots", args.slots, 1),
+        ("--slots", DEFAULT_SLOTS if args.slots is None else args.slots, 1),
         ("--max-queue", args.max_queue, 0),
         ("--prefills-per-step", args.prefills_per_step, 1),
         ("--steps-per-plan", args.steps_per_plan, 1),
@@ -322,45 +333,47 @@ _PER_PROCESS = (  # process 0's (HTTP); `common.PER_PROCESS`: each host's own
 )
 
 
-def _default_max_len(model, slots: int) -> int | None:
-    """--max-len when none is given: None (the model's max_seq_len) when a cache that long fits
-    in half the memory left, else the positions that do (a multiple of 64), said in one line
-    on stderr naming --max-len; a ConfigError when not even 64 fit."""
+def _kv_plan(args, model) -> sizing.KVPlan:
+    """The KV cache's slots and positions (`sizing.plan_kv`) from the memory left once the
+    weights are loaded: on a GPU its pool's `bytes_limit - bytes_in_use`, on CPU the host's
+    available memory (its devices share it); with several processes the least of theirs, so
+    every process builds the same cache."""
     c, mesh = model.config, model.mesh
-    sample = KVCache.abstract(c, mesh, slots, 64)
-    per_device = sum(device_bytes(x) for x in (*sample.k, *sample.v)) / 64
     device = mesh.devices.flat[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and "bytes_limit" in stats:
-        what, per_position = "on each device", per_device
+        where, devices, platform = "on each device", 1, "gpu"
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     else:  # CPU devices share the host's memory
-        local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-        what, per_position, free = (
-            "of host memory",
-            per_device * local,
-            (runtime.available_memory()),
-        )
-    if free is None or per_position * c.max_seq_len <= free / 2:
-        return None
-    fit = int(free / 2 // per_position) // 64 * 64
-    need = f"{per_position * c.max_seq_len / 2**30:,.1f} GiB {what}, {free / 2**30:.1f} GiB free"
-    if fit < 64:
-        raise ConfigError(
-            f"a KV cache of {slots} slots has no room: even 64 positions per "
-            f"request need more than half the free memory ({need} for the "
-            f"model's {c.max_seq_len}); lower --slots or use a smaller model"
-        )
-    if fit < c.max_seq_len:
-        print(
-            f"note: {fit} positions per request (--max-len), not the model's max_seq_len="
-            f"{c.max_seq_len}: a cache of {slots} slots that long needs {need}; give "
-            f"--max-len to choose",
-            file=sys.stderr,
-            flush=True,
-        )
-        return fit
-    return None
+        where, platform = "of host memory", "cpu"
+        devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+        free = runtime.available_memory()
+    if jax.process_count() > 1:  # in MiB: int32 without jax's x64
+        mib = np.int32(-1 if free is None else free >> 20)
+        least = int(np.min(multihost_utils.process_allgather(mib)))
+        free = None if least < 0 else least << 20
+    fraction = args.memory_fraction or sizing.DEFAULT_FRACTION[platform]
+    return sizing.plan_kv(
+        c,
+        sharding.tp_size(mesh),
+        slots=DEFAULT_SLOTS if args.slots is None else args.slots,
+        max_len=args.max_len,
+        free=free,
+        fraction=fraction,
+        devices=devices,
+        spare=_spare_positions(args),
+        slots_given=args.slots is not None,
+        where=where,
+    )
+
+
+def _spare_positions(args) -> int:
+    """Positions each cache row holds beyond a request's: the engine's scratch tail, where
+    idle rows and padding write (the largest of a prefill chunk, a verify step and a decode
+    round, with chunked prefill; none where those flags are absent)."""
+    if getattr(args, "prefill_chunk", None) is None:
+        return 0
+    return max(args.prefill_chunk, getattr(args, "speculate", 0) + 1, args.steps_per_plan)
 
 
 def _api_key(args) -> str | None:
@@ -418,11 +431,11 @@ def _run(args) -> int:
             f"--max-len {args.max_len}: more than the model's context of "
             f"{model.config.max_seq_len} positions (max_seq_len); give at most that"
         )
-    max_len = args.max_len or _default_max_len(model, args.slots)
+    plan = _kv_plan(args, model)
     engine = Engine(
         model,
-        slots=args.slots,
-        max_len=max_len,
+        slots=plan.slots,
+        max_len=plan.positions,
         max_queue=args.max_queue,
         prefills_per_step=args.prefills_per_step,
         steps_per_plan=args.steps_per_plan,
@@ -436,7 +449,7 @@ def _run(args) -> int:
             f"--max-tokens {args.max_tokens}: between 1 and {engine.length - 1} (--max-len)"
         )
     if jax.process_index() == 0:  # once the input is checked: a bad flag is one line
-        for note in [f"note: {why}"] if why else idle:
+        for note in ([f"note: {why}"] if why else idle) + [plan.line()]:
             print(note, file=sys.stderr, flush=True)
     if not args.no_warmup:
         _warmup(engine)
@@ -541,7 +554,8 @@ def _follow(engine, bound_s: float) -> int:
 
 def _warmup(engine) -> None:
     """`engine.warmup()` with its progress on stderr (process 0): what it will compile before
-    the first program starts, then each program's k/N as it is done."""
+    the first program starts, then each program's k/N as it is done, whether it came from the
+    compilation cache, and the time the rest should take (those left x the mean so far)."""
     programs = engine.warmup_programs()
     shapes = ", ".join(f"{N} x {T}" for N, T in programs if T)
     _note(
@@ -551,14 +565,20 @@ def _warmup(engine) -> None:
         f"compile on first use",
         file=sys.stderr,
     )
-    start = time.perf_counter()
+    start, hits = time.perf_counter(), [0]
 
-    def progress(k, n):
-        N, T = programs[k - 1]
-        what = f"prefill {N} x {T} tokens" if T else "decode round"
-        _note(f"warm-up {k}/{n}: {what} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
+    with compile_cache.Counts() as counts:
 
-    engine.warmup(progress)
+        def progress(k, n):
+            N, T = programs[k - 1]
+            what = f"prefill {N} x {T} tokens" if T else "decode round"
+            cached = " from the compilation cache" if counts.hits > hits[0] else ""
+            hits[0] = counts.hits
+            took = time.perf_counter() - start
+            left = f", about {took / k * (n - k):.0f} s to go" if k < n else ""
+            _note(f"warm-up {k}/{n}: {what}{cached} ({took:.1f} s{left})", file=sys.stderr)
+
+        engine.warmup(progress)
 
 
 def _cache_bytes(engine) -> int:

@@ -25,7 +25,9 @@ Writes <run_dir>/<name>/: config.yaml, metrics.jsonl, checkpoints/ (and tensorbo
 tensorboard extra). Running the same command again resumes from the latest checkpoint (a
 changed model, data or optimizer key is refused unless accept_changes=true); SIGTERM or Ctrl-C
 saves and exits 0. Exit codes: 2 a bad config or data (one line), 3 too many non-finite steps.
-benchmark=true times every residual scheme instead of training. More: ladder_jax.train.trainer.
+benchmark=true times every residual scheme instead of training. Compiled programs are kept in
+JAX's persistent compilation cache (the user cache directory, or $LADDER_COMPILE_CACHE; off
+there or with --no-compile-cache). More: ladder_jax.train.trainer.
 """
 
 
@@ -66,11 +68,13 @@ def main(argv=None) -> int:
         print(help_text(), end="")
         return 0
     argv = ["benchmark=true" if a == "--benchmark" else a for a in argv]
+    no_cache = "--no-compile-cache" in argv
+    argv = [a for a in argv if a != "--no-compile-cache"]
     try:
         cfg = load_config(argv)
         check(cfg)
         init_runtime(cfg)
-        compile_cache.enable()
+        compile_cache.enable(off=no_cache)
         result = run(cfg)
     except UsageError as e:  # ShardingError, DataError, RunBusy and tokenizer errors
         print(f"error: {e}", file=sys.stderr)
