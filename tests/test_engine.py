@@ -82,6 +82,21 @@ def _counted_copies(engine):
     return copies
 
 
+def _idle_positions(engine):
+    """The positions every planned round gave its rows that were not decoding."""
+    seen = []
+    plan = engine._plan
+
+    def recorded():
+        p = plan()
+        if p.decode:
+            seen.extend(int(x) for x in p.positions_b[~p.busy_b])
+        return p
+
+    engine._plan = recorded
+    return seen
+
+
 @pytest.mark.parametrize("name,tp", CASES, ids=[f"{n}-tp{t}" for n, t in CASES])
 def test_chunked_prefix_cached_speculative_engine_equals_generate(name, tp):
     """3 slots, chunks of 8 (prompts of up to 36 tokens: up to 5 chunks, ragged), prefix
@@ -98,9 +113,13 @@ def test_chunked_prefix_cached_speculative_engine_equals_generate(name, tp):
         model, slots=3, max_len=64, prefills_per_step=1, chunk=8, prefix_block=4, speculate=3
     )
     copies = _counted_copies(engine)
+    idle = _idle_positions(engine)
     got, reasons, reqs = _run(engine, [*PHASES, [(history, 4)]])
     assert reasons == ["length"] * len(requests)
     assert got == [w[:m] for w, (_, m) in zip(want, requests)]
+    # rows not decoding wrote at their frontier, inside the rows' lengths, never at the cache's
+    # end (where every decode step's attention would read the whole cache)
+    assert idle and max(idle) < engine.length, idle
     assert engine.prefix_hit_tokens >= 2 * 24 and copies
     assert reqs[-1].cached_tokens == (len(history) - 1) // 4 * 4  # all but the new token
     assert engine.accepted_tokens > 0 and engine.drafted_tokens >= engine.accepted_tokens

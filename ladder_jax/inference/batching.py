@@ -118,8 +118,8 @@ class Engine:
         self.steps_per_plan, self.speculate = steps_per_plan, speculate
         self.chunk = min(chunk, self.length)
         self.admit = prefills_per_step * steps_per_plan  # chunks per round: same rate per step
-        # the cache's spare tail: where idle rows write in decode rounds and where a chunk's
-        # or a verify step's padding lands, so that no write is clamped back over a row's KV
+        # the cache's spare tail: where a chunk's or a verify step's padding near a row's end
+        # lands, so that no write is clamped back over a row's KV
         self.spare = max(self.chunk, speculate + 1, steps_per_plan)
         self.shape = PlanShape(
             slots, self.admit, max(self.admit * self.chunk, self.length), speculate
@@ -311,8 +311,8 @@ class Engine:
             not self.stopping,
             decode,
             self.last.copy(),
-            # rows not decoding write into the spare tail, never over a row's KV
-            np.where(busy_b, self.length_b + self.count_b - 1, self.length).astype(np.int32),
+            # rows not decoding: at their frontier (`_idle_positions`, once the round is planned)
+            np.where(busy_b, self.length_b + self.count_b - 1, 0).astype(np.int32),
             RowSampling(s.keys.copy(), s.temperature.copy(), s.top_k.copy(), s.top_p.copy()),
             self.count_b.copy(),
             busy_b,
@@ -326,7 +326,25 @@ class Engine:
         for i in list(self.prefilling):  # (a final chunk leaves the list)
             plan.chunks.append(self._next_chunk(i))
         self._admit(plan)
+        self._idle_positions(plan)
         return plan
+
+    def _idle_positions(self, plan: Plan) -> None:
+        """Where the rows that do not decode write in the round's decode part: at their
+        frontier, the first position whose KV nothing needs (a chunk this round: its start,
+        which the chunk then rewrites; a prompt still coming in: where it stands; a free row:
+        past what the prefix cache says it holds). Never over KV a row still needs, and never
+        far out: the decode attention reads every row's cache up to the furthest position in
+        the batch, so an idle row parked at the cache's end would make every step read it all."""
+        starts = {c.slot: c.start for c in plan.chunks}
+        for i in np.flatnonzero(~plan.busy_b):
+            if i in starts:
+                p = starts[i]
+            elif self.owner[i] is not None:
+                p = int(self.fed_b[i])
+            else:
+                p = 0 if self.prefix is None else self.prefix.held(int(i))
+            plan.positions_b[i] = p
 
     def _draft(self, plan: Plan) -> None:
         """Prompt-lookup drafts for the decoding rows (never past a request's max_tokens); any
@@ -645,8 +663,8 @@ class Engine:
 
     def warmup(self, progress=None) -> None:
         """Compiles `warmup_programs` on every process before serving: chunks run on padding
-        rows only (nothing is written), the decode round on free slots (at the spare tail).
-        `progress(k, n)` is called after the k-th of the n programs has compiled."""
+        rows only (nothing is written), the decode round on free slots (at position 0: nothing
+        is held yet). `progress(k, n)` is called after the k-th of the n programs has compiled."""
         rep, mesh, B = P(), self.mesh, self.slots
         programs = self.warmup_programs()
         for k, (N, T) in enumerate(programs, 1):
@@ -673,7 +691,7 @@ class Engine:
                     np.zeros((B, self.speculate), np.int32),
                     np.zeros(B, np.int32),
                 )
-                idle.positions_b[:] = self.length
+                idle.positions_b[:] = 0  # before serving: no row holds anything
                 self._decode(idle)
                 if self.speculate:
                     self._verify(idle)

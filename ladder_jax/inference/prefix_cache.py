@@ -115,6 +115,11 @@ class PrefixCache:
             raise ValueError(f"keep: length must be >= 0, got {length}")
         self._set(slot, length, ())
 
+    def held(self, slot: int) -> int:
+        """How many tokens row `slot` holds from position 0 (whole blocks and the partial one
+        after them): writing past them loses nothing."""
+        return len(self._tokens[self._check_row(slot)])
+
     def release(self, slot: int) -> None:
         """Its request ended; its KV stays reusable until the row is claimed again."""
         self._claimed.discard(self._check_row(slot))
