@@ -3,11 +3,13 @@
 plain prefill (`prefill_slots`, flash attention from position 0) and plain decode steps; for
 every residual scheme at tp 2 and those that differ at tp 1."""
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from ladder_jax.inference import generation
 from ladder_jax.inference.cache import KVCache
 from ladder_jax.inference.generation import Decoder, rows_to_device, to_device, to_host
 from ladder_jax.inference.sampling import RowSampling, Sampling
@@ -223,3 +225,70 @@ def test_a_chunk_compiles_for_h100_and_a_verify_step_keeps_the_kernel():
             .as_text()
         )
         assert (ragged.KERNEL_NAME in hlo) == kernel, T
+
+
+def test_an_idle_row_writes_at_its_frontier_and_changes_no_other_row(case):
+    """A decode step (and a verify step) with row 2 idle at frontier p (position -(p + 1),
+    `attend_rotated`'s convention): rows 0 and 1 draw exactly what they draw with row 2
+    decoding at an ordinary position, row 2's slots below p keep the KV they held, and the
+    step wrote from slot p on."""
+    model, decoder = case
+    slots, p = [0, 1], 5
+    first, _ = _prefilled(model, decoder, PROMPTS, slots)
+    rows = _rows(model, B)
+    tokens = np.zeros(B, np.int32)
+    tokens[slots] = first
+    busy = np.array([len(q) for q in PROMPTS] + [0], np.int32)
+    for verify in (False, True):
+        out = {}
+        for idle in (False, True):
+            _, cache = _prefilled(model, decoder, PROMPTS + [PROMPTS[0][:12]], [0, 1, 2])
+            before = [np.asarray(x) for x in (cache.k[0], cache.v[-1])]
+            positions = busy.copy()
+            positions[2] = -(p + 1) if idle else 12
+            if verify:
+                drafts = np.stack([tokens, tokens + 1, tokens + 2], 1).astype(np.int32)
+                got, cache = decoder.verify(
+                    cache, _dev(model, drafts), _dev(model, positions), rows, _dev(model, [1] * B)
+                )
+            else:
+                got, cache = decoder.decode_step(
+                    cache, _dev(model, tokens), _dev(model, positions), rows, _dev(model, [1] * B)
+                )
+            out[idle] = to_host(got)
+            if idle:
+                k, v = (np.asarray(x) for x in (cache.k[0], cache.v[-1]))
+                np.testing.assert_array_equal(k[2][..., :p], before[0][2][..., :p])
+                np.testing.assert_array_equal(v[2][:, :p], before[1][2][:, :p])
+                assert not np.array_equal(k[2][..., p], before[0][2][..., p])
+        np.testing.assert_array_equal(out[True][:2], out[False][:2])
+
+
+def test_copy_prefix_moves_exactly_the_leading_slots_block_by_block():
+    """copy_prefix on a random cache longer than its copy block (and not a multiple of it, so
+    the last block overlaps the one before): each dst row's slots below its length are the src
+    row's, everything else is untouched; a padding dst (past the cache) writes nothing."""
+    model = tiny_model(2)
+    decoder = Decoder(model)
+    S = generation.COPY_BLOCK * 2 + 44
+    shapes = KVCache.abstract(model.config, model.mesh, 4, S)
+    rng = np.random.default_rng(0)
+
+    def rand(x):
+        return jax.device_put(rng.standard_normal(x.shape).astype(x.dtype), x.sharding)
+
+    cache = KVCache(tuple(map(rand, shapes.k)), tuple(map(rand, shapes.v)))
+    before = [np.asarray(x) for x in (*cache.k, *cache.v)]
+    src, dst, n = [0, 3, 1], [2, 1, 4], [S - 3, 17, 50]  # the last: padding (dst 4 of 4 rows)
+    cache = decoder.copy_prefix(cache, _dev(model, src), _dev(model, dst), _dev(model, n))
+    after = [np.asarray(x) for x in (*cache.k, *cache.v)]
+    L = len(shapes.k)
+    for i, (b, a) in enumerate(zip(before, after)):
+        want = b.copy()
+        for s_, d_, m in zip(src, dst, n):
+            if d_ < 4:
+                if i < L:  # keys (B, K, H, S)
+                    want[d_][..., :m] = b[s_][..., :m]
+                else:  # values (B, K, S, H)
+                    want[d_][:, :m] = b[s_][:, :m]
+        np.testing.assert_array_equal(a, want)

@@ -330,12 +330,12 @@ class Engine:
         return plan
 
     def _idle_positions(self, plan: Plan) -> None:
-        """Where the rows that do not decode write in the round's decode part: at their
-        frontier, the first position whose KV nothing needs (a chunk this round: its start,
-        which the chunk then rewrites; a prompt still coming in: where it stands; a free row:
-        past what the prefix cache says it holds). Never over KV a row still needs, and never
-        far out: the decode attention reads every row's cache up to the furthest position in
-        the batch, so an idle row parked at the cache's end would make every step read it all."""
+        """The rows that do not decode in the round's decode part still run it: they go in as
+        idle (position -(p + 1), `attention.attend_rotated`), writing from their frontier p,
+        the first position whose KV nothing needs (a chunk this round: its start, which the
+        chunk then rewrites; a prompt still coming in: where it stands; a free row: past what
+        the prefix cache says it holds), and attending to nothing, so they never lengthen the
+        decode attention, which reads every row up to the furthest position in the batch."""
         starts = {c.slot: c.start for c in plan.chunks}
         for i in np.flatnonzero(~plan.busy_b):
             if i in starts:
@@ -344,7 +344,7 @@ class Engine:
                 p = int(self.fed_b[i])
             else:
                 p = 0 if self.prefix is None else self.prefix.held(int(i))
-            plan.positions_b[i] = p
+            plan.positions_b[i] = -(p + 1)
 
     def _draft(self, plan: Plan) -> None:
         """Prompt-lookup drafts for the decoding rows (never past a request's max_tokens); any
@@ -663,8 +663,9 @@ class Engine:
 
     def warmup(self, progress=None) -> None:
         """Compiles `warmup_programs` on every process before serving: chunks run on padding
-        rows only (nothing is written), the decode round on free slots (at position 0: nothing
-        is held yet). `progress(k, n)` is called after the k-th of the n programs has compiled."""
+        rows only (nothing is written), the decode round on free slots (idle, from slot 0:
+        nothing is held yet). `progress(k, n)` is called after the k-th of the n programs has
+        compiled."""
         rep, mesh, B = P(), self.mesh, self.slots
         programs = self.warmup_programs()
         for k, (N, T) in enumerate(programs, 1):
@@ -691,7 +692,7 @@ class Engine:
                     np.zeros((B, self.speculate), np.int32),
                     np.zeros(B, np.int32),
                 )
-                idle.positions_b[:] = 0  # before serving: no row holds anything
+                idle.positions_b[:] = -1  # idle, from slot 0: before serving nothing is held
                 self._decode(idle)
                 if self.speculate:
                     self._verify(idle)

@@ -88,7 +88,7 @@ def _programs(graphdef, treedef, mesh):
             cache, tokens_b, positions_b, token_b = carry
             nxt_b, cache = decode_step(weights, cache, tokens_b, positions_b, rows, token_b)
             # past the cache's end (a finished row running on): its last slot, discarded
-            positions_b = jnp.minimum(positions_b + 1, cache.length - 1)
+            positions_b = _advance(positions_b, cache.length)
             return (cache, nxt_b, positions_b, token_b + 1), nxt_b
 
         (cache, *_), tokens_kb = jax.lax.scan(
@@ -112,6 +112,15 @@ def _programs(graphdef, treedef, mesh):
         jit(decode_steps, static_argnums=(6,)),
     )
 
+
+def _advance(positions_b, length: int):
+    """The next decode step's positions: one on, a finished row running on staying at the
+    cache's last slot (its tokens are discarded), an idle row (negative: `attend_rotated`'s
+    convention) where it is."""
+    return jnp.where(positions_b < 0, positions_b, jnp.minimum(positions_b + 1, length - 1))
+
+
+COPY_BLOCK = 128  # cache slots copy_prefix moves per loop step
 
 TOP_LOGPROBS = 20  # the most alternatives per token the scored programs return
 
@@ -161,7 +170,7 @@ def _scored_programs(graphdef, treedef, mesh, top: int):
             )
             nxt_b = sample_rows(logits_btv[:, 0], rows, token_b)
             cache = KVCache.from_layers(layers)
-            positions_b = jnp.minimum(positions_b + 1, cache.length - 1)
+            positions_b = _advance(positions_b, cache.length)
             return (cache, nxt_b, positions_b, token_b + 1), (
                 nxt_b,
                 *scores(logits_btv[:, 0], nxt_b),
@@ -204,7 +213,11 @@ def _serving_programs(graphdef, treedef, mesh):
 
     def verify(weights, cache, tokens_bk, positions_b, rows, token_b):
         B, K = tokens_bk.shape
-        positions_bk = positions_b[:, None] + jnp.arange(K, dtype=jnp.int32)[None]
+        # an idle row (-(p + 1)) writes its K entries from p on and attends to nothing
+        step_k = jnp.arange(K, dtype=jnp.int32)[None]
+        positions_bk = jnp.where(
+            positions_b[:, None] < 0, positions_b[:, None] - step_k, positions_b[:, None] + step_k
+        )
         logits_bkv, layers = merged(weights).forward_cached(tokens_bk, positions_bk, cache.layers())
         # position j draws token token_b + j with that token's own key, as a decode step would
         rows_x = jax.tree.map(lambda x: jnp.repeat(x, K, axis=0), rows)
@@ -214,13 +227,24 @@ def _serving_programs(graphdef, treedef, mesh):
 
     def copy_prefix(cache, src_n, dst_n, lengths_n):
         def one(c, axis):  # slots lie on `axis` of a layer's (B, ...) array
+            # block by block up to the longest copy: what it moves is the copies' length, not
+            # whole rows (a row of a long cache is hundreds of MB)
             S = c.shape[axis]
+            C = min(COPY_BLOCK, S)
             shape = [1] * c.ndim
-            shape[0], shape[axis] = -1, S
-            keep = (jnp.arange(S, dtype=jnp.int32)[None] < lengths_n[:, None]).reshape(shape)
-            src = jnp.take(c, src_n, axis=0, mode="clip")
-            dst = jnp.take(c, dst_n, axis=0, mode="clip")
-            return c.at[dst_n].set(jnp.where(keep, src, dst), mode="drop")
+            shape[0], shape[axis] = -1, C
+
+            def block(j, c):
+                start = jnp.minimum(j * C, S - C)  # the last block may overlap the one before
+                blk = jax.lax.dynamic_slice_in_dim(c, start, C, axis)
+                slot = start + jnp.arange(C, dtype=jnp.int32)
+                keep = (slot[None] < lengths_n[:, None]).reshape(shape)
+                src = jnp.take(blk, src_n, axis=0, mode="clip")
+                dst = jnp.take(blk, dst_n, axis=0, mode="clip")
+                blk = blk.at[dst_n].set(jnp.where(keep, src, dst), mode="drop")
+                return jax.lax.dynamic_update_slice_in_dim(c, blk, start, axis)
+
+            return jax.lax.fori_loop(0, (jnp.max(lengths_n) + C - 1) // C, block, c)
 
         return KVCache(tuple(one(k, 3) for k in cache.k), tuple(one(v, 2) for v in cache.v))
 

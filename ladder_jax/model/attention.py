@@ -53,11 +53,21 @@ def attend_rotated(q_btnh, k_btkh, v_btkh, positions_bt, inv_freq, kernel: str, 
     positions[b, 0]...), then causal flash attention over the call's own keys
     (`positions_bt=None`: positions 0..T-1, a training sequence or a prefill), the reference
     `attend` over them (positions, no cache), or `ragged.attend_filled` over the filled part
-    of the cache. Returns (out_btnh, the cache with the new entries, or None)."""
+    of the cache. Returns (out_btnh, the cache with the new entries, or None).
+
+    With a cache, a negative position -(p + 1) marks a row that does not decode in this step
+    (a server's idle row): its entries are written from slot p on and it attends to nothing
+    (its output is zeros), so it neither lengthens the attention loop nor touches slots below
+    p (`idle_positions`)."""
     B, T = q_btnh.shape[:2]
     from_start = positions_bt is None
     if from_start:
         positions_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    idle_bt = None
+    if cache is not None and not from_start:
+        idle_bt = positions_bt < 0
+        seen_bt = jnp.where(idle_bt, -1, positions_bt)
+        positions_bt = jnp.where(idle_bt, -positions_bt - 1, positions_bt)
     q_btnh = apply_rope(q_btnh, positions_bt, inv_freq)
     k_btkh = apply_rope(k_btkh, positions_bt, inv_freq)
     if cache is not None:
@@ -70,8 +80,15 @@ def attend_rotated(q_btnh, k_btkh, v_btkh, positions_bt, inv_freq, kernel: str, 
     elif cache is None:
         out_btnh = attend(q_btnh, k_btkh, v_btkh, positions_bt, positions_bt)
     else:
-        out_btnh = ragged.attend_filled(q_btnh, *cache, positions_bt, kernel)
+        out_btnh = ragged.attend_filled(q_btnh, *cache, seen_bt, kernel)
+        out_btnh = jnp.where(idle_bt[:, :, None, None], 0, out_btnh).astype(out_btnh.dtype)
     return out_btnh, cache
+
+
+def idle_positions(positions_bt):
+    """Where rows write with `attend_rotated`'s idle convention: -(p + 1) -> p, others as
+    they are."""
+    return jnp.where(positions_bt < 0, -positions_bt - 1, positions_bt)
 
 
 def write_cache(cache, new_btkh, start_b, *, keys: bool):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ladder_jax.model import ragged, residual, sharding
-from ladder_jax.model.attention import attend_rotated
+from ladder_jax.model.attention import attend_rotated, idle_positions
 
 
 def run(config, layers, x_btd, positions_bt, inv_freq, caches):
@@ -230,6 +230,9 @@ def _attend_rows(attn, y_btc, positions_bt, inv_freq, cache, residual, n_heads=N
     B, T, C = y_btc.shape
     H = cache[1].shape[-1]
     N = n_heads if n_heads is not None else C // H - 2 * cache[1].shape[1]
+    # an idle row (a negative position) writes at its slot p and attends up to it: the kernel
+    # bounds each row by its own position, so it costs that row's filled part only
+    positions_bt = idle_positions(positions_bt)
     out_btnh, cache = ragged.attend_new(y_btc.reshape(B, C), 0, N, positions_bt, inv_freq, *cache)
     return _matmul(attn.o, out_btnh, attn.dtype, residual=residual)[0], cache
 
