@@ -648,8 +648,9 @@ def test_warmup_says_what_it_compiles_and_sigterm_ends_an_idle_server_at_once(tm
             err.append(line.rstrip("\n"))
             if line.startswith("warm-up 2/"):
                 break
-        # 2 slots x 16 positions x (k and v, 4 layers, 4 kv heads of 8 float32) = 32 KiB
-        assert err[0].startswith("KV cache: 2 slots x 16 positions, 32.0 KiB of host memory: fits")
+        # 2 slots x (16 positions + a spare tail of 16: the chunk, cut to --max-len) x (k and
+        # v, 4 layers, 4 kv heads of 8 float32) = 64 KiB
+        assert err[0].startswith("KV cache: 2 slots x 16 positions, 64.0 KiB of host memory: fits")
         assert err[1].startswith("warm-up: compiling 2 programs before serving (--no-warmup"), err
         assert err[2].startswith("warm-up 1/2: prefill 1 x 16 tokens ("), err
         assert " s to go)" in err[2], err  # the rest's estimate

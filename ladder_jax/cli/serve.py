@@ -34,7 +34,7 @@ from ladder_jax.cli.common import (
 )
 from ladder_jax.config import SCHEMES, ConfigError, ModelConfig, UsageError
 from ladder_jax.inference import sizing
-from ladder_jax.inference.batching import Engine
+from ladder_jax.inference.batching import Engine, spare_positions
 from ladder_jax.interop.tokenizer import ByteTokenizer
 from ladder_jax.model import compilation, sharding
 from ladder_jax.model.transformer import Transformer
@@ -368,12 +368,10 @@ def _kv_plan(args, model) -> sizing.KVPlan:
 
 
 def _spare_positions(args) -> int:
-    """Positions each cache row holds beyond a request's: the engine's scratch tail, where
-    idle rows and padding write (the largest of a prefill chunk, a verify step and a decode
-    round, with chunked prefill; none where those flags are absent)."""
-    if getattr(args, "prefill_chunk", None) is None:
-        return 0
-    return max(args.prefill_chunk, getattr(args, "speculate", 0) + 1, args.steps_per_plan)
+    """Positions each cache row holds beyond a request's (`batching.spare_positions`), for
+    --max-len, else for the model's context (a cut below the chunk makes it an overestimate)."""
+    length = args.max_len or sys.maxsize
+    return spare_positions(length, args.prefill_chunk, args.speculate, args.steps_per_plan)
 
 
 def _api_key(args) -> str | None:

@@ -38,6 +38,13 @@ PREFILL_TOKENS = 8192  # prompt tokens (padded) one prefill program holds at mos
 WARM_PROMPT_TOKENS = 512  # warm-up compiles one-prompt prefills up to this bucket
 
 
+def spare_positions(length: int, chunk: int, speculate: int, steps_per_plan: int) -> int:
+    """Slots each cache row holds past the `length` a request may use: the largest write that
+    may start near a row's end (a prompt chunk, a verify step, a decode round), so that no write
+    is clamped back over the row's KV."""
+    return max(min(chunk, length), speculate + 1, steps_per_plan)
+
+
 class EngineFull(GenerationError):
     """The waiting queue is full (or the engine is draining): try again later."""
 
@@ -120,7 +127,7 @@ class Engine:
         self.admit = prefills_per_step * steps_per_plan  # chunks per round: same rate per step
         # the cache's spare tail: where a chunk's or a verify step's padding near a row's end
         # lands, so that no write is clamped back over a row's KV
-        self.spare = max(self.chunk, speculate + 1, steps_per_plan)
+        self.spare = spare_positions(self.length, chunk, speculate, steps_per_plan)
         self.shape = PlanShape(
             slots, self.admit, max(self.admit * self.chunk, self.length), speculate
         )
