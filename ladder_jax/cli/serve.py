@@ -369,7 +369,10 @@ def _kv_plan(args, model) -> sizing.KVPlan:
 
 def _spare_positions(args) -> int:
     """Positions each cache row holds beyond a request's (`batching.spare_positions`), for
-    --max-len, else for the model's context (a cut below the chunk makes it an overestimate)."""
+    --max-len, else for the model's context (a cut below the chunk makes it an overestimate);
+    none for arguments without chunked prefill's flags (built by hand, not by `parser`)."""
+    if getattr(args, "prefill_chunk", None) is None:
+        return 0
     length = args.max_len or sys.maxsize
     return spare_positions(length, args.prefill_chunk, args.speculate, args.steps_per_plan)
 
