@@ -1,0 +1,181 @@
+"""The paged decode-attention kernel (`ladder_jax.model.paged_kernel`, interpreted) against a
+dense float64 reference: each row's pages gathered into a contiguous cache in numpy, then
+`tests.reference.cache_attention` over it.
+
+Every slot no query may see holds NaN, keys and values: the trash page 0 (the table's entries
+past a row's length), the pages no row owns, and in each page the offsets past the last
+position any row reads there. A score masked after the product, or a value multiplied by a
+zero weight, would turn the outputs NaN, so these checks fail unless the kernel keeps such
+slots out of both products. Which pages each program reads (its row's filled pages only, in
+disjoint shares per split) is checked on `_pages_read`, the range the kernel loops over.
+Tolerance: float32 1e-5 absolute on attention outputs of unit-variance inputs; bfloat16 2e-2
+(its output rounding).
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ladder_jax.analysis import programs
+from ladder_jax.model import paged_kernel
+from tests import reference
+
+K, H, PAGE, M = 2, 16, 16, 6  # 6 pages a row: 96 positions
+# each row's last position + 1 (its length): one position (at T = 4 three queries at negative
+# positions), a full page, a page and one, the whole table, a row not in use (no position)
+LENGTHS = np.array([1, 16, 17, M * PAGE, 0])
+B = len(LENGTHS)
+
+
+def _table(rng):
+    """(B, M) page ids: permuted pages 1.., row 2 sharing row 3's first page (a cached
+    prefix), entries past a row's filled pages the trash page 0."""
+    table = np.zeros((B, M), np.int32)
+    free = list(rng.permutation(np.arange(1, B * M + 1)))
+    for b in (3, 0, 1, 2, 4):
+        for i in range(-(-LENGTHS[b] // PAGE)):
+            table[b, i] = table[3, 0] if (b, i) == (2, 0) else free.pop()
+    return table
+
+
+def _poisoned(pool_k, pool_v, table):
+    """The pools with NaN in every slot no query may read: offsets past the last position any
+    row reads in its page (all of a page no row reads, page 0 included)."""
+    read = np.zeros(pool_k.shape[0], np.int64)  # offsets read, per page
+    for b in range(B):
+        for p in range(LENGTHS[b]):
+            page = table[b, p // PAGE]
+            read[page] = max(read[page], p % PAGE + 1)
+    bad = np.arange(PAGE)[None, :] >= read[:, None]  # (P, page)
+    return (
+        np.where(bad[:, None, None, :], np.nan, pool_k).astype(pool_k.dtype),
+        np.where(bad[:, None, :, None], np.nan, pool_v).astype(pool_v.dtype),
+    )
+
+
+def _dense(q, pool_k, pool_v, table, pos_bt):
+    """The reference: each row's pages as one contiguous cache (B, K, H, S) / (B, K, S, H),
+    attention of each query over slots 0..pos in float64; zeros at a negative position."""
+    S = M * PAGE
+    k_bkhs = pool_k[table].transpose(0, 2, 3, 1, 4).reshape(B, K, H, S)
+    v_bksh = pool_v[table].transpose(0, 2, 1, 3, 4).reshape(B, K, S, H)
+    out = reference.cache_attention(q, k_bkhs, v_bksh, np.maximum(pos_bt, 0))
+    return np.where((pos_bt >= 0)[:, :, None, None], out, 0.0)
+
+
+def _case(T, G, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    P = B * M + 1
+    q = rng.standard_normal((B, T, K * G, H))
+    pool_k = rng.standard_normal((P, K, H, PAGE))
+    pool_v = rng.standard_normal((P, K, PAGE, H))
+    q, pool_k, pool_v = (jnp.asarray(x, dtype) for x in (q, pool_k, pool_v))
+    table = _table(rng)
+    pos_bt = (LENGTHS[:, None] - T + np.arange(T)[None, :]).astype(np.int32)
+    pos_bt[LENGTHS == 0] = -1
+    want = _dense(*(np.asarray(x, np.float64) for x in (q, pool_k, pool_v)), table, pos_bt)
+    pool_k, pool_v = _poisoned(np.asarray(pool_k), np.asarray(pool_v), table)
+    return (q, pool_k, pool_v, table, pos_bt), want
+
+
+@pytest.mark.parametrize("min_split_slots", [paged_kernel.MIN_SPLIT_SLOTS, 2 * PAGE])
+@pytest.mark.parametrize("T,G", [(1, 1), (1, 4), (4, 1), (4, 4)])
+def test_paged_attention_equals_the_dense_reference(T, G, min_split_slots, monkeypatch):
+    """Decode (T = 1) and verify (T = 4) steps, one query head a kv head and four (grouped
+    query), over permuted pages with a shared one, in one split or three (two pages each,
+    combined by their log-sum-exps: rows shorter than a split see nothing in it)."""
+    monkeypatch.setattr(paged_kernel, "MIN_SPLIT_SLOTS", min_split_slots)
+    splits = paged_kernel._splits(M, PAGE, B * K)[0]
+    assert splits == (3 if min_split_slots == 2 * PAGE else 1)
+    args, want = _case(T, G, jnp.float32)
+    got = jax.jit(lambda *a: paged_kernel.attend_paged(*a, interpret=True))(*args)
+    assert got.dtype == jnp.float32 and got.shape == want.shape
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("min_split_slots", [paged_kernel.MIN_SPLIT_SLOTS, 2 * PAGE])
+def test_paged_attention_in_bfloat16(min_split_slots, monkeypatch):
+    """bfloat16 queries and pools (a verify step, grouped queries): the output in bfloat16,
+    within its rounding of the float64 reference of the same bfloat16 inputs."""
+    monkeypatch.setattr(paged_kernel, "MIN_SPLIT_SLOTS", min_split_slots)
+    args, want = _case(4, 4, jnp.bfloat16, seed=1)
+    got = jax.jit(lambda *a: paged_kernel.attend_paged(*a, interpret=True))(*args)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("per_split", [M, 2, 4])
+def test_each_row_reads_its_filled_pages_once(per_split):
+    """The splits of a row (of one split of all pages, or of 2 or 4 pages each) read the table
+    entries of the pages holding its positions 0..top, each once, and none past them (not
+    the trash page its later entries point to); a row not in use (top < 0) reads none."""
+    splits = -(-M // per_split)
+    for top in [-7, -1, 0, 14, 15, 16, 17, 47, 48, M * PAGE - 1]:
+        read = []
+        for split in range(splits):
+            first, last = paged_kernel._pages_read(
+                jnp.int32(split), jnp.int32(top), PAGE, M, per_split
+            )
+            read += range(int(first), int(last))
+        assert read == list(range(max(0, -(-(top + 1) // PAGE)))), (top, read)
+
+
+def test_fits_takes_what_triton_can_block():
+    """Powers of two for the head width and the page (16 or more), a kv head's queries
+    within `MAX_KERNEL_ROWS`; what does not fit is refused with the shapes."""
+    pool = jnp.zeros((3, 2, 16, 16))
+
+    def q(T, N, H=16):
+        return jnp.zeros((1, T, N, H))
+
+    assert paged_kernel.fits(q(1, 2), pool) and paged_kernel.fits(q(4, 2 * 16), pool)
+    assert not paged_kernel.fits(q(4, 2 * 17), pool)  # 68 rows a kv head
+    assert not paged_kernel.fits(q(1, 2, 24), jnp.zeros((3, 2, 24, 16)))
+    assert not paged_kernel.fits(q(1, 2), jnp.zeros((3, 2, 16, 8)))  # pages of 8
+    with pytest.raises(ValueError, match="does not take"):
+        paged_kernel.attend_paged(
+            q(1, 2, 24), pool, pool, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32)
+        )
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_the_paged_kernel_compiles_for_h100_at_llama_shapes(T):
+    """16 rows, 8 kv heads of 4 query heads each, head_dim 128, tables of 512 pages (8,192
+    positions) over a bfloat16 pool of 8,193 pages: one Triton call, reading both pools as
+    they lie (the entry's parameters, no copy), then the splits' combine."""
+    mesh = programs.gpu_mesh("h100", 1)
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def arg(shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharded)
+
+    Bd, Kd, Gd, Hd, Md = 16, 8, 4, 128, 512
+    P = Bd * Md + 1
+
+    def attend(q_btnh, k_pool, v_pool, table_bm, q_pos_bt):
+        return paged_kernel.attend_paged(q_btnh, k_pool, v_pool, table_bm, q_pos_bt)
+
+    hlo = (
+        jax.jit(attend)
+        .lower(
+            arg((Bd, T, Kd * Gd, Hd)),
+            arg((P, Kd, Hd, 16)),
+            arg((P, Kd, 16, Hd)),
+            arg((Bd, Md), jnp.int32),
+            arg((Bd, T), jnp.int32),
+        )
+        .compile()
+        .as_text()
+    )
+    calls = [
+        line
+        for line in hlo.splitlines()
+        if "custom-call(" in line and "xla.gpu.triton" in line and paged_kernel.KERNEL_NAME in line
+    ]
+    assert len(calls) == 1
+    assert re.search(r"%k_pool[.\d]*, %v_pool[.\d]*\)", calls[0])
+    assert paged_kernel._splits(Md, 16, Bd * Kd)[0] == 2  # two splits: partials combined
+    assert "f32[16,8,2," in calls[0]
