@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ladder_jax.analysis import programs
 from ladder_jax.model import paged_kernel
@@ -143,39 +144,37 @@ def test_fits_takes_what_triton_can_block():
 
 @pytest.mark.parametrize("T", [1, 4])
 def test_the_paged_kernel_compiles_for_h100_at_llama_shapes(T):
-    """16 rows, 8 kv heads of 4 query heads each, head_dim 128, tables of 512 pages (8,192
-    positions) over a bfloat16 pool of 8,193 pages: one Triton call, reading both pools as
-    they lie (the entry's parameters, no copy), then the splits' combine."""
-    mesh = programs.gpu_mesh("h100", 1)
-    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-    def arg(shape, dtype=jnp.bfloat16):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharded)
-
-    Bd, Kd, Gd, Hd, Md = 16, 8, 4, 128, 512
+    """Under a tp-2 shard_map (its type check on): 16 rows, 8 kv heads a device of 4 query
+    heads each, head_dim 128, tables of 512 pages (8,192 positions) over a bfloat16 pool of
+    8,193 pages. One Triton call per device program reading both pools' shards as they lie
+    (parameters of the program, no copy), writing two splits' partials that XLA combines."""
+    mesh = programs.gpu_mesh("h100", 2)
+    Bd, Kd, Gd, Hd, Md = 16, 16, 4, 128, 512
     P = Bd * Md + 1
-
-    def attend(q_btnh, k_pool, v_pool, table_bm, q_pos_bt):
-        return paged_kernel.attend_paged(q_btnh, k_pool, v_pool, table_bm, q_pos_bt)
-
-    hlo = (
-        jax.jit(attend)
-        .lower(
-            arg((Bd, T, Kd * Gd, Hd)),
-            arg((P, Kd, Hd, 16)),
-            arg((P, Kd, 16, Hd)),
-            arg((Bd, Md), jnp.int32),
-            arg((Bd, T), jnp.int32),
-        )
-        .compile()
-        .as_text()
+    specs = (
+        PartitionSpec(None, None, "tp", None),
+        PartitionSpec(None, "tp"),
+        PartitionSpec(None, "tp"),
+        PartitionSpec(),
+        PartitionSpec(),
     )
+    shapes = ((Bd, T, Kd * Gd, Hd), (P, Kd, Hd, PAGE), (P, Kd, PAGE, Hd), (Bd, Md), (Bd, T))
+    dtypes = (jnp.bfloat16,) * 3 + (jnp.int32,) * 2
+    args = [
+        jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+        for shape, dtype, spec in zip(shapes, dtypes, specs)
+    ]
+    attend = jax.shard_map(paged_kernel.attend_paged, mesh=mesh, in_specs=specs, out_specs=specs[0])
+    hlo = jax.jit(attend).lower(*args).compile().as_text()
     calls = [
         line
         for line in hlo.splitlines()
         if "custom-call(" in line and "xla.gpu.triton" in line and paged_kernel.KERNEL_NAME in line
     ]
     assert len(calls) == 1
-    assert re.search(r"%k_pool[.\d]*, %v_pool[.\d]*\)", calls[0])
-    assert paged_kernel._splits(Md, 16, Bd * Kd)[0] == 2  # two splits: partials combined
-    assert "f32[16,8,2," in calls[0]
+    operands = re.search(r"custom-call\(([^)]*)\)", calls[0]).group(1).split(", ")
+    for name, dims in zip(operands[-2:], ("8193,8,128,16", "8193,8,16,128")):
+        (defined,) = [line for line in hlo.splitlines() if line.strip().startswith(name + " =")]
+        assert f"bf16[{dims}]" in defined and " parameter(" in defined, defined
+    assert paged_kernel._splits(Md, PAGE, Bd * Kd // 2)[0] == 2
+    assert f"f32[16,8,2,{4 * T},128]" in calls[0]  # the splits' partials
