@@ -6,8 +6,8 @@ nobody reads. A page is free, in use (refcount >= 1) or evictable (refcount 0, i
 for reuse; `allocate` takes it back least recently released first).
 
 Prefix caching: a full block's KV depends on every token before it, so a page stands for a
-chain, the exact token prefix ending with its block, interned as in `prefix_cache`: the id of
-block j is looked up from (id of blocks 0..j-1, block j's tokens), exact and O(page) a block.
+chain, the exact token prefix ending with its block, interned: the id of block j is looked
+up from (id of blocks 0..j-1, block j's tokens), exact and O(page) a block.
 A chain has at most one registered page, the first one `register` gives it while it has none;
 `lookup` follows a prompt's blocks through them. Registered pages are full, so they are shared
 as they are: no row writes them again. Evicting a page forgets its chain's page: the chains
@@ -69,7 +69,7 @@ class PagePool:
     def lookup(self, tokens: Sequence[int], limit: int) -> list[int]:
         """The registered pages of the longest chain of full blocks of tokens[:limit] (limit
         rounded down to a block), each taken (refcount + 1; an evictable page leaves the LRU).
-        Counts len(tokens) in `queried_tokens` (the prompt, as PrefixCache counts it) and the
+        Counts len(tokens) in `queried_tokens` (the whole prompt) and the
         pages' positions in `hit_tokens`. With cache_prefixes=False: [] and no counting."""
         limit = _count("lookup: limit", limit)
         if not self.cache_prefixes:
