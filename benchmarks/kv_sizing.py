@@ -6,8 +6,8 @@ models on a 24 GB CPU host and an 80 GB GPU, from stated memory figures (no mach
 CPU: the free memory is the host's available memory before loading (--host-available GiB,
 default 23: a 24 GB host's kernel and services take the rest) less the weights. GPU: jax's
 memory pool is 75% of the device (its default XLA_PYTHON_CLIENT_MEM_FRACTION), less the
-weights. Each row also holds --spare positions (the serving engine's tail: its prefill
-chunk, 256 by default). Prints a markdown table."""
+weights. The cache is a pool of pages of 16 positions shared by the 16 slots (`plan_kv`).
+Prints a markdown table."""
 
 from __future__ import annotations
 
@@ -31,16 +31,16 @@ def main() -> int:
     p.add_argument("--host-available", type=float, default=23.0, help="GiB, before loading")
     p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB of device memory")
     p.add_argument("--gpu-pool", type=float, default=0.75, help="jax's share of it")
-    p.add_argument(
-        "--spare", type=int, default=256, help="each row's spare tail (chunked prefill's chunk)"
-    )
     args = p.parse_args()
     hosts = {
         "24 GB CPU host": ("cpu", args.host_available * GiB),
         f"{args.gpu_memory:g} GB GPU": ("gpu", args.gpu_pool * args.gpu_memory * GiB),
     }
-    print("| model | machine | free after weights | fraction | slots x positions | KV cache |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| model | machine | free after weights | fraction | slots, positions each | pages "
+        "(at full length) | KV cache |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for label, (preset, changes) in MODELS.items():
         config = ModelConfig.from_preset(preset, **changes)
         weights = config.num_params() * jnp.dtype(config.param_dtype).itemsize
@@ -56,15 +56,19 @@ def main() -> int:
                     max_len=None,
                     free=free,
                     fraction=fraction,
-                    spare=args.spare,
                     where=where,
                 )
-                chose = f"{plan.slots} x {plan.positions:,}", sizing.size_text(plan.kv_bytes)
+                chose = (
+                    f"{plan.slots}, {plan.positions:,}",
+                    f"{plan.pages - 1:,} ({plan.full_length})",
+                    sizing.size_text(plan.kv_bytes),
+                )
             except ConfigError as e:
-                chose = "error", str(e)
+                chose = "error", "", str(e)
             print(
-                f"| {label} | {machine} | {sizing.size_text(free)} | {fraction:g} | {chose[0]} | "
-                f"{chose[1]} |"
+                f"| {label} | {machine} | {sizing.size_text(free)} | {fraction:g} | "
+                + " | ".join(chose)
+                + " |"
             )
     return 0
 

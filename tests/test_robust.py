@@ -341,9 +341,10 @@ def test_a_template_raise_exception_is_the_templates_message(app_client):
 
 
 def test_the_kv_cache_fits_the_free_memory(monkeypatch):
-    """serve sizes its cache from the host's available memory, its 2 CPU devices' halves
-    together: the model's length when it fits in --memory-fraction, else positions cut to a
-    multiple of 64, else fewer slots, else one line naming the flags."""
+    """serve sizes its pool of pages from the host's available memory, its 2 CPU devices'
+    halves together: every slot at the model's length when it fits in --memory-fraction, else
+    the pages that fit (at least one request at full length), else positions cut to a
+    multiple of 64, else one line naming the flags."""
     import argparse
 
     from ladder_jax import runtime
@@ -351,24 +352,23 @@ def test_the_kv_cache_fits_the_free_memory(monkeypatch):
 
     model = tiny_model(2)
     c = model.config
-    per_position = 2 * c.n_layers * 16 * c.n_kv_heads * c.head_dim * 4  # k and v, 16 slots
+    page = 16 * 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4  # k and v of 16 positions
+    M = c.max_seq_len // 16  # pages of one request at full length
 
     def plan(free, **flags):
         monkeypatch.setattr(runtime, "available_memory", lambda: free)
         args = {"slots": None, "max_len": None, "memory_fraction": None, **flags}
         return serve._kv_plan(argparse.Namespace(**args), model)
 
-    p = plan(per_position * c.max_seq_len * 2)  # fits in half: the model's length
-    assert (p.slots, p.positions, p.kv_bytes) == (16, c.max_seq_len, per_position * c.max_seq_len)
-    assert (plan(per_position * 200).positions, plan(per_position * 200).slots) == (64, 16)
-    assert plan(per_position * 64, memory_fraction=1.0).positions == 64
-    assert plan(per_position * 100).slots == 12  # 16 x 64 do not fit in 50 positions' room
-    with pytest.raises(serve.ConfigError, match="lower --slots"):
-        plan(per_position * 100, slots=16)
-    # with chunked prefill every row also holds the engine's tail: the largest of a chunk
-    # (32), a verify step (K + 1 = 5) and a decode round (2 steps)
-    tail = plan(per_position * 1000, prefill_chunk=32, speculate=4, steps_per_plan=2)
-    assert tail.kv_bytes == per_position * (c.max_seq_len + 32)
+    p = plan(page * (16 * M + 1) * 2)  # fits in half: every slot at the model's length
+    assert (p.slots, p.positions, p.pages) == (16, c.max_seq_len, 16 * M + 1)
+    assert p.kv_bytes == page * (16 * M + 1)
+    p = plan(page * 3 * M * 2)  # room for 3 M pages: shared by the 16 slots
+    assert (p.slots, p.positions, p.pages, p.full_length) == (16, c.max_seq_len, 3 * M, 2)
+    p = plan(page * 40)  # 20 pages: one request of 19 x 16 = 304 positions, cut to 256
+    assert (p.positions, p.pages) == (256, 20)
+    with pytest.raises(serve.ConfigError, match="lower --max-len"):
+        plan(page * 40, max_len=c.max_seq_len)
 
 
 def _serve_args(tmp_path, llama_dir):
@@ -386,7 +386,7 @@ def _serve_args(tmp_path, llama_dir):
         (["--api-key", "sécret"], {}, "--api-key holds 'é'"),
         (["--max-len", "-5"], {}, "--max-len -5: must be >= 2"),
         (["--memory-fraction", "1.5"], {}, "--memory-fraction 1.5: a share of the free memory"),
-        (["--memory-fraction", "1e-12"], {}, "no room for a KV cache of 1 slot(s) x 64"),
+        (["--memory-fraction", "1e-12"], {}, "no room for a KV cache of one request of 64"),
         (["--chat-template", str(bad_jinja)], {}, "the chat template is not valid Jinja"),
         (["--chat-template", str(binary)], {}, "is not UTF-8"),
         (["--checkpoint", str(garbage)], {}, "tokenizer_config.json is not valid JSON"),

@@ -278,6 +278,7 @@ def test_metrics_have_no_created_series():
         "ladder_spec_drafted_tokens_total",
         "ladder_spec_accepted_tokens_total",
         "ladder_spec_acceptance_rate",
+        "ladder_preemptions_total",
         "ladder_queue_depth",
         "ladder_slots_busy",
         "ladder_slots_total",
@@ -648,9 +649,12 @@ def test_warmup_says_what_it_compiles_and_sigterm_ends_an_idle_server_at_once(tm
             err.append(line.rstrip("\n"))
             if line.startswith("warm-up 2/"):
                 break
-        # 2 slots x (16 positions + a spare tail of 16: the chunk, cut to --max-len) x (k and
-        # v, 4 layers, 4 kv heads of 8 float32) = 64 KiB
-        assert err[0].startswith("KV cache: 2 slots x 16 positions, 64.0 KiB of host memory: fits")
+        # 2 slots of 16 positions: 2 pages and the trash page, of 16 positions x (k and v, 4
+        # layers, 4 kv heads of 8 float32) = 48 KiB
+        assert err[0].startswith(
+            "KV cache: 2 pages of 16 positions, 48.0 KiB of host memory, for 2 slots of up to "
+            "16 positions (2 at full length at once): every slot fits at full length"
+        ), err
         assert err[1].startswith("warm-up: compiling 2 programs before serving (--no-warmup"), err
         assert err[2].startswith("warm-up 1/2: prefill 1 x 16 tokens ("), err
         assert " s to go)" in err[2], err  # the rest's estimate
@@ -667,12 +671,12 @@ def test_warmup_says_what_it_compiles_and_sigterm_ends_an_idle_server_at_once(tm
 
 def test_plan_round_trips_through_its_array_bit_for_bit():
     """A multi-host plan: `Plan.from_array(plan.to_array())` gives every field back (slots,
-    drafts, copies, chunks with their tokens in the pool), float settings bit for bit (-0.0, a
-    denormal, inf, a NaN payload), at the offsets of the layout written out by hand."""
-    from ladder_jax.inference.batching import Chunk, Copy, Plan, PlanShape
+    drafts, the block table, chunks with their tokens in the pool), float settings bit for bit
+    (-0.0, a denormal, inf, a NaN payload), at the offsets of the layout written out by hand."""
+    from ladder_jax.inference.batching import Chunk, Plan, PlanShape
     from ladder_jax.inference.sampling import RowSampling
 
-    shape = PlanShape(slots=3, admit=2, pool=16, drafts=2)
+    shape = PlanShape(slots=3, admit=2, pool=16, drafts=2, pages=2)
     B = shape.slots
     odd = np.array([-0.0, 1e-45, np.inf], np.float32)
     nan = np.array([0x7FC00123], np.int32).view(np.float32)  # a NaN with a payload
@@ -695,17 +699,17 @@ def test_plan_round_trips_through_its_array_bit_for_bit():
         np.array([True, False, True]),
         np.array([[21, 22], [0, 0], [23, 0]], np.int32),
         np.array([2, 0, 1], np.int32),
-        [Copy(2, 1, 32)],
+        np.array([[5, 6], [0, 0], [7, 0]], np.int32),
         [
-            Chunk(1, 32, np.array([10, 20, 30], np.int32), one, True),
+            Chunk(1, 32, np.array([10, 20, 30], np.int32), one, True, index=4),
             Chunk(0, 0, np.array([40, 50], np.int32), one, False, True),
         ],
     )
     arr = plan.to_array(shape)
-    assert arr.dtype == np.int32 and arr.shape == (4 + 10 * B + B * 2 + 2 * (3 + 10) + 16,)
-    assert arr.shape == (shape.size,) and arr[:4].tolist() == [1, 3, 1, 2]
+    assert arr.dtype == np.int32 and arr.shape == (3 + 10 * B + B * 2 + B * 2 + 2 * 11 + 16,)
+    assert arr.shape == (shape.size,) and arr[:3].tolist() == [1, 3, 2]
     # token, position, key (2), temperature, top_k, top_p, count, busy, drafted
-    slot1 = arr[4 + 10 : 4 + 20]
+    slot1 = arr[3 + 10 : 3 + 20]
     f = np.float32
     assert slot1.tolist() == [
         8,
@@ -719,18 +723,18 @@ def test_plan_round_trips_through_its_array_bit_for_bit():
         0,
         0,
     ]
-    o = 4 + 10 * B
+    o = 3 + 10 * B
     assert arr[o : o + 6].tolist() == [21, 22, 0, 0, 23, 0]  # the drafts
     o += 6
-    assert arr[o : o + 6].tolist() == [2, 1, 32, 0, 0, 0]  # the copies (room for admit)
-    o += 6  # chunk: slot, start, length, key (2), temperature, top_k, top_p, final, scored
-    half = f(0.5).view(np.int32)
-    assert arr[o : o + 10].tolist() == [1, 32, 3, 7, -(2**31), 0x7FC00123, 5, half, 1, 0]
-    assert arr[o + 10 : o + 20].tolist() == [0, 0, 2, 7, -(2**31), 0x7FC00123, 5, half, 0, 1]
-    o += 20
+    assert arr[o : o + 6].tolist() == [5, 6, 0, 0, 7, 0]  # the block table
+    o += 6  # chunk: slot, start, length, key (2), temperature, top_k, top_p, final, scored,
+    half = f(0.5).view(np.int32)  # index
+    assert arr[o : o + 11].tolist() == [1, 32, 3, 7, -(2**31), 0x7FC00123, 5, half, 1, 0, 4]
+    assert arr[o + 11 : o + 22].tolist() == [0, 0, 2, 7, -(2**31), 0x7FC00123, 5, half, 0, 1, 0]
+    o += 22
     assert arr[o:].tolist() == [10, 20, 30, 40, 50] + [0] * 11  # the pool
     back = Plan.from_array(arr, shape)
-    assert (back.run, back.decode, len(back.copies), len(back.chunks)) == (True, 3, 1, 2)
+    assert (back.run, back.decode, len(back.chunks)) == (True, 3, 2)
     for got, want in [
         (back.tokens_b, plan.tokens_b),
         (back.positions_b, plan.positions_b),
@@ -738,20 +742,21 @@ def test_plan_round_trips_through_its_array_bit_for_bit():
         (back.busy_b, plan.busy_b),
         (back.drafts_bk, plan.drafts_bk),
         (back.drafted_b, plan.drafted_b),
+        (back.table_bm, plan.table_bm),
     ]:
         np.testing.assert_array_equal(got, want)
     for got, want in [(back.rows, rows), (back.chunks[0].rows, one), (back.chunks[1].rows, one)]:
         for field in ("keys", "temperature", "top_k", "top_p"):
             g, w = getattr(got, field), getattr(want, field)
             assert g.dtype == w.dtype and g.tobytes() == w.tobytes(), field
-    assert back.copies == plan.copies
     for got, want in zip(back.chunks, plan.chunks):
-        assert (got.slot, got.start, got.tokens.tolist(), got.final, got.scored) == (
+        assert (got.slot, got.start, got.tokens.tolist(), got.final, got.scored, got.index) == (
             want.slot,
             want.start,
             want.tokens.tolist(),
             want.final,
             want.scored,
+            want.index,
         )
     stop = Plan(
         False,
@@ -762,6 +767,7 @@ def test_plan_round_trips_through_its_array_bit_for_bit():
         np.zeros(B, bool),
         np.zeros((B, 2), np.int32),
         np.zeros(B, np.int32),
+        np.zeros((B, 2), np.int32),
     )
     assert not Plan.from_array(stop.to_array(shape), shape).run
     stop.chunks = [Chunk(0, 0, np.arange(17, dtype=np.int32), one, True)]

@@ -1,12 +1,12 @@
-"""The server's KV-cache sizing (`ladder_jax.inference.sizing`): what fits a share of the free
-memory, against byte counts worked out by hand, and the cache the engine then allocates."""
+"""The server's KV-cache sizing (`ladder_jax.inference.sizing`): the pages that fit a share of the
+free memory, against byte counts worked out by hand, and the cache the engine then allocates."""
 
 import math
 
 import pytest
 
 from ladder_jax.config import ConfigError, ModelConfig
-from ladder_jax.inference.cache import KVCache
+from ladder_jax.inference.cache import PagedKV
 from ladder_jax.inference.sizing import SizingError, plan_kv, position_bytes
 from tests.helpers import tiny_model
 
@@ -29,53 +29,50 @@ def test_position_bytes_by_hand():
     assert position_bytes(smollm2, 1) == 2 * 30 * 3 * 64 * 4  # float32: 46,080 bytes
 
 
+PAGE = 16 * L8_POSITION  # 2 MiB
+M = 8192 // 16  # pages of a request at the model's length
+
+
 def test_what_fits_is_kept():
-    p = plan()  # 16 x 8,192 x 128 KiB = 16 GiB of a 32 GiB budget
-    assert (p.slots, p.positions, p.kv_bytes) == (16, 8192, 16 * GiB)
-    assert "max_seq_len fits" in p.line() and "16 slots x 8,192 positions, 16.0 GiB" in p.line()
-    p = plan(max_len=1000, free=4 * GiB)  # 16 x 1,000 x 128 KiB = 2,000 MiB of 2,048 MiB
-    assert (p.slots, p.positions, p.kv_bytes) == (16, 1000, 2000 * MiB)
-    assert "fits" in p.why
+    p = plan()  # 16 x 512 pages + the trash page of 2 MiB = 16 GiB + 2 MiB of a 32 GiB budget
+    assert (p.slots, p.positions, p.pages, p.kv_bytes) == (16, 8192, 16 * M + 1, 16 * GiB + PAGE)
+    assert p.full_length == 16 and "every slot fits at full length" in p.why
+    assert p.line().startswith(
+        "KV cache: 8,192 pages of 16 positions, 16.0 GiB of host memory, for 16 slots of up to "
+        "8,192 positions (16 at full length at once): every slot fits"
+    )
+    p = plan(max_len=1000, free=4 * GiB)  # 16 x 63 pages + 1 = 1,009 x 2 MiB of 2,048 MiB
+    assert (p.slots, p.positions, p.pages, p.kv_bytes) == (16, 1000, 16 * 63 + 1, 1009 * PAGE)
 
 
-def test_positions_are_cut_first_to_a_multiple_of_64():
-    p = plan(free=5 * 10**9)  # budget 2.5e9 / (16 x 131,072) = 1,192.1 positions: 1,152
-    assert (p.slots, p.positions) == (16, 1152)
-    assert p.kv_bytes == 16 * 1152 * L8_POSITION <= 2.5e9
+def test_the_slots_share_the_pages_that_fit():
+    p = plan(free=5 * 10**9)  # budget 2.5e9 / 2 MiB = 1,192 pages: two requests and more
+    assert (p.slots, p.positions, p.pages, p.full_length) == (16, 8192, 1192, 2)
+    assert p.kv_bytes == 1192 * PAGE <= 2.5e9
+    assert "share what fits" in p.why
+
+
+def test_positions_are_cut_when_one_request_does_not_fit():
+    p = plan(free=2 * GiB)  # 512 pages, one short of a request of 8,192 and the trash page
+    assert (p.positions, p.pages) == (8128, 512)  # 511 x 16 = 8,176 cut to a multiple of 64
     assert "positions cut" in p.why and "--max-len" in p.why
-
-
-def test_a_spare_tail_is_counted_in_every_row():
-    p = plan(free=5 * 10**9, spare=256)  # 1,192.1 positions a row, 256 of them spare: 896
-    assert (p.slots, p.positions, p.kv_bytes) == (16, 896, 16 * (896 + 256) * L8_POSITION)
-    p = plan(free=200 * MiB, spare=256)  # a slot of 64 + 256 positions is 40 MiB: 2 of them
-    assert (p.slots, p.positions, p.kv_bytes) == (2, 64, 80 * MiB)
-    assert plan(spare=256).kv_bytes == 16 * (8192 + 256) * L8_POSITION  # 16.5 GiB: fits
-
-
-def test_then_slots_when_64_positions_do_not_fit():
-    p = plan(free=200 * MiB)  # budget 100 MiB; 16 x 64 positions need 128 MiB; a slot 8 MiB
-    assert (p.slots, p.positions) == (12, 64)
-    assert "slots cut" in p.why and "--slots" in p.why
-    p = plan(max_len=4096, free=2 * GiB)  # a given --max-len is kept: 1 GiB / 512 MiB = 2 slots
-    assert (p.slots, p.positions, p.kv_bytes) == (2, 4096, GiB)
+    p = plan(free=200 * MiB)  # 50 pages: 49 x 16 = 784 positions, cut to 768
+    assert (p.slots, p.positions, p.pages, p.kv_bytes) == (16, 768, 50, 100 * MiB)
 
 
 def test_too_little_memory_is_one_line_naming_the_flags():
-    with pytest.raises(SizingError, match=r"1 slot\(s\) x 64 positions \(8.0 MiB") as e:
-        plan(free=10 * MiB)  # budget 5 MiB < one row of 64 positions
+    with pytest.raises(SizingError, match=r"one request of 64 positions \(10.0 MiB") as e:
+        plan(free=10 * MiB)  # budget 5 MiB: 2 pages, not the 4 + 1 of 64 positions
     assert "--memory-fraction 0.5 of 10.0 MiB free is 5.0 MiB" in str(e.value)
     assert "raise --memory-fraction" in str(e.value) and "\n" not in str(e.value)
-    with pytest.raises(SizingError, match="16 slot.s. x 64 positions.*lower --slots"):
-        plan(free=200 * MiB, slots_given=True)  # the user's --slots: not cut
-    with pytest.raises(SizingError, match="4 slot.s. x 4,096 positions.*lower --max-len"):
-        plan(slots=4, max_len=4096, free=2 * GiB, slots_given=True)  # 2 GiB > 1 GiB budget
+    with pytest.raises(SizingError, match="one request of 4,096 positions.*lower --max-len"):
+        plan(max_len=4096, free=GiB)  # 256 pages < 256 + 1
     assert isinstance(SizingError("x"), ConfigError)  # the commands' one line, exit 2
 
 
 def test_unknown_memory_and_bad_fractions():
     p = plan(free=None)
-    assert (p.slots, p.positions) == (16, 8192) and "unknown" in p.line()
+    assert (p.slots, p.positions, p.pages) == (16, 8192, 16 * M + 1) and "unknown" in p.line()
     for bad in (0, -0.5, 1.5, math.nan):
         with pytest.raises(ConfigError, match="--memory-fraction"):
             plan(fraction=bad)
@@ -83,11 +80,11 @@ def test_unknown_memory_and_bad_fractions():
 
 def test_the_planned_bytes_are_the_caches():
     """On 2 CPU devices the host holds both halves: the plan's bytes equal jax's per-device
-    shard sizes of the cache the engine builds, summed over the devices."""
+    shard sizes of the paged cache the engine builds, summed over the devices."""
     model = tiny_model(2)
     c = model.config
     p = plan_kv(c, 2, slots=3, max_len=None, free=10**12, fraction=0.5, devices=2)
-    cache = KVCache.abstract(c, model.mesh, p.slots, p.positions)
+    cache = PagedKV.abstract(c, model.mesh, p.slots, p.positions, p.pages)
     shards = sum(
         math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize * 2
         for x in (*cache.k, *cache.v)

@@ -34,7 +34,7 @@ from ladder_jax.cli.common import (
 )
 from ladder_jax.config import SCHEMES, ConfigError, ModelConfig, UsageError
 from ladder_jax.inference import sizing
-from ladder_jax.inference.batching import Engine, spare_positions
+from ladder_jax.inference.batching import Engine
 from ladder_jax.interop.tokenizer import ByteTokenizer
 from ladder_jax.model import compilation, sharding
 from ladder_jax.model.transformer import Transformer
@@ -54,7 +54,7 @@ MAX_HEADER_BYTES = 16 * 1024  # a request's line and headers (h11's incomplete-e
 FD_RESERVE = 128  # file descriptors kept for the process when bounding the connections
 STOP_KEY = "ladder_jax/serve/stop/"  # coordination-service keys: processes told to stop
 STOP_MARGIN_S = 30.0  # a follower told to stop waits --drain-seconds plus this for process 0
-DEFAULT_SLOTS = 16  # --slots, unless fewer fit (`sizing.plan_kv`)
+DEFAULT_SLOTS = 16  # --slots: requests decoded together (they share the pages that fit)
 
 
 def _distributed() -> bool:
@@ -135,8 +135,8 @@ def _add_serving_flags(p) -> None:
         "--slots",
         type=int,
         default=None,
-        help=f"requests decoded together, rows of the KV cache (default {DEFAULT_SLOTS}, fewer "
-        f"if even {sizing.POSITION_STEP} positions each do not fit)",
+        help=f"requests decoded together (default {DEFAULT_SLOTS}); they share the KV cache's "
+        "pages, each growing into them, the newest preempted when none are left",
     )
     p.add_argument(
         "--max-queue", type=int, default=64, help="requests that may wait for a slot; more get 503"
@@ -146,7 +146,7 @@ def _add_serving_flags(p) -> None:
         type=int,
         default=None,
         help="positions per request, prompt + max_tokens (default: the model's max_seq_len, "
-        "or the multiple of 64 that fits --memory-fraction)",
+        "or the multiple of 64 of which one request fits --memory-fraction)",
     )
     p.add_argument(
         "--memory-fraction",
@@ -155,7 +155,8 @@ def _add_serving_flags(p) -> None:
         help="share of the memory free once the weights are loaded that the KV cache may take "
         "(GPU: the device's, CPU: the host's available memory), 0 < F <= 1 (default "
         + ", ".join(f"{v:g} on {k.upper()}" for k, v in sizing.DEFAULT_FRACTION.items())
-        + "); slots and positions are cut to fit, said at start",
+        + "); the KV cache's pages are what fits (every slot at full length at most), said "
+        "at start",
     )
     p.add_argument(
         "--max-tokens",
@@ -334,7 +335,7 @@ _PER_PROCESS = (  # process 0's (HTTP); `common.PER_PROCESS`: each host's own
 
 
 def _kv_plan(args, model) -> sizing.KVPlan:
-    """The KV cache's slots and positions (`sizing.plan_kv`) from the memory left once the
+    """The KV cache's pages and positions (`sizing.plan_kv`) from the memory left once the
     weights are loaded: on a GPU its pool's `bytes_limit - bytes_in_use`, on CPU the host's
     available memory (its devices share it); with several processes the least of theirs, so
     every process builds the same cache."""
@@ -361,20 +362,8 @@ def _kv_plan(args, model) -> sizing.KVPlan:
         free=free,
         fraction=fraction,
         devices=devices,
-        spare=_spare_positions(args),
-        slots_given=args.slots is not None,
         where=where,
     )
-
-
-def _spare_positions(args) -> int:
-    """Positions each cache row holds beyond a request's (`batching.spare_positions`), for
-    --max-len, else for the model's context (a cut below the chunk makes it an overestimate);
-    none for arguments without chunked prefill's flags (built by hand, not by `parser`)."""
-    if getattr(args, "prefill_chunk", None) is None:
-        return 0
-    length = args.max_len or sys.maxsize
-    return spare_positions(length, args.prefill_chunk, args.speculate, args.steps_per_plan)
 
 
 def _api_key(args) -> str | None:
@@ -437,6 +426,7 @@ def _run(args) -> int:
         model,
         slots=plan.slots,
         max_len=plan.positions,
+        pages=plan.pages,
         max_queue=args.max_queue,
         prefills_per_step=args.prefills_per_step,
         steps_per_plan=args.steps_per_plan,

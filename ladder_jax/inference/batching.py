@@ -1,8 +1,10 @@
-"""Continuous batching over the jitted decode step: a fixed number of slots, each owning one row
-of one KV cache. Each round (a `Plan`) copies reused prompt prefixes, runs the decode steps (or
-one step verifying prompt-lookup drafts) of the slots decoding, then one prompt chunk per slot
-still prefilling. Rounds, prefix reuse, speculation, processes and limits: docs/inference.md,
-'Inside the server'.
+"""Continuous batching over the jitted decode step: a fixed number of slots over one paged KV
+cache, each slot's request holding the pages it has grown into (`PagePool`: pages shared by
+requests with a common prefix, handed out as rows grow, a request preempted and recomputed later
+when none are left). Each round (a `Plan`) runs the decode steps (or one step verifying
+prompt-lookup drafts) of the slots decoding, then one prompt chunk per slot still prefilling.
+Rounds, pages, prefix reuse, speculation, processes and limits: docs/inference.md, 'Inside the
+server'.
 
     engine = Engine(model, slots=16, max_queue=64); engine.start(); engine.submit(request)"""
 
@@ -20,7 +22,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 from ladder_jax.inference import lookup
-from ladder_jax.inference.cache import KVCache
+from ladder_jax.inference.cache import PagedKV
 from ladder_jax.inference.generation import (
     TOP_LOGPROBS,
     Decoder,
@@ -28,10 +30,10 @@ from ladder_jax.inference.generation import (
     to_device,
     to_host,
 )
-from ladder_jax.inference.plan import DECODE, IDLE, SCORED, VERIFY, Chunk, Copy, Plan, PlanShape
-from ladder_jax.inference.prefix_cache import PrefixCache
+from ladder_jax.inference.pages import PagePool
+from ladder_jax.inference.plan import DECODE, IDLE, SCORED, VERIFY, Chunk, Plan, PlanShape
 from ladder_jax.inference.sampling import NONFINITE, GenerationError, RowSampling, Sampling
-from ladder_jax.model import layout
+from ladder_jax.model import layout, paged
 from ladder_jax.model.transformer import Transformer
 
 PREFILL_TOKENS = 8192  # prompt tokens (padded) one prefill program holds at most
@@ -39,10 +41,10 @@ WARM_PROMPT_TOKENS = 512  # warm-up compiles one-prompt prefills up to this buck
 
 
 def spare_positions(length: int, chunk: int, speculate: int, steps_per_plan: int) -> int:
-    """Slots each cache row holds past the `length` a request may use: the largest write that
-    may start near a row's end (a prompt chunk, a verify step, a decode round), so that no write
-    is clamped back over the row's KV."""
-    return max(min(chunk, length), speculate + 1, steps_per_plan)
+    """Positions a cache row holds past the `length` a request may use: none in a paged cache
+    (writes past a row's pages land in the trash page). Kept for callers sizing a cache."""
+    del length, chunk, speculate, steps_per_plan
+    return 0
 
 
 class EngineFull(GenerationError):
@@ -69,6 +71,7 @@ class Request:
     scores: list = dataclasses.field(default_factory=list)
     prompt_scores: list | None = None
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (set on admission)
+    resume: list = dataclasses.field(default_factory=list)  # tokens produced before a preemption
 
 
 def prefill_group(n: int) -> int:
@@ -100,6 +103,7 @@ class Engine:
         chunk: int = 256,
         prefix_block: int | None = 16,
         speculate: int = 0,
+        pages: int | None = None,
         heartbeat_s: float = 1.0,
         consume: bool = False,
     ):
@@ -125,15 +129,25 @@ class Engine:
         self.steps_per_plan, self.speculate = steps_per_plan, speculate
         self.chunk = min(chunk, self.length)
         self.admit = prefills_per_step * steps_per_plan  # chunks per round: same rate per step
-        # the cache's spare tail: where a chunk's or a verify step's padding near a row's end
-        # lands, so that no write is clamped back over a row's KV
-        self.spare = spare_positions(self.length, chunk, speculate, steps_per_plan)
+        # pages of `page` positions (a prefix is reused in whole pages); by default as many as
+        # every slot filled to `length` needs, plus the trash page
+        self.page = prefix_block or paged.PAGE
+        M = -(-self.length // self.page)
+        pages = slots * M + 1 if pages is None else pages
+        if pages < M + 1:
+            raise GenerationError(
+                f"pages={pages}: one request of {self.length} positions needs {M} pages of "
+                f"{self.page} (+1, the trash page)"
+            )
+        self.pool = PagePool(pages, self.page, cache_prefixes=prefix_block is not None)
         self.shape = PlanShape(
-            slots, self.admit, max(self.admit * self.chunk, self.length), speculate
+            slots, self.admit, max(self.admit * self.chunk, self.length), speculate, M
         )
         self.decoder = Decoder(model, consume=consume)  # consume: the engine owns model
-        self.cache = KVCache.init(c, mesh, slots, self.length + self.spare)
-        self.prefix = None if prefix_block is None else PrefixCache(slots, prefix_block)
+        self.cache = PagedKV.init(c, mesh, slots, self.length, pages, self.page)
+        self.table = np.zeros((slots, M), np.int32)  # each row's pages (0: the trash page)
+        self.sent = self.table.copy()  # the table the device cache holds
+        self.held: list[list[int]] = [[] for _ in range(slots)]  # each row's pages, in order
         self.lead = jax.process_index() == 0
         self.many = jax.process_count() > 1
         # host state of the slots (process 0)
@@ -141,10 +155,14 @@ class Engine:
         self.last = np.zeros(slots, np.int32)  # each slot's newest token
         self.length_b = np.zeros(slots, np.int32)  # prompt lengths
         self.fed_b = np.zeros(slots, np.int32)  # prompt tokens planned into the cache
+        self.target_b = np.zeros(slots, np.int32)  # tokens to prefill (+ a resumed one's own)
+        self.reserved_b = np.zeros(slots, bool)  # all its pages taken at admission (scored)
+        self.order_b = np.zeros(slots, np.int64)  # admission order (the newest is preempted)
+        self.admissions = 0
         self.count_b = np.zeros(slots, np.int32)  # tokens produced so far
         self.seq: list[list[int]] = [[] for _ in range(slots)]  # prompt + tokens produced
         self.prefilling: list[int] = []  # slots whose prompt is not all in, oldest first
-        self.released: list[int] = []  # freed slots the prefix cache hears of after the round
+        self.released: list[tuple] = []  # (pages, tokens written) of rows freed this round
         self.settings = RowSampling.empty(slots)
         self.queue: collections.deque[Request] = collections.deque()
         self.lock = threading.Condition()
@@ -152,15 +170,16 @@ class Engine:
         self.thread: threading.Thread | None = None
         self.steps = 0  # decode steps run
         self.drafted_tokens = self.accepted_tokens = 0  # speculation
+        self.preemptions = 0  # requests sent back to the queue for want of pages
         self.error: str | None = None  # why the loop died, if it did
 
     @property
     def prefix_queried_tokens(self) -> int:
-        return 0 if self.prefix is None else self.prefix.queried_tokens
+        return self.pool.queried_tokens
 
     @property
     def prefix_hit_tokens(self) -> int:
-        return 0 if self.prefix is None else self.prefix.hit_tokens
+        return self.pool.hit_tokens
 
     # -- process 0: requests in ---------------------------------------------------------------
 
@@ -300,16 +319,21 @@ class Engine:
     # -- process 0: the next round ------------------------------------------------------------
 
     def _plan(self) -> Plan:
-        """The next round (docs/inference.md, 'Inside the server'): frees cancelled slots, the
-        decode part over the slots decoding, a chunk for each slot still prefilling, then new
-        requests from the queue, each claiming a free row (and a cached prefix) with its first
-        chunk, up to `admit` chunks (called with the lock held)."""
+        """The next round (docs/inference.md, 'Inside the server'): frees cancelled slots, gives
+        the rows running the pages this round writes (preempting the newest request when the
+        pool runs out), the decode part over the slots decoding, a chunk for each slot still
+        prefilling, then new requests from the queue, each claiming a free row, its cached
+        prefix pages and the pages of its first chunk, up to `admit` chunks (called with the
+        lock held)."""
         for i, req in enumerate(self.owner):
             if req is not None and req.cancelled:
                 self._free(i, "cancelled")
         self._release()
+        if not self.stopping:
+            self._grow()
         B, K = self.slots, self.speculate
         busy_b = np.array([o is not None and self.count_b[i] > 0 for i, o in enumerate(self.owner)])
+        busy_b &= self.fed_b >= self.target_b  # a resumed request prefills first
         decode = DECODE if busy_b.any() and not self.stopping else IDLE
         if decode and any(self.owner[i].logprobs is not None for i in np.flatnonzero(busy_b)):
             decode = SCORED
@@ -325,23 +349,96 @@ class Engine:
             busy_b,
             np.zeros((B, K), np.int32),
             np.zeros(B, np.int32),
+            self.table,
         )
         if decode == DECODE and K:
             self._draft(plan)
-        if self.stopping:
-            return plan
-        for i in list(self.prefilling):  # (a final chunk leaves the list)
-            plan.chunks.append(self._next_chunk(i))
-        self._admit(plan)
-        self._idle_positions(plan)
+        if not self.stopping:
+            for i in list(self.prefilling):  # (a final chunk leaves the list)
+                plan.chunks.append(self._next_chunk(i))
+            self._admit(plan)
+            self._idle_positions(plan)
+        plan.table_bm = self.table.copy()
         return plan
+
+    def _grow(self) -> None:
+        """Pages for what this round writes, oldest request first: a decoding row's next
+        steps (not past its last token), a prefilling row's next chunk. When the pool is out
+        of pages, the newest request is preempted (`_preempt`) until the row's fit, or the row
+        is that newest request itself."""
+        span = max(self.steps_per_plan, self.speculate + 1 if self.speculate else 0)
+        for i in sorted(np.flatnonzero([o is not None for o in self.owner]), key=self._age):
+            req = self.owner[i]
+            if req is None or self.reserved_b[i]:
+                continue
+            if self.fed_b[i] < self.target_b[i]:  # prefilling: its next chunk
+                need = self.fed_b[i] + min(self.chunk, self.target_b[i] - self.fed_b[i])
+            else:  # its positions this round, up to the last token's (never written)
+                last = self.length_b[i] + req.max_tokens - 1
+                need = min(self.length_b[i] + self.count_b[i] - 1 + span, last)
+            self._pages_for(i, int(need))
+
+    def _age(self, i) -> int:
+        return int(self.order_b[i])
+
+    def _pages_for(self, i: int, positions: int) -> bool:
+        """Row i's pages cover `positions`; preempts the newest requests while the pool is
+        short. False: row i itself was preempted."""
+        want = -(-positions // self.page) - len(self.held[i])
+        while want > 0:
+            got = self.pool.allocate(want)
+            if got is not None:
+                self._own(i, got)
+                return True
+            victims = [
+                j for j, o in enumerate(self.owner) if o is not None and not self.reserved_b[j]
+            ]
+            victim = max(victims, key=self._age)
+            self._preempt(victim)
+            if victim == i:
+                return False
+        return True
+
+    def _own(self, i: int, pages: list[int]) -> None:
+        n = len(self.held[i])
+        self.held[i] += pages
+        self.table[i, n : n + len(pages)] = pages
+
+    def _written(self, i: int) -> int:
+        """Positions of row i that hold its sequence's KV."""
+        if self.fed_b[i] < self.target_b[i] or self.count_b[i] == 0:
+            return int(min(self.fed_b[i], len(self.seq[i])))
+        return int(min(len(self.seq[i]), self.length_b[i] + self.count_b[i] - 1))
+
+    def _preempt(self, i: int) -> None:
+        """Sends row i's request back to the front of the queue, its pages released (its full
+        blocks kept in the prefix cache, so that its recompute is mostly a cache hit); it
+        resumes later with what it produced as part of its prompt (`Request.resume`)."""
+        req = self.owner[i]
+        req.resume = self.seq[i][len(req.prompt) :]
+        self._vacate(i)
+        self._release()
+        self.queue.appendleft(req)
+        self.preemptions += 1
+
+    def _vacate(self, i: int) -> None:
+        """Empties slot i; its pages go back to the pool after the round (`_release`)."""
+        self.released.append((self.held[i], self.seq[i][: self._written(i)]))
+        self.held[i] = []
+        self.table[i] = 0
+        self.owner[i] = None
+        self.settings.temperature[i], self.settings.top_k[i] = 0, 0
+        self.count_b[i], self.last[i], self.length_b[i], self.fed_b[i] = 0, 0, 0, 0
+        self.target_b[i], self.reserved_b[i] = 0, False
+        if i in self.prefilling:
+            self.prefilling.remove(i)
 
     def _idle_positions(self, plan: Plan) -> None:
         """The rows that do not decode in the round's decode part still run it: they go in as
         idle (position -(p + 1), `attention.attend_rotated`), writing from their frontier p,
         the first position whose KV nothing needs (a chunk this round: its start, which the
-        chunk then rewrites; a prompt still coming in: where it stands; a free row: past what
-        the prefix cache says it holds), and attending to nothing, so they never lengthen the
+        chunk then rewrites; a prompt still coming in: where it stands; a free row: 0, in the
+        trash page its table holds) and attending to nothing, so they never lengthen the
         decode attention, which reads every row up to the furthest position in the batch."""
         starts = {c.slot: c.start for c in plan.chunks}
         for i in np.flatnonzero(~plan.busy_b):
@@ -350,7 +447,7 @@ class Engine:
             elif self.owner[i] is not None:
                 p = int(self.fed_b[i])
             else:
-                p = 0 if self.prefix is None else self.prefix.held(int(i))
+                p = 0
             plan.positions_b[i] = -(p + 1)
 
     def _draft(self, plan: Plan) -> None:
@@ -364,41 +461,62 @@ class Engine:
             plan.decode = VERIFY
 
     def _next_chunk(self, i: int) -> Chunk:
-        """Slot i's next prompt chunk (at most `chunk` tokens from where its prompt stands)."""
+        """Slot i's next prompt chunk (at most `chunk` tokens from where its prompt stands; a
+        resumed request's prompt goes on with the tokens it had produced)."""
         start = int(self.fed_b[i])
-        n = min(self.chunk, int(self.length_b[i]) - start)
+        n = min(self.chunk, int(self.target_b[i]) - start)
         self.fed_b[i] = start + n
-        final = start + n == self.length_b[i]
+        final = start + n == self.target_b[i]
         if final:
             self.prefilling.remove(i)
-        tokens = np.asarray(self.owner[i].prompt[start : start + n], np.int32)
-        return Chunk(i, start, tokens, self.owner[i].rows, final)
+        tokens = np.asarray(self.seq[i][start : start + n], np.int32)
+        return Chunk(i, start, tokens, self.owner[i].rows, final, index=int(self.count_b[i]))
 
     def _admit(self, plan: Plan) -> None:
-        """New requests into free rows while the round has room: a plain one claims the row
-        (and the prefix some row holds: copied first when another row holds it) and gets its
-        first chunk; a scored one (logprobs) is prefilled whole from position 0, scored."""
+        """New requests into free rows while the round has room and the pool has pages for
+        them (keeping one spare page per running request, so that admitting does not preempt
+        at once): a plain one takes the pages of its longest cached prefix and new ones for
+        its first chunk; a scored one (logprobs) takes the pages of its whole prompt and
+        max_tokens and is prefilled whole from position 0, scored."""
         free = [i for i in range(self.slots) if self.owner[i] is None]
         pool = sum(len(c.tokens) for c in plan.chunks)
         while self.queue and free and len(plan.chunks) < self.admit:
             req = self.queue[0]
             scored = req.logprobs is not None
-            if pool + (len(req.prompt) if scored else min(self.chunk, len(req.prompt))) > (
-                self.shape.pool
-            ):
+            seq = list(req.prompt) + list(req.resume)
+            if pool + (len(seq) if scored else min(self.chunk, len(seq))) > self.shape.pool:
                 break  # waits for a round with room for its tokens (a scored one: all)
-            self.queue.popleft()
             if req.cancelled:
+                self.queue.popleft()
                 req.on_finish("cancelled")
                 continue
-            i, reused = self._claim(req, free, plan, scored)
-            free.remove(i)
-            self.owner[i], self.seq[i] = req, list(req.prompt)
+            counts = self.pool.queried_tokens, self.pool.hit_tokens
+            shared = [] if scored else self.pool.lookup(seq, len(seq) - 1)
+            reused = len(shared) * self.page
+            if scored:
+                need = len(req.prompt) + req.max_tokens - 1
+            else:
+                need = reused + min(self.chunk, len(seq) - reused)
+            fresh = -(-need // self.page) - len(shared)
+            running = sum(o is not None for o in self.owner)
+            if self.pool.available() - running < fresh:  # waits for pages
+                self.pool.release(shared)
+                self.pool.queried_tokens, self.pool.hit_tokens = counts
+                break
+            self.queue.popleft()
+            i = free.pop(0)
+            self._own(i, shared)
+            self._own(i, self.pool.allocate(fresh))
+            self.owner[i], self.seq[i] = req, seq
             r = req.rows
             self.settings.keys[i], self.settings.temperature[i] = r.keys[0], r.temperature[0]
             self.settings.top_k[i], self.settings.top_p[i] = r.top_k[0], r.top_p[0]
-            self.length_b[i], self.count_b[i], self.fed_b[i] = len(req.prompt), 0, reused
-            req.cached_tokens = reused
+            self.length_b[i], self.count_b[i] = len(req.prompt), len(req.resume)
+            self.target_b[i], self.fed_b[i], self.reserved_b[i] = len(seq), reused, scored
+            self.admissions += 1
+            self.order_b[i] = self.admissions
+            if not req.resume:
+                req.cached_tokens = reused
             if scored:
                 self.fed_b[i] = len(req.prompt)
                 plan.chunks.append(Chunk(i, 0, np.asarray(req.prompt, np.int32), r, True, True))
@@ -407,34 +525,17 @@ class Engine:
                 plan.chunks.append(self._next_chunk(i))
             pool += len(plan.chunks[-1].tokens)
 
-    def _claim(self, req: Request, free: list[int], plan: Plan, scored: bool) -> tuple[int, int]:
-        """(the free row a request goes to, prompt tokens it reuses); a copy of the reused
-        prefix joins the plan when another row holds it. Scored requests reuse nothing."""
-        if self.prefix is None:
-            return free[0], 0
-        if scored:  # a row whose loss costs least, no lookup counted
-            counts = self.prefix.queried_tokens, self.prefix.hit_tokens
-            claim = self.prefix.claim(req.prompt[:1], free)
-            self.prefix.queried_tokens, self.prefix.hit_tokens = counts
-            self.prefix.keep(claim.slot, 0)
-            return claim.slot, 0
-        claim = self.prefix.claim(req.prompt, free)
-        if claim.source is not None and claim.reused:
-            plan.copies.append(Copy(claim.source, claim.slot, claim.reused))
-        # from here on the row's KV past what it reuses is being replaced
-        self.prefix.keep(claim.slot, claim.reused if claim.source is None else 0)
-        return claim.slot, claim.reused
-
     # -- every process: run a round -----------------------------------------------------------
 
     def _execute(self, plan: Plan) -> bool:
-        """Runs one plan on this process's devices, in order: copies, the decode part, the
-        chunks; process 0 also hands out the tokens and tells the prefix cache what the rows
-        now hold. False: stop."""
+        """Runs one plan on this process's devices, in order: the block table (when it changed),
+        the decode part, the chunks; process 0 also hands out the tokens and tells the page
+        pool what the rows now hold. False: stop."""
         if not plan.run:
             return False
-        if plan.copies:
-            self._copy(plan.copies)
+        if not np.array_equal(plan.table_bm, self.sent):
+            table = to_device(plan.table_bm, self.mesh, layout.TABLE_BM)
+            self.cache, self.sent = self.cache.with_table(table), plan.table_bm
         if plan.decode == VERIFY:
             self._verify(plan)
         elif plan.decode:
@@ -444,20 +545,6 @@ class Engine:
         if self.lead:
             self._release()
         return True
-
-    def _copy(self, copies: list[Copy]) -> None:
-        """The round's prefix copies in one program (`admit` rows, padding rows past the cache)."""
-        src, dst, n = (np.zeros(self.admit, np.int32) for _ in range(3))
-        dst[:] = self.slots
-        for j, c in enumerate(copies):
-            src[j], dst[j], n[j] = c.src, c.dst, c.length
-        mesh, rep = self.mesh, P()
-        self.cache = self.decoder.copy_prefix(
-            self.cache, *(to_device(x, mesh, rep) for x in (src, dst, n))
-        )
-        if self.lead and self.prefix is not None:
-            for c in copies:
-                self.prefix.copied(c.src, c.dst, c.length)
 
     def _decode_args(self, plan: Plan):
         mesh, rep = self.mesh, P()
@@ -489,7 +576,6 @@ class Engine:
                         int(tokens[i]),
                         None if scored is None else tuple(x[k, i] for x in scored),
                     )
-        self._wrote_fed(plan, np.full(self.slots, self.steps_per_plan))
 
     def _verify(self, plan: Plan) -> None:
         """One speculative step: each row's newest token and its drafts; a row takes the drawn
@@ -503,29 +589,16 @@ class Engine:
         self.steps += 1
         if not self.lead:
             return
-        fed_b = np.zeros(self.slots, np.int32)  # the tokens fed that are the row's own
         for i in np.flatnonzero(plan.busy_b):
             n, a = int(plan.drafted_b[i]), 0
             while a < n and plan.drafts_bk[i, a] == drawn_bk[i, a]:
                 a += 1
             self.drafted_tokens += n
             self.accepted_tokens += a
-            fed_b[i] = a + 1  # its newest token and the accepted drafts (the rest: garbage)
-            for j in range(a + 1):
+            for j in range(a + 1):  # (the rejected drafts' KV lies past what the row holds)
                 if self.owner[i] is None:
                     break
                 self._deliver(i, int(drawn_bk[i, j]))
-        self._wrote_fed(plan, fed_b)
-
-    def _wrote_fed(self, plan: Plan, fed_b: np.ndarray) -> None:
-        """Tells the prefix cache what a decode part wrote: each decoding row's first fed_b[i]
-        tokens fed from its position on, those that are part of its sequence (not past a
-        stop: a token drawn after the last delivered one is not)."""
-        if self.prefix is None:
-            return
-        for i in np.flatnonzero(plan.busy_b):
-            p = int(plan.positions_b[i])
-            self.prefix.wrote(i, p, self.seq[i][p : p + int(fed_b[i])])
 
     def _prefill(self, chunks: list[Chunk]) -> None:
         """The round's chunks, one program per chunk bucket among them (several chunks of a
@@ -544,9 +617,10 @@ class Engine:
                 first.update(self._prefill_group([chunks[j] for j in part], part, T, scored))
         if not self.lead:
             return
-        for j, c in enumerate(chunks):
-            if self.prefix is not None:
-                self.prefix.wrote(c.slot, c.start, c.tokens.tolist())
+        for c in chunks:  # the full pages of a prompt are reusable from the next round on
+            if self.owner[c.slot] is not None:
+                i = c.slot
+                self.pool.register(self.held[i], self.seq[i][: c.start + len(c.tokens)])
         for j, c in enumerate(chunks):
             if c.final and self.owner[c.slot] is not None:
                 self._deliver(c.slot, *first[j])
@@ -558,10 +632,12 @@ class Engine:
         N = prefill_group(len(chunks))
         slots_n, starts_n = np.full(N, self.slots, np.int32), np.zeros(N, np.int32)
         tokens_nt, lengths_n = np.zeros((N, T), np.int32), np.ones(N, np.int32)
+        index_n = np.zeros(N, np.int32)
         rows = RowSampling.empty(N)
         for n, c in enumerate(chunks):
             slots_n[n], starts_n[n], lengths_n[n] = c.slot, c.start, len(c.tokens)
             tokens_nt[n, : len(c.tokens)] = c.tokens
+            index_n[n] = c.index
             rows.keys[n], rows.temperature[n] = c.rows.keys[0], c.rows.temperature[0]
             rows.top_k[n], rows.top_p[n] = c.rows.top_k[0], c.rows.top_p[0]
         args = [to_device(x, mesh, rep) for x in (slots_n, tokens_nt, starts_n, lengths_n)]
@@ -571,8 +647,8 @@ class Engine:
             out, self.cache = self.decoder.prefill_slots_scored(self.cache, *args)
             first_n, *scores = map(to_host, out)
         else:
-            zero = to_device(np.zeros(N, np.int32), mesh, rep)
-            first_n, self.cache = self.decoder.extend_slots(self.cache, *args, zero)
+            index = to_device(index_n, mesh, rep)
+            first_n, self.cache = self.decoder.extend_slots(self.cache, *args, index)
             first_n, scores = to_host(first_n), None
         out = {}
         for n, (j, c) in enumerate(zip(ids, chunks)):
@@ -638,27 +714,24 @@ class Engine:
         return lp_t[length - 1], ids_tk[length - 1], lps_tk[length - 1]
 
     def _free(self, i: int, reason: str) -> None:
-        req, self.owner[i] = self.owner[i], None
-        self.settings.temperature[i], self.settings.top_k[i] = 0, 0
-        self.count_b[i], self.last[i], self.length_b[i], self.fed_b[i] = 0, 0, 0, 0
-        if i in self.prefilling:
-            self.prefilling.remove(i)
-        self.released.append(i)  # its KV stays reusable (seq says what it holds)
+        req = self.owner[i]
+        self._vacate(i)  # its full pages stay reusable until evicted
         req.on_finish(reason)
 
     def _release(self) -> None:
-        """The prefix cache hears of the slots freed since (after what they wrote)."""
-        if self.prefix is not None:
-            for i in self.released:
-                self.prefix.release(i)
+        """The pages of the rows vacated since go back to the pool, their full blocks
+        registered first (after the round that wrote them)."""
+        for pages, tokens in self.released:
+            self.pool.register(pages, tokens)
+            self.pool.release(pages)
         self.released.clear()
 
     # -- compile ahead ------------------------------------------------------------------------
 
     def warmup_programs(self) -> list[tuple[int, int]]:
         """What `warmup` compiles, in order: (rows, tokens) of each chunk program, then
-        (slots, 0) for the decode round (with the speculative step when speculating and the
-        prefix copy when caching prefixes). A handful: one row of each shorter chunk bucket
+        (slots, 0) for the decode round (with the speculative step when speculating). A
+        handful: one row of each shorter chunk bucket
         (up to WARM_PROMPT_TOKENS), then every row group of whole chunks (where long prompts
         spend their prefill); other programs compile on first use (and land in the
         compilation cache)."""
@@ -698,13 +771,12 @@ class Engine:
                     np.zeros(B, bool),
                     np.zeros((B, self.speculate), np.int32),
                     np.zeros(B, np.int32),
+                    self.table,
                 )
-                idle.positions_b[:] = -1  # idle, from slot 0: before serving nothing is held
+                idle.positions_b[:] = -1  # idle, from slot 0: the trash page, nothing held yet
                 self._decode(idle)
                 if self.speculate:
                     self._verify(idle)
-                if self.prefix is not None:
-                    self._copy([])
                 self.steps = 0
             if progress is not None:
                 progress(k, len(programs))

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from ladder_jax import hardware, runtime
 from ladder_jax.config import ModelConfig
-from ladder_jax.inference.cache import KVCache, cache_length, round_up
+from ladder_jax.inference.cache import KVCache, PagedKV, cache_length, round_up
 from ladder_jax.inference.sampling import (
     NONFINITE,
     GenerationError,
@@ -57,13 +57,19 @@ __all__ = [
 # The jitted programs.
 
 
+def _cache_type(paged: bool):
+    return PagedKV if paged else KVCache
+
+
 @functools.lru_cache(maxsize=16)
-def _programs(graphdef, treedef, mesh):
+def _programs(graphdef, treedef, mesh, paged: bool = False):
     """The jitted (prefill, decode_step, prefill_slots, decode_steps) of a model graph whose
-    weights come as the flat list `treedef` describes, on `mesh`. Cached: every Decoder of an
-    equal graph (the same config, scheme and mesh: each `generate` call makes one) shares the
-    same jitted functions, so their compiled programs are reused, not compiled again."""
+    weights come as the flat list `treedef` describes, on `mesh`, over a `KVCache` (or with
+    `paged`, a `PagedKV`). Cached: every Decoder of an equal graph (the same config, scheme
+    and mesh: each `generate` call makes one) shares the same jitted functions, so their
+    compiled programs are reused, not compiled again."""
     replicated = NamedSharding(mesh, P())
+    Cache = _cache_type(paged)
 
     def merged(weights):
         return nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
@@ -74,14 +80,14 @@ def _programs(graphdef, treedef, mesh):
         logits_btv, layers = model.forward_cached(tokens_bt, None, cache.layers())
         last_bv = jnp.take_along_axis(logits_btv, (lengths_b - 1)[:, None, None], axis=1)
         first_b = jnp.zeros(tokens_bt.shape[:1], jnp.int32)
-        return sample_rows(last_bv[:, 0], rows, first_b), KVCache.from_layers(layers)
+        return sample_rows(last_bv[:, 0], rows, first_b), Cache.from_layers(layers)
 
     def decode_step(weights, cache, tokens_b, positions_b, rows, token_b):
         model = merged(weights)
         logits_btv, layers = model.forward_cached(
             tokens_b[:, None], positions_b[:, None], cache.layers()
         )
-        return sample_rows(logits_btv[:, 0], rows, token_b), KVCache.from_layers(layers)
+        return sample_rows(logits_btv[:, 0], rows, token_b), Cache.from_layers(layers)
 
     def decode_steps(weights, cache, tokens_b, positions_b, rows, token_b, steps):
         def one(carry, _):
@@ -98,12 +104,10 @@ def _programs(graphdef, treedef, mesh):
 
     def prefill_slots(weights, cache, slots_n, tokens_nt, lengths_n, rows_n):
         # slots past the cache's end are padding: their row is computed and dropped
-        picked = jax.tree.map(lambda c: jnp.take(c, slots_n, axis=0, mode="clip"), cache)
-        first_n, picked = prefill(weights, picked, tokens_nt, lengths_n, rows_n)
-        return first_n, jax.tree.map(lambda c, r: c.at[slots_n].set(r, mode="drop"), cache, picked)
+        first_n, picked = prefill(weights, cache.pick(slots_n), tokens_nt, lengths_n, rows_n)
+        return first_n, cache.put(slots_n, picked)
 
-    cache_sharding = NamedSharding(mesh, sharding.CACHE_BKSH)
-    out = (replicated, cache_sharding)
+    out = (replicated, Cache.shardings(mesh))
     jit = functools.partial(sharding.jit, mesh=mesh, donate_argnums=(1,), out_shardings=out)
     return (
         jit(prefill),
@@ -126,12 +130,13 @@ TOP_LOGPROBS = 20  # the most alternatives per token the scored programs return
 
 
 @functools.lru_cache(maxsize=16)
-def _scored_programs(graphdef, treedef, mesh, top: int):
+def _scored_programs(graphdef, treedef, mesh, top: int, paged: bool = False):
     """The jitted (prefill_slots, decode_steps) of `_programs` that also score: each returns
     the log-probabilities (log-softmax of the raw logits, before temperature or any cut) of
     the tokens it reads or draws and the `top` most likely tokens with theirs. Compiled on
     first use, apart from the plain programs, which they leave as they are."""
     replicated = NamedSharding(mesh, P())
+    Cache = _cache_type(paged)
 
     def merged(weights):
         return nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
@@ -147,7 +152,7 @@ def _scored_programs(graphdef, treedef, mesh, top: int):
     def prefill_slots(weights, cache, slots_n, tokens_nt, lengths_n, rows_n):
         # as _programs' prefill_slots; position t is scored against the token at t + 1 (the
         # prompt's next token, the drawn first token at the prompt's last position)
-        picked = jax.tree.map(lambda c: jnp.take(c, slots_n, axis=0, mode="clip"), cache)
+        picked = cache.pick(slots_n)
         logits_ntv, layers = merged(weights).forward_cached(tokens_nt, None, picked.layers())
         last_nv = jnp.take_along_axis(logits_ntv, (lengths_n - 1)[:, None, None], axis=1)[:, 0]
         first_n = sample_rows(last_nv, rows_n, jnp.zeros(tokens_nt.shape[:1], jnp.int32))
@@ -157,10 +162,7 @@ def _scored_programs(graphdef, treedef, mesh, top: int):
             jnp.arange(T)[None] == (lengths_n - 1)[:, None], first_n[:, None], next_nt
         )
         scored = scores(logits_ntv, next_nt)
-        new = KVCache.from_layers(layers)
-        return (first_n, *scored), jax.tree.map(
-            lambda c, r: c.at[slots_n].set(r, mode="drop"), cache, new
-        )
+        return (first_n, *scored), cache.put(slots_n, Cache.from_layers(layers))
 
     def decode_steps(weights, cache, tokens_b, positions_b, rows, token_b, steps):
         def one(carry, _):
@@ -169,7 +171,7 @@ def _scored_programs(graphdef, treedef, mesh, top: int):
                 tokens_b[:, None], positions_b[:, None], cache.layers()
             )
             nxt_b = sample_rows(logits_btv[:, 0], rows, token_b)
-            cache = KVCache.from_layers(layers)
+            cache = Cache.from_layers(layers)
             positions_b = _advance(positions_b, cache.length)
             return (cache, nxt_b, positions_b, token_b + 1), (
                 nxt_b,
@@ -181,17 +183,18 @@ def _scored_programs(graphdef, treedef, mesh, top: int):
         )
         return out, cache
 
-    out = (replicated, NamedSharding(mesh, sharding.CACHE_BKSH))
+    out = (replicated, Cache.shardings(mesh))
     jit = functools.partial(sharding.jit, mesh=mesh, donate_argnums=(1,), out_shardings=out)
     return jit(prefill_slots), jit(decode_steps, static_argnums=(6,))
 
 
 @functools.lru_cache(maxsize=16)
-def _serving_programs(graphdef, treedef, mesh):
+def _serving_programs(graphdef, treedef, mesh, paged: bool = False):
     """The server's jitted (extend_slots, verify, copy_prefix) (`Decoder`'s methods of those
     names): a chunk of several rows' prompts at each row's own offset, the K tokens of a
     speculative step, and a copy of rows' leading cache positions. Compiled on first use."""
     replicated = NamedSharding(mesh, P())
+    Cache = _cache_type(paged)
 
     def merged(weights):
         return nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
@@ -199,17 +202,15 @@ def _serving_programs(graphdef, treedef, mesh):
     def extend_slots(weights, cache, slots_n, tokens_nt, starts_n, lengths_n, rows_n, token_n):
         # as prefill_slots, but row n's T tokens sit at positions starts_n[n]...: its cache
         # row keeps what lies before and the chunk attends to it
-        picked = jax.tree.map(lambda c: jnp.take(c, slots_n, axis=0, mode="clip"), cache)
+        picked = cache.pick(slots_n)
         T = tokens_nt.shape[1]
         positions_nt = starts_n[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
         logits_ntv, layers = merged(weights).forward_cached(
             tokens_nt, positions_nt, picked.layers()
         )
         last_nv = jnp.take_along_axis(logits_ntv, (lengths_n - 1)[:, None, None], axis=1)[:, 0]
-        new = KVCache.from_layers(layers)
-        return sample_rows(last_nv, rows_n, token_n), jax.tree.map(
-            lambda c, r: c.at[slots_n].set(r, mode="drop"), cache, new
-        )
+        new = Cache.from_layers(layers)
+        return sample_rows(last_nv, rows_n, token_n), cache.put(slots_n, new)
 
     def verify(weights, cache, tokens_bk, positions_b, rows, token_b):
         B, K = tokens_bk.shape
@@ -223,7 +224,7 @@ def _serving_programs(graphdef, treedef, mesh):
         rows_x = jax.tree.map(lambda x: jnp.repeat(x, K, axis=0), rows)
         index_x = (token_b[:, None] + jnp.arange(K, dtype=jnp.int32)[None]).reshape(-1)
         sampled_x = sample_rows(logits_bkv.reshape(B * K, -1), rows_x, index_x)
-        return sampled_x.reshape(B, K), KVCache.from_layers(layers)
+        return sampled_x.reshape(B, K), Cache.from_layers(layers)
 
     def copy_prefix(cache, src_n, dst_n, lengths_n):
         def one(c, axis):  # slots lie on `axis` of a layer's (B, ...) array
@@ -248,10 +249,9 @@ def _serving_programs(graphdef, treedef, mesh):
 
         return KVCache(tuple(one(k, 3) for k in cache.k), tuple(one(v, 2) for v in cache.v))
 
-    cache_sharding = NamedSharding(mesh, sharding.CACHE_BKSH)
-    out = (replicated, cache_sharding)
+    out = (replicated, Cache.shardings(mesh))
     jit = functools.partial(sharding.jit, mesh=mesh, donate_argnums=(1,), out_shardings=out)
-    copy = sharding.jit(copy_prefix, mesh=mesh, donate_argnums=(0,), out_shardings=cache_sharding)
+    copy = sharding.jit(copy_prefix, mesh=mesh, donate_argnums=(0,), out_shardings=out[1])
     return jit(extend_slots), jit(verify), copy
 
 
@@ -270,7 +270,9 @@ class Decoder:
         (the server's logprobs and echo; compiled on first use)
     `extend_slots`, `verify`, `copy_prefix`: the server's chunked prefill, speculative step
         and prefix copy (their docstrings; compiled on first use)
-    The cache argument is donated: use only the returned one. `rows` is a `RowSampling`.
+    The cache argument is donated: use only the returned one. `rows` is a `RowSampling`. A
+    cache is a `KVCache` (rows) or a `PagedKV` (pages: the server's; `copy_prefix` takes rows
+    only); each kind has its own compiled programs.
 
     A quantized model (`ladder_jax.model.quant`) on a CPU mesh is decoded through its float
     copy, dequantized once here (XLA:CPU's int8 matmuls are much slower than float32); on GPU
@@ -298,34 +300,36 @@ class Decoder:
         # flattened again, Variable by Variable in Python, on every call of every step
         self.weights, treedef = jax.tree.flatten(self.state)
         self._graphdef, self._treedef = graphdef, treedef
-        self._prefill, self._decode_step, self._prefill_slots, self._decode_steps = _programs(
-            graphdef, treedef, mesh
-        )
+        self._plain_sets = {False: _programs(graphdef, treedef, mesh)}
 
     def prefill(self, cache, tokens_bt, lengths_b, rows):
-        return self._prefill(self.weights, cache, tokens_bt, lengths_b, rows)
+        return self._plain(cache)[0](self.weights, cache, tokens_bt, lengths_b, rows)
 
     def decode_step(self, cache, tokens_b, positions_b, rows, token_b):
-        return self._decode_step(self.weights, cache, tokens_b, positions_b, rows, token_b)
+        return self._plain(cache)[1](self.weights, cache, tokens_b, positions_b, rows, token_b)
 
     def lower_prefill(self, cache, tokens_bt, lengths_b, rows):
         """The prefill program lowered for these arguments (arrays or ShapeDtypeStructs), for
         reading its HLO (`ladder_jax.analysis.programs`)."""
-        return self._prefill.lower(self.weights, cache, tokens_bt, lengths_b, rows)
+        return self._plain(cache)[0].lower(self.weights, cache, tokens_bt, lengths_b, rows)
 
     def lower_decode(self, cache, tokens_b, positions_b, rows, token_b):
         """The decode step program lowered for these arguments, as `lower_prefill`."""
-        return self._decode_step.lower(self.weights, cache, tokens_b, positions_b, rows, token_b)
+        return self._plain(cache)[1].lower(
+            self.weights, cache, tokens_b, positions_b, rows, token_b
+        )
 
     def decode_steps(self, cache, tokens_b, positions_b, rows, token_b, steps: int):
         """`steps` decode steps in one program, each feeding the tokens the previous drew
         (positions and token indices + 1 per step) -> (tokens (steps, B), cache)."""
-        return self._decode_steps(self.weights, cache, tokens_b, positions_b, rows, token_b, steps)
+        return self._plain(cache)[3](
+            self.weights, cache, tokens_b, positions_b, rows, token_b, steps
+        )
 
     def prefill_slots(self, cache, slots_n, tokens_nt, lengths_n, rows_n):
         """n prompts into rows `slots_n` of the cache in one program (the server's admissions
         of one round); a slot >= the cache's batch is padding, computed and never written."""
-        return self._prefill_slots(self.weights, cache, slots_n, tokens_nt, lengths_n, rows_n)
+        return self._plain(cache)[2](self.weights, cache, slots_n, tokens_nt, lengths_n, rows_n)
 
     def extend_slots(self, cache, slots_n, tokens_nt, starts_n, lengths_n, rows_n, token_n):
         """n rows' next T tokens (ragged: `lengths_n` of them real) at positions starts_n[n]...
@@ -333,7 +337,7 @@ class Decoder:
         written), attending to what each row holds before them -> (the token drawn at each
         row's last real position, as token `token_n` of its output (n,), cache): a prompt's
         chunk at its offset, or the rest of a prompt after a reused prefix."""
-        return self._serving()[0](
+        return self._serving(cache)[0](
             self.weights, cache, slots_n, tokens_nt, starts_n, lengths_n, rows_n, token_n
         )
 
@@ -342,41 +346,55 @@ class Decoder:
         positions_b[b]... -> (tokens (B, K), cache): the token drawn after each of them,
         position j as token token_b + j of its row's output (the key a decode step would use).
         Drafts are right up to the first j where draft j + 1 != drawn j (speculation)."""
-        return self._serving()[1](self.weights, cache, tokens_bk, positions_b, rows, token_b)
+        return self._serving(cache)[1](self.weights, cache, tokens_bk, positions_b, rows, token_b)
 
     def copy_prefix(self, cache, src_n, dst_n, lengths_n):
         """Cache row dst_n[n]'s positions [0, lengths_n[n]) := row src_n[n]'s, for every n (a
         dst >= the cache's batch is padding) -> cache. Rows must not be both a src and a dst."""
-        return self._serving()[2](cache, src_n, dst_n, lengths_n)
+        return self._serving(cache)[2](cache, src_n, dst_n, lengths_n)
 
     def lower_extend(self, cache, slots_n, tokens_nt, starts_n, lengths_n, rows_n, token_n):
         """The extend_slots program lowered for these arguments, as `lower_prefill`."""
-        return self._serving()[0].lower(
+        return self._serving(cache)[0].lower(
             self.weights, cache, slots_n, tokens_nt, starts_n, lengths_n, rows_n, token_n
         )
 
     def lower_verify(self, cache, tokens_bk, positions_b, rows, token_b):
         """The verify program lowered for these arguments, as `lower_prefill`."""
-        return self._serving()[1].lower(self.weights, cache, tokens_bk, positions_b, rows, token_b)
+        return self._serving(cache)[1].lower(
+            self.weights, cache, tokens_bk, positions_b, rows, token_b
+        )
 
-    def _serving(self):
-        return _serving_programs(self._graphdef, self._treedef, self.model.mesh)
+    def _plain(self, cache):
+        paged = isinstance(cache, PagedKV)
+        if paged not in self._plain_sets:
+            self._plain_sets[paged] = _programs(
+                self._graphdef, self._treedef, self.model.mesh, True
+            )
+        return self._plain_sets[paged]
 
-    def _scored(self):
+    def _serving(self, cache):
+        paged = isinstance(cache, PagedKV)
+        return _serving_programs(self._graphdef, self._treedef, self.model.mesh, paged)
+
+    def _scored(self, cache):
         top = min(TOP_LOGPROBS, self.model.config.vocab_size)
-        return _scored_programs(self._graphdef, self._treedef, self.model.mesh, top)
+        paged = isinstance(cache, PagedKV)
+        return _scored_programs(self._graphdef, self._treedef, self.model.mesh, top, paged)
 
     def prefill_slots_scored(self, cache, slots_n, tokens_nt, lengths_n, rows_n):
         """`prefill_slots`, scored -> ((first tokens (n,), log p (n, T), top ids (n, T, K),
         top log p (n, T, K)), cache): position t scores the prompt's token t + 1, the last
         prompt position the first token; K = min(TOP_LOGPROBS, vocab). Log-probabilities are
         the log-softmax of the raw logits (before temperature, top-k, top-p)."""
-        return self._scored()[0](self.weights, cache, slots_n, tokens_nt, lengths_n, rows_n)
+        return self._scored(cache)[0](self.weights, cache, slots_n, tokens_nt, lengths_n, rows_n)
 
     def decode_steps_scored(self, cache, tokens_b, positions_b, rows, token_b, steps: int):
         """`decode_steps`, scored -> ((tokens, log p (steps, B), top ids, top log p (steps, B,
         K)), cache): each drawn token's log-probability from the logits it was drawn from."""
-        return self._scored()[1](self.weights, cache, tokens_b, positions_b, rows, token_b, steps)
+        return self._scored(cache)[1](
+            self.weights, cache, tokens_b, positions_b, rows, token_b, steps
+        )
 
 
 def fusion_fits(model: Transformer, share: float = 0.5) -> bool:

@@ -67,6 +67,11 @@ ENGINE_COUNTERS = (
     ),
     ("spec_drafted_tokens", "Tokens drafted by prompt lookup.", "drafted_tokens"),
     ("spec_accepted_tokens", "Drafted tokens the model accepted.", "accepted_tokens"),
+    (
+        "preemptions",
+        "Requests sent back to the queue (to resume later) when the KV pages ran out.",
+        "preemptions",
+    ),
 )
 
 
@@ -91,6 +96,16 @@ class _EngineCounts(prom.registry.Collector):
         for name, help_, value in (
             ("queue_depth", "Requests waiting for a slot.", e.waiting),
             ("slots_busy", "Slots generating.", e.busy),
-            ("slots_total", "Slots (rows of the KV cache).", e.slots),
+            ("slots_total", "Slots (requests decoded together).", e.slots),
         ):
             yield GaugeMetricFamily(f"ladder_{name}", help_, value)
+        pool = getattr(e, "pool", None)  # the paged KV cache's
+        if pool is not None:
+            yield GaugeMetricFamily(
+                "ladder_kv_pages_total", "Pages of the KV cache (16 positions each).", pool.capacity
+            )
+            yield GaugeMetricFamily(
+                "ladder_kv_pages_free",
+                "KV pages no request holds (free, or keeping a cached prefix).",
+                pool.available(),
+            )

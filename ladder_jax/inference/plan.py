@@ -51,44 +51,37 @@ def _sampling(words: np.ndarray) -> RowSampling:
 
 @dataclasses.dataclass(frozen=True)
 class PlanShape:
-    """The fixed size of every plan of one engine: `slots` rows, at most `admit` chunks and
-    `admit` copies a round, `pool` prompt tokens in all, `drafts` drafted tokens per row."""
+    """The fixed size of every plan of one engine: `slots` rows, at most `admit` chunks a round,
+    `pool` prompt tokens in all, `drafts` drafted tokens per row, a block table of `pages`
+    entries per row."""
 
     slots: int
     admit: int
     pool: int
     drafts: int
+    pages: int
 
-    HEADER = 4  # run, decode, copies, chunks
+    HEADER = 3  # run, decode, chunks
     SLOT = 10  # token, position, key (2), temperature, top_k, top_p, count, busy, drafted
-    COPY = 3  # src, dst, length
-    CHUNK = 10  # slot, start, length, key (2), temperature, top_k, top_p, final, scored
+    CHUNK = 11  # slot, start, length, key (2), temperature, top_k, top_p, final, scored, index
 
     @property
     def size(self) -> int:
         B = self.slots
         return (
             self.HEADER
-            + B * (self.SLOT + self.drafts)
-            + self.admit * (self.COPY + self.CHUNK)
+            + B * (self.SLOT + self.drafts + self.pages)
+            + self.admit * self.CHUNK
             + self.pool
         )
 
 
 @dataclasses.dataclass
-class Copy:
-    """Cache row `dst`'s first `length` positions := row `src`'s (a reused prefix)."""
-
-    src: int
-    dst: int
-    length: int
-
-
-@dataclasses.dataclass
 class Chunk:
     """A prompt's next tokens into cache row `slot` at positions `start`...; `final`: the
-    prompt's last chunk (its first token is drawn, with the row's settings `rows`); `scored`:
-    a whole prompt from position 0, scored (logprobs, echo)."""
+    prompt's last chunk (its next token is drawn, with the row's settings `rows`, as token
+    `index` of the request's output: 0, or the tokens a preempted request had produced);
+    `scored`: a whole prompt from position 0, scored (logprobs, echo)."""
 
     slot: int
     start: int
@@ -96,15 +89,16 @@ class Chunk:
     rows: RowSampling  # (1,)
     final: bool
     scored: bool = False
+    index: int = 0
 
 
 @dataclasses.dataclass
 class Plan:
-    """One round: first the `copies`, then the decode part (`decode`: IDLE none, DECODE the plain
-    steps, SCORED the scored ones (some request wants logprobs), VERIFY one speculative step of
-    each row's newest token and its `drafted_b` drafts `drafts_bk`) over the rows busy
-    decoding (`busy_b`; per row its newest token, position, settings and tokens so far), then
-    the `chunks`."""
+    """One round over the block table `table_bm` (the pages each row owns now): the decode part
+    (`decode`: IDLE none, DECODE the plain steps, SCORED the scored ones (some request wants
+    logprobs), VERIFY one speculative step of each row's newest token and its `drafted_b`
+    drafts `drafts_bk`) over the rows busy decoding (`busy_b`; per row its newest token,
+    position, settings and tokens so far), then the `chunks`."""
 
     run: bool  # False: stop the loop
     decode: int
@@ -115,15 +109,15 @@ class Plan:
     busy_b: np.ndarray  # (B,) bool
     drafts_bk: np.ndarray  # (B, drafts) int32
     drafted_b: np.ndarray  # (B,) int32
-    copies: list[Copy] = dataclasses.field(default_factory=list)
+    table_bm: np.ndarray  # (B, pages) int32
     chunks: list[Chunk] = dataclasses.field(default_factory=list)
 
     def to_array(self, shape: PlanShape) -> np.ndarray:
         B, K = shape.slots, shape.drafts
-        if len(self.copies) > shape.admit or len(self.chunks) > shape.admit:
-            raise ValueError(f"a plan holds at most {shape.admit} copies and chunks")
+        if len(self.chunks) > shape.admit:
+            raise ValueError(f"a plan holds at most {shape.admit} chunks")
         out = np.zeros(shape.size, np.int32)
-        out[:4] = [self.run, self.decode, len(self.copies), len(self.chunks)]
+        out[:3] = [self.run, self.decode, len(self.chunks)]
         o = shape.HEADER
         block = np.concatenate(
             [
@@ -137,13 +131,12 @@ class Plan:
         o += shape.SLOT * B
         out[o : o + B * K] = np.asarray(self.drafts_bk, np.int32).reshape(-1)
         o += B * K
-        for j, c in enumerate(self.copies):
-            out[o + shape.COPY * j : o + shape.COPY * (j + 1)] = [c.src, c.dst, c.length]
-        o += shape.COPY * shape.admit
+        out[o : o + B * shape.pages] = np.asarray(self.table_bm, np.int32).reshape(-1)
+        o += B * shape.pages
         pool = o + shape.CHUNK * shape.admit
         for j, c in enumerate(self.chunks):
             n = len(c.tokens)
-            words = [c.slot, c.start, n, *_settings(c.rows)[0], c.final, c.scored]
+            words = [c.slot, c.start, n, *_settings(c.rows)[0], c.final, c.scored, c.index]
             out[o + shape.CHUNK * j : o + shape.CHUNK * (j + 1)] = words
             if pool + n > shape.size:
                 raise ValueError(f"a plan's chunks hold at most {shape.pool} tokens in all")
@@ -159,19 +152,19 @@ class Plan:
         o += shape.SLOT * B
         drafts_bk = arr[o : o + B * K].reshape(B, K).copy()
         o += B * K
-        copies = [
-            Copy(*(int(x) for x in arr[o + shape.COPY * j : o + shape.COPY * (j + 1)]))
-            for j in range(int(arr[2]))
-        ]
-        o += shape.COPY * shape.admit
+        table_bm = arr[o : o + B * shape.pages].reshape(B, shape.pages).copy()
+        o += B * shape.pages
         pool = o + shape.CHUNK * shape.admit
         chunks = []
-        for j in range(int(arr[3])):
+        for j in range(int(arr[2])):
             h = arr[o + shape.CHUNK * j : o + shape.CHUNK * (j + 1)]
             n = int(h[2])
             tokens = arr[pool : pool + n].copy()
+            final, scored = map(bool, h[8:10])
             chunks.append(
-                Chunk(int(h[0]), int(h[1]), tokens, _sampling(h[None, 3:8]), *map(bool, h[8:]))
+                Chunk(
+                    int(h[0]), int(h[1]), tokens, _sampling(h[None, 3:8]), final, scored, int(h[10])
+                )
             )
             pool += n
         return cls(
@@ -184,6 +177,6 @@ class Plan:
             block[:, 8].astype(bool),
             drafts_bk,
             block[:, 9].copy(),
-            copies,
+            table_bm,
             chunks,
         )

@@ -1,12 +1,15 @@
-"""How big a server's KV cache is: slots x positions fitted to a share of the memory left once
-the weights are loaded (`--memory-fraction`). Pure arithmetic on the config, no device work.
+"""How big a server's KV cache is: a pool of pages of 16 positions fitted to a share of the
+memory left once the weights are loaded (`--memory-fraction`), shared by the slots as their
+requests grow. Pure arithmetic on the config, no device work.
 
     plan = plan_kv(config, tp=1, slots=16, max_len=None, free=24 << 30, fraction=0.5)
-    plan.slots, plan.positions, plan.kv_bytes, plan.line()
+    plan.slots, plan.positions, plan.pages, plan.kv_bytes, plan.line()
 
-Positions are cut first (to a multiple of POSITION_STEP), then slots, never below one slot of
-POSITION_STEP positions; a flag the user gave is never cut (too big: a SizingError naming it).
-The table of what the defaults choose: docs/inference.md, 'Serve'."""
+The pool holds every slot at full length when that fits, else what fits (requests then share
+it, the newest preempted when it runs out), but always one request at full length: when even
+that does not fit, positions are cut (to a multiple of POSITION_STEP), unless --max-len was
+given (then a SizingError naming the flags). The table of what the defaults choose:
+docs/inference.md, 'Serve'."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import jax.numpy as jnp
 
 from ladder_jax.config import ConfigError, ModelConfig
 from ladder_jax.model import layout
+from ladder_jax.model.paged import PAGE
 
 POSITION_STEP = 64  # positions are cut to a multiple of this
 DEFAULT_FRACTION = {"cpu": 0.5, "gpu": 0.8}  # of the memory left after the weights
@@ -43,21 +47,32 @@ def check_fraction(fraction: float) -> float:
 @dataclasses.dataclass(frozen=True)
 class KVPlan:
     slots: int
-    positions: int
-    kv_bytes: int  # slots x (positions + spare) x position_bytes, in the memory `free` counts
+    positions: int  # the most a request may use (prompt + max_tokens)
+    pages: int  # the pool's, the trash page included
+    page: int
+    kv_bytes: int  # pages x page x position_bytes, in the memory `free` counts
     free: int | None  # bytes free after loading the weights (None: unknown, nothing cut)
     fraction: float
     where: str  # "of host memory" or "on each device"
     why: str  # what was cut, or that the request fits
 
+    @property
+    def full_length(self) -> int:
+        """Requests at `positions` the pool holds at once."""
+        return (self.pages - 1) // -(-self.positions // self.page)
+
     def line(self) -> str:
         """One start-up line: what was chosen, from what memory, and why."""
-        kv = f"{size_text(self.kv_bytes)} {self.where}"
+        kv = (
+            f"KV cache: {self.pages - 1:,} pages of {self.page} positions, "
+            f"{size_text(self.kv_bytes)} {self.where}, for {self.slots} slots of up to "
+            f"{self.positions:,} positions ({self.full_length} at full length at once)"
+        )
         if self.free is None:
-            return f"KV cache: {self.slots} slots x {self.positions:,} positions, {kv} ({self.why})"
+            return f"{kv} ({self.why})"
         return (
-            f"KV cache: {self.slots} slots x {self.positions:,} positions, {kv}: {self.why} "
-            f"({FLAG} {self.fraction:g} of {size_text(self.free)} free after the weights)"
+            f"{kv}: {self.why} ({FLAG} {self.fraction:g} of {size_text(self.free)} free after "
+            f"the weights)"
         )
 
 
@@ -78,40 +93,39 @@ def plan_kv(
     free: int | None,
     fraction: float,
     devices: int = 1,
-    spare: int = 0,
-    slots_given: bool = False,
+    page: int = PAGE,
     where: str = "of host memory",
 ) -> KVPlan:
-    """The cache's slots and positions: `slots` x (`max_len` or the model's max_seq_len) when it
-    fits in `fraction` x `free` bytes, else positions cut (unless `max_len` was given), then
-    slots (unless `slots_given`), each to what fits; SizingError when even one slot of
-    POSITION_STEP positions (or of the given --max-len) does not. Each row also holds `spare`
-    positions no request uses (an engine's scratch tail), counted in the bytes."""
+    """The pool's pages for `slots` requests of up to `max_len` positions (else the model's
+    max_seq_len): all of them at full length when that fits in `fraction` x `free` bytes,
+    else what fits, never less than one request at full length: positions cut to fit it
+    (unless `max_len` was given: SizingError, as when even POSITION_STEP positions do not
+    fit). The trash page counts in the bytes."""
     check_fraction(fraction)
-    per = position_bytes(config, tp, devices)
+    per = position_bytes(config, tp, devices) * page  # bytes of a page
     want = min(max_len or config.max_seq_len, config.max_seq_len)
-    need = lambda s, n: s * (n + spare) * per  # noqa: E731
-    plan = lambda s, n, why: KVPlan(s, n, need(s, n), free, fraction, where, why)  # noqa: E731
+    rows = lambda n: -(-n // page)  # noqa: E731  pages of a request of n positions
+    plan = lambda n, pages, why: KVPlan(  # noqa: E731
+        slots, n, pages, page, pages * per, free, fraction, where, why
+    )
+    every = slots * rows(want) + 1
     if free is None:
-        return plan(slots, want, f"free memory unknown: not sized, {FLAG} unused")
+        return plan(want, every, f"free memory unknown: not sized, {FLAG} unused")
     budget = int(fraction * free)
-    if need(slots, want) <= budget:
-        return plan(slots, want, "fits" if max_len else "the model's max_seq_len fits")
-    asked = f"{slots} slots x {want:,} positions need {size_text(need(slots, want))} {where}"
+    n = budget // per
+    if n >= every:
+        return plan(want, every, "every slot fits at full length")
+    asked = f"{slots} slots x {want:,} positions need {size_text(every * per)} {where}"
+    if n >= rows(want) + 1:
+        return plan(want, int(n), f"the slots share what fits ({asked})")
     room = f"{FLAG} {fraction:g} of {size_text(free)} free is {size_text(budget)}"
-    if max_len is None:  # positions first, to a multiple of the step
-        n = (budget // (slots * per) - spare) // POSITION_STEP * POSITION_STEP
-        if n >= POSITION_STEP:
-            return plan(slots, n, f"positions cut to fit ({asked}; give --max-len to choose)")
-    n = max_len or POSITION_STEP
-    s = budget // ((n + spare) * per)
-    if not slots_given and s >= 1:
-        return plan(int(s), n, f"slots cut to fit ({asked}; give --slots to choose)")
-    least = slots if slots_given else 1
+    cut = (n - 1) * page // POSITION_STEP * POSITION_STEP
+    if max_len is None and cut >= POSITION_STEP:
+        return plan(cut, int(n), f"positions cut to fit ({asked}; give --max-len to choose)")
+    least = max_len or POSITION_STEP
     fixes = ["lower --max-len"] if max_len else []
-    fixes += ["lower --slots"] if least > 1 else []
     fixes += [f"raise {FLAG}", "use a smaller model or more devices"]
     raise SizingError(
-        f"no room for a KV cache of {least} slot(s) x {n:,} positions "
-        f"({size_text(need(least, n))} {where}): {room}; {', '.join(fixes)}"
+        f"no room for a KV cache of one request of {least:,} positions "
+        f"({size_text((rows(least) + 1) * per)} {where}): {room}; {', '.join(fixes)}"
     )

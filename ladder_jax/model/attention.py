@@ -16,7 +16,7 @@ from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 from jax.sharding import Mesh
 
 from ladder_jax.config import ModelConfig
-from ladder_jax.model import ragged
+from ladder_jax.model import paged, ragged
 from ladder_jax.model.collectives import vary_like
 
 
@@ -70,7 +70,14 @@ def attend_rotated(q_btnh, k_btkh, v_btkh, positions_bt, inv_freq, kernel: str, 
         positions_bt = jnp.where(idle_bt, -positions_bt - 1, positions_bt)
     q_btnh = apply_rope(q_btnh, positions_bt, inv_freq)
     k_btkh = apply_rope(k_btkh, positions_bt, inv_freq)
-    if cache is not None:
+    if cache is not None and len(cache) == 3:  # a paged cache: (k pool, v pool, table)
+        k_pool, v_pool, table_bm = cache
+        cache = (
+            paged.write(k_pool, k_btkh, positions_bt, table_bm, keys=True),
+            paged.write(v_pool, v_btkh, positions_bt, table_bm, keys=False),
+            table_bm,
+        )
+    elif cache is not None:
         cache = (
             write_cache(cache[0], k_btkh, positions_bt[:, 0], keys=True),
             write_cache(cache[1], v_btkh, positions_bt[:, 0], keys=False),
@@ -80,7 +87,8 @@ def attend_rotated(q_btnh, k_btkh, v_btkh, positions_bt, inv_freq, kernel: str, 
     elif cache is None:
         out_btnh = attend(q_btnh, k_btkh, v_btkh, positions_bt, positions_bt)
     else:
-        out_btnh = ragged.attend_filled(q_btnh, *cache, seen_bt, kernel)
+        over = paged.attend if len(cache) == 3 else ragged.attend_filled
+        out_btnh = over(q_btnh, *cache, seen_bt, kernel)
         out_btnh = jnp.where(idle_bt[:, :, None, None], 0, out_btnh).astype(out_btnh.dtype)
     return out_btnh, cache
 

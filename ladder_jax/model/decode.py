@@ -217,6 +217,7 @@ def _writes_in_kernel(attn, T, positions_bt, cache) -> bool:
     (`ragged.attend_new`): one token per row over a cache, on the Triton kernel."""
     return (
         cache is not None
+        and len(cache) == 2  # rows, not pages
         and positions_bt is not None
         and ragged.writes_in_kernel(attn.kernel, T, cache[1])
     )

@@ -138,6 +138,20 @@ class WeightSpecs:
 # (B, S, K, H), XLA copied the whole cache into that order and back in every layer of every
 # step wherever a rank holds several kv heads (measured: docs/results.md, CPU decoding).
 CACHE_BKSH = P(DATA, TP, None, None)
+# The paged cache (`ladder_jax.model.paged`, a server's: data = 1, so `data` splits nothing):
+# pools of pages (P, K', H, page) and (P, K', page, H), kv heads over `tp` as above; the block
+# table (B, M).
+POOL_PKHS = P(DATA, TP, None, None)
+TABLE_BM = P(DATA, None)
+
+
+def cache_specs(layers) -> list[tuple]:
+    """The shard_map specs of a cache's per-layer tuples: (k, v) rows or (k pool, v pool,
+    table)."""
+    return [
+        (POOL_PKHS, POOL_PKHS, TABLE_BM) if len(kv) == 3 else (CACHE_BKSH, CACHE_BKSH)
+        for kv in layers
+    ]
 
 
 def device_bytes(x) -> int:

@@ -76,25 +76,37 @@ def _ungrouped(out_bkmh, T):
 
 def _blocked(q_btnh, k_bkhs, v_bksh, q_pos_bt, block):
     """The XLA form: a while loop over key blocks up to the longest row's filled length."""
-    B, T, N, H = q_btnh.shape
     K, S = k_bkhs.shape[1], v_bksh.shape[2]
     block = min(block, S)
+
+    def fetch(i):
+        # the last block may start early (a cache not a multiple of block): slots before
+        # i * block were folded in already and are masked in `flash_loop`
+        start = jnp.minimum(i * block, S - block)
+        k_blk = jax.lax.dynamic_slice_in_dim(k_bkhs, start, block, axis=3)
+        v_blk = jax.lax.dynamic_slice_in_dim(v_bksh, start, block, axis=2)
+        return start, k_blk, v_blk
+
+    n_blocks = (jnp.max(q_pos_bt) + block) // block  # ceil((max position + 1) / block)
+    n_blocks = jnp.minimum(n_blocks, -(-S // block)).astype(jnp.int32)
+    return flash_loop(q_btnh, q_pos_bt, fetch, n_blocks, block, K, v_bksh.dtype)
+
+
+def flash_loop(q_btnh, q_pos_bt, fetch, n_blocks, block: int, K: int, dtype):
+    """Flash attention's running softmax over `n_blocks` key blocks: `fetch(i)` gives block
+    i's (first slot, keys (B, K, H, block), values (B, K, block, H)); slot s of it is seen by
+    a query at position p iff i * block <= s <= p. Returns (B, T, N, H) in `dtype`."""
+    B, T, N, H = q_btnh.shape
     q_bkmh = _grouped(q_btnh, K)
     M = q_bkmh.shape[2]
     G = M // T
     pos_bm = jnp.broadcast_to(q_pos_bt[:, None, :], (B, G, T)).reshape(B, 1, M, 1)
-    n_blocks = (jnp.max(q_pos_bt) + block) // block  # ceil((max position + 1) / block)
-    n_blocks = jnp.minimum(n_blocks, -(-S // block)).astype(jnp.int32)
     batch = ((0, 1), (0, 1))
     scale = 1.0 / math.sqrt(H)
 
     def body(i, carry):
         m_bkm1, l_bkm1, acc_bkmh = carry
-        # the last block may start early (a cache not a multiple of block): slots before
-        # i * block were folded in already and are masked here
-        start = jnp.minimum(i * block, S - block)
-        k_blk = jax.lax.dynamic_slice_in_dim(k_bkhs, start, block, axis=3)
-        v_blk = jax.lax.dynamic_slice_in_dim(v_bksh, start, block, axis=2)
+        start, k_blk, v_blk = fetch(i)
         s_bkms = (
             jax.lax.dot_general(
                 q_bkmh, k_blk, (((3,), (2,)), batch), preferred_element_type=jnp.float32
@@ -108,7 +120,7 @@ def _blocked(q_btnh, k_bkhs, v_bksh, q_pos_bt, block):
         p_bkms = jnp.exp(s_bkms - m_new)
         fix = jnp.exp(m_bkm1 - m_new)
         pv = jax.lax.dot_general(
-            p_bkms.astype(v_bksh.dtype),
+            p_bkms.astype(v_blk.dtype),
             v_blk,
             (((3,), (2,)), batch),
             preferred_element_type=jnp.float32,
@@ -122,7 +134,7 @@ def _blocked(q_btnh, k_bkhs, v_bksh, q_pos_bt, block):
     )
     init = tuple(vary_like(x, q_btnh) for x in init)
     _, l_bkm1, acc_bkmh = jax.lax.fori_loop(0, n_blocks, body, init)
-    return _ungrouped((acc_bkmh / l_bkm1).astype(v_bksh.dtype), T)
+    return _ungrouped((acc_bkmh / l_bkm1).astype(dtype), T)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ladder_jax.config import ConfigError, ModelConfig, check_desync_tp
-from ladder_jax.model import decode, desync, quant, residual, sharding
+from ladder_jax.model import decode, desync, layout, quant, residual, sharding
 from ladder_jax.model.attention import attend_rotated, attention_kernel, rope_frequencies
 from ladder_jax.model.layout import DATA, TP, WeightSpecs
 from ladder_jax.model.linear import FusedInput, FusedLinear, FusesInputs, Linear
@@ -316,7 +316,7 @@ class Transformer(nnx.Module):
         # the positions travel only if given (None: 0..T-1, flash attention), the cache too
         pos_args = () if positions_bt is None else (jnp.asarray(positions_bt),)
         cache_args = () if cache is None else (cache,)
-        cache_specs = tuple(jax.tree.map(lambda _: sharding.CACHE_BKSH, c) for c in cache_args)
+        cache_specs = tuple(layout.cache_specs(c) for c in cache_args)
 
         def local(state, tokens_bt, *rest):
             positions_bt = rest[0] if pos_args else None
