@@ -12,17 +12,21 @@ Tolerance: float32 1e-5 absolute on attention outputs of unit-variance inputs; b
 (its output rounding).
 """
 
+import functools
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ladder_jax.analysis import programs
-from ladder_jax.model import paged_kernel
-from tests import reference
+from ladder_jax.inference import generation
+from ladder_jax.inference.cache import PagedKV
+from ladder_jax.model import paged, paged_kernel
+from tests import helpers, reference
 
 K, H, PAGE, M = 2, 16, 16, 6  # 6 pages a row: 96 positions
 # each row's last position + 1 (its length): one position (at T = 4 three queries at negative
@@ -67,7 +71,7 @@ def _dense(q, pool_k, pool_v, table, pos_bt):
     return np.where((pos_bt >= 0)[:, :, None, None], out, 0.0)
 
 
-def _case(T, G, dtype, seed=0):
+def _case(T, G, dtype, seed=0, poison=True):
     rng = np.random.default_rng(seed)
     P = B * M + 1
     q = rng.standard_normal((B, T, K * G, H))
@@ -78,7 +82,8 @@ def _case(T, G, dtype, seed=0):
     pos_bt = (LENGTHS[:, None] - T + np.arange(T)[None, :]).astype(np.int32)
     pos_bt[LENGTHS == 0] = -1
     want = _dense(*(np.asarray(x, np.float64) for x in (q, pool_k, pool_v)), table, pos_bt)
-    pool_k, pool_v = _poisoned(np.asarray(pool_k), np.asarray(pool_v), table)
+    if poison:
+        pool_k, pool_v = _poisoned(np.asarray(pool_k), np.asarray(pool_v), table)
     return (q, pool_k, pool_v, table, pos_bt), want
 
 
@@ -178,3 +183,55 @@ def test_the_paged_kernel_compiles_for_h100_at_llama_shapes(T):
         assert f"bf16[{dims}]" in defined and " parameter(" in defined, defined
     assert paged_kernel._splits(Md, PAGE, Bd * Kd // 2)[0] == 2
     assert f"f32[16,8,2,{4 * T},128]" in calls[0]  # the splits' partials
+
+
+def test_the_model_attends_over_pages_through_the_kernel_where_it_fits(monkeypatch):
+    """`paged.attend` (what the model's layers call over a paged cache) with the "pallas"
+    kernel runs `attend_paged` for a verify step (interpreted here) and equals its XLA form
+    (`kernel="matmul"`, a second implementation) at every query with a position; a prompt
+    chunk of 17 tokens (68 rows a kv head, past `MAX_KERNEL_ROWS`) takes the XLA form."""
+    monkeypatch.setattr(
+        paged_kernel, "attend_paged", functools.partial(paged_kernel.attend_paged, interpret=True)
+    )
+    args, _ = _case(4, 4, jnp.float32, seed=2, poison=False)
+
+    def attend(kernel):
+        return jax.jit(lambda *a: paged.attend(*a, kernel=kernel))
+
+    assert "pallas_call" in str(jax.make_jaxpr(attend("pallas"))(*args))
+    got, want = (np.asarray(attend(kernel)(*args)) for kernel in ("pallas", "matmul"))
+    real = np.broadcast_to((args[-1] >= 0)[:, :, None, None], want.shape)
+    np.testing.assert_allclose(got[real], want[real], atol=1e-5, rtol=0)
+    q, *pools, table, _ = args
+    chunk = (jnp.tile(q, (1, 5, 1, 1))[:, :17], *pools, table, np.zeros((B, 17), np.int32))
+    assert "pallas_call" not in str(jax.make_jaxpr(attend("pallas"))(*chunk))
+
+
+@pytest.mark.parametrize("phase", ["decode", "verify"])
+def test_the_h100_server_steps_over_pages_hold_the_kernel_per_layer(phase):
+    """The deviceless H100 decode step and verify step (5 tokens a row) of the tiny model at
+    tp 2 over a paged cache attend through one `paged_decode_attention` call per layer."""
+    config, batch = helpers.TINY, 8
+    mesh = programs.gpu_mesh("h100", 2)
+    decoder = generation.Decoder(nnx.merge(*programs.abstract(config, mesh)))
+    cache = PagedKV.abstract(config, mesh, batch, 256, pages=129)
+
+    def rows_of(dtype, *shape):
+        spec = PartitionSpec("data", *(None,) * len(shape))
+        return jax.ShapeDtypeStruct((batch, *shape), dtype, sharding=NamedSharding(mesh, spec))
+
+    rows = rows_of(jnp.int32)
+    settings = generation.RowSampling(
+        rows_of(jnp.uint32, 2), rows_of(jnp.float32), rows_of(jnp.int32), rows_of(jnp.float32)
+    )
+    if phase == "decode":
+        lowered = decoder.lower_decode(cache, rows, rows, settings, rows)
+    else:
+        lowered = decoder.lower_verify(cache, rows_of(jnp.int32, 5), rows, settings, rows)
+    hlo, _ = programs.compile_lowered(lowered, what=phase)
+    calls = [
+        line
+        for line in hlo.splitlines()
+        if "custom-call(" in line and "xla.gpu.triton" in line and paged_kernel.KERNEL_NAME in line
+    ]
+    assert len(calls) == config.n_layers

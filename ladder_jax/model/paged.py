@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ladder_jax.model import ragged
+from ladder_jax.model import paged_kernel, ragged
 
 PAGE = 16  # positions per page: the prefix cache's block, Triton's smallest dot
 
@@ -40,10 +40,14 @@ def write(pool, new_btkh, positions_bt, table_bm, *, keys: bool):
 
 def attend(q_btnh, k_pool, v_pool, table_bm, q_pos_bt, kernel: str = "matmul"):
     """Attention of queries (B, T, N, H) at positions (B, T) over their rows' pages: query at
-    position p sees positions 0..p of its row; a negative position sees nothing. The XLA form:
-    a loop over blocks of pages up to the furthest position in the batch, each block gathered
-    from the pool by the table (`ragged.flash_loop`)."""
-    del kernel  # the one form for now, on every platform
+    position p sees positions 0..p of its row; a negative position sees nothing. `kernel`: the
+    model's `attention_kernel`; "pallas" or "cudnn" run the Triton kernel
+    (`paged_kernel.attend_paged`: each row reads its own filled pages) where it `fits` (decode
+    and verify steps), else the XLA form: a loop over blocks of pages up to the furthest
+    position in the batch, each block gathered from the pool by the table
+    (`ragged.flash_loop`)."""
+    if kernel in ("pallas", "cudnn") and paged_kernel.fits(q_btnh, k_pool):
+        return paged_kernel.attend_paged(q_btnh, k_pool, v_pool, table_bm, q_pos_bt)
     B = q_btnh.shape[0]
     K, page = k_pool.shape[1], k_pool.shape[3]
     M = table_bm.shape[1]
