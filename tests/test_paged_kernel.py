@@ -147,12 +147,14 @@ def test_fits_takes_what_triton_can_block():
         )
 
 
-@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("T", [1, 4, 16])
 def test_the_paged_kernel_compiles_for_h100_at_llama_shapes(T):
     """Under a tp-2 shard_map (its type check on): 16 rows, 8 kv heads a device of 4 query
     heads each, head_dim 128, tables of 512 pages (8,192 positions) over a bfloat16 pool of
-    8,193 pages. One Triton call per device program reading both pools' shards as they lie
-    (parameters of the program, no copy), writing two splits' partials that XLA combines."""
+    8,193 pages; T = 1, 4 and 16 tokens a row (at 16, 64 query rows a program: the most
+    `fits` takes, within an H100's shared memory). One Triton call per device program reading
+    both pools' shards as they lie (parameters of the program, no copy), writing two splits'
+    partials that XLA combines."""
     mesh = programs.gpu_mesh("h100", 2)
     Bd, Kd, Gd, Hd, Md = 16, 16, 4, 128, 512
     P = Bd * Md + 1
