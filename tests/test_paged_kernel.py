@@ -13,7 +13,11 @@ Tolerance: float32 1e-5 absolute on attention outputs of unit-variance inputs; b
 """
 
 import functools
+import json
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -237,3 +241,23 @@ def test_the_h100_server_steps_over_pages_hold_the_kernel_per_layer(phase):
         if "custom-call(" in line and "xla.gpu.triton" in line and paged_kernel.KERNEL_NAME in line
     ]
     assert len(calls) == config.n_layers
+
+
+def test_the_gpu_benchmark_dry_run_checks_the_kernel_on_the_cpu(tmp_path):
+    """benchmarks/paged_attention.py --dry-run (the kernels interpreted on CPU, small sizes)
+    writes every case with the paged kernel checked against the row cache's kernel and the
+    XLA loop, exit 0: the script a lent GPU runs works before any GPU is lent."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "pa.json"
+    r = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "paged_attention.py"), "--dry-run"]
+        + ["--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert r.returncode == 0, (r.stdout, r.stderr[-2000:])
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4 and all(row["ok"] for row in rows), rows
+    assert all(row["rel_err_vs_xla"] < 1e-2 for row in rows), rows
