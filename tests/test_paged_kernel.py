@@ -9,7 +9,8 @@ zero weight, would turn the outputs NaN, so these checks fail unless the kernel 
 slots out of both products. Which pages each program reads (its row's filled pages only, in
 disjoint shares per split) is checked on `_pages_read`, the range the kernel loops over.
 Tolerance: float32 1e-5 absolute on attention outputs of unit-variance inputs; bfloat16 2e-2
-(its output rounding).
+(its output rounding). Then the kernel where the model runs it (`paged.attend`, the layers'
+decode and verify steps) against the XLA page loop, and compiled deviceless for an H100.
 """
 
 import functools
@@ -261,3 +262,55 @@ def test_the_gpu_benchmark_dry_run_checks_the_kernel_on_the_cpu(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 4 and all(row["ok"] for row in rows), rows
     assert all(row["rel_err_vs_xla"] < 1e-2 for row in rows), rows
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_models_steps_over_pages_on_the_kernel_equal_the_xla_loop(tp, T, monkeypatch):
+    """The tiny model (head_dim 16: the kernel's dot form) at tp 1 and 2, a decode step (T 1)
+    and a verify-sized step (T 3) over a paged cache of random entries on scattered pages,
+    rows at positions 0, 15, 16 and one idle row (-(p + 1): it writes, attends to nothing):
+    its layers' attention on the paged kernel (interpreted) == on the XLA page loop, logits
+    and both pools of every layer."""
+    model = helpers.tiny_model(tp, head_dim=16, n_layers=2)
+    cfg, Bm, Sm = model.config, 4, 64
+    pages = Bm * (Sm // PAGE) + 3
+    cache = PagedKV.init(cfg, model.mesh, Bm, Sm, pages)
+    table = np.random.default_rng(3).permutation(np.arange(1, pages))[: cache.table.size]
+    table = jax.device_put(table.reshape(cache.table.shape).astype(np.int32), cache.table.sharding)
+    layers = [
+        tuple(
+            jax.device_put(jax.random.normal(jax.random.key(10 * i + j), x.shape), x.sharding)
+            for j, x in enumerate(kv[:2])
+        )
+        + (table,)
+        for i, kv in enumerate(cache.layers())
+    ]
+    start_b = np.array([0, 15, 16, -(20 + 1)])
+    step_t = np.arange(T)
+    pos_bt = np.where(start_b[:, None] < 0, start_b[:, None] - step_t, start_b[:, None] + step_t)
+    pos_bt = jnp.asarray(pos_bt, jnp.int32)
+    tokens = jnp.asarray(np.arange(Bm * T).reshape(Bm, T) % cfg.vocab_size, jnp.int32)
+    step = nnx.jit(lambda m, c: m.forward_cached(tokens, pos_bt, c))
+    want_logits, want_cache = step(model, layers)
+    assert all(layer.attn.kernel != "pallas" for layer in model.layers)  # CPU: the XLA loop
+    calls, attend = [], paged_kernel.attend_paged
+
+    def interpreted(*a):
+        calls.append(a[0].shape)
+        return attend(*a, interpret=True)
+
+    monkeypatch.setattr(paged_kernel, "attend_paged", interpreted)
+    # Pallas's interpreter cannot run under shard_map's type check (the compiled H100
+    # programs above hold the kernel with the check on)
+    shard_map = jax.shard_map
+    monkeypatch.setattr(
+        jax, "shard_map", lambda *a, **kw: shard_map(*a, **kw | {"check_vma": False})
+    )
+    for layer in model.layers:
+        layer.attn.kernel = "pallas"
+    got_logits, got_cache = nnx.jit(lambda m, c: m.forward_cached(tokens, pos_bt, c))(model, layers)
+    assert calls == [(Bm, T, cfg.n_heads // tp, 16)] * cfg.n_layers
+    np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), atol=1e-4)
+    for got, want in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
