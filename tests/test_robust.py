@@ -365,10 +365,10 @@ def test_the_kv_cache_fits_the_free_memory(monkeypatch):
     assert p.kv_bytes == page * (16 * M + 1)
     p = plan(page * 3 * M * 2)  # room for 3 M pages: shared by the 16 slots
     assert (p.slots, p.positions, p.pages, p.full_length) == (16, c.max_seq_len, 3 * M, 2)
-    p = plan(page * 40)  # 20 pages: one request of 19 x 16 = 304 positions, cut to 256
-    assert (p.positions, p.pages) == (256, 20)
+    p = plan(page * 20)  # 10 pages, fewer than M + 1: 9 x 16 = 144 positions, cut to 128
+    assert (p.positions, p.pages) == (128, 10)
     with pytest.raises(serve.ConfigError, match="lower --max-len"):
-        plan(page * 40, max_len=c.max_seq_len)
+        plan(page * 20, max_len=c.max_seq_len)
 
 
 def _serve_args(tmp_path, llama_dir):

@@ -7,7 +7,7 @@ import pytest
 
 from ladder_jax.config import ConfigError, ModelConfig
 from ladder_jax.inference.cache import PagedKV
-from ladder_jax.inference.sizing import SizingError, plan_kv, position_bytes
+from ladder_jax.inference.sizing import SizingError, plan_kv, position_bytes, steady
 from tests.helpers import tiny_model
 
 MiB, GiB = 2**20, 2**30
@@ -46,18 +46,27 @@ def test_what_fits_is_kept():
 
 
 def test_the_slots_share_the_pages_that_fit():
-    p = plan(free=5 * 10**9)  # budget 2.5e9 / 2 MiB = 1,192 pages: two requests and more
-    assert (p.slots, p.positions, p.pages, p.full_length) == (16, 8192, 1192, 2)
-    assert p.kv_bytes == 1192 * PAGE <= 2.5e9
+    p = plan(free=5 * 10**9)  # budget 2.5e9 / 2 MiB = 1,192 pages, steady: 1,152 (9 x 128)
+    assert (p.slots, p.positions, p.pages, p.full_length) == (16, 8192, 1152, 2)
+    assert p.kv_bytes == 1152 * PAGE <= 2.5e9
     assert "share what fits" in p.why
+    # a restart with a little less memory free keeps the pool (and its compiled programs)
+    assert plan(free=int(5 * 10**9 * 0.97)).pages == 1152
+
+
+def test_steady_keeps_four_binary_digits():
+    assert [steady(n) for n in (0, 1, 15, 16, 17, 33, 1192, 1293, 2057)] == [
+        0, 1, 15, 16, 16, 32, 1152, 1280, 2048,
+    ]  # fmt: skip
+    assert all(n * 7 / 8 <= steady(n) <= n for n in range(1, 5000))
 
 
 def test_positions_are_cut_when_one_request_does_not_fit():
     p = plan(free=2 * GiB)  # 512 pages, one short of a request of 8,192 and the trash page
     assert (p.positions, p.pages) == (8128, 512)  # 511 x 16 = 8,176 cut to a multiple of 64
     assert "positions cut" in p.why and "--max-len" in p.why
-    p = plan(free=200 * MiB)  # 50 pages: 49 x 16 = 784 positions, cut to 768
-    assert (p.slots, p.positions, p.pages, p.kv_bytes) == (16, 768, 50, 100 * MiB)
+    p = plan(free=200 * MiB)  # 50 pages, steady: 48; 47 x 16 = 752 positions, cut to 704
+    assert (p.slots, p.positions, p.pages, p.kv_bytes) == (16, 704, 48, 96 * MiB)
 
 
 def test_too_little_memory_is_one_line_naming_the_flags():

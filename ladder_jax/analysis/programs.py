@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from ladder_jax import hardware, runtime, train_config
 from ladder_jax.inference import generation
-from ladder_jax.model import compilation, layout
+from ladder_jax.model import compilation, layout, paged
 from ladder_jax.model.transformer import abstract
 from ladder_jax.train import step
 
@@ -122,7 +122,8 @@ def lower_decoder(
     `mesh`, from shapes: `prefill`, the one-token `decode` step, or the server's step programs:
     `extend` (`batch` cache rows take a chunk of `prompt_len` tokens each, at offsets that are
     runtime arrays: chunked prefill, the rest of a prompt after a reused prefix) and `verify`
-    (every row's newest token and `draft` drafted ones: speculative decoding). The cache holds
+    (every row's newest token and `draft` drafted ones: speculative decoding), these two over
+    the server's paged cache (`PagedKV`, pages for every row at full length). The cache holds
     `prompt_len + new_tokens` (rounded as `decode` does), or `slots` per row (a server's
     `--max-len`). Sampling settings are runtime arrays, so one program serves greedy and
     sampled rows. `quantize="int8"`: int8 linear weights (`ladder_jax.model.quant`)."""
@@ -130,7 +131,11 @@ def lower_decoder(
         config = dataclasses.replace(config, quantize=quantize)
     decoder = generation.Decoder(nnx.merge(*abstract(config, mesh)))  # weights: shapes
     S = slots or generation.cache_length(config, prompt_len, new_tokens)
-    cache = generation.KVCache.abstract(config, mesh, batch, S)
+    if phase in ("extend", "verify"):  # the server's: over its paged cache, every row full
+        pages = batch * -(-S // paged.PAGE) + 1
+        cache = generation.PagedKV.abstract(config, mesh, batch, S, pages)
+    else:
+        cache = generation.KVCache.abstract(config, mesh, batch, S)
 
     def rows_of(dtype, *shape):
         return jax.ShapeDtypeStruct(

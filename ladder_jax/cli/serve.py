@@ -622,8 +622,9 @@ def _serve(args, engine, tokenizer, name, api_key, template) -> int:
             announced = True
             print(
                 f"serving {name!r} on http://{args.host}:{args.port} ({engine.slots} slots, "
-                f"{engine.length} positions each, KV cache {_cache_bytes(engine) / 2**20:,.1f} "
-                f"MiB, tp={sharding.tp_size(engine.mesh)}, {jax.process_count()} process(es))",
+                f"up to {engine.length} positions each, KV cache "
+                f"{_cache_bytes(engine) / 2**20:,.1f} MiB, tp={sharding.tp_size(engine.mesh)}, "
+                f"{jax.process_count()} process(es))",
                 flush=True,
             )
     if not http.is_alive() and not server.started:

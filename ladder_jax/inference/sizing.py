@@ -84,6 +84,14 @@ def size_text(n: float) -> str:
     return f"{n / 2**10:,.1f} KiB"
 
 
+def steady(n: int) -> int:
+    """n rounded down to its 4 leading binary digits (at most 1/8 less): the free memory moves
+    a little from one start to the next, the pool's size (and so its compiled programs, found
+    again in the compilation cache) mostly does not."""
+    step = 1 << max(0, n.bit_length() - 4)
+    return n // step * step
+
+
 def plan_kv(
     config: ModelConfig,
     tp: int,
@@ -98,7 +106,7 @@ def plan_kv(
 ) -> KVPlan:
     """The pool's pages for `slots` requests of up to `max_len` positions (else the model's
     max_seq_len): all of them at full length when that fits in `fraction` x `free` bytes,
-    else what fits, never less than one request at full length: positions cut to fit it
+    else what fits (`steady`), never less than one request at full length: positions cut to fit it
     (unless `max_len` was given: SizingError, as when even POSITION_STEP positions do not
     fit). The trash page counts in the bytes."""
     check_fraction(fraction)
@@ -112,9 +120,9 @@ def plan_kv(
     if free is None:
         return plan(want, every, f"free memory unknown: not sized, {FLAG} unused")
     budget = int(fraction * free)
-    n = budget // per
-    if n >= every:
+    if budget // per >= every:
         return plan(want, every, "every slot fits at full length")
+    n = steady(budget // per)
     asked = f"{slots} slots x {want:,} positions need {size_text(every * per)} {where}"
     if n >= rows(want) + 1:
         return plan(want, int(n), f"the slots share what fits ({asked})")
