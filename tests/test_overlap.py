@@ -14,7 +14,7 @@ import pytest
 import ladder_jax as lj
 from ladder_jax.analysis import hlo, overlap, programs
 from ladder_jax.cli import overlap as overlap_cli
-from ladder_jax.model import ragged
+from ladder_jax.model import paged_kernel
 
 # tiny, with as many kv heads as ranks (no kv replication), like llama-3-8b at tp=8
 BASE = dict(n_kv_heads=8)
@@ -132,8 +132,9 @@ def test_serving_programs_reduce_every_row_and_token(phase, tokens, kernel):
     """The extend and verify reports read the server's programs at their shapes: each module
     all-reduce carries every row's chunk or drafts (rows x tokens x d_model float32), so the
     overlap above is proven on those programs, not on a one-token step. Between them they
-    hold both forms of the attention over the cache: the chunk's 128 query rows a kv head
-    the XLA loop, verify's 5 the Triton kernel (`ladder_jax.model.ragged`)."""
+    hold both forms of the attention over the server's paged cache: the chunk's 128 query
+    rows a kv head the XLA loop, verify's 5 the Triton kernel
+    (`ladder_jax.model.paged_kernel`)."""
     for residual in ("ladder", "standard"):
         rep = _report(residual, phase)
         assert {r["bytes"] for r in _layer_ars(rep, "forward")} == {tokens * 64 * 4}
@@ -149,7 +150,7 @@ def test_serving_programs_reduce_every_row_and_token(phase, tokens, kernel):
         new_tokens=512,
         **shape,
     )
-    assert (ragged.KERNEL_NAME in lowered.as_text()) == kernel
+    assert (paged_kernel.KERNEL_NAME in lowered.as_text()) == kernel
 
 
 def test_ladder_overlaps_strictly_more_than_standard_in_training():

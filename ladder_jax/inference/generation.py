@@ -369,7 +369,7 @@ class Decoder:
         paged = isinstance(cache, PagedKV)
         if paged not in self._plain_sets:
             self._plain_sets[paged] = _programs(
-                self._graphdef, self._treedef, self.model.mesh, True
+                self._graphdef, self._treedef, self.model.mesh, paged
             )
         return self._plain_sets[paged]
 
