@@ -3,6 +3,7 @@ launch to the first answer, with an empty compilation cache and then with the on
 
     python benchmarks/serve_startup.py --checkpoint runs/smollm2 --server-args "--max-len 2048"
     python benchmarks/serve_startup.py --checkpoint runs/smollm2 --repeat 3 --out startup.json
+    python benchmarks/serve_startup.py --checkpoint runs/smollm2 --compile-only  # prototype
 
 Each start runs this script again as a child (`--child`), which wraps the serve command's
 phases (imports, devices, checkpoint restore, tokenizer, KV cache, engine, each warm-up
