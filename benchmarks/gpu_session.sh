@@ -6,7 +6,9 @@
 #      at tp 1 decoded and set beside `predict`'s figure for it (tokens/s, ms per token);
 #   3. python -m ladder_jax.decode --benchmark, llama-3-8b, every scheme, bf16 and int8;
 #   4. decode_matmul.py: XLA's matmul against the Triton small-M kernel, per layer and end to end;
-#   5. python -m ladder_jax.train configs/tiny.yaml on the GPU and on the CPU (final losses).
+#   5. paged_attention.py: the server's paged decode kernel against the row kernel (the same
+#      rows gathered) and the XLA page loop, checked and timed;
+#   6. python -m ladder_jax.train configs/tiny.yaml on the GPU and on the CPU (final losses).
 #
 #   bash benchmarks/gpu_session.sh [DEADLINE_S]      # default 440 s; logs under $OUT or /tmp
 #   DRY=1 bash benchmarks/gpu_session.sh 900         # CPU: checks the script (small sizes)
@@ -83,6 +85,7 @@ step decode_pallas 60 $PY -m ladder_jax.decode --benchmark "${DEC[@]}" --residua
 cd benchmarks
 step decode_matmul 100 $PY decode_matmul.py $DRY_ARG --tp 1 8 --repeats 10 \
   --out "$W/decode_matmul.json"
+step paged_attention 60 $PY paged_attention.py $DRY_ARG --out "$W/paged_attention.json"
 cd ..
 TRAIN=(configs/tiny.yaml steps=60 log_every=20 eval_every=0 ckpt_every=0 progress=lines)
 step train_gpu 60 $PY -m ladder_jax.train "${TRAIN[@]}" run_dir="$W/runs" name=gpu

@@ -5,6 +5,7 @@ at tp 1 and 2, seeded sampling too."""
 
 import threading
 
+import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -15,6 +16,7 @@ from ladder_jax.inference.batching import Engine, Request
 from ladder_jax.inference.cache import KVCache
 from ladder_jax.inference.generation import rows_to_device, to_device
 from ladder_jax.inference.pages import PagePool
+from ladder_jax.inference.plan import VERIFY, Plan
 from ladder_jax.inference.sampling import GenerationError, RowSampling, Sampling
 from tests.helpers import cli_error, tiny_model
 
@@ -252,3 +254,39 @@ def test_preempted_requests_resume_with_the_same_tokens(sampling):
     assert engine.preemptions > 0
     assert engine.pool.available() == engine.pool.capacity
     engine.pool.check()
+
+
+def test_serving_after_the_warm_up_compiles_nothing():
+    """The warm-up runs no program, only compiles them; a request whose prompt fits the warmed
+    chunk bucket (12 tokens: chunks of 8 and 4, both padded to 8), decoded with drafts, then
+    compiles nothing:
+    jax reuses the warm-up's programs (counted from jax's compile events), and its tokens are
+    `generate`'s."""
+    model = tiny_model(1, residual="ladder")
+    prompt = LOOP[:12]
+    want = generation.generate(model, [prompt], max_new_tokens=6)[0]
+    engine = Engine(
+        model, slots=2, max_len=64, prefills_per_step=1, chunk=8, prefix_block=4, speculate=2
+    )
+    assert engine.warmup_programs() == [(1, 8), (2, 8), (2, 0)]  # chunks of 8, the decode round
+    engine.warmup()
+    compiled = []
+
+    def listener(name, secs, **_):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiled.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        got, reasons, _ = _run(engine, [[(prompt, 6)]])
+        B = engine.slots  # a verify step as the engine runs one (whether or not drafts came)
+        drafts = Plan(
+            True, VERIFY, *(np.zeros(B, np.int32),) * 2, RowSampling.empty(B),
+            np.zeros(B, np.int32), np.zeros(B, bool), np.ones((B, 2), np.int32),
+            np.full(B, 2, np.int32), engine.table.copy(),
+        )  # fmt: skip
+        engine._verify(Plan.from_array(drafts.to_array(engine.shape), engine.shape))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert got == [want] and reasons == ["length"]
+    assert compiled == []

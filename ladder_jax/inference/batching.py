@@ -742,16 +742,16 @@ class Engine:
         return ones + whole + [(self.slots, 0)]
 
     def warmup(self, progress=None) -> None:
-        """Compiles `warmup_programs` on every process before serving: chunks run on padding
-        rows only (nothing is written), the decode round on free slots (idle, from slot 0:
-        nothing is held yet). `progress(k, n)` is called after the k-th of the n programs has
-        compiled."""
+        """Compiles `warmup_programs` on every process before serving, running none of them:
+        each is lowered with arguments of the kinds serving passes (chunks naming only padding
+        rows, the decode round's rows idle) and compiled; jax then reuses it when serving
+        calls it. `progress(k, n)` is called after the k-th of the n programs has compiled."""
         rep, mesh, B = P(), self.mesh, self.slots
         programs = self.warmup_programs()
         for k, (N, T) in enumerate(programs, 1):
             if T:
                 zeros = to_device(np.zeros(N, np.int32), mesh, rep)
-                first, self.cache = self.decoder.extend_slots(
+                self.decoder.lower_extend(
                     self.cache,
                     to_device(np.full(N, B, np.int32), mesh, rep),
                     to_device(np.zeros((N, T), np.int32), mesh, rep),
@@ -759,24 +759,35 @@ class Engine:
                     to_device(np.ones(N, np.int32), mesh, rep),
                     rows_to_device(RowSampling.empty(N), mesh, rep),
                     zeros,
-                )
-                to_host(first)
+                ).compile()
             else:
-                idle = Plan(
-                    True,
-                    DECODE,
-                    *(np.zeros(B, np.int32),) * 2,
-                    RowSampling.empty(B),
-                    np.zeros(B, np.int32),
-                    np.zeros(B, bool),
-                    np.zeros((B, self.speculate), np.int32),
-                    np.zeros(B, np.int32),
-                    self.table,
-                )
-                idle.positions_b[:] = -1  # idle, from slot 0: the trash page, nothing held yet
-                self._decode(idle)
-                if self.speculate:
-                    self._verify(idle)
-                self.steps = 0
+                self._compile_decode()
             if progress is not None:
                 progress(k, len(programs))
+
+    def _compile_decode(self) -> None:
+        """The decode round's program (and the verify step's when speculating), lowered with
+        the arguments `_decode` / `_verify` pass for a plan that went through its array form,
+        and compiled."""
+        B = self.slots
+        idle = Plan(
+            True,
+            DECODE,
+            *(np.zeros(B, np.int32),) * 2,
+            RowSampling.empty(B),
+            np.zeros(B, np.int32),
+            np.zeros(B, bool),
+            np.zeros((B, self.speculate), np.int32),
+            np.zeros(B, np.int32),
+            self.table,
+        )
+        plan = Plan.from_array(idle.to_array(self.shape), self.shape)
+        args = (to_device(plan.tokens_b, self.mesh, P()), *self._decode_args(plan))
+        if self.steps_per_plan == 1:
+            self.decoder.lower_decode(self.cache, *args).compile()
+        else:
+            self.decoder.lower_decode_steps(self.cache, *args, self.steps_per_plan).compile()
+        if self.speculate:
+            tokens_bk = np.concatenate([plan.tokens_b[:, None], plan.drafts_bk], 1)
+            tokens = to_device(tokens_bk, self.mesh, P())
+            self.decoder.lower_verify(self.cache, tokens, *self._decode_args(plan)).compile()

@@ -319,6 +319,12 @@ class Decoder:
             self.weights, cache, tokens_b, positions_b, rows, token_b
         )
 
+    def lower_decode_steps(self, cache, tokens_b, positions_b, rows, token_b, steps: int):
+        """The decode_steps program lowered for these arguments, as `lower_prefill`."""
+        return self._plain(cache)[3].lower(
+            self.weights, cache, tokens_b, positions_b, rows, token_b, steps
+        )
+
     def decode_steps(self, cache, tokens_b, positions_b, rows, token_b, steps: int):
         """`steps` decode steps in one program, each feeding the tokens the previous drew
         (positions and token indices + 1 per step) -> (tokens (steps, B), cache)."""
