@@ -613,9 +613,9 @@ def test_chat_template_sees_the_tokenizers_bos_and_eos(tmp_path):
 
 def test_warmup_says_what_it_compiles_and_sigterm_ends_an_idle_server_at_once(tmp_path):
     """Before the first compile, the KV cache's size and one line of what warm-up will compile
-    (and --no-warmup); then k/N per program with the time left; N by hand: --max-len 16, one
-    prompt per step and one step per plan is one prompt bucket (16) x one group (1) prefill,
-    plus the decode round. An idle server
+    (and --warmup's other choices); then k/N per program with the time left; N by hand:
+    --max-len 16, one prompt per step and one step per plan is one prompt bucket (16) x one
+    group (1) prefill, plus the decode round. An idle server
     exits 0 within seconds of SIGTERM (the interpreter's teardown is skipped)."""
     port = free_port()
     proc = subprocess.Popen(
@@ -655,7 +655,7 @@ def test_warmup_says_what_it_compiles_and_sigterm_ends_an_idle_server_at_once(tm
             "KV cache: 2 pages of 16 positions, 48.0 KiB of host memory, for 2 slots of up to "
             "16 positions (2 at full length at once): every slot fits at full length"
         ), err
-        assert err[1].startswith("warm-up: compiling 2 programs before serving (--no-warmup"), err
+        assert err[1].startswith("warm-up: compiling 2 programs before serving (--warmup"), err
         assert err[2].startswith("warm-up 1/2: prefill 1 x 16 tokens ("), err
         assert " s to go)" in err[2], err  # the rest's estimate
         assert err[3].startswith("warm-up 2/2: decode round ("), err
@@ -773,3 +773,42 @@ def test_plan_round_trips_through_its_array_bit_for_bit():
     stop.chunks = [Chunk(0, 0, np.arange(17, dtype=np.int32), one, True)]
     with pytest.raises(ValueError, match="at most 16 tokens"):
         stop.to_array(shape)
+
+
+def test_a_background_warm_up_serves_at_once_and_finishes(tmp_path, model):
+    """`--warmup background`: the server answers while its programs compile on a thread (the
+    greedy text of an offline run), the warm-up still finishes and says so, and SIGTERM then
+    ends the server with 0."""
+    port = free_port()
+    log = tmp_path / "background.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "ladder_jax.serve", "--preset", "tiny", "--residual",
+                "ladder", "--tp", "2", "--max-len", str(MAX_LEN), "--slots", "2", "--port",
+                str(port), "--warmup", "background",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
+        )  # fmt: skip
+    proc.log = log
+    try:
+        wait_healthy(proc, port)
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "tiny", "prompt": "LOVE, n.", "max_tokens": 8, "temperature": 0},
+            timeout=240,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == _offline(model, ["LOVE, n."], [8])[0]
+        deadline = time.monotonic() + 240
+        while "warm-up: done" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.5)
+        text = log.read_text()
+        assert "warm-up: compiling 6 programs while serving" in text, text
+        assert "warm-up: done, every warm-up program is compiled" in text, text
+    finally:
+        assert stop_server(proc) == 0, log.read_text()

@@ -54,6 +54,7 @@ MAX_HEADER_BYTES = 16 * 1024  # a request's line and headers (h11's incomplete-e
 FD_RESERVE = 128  # file descriptors kept for the process when bounding the connections
 STOP_KEY = "ladder_jax/serve/stop/"  # coordination-service keys: processes told to stop
 STOP_MARGIN_S = 30.0  # a follower told to stop waits --drain-seconds plus this for process 0
+WARMUPS = ("before", "background", "off")
 DEFAULT_SLOTS = 16  # --slots: requests decoded together (they share the pages that fit)
 
 
@@ -227,7 +228,15 @@ def _add_serving_flags(p) -> None:
     p.add_argument(
         "--no-warmup",
         action="store_true",
-        help="compile programs on first use instead of before serving",
+        help="compile programs on first use instead of before serving (--warmup off)",
+    )
+    p.add_argument(
+        "--warmup",
+        choices=WARMUPS,
+        default="before",
+        help="before (default): compile the serving programs, then listen; background: "
+        "listen at once and compile them on a thread meanwhile (answers within seconds; a "
+        "request may wait for its program); off: each on first use",
     )
 
 
@@ -442,11 +451,21 @@ def _run(args) -> int:
     if jax.process_index() == 0:  # once the input is checked: a bad flag is one line
         for note in ([f"note: {why}"] if why else idle) + [plan.line()]:
             print(note, file=sys.stderr, flush=True)
-    if not args.no_warmup:
+    warm = "off" if args.no_warmup else args.warmup
+    if warm == "before":
         _warmup(engine)
-    if jax.process_index() != 0:
-        return _follow(engine, args.drain_seconds + STOP_MARGIN_S)
-    return _serve(args, engine, tokenizer, name, api_key, template)
+    elif warm == "background":
+        engine.warming = threading.Thread(
+            target=_warmup, args=(engine, True), name="ladder-warmup", daemon=True
+        )
+        engine.warming.start()
+    try:
+        if jax.process_index() != 0:
+            return _follow(engine, args.drain_seconds + STOP_MARGIN_S)
+        return _serve(args, engine, tokenizer, name, api_key, template)
+    finally:
+        if warm == "background":  # not torn down mid-compile
+            engine.warming.join()
 
 
 def _load(args, mesh):
@@ -543,19 +562,37 @@ def _follow(engine, bound_s: float) -> int:
     return 0
 
 
-def _warmup(engine) -> None:
+def _warmup(engine, background: bool = False) -> None:
     """`engine.warmup()` with its progress on stderr (process 0): what it will compile before
     the first program starts, then each program's k/N as it is done, whether it came from the
-    compilation cache, and the time the rest should take (those left x the mean so far)."""
+    compilation cache, and the time the rest should take (those left x the mean so far).
+    `background`: on a thread while the server runs; a failure is one line, not a crash."""
     programs = engine.warmup_programs()
     shapes = ", ".join(f"{N} x {T}" for N, T in programs if T)
+    when = (
+        "while serving (--warmup before: first)"
+        if background
+        else "before serving (--warmup background: while serving; off: each on first use)"
+    )
     _note(
-        f"warm-up: compiling {len(programs)} programs before serving (--no-warmup: compile "
-        f"each on first use instead): prefill of prompts x tokens {shapes}, then the decode "
-        f"round ({engine.slots} slots, {engine.steps_per_plan} step(s)); other prompt shapes "
-        f"compile on first use",
+        f"warm-up: compiling {len(programs)} programs {when}: prefill of prompts x tokens "
+        f"{shapes}, then the decode round ({engine.slots} slots, {engine.steps_per_plan} "
+        f"step(s)); other prompt shapes compile on first use",
         file=sys.stderr,
     )
+    try:
+        _warm_programs(engine, programs)
+    except Exception as e:  # noqa: BLE001  (background: the server goes on, compiling on use)
+        if not background:
+            raise
+        _note(
+            f"warm-up: stopped ({type(e).__name__}: {e}); the rest compile on first use",
+            file=sys.stderr,
+        )
+
+
+def _warm_programs(engine, programs) -> None:
+    """`engine.warmup()`, a line after each program."""
     start, hits = time.perf_counter(), [0]
 
     with compile_cache.Counts() as counts:
@@ -570,6 +607,8 @@ def _warmup(engine) -> None:
             _note(f"warm-up {k}/{n}: {what}{cached} ({took:.1f} s{left})", file=sys.stderr)
 
         engine.warmup(progress)
+    if getattr(engine, "warming", None) is not None:
+        _note("warm-up: done, every warm-up program is compiled", file=sys.stderr)
 
 
 def _cache_bytes(engine) -> int:

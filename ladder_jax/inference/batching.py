@@ -745,14 +745,19 @@ class Engine:
         """Compiles `warmup_programs` on every process before serving, running none of them:
         each is lowered with arguments of the kinds serving passes (chunks naming only padding
         rows, the decode round's rows idle) and compiled; jax then reuses it when serving
-        calls it. `progress(k, n)` is called after the k-th of the n programs has compiled."""
+        calls it. It reads only the cache's shapes, so it may run on another thread while the
+        engine serves. `progress(k, n)` is called after the k-th of the n programs has
+        compiled."""
         rep, mesh, B = P(), self.mesh, self.slots
         programs = self.warmup_programs()
+        cache = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.cache
+        )
         for k, (N, T) in enumerate(programs, 1):
             if T:
                 zeros = to_device(np.zeros(N, np.int32), mesh, rep)
                 self.decoder.lower_extend(
-                    self.cache,
+                    cache,
                     to_device(np.full(N, B, np.int32), mesh, rep),
                     to_device(np.zeros((N, T), np.int32), mesh, rep),
                     zeros,
@@ -761,11 +766,11 @@ class Engine:
                     zeros,
                 ).compile()
             else:
-                self._compile_decode()
+                self._compile_decode(cache)
             if progress is not None:
                 progress(k, len(programs))
 
-    def _compile_decode(self) -> None:
+    def _compile_decode(self, cache) -> None:
         """The decode round's program (and the verify step's when speculating), lowered with
         the arguments `_decode` / `_verify` pass for a plan that went through its array form,
         and compiled."""
@@ -779,15 +784,15 @@ class Engine:
             np.zeros(B, bool),
             np.zeros((B, self.speculate), np.int32),
             np.zeros(B, np.int32),
-            self.table,
+            self.table.copy(),
         )
         plan = Plan.from_array(idle.to_array(self.shape), self.shape)
         args = (to_device(plan.tokens_b, self.mesh, P()), *self._decode_args(plan))
         if self.steps_per_plan == 1:
-            self.decoder.lower_decode(self.cache, *args).compile()
+            self.decoder.lower_decode(cache, *args).compile()
         else:
-            self.decoder.lower_decode_steps(self.cache, *args, self.steps_per_plan).compile()
+            self.decoder.lower_decode_steps(cache, *args, self.steps_per_plan).compile()
         if self.speculate:
             tokens_bk = np.concatenate([plan.tokens_b[:, None], plan.drafts_bk], 1)
             tokens = to_device(tokens_bk, self.mesh, P())
-            self.decoder.lower_verify(self.cache, tokens, *self._decode_args(plan)).compile()
+            self.decoder.lower_verify(cache, tokens, *self._decode_args(plan)).compile()
