@@ -119,9 +119,21 @@ def _script(model, decoder, cache, sampling):
     return out, cache, written
 
 
-@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0, seed=3)])
-def test_pages_scattered_at_random_equal_rows(case, sampling):
-    model, decoder = case
+SEEDED = [("ladder", 2), ("desync", 2), ("standard", 1)]  # where a seeded run is added
+
+
+def test_pages_scattered_at_random_equal_rows(case):
+    """The script's greedy tokens and every row's written KV are the row cache's."""
+    _pages_equal_rows(*case, Sampling())
+
+
+@pytest.mark.parametrize("case", SEEDED, indirect=True, ids=[f"{n}-tp{t}" for n, t in SEEDED])
+def test_seeded_pages_equal_rows(case):
+    """The same with sampling (each token drawn with its own key)."""
+    _pages_equal_rows(*case, Sampling(temperature=1.0, seed=3))
+
+
+def _pages_equal_rows(model, decoder, sampling):
     want, rows, written = _script(
         model, decoder, KVCache.init(model.config, model.mesh, B, S), sampling
     )
