@@ -1,5 +1,5 @@
-"""The start the GPU benchmarks share (decode_matmul.py, calibrate_gpu.py): a dry run on the
-CPU, else a GPU or one line and exit code 2.
+"""What the GPU benchmarks share (decode_matmul.py, calibrate_gpu.py, paged_attention.py): the
+start (a dry run on the CPU, else a GPU or one line and exit code 2) and the timer.
 
     import _gpu  # a script run from benchmarks/ has this folder on sys.path
     if not _gpu.ready(args.dry_run):
@@ -12,6 +12,7 @@ is a GPU.
 from __future__ import annotations
 
 import sys
+import time
 
 NO_GPU = "error: no GPU here: run on a GPU, or pass --dry-run to check the script on CPU"
 
@@ -34,3 +35,16 @@ def ready(dry_run: bool) -> bool:
         return True
     print(NO_GPU, file=sys.stderr)
     return False
+
+
+def best(fn, repeats: int) -> float:
+    """Fastest of `repeats` timed calls of `fn` (after one warm-up call that compiles)."""
+    import jax
+
+    jax.block_until_ready(fn())
+    fastest = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        fastest = min(fastest, time.perf_counter() - t0)
+    return fastest

@@ -29,19 +29,6 @@ import time
 import _gpu
 
 
-def _best(fn, repeats: int) -> float:
-    """Fastest of `repeats` timed calls of `fn` (after one warm-up call that compiles)."""
-    import jax
-
-    jax.block_until_ready(fn())
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def measure(*, gemm_n: int, hbm_bytes: int, chain: int, repeats: int) -> dict:
     import jax
     import jax.numpy as jnp
@@ -50,11 +37,11 @@ def measure(*, gemm_n: int, hbm_bytes: int, chain: int, repeats: int) -> dict:
     a = jax.random.normal(key, (gemm_n, gemm_n), jnp.bfloat16)
     b = jax.random.normal(jax.random.fold_in(key, 1), (gemm_n, gemm_n), jnp.bfloat16)
     matmul = jax.jit(lambda a, b: a @ b)
-    gemm_s = _best(lambda: matmul(a, b), repeats)
+    gemm_s = _gpu.best(lambda: matmul(a, b), repeats)
 
     x = jnp.zeros((hbm_bytes // 2,), jnp.bfloat16)
     stream = jax.jit(lambda x: x + 1)
-    hbm_s = _best(lambda: stream(x), repeats)
+    hbm_s = _gpu.best(lambda: stream(x), repeats)
 
     w = jnp.eye(8, dtype=jnp.float32) * 0.5
     v = jnp.ones((8, 8), jnp.float32)
@@ -65,7 +52,7 @@ def measure(*, gemm_n: int, hbm_bytes: int, chain: int, repeats: int) -> dict:
         return v
 
     chain_fn = jax.jit(chained)
-    chain_s = _best(lambda: chain_fn(v, w), repeats)
+    chain_s = _gpu.best(lambda: chain_fn(v, w), repeats)
     return {
         "gemm_flops_per_s": 2.0 * gemm_n**3 / gemm_s,
         "gemm_n": gemm_n,

@@ -26,18 +26,6 @@ import time
 import _gpu
 
 
-def _best(fn, repeats: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn())
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def linear_shapes(config, tp: int) -> dict:
     """(K, N) of each decode matmul's weight block on one of `tp` GPUs (fused as decoding
     fuses them)."""
@@ -90,7 +78,7 @@ def time_linears(config, *, tps, batches, quantize, repeats: int, interpret: boo
                     outs = {}
                     for label, fn in fns.items():
                         outs[label] = fn(x, w, scale)
-                        s = _best(lambda fn=fn: fn(x, w, scale), repeats)
+                        s = _gpu.best(lambda fn=fn: fn(x, w, scale), repeats)
                         row[f"{label}_us"] = s * 1e6
                         row[f"{label}_gb_per_s"] = w_bytes / s / 1e9
                     if "pallas" in outs:

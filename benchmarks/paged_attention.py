@@ -30,18 +30,6 @@ import _gpu
 LIMIT = 1e-2
 
 
-def _best(fn, repeats: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn())
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def _inputs(B, T, K, G, H, M, page, length, seed=0):
     """Queries, pools of B * M + 1 pages (page 0 the trash page), tables of M pages permuted at
     random (entries past `length` positions: trash), positions length - T ... length - 1."""
@@ -115,7 +103,7 @@ def measure(*, batches, steps, lengths, shape, calls: int, repeats: int, interpr
                 for name, (attend, rest) in forms.items():
                     outs[name] = np.asarray(_calls(attend, 1)(q, *rest), np.float64)
                     program = _calls(attend, calls)
-                    s = _best(lambda p=program, r=rest: p(q, *r), repeats) / calls
+                    s = _gpu.best(lambda p=program, r=rest: p(q, *r), repeats) / calls
                     row[f"{name}_us"] = s * 1e6
                     row[f"{name}_gb_per_s"] = kv_bytes / s / 1e9
                 for name in ("rows", "xla"):
