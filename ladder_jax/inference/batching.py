@@ -40,13 +40,6 @@ PREFILL_TOKENS = 8192  # prompt tokens (padded) one prefill program holds at mos
 WARM_PROMPT_TOKENS = 512  # warm-up compiles one-prompt prefills up to this bucket
 
 
-def spare_positions(length: int, chunk: int, speculate: int, steps_per_plan: int) -> int:
-    """Positions a cache row holds past the `length` a request may use: none in a paged cache
-    (writes past a row's pages land in the trash page). Kept for callers sizing a cache."""
-    del length, chunk, speculate, steps_per_plan
-    return 0
-
-
 class EngineFull(GenerationError):
     """The waiting queue is full (or the engine is draining): try again later."""
 
@@ -546,18 +539,24 @@ class Engine:
             self._release()
         return True
 
-    def _decode_args(self, plan: Plan):
+    def _decode_args(self, plan: Plan, tokens) -> tuple:
+        """The decode part's device arguments: `tokens` (each row's newest, or with its
+        drafts), positions, settings, token indices."""
         mesh, rep = self.mesh, P()
         return (
+            to_device(tokens, mesh, rep),
             to_device(plan.positions_b, mesh, rep),
             rows_to_device(plan.rows, mesh, rep),
             to_device(plan.count_b, mesh, rep),
         )
 
+    def _verify_args(self, plan: Plan) -> tuple:
+        """The verify step's: each row's newest token and its drafts (`_decode_args`)."""
+        return self._decode_args(plan, np.concatenate([plan.tokens_b[:, None], plan.drafts_bk], 1))
+
     def _decode(self, plan: Plan) -> None:
         """The plain or scored decode steps of the round, then their tokens handed out."""
-        tokens_b = to_device(plan.tokens_b, self.mesh, P())
-        args = (tokens_b, *self._decode_args(plan))
+        args = self._decode_args(plan, plan.tokens_b)
         if plan.decode == SCORED:
             scored, self.cache = self.decoder.decode_steps_scored(
                 self.cache, *args, self.steps_per_plan
@@ -581,10 +580,7 @@ class Engine:
         """One speculative step: each row's newest token and its drafts; a row takes the drawn
         tokens up to and including the first whose draft was wrong (all of them drawn with the
         keys plain decoding uses, so the tokens are plain decoding's)."""
-        tokens_bk = np.concatenate([plan.tokens_b[:, None], plan.drafts_bk], 1)
-        drawn_bk, self.cache = self.decoder.verify(
-            self.cache, to_device(tokens_bk, self.mesh, P()), *self._decode_args(plan)
-        )
+        drawn_bk, self.cache = self.decoder.verify(self.cache, *self._verify_args(plan))
         drawn_bk = to_host(drawn_bk)
         self.steps += 1
         if not self.lead:
@@ -772,8 +768,8 @@ class Engine:
 
     def _compile_decode(self, cache) -> None:
         """The decode round's program (and the verify step's when speculating), lowered with
-        the arguments `_decode` / `_verify` pass for a plan that went through its array form,
-        and compiled."""
+        the arguments `_decode` / `_verify` pass (`_decode_args`, `_verify_args`) for a plan
+        that went through its array form, and compiled."""
         B = self.slots
         idle = Plan(
             True,
@@ -787,12 +783,10 @@ class Engine:
             self.table.copy(),
         )
         plan = Plan.from_array(idle.to_array(self.shape), self.shape)
-        args = (to_device(plan.tokens_b, self.mesh, P()), *self._decode_args(plan))
+        args = self._decode_args(plan, plan.tokens_b)
         if self.steps_per_plan == 1:
             self.decoder.lower_decode(cache, *args).compile()
         else:
             self.decoder.lower_decode_steps(cache, *args, self.steps_per_plan).compile()
         if self.speculate:
-            tokens_bk = np.concatenate([plan.tokens_b[:, None], plan.drafts_bk], 1)
-            tokens = to_device(tokens_bk, self.mesh, P())
-            self.decoder.lower_verify(cache, tokens, *self._decode_args(plan)).compile()
+            self.decoder.lower_verify(cache, *self._verify_args(plan)).compile()
